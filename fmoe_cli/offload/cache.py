@@ -1,0 +1,121 @@
+"""Which experts of one layer have their top segment cached on the device.
+
+`LayerCache` is the bookkeeping only (expert -> slot, pins, the policy); the engine
+owns the slot tensors. It is pure Python so that `fmoe replay`, the statistics and
+the property tests exercise exactly the engine's logic.
+
+Invariants (checked by the property tests):
+- at most `capacity` experts are cached, each in its own slot;
+- a pinned expert (in use or in flight) is never evicted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fmoe_cli.offload.policies import EvictionPolicy
+
+
+@dataclass(frozen=True)
+class Admission:
+    slot: int
+    evicted: int | None  # the expert that lost the slot, if any
+
+
+class LayerCache:
+    def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
+        if capacity < 0:
+            raise ValueError("cache capacity must be >= 0")
+        self.capacity = min(capacity, policy.num_experts)
+        self.policy = policy
+        self.step = 0  # tokens seen by this layer
+        self._slot_of: dict[int, int] = {}
+        self._free = list(range(self.capacity - 1, -1, -1))  # pop() gives slot 0 first
+        self._pins: Counter[int] = Counter()
+
+    # --- queries -----------------------------------------------------------
+    def __contains__(self, expert: int) -> bool:
+        return expert in self._slot_of
+
+    def slot(self, expert: int) -> int | None:
+        return self._slot_of.get(expert)
+
+    def cached(self) -> dict[int, int]:
+        return dict(self._slot_of)
+
+    def is_pinned(self, expert: int) -> bool:
+        return self._pins[expert] > 0
+
+    # --- updates -----------------------------------------------------------
+    def pin(self, expert: int) -> None:
+        self._pins[expert] += 1
+
+    def unpin(self, expert: int) -> None:
+        if self._pins[expert] <= 0:
+            raise RuntimeError(f"expert {expert} unpinned more often than pinned")
+        self._pins[expert] -= 1
+        if self._pins[expert] == 0:
+            del self._pins[expert]
+
+    def record(self, experts: Iterable[int]) -> None:
+        """Record activations at the current step (an expert used by several tokens: once per token)."""
+        for e in experts:
+            self.policy.touch(e, self.step)
+
+    def advance(self, tokens: int = 1) -> None:
+        """Move the layer's clock past the tokens of the current forward."""
+        self.step += tokens
+
+    def admit(self, expert: int) -> Admission | None:
+        """Offer a loaded expert to the cache. Returns where it goes, or None if it stays out."""
+        if expert in self._slot_of or self.capacity == 0:
+            return None
+        if self._free:
+            slot = self._free.pop()
+            self._slot_of[expert] = slot
+            return Admission(slot, None)
+        candidates = [e for e in self._slot_of if not self.is_pinned(e)]
+        if not candidates:
+            return None
+        now = self.step
+        victim = self.policy.choose_victim(candidates, now)
+        if not self.policy.admits(expert, victim, now):
+            return None
+        slot = self._slot_of.pop(victim)
+        self._slot_of[expert] = slot
+        return Admission(slot, victim)
+
+    def insert(self, expert: int) -> int:
+        """Place an expert in a free slot (used to warm or rebuild the cache)."""
+        if expert in self._slot_of:
+            return self._slot_of[expert]
+        if not self._free:
+            raise RuntimeError("no free slot")
+        slot = self._free.pop()
+        self._slot_of[expert] = slot
+        return slot
+
+    def clear(self) -> None:
+        if self._pins:
+            raise RuntimeError("cannot clear a cache with pinned experts")
+        self._slot_of.clear()
+        self._free = list(range(self.capacity - 1, -1, -1))
+
+
+def replay_token(cache: LayerCache, experts: list[int]) -> int:
+    """One token of one layer, as the engine does it: hits are counted before the
+    policy sees the token, then misses are offered to the cache in the order given.
+    Returns the number of hits."""
+    hits = sum(1 for e in experts if e in cache)
+    for e in experts:
+        cache.pin(e)
+    cache.record(experts)
+    for e in experts:
+        if e not in cache:
+            cache.admit(e)
+    for e in experts:
+        cache.unpin(e)
+    cache.advance()
+    return hits

@@ -1,0 +1,118 @@
+"""Eviction policies for the per-layer expert cache.
+
+Pure Python, no tensors: the engine, `fmoe replay` and the routing statistics all
+use these same classes. `step` is the layer's token counter (one step per token
+that passed through the layer).
+
+A policy answers two questions when an expert that is not cached has been loaded:
+which cached expert would go (`choose_victim`) and whether the newcomer is worth
+it (`admits`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+
+class EvictionPolicy:
+    """Priority-based policy: the lowest-priority unpinned expert is the victim."""
+
+    name = "base"
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.count = [0] * num_experts  # μ: activations so far
+        self.last = [-1] * num_experts  # step of the last activation (-1: never)
+
+    def touch(self, expert: int, step: int) -> None:
+        """Record one activation of `expert` at `step`."""
+        self.count[expert] += 1
+        self.last[expert] = step
+
+    def priority(self, expert: int, step: int) -> float:
+        raise NotImplementedError
+
+    def choose_victim(self, candidates: Sequence[int], step: int) -> int:
+        # Ties go to the lowest expert id so that runs are deterministic.
+        return min(candidates, key=lambda e: (self.priority(e, step), e))
+
+    def admits(self, expert: int, victim: int, step: int) -> bool:
+        """Classic caches always admit the newcomer."""
+        return True
+
+    def ranking(self, step: int) -> list[int]:
+        """All experts, highest priority first (what a cache of size C would hold: the first C)."""
+        return sorted(range(self.num_experts), key=lambda e: (-self.priority(e, step), e))
+
+
+class LCP(EvictionPolicy):
+    """Least Critical Priority (MoEpic Eq. 4): P = μ · ρ^(ν/ω).
+
+    μ is the expert's activation count and ν the number of tokens since its last
+    activation. A loaded expert replaces the lowest-priority cached one only when
+    its own priority is higher.
+    """
+
+    name = "lcp"
+
+    def __init__(self, num_experts: int, omega: float = 128.0, rho: float = 0.25) -> None:
+        super().__init__(num_experts)
+        if omega <= 0 or not 0 < rho <= 1:
+            raise ValueError(f"LCP needs ω > 0 and 0 < ρ ≤ 1, got ω={omega}, ρ={rho}")
+        self.omega = omega
+        self.rho = rho
+
+    def priority(self, expert: int, step: int) -> float:
+        mu = self.count[expert]
+        if mu == 0:
+            return 0.0
+        nu = step - self.last[expert]
+        return mu * self.rho ** (nu / self.omega)
+
+    def admits(self, expert: int, victim: int, step: int) -> bool:
+        return self.priority(expert, step) > self.priority(victim, step)
+
+
+class LRU(EvictionPolicy):
+    name = "lru"
+
+    def priority(self, expert: int, step: int) -> float:
+        return float(self.last[expert])
+
+
+class LFU(EvictionPolicy):
+    """Least frequently used (activation counts, as MoE-Infinity's cache); ties by recency."""
+
+    name = "lfu"
+
+    def priority(self, expert: int, step: int) -> float:
+        # Counts are integers; recency (< 1) only breaks ties between equal counts.
+        return self.count[expert] + (self.last[expert] + 1) / (step + 2)
+
+
+class RandomPolicy(EvictionPolicy):
+    name = "random"
+
+    def __init__(self, num_experts: int, seed: int = 0) -> None:
+        super().__init__(num_experts)
+        self._rng = random.Random(seed)
+
+    def priority(self, expert: int, step: int) -> float:
+        return 0.0
+
+    def choose_victim(self, candidates: Sequence[int], step: int) -> int:
+        return self._rng.choice(sorted(candidates))
+
+
+POLICIES = {"lcp": LCP, "lru": LRU, "lfu": LFU, "random": RandomPolicy}
+
+
+def make_policy(name: str, num_experts: int, *, omega: float = 128.0, rho: float = 0.25, seed: int = 0) -> EvictionPolicy:
+    if name == "lcp":
+        return LCP(num_experts, omega=omega, rho=rho)
+    if name == "random":
+        return RandomPolicy(num_experts, seed=seed)
+    if name in POLICIES:
+        return POLICIES[name](num_experts)
+    raise ValueError(f"unknown eviction policy {name!r}; choose from {', '.join(POLICIES)}")
