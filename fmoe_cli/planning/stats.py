@@ -1,0 +1,303 @@
+"""Routing statistics for the configurator (MoEpic §3.4, DESIGN §7).
+
+Per MoE layer i, after q tokens:
+
+- H_i(C): the fraction of activated experts that a cache of size C would hold.
+  A priority cache of size C holds the C highest-priority experts, so we keep a
+  histogram of the priority rank (0 = highest) of every activated expert, taken
+  *before* the policy sees the token:  H_i(C) = cumsum(hist)[C] / (q·K).
+- P_i(y): how often the expert with the y-th highest predicted score was
+  activated, divided by q.
+- PH_i(y, C): how often the y-th predicted expert was in a cache of size C,
+  divided by q (a 2-D histogram over (y, rank)).
+
+y is 1-based in the paper and in the `p`/`ph` methods; the arrays are 0-based
+(row y-1). Memory: N + N + N² counters per layer, O(L·N²) in all.
+
+For P and PH, q counts the tokens for which a prediction was made (equal to q
+when every token had one: layer 1 of the very first token has none).
+
+The engine feeds one `observe` per token and layer (a prefill: one call per
+prompt token, each with the ranking from before the forward).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import platformdirs
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.offload.policies import LCP, EvictionPolicy
+
+STATS_SCHEMA_VERSION = 1
+_COUNT_DTYPE = np.int64
+
+
+def _encode(array: np.ndarray) -> str:
+    """Counts as zlib-compressed little-endian int64, base64 (the N×N histogram can be large)."""
+    raw = np.ascontiguousarray(array, dtype="<i8").tobytes()
+    return base64.b64encode(zlib.compress(raw, 6)).decode("ascii")
+
+
+def _decode(text: str, shape: tuple[int, ...]) -> np.ndarray:
+    raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+    array = np.frombuffer(raw, dtype="<i8").astype(_COUNT_DTYPE)
+    return array.reshape(shape)
+
+
+@dataclass(frozen=True)
+class LayerCurves:
+    """The three functions of DESIGN §7 for one layer, tabulated (what the configurator reads)."""
+
+    hit: np.ndarray  # [N+1]: H_i(C) for C = 0..N
+    predicted_hit: np.ndarray  # [N]: P_i(y) at row y-1
+    predicted_cached: np.ndarray  # [N, N+1]: PH_i(y, C) at [y-1, C]
+
+    @property
+    def num_experts(self) -> int:
+        return self.hit.shape[0] - 1
+
+
+def uniform_curves(num_experts: int, top_k: int) -> LayerCurves:
+    """Uniform routing, no information in the prediction: H(C) = C/N, P(y) = K/N, PH(y, C) = C/N."""
+    n = num_experts
+    c = np.arange(n + 1, dtype=np.float64) / n
+    return LayerCurves(c.copy(), np.full(n, top_k / n), np.tile(c, (n, 1)))
+
+
+@dataclass(eq=False)
+class LayerStats:
+    num_experts: int  # N
+    top_k: int  # K
+    rank_hist: np.ndarray = field(default=None)  # [N] activated experts by priority rank
+    predicted_hist: np.ndarray = field(default=None)  # [N] activations of the y-th predicted expert
+    predicted_rank_hist: np.ndarray = field(default=None)  # [N, N] (y, priority rank of the y-th predicted)
+    tokens: int = 0  # q
+    predicted_tokens: int = 0  # tokens with a prediction
+
+    def __post_init__(self) -> None:
+        n = self.num_experts
+        if self.rank_hist is None:
+            self.rank_hist = np.zeros(n, dtype=_COUNT_DTYPE)
+        if self.predicted_hist is None:
+            self.predicted_hist = np.zeros(n, dtype=_COUNT_DTYPE)
+        if self.predicted_rank_hist is None:
+            self.predicted_rank_hist = np.zeros((n, n), dtype=_COUNT_DTYPE)
+        self._rank_of = np.empty(n, dtype=np.intp)  # scratch: expert -> priority rank
+        self._active = np.zeros(n, dtype=bool)  # scratch: expert -> activated this token
+        self._arange = np.arange(n, dtype=np.intp)
+
+    def observe(self, activated: Sequence[int], ranking: Sequence[int], predicted: Sequence[int] | None = None) -> None:
+        """One token through this layer.
+
+        activated: the distinct experts the router chose (A_i). ranking: every expert, highest cache
+        priority first, as the policy stood before this token. predicted: experts by
+        descending speculative score (any prefix of a full ranking), or None.
+        """
+        rank_of = self._rank_of
+        rank_of[np.asarray(ranking, dtype=np.intp)] = self._arange
+        active = np.asarray(activated, dtype=np.intp)
+        self.rank_hist[rank_of[active]] += 1  # distinct experts: distinct ranks
+        self.tokens += 1
+        if predicted is not None:
+            pred = np.asarray(predicted, dtype=np.intp)
+            y = self._arange[: len(pred)]
+            # P_i(y): was the y-th predicted expert activated?
+            is_active = self._active
+            is_active[active] = True
+            self.predicted_hist[y[is_active[pred]]] += 1
+            is_active[active] = False
+            # PH_i(y, ·): where the y-th predicted expert stood in the priority order
+            self.predicted_rank_hist[y, rank_of[pred]] += 1
+            self.predicted_tokens += 1
+
+    # --- the functions of DESIGN §7 -----------------------------------------
+    def hit_rate(self, cache_size: int) -> float:
+        """H_i(C) = cumsum(hist)[C] / (q·K)."""
+        return float(self.curves().hit[cache_size])
+
+    def p(self, y: int) -> float:
+        """P_i(y), y = 1..N."""
+        return float(self.curves().predicted_hit[y - 1])
+
+    def ph(self, y: int, cache_size: int) -> float:
+        """PH_i(y, C), y = 1..N, C = 0..N."""
+        return float(self.curves().predicted_cached[y - 1, cache_size])
+
+    def curves(self) -> LayerCurves:
+        """All three tabulated; uniform ones for what was never observed."""
+        n = self.num_experts
+        uniform = uniform_curves(n, self.top_k)
+        activations = int(self.rank_hist.sum())  # q·K (top-K routing activates K per token)
+        if activations:
+            hit = np.concatenate(([0.0], np.cumsum(self.rank_hist) / activations))
+        else:
+            hit = uniform.hit
+        if self.predicted_tokens:
+            q = self.predicted_tokens
+            predicted_hit = self.predicted_hist / q
+            cum = np.cumsum(self.predicted_rank_hist, axis=1) / q
+            predicted_cached = np.concatenate((np.zeros((n, 1)), cum), axis=1)
+        else:
+            predicted_hit, predicted_cached = uniform.predicted_hit, uniform.predicted_cached
+        return LayerCurves(hit, predicted_hit, predicted_cached)
+
+    # --- persistence ---------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "predicted_tokens": self.predicted_tokens,
+            "rank_hist": _encode(self.rank_hist),
+            "predicted_hist": _encode(self.predicted_hist),
+            "predicted_rank_hist": _encode(self.predicted_rank_hist),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, num_experts: int, top_k: int) -> LayerStats:
+        n = num_experts
+        return cls(
+            n,
+            top_k,
+            _decode(data["rank_hist"], (n,)),
+            _decode(data["predicted_hist"], (n,)),
+            _decode(data["predicted_rank_hist"], (n, n)),
+            int(data["tokens"]),
+            int(data["predicted_tokens"]),
+        )
+
+
+def lcp_ranking(policy: LCP, step: int) -> list[int]:
+    """`policy.ranking(step)` for LCP, vectorised: P = μ · ρ^(ν/ω), ties by expert id.
+
+    Same floats as the policy (IEEE pow) on every platform we test; the engine may use
+    either. Highest priority first.
+    """
+    mu = np.asarray(policy.count, dtype=np.float64)
+    nu = step - np.asarray(policy.last, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        priority = np.where(mu > 0, mu * np.power(policy.rho, nu / policy.omega), 0.0)
+    return np.lexsort((np.arange(len(mu)), -priority)).tolist()
+
+
+@dataclass
+class RoutingStats:
+    """Statistics of every MoE layer of one model."""
+
+    model: str  # model id or directory, as the user named it
+    num_experts: int  # N
+    top_k: int  # K
+    layers: list[LayerStats]
+    uniform: bool = False  # made up (uniform routing), not recorded
+
+    @classmethod
+    def empty(cls, model: str, num_layers: int, num_experts: int, top_k: int) -> RoutingStats:
+        return cls(model, num_experts, top_k, [LayerStats(num_experts, top_k) for _ in range(num_layers)])
+
+    @classmethod
+    def assume_uniform(cls, model: str, num_layers: int, num_experts: int, top_k: int) -> RoutingStats:
+        """Nothing recorded: every layer reads as uniform routing (see `uniform_curves`)."""
+        stats = cls.empty(model, num_layers, num_experts, top_k)
+        stats.uniform = True
+        return stats
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def tokens(self) -> int:
+        return max((layer.tokens for layer in self.layers), default=0)
+
+    def observe(self, layer: int, activated: Sequence[int], ranking: Sequence[int], predicted: Sequence[int] | None = None) -> None:
+        self.layers[layer].observe(activated, ranking, predicted)
+
+    def observe_policy(self, layer: int, activated: Sequence[int], policy: EvictionPolicy, step: int, predicted: Sequence[int] | None = None) -> None:
+        """Convenience for the engine: rank by the layer's policy as it stands before the token."""
+        ranking = lcp_ranking(policy, step) if type(policy) is LCP else policy.ranking(step)
+        self.layers[layer].observe(activated, ranking, predicted)
+
+    def curves(self, layer: int) -> LayerCurves:
+        return self.layers[layer].curves()
+
+    # --- persistence ---------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": STATS_SCHEMA_VERSION,
+            "kind": "fmoe-routing-stats",
+            "model": self.model,
+            "num_layers": self.num_layers,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "layers": [layer.to_dict() for layer in self.layers],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "routing statistics") -> RoutingStats:
+        if not isinstance(data, dict) or data.get("kind") != "fmoe-routing-stats":
+            raise FmoeError(f"{source} is not an fmoe routing-statistics file")
+        if data.get("schema_version") != STATS_SCHEMA_VERSION:
+            raise FmoeError(f"{source} has schema version {data.get('schema_version')!r}; this fmoe reads version {STATS_SCHEMA_VERSION}")
+        try:
+            n, k = int(data["num_experts"]), int(data["top_k"])
+            layers = [LayerStats.from_dict(d, n, k) for d in data["layers"]]
+            if len(layers) != int(data["num_layers"]):
+                raise ValueError("layer count")
+            return cls(str(data["model"]), n, k, layers)
+        except (KeyError, TypeError, ValueError, zlib.error) as exc:
+            raise FmoeError(f"{source} is malformed ({type(exc).__name__}: {exc})") from None
+
+    def check_matches(self, model: str, num_layers: int, num_experts: int, top_k: int) -> None:
+        theirs = (self.num_layers, self.num_experts, self.top_k)
+        ours = (num_layers, num_experts, top_k)
+        if self.model != model or theirs != ours:
+            raise FmoeError(
+                f"routing statistics are for {self.model} (L={theirs[0]}, N={theirs[1]}, K={theirs[2]}), "
+                f"not for {model} (L={ours[0]}, N={ours[1]}, K={ours[2]})"
+            )
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict()))
+        tmp.replace(path)  # never leave a half-written file behind
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> RoutingStats:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise FmoeError(f"no routing statistics at {path}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise FmoeError(f"routing statistics {path} are not valid JSON ({exc})") from None
+        return cls.from_dict(data, source=f"routing statistics {path}")
+
+
+def model_slug(model: str) -> str:
+    """A file name for a model id or directory ('mistralai/Mixtral-8x7B-v0.1' -> 'mistralai--Mixtral-8x7B-v0.1')."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "--", model.strip().rstrip("/")).strip("-.")
+    return slug or "model"
+
+
+def default_stats_path(model: str, data_dir: Path | None = None) -> Path:
+    """Per model in the user's data directory (platformdirs)."""
+    base = Path(data_dir) if data_dir is not None else Path(platformdirs.user_data_dir("fmoe"))
+    return base / "stats" / f"{model_slug(model)}.json"
+
+
+def load_or_empty(model: str, num_layers: int, num_experts: int, top_k: int, path: Path | None = None) -> RoutingStats:
+    """What earlier sessions learned about this model, or empty statistics if nothing was saved."""
+    path = path or default_stats_path(model)
+    if not Path(path).exists():
+        return RoutingStats.empty(model, num_layers, num_experts, top_k)
+    stats = RoutingStats.load(path)
+    stats.check_matches(model, num_layers, num_experts, top_k)
+    return stats
