@@ -1,0 +1,274 @@
+"""`fmoe replay`: hit rates against a plain brute-force simulation, Belady's optimality, the CLI helpers."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+
+from fmoe_cli.bench.replay import (
+    belady_hits,
+    parse_cache_sizes,
+    parse_policies,
+    policy_hits,
+    random_seed,
+    replay,
+    run_replay,
+)
+from fmoe_cli.bench.trace import TraceWriter, read_trace
+from fmoe_cli.errors import FmoeError
+
+SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mixtral-8x7b-humaneval.jsonl"
+POLICIES = ("lru", "lfu", "lcp", "random")
+
+
+# --- an independent, deliberately plain simulation ---------------------------------
+
+
+def brute_force(routes: list[list[int]], policy: str, capacity: int, num_experts: int, seed: int = 0) -> int:
+    """The rules spelled out: a token's cached experts are hits; then every activated
+    expert is counted (μ) and stamped (last use); then each missed expert, in trace
+    order, takes a free slot or replaces a cached expert that this token does not use:
+      lru: the least recently used (lowest id on ties);
+      lfu: the least often used, then least recently used, then lowest id;
+      lcp: the lowest P = μ·ρ^(ν/ω) (ω=128, ρ=0.25), and only if the newcomer's P is higher;
+      random: a uniformly random one (random.Random(seed).choice over the sorted ids)."""
+    capacity = min(capacity, num_experts)
+    rng = random.Random(seed)
+    count = [0] * num_experts
+    last = [-1] * num_experts
+    cache: set[int] = set()
+    hits = 0
+
+    def lcp(e: int, now: int) -> float:
+        return 0.0 if count[e] == 0 else count[e] * 0.25 ** ((now - last[e]) / 128)
+
+    for now, route in enumerate(routes):
+        hits += len([e for e in route if e in cache])
+        for e in route:
+            count[e] += 1
+            last[e] = now
+        for e in route:
+            if e in cache:
+                continue
+            if len(cache) < capacity:
+                cache.add(e)
+                continue
+            others = sorted(c for c in cache if c not in route)
+            if not others:
+                continue
+            if policy == "lru":
+                victim = min(others, key=lambda c: (last[c], c))
+            elif policy == "lfu":
+                victim = min(others, key=lambda c: (count[c], last[c], c))
+            elif policy == "lcp":
+                victim = min(others, key=lambda c: (lcp(c, now), c))
+                if not lcp(e, now) > lcp(victim, now):
+                    continue
+            else:
+                victim = rng.choice(others)
+            cache.remove(victim)
+            cache.add(e)
+    return hits
+
+
+def exhaustive_optimum(routes: list[list[int]], capacity: int) -> int:
+    """Best hits over every possible cache content after every token (subsets of cached ∪ token)."""
+    best = {frozenset(): 0}
+    for route in routes:
+        nxt: dict[frozenset, int] = {}
+        for cached, h in best.items():
+            h += len(cached.intersection(route))
+            pool = sorted(cached.union(route))
+            for k in range(min(capacity, len(pool)) + 1):
+                for keep in itertools.combinations(pool, k):
+                    key = frozenset(keep)
+                    if nxt.get(key, -1) < h:
+                        nxt[key] = h
+        best = nxt
+    return max(best.values())
+
+
+def routes_strategy(max_experts: int = 8, max_tokens: int = 40):
+    @st.composite
+    def build(draw):
+        e = draw(st.integers(1, max_experts))
+        k = draw(st.integers(1, min(3, e)))
+        skew = draw(st.sampled_from([None, 0.5, 2.0]))  # uniform, mild or strong locality
+        n = draw(st.integers(0, max_tokens))
+        rng = random.Random(draw(st.integers(0, 2**32)))
+        weights = None if skew is None else [1 / (i + 1) ** skew for i in range(e)]
+        routes = []
+        for _ in range(n):
+            route: list[int] = []
+            while len(route) < k:
+                x = rng.choices(range(e), weights)[0]
+                if x not in route:
+                    route.append(x)
+            routes.append(route)
+        return e, routes
+
+    return build()
+
+
+def _write_trace(path: Path, num_experts: int, seqs: list[list[list[list[int]]]]) -> Path:
+    """seqs[s][layer][token] -> route."""
+    with TraceWriter(path, num_layers=len(seqs[0]), num_experts=num_experts) as w:
+        for s, layers in enumerate(seqs):
+            for layer, routes in enumerate(layers):
+                for t, route in enumerate(routes):
+                    w.record(f"s{s}", t, layer, route, [1 / len(route)] * len(route))
+    return path
+
+
+# --- hit rates equal the brute force ----------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(routes_strategy(), st.integers(0, 9), st.sampled_from(POLICIES), st.integers(0, 5))
+def test_policy_hits_equal_brute_force(case, capacity: int, policy: str, seed: int) -> None:
+    e, routes = case
+    assert policy_hits(routes, policy, capacity, e, seed=seed) == brute_force(routes, policy, capacity, e, seed)
+
+
+def test_lcp_brute_force_over_long_gaps() -> None:
+    # Long enough for ν/ω to matter: an expert used often long ago against a recent one.
+    routes = [[0, 1]] * 300 + [[2, 3]] * 200 + [[4, 0]] * 50 + [[1, 5]] * 400 + [[2, 0]] * 30
+    rng = random.Random(1)
+    routes += [rng.sample(range(6), 2) for _ in range(500)]
+    for capacity in range(1, 6):
+        for policy in POLICIES:
+            assert policy_hits(routes, policy, capacity, 6) == brute_force(routes, policy, capacity, 6), (policy, capacity)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_replay_equals_brute_force_on_synthetic_traces(tmp_path_factory, data) -> None:
+    e, _ = data.draw(routes_strategy(max_tokens=0))
+    e = max(e, 2)
+    n_seq, n_layers = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    seqs = []
+    for _ in range(n_seq):
+        n_tok = data.draw(st.integers(1, 25))
+        seqs.append([
+            [data.draw(st.lists(st.integers(0, e - 1), min_size=1, max_size=min(2, e), unique=True)) for _ in range(n_tok)]
+            for _ in range(n_layers)
+        ])
+    path = _write_trace(tmp_path_factory.mktemp("r") / "t.jsonl", e, seqs)
+    trace = read_trace(path)
+    sizes = [0, 1, 2, 3, e + 2]
+    result = replay(trace, sizes, list(POLICIES), seed=3)
+    total = sum(len(r) for layers in seqs for routes in layers for r in routes)
+    assert result.activations == total
+    assert result.tokens == sum(len(layers[0]) for layers in seqs)
+    for policy in POLICIES:
+        for size in sizes:
+            hits = sum(
+                brute_force(routes, policy, size, e, random_seed(3, s, j))
+                for s, layers in enumerate(seqs)
+                for j, routes in enumerate(layers)
+            )
+            assert result.hit_rate[policy][size] == hits / total
+    for size in sizes:
+        hits = sum(exhaustive_optimum(routes, size) for layers in seqs for routes in layers) if size <= 3 else None
+        if hits is not None:
+            assert result.hit_rate["belady"][size] == hits / total
+
+
+def test_each_sequence_starts_empty(tmp_path: Path) -> None:
+    # Same route twice as two sequences: the second one starts cold again.
+    seqs = [[[[0], [1], [0], [1]]], [[[0], [1], [0], [1]]]]
+    result = replay(read_trace(_write_trace(tmp_path / "t.jsonl", 2, seqs)), [2], ["lru"])
+    assert result.hit_rate["lru"][2] == 4 / 8
+
+
+# --- Belady --------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(routes_strategy(max_experts=5, max_tokens=10), st.integers(0, 5))
+def test_belady_is_the_optimum(case, capacity: int) -> None:
+    _, routes = case
+    assert belady_hits(routes, capacity) == exhaustive_optimum(routes, capacity)
+
+
+@settings(max_examples=80, deadline=None)
+@given(routes_strategy(), st.integers(0, 9), st.integers(0, 3))
+def test_belady_never_below_any_policy(case, capacity: int, seed: int) -> None:
+    e, routes = case
+    best = belady_hits(routes, capacity)
+    for policy in POLICIES:
+        assert best >= policy_hits(routes, policy, capacity, e, seed=seed), policy
+
+
+def test_belady_bypasses() -> None:
+    # Capacity 1: keeping 0 (used again) beats admitting 1 (never used again).
+    assert belady_hits([[0], [1], [0]], 1) == 1
+    assert belady_hits([[0], [1], [0]], 0) == 0
+
+
+# --- CLI helpers -------------------------------------------------------------------
+
+
+def test_parse_cache_sizes() -> None:
+    assert parse_cache_sizes("1-7") == [1, 2, 3, 4, 5, 6, 7]
+    assert parse_cache_sizes("2,4,6") == [2, 4, 6]
+    assert parse_cache_sizes(" 6, 1-3 ,2") == [1, 2, 3, 6]
+    assert parse_cache_sizes("0") == [0]
+    for bad in ("", ",", "a", "3-1", "-2", "1-x", "1.5"):
+        with pytest.raises(FmoeError, match="--cache-sizes"):
+            parse_cache_sizes(bad)
+
+
+def test_parse_policies() -> None:
+    assert parse_policies("lru,lfu,lcp,random") == ["lru", "lfu", "lcp", "random"]
+    assert parse_policies(" LRU, lru ,belady") == ["lru", "belady"]
+    with pytest.raises(FmoeError, match="unknown policy 'fifo'"):
+        parse_policies("lru,fifo")
+    with pytest.raises(FmoeError, match="--policies"):
+        parse_policies(",")
+
+
+def test_run_replay_json_and_table(tmp_path: Path) -> None:
+    seqs = [[[[0, 1], [1, 2], [0, 1], [3, 0]], [[2, 3], [2, 3], [1, 0], [2, 3]]]]
+    path = _write_trace(tmp_path / "t.jsonl", 4, seqs)
+    buf = io.StringIO()
+    obj = run_replay(str(path), "1-2", "lru,lcp", True, console=Console(file=buf))
+    printed = json.loads(buf.getvalue())
+    assert list(printed) == ["trace", "sequences", "tokens", "layers", "experts", "hit_rate"]
+    assert printed["trace"] == str(path)
+    assert (printed["sequences"], printed["tokens"], printed["layers"], printed["experts"]) == (1, 4, 2, 4)
+    assert list(printed["hit_rate"]) == ["lru", "lcp", "belady"]
+    assert list(printed["hit_rate"]["lru"]) == ["1", "2"]
+    assert obj["hit_rate"]["belady"][2] == printed["hit_rate"]["belady"]["2"]
+    buf = io.StringIO()
+    run_replay(str(path), "1-2", "lru,lcp", False, console=Console(file=buf, width=120))
+    text = buf.getvalue()
+    assert "belady" in text and "C=2" in text and "lcp" in text
+
+
+def test_run_replay_errors(tmp_path: Path) -> None:
+    with pytest.raises(FmoeError, match="does not exist"):
+        run_replay(str(tmp_path / "missing.jsonl"), "1-3", "lru", False)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"seq": 0, "token": 0, "layer": 0, "experts": [1], "probs": [1]}\n{oops\n')
+    with pytest.raises(FmoeError, match=r"bad\.jsonl:2: bad trace line"):
+        run_replay(str(bad), "1-3", "lru", True)
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="shared Mixtral trace not present")
+def test_shared_trace_replay() -> None:
+    obj = run_replay(str(SHARED), "2,4,6", "lru,lcp", True, console=Console(file=io.StringIO()))
+    assert (obj["sequences"], obj["tokens"], obj["layers"], obj["experts"]) == (2, 333, 32, 8)
+    lru, lcp, opt = obj["hit_rate"]["lru"], obj["hit_rate"]["lcp"], obj["hit_rate"]["belady"]
+    # The values in docs/traces.md.
+    assert [round(lru[c], 3) for c in (2, 4, 6)] == [0.395, 0.620, 0.813]
+    assert [round(lcp[c], 3) for c in (2, 4, 6)] == [0.336, 0.595, 0.812]
+    assert [round(opt[c], 3) for c in (2, 4, 6)] == [0.565, 0.782, 0.907]
