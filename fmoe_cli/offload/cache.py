@@ -11,8 +11,7 @@ Invariants (checked by the property tests):
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fmoe_cli.offload.policies import EvictionPolicy
@@ -33,7 +32,7 @@ class LayerCache:
         self.step = 0  # tokens seen by this layer
         self._slot_of: dict[int, int] = {}
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() gives slot 0 first
-        self._pins: Counter[int] = Counter()
+        self._pins: dict[int, int] = {}  # expert -> pin count (> 0 only)
 
     # --- queries -----------------------------------------------------------
     def __contains__(self, expert: int) -> bool:
@@ -46,18 +45,20 @@ class LayerCache:
         return dict(self._slot_of)
 
     def is_pinned(self, expert: int) -> bool:
-        return self._pins[expert] > 0
+        return expert in self._pins
 
     # --- updates -----------------------------------------------------------
     def pin(self, expert: int) -> None:
-        self._pins[expert] += 1
+        self._pins[expert] = self._pins.get(expert, 0) + 1
 
     def unpin(self, expert: int) -> None:
-        if self._pins[expert] <= 0:
+        n = self._pins.get(expert, 0)
+        if n <= 0:
             raise RuntimeError(f"expert {expert} unpinned more often than pinned")
-        self._pins[expert] -= 1
-        if self._pins[expert] == 0:
+        if n == 1:
             del self._pins[expert]
+        else:
+            self._pins[expert] = n - 1
 
     def record(self, experts: Iterable[int]) -> None:
         """Record activations at the current step (an expert used by several tokens: once per token)."""
@@ -104,18 +105,20 @@ class LayerCache:
         self._free = list(range(self.capacity - 1, -1, -1))
 
 
-def replay_token(cache: LayerCache, experts: list[int]) -> int:
+def replay_token(cache: LayerCache, experts: Sequence[int]) -> int:
     """One token of one layer, as the engine does it: hits are counted before the
-    policy sees the token, then misses are offered to the cache in the order given.
+    policy sees the token, then misses are offered to the cache in the order given
+    (the token's experts pinned meanwhile, so none of them is evicted).
     Returns the number of hits."""
-    hits = sum(1 for e in experts if e in cache)
-    for e in experts:
-        cache.pin(e)
+    misses = [e for e in experts if e not in cache]
     cache.record(experts)
-    for e in experts:
-        if e not in cache:
-            cache.admit(e)
-    for e in experts:
-        cache.unpin(e)
+    if misses:  # pins only matter to admissions
+        for e in experts:
+            cache.pin(e)
+        for e in misses:
+            if e not in cache:
+                cache.admit(e)
+        for e in experts:
+            cache.unpin(e)
     cache.advance()
-    return hits
+    return len(experts) - len(misses)

@@ -1,0 +1,119 @@
+"""The built-in `demo` model: works offline, on first use.
+
+If the package ships trained demo weights (`fmoe_cli/models/demo_model/`), that is
+the demo. Otherwise fmoe builds a tiny *random-weight* Mixtral locally (seeded, so
+every machine gets the same one): enough to exercise and measure the engine, not
+to talk to. Its name says so wherever it is shown.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import platformdirs
+
+SHIPPED = Path(__file__).parent / "demo_model"
+RANDOM_DEMO_VERSION = "random-v1"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_CORPUS = (
+    "In the beginning the offloading engine moved experts from the host to the device. "
+    "A mixture of experts routes every token to a few experts; the router decides which. "
+    "Hot experts stay on the device, cold experts wait in host memory until they are needed. "
+    "The quick brown fox jumps over the lazy dog while the cache keeps what it will use again. "
+)
+
+
+def demo_label(path: Path) -> str:
+    if path == SHIPPED:
+        return "fmoe demo (tiny trained demo model, not a useful assistant)"
+    return "fmoe demo (RANDOM weights: for measuring the engine, its text is noise)"
+
+
+def demo_path(cache_dir: Path | None = None) -> Path:
+    if (SHIPPED / "config.json").exists():
+        return SHIPPED
+    path = (cache_dir or Path(platformdirs.user_cache_dir("fmoe"))) / f"demo-{RANDOM_DEMO_VERSION}"
+    if not (path / "model.safetensors").exists():
+        build_random_moe(path, family="mixtral", seed=0)
+    return path
+
+
+def build_tokenizer(vocab_size: int = 384):
+    """A small byte-level BPE tokenizer with a chat template (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# Tiny shapes of every supported family: the tests' fixtures and the random demo.
+TINY_FAMILIES: dict[str, tuple[str, dict]] = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=64, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        intermediate_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=96, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        head_dim=16, intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=64, num_experts=8, num_experts_per_tok=2)),
+    # DeepSeek: shared expert, a dense first layer, MLA (one KV head per query head).
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, topk_method="greedy")),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        routed_scaling_factor=1.5)),
+}
+
+
+def tiny_config(family: str, vocab_size: int, eos_token_id: int = 1, pad_token_id: int = 0, **overrides):
+    import transformers
+
+    config_class, shape = TINY_FAMILIES[family]
+    kwargs = dict(
+        bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=pad_token_id, vocab_size=vocab_size,
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    kwargs.update(shape)
+    kwargs.update(overrides)
+    return getattr(transformers, config_class)(**kwargs)
+
+
+def build_random_moe(path: Path, family: str = "mixtral", seed: int = 0, **overrides) -> Path:
+    """Save a seeded random MoE checkpoint (safetensors + tokenizer) in the hub layout."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = tiny_config(
+        family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Random init gives near-uniform routers; spread the router weights so that routing varies.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") and p.dim() == 2:
+                p.normal_(0.0, 0.5)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

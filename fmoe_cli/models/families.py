@@ -1,0 +1,100 @@
+"""Find the routed experts of a transformers MoE model, and refuse what cannot be served exactly.
+
+transformers 5 stores the routed experts of every MoE family as fused 3-D
+parameters in a module decorated with `use_experts_implementation`; its parent
+block exposes the router as `.gate`. Shared experts are ordinary modules and stay
+resident.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.integrations.moe import _default_apply_gate
+
+from fmoe_cli.errors import FmoeError
+
+# Config keys that name the number of routed experts, by family.
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass
+class MoeLayer:
+    index: int  # position among the MoE layers (0 … L-1)
+    name: str  # module path of the experts module
+    decoder_index: int  # position among all decoder layers
+    experts: nn.Module
+    router: nn.Module
+
+
+def routed_expert_count(config) -> int:
+    text_config = getattr(config, "get_text_config", lambda: config)()
+    for key in EXPERT_COUNT_KEYS:
+        value = getattr(text_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def check_is_moe(config, model_id: str) -> None:
+    if routed_expert_count(config) == 0:
+        raise FmoeError(
+            f"{model_id} is a dense model ({config.model_type}: no routed experts); fmoe serves Mixture-of-Experts models only"
+        )
+
+
+def check_experts(experts: nn.Module, name: str) -> None:
+    """Refuse expert variants whose split would not be exact (DESIGN §2)."""
+    kind = type(experts).__name__
+    if not hasattr(experts, "has_gate") or not hasattr(experts, "down_proj"):
+        raise FmoeError(f"unsupported expert layout in {name} ({kind}): not a transformers fused-experts module")
+    if not experts.has_gate or not hasattr(experts, "gate_up_proj"):
+        raise FmoeError(f"unsupported expert layout in {name} ({kind}): experts without a gate projection")
+    if experts.has_bias:
+        raise FmoeError(f"unsupported expert layout in {name} ({kind}): experts with biases are not served yet")
+    if getattr(experts, "has_post_expert_norm", False):
+        raise FmoeError(f"unsupported expert layout in {name} ({kind}): a norm after each expert does not split by neuron")
+    if type(experts)._apply_gate is not _default_apply_gate:
+        raise FmoeError(
+            f"unsupported expert layout in {name} ({kind}): a custom gate (clamp or interleaved gate/up) is not served yet"
+        )
+    if experts.gate_up_proj.dim() != 3 or experts.down_proj.dim() != 3:
+        raise FmoeError(f"unsupported expert layout in {name} ({kind}): expected 3-D fused expert weights")
+
+
+def find_moe_layers(model: nn.Module, model_id: str = "model") -> list[MoeLayer]:
+    """Every routed-experts module with its router, in forward order."""
+    modules = dict(model.named_modules())
+    layers: list[MoeLayer] = []
+    for name, module in modules.items():
+        if not name.endswith(".experts") or not hasattr(module, "down_proj"):
+            continue
+        block = modules[name.rsplit(".", 1)[0]]
+        router = getattr(block, "gate", None) or getattr(block, "router", None)
+        if router is None or not isinstance(getattr(router, "weight", None), torch.Tensor):
+            raise FmoeError(f"unsupported MoE block in {name}: no router with a weight matrix")
+        check_experts(module, name)
+        match = re.search(r"layers\.(\d+)\.", name)
+        decoder_index = int(match.group(1)) if match else len(layers)
+        layers.append(MoeLayer(len(layers), name, decoder_index, module, router))
+    if not layers:
+        raise FmoeError(f"{model_id}: found no routed experts to offload (dense model or unsupported family)")
+    return layers
+
+
+def router_scores(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The router's per-expert scores for hidden states [T, H] -> [T, N] (higher = more likely).
+
+    Used for speculative prediction (MoEpic Eq. 3: softmax(R_{i+1}(h_i))). Routers
+    that choose by sigmoid + a correction bias (DeepSeek-V3) are ranked the way they
+    choose.
+    """
+    logits = F.linear(hidden.float(), router.weight.float())
+    bias = getattr(router, "e_score_correction_bias", None)
+    if bias is not None:
+        return logits.sigmoid() + bias.float()
+    return logits.softmax(dim=-1)

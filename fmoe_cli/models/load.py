@@ -1,0 +1,183 @@
+"""Resolve a model id (hub or local directory), load it with transformers, and move
+its routed experts into the host store, one layer at a time.
+
+Safe by default: weights come from safetensors only and a repository's own Python
+code runs only with `trust_remote_code=True`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.models import demo
+from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
+from fmoe_cli.offload.layout import pack_experts
+from fmoe_cli.offload.store import HostStore
+from fmoe_cli.planning.plan import ExpertShape
+
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]
+
+
+@dataclass
+class LoadedModel:
+    model_id: str
+    path: Path
+    label: str  # what to show the user
+    model: torch.nn.Module
+    tokenizer: object | None
+    layers: list[MoeLayer]
+    shape: ExpertShape
+    store: HostStore
+    device: torch.device
+    dtype: torch.dtype
+    non_expert_bytes: int  # U_n: everything of the model on the device but the routed experts
+
+
+def _looks_local(model_id: str) -> bool:
+    return model_id.startswith((".", "/", "~")) or os.sep in model_id.strip("/").split("/", 1)[-1]
+
+
+def resolve_model(model_id: str, trust_remote_code: bool = False) -> tuple[Path, str]:
+    """A local directory, `demo`, or a hub id (downloaded with a progress bar)."""
+    if model_id == "demo":
+        path = demo.demo_path()
+        return path, demo.demo_label(path)
+    local = Path(model_id).expanduser()
+    if local.exists():
+        if not local.is_dir() or not (local / "config.json").exists():
+            raise FmoeError(f"{model_id} is not a model directory (no config.json in it)")
+        path = local
+    elif _looks_local(model_id) or model_id.count("/") > 1:
+        raise FmoeError(f"no such model directory: {model_id}")
+    else:
+        path = _download(model_id, trust_remote_code)
+    _check_weights(path, model_id)
+    return path, model_id
+
+
+def _download(repo_id: str, trust_remote_code: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from tqdm import TqdmExperimentalWarning
+    from tqdm.rich import tqdm as rich_tqdm
+
+    patterns = DOWNLOAD_PATTERNS if trust_remote_code else [p for p in DOWNLOAD_PATTERNS if p != "*.py"]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TqdmExperimentalWarning)
+            return Path(snapshot_download(repo_id, allow_patterns=patterns, tqdm_class=rich_tqdm))
+    except GatedRepoError:
+        raise FmoeError(f"{repo_id} is gated: accept its licence on the hub and log in (`hf auth login`)") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError):
+        raise FmoeError(f"unknown model id {repo_id!r}: not a local directory and not found on the hub") from None
+    except LocalEntryNotFoundError:
+        raise FmoeError(
+            f"cannot download {repo_id}: no network (or HF_HUB_OFFLINE is set) and it is not in the local cache"
+        ) from None
+    except OSError as exc:  # connection errors and the like
+        raise FmoeError(f"cannot download {repo_id}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
+
+
+def _check_weights(path: Path, model_id: str) -> None:
+    if any(path.glob("*.safetensors")):
+        return
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
+        raise FmoeError(
+            f"{model_id} has only pickle weights (.bin/.pt); fmoe loads safetensors only, because unpickling runs code"
+        )
+    raise FmoeError(f"{model_id} has no safetensors weights")
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise FmoeError(f"unknown device {device!r}; use auto, cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise FmoeError(f"device {device} requested but no CUDA GPU is available")
+    return dev
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise FmoeError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def load_model(
+    model_id: str,
+    device: str = "auto",
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    console: Console | None = None,
+) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    console = console or Console(stderr=True)
+    path, label = resolve_model(model_id, trust_remote_code)
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise FmoeError(f"{model_id}: {str(exc).splitlines()[0]} (pass --trust-remote-code for custom code)") from None
+    check_is_moe(config, model_id)
+    with console.status(f"loading {label} …"):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+    model.eval().requires_grad_(False)
+    layers = find_moe_layers(model, model_id)
+    shape = expert_shape(layers, torch_dtype)
+    store = HostStore(pin=dev.type == "cuda")
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("packing experts into the host store", total=len(layers))
+        for layer in layers:  # one layer at a time: peak host memory ≈ model + one layer
+            store.add_layer(pack_experts(layer.experts))
+            _free_expert_weights(layer.experts)
+            progress.advance(task)
+    model.to(dev)
+    non_expert = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert)
+
+
+def expert_shape(layers: list[MoeLayer], dtype: torch.dtype) -> ExpertShape:
+    first = layers[0].experts
+    n, two_i, h = first.gate_up_proj.shape
+    if getattr(first, "is_transposed", False):
+        n, h, two_i = first.gate_up_proj.shape
+    for layer in layers[1:]:
+        if tuple(layer.experts.gate_up_proj.shape) != tuple(first.gate_up_proj.shape):
+            raise FmoeError(f"unsupported expert layout: {layer.name} differs in shape from {layers[0].name}")
+    top_k = getattr(layers[0].router, "top_k", None) or first.config.num_experts_per_tok
+    return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size())
+
+
+def _free_expert_weights(experts: torch.nn.Module) -> None:
+    empty = torch.empty(0, dtype=experts.down_proj.dtype)
+    experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)

@@ -1,0 +1,43 @@
+"""The split expert: neuron-major packing (DESIGN §2).
+
+Every gated expert computes
+
+    E(x) = W_down · ( act(W_gate · x) ⊙ (W_up · x) )
+
+and neuron n contributes W_down[:, n] · act(W_gate[n] · x) · (W_up[n] · x), so E(x)
+is a sum over neurons. Packing expert e as an [I, 3, H] block whose row n holds
+(gate row n, up row n, down column n) makes the top segment (neurons [0, k)) and
+the bottom segment ([k, I)) contiguous for every k: one copy moves a segment, and
+the partial results of the two segments sum to E(x).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATE, UP, DOWN = 0, 1, 2
+
+
+def pack_experts(experts: nn.Module) -> torch.Tensor:
+    """transformers' fused experts ([N, 2I, H] gate_up, [N, H, I] down) -> [N, I, 3, H].
+
+    `models.families.check_experts` has already refused layouts this cannot serve exactly.
+    """
+    gate_up = experts.gate_up_proj.detach()
+    down = experts.down_proj.detach()
+    if getattr(experts, "is_transposed", False):  # stored as [N, H, 2I] and [N, I, H]
+        gate_up = gate_up.transpose(1, 2)
+        down = down.transpose(1, 2)
+    intermediate = down.shape[-1]
+    # The default _apply_gate splits gate_up as [gate; up] (`chunk(2)`).
+    gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+    return torch.stack([gate, up, down.transpose(1, 2)], dim=2).contiguous()
+
+
+def segment_forward(x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
+    """Partial expert output of the neurons in `segment` ([n, 3, H]) for tokens x ([T, H])."""
+    gate = F.linear(x, segment[:, GATE])
+    up = F.linear(x, segment[:, UP])
+    return (act(gate) * up) @ segment[:, DOWN]
