@@ -92,8 +92,11 @@ def test_writer_is_buffered_and_safe_to_close(tmp_path: Path) -> None:
     assert len(path.read_text().splitlines()) == 3
     with pytest.raises(RuntimeError):
         w.record(0, 2, 0, [1], [1.0])
-    with pytest.raises(ValueError):
-        TraceWriter(tmp_path / "u.jsonl").record(0, 0, 0, [1, 2], [1.0])
+    with TraceWriter(tmp_path / "u.jsonl") as u:
+        for bad in (([1, 2], [1.0], None), ([1, 1], [0.5, 0.5], None), ([-1], [1.0], None),
+                    ([], [], None), ([1], [float("nan")], None), ([1], [1.0], [2, 2])):
+            with pytest.raises(ValueError):
+                u.record(0, 0, 0, *bad[:2], predicted=bad[2])
 
 
 def test_writer_closes_on_exception(tmp_path: Path) -> None:
@@ -240,3 +243,13 @@ def test_unreadable(tmp_path: Path) -> None:
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
     with pytest.raises(FmoeError, match="not a text"):
         read_trace(binary)
+
+
+def test_writer_takes_numpy_scalars(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path) as w:
+        w.record(np.int64(2), np.int64(0), np.int32(1), np.array([3, 0]), np.array([0.75, 0.25], dtype=np.float32),
+                 predicted=np.array([0, 3, 1]))
+    rec = read_trace(path).sequences[0].records[0][0]
+    assert rec == TraceRecord(2, 0, 1, (3, 0), (0.75, 0.25), (0, 3, 1))

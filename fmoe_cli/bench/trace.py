@@ -149,17 +149,22 @@ class TraceWriter:
     ) -> None:
         if self._file is None:
             raise RuntimeError("trace writer is closed")
-        if len(experts) != len(probs):
-            raise ValueError(f"{len(experts)} experts but {len(probs)} probabilities")
-        rec = TraceRecord(
-            seq,
-            int(token),
-            int(layer),
-            tuple(int(e) for e in experts),
-            tuple(float(p) for p in probs),
-            None if predicted is None else tuple(int(e) for e in predicted),
-        )
-        self._buffer.append(json.dumps(rec.to_json()))
+        ids = tuple(int(e) for e in experts)
+        weights = tuple(float(p) for p in probs)
+        ranking = None if predicted is None else tuple(int(e) for e in predicted)
+        # Refuse here what the reader would refuse later (a trace must always read back).
+        if len(ids) != len(weights):
+            raise ValueError(f"{len(ids)} experts but {len(weights)} probabilities")
+        for name, group in (("experts", ids), ("predicted", ranking or (0,))):
+            if not group or min(group) < 0 or len(set(group)) != len(group):
+                raise ValueError(f"{name} must be distinct expert ids >= 0, got {list(group)}")
+        if not all(math.isfinite(p) for p in weights):
+            raise ValueError(f"probabilities must be finite, got {list(weights)}")
+        if int(token) < 0 or int(layer) < 0:
+            raise ValueError("token and layer must be >= 0")
+        seq_id: SeqId = seq if isinstance(seq, str) else int(seq)
+        rec = TraceRecord(seq_id, int(token), int(layer), ids, weights, ranking)
+        self._buffer.append(json.dumps(rec.to_json(), allow_nan=False))
         if len(self._buffer) >= self._buffer_lines:
             self.flush()
 
