@@ -307,7 +307,7 @@ def read_records(path: str | os.PathLike[str]) -> tuple[Literal["fmoe", "vllm"],
             if "fmoe_trace" in obj:
                 if records or header:
                     raise _LineError("a trace header may only appear on the first line")
-                if obj["fmoe_trace"] != FORMAT_VERSION:
+                if type(obj["fmoe_trace"]) is not int or obj["fmoe_trace"] != FORMAT_VERSION:
                     raise _LineError(f"unsupported fmoe trace version {_show(obj['fmoe_trace'])} (this fmoe reads {FORMAT_VERSION})")
                 header = obj
                 fmt = "fmoe"
