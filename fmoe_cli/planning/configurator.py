@@ -1,0 +1,355 @@
+"""MoEpic's configurator (§3.4, Algorithm 1; DESIGN §7): numbers in, Plan out.
+
+Symbols (paper → code):
+    L, N, K, I          shape.num_layers, num_experts, top_k, intermediate
+    S_e                 shape.expert_bytes
+    V_e                 expert_budget: bytes for the top-segment caches, Σ_i V_i ≤ V_e
+    V_i, C_i, θ_i       budgets[i], cache_size, split (θ_i = k_i / I, k_i whole neuron blocks)
+    H_i, P_i, PH_i      LayerCurves.hit, .predicted_hit, .predicted_cached (planning/stats.py)
+    T_att, T_moe, T_exp, T_head, T_load     Timings
+    T_wind^i            the prefetch window before layer i
+    m_i                 expected number of activated experts (in whole-expert units) whose
+                        loading is hidden: cached top segments plus what prefetch covers
+    T^i                 exposed (un-hidden) load time of layer i
+
+ExpertSplit({V_i}) (Eq. 5–11, as DESIGN §7 states them):
+    T_wind^1 = T_head + T_att                                                   (5)
+    for i = 1..L: choose C_i ≤ N (θ_i = V_i / (C_i·S_e) ≤ 1, rounded down to whole blocks)
+        m_i = K·H_i(C_i)·θ_i + Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·P_i(y)            (9)
+        Y   = largest count with Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·T_load ≤ T_wind^i  (10)
+        C_i = argmax m_i                                                          (11)
+        T^i = max(0, (K − m_i)·T_load − m_i·T_exp)                                (6)
+        T_wind^{i+1} = T_moe − min(m_i·T_exp, (K − m_i)·T_load) + T_att           (7)
+
+Two guards the formulas leave implicit: m_i is capped at K (no layer hides more than
+its K experts; with product-of-marginals statistics Eq. 9 can exceed K), and
+`max_prefetch` optionally caps Y at what the staging pool holds (None: Eq. 10 alone).
+C_i = 0 (no cache, θ_i undefined, reported as 0) is a candidate, and the only one
+when V_i cannot hold one neuron block of one expert.
+
+VramAllocation (Algorithm 1): start uniform (V_i = V_e / L); repeat: move ζ·V_e from
+the layer whose loss of budget costs least to the layer whose gain is largest; stop,
+rolling back the last move, when the total exposed latency Σ_i T^i no longer falls.
+(Algorithm 1 starts at θ = 0.5; ExpertSplit then chooses θ_i from V_i and C_i, so the
+starting θ does not change the result and is not represented here.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.planning.plan import MiB, ExpertShape, LayerPlan, Plan, min_staging_slots
+from fmoe_cli.planning.stats import LayerCurves, RoutingStats
+
+DEFAULT_ZETA = 0.01  # ζ: share of V_e moved per iteration (MoEpic)
+DEFAULT_TAU = 5000  # τ: tokens between re-plans (MoEpic)
+_TIE = 1e-12  # m_i within this of the best count as ties
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds for one decode token (MoEpic's T_*)."""
+
+    t_att: float  # T_att: one layer's attention (and norms)
+    t_moe: float  # T_moe: one layer's K activated experts, all resident
+    t_head: float  # T_head: LM head (+ final norm, + any dense layers before the first MoE layer)
+    t_load: float  # T_load: one whole expert (S_e bytes) host → device
+    top_k: int  # K
+
+    def __post_init__(self) -> None:
+        for name in ("t_att", "t_moe", "t_head", "t_load"):
+            value = getattr(self, name)
+            if not value >= 0 or not np.isfinite(value):
+                raise FmoeError(f"timing {name} must be a finite number of seconds ≥ 0, got {value}")
+        if self.top_k < 1:
+            raise FmoeError(f"top_k must be ≥ 1, got {self.top_k}")
+
+    @property
+    def t_exp(self) -> float:
+        """T_exp = T_moe / K: one expert's compute."""
+        return self.t_moe / self.top_k
+
+    @classmethod
+    def from_link(
+        cls, *, t_att: float, t_moe: float, t_head: float, top_k: int,
+        expert_bytes: int, bandwidth: float, latency: float = 0.0,
+    ) -> Timings:
+        """T_load = latency + S_e / bandwidth (bandwidth in bytes/s, from the device profile's fit)."""
+        if bandwidth <= 0:
+            raise FmoeError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
+        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k)
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    budget: int  # V_i allotted (bytes)
+    cache_size: int  # C_i
+    top_neurons: int  # k_i
+    split: float  # θ_i = k_i / I (0 when C_i = 0)
+    vram_bytes: int  # C_i · k_i · neuron bytes ≤ V_i
+    hit_rate: float  # H_i(C_i): share of activated experts whose top segment is cached
+    hidden: float  # m_i
+    prefetches: int  # Y
+    window: float  # T_wind^i (s)
+    exposed: float  # T^i (s)
+
+
+@dataclass(frozen=True)
+class Split:
+    layers: tuple[LayerChoice, ...]
+
+    @property
+    def total_exposed(self) -> float:
+        return float(sum(layer.exposed for layer in self.layers))
+
+    def to_plan(self, shape: ExpertShape, staging_slots: int, source: str = "configurator") -> Plan:
+        layers = tuple(LayerPlan(c.vram_bytes, c.cache_size, c.top_neurons, c.split) for c in self.layers)
+        return Plan(layers, staging_slots, shape.expert_bytes, source)
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """What vram_allocation returns: the plan and what the model predicts for it."""
+
+    plan: Plan
+    split: Split
+    expert_budget: int  # V_e
+    iterations: int  # accepted moves
+    history: tuple[float, ...]  # Σ T^i at the start and after every accepted move (strictly falling)
+    uniform_routing: bool  # the statistics were assumed, not recorded
+
+    @property
+    def total_exposed(self) -> float:
+        return self.split.total_exposed
+
+    @property
+    def hit_rates(self) -> tuple[float, ...]:
+        return tuple(c.hit_rate for c in self.split.layers)
+
+    @property
+    def exposed(self) -> tuple[float, ...]:
+        return tuple(c.exposed for c in self.split.layers)
+
+
+class _LayerModel:
+    """Eq. (9)–(11) for one layer, vectorised over every cache size C = 0..N.
+
+    Everything that depends on V_i only (θ per C, the cumulated prefetch costs and gains)
+    is computed once per budget and kept; a window then costs one comparison.
+    """
+
+    def __init__(self, curves: LayerCurves, shape: ExpertShape, timings: Timings, max_prefetch: int | None) -> None:
+        if curves.num_experts != shape.num_experts:
+            raise FmoeError(f"statistics have {curves.num_experts} experts per layer, the model {shape.num_experts}")
+        self.curves = curves
+        self.shape = shape
+        self.timings = timings
+        self.max_prefetch = max_prefetch
+        self.sizes = np.arange(shape.num_experts + 1, dtype=np.int64)  # C
+        self._by_budget: dict[int, tuple] = {}
+
+    def _tables(self, budget: int) -> tuple:
+        tables = self._by_budget.get(budget)
+        if tables is not None:
+            return tables
+        shape, sizes = self.shape, self.sizes
+        block, nb = shape.neuron_block, shape.neuron_bytes
+        per_expert = budget // np.maximum(sizes, 1)  # V_i / C_i bytes per cached expert
+        k = np.minimum(per_expert // nb // block * block, shape.intermediate)  # k_i, whole blocks, ≤ I
+        k[0] = 0
+        feasible = (sizes == 0) | (k >= block)
+        k = np.where(feasible, k, 0)
+        theta = k / shape.intermediate  # θ_i
+        load_share = 1.0 - self.curves.predicted_cached * theta[None, :]  # [y, C]: 1 − PH_i(y,C)·θ_i
+        cost = np.cumsum(load_share * self.timings.t_load, axis=0)  # Σ_{y'≤y} (1 − PH·θ)·T_load
+        gain = np.cumsum(load_share * self.curves.predicted_hit[:, None], axis=0)  # Σ_{y'≤y} (1 − PH·θ)·P(y')
+        cached = self.shape.top_k * self.curves.hit * theta  # K·H_i(C)·θ_i
+        tables = (k, theta, feasible, cost, gain, cached)
+        if len(self._by_budget) > 4096:
+            self._by_budget.clear()
+        self._by_budget[budget] = tables
+        return tables
+
+    def choose(self, budget: int, window: float) -> tuple[LayerChoice, float]:
+        """The best C_i for V_i = budget in window T_wind^i; returns it and T_wind^{i+1}."""
+        k, theta, feasible, cost, gain, cached = self._tables(budget)
+        t = self.timings
+        top_k = t.top_k
+        fits = cost <= window * (1 + 1e-12)  # cost is non-decreasing in y: a prefix fits
+        prefetches = fits.sum(axis=0)  # Y per C (Eq. 10)
+        if self.max_prefetch is not None:
+            prefetches = np.minimum(prefetches, self.max_prefetch)
+        columns = self.sizes
+        prefetched = np.where(prefetches > 0, gain[np.maximum(prefetches - 1, 0), columns], 0.0)
+        hidden = np.minimum(cached + prefetched, top_k)  # m_i (Eq. 9), capped at K
+        hidden = np.where(feasible, hidden, -np.inf)
+        # Eq. 11. Among (near-)ties keep the most bytes cached (never worse in practice), then the smallest C.
+        best = hidden >= hidden.max() - _TIE
+        c = int(np.argmax(np.where(best, self.sizes * k, -1)))
+        m = float(hidden[c])
+        exposed = max(0.0, (top_k - m) * t.t_load - m * t.t_exp)  # T^i (Eq. 6)
+        next_window = t.t_moe - min(m * t.t_exp, (top_k - m) * t.t_load) + t.t_att  # T_wind^{i+1} (Eq. 7)
+        size = c if k[c] > 0 else 0
+        choice = LayerChoice(
+            budget=int(budget),
+            cache_size=size,
+            top_neurons=int(k[c]) if size else 0,
+            split=float(theta[c]) if size else 0.0,
+            vram_bytes=int(size * k[c] * self.shape.neuron_bytes),
+            hit_rate=float(self.curves.hit[size]),
+            hidden=m,
+            prefetches=int(prefetches[c]),
+            window=float(window),
+            exposed=float(exposed),
+        )
+        return choice, float(next_window)
+
+
+def _layer_models(stats: RoutingStats, timings: Timings, shape: ExpertShape, max_prefetch: int | None) -> list[_LayerModel]:
+    if stats.num_layers != shape.num_layers:
+        raise FmoeError(f"statistics cover {stats.num_layers} MoE layers, the model has {shape.num_layers}")
+    if timings.top_k != shape.top_k:
+        raise FmoeError(f"timings are for top-{timings.top_k} routing, the model routes to {shape.top_k}")
+    return [_LayerModel(stats.curves(i), shape, timings, max_prefetch) for i in range(shape.num_layers)]
+
+
+def _run(models: Sequence[_LayerModel], budgets: Sequence[int], start: int, window: float) -> list[LayerChoice]:
+    choices = []
+    for i in range(start, len(models)):
+        choice, window = models[i].choose(budgets[i], window)
+        choices.append(choice)
+    return choices
+
+
+def first_window(timings: Timings) -> float:
+    """T_wind^1 = T_head + T_att: layer 1 is predicted from the previous token's last layer."""
+    return timings.t_head + timings.t_att
+
+
+def expert_split(
+    budgets: Sequence[int], stats: RoutingStats, timings: Timings, shape: ExpertShape, max_prefetch: int | None = None,
+) -> Split:
+    """ExpertSplit({V_i}): C_i and θ_i for every layer, in order, with the window recursion."""
+    if len(budgets) != shape.num_layers:
+        raise FmoeError(f"{len(budgets)} layer budgets for {shape.num_layers} MoE layers")
+    if any(b < 0 for b in budgets):
+        raise FmoeError("layer budgets must be ≥ 0 bytes")
+    models = _layer_models(stats, timings, shape, max_prefetch)
+    return Split(tuple(_run(models, [int(b) for b in budgets], 0, first_window(timings))))
+
+
+class _Search:
+    """Total exposed latency after changing one layer's budget, recomputing only from that layer on."""
+
+    def __init__(self, models: Sequence[_LayerModel], budgets: list[int], timings: Timings) -> None:
+        self.models = models
+        self.budgets = budgets
+        self.choices = _run(models, budgets, 0, first_window(timings))
+        exposed = [c.exposed for c in self.choices]
+        self.total = float(sum(exposed))
+        self.prefix = np.concatenate(([0.0], np.cumsum(exposed)))  # Σ_{i<j} T^i
+        self.windows = [c.window for c in self.choices]
+
+    def total_with(self, layer: int, budget: int) -> float:
+        models, choices = self.models, self.choices
+        total = self.prefix[layer]
+        window = self.windows[layer]
+        for i in range(layer, len(models)):
+            if i > layer and window == self.windows[i]:  # same window from here on: same choices
+                return float(total + self.prefix[-1] - self.prefix[i])
+            choice, window = models[i].choose(budget if i == layer else self.budgets[i], window)
+            total += choice.exposed
+        return float(total)
+
+
+def vram_allocation(
+    expert_budget: int,
+    stats: RoutingStats,
+    timings: Timings,
+    shape: ExpertShape,
+    zeta: float = DEFAULT_ZETA,
+    *,
+    staging_slots: int | None = None,
+    max_prefetch: int | None = None,
+    max_iterations: int = 100_000,
+) -> Configuration:
+    """Algorithm 1: how to spend V_e (bytes for the caches, Σ_i V_i ≤ V_e) over the layers.
+
+    The staging pool (U_b = staging_slots · S_e) is outside V_e; by default K slots
+    for each of the current and the next layer.
+    """
+    if not 0 < zeta <= 1:
+        raise FmoeError(f"ζ must be in (0, 1], got {zeta}")
+    if expert_budget < 0:
+        raise FmoeError(f"the expert budget V_e must be ≥ 0 bytes, got {expert_budget}")
+    slots = min_staging_slots(shape) if staging_slots is None else staging_slots
+    models = _layer_models(stats, timings, shape, max_prefetch)
+    layers = shape.num_layers
+    budgets = [int(expert_budget) // layers] * layers  # uniform start: V_i = V_e / L
+    step = int(zeta * expert_budget)  # ζ·V_e
+    search = _Search(models, budgets, timings)
+    history = [search.total]
+    iterations = 0
+    while step > 0 and iterations < max_iterations and layers > 1:
+        # The layer that loses least by giving ζ·V_e away, and the one that gains most by taking it.
+        losses = [(search.total_with(j, budgets[j] - step) - search.total, j) for j in range(layers) if budgets[j] >= step]
+        gains = [(search.total - search.total_with(j, budgets[j] + step), j) for j in range(layers)]
+        if not losses:
+            break
+        loss, donor = min(losses)
+        gain, recipient = max((g, -j) for g, j in gains if j != donor)
+        recipient = -recipient
+        trial = list(budgets)
+        trial[donor] -= step
+        trial[recipient] += step
+        candidate = _Search(models, trial, timings)
+        if not candidate.total < search.total * (1 - 1e-12):  # no longer falls: roll back, stop
+            break
+        budgets, search = trial, candidate
+        history.append(search.total)
+        iterations += 1
+    split = Split(tuple(search.choices))
+    return Configuration(split.to_plan(shape, slots), split, int(expert_budget), iterations, tuple(history), stats.uniform)
+
+
+# --- the device budget (DESIGN §4) ------------------------------------------------
+@dataclass(frozen=True)
+class DeviceBudget:
+    """U_n + Σ_i V_i + U_b + KV + workspace ≤ V."""
+
+    total: int  # V
+    non_expert: int  # U_n
+    staging: int  # U_b
+    kv_cache: int  # KV
+    workspace: int
+
+    @property
+    def expert_budget(self) -> int:
+        """V_e: what is left for the top-segment caches."""
+        return self.total - self.non_expert - self.staging - self.kv_cache - self.workspace
+
+    def check(self) -> None:
+        if self.expert_budget < 0:
+            parts = (
+                f"non-expert weights {self.non_expert / MiB:.0f} MiB + staging pool {self.staging / MiB:.0f} MiB + "
+                f"KV cache {self.kv_cache / MiB:.0f} MiB + workspace {self.workspace / MiB:.0f} MiB"
+            )
+            need = self.total - self.expert_budget
+            raise FmoeError(
+                f"does not fit: {parts} = {need / MiB:.0f} MiB > {self.total / MiB:.0f} MiB of device memory "
+                f"(short by {-self.expert_budget / MiB:.0f} MiB)"
+            )
+
+
+def replan_due(tokens_since_plan: int, device_idle: bool, tau: int = DEFAULT_TAU) -> bool:
+    """Re-plan every τ tokens, but only while the device is idle (between chat turns, after a bench run)."""
+    return device_idle and tokens_since_plan >= tau
+
+
+def rebuild_order(ranking: Sequence[int], layer: LayerPlan) -> list[int]:
+    """Which experts a rebuilt cache holds: the top C_i by priority (ranking: highest first), split at θ_i."""
+    return list(ranking[: layer.cache_size])

@@ -1,0 +1,258 @@
+"""MoEpic's configurator: hand-computed cases and invariants (DESIGN §7)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.offload.policies import LCP
+from fmoe_cli.planning.configurator import (
+    DeviceBudget,
+    Timings,
+    expert_split,
+    rebuild_order,
+    replan_due,
+    vram_allocation,
+)
+from fmoe_cli.planning.plan import ExpertShape
+from fmoe_cli.planning.stats import LayerStats, RoutingStats, lcp_ranking
+
+# N = 2 experts, K = 1, I = 4 neurons, H = 1, 1 byte per weight: a neuron is 3 bytes,
+# an expert S_e = 12 bytes, neuron blocks of 1 (I is too small for 16/64).
+TINY = ExpertShape(num_layers=1, num_experts=2, top_k=1, hidden=1, intermediate=4, dtype_bytes=1)
+
+
+def layer(rank_hist, predicted_hist=None, predicted_rank_hist=None, predicted_tokens=0) -> LayerStats:
+    n = len(rank_hist)
+    return LayerStats(
+        n, 1, np.array(rank_hist),
+        np.array(predicted_hist if predicted_hist is not None else [0] * n),
+        np.array(predicted_rank_hist if predicted_rank_hist is not None else [[0] * n] * n),
+        tokens=int(sum(rank_hist)), predicted_tokens=predicted_tokens,
+    )
+
+
+def stats_of(*layers: LayerStats) -> RoutingStats:
+    return RoutingStats("tiny", 2, 1, list(layers))
+
+
+# q = 4 tokens: H(1) = 3/4, H(2) = 1; P(1) = 3/4, P(2) = 1/4; PH(y, 1) = 1/2, PH(y, 2) = 1.
+PREDICTABLE = dict(rank_hist=[3, 1], predicted_hist=[3, 1], predicted_rank_hist=[[2, 2], [2, 2]], predicted_tokens=4)
+
+
+def test_expert_split_one_layer_by_hand():
+    """V_1 = 6 bytes, T_att = 1, T_moe = 1 (T_exp = 1), T_head = 2, T_load = 4.
+
+    T_wind^1 = T_head + T_att = 3.
+    C=0: θ=0, prefetch costs 4 > 3 → Y=0, m=0.
+    C=1: k = 6//3 = 2, θ = 1/2. K·H(1)·θ = 3/4·1/2 = 0.375. Each prefetch loads
+         1 − PH(y,1)·θ = 3/4 of an expert: 3 s ≤ 3 → Y=1; m = 0.375 + 3/4·P(1) = 0.375 + 0.5625 = 0.9375.
+    C=2: k = 6//6 = 1, θ = 1/4. K·H(2)·θ = 0.25; share 1 − 1·1/4 = 3/4 → Y=1; m = 0.25 + 0.5625 = 0.8125.
+    → C=1, θ=1/2, V used 1·2·3 = 6; T^1 = max(0, (1 − 0.9375)·4 − 0.9375·1) = 0;
+      T_wind^2 = T_moe − min(0.9375·1, 0.0625·4) + T_att = 1 − 0.25 + 1 = 1.75.
+    """
+    timings = Timings(t_att=1.0, t_moe=1.0, t_head=2.0, t_load=4.0, top_k=1)
+    split = expert_split([6], stats_of(layer(**PREDICTABLE)), timings, TINY)
+    (c,) = split.layers
+    assert (c.cache_size, c.top_neurons, c.split, c.vram_bytes, c.prefetches) == (1, 2, 0.5, 6, 1)
+    assert c.hidden == pytest.approx(0.9375)
+    assert c.exposed == 0.0
+    assert c.window == pytest.approx(3.0)
+    assert c.hit_rate == pytest.approx(0.75)
+
+
+def test_expert_split_window_recursion_by_hand():
+    """Two such layers, 6 bytes each: layer 2 sees T_wind^2 = 1.75 (above).
+
+    C=1: a prefetch costs 3 > 1.75 → Y=0, m = 0.375.   C=2: m = 0.25.   C=0: m = 0.
+    → C=1, T^2 = (1 − 0.375)·4 − 0.375·1 = 2.125. Total exposed 0 + 2.125.
+    """
+    shape = ExpertShape(2, 2, 1, 1, 4, 1)
+    timings = Timings(t_att=1.0, t_moe=1.0, t_head=2.0, t_load=4.0, top_k=1)
+    split = expert_split([6, 6], stats_of(layer(**PREDICTABLE), layer(**PREDICTABLE)), timings, shape)
+    first, second = split.layers
+    assert second.window == pytest.approx(1.75)
+    assert (second.cache_size, second.prefetches) == (1, 0)
+    assert second.hidden == pytest.approx(0.375)
+    assert second.exposed == pytest.approx(2.125)
+    assert split.total_exposed == pytest.approx(2.125)
+    plan = split.to_plan(shape, staging_slots=2)
+    assert plan.source == "configurator" and plan.cache_bytes == 12
+
+
+def test_vram_allocation_by_hand():
+    """Layer A routes uniformly (H(1) = 1/2), layer B always picks one expert (H(1) = 1).
+
+    No predictions recorded → uniform P, PH. T_att = T_head = 0, T_moe = 1, T_load = 10:
+    the windows (≤ 1 s) never fit a useful prefetch, so m_i = K·H_i(C)·θ_i and
+    T^i = max(0, 10 − 11·m_i).  V_e = 36, ζ = 1/6 → moves of 6 bytes.
+
+    Start uniform, 18 each:
+      A: C=1 → k=4, θ=1, m=0.5;  C=2 → k=3, θ=3/4, m=0.75 → C=2, T=1.75
+      B: C=1 → θ=1, m=1 → T=0.                                   total 1.75
+    Iteration 1: losses: A at 12 → m=0.5, T=4.5 (+2.75); B at 12 → still θ=1, m=1 (+0) → donor B.
+      gains: A at 24 → C=2, θ=1, m=1, T=0 (−1.75) → recipient A.
+      [24, 12] → total 0 < 1.75: accept.
+    Iteration 2: gains are all 0; donor A (+1.75 vs B's +4.5), recipient B → [18, 18] gives
+      1.75 ≥ 0: roll back, stop.  Result A: C=2, θ=1 (24 bytes), B: C=1, θ=1 (12 bytes).
+    """
+    shape = ExpertShape(2, 2, 1, 1, 4, 1)
+    timings = Timings(t_att=0.0, t_moe=1.0, t_head=0.0, t_load=10.0, top_k=1)
+    stats = stats_of(layer([1, 1]), layer([10, 0]))
+    config = vram_allocation(36, stats, timings, shape, zeta=1 / 6)
+    assert config.history == pytest.approx((1.75, 0.0))
+    assert config.iterations == 1
+    a, b = config.plan.layers
+    assert (a.cache_size, a.top_neurons, a.vram_bytes) == (2, 4, 24)
+    assert (b.cache_size, b.top_neurons, b.vram_bytes) == (1, 4, 12)
+    assert config.hit_rates == pytest.approx((1.0, 1.0))
+    assert config.total_exposed == 0.0
+    assert [c.budget for c in config.split.layers] == [24, 12]
+
+
+def test_uniform_stats_keep_uniform_budgets():
+    """Identical layers: no move helps, so Algorithm 1 stops at V_e / L."""
+    shape = ExpertShape(4, 8, 2, 64, 256, 2)
+    timings = Timings.from_link(t_att=1e-4, t_moe=2e-4, t_head=3e-4, top_k=2, expert_bytes=shape.expert_bytes, bandwidth=1e9)
+    stats = RoutingStats.assume_uniform("m", 4, 8, 2)
+    budget = 3 * shape.expert_bytes * 4
+    config = vram_allocation(budget, stats, timings, shape)
+    assert config.uniform_routing
+    assert len({c.budget for c in config.split.layers}) == 1
+
+
+def test_timings_from_link():
+    t = Timings.from_link(t_att=1.0, t_moe=4.0, t_head=2.0, top_k=2, expert_bytes=10**9, bandwidth=25e9, latency=1e-5)
+    assert t.t_exp == 2.0
+    assert t.t_load == pytest.approx(0.04001)
+    with pytest.raises(FmoeError):
+        Timings(-1.0, 1.0, 1.0, 1.0, 1)
+
+
+def test_device_budget_refuses_with_numbers():
+    mib = 1024**2
+    ok = DeviceBudget(total=1000 * mib, non_expert=500 * mib, staging=100 * mib, kv_cache=100 * mib, workspace=100 * mib)
+    assert ok.expert_budget == 200 * mib
+    bad = DeviceBudget(total=500 * mib, non_expert=500 * mib, staging=100 * mib, kv_cache=0, workspace=0)
+    with pytest.raises(FmoeError, match="short by 100 MiB"):
+        bad.check()
+
+
+def test_replan_and_rebuild_helpers():
+    assert not replan_due(4999, True) and replan_due(5000, True) and not replan_due(10**6, False)
+    policy = LCP(4)
+    for step, e in enumerate([2, 2, 1, 3, 2]):
+        policy.touch(e, step)
+    plan_layer = vram_allocation(10**6, RoutingStats.assume_uniform("m", 1, 4, 1), Timings(0, 1, 0, 1, 1), ExpertShape(1, 4, 1, 1, 4, 1)).plan.layers[0]
+    assert rebuild_order(lcp_ranking(policy, 5), plan_layer) == [2, 3, 1, 0][: plan_layer.cache_size]
+
+
+# --- invariants ------------------------------------------------------------------
+def synthetic_stats(seed: int, layers: int, n: int, k: int, tokens: int = 40) -> RoutingStats:
+    """Recorded from simulated routing: per layer a different skew, an imperfect predictor."""
+    rng = random.Random(seed)
+    stats = RoutingStats.empty("synthetic", layers, n, k)
+    for i in range(layers):
+        skew = rng.uniform(0.0, 3.0)
+        weights = [1.0 / (1 + e) ** skew for e in range(n)]
+        rng.shuffle(weights)
+        policy = LCP(n)
+        for step in range(tokens):
+            active: list[int] = []
+            while len(active) < k:
+                e = rng.choices(range(n), weights)[0]
+                if e not in active:
+                    active.append(e)
+            predicted = sorted(range(n), key=lambda e: -(weights[e] * rng.uniform(0.5, 1.5) + (e in active) * rng.random()))
+            stats.observe_policy(i, active, policy, step, predicted)
+            for e in active:
+                policy.touch(e, step)
+    return stats
+
+
+cases = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**31),
+    "layers": st.integers(1, 5),
+    "n": st.integers(2, 8),
+    "k_frac": st.floats(0, 1),
+    "intermediate": st.sampled_from([4, 16, 128, 1024]),
+    "budget_experts": st.floats(0.0, 1.5),  # V_e as a share of all experts' bytes
+    "zeta": st.sampled_from([0.01, 0.05, 0.2]),
+    "t_load": st.floats(0.1, 10.0),
+    "t_moe": st.floats(0.05, 4.0),
+    "t_att": st.floats(0.0, 3.0),
+    "t_head": st.floats(0.0, 3.0),
+})
+
+
+def build(case):
+    k = 1 + int(case["k_frac"] * (case["n"] - 1))
+    shape = ExpertShape(case["layers"], case["n"], k, 2, case["intermediate"], 1)
+    timings = Timings(case["t_att"], case["t_moe"], case["t_head"], case["t_load"], k)
+    stats = synthetic_stats(case["seed"], case["layers"], case["n"], k)
+    budget = int(case["budget_experts"] * shape.all_experts_bytes)
+    return shape, timings, stats, budget
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases)
+def test_allocation_invariants(case):
+    shape, timings, stats, budget = build(case)
+    config = vram_allocation(budget, stats, timings, shape, zeta=case["zeta"])
+    assert sum(c.budget for c in config.split.layers) <= budget  # Σ V_i ≤ V_e
+    assert config.plan.cache_bytes <= budget
+    for c, p in zip(config.split.layers, config.plan.layers):
+        assert c.vram_bytes <= c.budget
+        assert 0 <= p.cache_size <= shape.num_experts  # C_i ≤ N
+        if p.cache_size:
+            assert 0 < p.split <= 1  # θ_i ∈ (0, 1]
+            assert p.top_neurons % shape.neuron_block == 0  # whole neuron blocks
+            assert shape.top_neurons(p.split) == p.top_neurons
+            assert p.vram_bytes == p.cache_size * p.top_neurons * shape.neuron_bytes
+        else:
+            assert p.vram_bytes == 0
+        assert 0 <= c.hidden <= shape.top_k and c.exposed >= 0
+    history = config.history
+    assert all(b < a for a, b in zip(history, history[1:]))  # never rises (strictly falls while it runs)
+    assert config.iterations == len(history) - 1 < 100_000  # terminated by the rule, not the cap
+    assert config.total_exposed == pytest.approx(history[-1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases, more=st.floats(0.0, 1.0))
+def test_more_budget_never_predicts_more_exposed_latency(case, more):
+    """One MoE layer: more V_e → a superset of (C, θ) candidates → never more exposed latency.
+
+    With several layers the paper's model does not promise this (see the next test), so
+    the property is stated where it holds; 400 random multi-layer cases showed no violation.
+    """
+    case = {**case, "layers": 1}
+    shape, timings, stats, budget = build(case)
+    larger = budget + int(more * shape.all_experts_bytes)
+    small = vram_allocation(budget, stats, timings, shape, zeta=case["zeta"])
+    large = vram_allocation(larger, stats, timings, shape, zeta=case["zeta"])
+    assert large.total_exposed <= small.total_exposed + 1e-9
+
+
+def test_more_budget_can_predict_more_with_several_layers():
+    """Known limitation of ExpertSplit + Algorithm 1 (found by hypothesis), pinned here.
+
+    Layer 1 with more budget maximises its own m_1 (Eq. 11) and so shrinks T_wind^2 (Eq. 7):
+    layer 2 loses its one prefetch. And Algorithm 1's 1-byte moves (ζ·V_e) cannot cross a
+    neuron (6 bytes), so the search stays at the uniform start. 24 bytes: [11, 13] →
+    0.5875 s; 30 bytes: [15, 15] → 0.675 s.
+    """
+    case = {"seed": 0, "layers": 2, "n": 2, "k_frac": 0.0, "intermediate": 4, "budget_experts": 0.25,
+            "zeta": 0.05, "t_load": 1.0, "t_moe": 1.0, "t_att": 0.0, "t_head": 0.0}
+    shape, timings, stats, budget = build(case)
+    small = vram_allocation(budget, stats, timings, shape, zeta=0.05)
+    large = vram_allocation(budget + 6, stats, timings, shape, zeta=0.05)
+    assert [c.budget for c in small.split.layers] == [11, 13]
+    assert small.total_exposed == pytest.approx(0.5875)
+    assert large.total_exposed == pytest.approx(0.675)
+    assert large.split.layers[1].window < small.split.layers[1].window  # the shrunken window
