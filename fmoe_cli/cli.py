@@ -1,0 +1,134 @@
+"""The `fmoe` command line: the commands and their options, nothing else."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from fmoe_cli.errors import FmoeError
+
+app = typer.Typer(
+    help="Chat with a Mixture-of-Experts LLM on a GPU that cannot hold it.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+err_console = Console(stderr=True)
+
+
+@app.callback()
+def _root() -> None:
+    """fmoe: split-expert cache, LCP eviction, speculative prefetch (MoEpic)."""
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def user_errors(command):
+    """Bad input: one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except FmoeError as exc:
+            err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+ModelArg = Annotated[str, typer.Argument(help="Hugging Face model id, a local model directory, or 'demo'.")]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
+DtypeOpt = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")]
+BudgetOpt = Annotated[str, typer.Option(
+    "--vram-budget", help="Device memory for experts: 6GiB, 512MiB, or a share of all routed experts such as 25%.")]
+LinkOpt = Annotated[float | None, typer.Option(
+    "--emulate-link", metavar="GBPS", help="Emulate a host→device link of this many GB/s (any device).")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the repository's own Python code to run.")]
+
+
+@app.command()
+@user_errors
+def bench(
+    model: ModelArg = "demo",
+    policy: Annotated[list[str] | None, typer.Option(
+        help="Policy to run (repeatable; the first is the ratios' base): moepic, uniform, lru, lfu, "
+             "cache-only, prefetch-only, ondemand, resident.")] = None,
+    vram_budget: BudgetOpt = "25%",
+    tokens: Annotated[int, typer.Option(help="Tokens to generate per policy.")] = 32,
+    warmup: Annotated[int, typer.Option(help="Tokens generated before measuring (same prompt).")] = 4,
+    prompt: Annotated[str | None, typer.Option(help="Prompt (default: a short question).")] = None,
+    emulate_link: LinkOpt = None,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    trust_remote_code: TrustOpt = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Measure TTFT/TPOT, hit rate and link traffic of the offloading engine, policy by policy."""
+    _quiet_libraries()
+    from fmoe_cli.bench.run import DEFAULT_PROMPT, bench_policy, bench_report, encode_prompt, make_link, render
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.presets import make_settings
+    from fmoe_cli.planning.plan import parse_budget
+
+    if tokens < 1:
+        raise FmoeError("--tokens must be at least 1")
+    policies = policy or ["moepic", "lru"]
+    lm = load_model(model, device=device, dtype=None if dtype == "auto" else dtype,
+                    trust_remote_code=trust_remote_code, console=err_console)
+    budget = parse_budget(vram_budget, lm.shape.all_experts_bytes)
+    settings = [make_settings(name, lm.shape, budget) for name in policies]  # validates before running
+    link = make_link(lm.device, emulate_link)
+    engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype)
+    engine.install(lm.model)
+    prompt_ids = encode_prompt(lm, prompt or DEFAULT_PROMPT)
+    runs = []
+    try:
+        for s in settings:
+            with err_console.status(f"{s.policy}: generating {tokens} tokens …"):
+                runs.append(bench_policy(lm, engine, s, prompt_ids, tokens, warmup))
+    finally:
+        engine.close()
+    report = bench_report(lm, link, budget, runs)
+    if as_json:
+        print(json.dumps(report))
+    else:
+        render(report, link.label(), Console())
+
+
+@app.command()
+@user_errors
+def replay(
+    trace: Annotated[str, typer.Argument(help="Routing trace: fmoe JSONL, or the vLLM dumps of shared/traces.")],
+    cache_sizes: Annotated[str, typer.Option("--cache-sizes", help="Experts cached per layer: 1-7, 2,4,6 or 1-3,6.")] = "1-7",
+    policies: Annotated[str, typer.Option(help="Comma-separated lru,lfu,lcp,random (belady is always added).")] = "lru,lfu,lcp,random",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Replay a routing trace through the engine's cache policies: hit rate per policy and cache size."""
+    from fmoe_cli.bench.replay import run_replay
+
+    run_replay(trace, cache_sizes, policies, as_json)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
