@@ -178,9 +178,20 @@ class LayerState:
     counters: Counters = field(default_factory=Counters)
 
 
-# Called at routing time, before the cache policy sees the token:
-# (layer, activated experts with repeats per token, the layer's cache, predicted ranking or None)
-RouteObserver = Callable[[int, list[int], LayerCache, list[int] | None], None]
+@dataclass
+class RouteEvent:
+    """What an observer (statistics, trace writer) sees at routing time, before the
+    cache policy has seen the token(s)."""
+
+    layer: int  # MoE layer index
+    top_k_index: torch.Tensor  # [T, K] activated experts per token
+    top_k_weights: torch.Tensor  # [T, K] their routing weights
+    routed: list[int]  # top_k_index flattened (token-major)
+    cache: LayerCache  # the layer's cache (policy state before this forward)
+    predicted: list[int] | None  # the prefetcher's ranking for this layer (best first), if one was made
+
+
+RouteObserver = Callable[[RouteEvent], None]
 
 
 class Engine:
@@ -281,8 +292,10 @@ class Engine:
 
         routed = top_k_index.reshape(-1).tolist()
         active = sorted(set(routed))
-        for observe in self.observers:
-            observe(i, routed, state.cache, self._predicted[i])
+        if self.observers:
+            event = RouteEvent(i, top_k_index, top_k_weights, routed, state.cache, self._predicted[i])
+            for observe in self.observers:
+                observe(event)
         state.cache.record(routed)
         for e in active:
             state.cache.pin(e)
