@@ -51,6 +51,11 @@ class EngineSettings:
     omega: float = 128.0  # LCP ω
     rho: float = 0.25  # LCP ρ
     seed: int = 0
+    # Y: how many of the predicted ranking's best experts are prefetch candidates
+    # (None = K). Candidates already on the device are skipped, not replaced by
+    # lower-ranked ones: those are rarely used and would hold the link when a
+    # demand load arrives (a transfer in progress is not pre-empted).
+    prefetch_width: int | None = None
 
 
 @dataclass
@@ -412,10 +417,8 @@ class Engine:
         scores = self.predictor.scores(j, hidden_states)
         ranking = torch.argsort(scores, descending=True, stable=True).tolist()
         self._predicted[j] = ranking
-        budget = 2 * self.shape.top_k  # at most 2·K segments per layer ahead
-        for rank, e in enumerate(ranking):
-            if budget == 0:
-                break
+        width = self.settings.prefetch_width or self.shape.top_k
+        for rank, e in enumerate(ranking[:width]):
             if self.pool.find(j, e) is not None:
                 continue
             cached = target.cache.slot(e) is not None
@@ -429,4 +432,3 @@ class Engine:
             self.pool.put(Staged(j, e, start, slot, transfer, prefetched=True))
             target.counters.prefetch_issued += 1
             target.counters.bytes_prefetch += transfer.nbytes
-            budget -= 1
