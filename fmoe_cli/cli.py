@@ -69,10 +69,14 @@ def bench(
     policy: Annotated[list[str] | None, typer.Option(
         help="Policy to run (repeatable; the first is the ratios' base): moepic, uniform, lru, lfu, "
              "cache-only, prefetch-only, ondemand, resident.")] = None,
+    compare: Annotated[str | None, typer.Option(
+        help="Policies to run side by side, comma-separated (or 'all'), after any --policy.")] = None,
     vram_budget: BudgetOpt = "25%",
     tokens: Annotated[int, typer.Option(help="Tokens to generate per policy.")] = 32,
     warmup: Annotated[int, typer.Option(help="Tokens generated before measuring (same prompt).")] = 4,
     prompt: Annotated[str | None, typer.Option(help="Prompt (default: a short question).")] = None,
+    prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from this text file.")] = None,
+    trace_out: Annotated[str | None, typer.Option(help="Write the routing of every measured run (JSONL trace).")] = None,
     emulate_link: LinkOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
@@ -81,35 +85,19 @@ def bench(
 ) -> None:
     """Measure TTFT/TPOT, hit rate and link traffic of the offloading engine, policy by policy."""
     _quiet_libraries()
-    from fmoe_cli.bench.run import DEFAULT_PROMPT, bench_policy, bench_report, encode_prompt, make_link, render
-    from fmoe_cli.models.load import load_model
-    from fmoe_cli.offload.engine import Engine
-    from fmoe_cli.offload.presets import make_settings
-    from fmoe_cli.planning.plan import parse_budget
+    from fmoe_cli.bench.run import parse_policies, read_prompt, render, run_bench
+    from fmoe_cli.offload.presets import PRESETS
 
-    if tokens < 1:
-        raise FmoeError("--tokens must be at least 1")
-    policies = policy or ["moepic", "lru"]
-    lm = load_model(model, device=device, dtype=None if dtype == "auto" else dtype,
-                    trust_remote_code=trust_remote_code, console=err_console)
-    budget = parse_budget(vram_budget, lm.shape.all_experts_bytes)
-    settings = [make_settings(name, lm.shape, budget) for name in policies]  # validates before running
-    link = make_link(lm.device, emulate_link)
-    engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype)
-    engine.install(lm.model)
-    prompt_ids = encode_prompt(lm, prompt or DEFAULT_PROMPT)
-    runs = []
-    try:
-        for s in settings:
-            with err_console.status(f"{s.policy}: generating {tokens} tokens …"):
-                runs.append(bench_policy(lm, engine, s, prompt_ids, tokens, warmup))
-    finally:
-        engine.close()
-    report = bench_report(lm, link, budget, runs)
+    report = run_bench(
+        model, policies=parse_policies(policy, compare, list(PRESETS)), vram_budget=vram_budget, tokens=tokens,
+        warmup=warmup, prompt=read_prompt(prompt, prompt_file), emulate_link=emulate_link,
+        dtype=None if dtype == "auto" else dtype, device=device, trust_remote_code=trust_remote_code,
+        trace_out=trace_out, console=err_console,
+    )
     if as_json:
         print(json.dumps(report))
     else:
-        render(report, link.label(), Console())
+        render(report, Console())
 
 
 @app.command()

@@ -1,12 +1,30 @@
-"""`fmoe bench`: TTFT/TPOT and the engine's counters, for one or more policies in one process."""
+"""`fmoe bench`: TTFT/TPOT and the engine's counters, for one or more policies in one process.
+
+Every policy runs on the same prompt in the same process, after the same warm-up;
+the first policy is the base of the ratios. Figures per run:
+
+    TTFT            prefill + first token (ms)
+    TPOT            median and p90 of the decode steps (ms)
+    tokens/s        1000 / mean TPOT
+    hit rate        (whole hits + top-segment hits) / activated experts, decode steps
+    precision       prefetched segments used / prefetched segments issued
+    recall          loads a prefetch had already issued / activated experts that needed a load
+    exposed         time the compute waited on the link, ms per decode token
+    bytes/token     bytes moved host → device per decode token (demand + prefetch)
+    peak            device: torch's peak allocation on CUDA; on the CPU (no device memory of
+                    its own) the peak resident set size of the process during the run
+"""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import psutil
 import torch
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -17,7 +35,10 @@ from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
 from fmoe_cli.offload.link import CudaLink, EmulatedLink, ThreadLink
 
 DEFAULT_PROMPT = "Explain in a few sentences how a mixture-of-experts model decides which experts to use."
+DEFAULT_POLICIES = ("moepic", "lru")
 MiB = 1024**2
+
+IdleHook = Callable[[], None]  # work for the idle device (re-planning); never runs inside a timed run
 
 
 @dataclass
@@ -31,9 +52,10 @@ class RunResult:
     prefetch_recall: float
     exposed_load_ms_per_token: float
     bytes_per_token: float
-    peak_device_bytes: int
+    peak_device_bytes: int  # CUDA: peak allocated; CPU: peak RSS of the process during the run
     plan: str
     token_ids: list[int]
+    engine_device_bytes: int = 0  # what the engine accounts on the device: non-expert weights + caches + staging
 
 
 def make_link(device: torch.device, emulate_gbps: float | None):
@@ -59,7 +81,44 @@ def encode_prompt(lm: LoadedModel, prompt: str) -> torch.Tensor:
                                       return_dict=False)
     else:
         ids = tok(prompt)["input_ids"]
+    if not ids:
+        raise FmoeError("the prompt encodes to no tokens")
     return torch.tensor([ids])
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt text from --prompt or --prompt-file (not both), else the default."""
+    if prompt is not None and prompt_file is not None:
+        raise FmoeError("give --prompt or --prompt-file, not both")
+    if prompt_file is None:
+        text = DEFAULT_PROMPT if prompt is None else prompt
+    else:
+        path = Path(prompt_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise FmoeError(f"prompt file {path} does not exist") from None
+        except IsADirectoryError:
+            raise FmoeError(f"prompt file {path} is a directory") from None
+        except UnicodeDecodeError:
+            raise FmoeError(f"prompt file {path} is not a text (UTF-8) file") from None
+        except OSError as exc:
+            raise FmoeError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+    if not text.strip():
+        raise FmoeError("the prompt is empty")
+    return text
+
+
+def parse_policies(policy: Sequence[str] | None, compare: str | None, all_names: Sequence[str]) -> list[str]:
+    """--policy P (repeatable) then --compare P1,P2 (or 'all'), in order, without repeats."""
+    names: list[str] = list(policy or [])
+    if compare is not None:
+        parts = [p.strip() for p in compare.split(",") if p.strip()]
+        if not parts:
+            raise FmoeError("--compare takes policy names separated by commas, or 'all'")
+        names += list(all_names) if parts == ["all"] else parts
+    unique = list(dict.fromkeys(names))
+    return unique or list(DEFAULT_POLICIES)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -68,23 +127,31 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prompt_ids: torch.Tensor,
-                 tokens: int, warmup: int = 0) -> RunResult:
-    """Configure the engine for one policy, warm it up on the prompt, then measure `tokens` tokens (greedy)."""
+                 tokens: int, warmup: int = 0, *, before_measure: Callable[[], None] | None = None) -> RunResult:
+    """Configure the engine for one policy, warm it up on the prompt, then measure `tokens` tokens (greedy).
+
+    `before_measure` runs after the warm-up, right before the measured generation (a trace recorder
+    starts its sequence there, so the trace holds the measured run only)."""
     engine.configure(settings)
     if warmup:
         for _ in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=warmup, stop_on_eos=False):
             pass
+    if before_measure is not None:
+        before_measure()
+    process = psutil.Process()
     if lm.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(lm.device)
-    events = list(stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=tokens, stop_on_eos=False,
-                                  sampling=SamplingParams()))
+    rss = process.memory_info().rss
+    events = []
+    for event in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=tokens, stop_on_eos=False,
+                                 sampling=SamplingParams()):
+        events.append(event)
+        rss = max(rss, process.memory_info().rss)  # sampled once per token, outside the timed step
     decode = events[1:] or events
     steady = sum((e.counters for e in decode), Counters())
     tpot = [e.latency_s * 1000 for e in decode]
-    if lm.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(lm.device)
-    else:  # the CPU has no device memory of its own: what the engine places "on the device"
-        peak = lm.non_expert_bytes + engine.device_bytes()
+    engine_bytes = lm.non_expert_bytes + engine.device_bytes()
+    peak = torch.cuda.max_memory_allocated(lm.device) if lm.device.type == "cuda" else rss
     n = len(decode)
     return RunResult(
         policy=settings.policy,
@@ -99,39 +166,143 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
         peak_device_bytes=peak,
         plan=settings.plan.summary(),
         token_ids=[e.token_id for e in events],
+        engine_device_bytes=engine_bytes,
     )
 
 
-def bench_report(lm: LoadedModel, link, budget_bytes: int, runs: list[RunResult]) -> dict:
+def ratios(run: dict, base: dict) -> dict:
+    """Run ÷ base (the first policy): TTFT, TPOT median and p90, tokens/s, bytes/token."""
+    def div(a: float, b: float) -> float | None:
+        return a / b if b else None
+
+    return {
+        "ttft": div(run["ttft_ms"], base["ttft_ms"]),
+        "tpot_median": div(run["tpot_ms"]["median"], base["tpot_ms"]["median"]),
+        "tpot_p90": div(run["tpot_ms"]["p90"], base["tpot_ms"]["p90"]),
+        "tokens_per_s": div(run["tokens_per_s"], base["tokens_per_s"]),
+        "bytes_per_token": div(run["bytes_per_token"], base["bytes_per_token"]),
+    }
+
+
+def bench_report(lm: LoadedModel, link, budget_bytes: int, runs: list[RunResult], *,
+                 prompt_tokens: int | None = None, tokens: int | None = None, warmup: int | None = None) -> dict:
+    """The `--json` object: {"model", "device", "link": {"kind", "gbps"}, "runs": [...]} plus extra keys."""
+    run_dicts = [asdict(r) for r in runs]
+    for r in run_dicts:
+        r["ratios"] = ratios(r, run_dicts[0])
     return {
         "model": lm.model_id,
         "label": lm.label,
         "device": str(lm.device),
         "dtype": str(lm.dtype).removeprefix("torch."),
-        "link": {"kind": link.kind, "gbps": link.gbps},
+        "link": {"kind": link.kind, "gbps": link.gbps, "label": link.label()},
         "vram_budget_bytes": budget_bytes,
-        "peak_rss_bytes": psutil.Process().memory_info().rss,
-        "runs": [asdict(r) for r in runs],
+        "prompt_tokens": prompt_tokens,
+        "tokens": tokens,
+        "warmup": warmup,
+        "ratios_to": run_dicts[0]["policy"] if run_dicts else None,
+        "token_ids_identical": len({tuple(r["token_ids"]) for r in run_dicts}) <= 1,
+        "runs": run_dicts,
     }
 
 
-def render(report: dict, link_label: str, console: Console) -> None:
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def bench_table(report: dict) -> Table:
+    """One row per policy, short headers; fits 80 columns (units and meanings in the caption)."""
     runs = report["runs"]
-    first = runs[0]["tpot_ms"]["median"]
-    table = Table(title=f"{report['label']} · {report['device']} · {link_label} · "
-                        f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB")
-    for col in ("policy", "TTFT ms", "TPOT ms (med / p90)", "tok/s", "hit rate", "prefetch P / R",
-                "exposed ms/tok", "MiB/tok", "device MiB", f"TPOT ÷ {runs[0]['policy']}"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)  # one space between columns
+    columns = [("policy", "left"), ("TTFT", "right"), ("TPOT", "right"), ("p90", "right"), ("tok/s", "right"),
+               ("hit", "right"), ("prec", "right"), ("rec", "right"), ("exp", "right"), ("MiB/t", "right"),
+               ("peak", "right"), ("ratio", "right")]
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=True)
     for r in runs:
         table.add_row(
-            r["policy"], f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']['median']:.1f} / {r['tpot_ms']['p90']:.1f}",
-            f"{r['tokens_per_s']:.1f}", f"{r['hit_rate']:.2f}",
-            f"{r['prefetch_precision']:.2f} / {r['prefetch_recall']:.2f}",
-            f"{r['exposed_load_ms_per_token']:.2f}", f"{r['bytes_per_token'] / MiB:.2f}",
-            f"{r['peak_device_bytes'] / MiB:.1f}", f"{r['tpot_ms']['median'] / first:.2f}",
+            r["policy"], f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']['median']:.1f}", f"{r['tpot_ms']['p90']:.1f}",
+            f"{r['tokens_per_s']:.1f}", f"{r['hit_rate']:.2f}", f"{r['prefetch_precision']:.2f}",
+            f"{r['prefetch_recall']:.2f}", f"{r['exposed_load_ms_per_token']:.2f}",
+            f"{r['bytes_per_token'] / MiB:.2f}", f"{r['peak_device_bytes'] / MiB:.0f}",
+            _fmt(r.get("ratios", {}).get("tpot_median")),
         )
-    console.print(table)
-    ids = {tuple(r["token_ids"]) for r in runs}
-    console.print("token ids identical across policies" if len(ids) == 1 else
+    return table
+
+
+def render(report: dict, console: Console) -> None:
+    """Header lines (model, device, link — 'emulated' when it is), the table, the legend, the token check."""
+    peak = "peak RSS of the process (CPU)" if report["device"] == "cpu" else "peak device memory"
+    console.print(f"[bold]{report['label']}[/bold]", highlight=False)
+    console.print(f"device {report['device']} ({report['dtype']}) · {report['link']['label']} · "
+                  f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB", highlight=False)
+    if report.get("tokens") is not None:
+        console.print(f"{report['prompt_tokens']} prompt tokens, {report['tokens']} measured after "
+                      f"{report['warmup']} warm-up tokens, greedy", highlight=False)
+    console.print(bench_table(report))
+    console.print(f"[dim]ms: TTFT, TPOT median, p90, exp = exposed load per token. hit = hit rate; prec/rec = "
+                  f"prefetch precision/recall; MiB/t = moved per token; peak = {peak}, MiB; "
+                  f"ratio = TPOT ÷ TPOT of {report['ratios_to']}.[/dim]", highlight=False)
+    console.print("token ids identical across policies" if report["token_ids_identical"] else
                   "[red]token ids DIFFER across policies[/red]")
+
+
+def run_bench(
+    model: str,
+    *,
+    policies: Sequence[str],
+    vram_budget: str,
+    tokens: int,
+    warmup: int,
+    prompt: str,
+    emulate_link: float | None,
+    dtype: str | None,
+    device: str,
+    trust_remote_code: bool = False,
+    trace_out: str | None = None,
+    on_idle: IdleHook | None = None,
+    console: Console | None = None,
+) -> dict:
+    """`fmoe bench`: load, run every policy on the same prompt, return the report (the --json object)."""
+    from fmoe_cli.bench.trace import RouteRecorder, TraceWriter
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.presets import make_settings
+    from fmoe_cli.planning.plan import parse_budget
+
+    console = console or Console(stderr=True)
+    if tokens < 1:
+        raise FmoeError("--tokens must be at least 1")
+    if warmup < 0:
+        raise FmoeError("--warmup must be 0 or more")
+    lm = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, console=console)
+    budget = parse_budget(vram_budget, lm.shape.all_experts_bytes)
+    settings = [make_settings(name, lm.shape, budget) for name in policies]  # validates before running
+    prompt_ids = encode_prompt(lm, prompt)
+    writer = None
+    if trace_out is not None:
+        shape = lm.shape
+        writer = TraceWriter(trace_out, num_layers=shape.num_layers, num_experts=shape.num_experts,
+                             top_k=shape.top_k, model=lm.model_id)
+    link = make_link(lm.device, emulate_link)
+    engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype)
+    engine.install(lm.model)
+    recorder = RouteRecorder(writer) if writer is not None else None
+    runs = []
+    try:
+        for s in settings:
+            start = None
+            if recorder is not None:  # one trace sequence per policy: its measured run
+                def start(seq=s.policy):
+                    recorder.start_sequence(seq)
+                    engine.observers.append(recorder)
+            with console.status(f"{s.policy}: generating {warmup} + {tokens} tokens …"):
+                runs.append(bench_policy(lm, engine, s, prompt_ids, tokens, warmup, before_measure=start))
+            if recorder is not None:
+                engine.observers.remove(recorder)
+            if on_idle is not None:  # the device is idle between runs: re-planning may happen here
+                on_idle()
+    finally:
+        engine.close()
+        if writer is not None:
+            writer.close()
+    return bench_report(lm, link, budget, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens, warmup=warmup)

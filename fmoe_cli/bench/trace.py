@@ -191,6 +191,33 @@ class TraceWriter:
         self.close()
 
 
+class RouteRecorder:
+    """An engine observer (`engine.observers.append(recorder)`) that writes every routed
+    token to a TraceWriter: one record per token and MoE layer, with the prefetcher's
+    ranking for that layer when one was made (for a multi-token forward, a prefill,
+    the one ranking made for the whole forward is recorded with each of its tokens).
+
+    `start_sequence(seq)` begins a new sequence (a bench run, a chat turn); token
+    indices count the tokens the model processed in it, prompt tokens first."""
+
+    def __init__(self, writer: TraceWriter) -> None:
+        self.writer = writer
+        self.seq: SeqId = 0
+        self._next_token: dict[int, int] = {}
+
+    def start_sequence(self, seq: SeqId) -> None:
+        self.seq = seq
+        self._next_token = {}
+
+    def __call__(self, event: Any) -> None:  # event: fmoe_cli.offload.engine.RouteEvent
+        experts = event.top_k_index.tolist()
+        probs = event.top_k_weights.float().tolist()
+        first = self._next_token.get(event.layer, 0)
+        for t, (ids, weights) in enumerate(zip(experts, probs)):
+            self.writer.record(self.seq, first + t, event.layer, ids, weights, event.predicted)
+        self._next_token[event.layer] = first + len(experts)
+
+
 def write_trace(path: str | os.PathLike[str], records: Sequence[TraceRecord], **header: Any) -> None:
     with TraceWriter(path, **header) as w:
         for r in records:
