@@ -114,6 +114,29 @@ def replay(
     run_replay(trace, cache_sizes, policies, as_json)
 
 
+@app.command()
+@user_errors
+def profile(
+    model: Annotated[str | None, typer.Option(help="Also time this model layer by layer (id, directory or 'demo').")] = None,
+    out: Annotated[str | None, typer.Option(help="Where to write the profile (default: the user's config directory).")] = None,
+    emulate_link: LinkOpt = None,
+    prefill_len: Annotated[int, typer.Option(help="Prompt length of the timed prefill.")] = 64,
+    quick: Annotated[bool, typer.Option(help="Fewer transfer sizes and repeats (seconds, less precise).")] = False,
+    dtype: DtypeOpt = "auto",
+    device: DeviceOpt = "auto",
+    trust_remote_code: TrustOpt = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Measure the host→device link and memory (and per-layer times with --model); save a profile."""
+    _quiet_libraries()
+    from pathlib import Path
+
+    from fmoe_cli.profiling.run import run_profile
+
+    run_profile(model, None if out is None else Path(out), emulate_link, prefill_len, quick, as_json, device,
+                None if dtype == "auto" else dtype, trust_remote_code, err_console if as_json else Console())
+
+
 def main() -> None:
     app()
 

@@ -264,21 +264,30 @@ class RoutingStats:
             )
 
     def save(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict()))
-        tmp.replace(path)  # never leave a half-written file behind
-        return path
+        return write_atomic(Path(path), json.dumps(self.to_dict()))
 
     @classmethod
     def load(cls, path: Path) -> RoutingStats:
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise FmoeError(f"no routing statistics at {path}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise FmoeError(f"routing statistics {path} are not valid JSON ({exc})") from None
-        return cls.from_dict(data, source=f"routing statistics {path}")
+        return cls.from_dict(read_json(path, "routing statistics"), source=f"routing statistics {path}")
+
+
+def read_json(path: Path, what: str, hint: str = "") -> object:
+    """JSON from a file, or a one-line FmoeError saying what is wrong (`hint`: what to do if it is missing)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, IsADirectoryError):
+        raise FmoeError(f"no {what} at {path}{hint}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FmoeError(f"{what} {path} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
+
+
+def write_atomic(path: Path, text: str) -> Path:
+    """Write through a temporary file and rename: never leave a half-written file behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
 
 
 def model_slug(model: str) -> str:

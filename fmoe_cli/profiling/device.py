@@ -1,0 +1,173 @@
+"""Profile the local device (DESIGN §6): the host → device link, memory, identity.
+
+On a GPU: copies from pinned host memory to the device at 1 MiB … 512 MiB, the
+median of repeats after a warm-up, and a least-squares fit of
+    t(bytes) = latency + bytes / bandwidth.
+Without a GPU the "device" is the CPU: the same fit over a plain memcpy (sizes and
+repeats capped so that it takes seconds), and every output says so. With an emulated
+link the link figures are the emulated ones, labelled as such.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import torch
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.profiling.files import DeviceIdentity, DeviceProfile, LinkFit
+
+MiB = 1024**2
+GPU_SIZES = tuple(MiB << i for i in range(10))  # 1 MiB … 512 MiB
+CPU_SIZES = tuple(MiB << i for i in range(8))  # 1 MiB … 128 MiB: a CPU run stays short
+
+
+@dataclass(frozen=True)
+class LinkPlan:
+    sizes: tuple[int, ...]
+    repeats: int
+    warmup: int
+
+
+def link_plan(device: torch.device, quick: bool = False) -> LinkPlan:
+    if device.type == "cuda":
+        return LinkPlan(GPU_SIZES[:6] if quick else GPU_SIZES, 3 if quick else 7, 2)
+    return LinkPlan(CPU_SIZES[:4] if quick else CPU_SIZES, 3 if quick else 5, 1)
+
+
+def local_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_identity(device: torch.device | None = None) -> DeviceIdentity:
+    device = device or local_device()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return DeviceIdentity("cuda", props.name, int(props.total_memory))
+    return DeviceIdentity("cpu", _cpu_name(), int(psutil.virtual_memory().total))
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    vm = psutil.virtual_memory()
+    return int(vm.available), int(vm.total)
+
+
+def fit_link(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares t = latency + bytes / bandwidth, on relative error (every size counts).
+
+    Returns (latency s ≥ 0, bandwidth bytes/s)."""
+    if len(samples) < 2:
+        raise FmoeError("need transfers of at least two sizes to fit latency and bandwidth")
+    size = np.array([s for s, _ in samples], dtype=np.float64)
+    seconds = np.array([t for _, t in samples], dtype=np.float64)
+    slope, intercept = np.polyfit(size, seconds, 1, w=1.0 / np.maximum(seconds, 1e-12))
+    if slope <= 0:  # noise swamped the sizes: fall back to the largest transfer
+        return 0.0, float(size[-1] / seconds[-1])
+    return max(0.0, float(intercept)), float(1.0 / slope)
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    if device.type == "cuda":
+        def run(copy: Callable[[], None]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            copy()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+    else:
+        def run(copy: Callable[[], None]) -> float:
+            t0 = time.perf_counter()
+            copy()
+            return time.perf_counter() - t0
+    return run
+
+
+def measure_link(device: torch.device, plan: LinkPlan, advance: Callable[[], None] = lambda: None) -> list[tuple[int, float]]:
+    """(bytes, median seconds) per size; `advance` is called after every timed copy."""
+    timed = _timer(device)
+    samples = []
+    for size in plan.sizes:
+        src = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        src.fill_(1)
+        dst = torch.empty(size, dtype=torch.uint8, device=device)
+        copy = lambda: dst.copy_(src, non_blocking=True)  # noqa: E731
+        for _ in range(plan.warmup):
+            timed(copy)
+        times = []
+        for _ in range(plan.repeats):
+            times.append(timed(copy))
+            advance()
+        samples.append((size, statistics.median(times)))
+        del src, dst
+    return samples
+
+
+def measure_memory_bandwidth(device: torch.device, size: int = 64 * MiB, repeats: int = 3) -> float:
+    """Device-memory traffic of an on-device copy (read + write), bytes/s: a roofline for compute."""
+    timed = _timer(device)
+    a = torch.ones(size, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    copy = lambda: b.copy_(a)  # noqa: E731
+    timed(copy)
+    return 2 * size / statistics.median(timed(copy) for _ in range(repeats))
+
+
+def profile_device(
+    emulate_gbps: float | None = None,
+    emulate_latency: float = 0.0,
+    quick: bool = False,
+    advance: Callable[[], None] = lambda: None,
+    device: torch.device | None = None,
+) -> DeviceProfile:
+    """Measure (or, with emulate_gbps, emulate) the link and read the device's memory."""
+    device = device or local_device()
+    identity = device_identity(device)
+    free, _ = device_memory(device)
+    on_cpu = device.type == "cpu"
+    if emulate_gbps is not None:
+        if emulate_gbps <= 0:
+            raise FmoeError(f"--emulate-link needs a bandwidth > 0 GB/s, got {emulate_gbps}")
+        link = LinkFit("emulated", emulate_gbps * 1e9, emulate_latency, (), f"link: emulated {emulate_gbps:g} GB/s")
+    else:
+        samples = measure_link(device, link_plan(device, quick), advance)
+        latency, bandwidth = fit_link(samples)
+        note = "CPU memcpy (no GPU: the CPU is the device)" if on_cpu else f"pinned host → {device} ({identity.name})"
+        link = LinkFit("measured", bandwidth, latency, tuple(samples), note)
+    return DeviceProfile(
+        device=identity,
+        link=link,
+        free_memory=free,
+        memory_bandwidth=measure_memory_bandwidth(device, 16 * MiB if on_cpu or quick else 256 * MiB),
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+    )
+
+
+def link_steps(device: torch.device | None = None, quick: bool = False, emulated: bool = False) -> int:
+    """How many timed copies `profile_device` makes (for a progress bar)."""
+    if emulated:
+        return 0
+    plan = link_plan(device or local_device(), quick)
+    return len(plan.sizes) * plan.repeats

@@ -1,0 +1,261 @@
+"""Profile files (DESIGN §6): what `fmoe profile` measured, as versioned JSON.
+
+A profile holds the device part (identity, memory, the host→device link fit) and
+optionally the per-layer model timings. It is refused, with a one-line FmoeError,
+when it is malformed, of another schema version, for another device or for another
+model. The JSON schema is `profiles/schema.json` in the repository.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.planning.configurator import Timings
+from fmoe_cli.planning.stats import model_slug, read_json, write_atomic
+
+PROFILE_SCHEMA_VERSION = 1
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class DeviceIdentity:
+    kind: str  # "cuda", "cpu", or "reference" (a spec sheet, not this machine)
+    name: str
+    total_memory: int  # bytes
+
+    def describe(self) -> str:
+        return f"{self.kind} '{self.name}' ({self.total_memory / GiB:.1f} GiB)"
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """Host → device transfer time ≈ latency + bytes / bandwidth."""
+
+    kind: str  # "measured", "emulated" or "spec"
+    bandwidth: float  # bytes/s
+    latency: float | None  # s (None: not known, e.g. a spec sheet)
+    samples: tuple[tuple[int, float], ...] = ()  # (bytes, median seconds) behind a measured fit
+    note: str = ""  # what was measured: "pinned host → cuda:0", "CPU memcpy (no GPU)", "link: emulated 16 GB/s"
+
+    def transfer_time(self, nbytes: int) -> float:
+        return (self.latency or 0.0) + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    device: DeviceIdentity
+    link: LinkFit
+    free_memory: int | None = None  # bytes free when profiled
+    memory_bandwidth: float | None = None  # device memory, bytes/s (roofline estimate of compute)
+    torch_version: str | None = None
+    cuda_version: str | None = None
+    sources: dict[str, str] = field(default_factory=dict)  # figure -> where it comes from (reference profiles)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    name: str  # model id or directory as the user named it
+    config_sha256: str  # of config.json's canonical JSON: a different model (or revision) differs
+
+    def describe(self) -> str:
+        return f"{self.name} (config {self.config_sha256[:12]})"
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    index: int  # decoder layer
+    moe: bool  # routed experts here (else a dense MLP)
+    t_att: float  # T_att: everything of the layer but its MLP/MoE block (s)
+    t_moe: float  # T_moe: the MoE block (router + K experts per token, all resident), or the dense MLP (s)
+
+
+@dataclass(frozen=True)
+class PhaseTimings:
+    tokens: int  # 1 for a decode step, the prompt length for a prefill
+    layers: tuple[LayerTiming, ...]
+    t_head: float  # T_head: final norm + LM head (s)
+
+
+@dataclass(frozen=True)
+class ModelTimings:
+    model: ModelIdentity
+    top_k: int  # K
+    decode: PhaseTimings
+    prefill: PhaseTimings | None = None
+
+    def timings(self, link: LinkFit, expert_bytes: int, phase: str = "decode") -> Timings:
+        """The configurator's Timings: means over the MoE layers; dense layers (DeepSeek's first
+        k) run before the first MoE layer's window closes, so they count with T_head."""
+        timing = self.decode if phase == "decode" else self.prefill
+        if timing is None:
+            raise FmoeError(f"the profile has no {phase} timings")
+        moe = [layer for layer in timing.layers if layer.moe]
+        if not moe:
+            raise FmoeError(f"the profile of {self.model.name} times no MoE layer")
+        dense = sum(layer.t_att + layer.t_moe for layer in timing.layers if not layer.moe)
+        return Timings.from_link(
+            t_att=sum(layer.t_att for layer in moe) / len(moe),
+            t_moe=sum(layer.t_moe for layer in moe) / len(moe),
+            t_head=timing.t_head + dense,
+            top_k=self.top_k,
+            expert_bytes=expert_bytes,
+            bandwidth=link.bandwidth,
+            latency=link.latency or 0.0,
+        )
+
+
+@dataclass(frozen=True)
+class Profile:
+    device: DeviceProfile
+    model: ModelTimings | None = None
+    created: str = ""
+    schema_version: int = PROFILE_SCHEMA_VERSION
+
+    # --- checks --------------------------------------------------------------
+    def check_device(self, current: DeviceIdentity, source: str = "the profile") -> None:
+        mine = self.device.device
+        if mine.kind == "reference":
+            raise FmoeError(f"{source} is a reference profile of {mine.name}, not a profile of this device; run `fmoe profile`")
+        if (mine.kind, mine.name, mine.total_memory) != (current.kind, current.name, current.total_memory):
+            raise FmoeError(f"{source} is for {mine.describe()}, this device is {current.describe()}; run `fmoe profile` again")
+
+    def check_model(self, model: ModelIdentity, source: str = "the profile") -> None:
+        if self.model is None:
+            raise FmoeError(f"{source} has no model timings; run `fmoe profile --model {model.name}`")
+        if self.model.model.config_sha256 != model.config_sha256:
+            raise FmoeError(f"{source} times {self.model.model.describe()}, not {model.describe()}; run `fmoe profile --model {model.name}`")
+
+    # --- JSON ----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["kind"] = "fmoe-profile"
+        data["device"]["link"]["samples"] = [list(s) for s in self.device.link.samples]
+        if self.model is not None:  # T_exp = T_moe / K, for the reader (recomputed on load)
+            for phase in ("decode", "prefill"):
+                if data["model"][phase] is not None:
+                    for layer in data["model"][phase]["layers"]:
+                        layer["t_exp"] = layer["t_moe"] / self.model.top_k if layer["moe"] else None
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "profile") -> Profile:
+        reader = _Reader(source)
+        if not isinstance(data, dict) or data.get("kind") != "fmoe-profile":
+            raise FmoeError(f"{source} is not an fmoe profile")
+        version = data.get("schema_version")
+        if version != PROFILE_SCHEMA_VERSION:
+            raise FmoeError(f"{source} has schema version {version!r}; this fmoe reads version {PROFILE_SCHEMA_VERSION}")
+        return cls(
+            device=reader.device(reader.obj(data, "device")),
+            model=None if data.get("model") is None else reader.model(reader.obj(data, "model")),
+            created=reader.get(data, "created", str),
+            schema_version=version,
+        )
+
+    def save(self, path: Path) -> Path:
+        return write_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        return cls.from_dict(read_json(path, "profile", "; run `fmoe profile`"), source=f"profile {path}")
+
+
+def model_identity(name: str, config_path: Path) -> ModelIdentity:
+    """A model's identity: its name and the SHA-256 of its config.json as canonical JSON
+    (key order and whitespace do not matter; any changed figure does)."""
+    config = read_json(config_path, "model config")
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return ModelIdentity(name, hashlib.sha256(canonical.encode()).hexdigest())
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def default_profile_path(model: str | None = None, config_dir: Path | None = None) -> Path:
+    """The user's config directory: profiles/device.json, or profiles/<model>.json with model timings."""
+    base = Path(config_dir) if config_dir is not None else Path(platformdirs.user_config_dir("fmoe"))
+    return base / "profiles" / (f"{model_slug(model)}.json" if model else "device.json")
+
+
+class _Reader:
+    """Typed field access with one-line errors naming the bad field."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, what: str) -> FmoeError:
+        return FmoeError(f"{self.source} is malformed: {where} {what}")
+
+    def get(self, data: dict, key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+        if key not in data or data[key] is None:
+            if optional:
+                return None
+            raise self.fail(f"'{key}'", "is missing")
+        value = data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+            raise self.fail(f"'{key}'", f"should be {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
+        if isinstance(value, float) and value < 0:
+            raise self.fail(f"'{key}'", "is negative")
+        return value
+
+    def obj(self, data: dict, key: str) -> dict:
+        return self.get(data, key, dict)
+
+    def device(self, d: dict) -> DeviceProfile:
+        ident = self.obj(d, "device")
+        link = self.obj(d, "link")
+        samples = self.get(link, "samples", list)
+        if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(x, (int, float)) for x in s) for s in samples):
+            raise self.fail("'samples'", "should be [bytes, seconds] pairs")
+        bandwidth = self.get(link, "bandwidth", float)
+        if bandwidth <= 0:
+            raise self.fail("'bandwidth'", "must be > 0")
+        sources = self.get(d, "sources", dict, optional=True) or {}
+        return DeviceProfile(
+            device=DeviceIdentity(self.get(ident, "kind", str), self.get(ident, "name", str), self.get(ident, "total_memory", int)),
+            link=LinkFit(
+                kind=self.get(link, "kind", str),
+                bandwidth=bandwidth,
+                latency=self.get(link, "latency", float, optional=True),
+                samples=tuple((int(b), float(t)) for b, t in samples),
+                note=self.get(link, "note", str, optional=True) or "",
+            ),
+            free_memory=self.get(d, "free_memory", int, optional=True),
+            memory_bandwidth=self.get(d, "memory_bandwidth", float, optional=True),
+            torch_version=self.get(d, "torch_version", str, optional=True),
+            cuda_version=self.get(d, "cuda_version", str, optional=True),
+            sources={str(k): str(v) for k, v in sources.items()},
+        )
+
+    def phase(self, d: dict) -> PhaseTimings:
+        layers = []
+        for layer in self.get(d, "layers", list):
+            if not isinstance(layer, dict):
+                raise self.fail("'layers'", "should hold objects")
+            layers.append(LayerTiming(
+                self.get(layer, "index", int), self.get(layer, "moe", bool),
+                self.get(layer, "t_att", float), self.get(layer, "t_moe", float),
+            ))
+        return PhaseTimings(self.get(d, "tokens", int), tuple(layers), self.get(d, "t_head", float))
+
+    def model(self, d: dict) -> ModelTimings:
+        ident = self.obj(d, "model")
+        prefill = d.get("prefill")
+        return ModelTimings(
+            model=ModelIdentity(self.get(ident, "name", str), self.get(ident, "config_sha256", str)),
+            top_k=self.get(d, "top_k", int),
+            decode=self.phase(self.obj(d, "decode")),
+            prefill=None if prefill is None else self.phase(self.obj(d, "prefill")),
+        )

@@ -1,0 +1,183 @@
+"""Per-layer model timings (DESIGN §6): T_att, T_moe (T_exp = T_moe / K), T_head.
+
+`time_layers` takes an already-loaded transformers model (the engine's, or a fully
+resident one) and:
+
+1. runs a prefill of the given prompt and a few decode steps with forward hooks that
+   time every decoder layer, its MLP/MoE block and the head (final norm + LM head),
+   and keep each MoE block's input;
+2. re-runs each MoE block alone on its kept input, one layer at a time inside
+   `resident(i)` — the caller's context that makes layer i's experts resident (and
+   releases them afterwards) — so T_moe never includes expert loading and the model
+   never needs to fit on the device as a whole.
+
+T_att of a layer is the layer's time in the pass minus its MLP's time in the pass
+(attention, norms, residuals).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+
+import torch
+from torch import nn
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.profiling.files import LayerTiming, ModelIdentity, ModelTimings, PhaseTimings
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return layers
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, nn.ModuleList) and len(module) and hasattr(module[0], "mlp"):
+            return module
+    raise FmoeError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    return hasattr(module, "experts") and hasattr(module, "gate")
+
+
+def _sync_for(model: nn.Module) -> Callable[[], None]:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+@contextlib.contextmanager
+def _nothing(_: int) -> Iterator[None]:
+    yield
+
+
+class _PassTimer:
+    """Forward hooks: wall time of every layer, its MLP, and the head, per pass."""
+
+    def __init__(self, model: nn.Module, layers: nn.ModuleList, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.layer_times: dict[int, list[float]] = defaultdict(list)
+        self.mlp_times: dict[int, list[float]] = defaultdict(list)
+        self.head_times: list[float] = []
+        self.moe_inputs: dict[int, torch.Tensor] = {}
+        self._start: dict[object, float] = {}
+        self._handles = []
+        for i, layer in enumerate(layers):
+            self._time(layer, ("layer", i), self.layer_times[i])
+            self._time(layer.mlp, ("mlp", i), self.mlp_times[i], keep_input=i)
+        inner = getattr(model, "model", None)
+        norm = getattr(inner, "norm", None)
+        head = model.get_output_embeddings()
+        if head is None:
+            raise FmoeError(f"cannot find the LM head of {type(model).__name__}")
+        start_module = norm if isinstance(norm, nn.Module) else head
+        self._handles.append(start_module.register_forward_pre_hook(lambda m, a: self._begin("head")))
+        self._handles.append(head.register_forward_hook(lambda m, a, o: self.head_times.append(self._end("head"))))
+
+    def _begin(self, key: object) -> None:
+        self.sync()
+        self._start[key] = time.perf_counter()
+
+    def _end(self, key: object) -> float:
+        self.sync()
+        return time.perf_counter() - self._start.pop(key)
+
+    def _time(self, module: nn.Module, key: object, sink: list[float], keep_input: int | None = None) -> None:
+        def before(_module, args, kwargs):
+            if keep_input is not None:
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                self.moe_inputs[keep_input] = hidden.detach().clone()
+            self._begin(key)
+
+        self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(lambda m, a, o: sink.append(self._end(key))))
+
+    def reset(self) -> None:
+        for times in (*self.layer_times.values(), *self.mlp_times.values(), self.head_times):
+            times.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _median(times: list[float]) -> float:
+    return statistics.median(times) if times else 0.0
+
+
+def time_layers(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    model_identity: ModelIdentity,
+    top_k: int,
+    decode_steps: int = 3,
+    repeats: int = 3,
+    resident: Callable[[int], AbstractContextManager] = _nothing,
+    advance: Callable[[], None] = lambda: None,
+) -> ModelTimings:
+    """Time one prefill of `input_ids` ([1, T]) and `decode_steps` decode steps, layer by layer.
+
+    `advance` is called once per timed MoE layer and phase (for a progress bar).
+    """
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise FmoeError("time_layers needs input_ids of shape [1, T]")
+    layers = decoder_layers(model)
+    sync = _sync_for(model)
+    device = next(model.parameters()).device
+    with torch.no_grad():  # warm-up: first calls allocate and initialise lazily; keep that out of the times
+        model(input_ids=input_ids.to(device), use_cache=True, logits_to_keep=1)
+    timer = _PassTimer(model, layers, sync)
+    kept: dict[str, dict[int, torch.Tensor]] = {}
+    passes: dict[str, tuple[dict[int, float], dict[int, float], float]] = {}
+    try:
+        with torch.no_grad():
+            out = model(input_ids=input_ids.to(device), use_cache=True, logits_to_keep=1)
+            passes["prefill"] = _collect(timer)
+            kept["prefill"] = dict(timer.moe_inputs)
+            timer.reset()
+            for _ in range(max(1, decode_steps)):
+                next_token = out.logits[:, -1:].argmax(-1)
+                out = model(input_ids=next_token, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+            passes["decode"] = _collect(timer)
+            kept["decode"] = dict(timer.moe_inputs)
+    finally:
+        timer.remove()
+
+    phases = {}
+    for phase, tokens in (("prefill", int(input_ids.shape[1])), ("decode", 1)):
+        layer_time, mlp_time, head = passes[phase]
+        timings = []
+        for i, layer in enumerate(layers):
+            moe = is_moe_block(layer.mlp)
+            t_att = max(0.0, layer_time[i] - mlp_time[i])
+            t_mlp = mlp_time[i]
+            if moe:  # again, alone, with its experts resident
+                with resident(i), torch.no_grad():
+                    x = kept[phase][i]
+                    layer.mlp(x)  # warm-up
+                    runs = []
+                    for _ in range(repeats):
+                        sync()
+                        t0 = time.perf_counter()
+                        layer.mlp(x)
+                        sync()
+                        runs.append(time.perf_counter() - t0)
+                    t_mlp = statistics.median(runs)
+                advance()
+            timings.append(LayerTiming(i, moe, t_att, t_mlp))
+        phases[phase] = PhaseTimings(tokens, tuple(timings), head)
+    return ModelTimings(model_identity, top_k, phases["decode"], phases["prefill"])
+
+
+def _collect(timer: _PassTimer) -> tuple[dict[int, float], dict[int, float], float]:
+    layer_time = {i: _median(t) for i, t in timer.layer_times.items()}
+    mlp_time = {i: _median(t) for i, t in timer.mlp_times.items()}
+    return layer_time, mlp_time, _median(timer.head_times)

@@ -1,0 +1,183 @@
+"""Profiles (DESIGN §6): files round-trip, refuse another device / model / malformed JSON;
+the link fit; `fmoe profile` end to end on a tiny checkpoint (quick mode)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fmoe_cli.cli import app
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.profiling.device import device_identity, fit_link
+from fmoe_cli.profiling.files import (
+    DeviceIdentity,
+    DeviceProfile,
+    LayerTiming,
+    LinkFit,
+    ModelTimings,
+    PhaseTimings,
+    Profile,
+    model_identity,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((REPO / "profiles" / "schema.json").read_text())
+runner = CliRunner()
+
+
+def make_profile(identity: DeviceIdentity, config: Path) -> Profile:
+    link = LinkFit("measured", 12.5e9, 8e-6, ((1 << 20, 9.2e-5), (1 << 21, 1.8e-4)), "pinned host → cuda:0")
+    layers = (LayerTiming(0, False, 1e-4, 2e-4), LayerTiming(1, True, 1.5e-4, 6e-4))
+    decode = PhaseTimings(1, layers, 3e-4)
+    prefill = PhaseTimings(16, layers, 4e-4)
+    timings = ModelTimings(model_identity("org/model", config), 2, decode, prefill)
+    device = DeviceProfile(identity, link, 10 << 30, 9e11, "2.13.0", "12.8")
+    return Profile(device, timings, created="2026-11-23T11:00:00+00:00")
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8, "hidden_size": 64}))
+    return path
+
+
+def validate(data: dict) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(data, SCHEMA)
+
+
+def test_round_trip_and_schema(tmp_path, config):
+    gpu = DeviceIdentity("cuda", "NVIDIA GeForce RTX 4090", 24 << 30)
+    profile = make_profile(gpu, config)
+    path = profile.save(tmp_path / "p.json")
+    loaded = Profile.load(path)
+    assert loaded == profile
+    validate(json.loads(path.read_text()))
+    # T_exp is written for the reader: T_moe / K on MoE layers only
+    layers = json.loads(path.read_text())["model"]["decode"]["layers"]
+    assert layers[0]["t_exp"] is None and layers[1]["t_exp"] == pytest.approx(6e-4 / 2)
+    loaded.check_device(gpu)
+    loaded.check_model(model_identity("org/model", config))
+    # the configurator's Timings: means over MoE layers, dense layers count with T_head,
+    # T_load = latency + S_e / bandwidth
+    t = loaded.model.timings(loaded.device.link, expert_bytes=int(12.5e6))
+    assert (t.t_att, t.t_moe, t.top_k) == (1.5e-4, 6e-4, 2)
+    assert t.t_head == pytest.approx(3e-4 + 1e-4 + 2e-4)
+    assert t.t_load == pytest.approx(8e-6 + 1e-3)
+
+
+def test_wrong_device_is_refused(config):
+    profile = make_profile(DeviceIdentity("cuda", "NVIDIA GeForce RTX 4090", 24 << 30), config)
+    for other in (DeviceIdentity("cuda", "NVIDIA GeForce RTX 3060", 12 << 30),
+                  DeviceIdentity("cpu", "NVIDIA GeForce RTX 4090", 24 << 30),
+                  DeviceIdentity("cuda", "NVIDIA GeForce RTX 4090", 48 << 30)):
+        with pytest.raises(FmoeError, match="is for cuda 'NVIDIA GeForce RTX 4090'") as info:
+            profile.check_device(other)
+        assert "\n" not in str(info.value)
+
+
+def test_wrong_model_is_refused(tmp_path, config):
+    profile = make_profile(device_identity(), config)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 16, "hidden_size": 64}))
+    with pytest.raises(FmoeError, match="times org/model"):
+        profile.check_model(model_identity("org/model", other))
+    # the same config with other key order and spacing is the same model
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({"hidden_size": 64, "num_local_experts": 8, "model_type": "mixtral"}, indent=4))
+    profile.check_model(model_identity("whatever/name", same))
+    device_only = Profile(profile.device, None)
+    with pytest.raises(FmoeError, match="has no model timings"):
+        device_only.check_model(model_identity("org/model", config))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: "{not json", "not valid JSON"),
+    (lambda d: [], "not an fmoe profile"),
+    (lambda d: {**d, "kind": "something"}, "not an fmoe profile"),
+    (lambda d: {**d, "schema_version": 99}, "schema version 99"),
+    (lambda d: {**d, "device": {**d["device"], "link": {**d["device"]["link"], "bandwidth": "fast"}}}, "'bandwidth' should be float"),
+    (lambda d: {**d, "device": {**d["device"], "link": {**d["device"]["link"], "bandwidth": 0}}}, "'bandwidth' must be > 0"),
+    (lambda d: {**d, "device": {k: v for k, v in d["device"].items() if k != "device"}}, "'device' is missing"),
+    (lambda d: {**d, "device": {**d["device"], "link": {**d["device"]["link"], "samples": [[1, 2, 3]]}}}, "'samples'"),
+    (lambda d: {**d, "model": {**d["model"], "decode": {**d["model"]["decode"], "t_head": -1.0}}}, "'t_head' is negative"),
+    (lambda d: {**d, "model": {**d["model"], "top_k": True}}, "'top_k' should be int"),
+])
+def test_malformed_profile_is_refused_in_one_line(tmp_path, config, mutate, message):
+    good = make_profile(device_identity(), config).to_dict()
+    bad = mutate(json.loads(json.dumps(good)))
+    path = tmp_path / "bad.json"
+    path.write_text(bad if isinstance(bad, str) else json.dumps(bad))
+    with pytest.raises(FmoeError, match=message) as info:
+        Profile.load(path)
+    assert "\n" not in str(info.value)
+
+
+def test_reference_profiles_state_every_source_and_are_not_this_device():
+    references = sorted((REPO / "profiles").glob("*.json"))
+    references = [p for p in references if p.name != "schema.json"]
+    assert len(references) >= 3
+    for path in references:
+        validate(json.loads(path.read_text()))
+        profile = Profile.load(path)
+        assert profile.device.device.kind == "reference" and profile.device.link.kind == "spec"
+        assert {"device.total_memory", "link.bandwidth"} <= set(profile.device.sources)
+        assert all(len(source) > 20 for source in profile.device.sources.values())
+        with pytest.raises(FmoeError, match="reference profile"):
+            profile.check_device(device_identity())
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    latency, bandwidth = 12e-6, 24e9
+    samples = [(s, latency + s / bandwidth) for s in (1 << 20, 1 << 22, 1 << 24, 1 << 26)]
+    got_latency, got_bandwidth = fit_link(samples)
+    assert got_latency == pytest.approx(latency, rel=1e-6)
+    assert got_bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    with pytest.raises(FmoeError):
+        fit_link(samples[:1])
+
+
+def test_fmoe_profile_model_on_the_cpu(checkpoints, tmp_path):
+    path = checkpoints["deepseek_v2"]  # a dense first layer and three MoE layers
+    out = tmp_path / "prof.json"
+    result = runner.invoke(app, ["profile", "--model", str(path), "--quick", "--prefill-len", "8",
+                                 "--emulate-link", "4", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)
+    assert printed["path"] == str(out)
+    profile = Profile.load(out)
+    validate(json.loads(out.read_text()))
+    profile.check_device(device_identity())
+    profile.check_model(model_identity(str(path), path / "config.json"))
+    link = profile.device.link
+    assert (link.kind, link.bandwidth, link.note) == ("emulated", 4e9, "link: emulated 4 GB/s")
+    decode, prefill = profile.model.decode, profile.model.prefill
+    assert (decode.tokens, prefill.tokens) == (1, 8)
+    assert [layer.moe for layer in decode.layers] == [False, True, True, True]
+    assert all(layer.t_moe > 0 and layer.t_att >= 0 for layer in decode.layers + prefill.layers)
+
+
+def test_fmoe_profile_device_says_it_profiled_the_cpu(tmp_path):
+    out = tmp_path / "device.json"
+    result = runner.invoke(app, ["profile", "--quick", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "no GPU: profiled the CPU" in result.output
+    assert f"saved the profile to {out}" in result.output.replace("\n", "")
+    assert Profile.load(out).device.link.kind == "measured"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--emulate-link", "0"], "bandwidth > 0"),
+    (["--prefill-len", "0"], "--prefill-len"),
+    (["--model", "/no/such/model"], "no such model directory"),
+])
+def test_fmoe_profile_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    result = runner.invoke(app, ["profile", "--quick", "--out", str(tmp_path / "p.json"), *args])
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert result.output.strip().startswith("error:") and len(result.output.strip().splitlines()) == 1
