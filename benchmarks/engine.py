@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Engine benchmark (issue 2): measured side by side in one run, printed as ratios.
+
+1. `resident` through the engine vs plain transformers on the same checkpoint
+   (TPOT ratio; target <= 1.10): the cost of the ExpertsInterface hook itself.
+2. An emulated link whose bandwidth makes loading one expert take `--load-ratio`
+   (default 3, MoEpic's measured ratio) times computing one expert for one token, at
+   an expert budget of 25 % of all experts: TPOT of every policy as a ratio to `lru`.
+
+The checkpoint is a mid-size random Mixtral (8 layers, 32 experts, top-4, hidden
+1024, expert intermediate 512) built once into --dir. Random weights route with
+little locality; the demo model (`--model demo`) has learned routing.
+
+    python benchmarks/engine.py                # builds /tmp/fmoe-bench-engine on first run
+    python benchmarks/engine.py --model demo --tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from fmoe_cli.bench.run import bench_policy, encode_prompt
+from fmoe_cli.generate import stream_generate
+from fmoe_cli.models.demo import build_random_moe
+from fmoe_cli.models.load import load_model
+from fmoe_cli.offload.engine import Engine
+from fmoe_cli.offload.layout import segment_forward
+from fmoe_cli.offload.link import EmulatedLink, ThreadLink
+from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.plan import parse_budget
+
+POLICIES = ["lru", "moepic", "uniform", "lfu", "cache-only", "prefetch-only", "ondemand", "resident"]
+PROMPT = "Explain how a mixture of experts decides which experts to use for each token."
+
+
+def mid_size_checkpoint(path: Path) -> Path:
+    if not (path / "config.json").exists():
+        build_random_moe(path, "mixtral", seed=0, hidden_size=1024, intermediate_size=512, num_hidden_layers=8,
+                         num_local_experts=32, num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=2)
+    return path
+
+
+def plain_transformers_tpot(path: Path, prompt_ids: torch.Tensor, tokens: int) -> float:
+    """Median decode-step time of transformers' own model (no engine), same loop as the engine runs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    events = list(stream_generate(model, prompt_ids, max_new_tokens=tokens, stop_on_eos=False))
+    del model
+    return statistics.median(e.latency_s for e in events[1:]) * 1000
+
+
+def expert_compute_s(lm, repeats: int = 200) -> float:
+    """T_exp: one expert's forward for one token (decode), from the engine's packed layout."""
+    packed = lm.store.expert(0, 0).to(lm.device)
+    x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
+    act = torch.nn.functional.silu
+    for _ in range(10):
+        segment_forward(x, packed, act)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        segment_forward(x, packed, act)
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a model id or directory instead of the mid-size random checkpoint")
+    p.add_argument("--dir", default="/tmp/fmoe-bench-engine", help="where the random checkpoint is built")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--budget", default="25%")
+    p.add_argument("--load-ratio", type=float, default=3.0, help="expert load time / expert compute time")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    console = Console()
+
+    path = str(mid_size_checkpoint(Path(args.dir))) if args.model is None else args.model
+    lm = load_model(path, device="cpu", dtype="float32", console=console)
+    prompt_ids = encode_prompt(lm, PROMPT)
+    shape = lm.shape
+    console.print(f"{lm.label}: {shape.num_layers} MoE layers × {shape.num_experts} experts, top-{shape.top_k}, "
+                  f"hidden {shape.hidden}, expert {shape.expert_bytes / 2**20:.2f} MiB")
+
+    # 1. resident through the engine vs plain transformers.
+    engine = Engine(lm.layers, lm.store, shape, ThreadLink(), lm.device, lm.dtype)
+    engine.install(lm.model)
+    resident = bench_policy(lm, engine, make_settings("resident", shape, 0), prompt_ids, args.tokens, args.warmup)
+    engine.close()
+    hf_tpot = plain_transformers_tpot(Path(lm.path), prompt_ids, args.tokens)
+    t1 = Table(title="1. resident engine vs plain transformers (TPOT, median of decode steps)")
+    for col in ("run", "TPOT ms", "ratio"):
+        t1.add_column(col, justify="right" if col != "run" else "left")
+    t1.add_row("transformers", f"{hf_tpot:.2f}", "1.00")
+    t1.add_row("fmoe resident", f"{resident.tpot_ms['median']:.2f}", f"{resident.tpot_ms['median'] / hf_tpot:.2f}")
+    console.print(t1)
+
+    # 2. every policy on an emulated link at load/compute = load_ratio.
+    t_exp = expert_compute_s(lm)
+    gbps = shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
+    budget = parse_budget(args.budget, shape.all_experts_bytes)
+    link = EmulatedLink(gbps)
+    engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
+    engine.install(lm.model)
+    runs = {}
+    for name in POLICIES:
+        with console.status(f"{name} …"):
+            runs[name] = bench_policy(lm, engine, make_settings(name, shape, budget), prompt_ids, args.tokens,
+                                      args.warmup)
+    engine.close()
+    base = runs["lru"].tpot_ms["median"]
+    t2 = Table(title=f"2. {link.label()} (expert load {args.load_ratio:g}× T_exp = {t_exp * 1e3:.3f} ms), "
+                     f"budget {args.budget} = {budget / 2**20:.0f} MiB")
+    for col in ("policy", "TPOT ms", "÷ lru", "hit", "exp ms/tok", "MiB/tok"):
+        t2.add_column(col, justify="right" if col != "policy" else "left")
+    for name, r in runs.items():
+        t2.add_row(name, f"{r.tpot_ms['median']:.2f}", f"{r.tpot_ms['median'] / base:.2f}", f"{r.hit_rate:.2f}",
+                   f"{r.exposed_load_ms_per_token:.2f}", f"{r.bytes_per_token / 2**20:.1f}")
+    console.print(t2)
+    same = len({tuple(r.token_ids) for r in runs.values()} | {tuple(resident.token_ids)}) == 1
+    console.print("token ids identical across policies" if same else "[red]token ids DIFFER[/red]")
+
+
+if __name__ == "__main__":
+    main()
