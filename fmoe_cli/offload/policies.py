@@ -19,6 +19,7 @@ class EvictionPolicy:
     """Priority-based policy: the lowest-priority unpinned expert is the victim."""
 
     name = "base"
+    uses_prediction = False  # True: the prefetcher feeds it the predicted scores of its layer
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
@@ -32,6 +33,9 @@ class EvictionPolicy:
 
     def priority(self, expert: int, step: int) -> float:
         raise NotImplementedError
+
+    def see_prediction(self, scores: Sequence[float]) -> None:
+        """The latest predicted scores for this layer (only called when `uses_prediction`)."""
 
     def choose_victim(self, candidates: Sequence[int], step: int) -> int:
         # Ties go to the lowest expert id so that runs are deterministic.
@@ -105,7 +109,33 @@ class RandomPolicy(EvictionPolicy):
         return self._rng.choice(sorted(candidates))
 
 
-POLICIES = {"lcp": LCP, "lru": LRU, "lfu": LFU, "random": RandomPolicy}
+class FmoePolicy(EvictionPolicy):
+    """fMoE's eviction: evict the expert with the highest 1 / (p · freq), i.e. keep the
+    highest p · freq. p: the expert's probability in the layer's latest prediction
+    (normalised to sum 1; uniform 1/N before any), freq: its activation count μ.
+
+    Choices: freq is the count μ (for one layer at one time the same order as the
+    frequency μ/step); a newcomer is always admitted (plain eviction, as the paper);
+    negative scores (DeepSeek-V3's bias) count as 0.
+    """
+
+    name = "fmoe"
+    uses_prediction = True
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__(num_experts)
+        self.p = [1.0 / num_experts] * num_experts
+
+    def see_prediction(self, scores: Sequence[float]) -> None:
+        clipped = [max(0.0, s) for s in scores]
+        total = sum(clipped)
+        self.p = [s / total for s in clipped] if total > 0 else [1.0 / self.num_experts] * self.num_experts
+
+    def priority(self, expert: int, step: int) -> float:
+        return self.p[expert] * self.count[expert]
+
+
+POLICIES = {"lcp": LCP, "lru": LRU, "lfu": LFU, "random": RandomPolicy, "fmoe": FmoePolicy}
 
 
 def make_policy(name: str, num_experts: int, *, omega: float = 128.0, rho: float = 0.25, seed: int = 0) -> EvictionPolicy:
