@@ -1,0 +1,71 @@
+"""Plans before the configurator: budgets, uniform / resident plans, the staging pool."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.planning.plan import ExpertShape, min_staging_slots, parse_budget, resident_plan, uniform_plan
+
+MiB = 1024**2
+# Mixtral-8x7B in bf16: 32 layers × 8 experts, top-2, H = 4096, I = 14336.
+MIXTRAL = ExpertShape(num_layers=32, num_experts=8, top_k=2, hidden=4096, intermediate=14336, dtype_bytes=2)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("6GiB", 6 * 1024**3), ("512MiB", 512 * MiB), ("1.5G", int(1.5 * 1024**3)), ("2GB", 2 * 10**9),
+    ("1048576", MiB), (" 25% ", 250), ("100%", 1000),
+])
+def test_parse_budget(text: str, expected: int) -> None:
+    assert parse_budget(text, all_experts_bytes=1000) == expected
+
+
+@pytest.mark.parametrize("text", ["", "six gigs", "0%", "120%", "-1GiB", "5 parsecs"])
+def test_parse_budget_refuses_with_one_line(text: str) -> None:
+    with pytest.raises(FmoeError) as err:
+        parse_budget(text, all_experts_bytes=1000)
+    assert "\n" not in str(err.value)
+
+
+def test_mixtral_expert_bytes() -> None:
+    # I · 3 · H · 2 bytes = 14336 · 3 · 4096 · 2 = 352,321,536 B = 336 MiB per expert
+    assert MIXTRAL.expert_bytes == 336 * MiB
+    assert min_staging_slots(MIXTRAL) == 4  # 2·K: this layer's and the next layer's experts
+
+
+def test_budget_below_the_staging_pool_says_how_much_is_needed() -> None:
+    with pytest.raises(FmoeError, match=r"1000\.0 MiB is too small.*4 expert slots × 336\.00 MiB = 1344\.0 MiB"):
+        uniform_plan(MIXTRAL, 1000 * MiB)
+
+
+def test_uniform_plan_by_hand() -> None:
+    # 12 GiB budget: staging 4 · 336 MiB = 1344 MiB; V_i = (12288 − 1344) / 32 = 342 MiB per layer.
+    # θ = 0.5 → k = 7168 neurons (a whole number of 64-neuron blocks), a top segment is 168 MiB,
+    # so C_i = floor(342 / 168) = 2 experts per layer.
+    plan = uniform_plan(MIXTRAL, 12 * 1024 * MiB, theta=0.5)
+    assert plan.staging_slots == 4
+    assert all(lp.cache_size == 2 and lp.top_neurons == 7168 and lp.split == 0.5 for lp in plan.layers)
+    assert plan.total_bytes == 4 * 336 * MiB + 32 * 2 * 168 * MiB
+
+
+@given(budget_mib=st.integers(1344, 200_000), theta=st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]))
+def test_uniform_plan_never_exceeds_the_budget(budget_mib: int, theta: float) -> None:
+    plan = uniform_plan(MIXTRAL, budget_mib * MiB, theta)
+    assert plan.total_bytes <= budget_mib * MiB
+    assert plan.staging_slots >= min_staging_slots(MIXTRAL)
+    for lp in plan.layers:
+        assert 0 <= lp.cache_size <= MIXTRAL.num_experts
+        assert 0.0 <= lp.split <= 1.0
+
+
+def test_prefetch_only_gives_the_whole_budget_to_staging() -> None:
+    plan = uniform_plan(MIXTRAL, 3000 * MiB, theta=0.0)
+    assert plan.staging_slots == 3000 // 336 and all(lp.cache_size == 0 for lp in plan.layers)
+
+
+def test_resident_plan_holds_every_expert_whole() -> None:
+    plan = resident_plan(MIXTRAL)
+    assert all(lp.cache_size == 8 and lp.split == 1.0 for lp in plan.layers)
+    assert plan.cache_bytes == MIXTRAL.all_experts_bytes
