@@ -7,9 +7,10 @@ One decode step through MoE layer i (DESIGN §5):
 3. it computes what is on the device first (whole experts, cached top segments),
    then each missing segment as its transfer completes; partial results are summed
    in a fixed order (top + bottom, then experts by id), so results are deterministic;
-4. it prefetches for layer i+1 in descending predicted score: only the bottom when
-   the top is cached, the whole expert otherwise (the last layer predicts layer 0
-   of the next token);
+4. it shows the predictor this routing and queues what it predicts (the default,
+   speculative: layer i+1; the last layer predicts layer 0 of the next token) in
+   descending priority: only the bottom when the top is cached, the whole expert
+   otherwise (offload/prefetch.py);
 5. a loaded expert's top segment is offered to the cache (LCP by default).
 
 Prefill takes the same path with every activated expert; when the staging pool is
@@ -30,9 +31,10 @@ from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.layout import segment_forward
 from fmoe_cli.offload.link import DEMAND, PREFETCH, Transfer
 from fmoe_cli.offload.policies import make_policy
-from fmoe_cli.offload.predictors import Predictor, SpeculativePredictor
+from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.offload.store import HostStore
 from fmoe_cli.planning.plan import ExpertShape, Plan
+from fmoe_cli.prediction import Iteration, Predictor, SpeculativePredictor
 
 IMPLEMENTATION_NAME = "fmoe"
 
@@ -216,7 +218,11 @@ class Engine:
         self.link = link
         self.device = device
         self.dtype = dtype
-        self.predictor = predictor or SpeculativePredictor(layers)
+        routers = [layer.router for layer in layers]
+        self.predictor = predictor or SpeculativePredictor(routers)
+        self.prefetcher = Prefetcher()
+        self.iteration = Iteration(shape.num_layers, shape.num_experts, routers)  # what predictors see
+        self._embedding_hook = None
         self.observers: list[RouteObserver] = []
         self.settings: EngineSettings | None = None
         self.layers: list[LayerState] = []
@@ -231,6 +237,9 @@ class Engine:
             layer.experts._fmoe_engine = self
             layer.experts._fmoe_layer = layer.index
         model.set_experts_implementation(IMPLEMENTATION_NAME)
+        if self._embedding_hook is not None:
+            self._embedding_hook.remove()
+        self._embedding_hook = model.get_input_embeddings().register_forward_hook(self._begin_pass)
 
     def configure(self, settings: EngineSettings, warm: bool = False) -> None:
         """Build the caches and the staging pool for a plan.
@@ -267,6 +276,7 @@ class Engine:
         self.pool = StagingPool(plan.staging_slots, shape, self.device, self.dtype)
         self.settings = settings
         self._predicted = [None] * shape.num_layers
+        self.predictor.replan()  # `auto` re-chooses its predictor per layer with every plan
 
     def device_bytes(self) -> int:
         """Bytes the engine holds on the device: cached tops and the staging pool."""
@@ -282,6 +292,7 @@ class Engine:
         return total
 
     def close(self) -> None:
+        self.predictor.close()
         if self.pool is not None:
             self.pool.clear()
         self.link.close()
@@ -301,6 +312,7 @@ class Engine:
             event = RouteEvent(i, top_k_index, top_k_weights, routed, state.cache, self._predicted[i])
             for observe in self.observers:
                 observe(event)
+        self._predicted[i] = None  # a prediction is for one routing
         state.cache.record(routed)
         for e in active:
             state.cache.pin(e)
@@ -355,7 +367,7 @@ class Engine:
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
-                self._prefetch(i, hidden_states)  # 4. speculate once every demand load is queued
+                self._prefetch(i, hidden_states, top_k_index)  # 4. speculate once every demand load is queued
                 prefetched = True
             entry = next((x for x in loading if x.transfer.ready()), loading[0])
             if not entry.transfer.ready():
@@ -374,7 +386,7 @@ class Engine:
             pool.release(entry)
             self._submit_demand(i, waiting, loading)
         if not prefetched:
-            self._prefetch(i, hidden_states)
+            self._prefetch(i, hidden_states, top_k_index)
 
         final = torch.zeros_like(hidden_states)
         for e in active:  # fixed order: by expert id
@@ -408,27 +420,16 @@ class Engine:
         if admission is not None:
             state.tops[admission.slot].copy_(segment[: state.top_neurons])
 
-    def _prefetch(self, i: int, hidden_states: torch.Tensor) -> None:
-        """Queue the likely experts of the next MoE layer (layer 0 of the next token after the last)."""
+    def _prefetch(self, i: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        """Show the predictor layer i's routing; queue what it predicts (fmoe_cli/offload/prefetch.py)."""
         if self.settings is None or not self.settings.prefetch:
             return
-        j = (i + 1) % self.shape.num_layers
-        target = self.layers[j]
-        scores = self.predictor.scores(j, hidden_states)
-        ranking = torch.argsort(scores, descending=True, stable=True).tolist()
-        self._predicted[j] = ranking
-        width = self.settings.prefetch_width or self.shape.top_k
-        for rank, e in enumerate(ranking[:width]):
-            if self.pool.find(j, e) is not None:
-                continue
-            cached = target.cache.slot(e) is not None
-            if cached and target.top_neurons == self.shape.intermediate:
-                continue  # already whole on the device
-            slot = self.pool.free_slot()
-            if slot is None:
-                break  # the staging pool is full
-            start = target.top_neurons if cached else 0
-            transfer = self.link.submit(self.pool.buffer[slot][start:], self.store.expert(j, e)[start:], PREFETCH + rank)
-            self.pool.put(Staged(j, e, start, slot, transfer, prefetched=True))
-            target.counters.prefetch_issued += 1
-            target.counters.bytes_prefetch += transfer.nbytes
+        self.iteration.observe(i, hidden_states, top_k_index)
+        self.prefetcher.issue(self, self.predictor.after_layer(self.iteration, i))
+
+    def _begin_pass(self, module, args, output) -> None:
+        """Forward hook on the embedding layer: a new pass; its output is the predictors' semantic hint."""
+        if self.settings is None or not self.settings.prefetch:
+            return
+        self.iteration.begin(output.detach())
+        self.prefetcher.issue(self, self.predictor.begin(self.iteration))

@@ -1,0 +1,86 @@
+"""The prefetcher: turns any predictor's predictions into staging-pool loads.
+
+All predictions of one call compete in one order, by priority
+
+    priority = score · weight        (weight: 1 / distance unless the predictor says otherwise,
+                                      fMoE's p / (l − l_now); MoE-Infinity passes 1 − (i − l)/L)
+
+so nearer layers go first. The candidates of a prediction are its `count` best
+experts (default: the engine's Y, `prefetch_width`, = K); candidates already
+staged or whole on the device are skipped, not replaced by lower-ranked ones.
+Each load is only the bottom segment when the top is cached, the whole expert
+otherwise. The link priority is PREFETCH + the position in that order.
+
+Budget: loads only go into free staging slots (U_b is fixed by the plan). When
+the pool is full, a load may take the slot of a *queued* prefetch (not started,
+not in use) of lower priority; in-use and in-flight entries are never touched.
+The walk stops at the first load that finds no slot (everything after it has a
+lower priority).
+
+A prediction issued d ≥ L layers ahead would name a layer that routes again
+before it: such predictions are ignored.
+"""
+
+from __future__ import annotations
+
+from fmoe_cli.offload.link import PREFETCH
+from fmoe_cli.prediction.base import Prediction
+
+
+class Prefetcher:
+    def __init__(self) -> None:
+        self.priority: dict[object, float] = {}  # staged prefetch -> the priority it was issued with
+
+    def issue(self, engine, predictions: list[Prediction]) -> None:
+        from fmoe_cli.offload.engine import Staged  # the engine imports this module
+
+        shape = engine.shape
+        pool = engine.pool
+        live = {e for e in pool.entries if e is not None}
+        self.priority = {e: p for e, p in self.priority.items() if e in live}
+        usable = [p for p in predictions if 1 <= p.distance < shape.num_layers]
+        width = engine.settings.prefetch_width or shape.top_k  # Y
+        candidates = []
+        for index, p in enumerate(usable):
+            ranking = p.ranking()
+            engine._predicted[p.target] = ranking
+            policy = engine.layers[p.target].cache.policy
+            if policy.uses_prediction:
+                policy.see_prediction(p.scores.tolist())
+            weight = p.priority_weight
+            scores = p.scores.tolist()
+            best = ranking[: p.count if p.count is not None else width]
+            candidates += [(-scores[e] * weight, index, rank, e) for rank, e in enumerate(best)]
+        candidates.sort()
+        for position, (neg_priority, index, _rank, e) in enumerate(candidates):
+            j = usable[index].target
+            if pool.find(j, e) is not None:
+                continue
+            target = engine.layers[j]
+            cached = target.cache.slot(e) is not None
+            if cached and target.top_neurons == shape.intermediate:
+                continue  # already whole on the device
+            slot = pool.free_slot()
+            if slot is None:
+                slot = self._displace(pool, -neg_priority)
+            if slot is None:
+                break  # the staging pool is full of more urgent work
+            start = target.top_neurons if cached else 0
+            transfer = engine.link.submit(pool.buffer[slot][start:], engine.store.expert(j, e)[start:],
+                                          PREFETCH + position)
+            entry = Staged(j, e, start, slot, transfer, prefetched=True)
+            pool.put(entry)
+            self.priority[entry] = -neg_priority
+            target.counters.prefetch_issued += 1
+            target.counters.bytes_prefetch += transfer.nbytes
+
+    def _displace(self, pool, priority: float) -> int | None:
+        """Free the slot of the lowest-priority queued prefetch below `priority`, if any."""
+        victims = [e for e in pool.entries if e is not None and e.prefetched and not e.in_use
+                   and e.transfer.state == "queued" and self.priority.get(e, float("inf")) < priority]
+        if not victims:
+            return None
+        victim = min(victims, key=lambda e: (self.priority[e], e.slot))
+        pool.release(victim)
+        self.priority.pop(victim, None)
+        return pool.free_slot()

@@ -1,0 +1,153 @@
+"""The predictor interface: what a predictor sees, and what it returns to the prefetcher.
+
+One *iteration* is one forward pass of the model (the prompt in a prefill, one
+token in a decode step). The engine fills an `Iteration` as the pass goes:
+
+- `begin(embedding)` when the embedding layer has run (its output is the
+  semantic hint fMoE matches on);
+- `observe(layer, hidden, routed)` when MoE layer `layer` has routed (its router
+  input and the experts it chose).
+
+A predictor is asked at both moments (`begin`, `after_layer`) and returns any
+number of `Prediction`s: for a target layer, a score per expert, how far ahead
+the prediction is issued, how many of its best experts are worth loading, and
+the priority weight the prefetcher gives it.
+
+A *request* is what a user sends: its first iteration is a prefill (more than
+one token); the decode steps that follow (one token each) belong to it. A new
+multi-token forward (the next chat turn, a new prompt) starts a new request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from fmoe_cli.models.families import router_scores
+
+
+@dataclass
+class Prediction:
+    target: int  # MoE layer the experts are for (when target <= the issuing layer: that layer of the next iteration)
+    scores: torch.Tensor  # [N], higher = more likely; map/EAM predictors give a distribution (sums to 1)
+    distance: int  # layers ahead of the issuing point (1 = the next MoE layer; from the embedding: target + 1)
+    count: int | None = None  # how many of the best experts to prefetch (None: the prefetcher's default)
+    weight: float | None = None  # prefetch priority = score · weight (None: 1 / distance, fMoE's p / (l − l_now))
+
+    def ranking(self) -> list[int]:
+        """Experts by descending score; ties by expert id (deterministic)."""
+        return torch.argsort(self.scores, descending=True, stable=True).tolist()
+
+    @property
+    def priority_weight(self) -> float:
+        return self.weight if self.weight is not None else 1.0 / self.distance
+
+
+@dataclass
+class Iteration:
+    """What has been observed so far in the current forward pass (and which request it belongs to)."""
+
+    num_layers: int  # L
+    num_experts: int  # N
+    routers: list[torch.nn.Module] | None = None  # to compute full routing distributions; None in synthetic tests
+    request: int = -1  # counts requests (-1: none yet)
+    index: int = 0  # iteration number within the request (0: its prefill)
+    tokens: int = 0  # tokens in this forward pass
+    embedding: torch.Tensor | None = None  # [T, H] output of the embedding layer
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> router input [T, H]
+    routed: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> top_k_index [T, K]
+    _distribution: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def begin(self, embedding: torch.Tensor | None, tokens: int | None = None) -> None:
+        """A new forward pass. More than one token starts a new request (a prefill)."""
+        tokens = tokens if tokens is not None else (embedding.shape[-2] if embedding is not None else 1)
+        if tokens > 1 or self.request < 0:
+            self.request += 1
+            self.index = 0
+        else:
+            self.index += 1
+        self.tokens = tokens
+        self.embedding = embedding.reshape(-1, embedding.shape[-1]) if embedding is not None else None
+        self.hidden.clear()
+        self.routed.clear()
+        self._distribution.clear()
+
+    def observe(self, layer: int, hidden: torch.Tensor | None, routed: torch.Tensor,
+                distribution: torch.Tensor | None = None) -> None:
+        """MoE layer `layer` has routed. `distribution` ([N]) may be given directly (synthetic routing)."""
+        if layer in self.routed:  # no embedding hook ran (engine used without `install`): a new pass
+            self.begin(None, tokens=routed.shape[0])
+        self.hidden[layer] = hidden
+        self.routed[layer] = routed
+        if distribution is not None:
+            self._distribution[layer] = distribution.float()
+
+    @property
+    def observed(self) -> list[int]:
+        return sorted(self.routed)
+
+    def activated(self, layer: int) -> set[int]:
+        return set(self.routed[layer].reshape(-1).tolist())
+
+    def distribution(self, layer: int) -> torch.Tensor:
+        """The routing distribution of `layer` in this pass: the router's probabilities averaged
+        over the tokens, normalised to sum 1 (fMoE's expert-map row). Without a router (synthetic
+        routing) the share of routed slots each expert got."""
+        if layer not in self._distribution:
+            if self.routers is not None and self.hidden.get(layer) is not None:
+                p = router_scores(self.routers[layer], self.hidden[layer]).mean(dim=0)
+            else:
+                p = torch.bincount(self.routed[layer].reshape(-1), minlength=self.num_experts).float()
+            p = p.clamp_min(0)  # DeepSeek-V3's bias can make a sigmoid score negative
+            self._distribution[layer] = p / p.sum().clamp_min(1e-12)
+        return self._distribution[layer]
+
+
+class Predictor(Protocol):
+    name: str
+
+    def begin(self, it: Iteration) -> list[Prediction]:
+        """The embedding layer has run: predictions that need no routing yet."""
+        ...
+
+    def after_layer(self, it: Iteration, layer: int) -> list[Prediction]:
+        """MoE layer `layer` has routed (it is in `it.routed`): predictions for later layers."""
+        ...
+
+    def replan(self) -> None:
+        """The plan was recomputed (the engine was configured again)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class BasePredictor:
+    """No-op defaults for the optional parts of the protocol."""
+
+    name = "base"
+
+    def begin(self, it: Iteration) -> list[Prediction]:
+        return []
+
+    def after_layer(self, it: Iteration, layer: int) -> list[Prediction]:
+        return []
+
+    def replan(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def cosine_rows(matrix: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of every row of `matrix` [M, D] with `vector` [D] (0 for a zero row)."""
+    norms = matrix.norm(dim=1) * vector.norm()
+    return (matrix @ vector) / norms.clamp_min(1e-12)
+
+
+def top_k_hits(scores: torch.Tensor, activated: set[int], k: int) -> int:
+    """How many of the k best-scored experts were activated."""
+    return len(set(torch.argsort(scores, descending=True, stable=True)[:k].tolist()) & activated)

@@ -1,0 +1,63 @@
+"""`mol` (FIRM-MoE): multi-layer intersection.
+
+The target layer's router is applied to the router inputs of the P most recent
+layers h_l, h_{l−1}, …, h_{l−P+1}; each gives its top-K candidates, and the experts
+in every candidate set (the intersection) are the confident prediction.
+
+Choices the paper leaves open (decided here):
+- Ranking: intersection experts first, the rest after them; inside both groups the
+  order of the nearest layer's scores (softmax(R_t(h_l)), i.e. `speculative`).
+  So an empty intersection falls back to exactly the speculative ranking.
+- Fewer than P layers observed (the first layers of a pass): intersect the ones
+  there are (layer 0 alone = the speculative prediction). The last layer predicts
+  layer 0 of the next token from the last P layers of this one, as speculative does.
+- Several tokens (prefill): each layer's candidates come from its per-token
+  probabilities averaged over the tokens (as speculative).
+- Prefetch count: the prefetcher's default, as speculative (the intersection only
+  reorders); distance 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fmoe_cli.models.families import router_scores
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction
+
+DEFAULT_CANDIDATES = 3  # K: candidates per layer
+DEFAULT_LAYERS = 3  # P: earlier layers intersected
+
+
+def intersection_scores(per_layer: list[torch.Tensor], k: int) -> tuple[torch.Tensor, set[int]]:
+    """per_layer: scores [N] nearest layer first. Returns scores ranking the intersection of
+    the top-k sets first (ordered by the nearest layer), then the rest, and the intersection."""
+    sets = [set(torch.topk(s, min(k, s.numel())).indices.tolist()) for s in per_layer]
+    common = set.intersection(*sets)
+    nearest = per_layer[0]
+    # Shift the nearest layer's scores into [0, 1) and lift the intersection above everything else.
+    base = (nearest - nearest.min()) / (nearest.max() - nearest.min()).clamp_min(1e-12) * 0.5
+    boost = torch.zeros_like(base)
+    if common:
+        boost[list(common)] = 1.0
+    return base + boost, common
+
+
+class MolPredictor(BasePredictor):
+    name = "mol"
+
+    def __init__(self, routers: list[torch.nn.Module], k: int = DEFAULT_CANDIDATES,
+                 layers: int = DEFAULT_LAYERS) -> None:
+        if k < 1 or layers < 1:
+            raise ValueError("mol needs K >= 1 and P >= 1")
+        self.routers = routers
+        self.k = k
+        self.p = layers
+        self.last_intersection: set[int] = set()  # for tests and the curious
+
+    def after_layer(self, it: Iteration, layer: int) -> list[Prediction]:
+        target = (layer + 1) % len(self.routers)
+        sources = [h for h in (layer - j for j in range(self.p)) if h in it.hidden and it.hidden[h] is not None]
+        router = self.routers[target]
+        per_layer = [router_scores(router, it.hidden[h]).mean(dim=0) for h in sources]
+        scores, self.last_intersection = intersection_scores(per_layer, self.k)
+        return [Prediction(target, scores, distance=1)]

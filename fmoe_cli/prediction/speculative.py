@@ -1,0 +1,22 @@
+"""`speculative` (MoEpic, after AdapMoE): the next layer's own router on this layer's router input."""
+
+from __future__ import annotations
+
+import torch
+
+from fmoe_cli.models.families import router_scores
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction
+
+
+class SpeculativePredictor(BasePredictor):
+    """MoEpic Eq. 3: softmax(R_{i+1}(h_i)). Over several tokens (prefill) the per-token
+    probabilities are averaged. The last layer predicts layer 0 of the next token (AdapMoE)."""
+
+    name = "speculative"
+
+    def __init__(self, routers: list[torch.nn.Module]) -> None:
+        self.routers = routers
+
+    def after_layer(self, it: Iteration, layer: int) -> list[Prediction]:
+        target = (layer + 1) % len(self.routers)
+        return [Prediction(target, router_scores(self.routers[target], it.hidden[layer]).mean(dim=0), distance=1)]
