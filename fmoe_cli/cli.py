@@ -77,6 +77,8 @@ def bench(
     prompt: Annotated[str | None, typer.Option(help="Prompt (default: a short question).")] = None,
     prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from this text file.")] = None,
     trace_out: Annotated[str | None, typer.Option(help="Write the routing of every measured run (JSONL trace).")] = None,
+    predictor: Annotated[str, typer.Option(
+        help="Expert predictor of the prefetcher: speculative, expert-map, eam, mol, auto.")] = "speculative",
     emulate_link: LinkOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
@@ -92,7 +94,7 @@ def bench(
         model, policies=parse_policies(policy, compare, list(PRESETS)), vram_budget=vram_budget, tokens=tokens,
         warmup=warmup, prompt=read_prompt(prompt, prompt_file), emulate_link=emulate_link,
         dtype=None if dtype == "auto" else dtype, device=device, trust_remote_code=trust_remote_code,
-        trace_out=trace_out, console=err_console,
+        trace_out=trace_out, predictor=predictor, console=err_console,
     )
     if as_json:
         print(json.dumps(report))

@@ -235,7 +235,8 @@ def render(report: dict, console: Console) -> None:
     peak = "peak RSS of the process (CPU)" if report["device"] == "cpu" else "peak device memory"
     console.print(f"[bold]{report['label']}[/bold]", highlight=False)
     console.print(f"device {report['device']} ({report['dtype']}) · {report['link']['label']} · "
-                  f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB", highlight=False)
+                  f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
+                  f"predictor {report.get('predictor', 'speculative')}", highlight=False)
     if report.get("tokens") is not None:
         console.print(f"{report['prompt_tokens']} prompt tokens, {report['tokens']} measured after "
                       f"{report['warmup']} warm-up tokens, greedy", highlight=False)
@@ -260,6 +261,7 @@ def run_bench(
     device: str,
     trust_remote_code: bool = False,
     trace_out: str | None = None,
+    predictor: str = "speculative",
     on_idle: IdleHook | None = None,
     console: Console | None = None,
 ) -> dict:
@@ -268,8 +270,11 @@ def run_bench(
     from fmoe_cli.models.load import load_model
     from fmoe_cli.offload.presets import make_settings
     from fmoe_cli.planning.plan import parse_budget
+    from fmoe_cli.prediction import PREDICTORS, make_predictor
 
     console = console or Console(stderr=True)
+    if predictor not in PREDICTORS:
+        raise FmoeError(f"unknown predictor {predictor!r}; choose from {', '.join(PREDICTORS)}")
     if tokens < 1:
         raise FmoeError("--tokens must be at least 1")
     if warmup < 0:
@@ -284,7 +289,8 @@ def run_bench(
         writer = TraceWriter(trace_out, num_layers=shape.num_layers, num_experts=shape.num_experts,
                              top_k=shape.top_k, model=lm.model_id)
     link = make_link(lm.device, emulate_link)
-    engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype,
+                    predictor=make_predictor(predictor, lm.layers, lm.shape.num_experts, lm.shape.top_k))
     engine.install(lm.model)
     recorder = RouteRecorder(writer) if writer is not None else None
     runs = []
@@ -305,4 +311,6 @@ def run_bench(
         engine.close()
         if writer is not None:
             writer.close()
-    return bench_report(lm, link, budget, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens, warmup=warmup)
+    report = bench_report(lm, link, budget, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens, warmup=warmup)
+    report["predictor"] = predictor
+    return report
