@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.profiling.files import default_profile_path
 from fmoe_cli.offload.policies import LCP
 from fmoe_cli.planning.stats import (
     LayerStats,
@@ -177,7 +178,8 @@ def test_save_load_round_trip(tmp_path):
             a = rng.sample(range(n), k)
             stats.observe(layer, a, rng.sample(range(n), n), noisy_prediction(rng, n, a, n))
     path = stats.save(default_stats_path("org/model", tmp_path))
-    assert path.parent == tmp_path / "stats" and path.name == "org--model.json"
+    # next to the model's profile
+    assert path.parent == default_profile_path("org/model", tmp_path).parent and path.name == "org--model.stats.json"
     back = RoutingStats.load(path)
     for a, b in zip(stats.layers, back.layers):
         np.testing.assert_array_equal(a.predicted_rank_hist, b.predicted_rank_hist)

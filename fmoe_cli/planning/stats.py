@@ -174,17 +174,18 @@ class LayerStats:
         )
 
 
-def lcp_ranking(policy: LCP, step: int) -> list[int]:
-    """`policy.ranking(step)` for LCP, vectorised: P = μ · ρ^(ν/ω), ties by expert id.
+def lcp_ranking(policy: EvictionPolicy, step: int, omega: float | None = None, rho: float | None = None) -> list[int]:
+    """`policy.ranking(step)` for LCP: P = μ · ρ^(ν/ω), highest first, ties by expert id.
 
-    Same floats as the policy (IEEE pow) on every platform we test; the engine may use
-    either. Highest priority first.
+    The same expression as `LCP.priority` (so the same floats), without a method call per
+    expert. Every policy keeps μ (`count`) and the last step (`last`), so this also ranks
+    by LCP priority while another policy runs the cache (ω, ρ: the policy's own if it is
+    LCP, else the arguments, else MoEpic's defaults).
     """
-    mu = np.asarray(policy.count, dtype=np.float64)
-    nu = step - np.asarray(policy.last, dtype=np.float64)
-    with np.errstate(over="ignore"):
-        priority = np.where(mu > 0, mu * np.power(policy.rho, nu / policy.omega), 0.0)
-    return np.lexsort((np.arange(len(mu)), -priority)).tolist()
+    omega = getattr(policy, "omega", None) or omega or 128.0
+    rho = getattr(policy, "rho", None) or rho or 0.25
+    priority = [mu * rho ** ((step - last) / omega) if mu else 0.0 for mu, last in zip(policy.count, policy.last)]
+    return sorted(range(len(priority)), key=lambda e: -priority[e])  # sorted() is stable: ties by id
 
 
 @dataclass
@@ -281,6 +282,36 @@ def read_json(path: Path, what: str, hint: str = "") -> object:
         raise FmoeError(f"{what} {path} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
 
 
+class StatsRecorder:
+    """An engine observer (`engine.observers.append(recorder)`) that feeds RoutingStats.
+
+    Each RouteEvent comes before the layer's policy sees the forward: every token of it
+    is observed with the LCP priority ranking of that moment (a prefill: the same
+    ranking for every prompt token, as the policy records them all at one step), and a
+    decode token also with the prefetcher's ranking for the layer (P_i, PH_i).
+    `tokens` counts the tokens that passed the first MoE layer (for τ).
+    """
+
+    def __init__(self, stats: RoutingStats, path: Path | None = None) -> None:
+        self.stats = stats
+        self.path = path
+        self.tokens = 0
+
+    def __call__(self, event) -> None:  # event: offload.engine.RouteEvent
+        cache = event.cache
+        ranking = lcp_ranking(cache.policy, cache.step)
+        rows = event.top_k_index.tolist()
+        predicted = event.predicted if len(rows) == 1 else None
+        layer = self.stats.layers[event.layer]
+        for row in rows:
+            layer.observe(row, ranking, predicted)
+        if event.layer == 0:
+            self.tokens += len(rows)
+
+    def save(self) -> Path | None:
+        return self.stats.save(self.path) if self.path is not None else None
+
+
 def write_atomic(path: Path, text: str) -> Path:
     """Write through a temporary file and rename: never leave a half-written file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -296,10 +327,10 @@ def model_slug(model: str) -> str:
     return slug or "model"
 
 
-def default_stats_path(model: str, data_dir: Path | None = None) -> Path:
-    """Per model in the user's data directory (platformdirs)."""
-    base = Path(data_dir) if data_dir is not None else Path(platformdirs.user_data_dir("fmoe"))
-    return base / "stats" / f"{model_slug(model)}.json"
+def default_stats_path(model: str, config_dir: Path | None = None) -> Path:
+    """Per model, next to its profile: <user config dir>/profiles/<model>.stats.json (platformdirs)."""
+    base = Path(config_dir) if config_dir is not None else Path(platformdirs.user_config_dir("fmoe"))
+    return base / "profiles" / f"{model_slug(model)}.stats.json"
 
 
 def load_or_empty(model: str, num_layers: int, num_experts: int, top_k: int, path: Path | None = None) -> RoutingStats:

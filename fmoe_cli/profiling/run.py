@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.engine import Engine, LayerState
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.profiling.device import link_steps, profile_device
-from fmoe_cli.profiling.files import Profile, default_profile_path, model_identity, now_iso
+from fmoe_cli.profiling.files import ModelTimings, Profile, default_profile_path, model_identity, now_iso
 from fmoe_cli.profiling.layers import time_layers
 
 MiB = 1024**2
@@ -60,6 +60,29 @@ def prompt_ids(lm, length: int) -> torch.Tensor:
     return torch.tensor([ids])
 
 
+def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
+                  advance: Callable[[], None] = lambda: None) -> ModelTimings:
+    """Per-layer times of a loaded model whose experts the (installed) engine serves.
+
+    The engine is left configured for on-demand loading with the smallest staging pool:
+    configure it again afterwards."""
+    from fmoe_cli.offload.presets import make_settings
+    from fmoe_cli.planning.plan import min_staging_slots
+
+    slots = min_staging_slots(lm.shape)
+    engine.configure(make_settings("ondemand", lm.shape, slots * lm.shape.expert_bytes))
+    moe_index = {layer.decoder_index: layer.index for layer in lm.layers}
+    return time_layers(
+        lm.model, prompt_ids(lm, prefill_len),
+        model_identity=model_identity(lm.model_id, lm.path / "config.json"),
+        top_k=lm.shape.top_k,
+        decode_steps=2 if quick else 4,
+        repeats=3 if quick else 7,
+        resident=lambda i: resident_layer(engine, moe_index[i]),
+        advance=advance,
+    )
+
+
 def run_profile(
     model: str | None,
     out: Path | None,
@@ -74,8 +97,6 @@ def run_profile(
 ) -> Path:
     from fmoe_cli.bench.run import make_link
     from fmoe_cli.models.load import load_model, pick_device
-    from fmoe_cli.offload.presets import make_settings
-    from fmoe_cli.planning.plan import min_staging_slots
 
     dev = pick_device(device)
     if emulate_link is not None and emulate_link <= 0:
@@ -96,19 +117,8 @@ def run_profile(
             layer_task = progress.add_task(f"timing {len(lm.layers)} MoE layers (decode, prefill)", total=2 * len(lm.layers))
             engine = Engine(lm.layers, lm.store, lm.shape, make_link(lm.device, None), lm.device, lm.dtype)
             engine.install(lm.model)
-            slots = min_staging_slots(lm.shape)
-            engine.configure(make_settings("ondemand", lm.shape, slots * lm.shape.expert_bytes))
-            moe_index = {layer.decoder_index: layer.index for layer in lm.layers}
             try:
-                timings = time_layers(
-                    lm.model, prompt_ids(lm, prefill_len),
-                    model_identity=model_identity(model, lm.path / "config.json"),
-                    top_k=lm.shape.top_k,
-                    decode_steps=2 if quick else 4,
-                    repeats=2 if quick else 5,
-                    resident=lambda i: resident_layer(engine, moe_index[i]),
-                    advance=lambda: progress.advance(layer_task),
-                )
+                timings = model_timings(lm, engine, prefill_len, quick, advance=lambda: progress.advance(layer_task))
             finally:
                 engine.close()
     profile = Profile(device_profile, timings, created=now_iso())

@@ -1,0 +1,153 @@
+"""The moepic plan, statistics recorded by the engine and kept across sessions, and
+re-planning while idle: a re-planned engine still gives transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from fmoe_cli.generate import stream_generate
+from fmoe_cli.models.load import load_model
+from fmoe_cli.offload.engine import Engine
+from fmoe_cli.offload.link import EmulatedLink
+from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.autoplan import engine_timings, moepic_configuration, moepic_plan
+from fmoe_cli.planning.configurator import Timings
+from fmoe_cli.planning.plan import ExpertShape, uniform_plan
+from fmoe_cli.planning.replan import Replanner
+from fmoe_cli.planning.stats import RoutingStats, StatsRecorder, lcp_ranking
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
+FIRST, SECOND = 12, 12  # tokens before and after the re-plan
+
+
+def budget_of(shape: ExpertShape) -> int:
+    return 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 3
+
+
+@pytest.fixture(scope="module", params=["mixtral", "deepseek_v2"])
+def setup(request, checkpoints):
+    path = checkpoints[request.param]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    want = reference.generate(PROMPT, max_new_tokens=FIRST + SECOND, do_sample=False)[0, PROMPT.shape[1]:].tolist()
+    lm = load_model(str(path), device="cpu", dtype="float32")
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=2), lm.device, lm.dtype)
+    engine.install(lm.model)
+    yield lm, engine, want
+    engine.close()
+
+
+def generate(lm, engine, ids, cache, n):
+    return [e.token_id for e in stream_generate(lm.model, ids, engine=engine, max_new_tokens=n, stop_on_eos=False,
+                                                past_key_values=cache)]
+
+
+def test_replanned_engine_gives_transformers_tokens(setup, tmp_path):
+    lm, engine, want = setup
+    budget = budget_of(lm.shape)
+    planner = Replanner.attach(lm, engine, budget, stats_path=tmp_path / "stats.json", tau=FIRST)
+    assert planner.stats.tokens == 0 and planner.recorder in engine.observers
+    engine.configure(planner.settings(make_settings("moepic", lm.shape, budget)))
+    first_plan = engine.settings.plan
+    assert first_plan.source == "moepic" and first_plan.total_bytes <= budget
+    assert not planner.on_idle()  # nothing recorded yet: not due
+    cache = DynamicCache(config=lm.model.config)
+    got = generate(lm, engine, PROMPT, cache, FIRST)
+    # the prompt and the first FIRST-1 decode steps passed the first MoE layer
+    assert planner.recorder.tokens == PROMPT.shape[1] + FIRST - 1
+    assert planner.on_idle()  # τ tokens have passed: re-plan, rebuild the cache warm
+    assert planner.replans == 1 and engine.settings.plan.total_bytes <= budget
+    rebuilt = engine.layers[0]
+    assert len(rebuilt.cache.cached()) == min(engine.settings.plan.layers[0].cache_size,
+                                              sum(c > 0 for c in rebuilt.cache.policy.count))
+    got += generate(lm, engine, torch.tensor([[got[-1]]]), cache, SECOND)
+    assert got == want
+    planner.close()
+    assert planner.recorder not in engine.observers
+    assert (tmp_path / "stats.json").exists()
+
+
+def test_statistics_persist_across_sessions(setup, tmp_path):
+    lm, engine, _ = setup
+    budget = budget_of(lm.shape)
+    path = tmp_path / "stats.json"
+    timings = Timings(1e-4, 2e-4, 1e-4, 3e-4, lm.shape.top_k)
+    first = Replanner.attach(lm, engine, budget, timings=timings, stats_path=path)
+    engine.configure(first.settings(make_settings("moepic", lm.shape, budget)))
+    generate(lm, engine, PROMPT, None, 4)
+    first.close()
+    learned = first.stats.layers[1].rank_hist.copy()
+    assert learned.sum() == (PROMPT.shape[1] + 3) * lm.shape.top_k
+    second = Replanner.attach(lm, engine, budget, timings=timings, stats_path=path)
+    assert (second.stats.layers[1].rank_hist == learned).all()
+    assert second.stats.tokens == PROMPT.shape[1] + 3
+    second.close()
+
+
+def test_recorder_ranks_by_lcp_priority_before_the_token(setup):
+    """The histogram of one decode step equals the LCP rank of each activated expert
+    computed by hand from the policy state before the step."""
+    lm, engine, _ = setup
+    engine.configure(make_settings("lru", lm.shape, budget_of(lm.shape)))  # any policy: ranks are LCP's
+    generate(lm, engine, PROMPT, None, 3)
+    seen = []
+    engine.observers.append(lambda ev: seen.append((ev.layer, lcp_ranking(ev.cache.policy, ev.cache.step),
+                                                    ev.top_k_index.tolist(), ev.predicted)))
+    recorder = StatsRecorder(RoutingStats.empty("m", lm.shape.num_layers, lm.shape.num_experts, lm.shape.top_k))
+    engine.observers.append(recorder)
+    try:
+        generate(lm, engine, torch.tensor([[7]]), None, 1)
+    finally:
+        engine.observers.clear()
+    assert len(seen) == lm.shape.num_layers
+    for layer, ranking, rows, predicted in seen:
+        expected = [0] * lm.shape.num_experts
+        for e in rows[0]:
+            expected[ranking.index(e)] += 1
+        assert recorder.stats.layers[layer].rank_hist.tolist() == expected
+        assert recorder.stats.layers[layer].predicted_tokens == (1 if predicted is not None else 0)
+    assert recorder.tokens == 1
+
+
+def test_engine_timings_use_the_emulated_link(setup, tmp_path):
+    lm, engine, _ = setup
+    t = engine_timings(lm, engine, profile_path=tmp_path / "none.json")
+    link = engine.link
+    assert t.t_load == pytest.approx(lm.shape.expert_bytes / (link.gbps * 1e9) + link.latency_s)
+    assert t.t_moe > 0 and t.t_att > 0 and t.t_head > 0 and t.top_k == lm.shape.top_k
+
+
+SHAPE = ExpertShape(num_layers=4, num_experts=8, top_k=2, hidden=64, intermediate=256, dtype_bytes=2)
+
+
+def skewed_stats(rng) -> RoutingStats:
+    """Layer 0 routes uniformly at random, later layers ever more to experts 0 and 1."""
+    stats = RoutingStats.empty("m", SHAPE.num_layers, SHAPE.num_experts, SHAPE.top_k)
+    for _ in range(400):
+        for layer in range(SHAPE.num_layers):
+            p = torch.full((SHAPE.num_experts,), 1.0)
+            p[:2] += 6.0 * layer
+            chosen = torch.multinomial(p, SHAPE.top_k, generator=rng).tolist()
+            stats.observe(layer, chosen, list(range(SHAPE.num_experts)), list(range(SHAPE.num_experts)))
+    return stats
+
+
+def test_moepic_plan_within_budget_uniform_without_stats_and_adapts_to_skew():
+    rng = torch.Generator().manual_seed(0)
+    timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=2)  # T_load = 3 × T_exp
+    budget = 4 * SHAPE.expert_bytes + 10 * SHAPE.expert_bytes
+    plain = moepic_configuration(SHAPE, budget, timings)
+    assert plain.uniform_routing
+    assert len({(lp.cache_size, lp.top_neurons) for lp in plain.plan.layers}) == 1  # no reason to differ
+    skewed = moepic_configuration(SHAPE, budget, timings, skewed_stats(rng))
+    assert not skewed.uniform_routing
+    for config in (plain, skewed):
+        assert config.plan.total_bytes <= budget
+    assert skewed.total_exposed < plain.total_exposed
+    plan = moepic_plan(SHAPE, budget, timings, skewed_stats(rng))
+    assert plan.source == "moepic"
+    uniform = uniform_plan(SHAPE, budget)
+    assert plan.staging_slots == uniform.staging_slots
