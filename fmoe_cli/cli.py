@@ -118,6 +118,24 @@ def replay(
 
 @app.command()
 @user_errors
+def plan(
+    model: Annotated[str, typer.Argument(help="Hugging Face model id (only config.json is fetched), a model directory, or a config.json.")],
+    vram: Annotated[str | None, typer.Option(help="Device memory to plan for, e.g. 12GiB (default: the profile's device, else this GPU).")] = None,
+    profile: Annotated[str | None, typer.Option(help="A profile from `fmoe profile` (or profiles/*.json): link, memory, timings.")] = None,
+    context: Annotated[int, typer.Option(help="Tokens of KV cache to reserve.")] = 4096,
+    workspace: Annotated[str, typer.Option(help="Reserve for activations, the allocator and the CUDA context.")] = "512MiB",
+    dtype: Annotated[str, typer.Option(help="auto (the config's, else bfloat16), bfloat16, float16, float32.")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """How the configurator would split the device memory for MODEL (from config.json alone, no weights)."""
+    _quiet_libraries()
+    from fmoe_cli.planning.report import run_plan
+
+    run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace)
+
+
+@app.command()
+@user_errors
 def profile(
     model: Annotated[str | None, typer.Option(help="Also time this model layer by layer (id, directory or 'demo').")] = None,
     out: Annotated[str | None, typer.Option(help="Where to write the profile (default: the user's config directory).")] = None,

@@ -340,8 +340,8 @@ class DeviceBudget:
             )
             need = self.total - self.expert_budget
             raise FmoeError(
-                f"does not fit: {parts} = {need / MiB:.0f} MiB > {self.total / MiB:.0f} MiB of device memory "
-                f"(short by {-self.expert_budget / MiB:.0f} MiB)"
+                f"does not fit in {self.total / MiB:.0f} MiB of device memory: needs at least {need / MiB:.0f} MiB "
+                f"({parts}; short by {-self.expert_budget / MiB:.0f} MiB)"
             )
 
 

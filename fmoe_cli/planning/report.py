@@ -1,0 +1,259 @@
+"""`fmoe plan MODEL`: what the configurator would do with this model on a device, from
+config.json alone (no weights are read or downloaded).
+
+The model is built on PyTorch's "meta" device (shapes, no memory) to find its routed
+experts and count its other weights exactly. The device memory V comes from --vram
+(or the profile, or this machine's GPU); the memory that is not the experts' is
+
+    U_n (non-expert weights) + U_b (staging pool) + KV (--context tokens) + workspace,
+
+and the rest, V_e, is what the configurator spends (DESIGN §4, §7). Timings: the
+profile's model timings if it has them for this model; else a roofline estimate
+(decode reads every weight once at the profile's device-memory bandwidth); else none,
+and the plan assumes compute hides no loading.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.planning.autoplan import moepic_configuration
+from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings
+from fmoe_cli.planning.plan import MiB, ExpertShape, min_staging_slots, parse_budget
+from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
+
+GiB = 1024**3
+# Without a profile: PCIe 4.0 x16, 16 GT/s × 16 lanes × 128/130 / 8 bits (PCI-SIG), one direction.
+ASSUMED_LINK = 16e9 * 16 * 128 / 130 / 8
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What config.json tells about a model's memory."""
+
+    name: str
+    config_path: Path
+    shape: ExpertShape
+    non_expert_bytes: int  # U_n
+    attention_bytes: int  # one MoE layer's weights without its routed experts (for the roofline)
+    head_bytes: int  # LM head + final norm
+    kv_bytes_per_token: int
+
+
+def config_path_of(model: str) -> Path:
+    """A local config.json, a model directory holding one, or config.json alone from the hub."""
+    local = Path(model).expanduser()
+    if local.is_file():
+        return local
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise FmoeError(f"{model} has no config.json")
+        return local / "config.json"
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FmoeError(f"no such file or model directory: {model}")
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return Path(hf_hub_download(model, "config.json"))
+    except GatedRepoError:
+        raise FmoeError(f"{model} is gated: accept its licence on the hub and log in (`hf auth login`)") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError):
+        raise FmoeError(f"unknown model id {model!r}: not a local file or directory and not found on the hub") from None
+    except LocalEntryNotFoundError:  # (a subclass of EntryNotFoundError: first)
+        raise FmoeError(f"cannot fetch {model}'s config.json: no network (or HF_HUB_OFFLINE is set) and it is not cached") from None
+    except EntryNotFoundError:
+        raise FmoeError(f"{model} has no config.json on the hub") from None
+    except OSError as exc:
+        raise FmoeError(f"cannot fetch {model}'s config.json: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
+
+
+def _nbytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def model_facts(model: str, dtype: str | None = None) -> ModelFacts:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fmoe_cli.models.families import check_is_moe, find_moe_layers
+    from fmoe_cli.models.load import expert_shape, pick_dtype
+    from fmoe_cli.profiling.layers import decoder_layers
+
+    path = config_path_of(model)
+    try:
+        config = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
+    except (ValueError, OSError, KeyError, json.JSONDecodeError) as exc:
+        raise FmoeError(f"cannot read {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    check_is_moe(config, model)
+    if dtype in (None, "auto"):
+        torch_dtype = getattr(config, "dtype", None) or torch.bfloat16  # a GPU's dtype unless the config says
+        torch_dtype = getattr(torch, torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
+    else:
+        torch_dtype = pick_dtype(dtype, torch.device("cuda"))
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    layers = find_moe_layers(meta, model)
+    shape = expert_shape(layers, torch_dtype)
+    total = _nbytes(meta)
+    non_expert = total - shape.all_experts_bytes
+    decoders = decoder_layers(meta)
+    first = decoders[layers[0].decoder_index]
+    attention = _nbytes(first) - _nbytes(layers[0].experts)
+    head = meta.get_output_embeddings()
+    norm = getattr(getattr(meta, "model", None), "norm", None)
+    head_bytes = _nbytes(head) + (_nbytes(norm) if norm is not None else 0)
+    text = config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    k_dim = (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0) or head_dim
+    v_dim = getattr(text, "v_head_dim", None) or head_dim
+    kv_per_token = len(decoders) * heads * (k_dim + v_dim) * shape.dtype_bytes  # K and V of every layer
+    return ModelFacts(model, path, shape, non_expert, attention, head_bytes, kv_per_token)
+
+
+def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, profile) -> tuple[Timings, str]:
+    """(Timings, where they come from)."""
+    from fmoe_cli.profiling.files import model_identity
+
+    shape = facts.shape
+    if profile is not None and profile.model is not None:
+        profile.check_model(model_identity(facts.name, facts.config_path), source="the profile")
+        t = profile.model.timings(profile.device.link, shape.expert_bytes)
+        return Timings(t.t_att, t.t_moe, t.t_head, link_latency + shape.expert_bytes / link_bandwidth, t.top_k), \
+            "measured per-layer times from the profile"
+    t_load = link_latency + shape.expert_bytes / link_bandwidth  # T_load = latency + S_e / bandwidth
+    bandwidth = profile.device.memory_bandwidth if profile is not None else None
+    if bandwidth:  # decode is memory bound: each weight is read once per token
+        t_exp = shape.expert_bytes / bandwidth
+        return Timings(facts.attention_bytes / bandwidth, shape.top_k * t_exp, facts.head_bytes / bandwidth, t_load,
+                       shape.top_k), f"roofline estimate at {bandwidth / 1e9:.0f} GB/s device memory"
+    return Timings(0.0, 0.0, 0.0, t_load, shape.top_k), "none: assumes compute hides no loading (give --profile)"
+
+
+def run_plan(model: str, vram: str | None, profile_path: str | None, context: int, dtype: str | None,
+             as_json: bool, console: Console, workspace: str = "512MiB") -> dict:
+    from fmoe_cli.profiling.files import Profile
+
+    if context < 0:
+        raise FmoeError(f"--context must be ≥ 0 tokens, got {context}")
+    profile = Profile.load(Path(profile_path)) if profile_path is not None else None
+    facts = model_facts(model, dtype)
+    shape = facts.shape
+    if vram is not None:
+        total = parse_budget(vram, shape.all_experts_bytes)
+        vram_source = "--vram"
+    elif profile is not None:
+        total, vram_source = profile.device.device.total_memory, "the profile's device"
+    else:
+        total, vram_source = _local_gpu_memory(), "this machine's GPU"
+    if profile is not None:
+        link = profile.device.link
+        bandwidth, latency = link.bandwidth, link.latency or 0.0
+        link_source = f"{link.kind} {bandwidth / 1e9:.1f} GB/s from the profile" + (f" ({link.note})" if link.note else "")
+    else:
+        bandwidth, latency = ASSUMED_LINK, 0.0
+        link_source = f"assumed PCIe 4.0 x16, {bandwidth / 1e9:.1f} GB/s (no profile)"
+    timings, timing_source = plan_timings(facts, bandwidth, latency, profile)
+
+    slots = min_staging_slots(shape)
+    device = DeviceBudget(total, facts.non_expert_bytes, slots * shape.expert_bytes,
+                          facts.kv_bytes_per_token * context, parse_budget(workspace, 0))
+    device.check()
+    stats_path = default_stats_path(model)
+    stats = load_or_empty(model, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
+    if stats.tokens == 0:
+        stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)
+    config = moepic_configuration(shape, device.expert_budget + device.staging, timings, stats, model=model)
+    report = plan_report(facts, device, config, timings, stats, context,
+                         sources={"vram": vram_source, "link": link_source, "timings": timing_source,
+                                  "statistics": "uniform routing (none recorded)" if stats.uniform
+                                  else f"{stats.tokens} recorded tokens ({stats_path})"})
+    if as_json:
+        print(json.dumps(report))
+    else:
+        render(report, console)
+    return report
+
+
+def _local_gpu_memory() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise FmoeError("no GPU on this machine: say how much device memory to plan for with --vram (e.g. 12GiB) "
+                        "or give a --profile")
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, timings: Timings,
+                stats: RoutingStats, context: int, sources: dict) -> dict:
+    shape = facts.shape
+    layers = [{
+        "layer": i, "vram_bytes": c.vram_bytes, "cache_size": c.cache_size, "split": c.split,
+        "top_neurons": c.top_neurons, "hit_rate": c.hit_rate, "hidden": c.hidden, "prefetches": c.prefetches,
+        "exposed_s": c.exposed,
+    } for i, c in enumerate(config.split.layers)]
+    everything = facts.non_expert_bytes + shape.all_experts_bytes + device.kv_cache + device.workspace
+    return {
+        "model": facts.name,
+        "shape": {"moe_layers": shape.num_layers, "experts": shape.num_experts, "top_k": shape.top_k,
+                  "hidden": shape.hidden, "intermediate": shape.intermediate, "dtype_bytes": shape.dtype_bytes,
+                  "expert_bytes": shape.expert_bytes},
+        "uniform_routing": stats.uniform,
+        "sources": sources,
+        "timings": {"t_att": timings.t_att, "t_moe": timings.t_moe, "t_exp": timings.t_exp, "t_head": timings.t_head,
+                    "t_load": timings.t_load},
+        "memory": {"device": device.total, "non_expert": device.non_expert, "staging": device.staging,
+                   "staging_slots": config.plan.staging_slots, "kv_cache": device.kv_cache, "context_tokens": context,
+                   "workspace": device.workspace, "expert_budget": device.expert_budget,
+                   "cached": config.plan.cache_bytes, "all_experts": shape.all_experts_bytes,
+                   "whole_model_fits": everything <= device.total},
+        "layers": layers,
+        "totals": {"cached_experts": sum(c.cache_size for c in config.split.layers),
+                   "cached_fraction": config.plan.cache_bytes / shape.all_experts_bytes,
+                   "mean_hit_rate": sum(config.hit_rates) / len(layers),
+                   "exposed_s_per_token": config.total_exposed, "iterations": config.iterations},
+    }
+
+
+def render(report: dict, console: Console) -> None:
+    s, m, t = report["shape"], report["memory"], report["totals"]
+    console.print(f"{report['model']}: {s['moe_layers']} MoE layers × {s['experts']} experts (top-{s['top_k']}), "
+                  f"one expert {s['expert_bytes'] / MiB:.1f} MiB, all experts {m['all_experts'] / GiB:.1f} GiB",
+                  highlight=False)
+    for key, value in report["sources"].items():
+        console.print(f"{key}: {value}", highlight=False)
+    if report["uniform_routing"]:
+        console.print("assumes uniform routing: no statistics recorded for this model yet "
+                      "(chat with it and plan again)", highlight=False)
+    table = Table(title="per-layer plan (predicted)")
+    for col in ("layer", "V_i MiB", "C_i", "θ_i", "hit rate", "exposed load ms"):
+        table.add_column(col, justify="right")
+    for layer in report["layers"]:
+        table.add_row(str(layer["layer"]), f"{layer['vram_bytes'] / MiB:.1f}", str(layer["cache_size"]),
+                      f"{layer['split']:.3f}", f"{layer['hit_rate']:.2f}", f"{layer['exposed_s'] * 1e3:.3f}")
+    console.print(table)
+    console.print(
+        f"device {m['device'] / MiB:.0f} MiB = non-expert weights {m['non_expert'] / MiB:.0f} + staging pool "
+        f"{m['staging'] / MiB:.0f} ({m['staging_slots']} experts) + KV cache {m['kv_cache'] / MiB:.0f} "
+        f"({m['context_tokens']} tokens) + workspace {m['workspace'] / MiB:.0f} + expert cache budget "
+        f"{m['expert_budget'] / MiB:.0f} MiB", highlight=False)
+    console.print(
+        f"fits: {t['cached_experts']} expert tops cached, {m['cached'] / MiB:.0f} MiB = {100 * t['cached_fraction']:.1f}% "
+        f"of all expert bytes; mean predicted hit rate {t['mean_hit_rate']:.2f}; predicted exposed load time "
+        f"{t['exposed_s_per_token'] * 1e3:.2f} ms per token"
+        + ("; the whole model would fit: offloading is not needed" if m["whole_model_fits"] else ""),
+        highlight=False)

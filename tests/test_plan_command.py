@@ -1,0 +1,148 @@
+"""`fmoe plan MODEL` from config.json alone: per-layer plan, totals, what fits; bad input
+is one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+from typer.testing import CliRunner
+
+from fmoe_cli.cli import app
+from fmoe_cli.planning.stats import RoutingStats, default_stats_path
+from fmoe_cli.profiling.files import (
+    DeviceIdentity,
+    DeviceProfile,
+    LayerTiming,
+    LinkFit,
+    ModelTimings,
+    PhaseTimings,
+    Profile,
+    model_identity,
+)
+
+MiB = 1024**2
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def own_config_dir(tmp_path, monkeypatch):
+    """Statistics are read from the user's config directory: use an empty one."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+def plan_json(*args: str) -> dict:
+    result = runner.invoke(app, ["plan", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def one_line_error(result, message: str) -> None:
+    assert result.exit_code == 2, result.output
+    text = result.output.strip()
+    assert text.startswith("error:") and message in text and "Traceback" not in text, text
+    assert len(text.splitlines()) == 1
+
+
+def test_plan_from_a_model_directory(checkpoints):
+    path = checkpoints["mixtral"]
+    report = plan_json(str(path), "--vram", "64MiB", "--workspace", "8MiB", "--context", "256")
+    shape, memory, layers = report["shape"], report["memory"], report["layers"]
+    assert (shape["moe_layers"], shape["experts"], shape["top_k"]) == (4, 8, 2)
+    assert shape["expert_bytes"] == 64 * 3 * 64 * 4  # I·3·H·4 bytes (float32 config)
+    assert report["uniform_routing"] and report["sources"]["statistics"].startswith("uniform routing")
+    assert len(layers) == 4
+    assert sum(layer["vram_bytes"] for layer in layers) <= memory["expert_budget"]
+    assert all(0 <= layer["split"] <= 1 and layer["cache_size"] <= 8 for layer in layers)
+    assert memory["device"] == 64 * MiB and memory["workspace"] == 8 * MiB
+    # every part of the device budget adds up to V
+    parts = memory["non_expert"] + memory["staging"] + memory["kv_cache"] + memory["workspace"] + memory["expert_budget"]
+    assert parts == memory["device"]
+    # the same model named by its config.json file plans the same
+    again = plan_json(str(path / "config.json"), "--vram", "64MiB", "--workspace", "8MiB", "--context", "256")
+    assert again["layers"] == layers
+
+
+def test_plan_text_says_it_assumes_uniform_routing(checkpoints):
+    result = runner.invoke(app, ["plan", str(checkpoints["mixtral"]), "--vram", "64MiB", "--workspace", "8MiB"])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "assumes uniform routing" in out and "per-layer plan" in out and "expert cache budget" in out
+
+
+def test_plan_uses_recorded_statistics(checkpoints):
+    path = checkpoints["mixtral"]
+    stats = RoutingStats.empty(str(path), 4, 8, 2)
+    for _ in range(50):
+        for layer in range(4):
+            stats.observe(layer, [0, 1], list(range(8)), list(range(8)))
+    stats.save(default_stats_path(str(path)))
+    report = plan_json(str(path), "--vram", "64MiB", "--workspace", "8MiB")
+    assert not report["uniform_routing"] and "50 recorded tokens" in report["sources"]["statistics"]
+    result = runner.invoke(app, ["plan", str(path), "--vram", "64MiB", "--workspace", "8MiB"])
+    assert "assumes uniform routing" not in result.output
+
+
+def test_mixtral_8x7b_from_its_config(tmp_path):
+    """Hand check: one expert = 3·4096·14336·2 B = 336 MiB; KV per token = 32 layers · 8 KV heads ·
+    (128 + 128) · 2 B = 128 KiB, so 4096 tokens = 512 MiB; the staging pool holds 2K = 4 experts."""
+    config = transformers.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                        num_local_experts=8, num_experts_per_tok=2)
+    config.dtype = "bfloat16"
+    config.save_pretrained(tmp_path / "mixtral")
+    report = plan_json(str(tmp_path / "mixtral"), "--vram", "24GiB")
+    assert report["shape"]["expert_bytes"] == 336 * MiB
+    assert report["memory"]["kv_cache"] == 512 * MiB
+    assert report["memory"]["staging"] == 4 * 336 * MiB
+    assert not report["memory"]["whole_model_fits"]
+    assert sum(layer["vram_bytes"] for layer in report["layers"]) <= report["memory"]["expert_budget"]
+
+
+def test_plan_with_a_profile_of_this_model_uses_its_timings(checkpoints, tmp_path):
+    path = checkpoints["mixtral"]
+    layers = tuple(LayerTiming(i, True, 2e-4, 4e-4) for i in range(4))
+    timings = ModelTimings(model_identity(str(path), path / "config.json"), 2, PhaseTimings(1, layers, 1e-4))
+    link = LinkFit("measured", 1e9, 1e-5, ((1 << 20, 1e-3), (1 << 21, 2e-3)), "test")
+    device = DeviceProfile(DeviceIdentity("cuda", "Some GPU", 64 * MiB), link, memory_bandwidth=1e11)
+    profile = Profile(device, timings).save(tmp_path / "p.json")
+    report = plan_json(str(path), "--profile", str(profile), "--workspace", "8MiB")
+    assert report["sources"]["timings"].startswith("measured")
+    assert report["sources"]["vram"] == "the profile's device" and report["memory"]["device"] == 64 * MiB
+    t = report["timings"]
+    assert (t["t_att"], t["t_moe"], t["t_head"]) == (2e-4, 4e-4, 1e-4)
+    assert t["t_load"] == pytest.approx(1e-5 + 64 * 3 * 64 * 4 / 1e9)
+    # a profile that times another model is refused
+    other = checkpoints["olmoe"]
+    one_line_error(runner.invoke(app, ["plan", str(other), "--profile", str(profile)]), "times")
+    # a device-only profile with a memory bandwidth gives a roofline estimate
+    device_only = Profile(device, None).save(tmp_path / "d.json")
+    report = plan_json(str(path), "--profile", str(device_only), "--workspace", "8MiB")
+    assert report["sources"]["timings"].startswith("roofline")
+    assert report["timings"]["t_exp"] == pytest.approx(64 * 3 * 64 * 4 / 1e11)
+
+
+def test_too_small_a_budget_says_how_much_is_needed(checkpoints):
+    path = str(checkpoints["mixtral"])
+    memory = plan_json(path, "--vram", "64MiB", "--workspace", "8MiB")["memory"]
+    need = memory["device"] - memory["expert_budget"]  # U_n + U_b + KV + workspace
+    assert 12 * MiB < need < 13 * MiB  # workspace 8 + KV 4 (4096 tokens · 4 layers · 2 heads · 32 · 4 B) + weights
+    result = runner.invoke(app, ["plan", path, "--vram", "1MiB", "--workspace", "8MiB"])
+    one_line_error(result, f"needs at least {need / MiB:.0f} MiB")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["org/not-cached-model", "--vram", "1GiB"], "no network"),
+    (["/no/such/dir", "--vram", "1GiB"], "no such file or model directory"),
+    (["MODEL", "--vram", "lots"], "cannot read the budget"),
+    (["MODEL", "--vram", "1GiB", "--profile", "PROFILE"], "not valid JSON"),
+    (["MODEL", "--vram", "1GiB", "--context", "-1"], "--context"),
+])
+def test_bad_input_is_one_line_exit_2(checkpoints, tmp_path, monkeypatch, args, message):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    args = [str(checkpoints["mixtral"]) if a == "MODEL" else str(bad) if a == "PROFILE" else a for a in args]
+    one_line_error(runner.invoke(app, ["plan", *args]), message)
