@@ -104,6 +104,38 @@ def bench(
 
 @app.command()
 @user_errors
+def chat(
+    model: ModelArg = "demo",
+    vram_budget: BudgetOpt = "25%",
+    policy: Annotated[str, typer.Option(help="moepic, uniform, lru, lfu, cache-only, prefetch-only, ondemand, "
+                                             "resident.")] = "moepic",
+    profile: Annotated[str | None, typer.Option(help="A device profile from `fmoe profile` (JSON).")] = None,
+    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")] = 0.9,
+    max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = 512,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed (reproducible answers).")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    predictor: Annotated[str, typer.Option(
+        help="Expert predictor of the prefetcher: speculative, expert-map, eam, mol, auto.")] = "speculative",
+    emulate_link: LinkOpt = None,
+    trace_out: Annotated[str | None, typer.Option(help="Record the routing of every turn (JSONL trace).")] = None,
+    trust_remote_code: TrustOpt = False,
+) -> None:
+    """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
+    _quiet_libraries()
+    from fmoe_cli.chat.repl import ChatOptions, run_chat
+
+    run_chat(ChatOptions(
+        model=model, vram_budget=vram_budget, policy=policy, profile=profile, system=system, temperature=temperature,
+        top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
+        dtype=None if dtype == "auto" else dtype, predictor=predictor, emulate_link=emulate_link,
+        trace_out=trace_out, trust_remote_code=trust_remote_code), err_console=err_console)
+
+
+@app.command()
+@user_errors
 def replay(
     trace: Annotated[str, typer.Argument(help="Routing trace: fmoe JSONL, or the vLLM dumps of shared/traces.")],
     cache_sizes: Annotated[str, typer.Option("--cache-sizes", help="Experts cached per layer: 1-7, 2,4,6 or 1-3,6.")] = "1-7",

@@ -38,7 +38,9 @@ DEFAULT_PROMPT = "Explain in a few sentences how a mixture-of-experts model deci
 DEFAULT_POLICIES = ("moepic", "lru")
 MiB = 1024**2
 
-IdleHook = Callable[[], None]  # work for the idle device (re-planning); never runs inside a timed run
+IdleHook = Callable[[], object]  # work for the idle device (re-planning); never runs inside a timed run
+# Makes the idle hook once the model is loaded and the engine built: (model, engine, expert budget bytes) -> hook.
+IdleFactory = Callable[[LoadedModel, Engine, int], IdleHook | None]
 
 
 @dataclass
@@ -262,7 +264,7 @@ def run_bench(
     trust_remote_code: bool = False,
     trace_out: str | None = None,
     predictor: str = "speculative",
-    on_idle: IdleHook | None = None,
+    make_idle: IdleFactory | None = None,
     console: Console | None = None,
 ) -> dict:
     """`fmoe bench`: load, run every policy on the same prompt, return the report (the --json object)."""
@@ -293,6 +295,7 @@ def run_bench(
                     predictor=make_predictor(predictor, lm.layers, lm.shape.num_experts, lm.shape.top_k))
     engine.install(lm.model)
     recorder = RouteRecorder(writer) if writer is not None else None
+    on_idle = make_idle(lm, engine, budget) if make_idle is not None else None
     runs = []
     try:
         for s in settings:

@@ -1,0 +1,368 @@
+"""`fmoe chat`: the read-eval-print loop around a ChatSession.
+
+Keys (prompt-toolkit): Enter sends; Esc then Enter (or Alt+Enter) inserts a new line;
+Ctrl-C at the prompt clears the line; Ctrl-C during an answer stops it (the
+conversation is kept); Ctrl-D on an empty line quits. History persists in the
+user data directory. When stdin is not a terminal, lines are read plainly (one
+message per line), so `fmoe chat` can be scripted.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from fmoe_cli.bench.run import IdleFactory
+from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.offload.engine import Counters
+
+MiB = 1024**2
+KEYS = "Enter sends · Esc+Enter new line · Ctrl-C stops an answer · Ctrl-D quits · /help"
+COMMANDS = {
+    "/help": "this help",
+    "/stats": "per-layer hit rates, prefetch accuracy, exposed load time, device memory",
+    "/plan": "the current cache plan (V_i, C_i, θ_i per layer)",
+    "/system TEXT": "set the system prompt (/system alone shows it; /system - clears it)",
+    "/reset": "start a new conversation (the system prompt stays)",
+    "/save FILE": "save the conversation as JSON",
+    "/exit": "quit (also Ctrl-D)",
+}
+Reader = Callable[[str], str]  # default text -> the user's input; raises KeyboardInterrupt / EOFError
+
+
+@dataclass
+class ChatOptions:
+    model: str = "demo"
+    vram_budget: str = "25%"
+    policy: str = "moepic"
+    profile: str | None = None
+    system: str | None = None
+    temperature: float = 0.7
+    top_p: float = 0.9
+    max_new_tokens: int = 512
+    seed: int | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    predictor: str = "speculative"
+    emulate_link: float | None = None
+    trace_out: str | None = None
+    trust_remote_code: bool = False
+
+
+# --- input -------------------------------------------------------------------
+
+
+def history_path() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("fmoe")) / "chat_history"
+
+
+def prompt_reader(history: Path | None, *, pt_input=None, pt_output=None) -> Reader:
+    """A prompt-toolkit reader: Enter submits, Esc+Enter / Alt+Enter inserts a newline."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    bindings = KeyBindings()
+
+    @bindings.add("enter")
+    def _submit(event) -> None:
+        event.current_buffer.validate_and_handle()
+
+    @bindings.add("escape", "enter")
+    def _newline(event) -> None:
+        event.current_buffer.insert_text("\n")
+
+    store = InMemoryHistory()
+    if history is not None:
+        try:
+            history.parent.mkdir(parents=True, exist_ok=True)
+            store = FileHistory(str(history))
+        except OSError:
+            pass  # an unwritable data directory: history for this session only
+    session = PromptSession(history=store, multiline=True, key_bindings=bindings, input=pt_input, output=pt_output,
+                            prompt_continuation="... ")
+    return lambda default: session.prompt(">>> ", default=default)
+
+
+def line_reader(stream=None) -> Reader:
+    """Plain lines from a pipe (stdin not a terminal): one message per line, EOF quits."""
+    stream = stream or sys.stdin
+
+    def read(default: str) -> str:
+        line = stream.readline()
+        if not line:
+            raise EOFError
+        return line.rstrip("\n")
+
+    return read
+
+
+# --- output ------------------------------------------------------------------
+
+_CONTROL = {c: "\ufffd" for c in range(32) if chr(c) not in "\n\t"} | {127: "\ufffd"}
+
+
+def printable(text: str) -> str:
+    """Model text for the terminal: control characters (a bell, an escape sequence) shown as U+FFFD."""
+    return text.translate(_CONTROL)
+
+
+
+def header_lines(session: ChatSession, link_label: str, budget_bytes: int, profile: str | None) -> list[str]:
+    lm = session.lm
+    label = lm.label
+    if lm.model_id == "demo" and "tiny" not in label.lower():
+        label = f"tiny demo model: {label}"
+    lines = [
+        f"[bold]fmoe chat[/bold] · {label}",
+        f"device {lm.device} ({str(lm.dtype).removeprefix('torch.')}) · {link_label} · "
+        f"VRAM budget {budget_bytes / MiB:.1f} MiB for experts",
+        f"plan {session.settings.plan.summary()}",
+    ]
+    if profile:
+        lines.append(f"profile {profile}")
+    lines.append(f"[dim]{KEYS}[/dim]")
+    return lines
+
+
+def help_table() -> Table:
+    table = Table(box=None, show_header=False, padding=(0, 2, 0, 0))
+    table.add_column(style="bold")
+    table.add_column()
+    for command, what in COMMANDS.items():
+        table.add_row(command, what)
+    table.add_row("//text", "send a message that starts with '/'")
+    table.add_row("", "")
+    for key, what in (("Enter", "send"), ("Esc+Enter", "new line (also Alt+Enter)"),
+                      ("Ctrl-C", "stop the answer (the conversation is kept) / clear the line"),
+                      ("Ctrl-D", "quit (on an empty line)")):
+        table.add_row(key, what)
+    return table
+
+
+def stats_table(session: ChatSession) -> Table:
+    """Per-layer counters over the session (plus the answer in flight, none between turns)."""
+    totals = session.layer_totals or [Counters() for _ in session.engine.layers]
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False, title="expert cache, this session")
+    for col in ("layer", "active", "hit", "full", "top", "miss", "prec", "rec", "exp ms", "MiB in"):
+        table.add_column(col, justify="right")
+
+    def row(name: str, c: Counters) -> list[str]:
+        return [name, str(c.activations), f"{c.hit_rate:.2f}", str(c.hits_full), str(c.hits_top), str(c.misses),
+                f"{c.prefetch_precision:.2f}", f"{c.prefetch_recall:.2f}", f"{c.exposed_s * 1000:.1f}",
+                f"{c.bytes_moved / MiB:.1f}"]
+
+    for i, c in enumerate(totals):
+        table.add_row(*row(str(i), c))
+    table.add_row(*row("all", sum(totals, Counters())), style="bold")
+    return table
+
+
+def memory_line(session: ChatSession, budget_bytes: int) -> str:
+    engine, plan = session.engine, session.settings.plan
+    return (f"device memory used by fmoe: {session.device_bytes() / MiB:.1f} MiB (non-expert weights "
+            f"{session.lm.non_expert_bytes / MiB:.1f}, expert caches {plan.cache_bytes / MiB:.1f}, staging "
+            f"{(engine.pool.nbytes if engine.pool else 0) / MiB:.1f}); expert budget {budget_bytes / MiB:.1f} MiB")
+
+
+def plan_table(session: ChatSession) -> Table:
+    plan = session.settings.plan
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), show_edge=False)
+    for col in ("layer", "V_i MiB", "C_i", "θ_i", "k_i"):
+        table.add_column(col, justify="right")
+    for i, lp in enumerate(plan.layers):
+        table.add_row(str(i), f"{lp.vram_bytes / MiB:.2f}", str(lp.cache_size), f"{lp.split:.3f}", str(lp.top_neurons))
+    return table
+
+
+# --- the loop ------------------------------------------------------------------
+
+
+def handle_command(line: str, session: ChatSession, console: Console, budget_bytes: int) -> bool:
+    """Run one slash command; False means exit."""
+    name, _, arg = line.strip().partition(" ")
+    arg = arg.strip()
+    if name in ("/exit", "/quit", "/bye"):
+        return False
+    if name in ("/help", "/?"):
+        console.print(help_table())
+    elif name == "/stats":
+        console.print(stats_table(session))
+        console.print(memory_line(session, budget_bytes), highlight=False)
+    elif name == "/plan":
+        console.print(f"plan {session.settings.plan.summary()}", highlight=False)
+        console.print(plan_table(session))
+    elif name == "/system":
+        if not arg:
+            console.print(f"system prompt: {session.system!r}" if session.system else
+                          "no system prompt; set one with /system TEXT", highlight=False)
+        else:
+            session.system = None if arg == "-" else arg
+            console.print("system prompt cleared" if session.system is None else "system prompt set", style="dim")
+    elif name == "/reset":
+        session.reset()
+        console.print("conversation cleared", style="dim")
+    elif name == "/save":
+        if not arg:
+            console.print("usage: /save FILE", style="yellow")
+        else:
+            path = session.save(arg)
+            console.print(f"saved {len(session.messages)} messages to {path}", style="dim", highlight=False)
+    else:
+        console.print(f"unknown command {name}; /help lists the commands", style="yellow", highlight=False)
+    return True
+
+
+def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int, idle: IdleHook | None = None) -> None:
+    """Read, answer, repeat. Bad input and failures print one line; the typed text is never lost
+    (after an error it comes back at the prompt)."""
+    work = IdleWork(idle)
+    pending = ""
+    try:
+        while True:
+            try:
+                text = read(pending)
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: clear the line
+                pending = ""
+                continue
+            except EOFError:  # Ctrl-D
+                break
+            pending = ""
+            if not text.strip():
+                continue
+            problem = work.wait()  # the device is needed again: the idle work must be done
+            if problem:
+                console.print(problem, style="yellow", highlight=False)
+            if text.startswith("/") and not text.startswith("//"):
+                try:
+                    if not handle_command(text, session, console, budget_bytes):
+                        break
+                except FmoeError as exc:
+                    console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+                continue
+            message = text[1:] if text.startswith("//") else text
+            try:
+                stats = session.ask(message, on_text=lambda t: console.print(printable(t), end="", markup=False,
+                                                                               highlight=False))
+            except FmoeError as exc:
+                console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+                pending = text
+                continue
+            except KeyboardInterrupt:  # before the answer began (ask handles it once generating)
+                console.print()
+                pending = text
+                continue
+            except Exception as exc:  # a failure inside generation: report it, keep the text
+                console.print()
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                console.print(f"[bold red]error:[/bold red] the answer failed: {exc.__class__.__name__}: {first}",
+                              highlight=False)
+                pending = text
+                continue
+            console.print()
+            console.print(stats.footer(), style="dim", highlight=False)
+            work.start()  # re-plan while the user types the next message
+    finally:
+        work.wait()
+
+
+@dataclass
+class Chat:
+    """A started chat: the session and what the loop and the header need."""
+
+    session: ChatSession
+    budget_bytes: int
+    link_label: str
+    profile: str | None = None
+    idle: IdleHook | None = None
+    writer: object | None = None  # the --trace-out TraceWriter
+
+    def header(self, console: Console) -> None:
+        for line in header_lines(self.session, self.link_label, self.budget_bytes, self.profile):
+            console.print(line, highlight=False)
+
+    def loop(self, read: Reader, console: Console) -> None:
+        repl(self.session, read, console, self.budget_bytes, self.idle)
+
+    def close(self) -> None:
+        self.session.engine.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: IdleFactory | None = None) -> Chat:
+    """Check the options, load the model (progress on `err_console`), build and configure the engine."""
+    from fmoe_cli.bench.run import make_link
+    from fmoe_cli.bench.trace import RouteRecorder, TraceWriter
+    from fmoe_cli.generate import SamplingParams
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.presets import make_settings
+    from fmoe_cli.planning.plan import parse_budget
+    from fmoe_cli.prediction import PREDICTORS, make_predictor
+
+    if opts.temperature < 0:
+        raise FmoeError(f"--temperature must be 0 or more, got {opts.temperature}")
+    if not 0 < opts.top_p <= 1:
+        raise FmoeError(f"--top-p must be in (0, 1], got {opts.top_p}")
+    if opts.max_new_tokens < 1:
+        raise FmoeError("--max-new-tokens must be at least 1")
+    if opts.predictor not in PREDICTORS:
+        raise FmoeError(f"unknown predictor {opts.predictor!r}; choose from {', '.join(PREDICTORS)}")
+    lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
+                    console=err_console or Console(stderr=True))
+    if opts.profile is not None:
+        check_profile(opts.profile, lm.device)
+    budget = parse_budget(opts.vram_budget, lm.shape.all_experts_bytes)
+    settings = make_settings(opts.policy, lm.shape, budget)
+    writer = recorder = None
+    if opts.trace_out is not None:
+        shape = lm.shape
+        writer = TraceWriter(opts.trace_out, num_layers=shape.num_layers, num_experts=shape.num_experts,
+                             top_k=shape.top_k, model=lm.model_id)
+        recorder = RouteRecorder(writer)
+    link = make_link(lm.device, opts.emulate_link)
+    engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype,
+                    predictor=make_predictor(opts.predictor, lm.layers, lm.shape.num_experts, lm.shape.top_k))
+    engine.install(lm.model)
+    engine.configure(settings)
+    if recorder is not None:
+        engine.observers.append(recorder)
+    # Idle-time work between turns (re-planning and the cache rebuild, DESIGN §7) plugs in here.
+    idle = make_idle(lm, engine, budget) if make_idle is not None else None
+    session = ChatSession(lm, engine, system=opts.system,
+                          sampling=SamplingParams(opts.temperature, opts.top_p, opts.seed),
+                          max_new_tokens=opts.max_new_tokens, recorder=recorder)
+    return Chat(session, budget, link.label(), opts.profile, idle, writer)
+
+
+def run_chat(opts: ChatOptions, console: Console | None = None, err_console: Console | None = None,
+             read: Reader | None = None, make_idle: IdleFactory | None = None) -> ChatSession:
+    """`fmoe chat`: start, print the header, run the loop until /exit or Ctrl-D. Returns the session."""
+    console = console or Console()
+    chat = open_chat(opts, err_console, make_idle)
+    try:
+        chat.header(console)
+        if read is None:
+            read = prompt_reader(history_path()) if sys.stdin.isatty() else line_reader()
+        chat.loop(read, console)
+    finally:
+        chat.close()
+    return chat.session
+
+
+def check_profile(path: str, device) -> None:
+    """Refuse a profile that does not read or is of another device (one line)."""
+    from fmoe_cli.profiling.device import device_identity
+    from fmoe_cli.profiling.files import Profile
+
+    Profile.load(Path(path)).check_device(device_identity(device), source=f"profile {path}")

@@ -1,0 +1,249 @@
+"""A chat session: the conversation, its chat template, and one answer at a time through
+`stream_generate` (the one generation loop).
+
+- The prompt of every turn is the whole conversation rendered with the model's own chat
+  template. The KV cache of the previous turn is reused for the longest common prefix
+  of token ids (cropped there), so a turn usually pre-fills only the new message.
+- Ctrl-C (KeyboardInterrupt) during an answer stops it: the partial answer, as far as
+  it was shown, STAYS in the conversation as the assistant's message (what the user saw
+  is what the model will see next turn), and the answer is marked `interrupted`. The KV
+  cache is dropped (a forward may have stopped half-way) and the engine is rebuilt
+  warm (its eviction history kept), so nothing in use or in flight stays pinned.
+- Any other error during an answer removes this turn's user message again (so the
+  conversation stays well-formed) and re-raises: the REPL gives the text back at the
+  prompt, so nothing the user typed is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from fmoe_cli.bench.run import IdleHook
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.generate import SamplingParams, stream_generate
+from fmoe_cli.models.load import LoadedModel
+from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
+
+
+
+@dataclass
+class AnswerStats:
+    tokens: int
+    ttft_ms: float
+    tpot_ms: float  # median of the decode steps (0 for a one-token answer)
+    tokens_per_s: float  # decode speed: 1000 / mean TPOT (0 for a one-token answer)
+    hit_rate: float  # over the whole answer (prefill and decode)
+    prompt_tokens: int  # tokens pre-filled this turn (after KV-cache reuse)
+    finish_reason: str  # "eos", "length" or "interrupted"
+
+    def footer(self) -> str:
+        stopped = "stopped (Ctrl-C) · " if self.finish_reason == "interrupted" else ""
+        return (f"{stopped}{self.tokens} tokens · TTFT {self.ttft_ms:.0f} ms · TPOT {self.tpot_ms:.1f} ms · "
+                f"{self.tokens_per_s:.1f} tok/s · hit rate {self.hit_rate:.2f}")
+
+
+def answer_stats(events: list, prompt_tokens: int, finish_reason: str) -> AnswerStats:
+    if not events:
+        return AnswerStats(0, 0.0, 0.0, 0.0, 0.0, prompt_tokens, finish_reason)
+    decode = [e.latency_s * 1000 for e in events[1:]]
+    counters = sum((e.counters for e in events if e.counters is not None), Counters())
+    return AnswerStats(
+        tokens=len(events),
+        ttft_ms=events[0].latency_s * 1000,
+        tpot_ms=statistics.median(decode) if decode else 0.0,
+        tokens_per_s=1000 / statistics.mean(decode) if decode else 0.0,
+        hit_rate=counters.hit_rate,
+        prompt_tokens=prompt_tokens,
+        finish_reason=finish_reason,
+    )
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class ChatSession:
+    lm: LoadedModel
+    engine: Engine  # configured; its settings (plan) may change between turns (re-planning)
+    system: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 512
+    recorder: object | None = None  # a bench.trace.RouteRecorder already in engine.observers, or None
+    messages: list[dict] = field(default_factory=list)  # user/assistant turns (the system prompt is apart)
+    turns: int = 0
+    last_answer_ids: list[int] = field(default_factory=list)  # token ids of the latest answer (with any EOS)
+    last_stats: AnswerStats | None = None
+    layer_totals: list[Counters] = field(default_factory=list)  # per MoE layer, over the session
+    _kv: DynamicCache | None = None
+    _kv_ids: list[int] = field(default_factory=list)  # the token ids the KV cache holds
+
+    @property
+    def settings(self) -> EngineSettings:
+        return self.engine.settings
+
+    def conversation(self, messages: list[dict] | None = None) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + (self.messages if messages is None else messages)
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        tok = self.lm.tokenizer
+        if tok is None:
+            raise FmoeError(f"{self.lm.model_id} has no tokenizer; fmoe cannot chat with it")
+        try:
+            if getattr(tok, "chat_template", None):
+                ids = tok.apply_chat_template(self.conversation(messages), add_generation_prompt=True,
+                                              return_dict=False)
+            else:  # no template: plain "role: text" lines
+                text = "".join(f"{m['role']}: {m['content']}\n" for m in self.conversation(messages))
+                ids = tok(text + "assistant:")["input_ids"]
+        except Exception as exc:  # a template may refuse a conversation (say, a system role it lacks)
+            first = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+            raise FmoeError(f"the chat template of {self.lm.model_id} refused the conversation: {first}") from None
+        if not ids:
+            raise FmoeError("the conversation encodes to no tokens")
+        return list(ids)
+
+    def _layer_counters(self) -> list[Counters]:
+        return [state.counters for state in self.engine.layers]
+
+    def ask(self, text: str, on_text: Callable[[str], None] = lambda _: None) -> AnswerStats:
+        """Answer `text`, streaming new text to `on_text`. Raises FmoeError before anything changes
+        when the conversation cannot be encoded."""
+        ids = self.encode(self.messages + [{"role": "user", "content": text}])
+        self.messages.append({"role": "user", "content": text})
+        self.turns += 1
+
+        reuse = common_prefix(self._kv_ids, ids) if self._kv is not None else 0
+        reuse = min(reuse, len(ids) - 1)  # at least one token to feed
+        cache = self._kv if reuse > 0 else None
+        if cache is not None and reuse < cache.get_seq_length():
+            try:
+                cache.crop(reuse - cache.get_seq_length())  # transformers 5: a negative count removes tokens
+            except Exception:  # a cache layout that cannot be cropped: start afresh
+                cache, reuse = None, 0
+        if cache is None:
+            cache, reuse = DynamicCache(config=self.lm.model.config), 0
+        self._kv, self._kv_ids = None, []  # until the answer completes
+        feed = torch.tensor([ids[reuse:]])
+
+        if self.recorder is not None:
+            self.recorder.start_sequence(self.turns)
+        sampling = self.sampling
+        if sampling.seed is not None:  # reproducible, yet a different stream every turn
+            sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.seed + self.turns - 1)
+        before = [Counters() + c for c in self._layer_counters()]
+        self.last_answer_ids = []
+        events, pieces, finish = [], [], "length"
+        try:
+            for event in stream_generate(self.lm.model, feed, tokenizer=self.lm.tokenizer, engine=self.engine,
+                                         max_new_tokens=self.max_new_tokens, sampling=sampling,
+                                         past_key_values=cache):
+                events.append(event)
+                self.last_answer_ids.append(event.token_id)
+                if event.text:
+                    pieces.append(event.text)
+                    on_text(event.text)
+                finish = event.finish_reason or finish
+        except KeyboardInterrupt:
+            finish = "interrupted"
+            self._add_layer_counters(before)
+            self.recover()
+        except BaseException:
+            self.messages.pop()  # the conversation as before this turn; the REPL gives the text back
+            self.turns -= 1
+            self._add_layer_counters(before)
+            self.recover()
+            raise
+        else:
+            self._add_layer_counters(before)
+            self._kv, self._kv_ids = cache, ids + self.last_answer_ids[:-1]  # the last token was never fed
+        self.messages.append({"role": "assistant", "content": "".join(pieces)})
+        self.last_stats = answer_stats(events, len(ids) - reuse, finish)
+        return self.last_stats
+
+    def _add_layer_counters(self, before: list[Counters]) -> None:
+        now = self._layer_counters()
+        if not self.layer_totals:
+            self.layer_totals = [Counters() for _ in now]
+        for i, (b, n) in enumerate(zip(before, now)):
+            self.layer_totals[i] = self.layer_totals[i] + (n - b)
+
+    def recover(self) -> None:
+        """After an interrupted or failed answer: rebuild the engine's caches warm (eviction history
+        kept, DESIGN §7), so nothing stays pinned or staged from the forward that stopped half-way."""
+        self.engine.configure(self.engine.settings, warm=True)
+
+    def reset(self) -> None:
+        self.messages.clear()
+        self._kv, self._kv_ids = None, []
+
+    def device_bytes(self) -> int:
+        """What fmoe holds on the device: non-expert weights, expert caches, staging pool."""
+        return self.lm.non_expert_bytes + self.engine.device_bytes()
+
+    def to_json(self) -> dict:
+        return {
+            "fmoe_chat": 1,
+            "model": self.lm.model_id,
+            "policy": self.settings.policy,
+            "system": self.system,
+            "sampling": {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
+                         "seed": self.sampling.seed, "max_new_tokens": self.max_new_tokens},
+            "messages": self.conversation(),
+        }
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path).expanduser()
+        try:
+            path.write_text(json.dumps(self.to_json(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        except OSError as exc:
+            raise FmoeError(f"cannot write {path}: {exc.strerror or exc}") from None
+        return path
+
+
+class IdleWork:
+    """Runs the idle hook (re-planning, cache rebuild) on a thread while the user types;
+    `wait()` before the device is used again. An error in the hook is reported, not raised."""
+
+    def __init__(self, hook: IdleHook | None) -> None:
+        self.hook = hook
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        if self.hook is None:
+            return
+        self.wait()
+
+        def run() -> None:
+            try:
+                self.hook()
+            except BaseException as exc:  # reported by wait(); the chat goes on
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="fmoe-idle", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> str | None:
+        """Join the idle work; a one-line message if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is None:
+            return None
+        return f"re-planning failed: {error.__class__.__name__}: {str(error).splitlines()[0] if str(error) else ''}"

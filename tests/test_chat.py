@@ -1,0 +1,245 @@
+"""`fmoe chat` end to end without a terminal: a scripted reader, prompt-toolkit's pipe
+input for the keys, and the CLI over a pipe (stdin not a terminal)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+from rich.console import Console
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.testing import CliRunner
+
+import fmoe_cli.chat.session as session_module
+from fmoe_cli.bench.trace import read_trace
+from fmoe_cli.chat.repl import Chat, ChatOptions, open_chat, prompt_reader
+from fmoe_cli.cli import app
+
+MAX_NEW = 6
+
+
+class Script:
+    """A reader that plays a list of inputs; an exception class in the list is raised instead.
+    Records the default text it was offered each time (the text given back after an error);
+    `on_read(n)` runs before the n-th read."""
+
+    def __init__(self, items, on_read=None) -> None:
+        self.items = list(items)
+        self.defaults: list[str] = []
+        self.on_read = on_read
+
+    def __call__(self, default: str) -> str:
+        self.defaults.append(default)
+        if self.on_read is not None:
+            self.on_read(len(self.defaults))
+        if not self.items:
+            raise EOFError
+        item = self.items.pop(0)
+        if isinstance(item, type) and issubclass(item, BaseException):
+            raise item
+        return item
+
+
+def start(path, **options) -> Chat:
+    opts = ChatOptions(model=str(path), temperature=0.0, max_new_tokens=MAX_NEW, device="cpu", **options)
+    return open_chat(opts, err_console=Console(file=io.StringIO()))
+
+
+def talk(chat_: Chat, items, on_read=None) -> tuple[str, Script]:
+    """Header + loop over scripted input, like `fmoe chat`; returns (what was printed, the script)."""
+    out = io.StringIO()
+    console = Console(file=out, width=80, color_system=None)
+    script = Script(items, on_read)
+    try:
+        chat_.header(console)
+        chat_.loop(script, console)
+    finally:
+        chat_.close()
+    return out.getvalue(), script
+
+
+def chat(path, items, on_read=None, **options):
+    c = start(path, **options)
+    out, script = talk(c, items, on_read)
+    return c.session, out, script
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """transformers' own greedy generate on the same checkpoint: (tokenizer, generate(conversation) -> ids)."""
+    path = checkpoints["mixtral"]
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def generate(messages) -> list[int]:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        return out[0, len(ids):].tolist()
+
+    def keys(ids: list[int]) -> list[torch.Tensor]:
+        """Every layer's cached keys after one plain forward over `ids`."""
+        with torch.inference_mode():
+            cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+        return [layer.keys for layer in cache.layers]
+
+    generate.keys = keys
+    return generate
+
+
+def assert_kv_cache_matches(session, reference) -> None:
+    """The KV cache kept for the next turn equals a fresh forward over the ids it claims to hold."""
+    assert session._kv is not None and session._kv.get_seq_length() == len(session._kv_ids)
+    for mine, theirs in zip((layer.keys for layer in session._kv.layers), reference.keys(session._kv_ids), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_scripted_conversation_commands_and_save(checkpoints, reference, tmp_path):
+    saved = tmp_path / "conversation.json"
+    kv_checked = []
+
+    def check_kv(n):  # the 8th read comes right after the second answer (which reused the first's cache)
+        if n == 8:
+            assert_kv_cache_matches(session, reference)
+            kv_checked.append(n)
+
+    c = start(checkpoints["mixtral"], emulate_link=50.0)
+    session = c.session
+    out, _ = talk(c, [
+        "/system be brief", "hello there", "/help", "/stats", "/plan", "/frobnicate", "what now?",
+        f"/save {saved}", "/reset", "/exit", "never read",
+    ], on_read=check_kv)
+    lines = out.splitlines()
+    assert "link: emulated 50 GB/s" in out
+    assert any(line.startswith("plan moepic:") for line in lines)
+    assert any(line.endswith("Ctrl-D quits · /help") for line in lines[:6])  # keys and the help hint
+    assert "/save FILE" in out and "Esc+Enter" in out  # /help lists commands and keys
+    assert sum(1 for line in lines if "tokens · TTFT" in line) == 2  # one footer per answer
+    assert any(line.split()[:1] == ["all"] for line in lines)  # /stats total row
+    assert "device memory used by fmoe" in out
+    assert "θ_i" in out  # /plan
+    hint = [line for line in lines if "frobnicate" in line]
+    assert hint == ["unknown command /frobnicate; /help lists the commands"]
+    assert all(len(line) <= 80 for line in lines)
+
+    data = json.loads(saved.read_text())
+    assert data["system"] == "be brief"
+    roles = [m["role"] for m in data["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in data["messages"] if m["role"] == "user"] == ["hello there", "what now?"]
+    assert session.messages == []  # /reset after /save; "/exit" ended the loop before "never read"
+
+    # The second answer reused the first turn's KV cache and still equals transformers' generate.
+    conversation = data["messages"]
+    full_prompt = session.encode(conversation[1:4])
+    first_prompt = session.encode(conversation[1:2])  # system + first question + the assistant header
+    assert 0 < session.last_stats.prompt_tokens <= len(full_prompt) - len(first_prompt)
+    assert session.last_answer_ids == reference(conversation[:4])
+    assert kv_checked == [8]
+
+
+def test_ctrl_c_during_answer_keeps_the_conversation(checkpoints, reference, monkeypatch):
+    """Ctrl-C arrives inside an expert's forward of the 4th token (experts pinned, loads in flight)."""
+    import fmoe_cli.offload.engine as engine_module
+
+    real_stream, real_segment = session_module.stream_generate, engine_module.segment_forward
+    state = {"answers": 0, "armed": False}
+
+    def stream(*args, **kwargs):
+        state["answers"] += 1
+        for i, event in enumerate(real_stream(*args, **kwargs)):
+            yield event
+            state["armed"] = state["answers"] == 1 and i == 2
+
+    def segment(*args, **kwargs):
+        if state["armed"]:
+            state["armed"] = False
+            raise KeyboardInterrupt
+        return real_segment(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "stream_generate", stream)
+    monkeypatch.setattr(engine_module, "segment_forward", segment)
+    checks = {}
+
+    def after_interrupt(n):  # the 2nd read: right after the interrupted answer
+        if n == 2:
+            engine = session.engine
+            checks["pinned"] = [e for layer in engine.layers for e in range(engine.shape.num_experts)
+                                if layer.cache.is_pinned(e)]
+            checks["in_use"] = [x for x in engine.pool.entries if x is not None and x.in_use]
+            checks["kv"] = session._kv
+
+    c = start(checkpoints["mixtral"])
+    session = c.session
+    out, _ = talk(c, ["first question", "second question"], on_read=after_interrupt)
+    assert "stopped (Ctrl-C) · 3 tokens" in out
+    assert checks == {"pinned": [], "in_use": [], "kv": None}  # engine rebuilt clean, KV cache dropped
+    roles = [m["role"] for m in session.messages]
+    assert roles == ["user", "assistant", "user", "assistant"]  # the partial answer is kept
+    full = reference([{"role": "user", "content": "first question"}])
+    tok = session.lm.tokenizer
+    assert session.messages[1]["content"] == tok.decode(full[:3], skip_special_tokens=True)  # what was shown
+    # After the interrupt (KV cache dropped, engine rebuilt) the next answer is exact.
+    assert session.last_answer_ids == reference(session.messages[:3])
+
+
+def test_error_during_answer_gives_the_text_back(checkpoints, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("device on fire")
+        yield  # a generator, like the real one
+
+    def restore(n):  # the 3rd read: after the failure, generation works again
+        if n == 3:
+            monkeypatch.undo()
+
+    monkeypatch.setattr(session_module, "stream_generate", broken)
+    session, out, script = chat(checkpoints["mixtral"], ["my long question", KeyboardInterrupt, "typed again"],
+                                on_read=restore)
+    assert "error: the answer failed: RuntimeError: device on fire" in out
+    assert script.defaults[:2] == ["", "my long question"]  # the text came back at the prompt
+    assert script.defaults[2] == ""  # Ctrl-C at the prompt cleared it
+    assert [m["content"] for m in session.messages if m["role"] == "user"] == ["typed again"]
+
+
+def test_slash_slash_sends_a_slash_message_and_bad_save_is_one_line(checkpoints, tmp_path):
+    session, out, _ = chat(checkpoints["mixtral"], ["//etc/hosts is a file", f"/save {tmp_path}/no/such/dir/x.json",
+                                                    "/save"])
+    assert session.messages[0]["content"] == "/etc/hosts is a file"
+    assert sum(1 for line in out.splitlines() if line.startswith("error: cannot write")) == 1
+    assert "usage: /save FILE" in out
+
+
+def test_prompt_toolkit_keys(tmp_path):
+    history = tmp_path / "history"
+    with create_pipe_input() as pipe:
+        read = prompt_reader(history, pt_input=pipe, pt_output=DummyOutput())
+        pipe.send_text("line one\x1b\rline two\r")  # Esc+Enter: newline; Enter: submit
+        assert read("") == "line one\nline two"
+        pipe.send_text("abc\x03")  # Ctrl-C at the prompt
+        with pytest.raises(KeyboardInterrupt):
+            read("")
+        pipe.send_text("\r")  # the text given back after an error is pre-filled
+        assert read("given back") == "given back"
+        pipe.send_text("\x04")  # Ctrl-D on an empty line
+        with pytest.raises(EOFError):
+            read("")
+    assert "line one" in history.read_text()
+
+
+def test_cli_chat_over_a_pipe_with_trace(checkpoints, tmp_path):
+    trace = tmp_path / "chat.jsonl"
+    result = CliRunner().invoke(app, [
+        "chat", str(checkpoints["mixtral"]), "--temperature", "0", "--max-new-tokens", "4", "--device", "cpu",
+        "--emulate-link", "20", "--trace-out", str(trace), "--seed", "3",
+    ], input="hi\nand again\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert "link: emulated 20 GB/s" in result.stdout
+    assert result.stdout.count("tokens · TTFT") == 2
+    t = read_trace(trace)
+    assert [s.id for s in t.sequences] == [1, 2]  # one sequence per turn
+    assert t.layers == (0, 1, 2, 3)
