@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, Predictor, top_k_hits
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, Predictor
+from fmoe_cli.prediction.score import Scoreboard
 
 MIN_STEPS = 8
 
@@ -38,14 +39,12 @@ class AutoPredictor(BasePredictor):
         self.candidates = candidates
         self.top_k = top_k
         self.min_steps = min_steps
-        self.hits = torch.zeros(len(candidates), num_layers, dtype=torch.long)
-        self.steps = torch.zeros(num_layers, dtype=torch.long)  # q_l
+        self.boards = [Scoreboard(num_layers, top_k) for _ in candidates]
         self.choice = [0] * num_layers  # candidate index per layer
-        self._latest: list[dict[int, torch.Tensor]] = [{} for _ in candidates]  # c -> {layer: scores}
 
     def accuracy(self) -> torch.Tensor:
         """[candidates, L]: acc_c(l) (0 where nothing was scored)."""
-        return self.hits.float() / (self.top_k * self.steps.clamp_min(1)).float()
+        return torch.stack([b.accuracy() for b in self.boards])
 
     def chosen(self) -> list[str]:
         return [self.candidates[c].name for c in self.choice]
@@ -53,31 +52,22 @@ class AutoPredictor(BasePredictor):
     def _route(self, per_candidate: list[list[Prediction]]) -> list[Prediction]:
         out = []
         for c, predictions in enumerate(per_candidate):
-            for p in predictions:
-                self._latest[c][p.target] = p.scores
-                if self.choice[p.target] == c:
-                    out.append(p)
+            self.boards[c].record(predictions)
+            out += [p for p in predictions if self.choice[p.target] == c]
         return out
 
     def begin(self, it: Iteration) -> list[Prediction]:
         return self._route([c.begin(it) for c in self.candidates])
 
     def after_layer(self, it: Iteration, layer: int) -> list[Prediction]:
-        if it.tokens == 1:
-            activated = it.activated(layer)
-            self.steps[layer] += 1
-            for c, latest in enumerate(self._latest):
-                scores = latest.get(layer)
-                if scores is not None:
-                    self.hits[c, layer] += top_k_hits(scores, activated, self.top_k)
-        for latest in self._latest:
-            latest.pop(layer, None)  # a prediction is for one routing
+        for board in self.boards:
+            board.score(it, layer)
         return self._route([c.after_layer(it, layer) for c in self.candidates])
 
     def replan(self) -> None:
         acc = self.accuracy()
         for layer in range(len(self.choice)):
-            if self.steps[layer] >= self.min_steps:
+            if self.boards[0].steps[layer] >= self.min_steps:
                 self.choice[layer] = int(torch.argmax(acc[:, layer]))  # first maximum: the earlier candidate
         for c in self.candidates:
             c.replan()

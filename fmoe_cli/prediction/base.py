@@ -147,7 +147,3 @@ def cosine_rows(matrix: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
     norms = matrix.norm(dim=1) * vector.norm()
     return (matrix @ vector) / norms.clamp_min(1e-12)
 
-
-def top_k_hits(scores: torch.Tensor, activated: set[int], k: int) -> int:
-    """How many of the k best-scored experts were activated."""
-    return len(set(torch.argsort(scores, descending=True, stable=True)[:k].tolist()) & activated)
