@@ -1,0 +1,146 @@
+"""`fmoe bench`: the JSON object, the ratios, --compare with every policy, identical tokens,
+the trace it records, the 80-column table, --prompt-file."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+import torch
+from rich.console import Console
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from fmoe_cli.bench.run import encode_prompt, parse_policies, read_prompt, render
+from fmoe_cli.bench.trace import read_trace
+from fmoe_cli.cli import app
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.offload.presets import PRESETS
+
+TOKENS = 5
+RUN_KEYS = {"policy": str, "ttft_ms": float, "tpot_ms": dict, "tokens_per_s": float, "hit_rate": float,
+            "prefetch_precision": float, "prefetch_recall": float, "exposed_load_ms_per_token": float,
+            "bytes_per_token": float, "peak_device_bytes": int, "token_ids": list}
+
+
+@pytest.fixture(scope="module")
+def compare_all(checkpoints, tmp_path_factory):
+    """One `fmoe bench --compare all --json --trace-out` run over a tiny Mixtral (emulated link)."""
+    trace = tmp_path_factory.mktemp("bench") / "trace.jsonl"
+    result = CliRunner().invoke(app, [
+        "bench", str(checkpoints["mixtral"]), "--compare", "all", "--tokens", str(TOKENS), "--warmup", "1",
+        "--device", "cpu", "--emulate-link", "20", "--json", "--trace-out", str(trace),
+        "--prompt", "What does a router do?",
+    ])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout), trace
+
+
+def test_json_schema(compare_all):
+    report, _ = compare_all
+    assert isinstance(report["model"], str) and report["device"] == "cpu"
+    assert report["link"]["kind"] == "emulated" and report["link"]["gbps"] == 20
+    assert "emulated" in report["link"]["label"]
+    for run in report["runs"]:
+        for key, kind in RUN_KEYS.items():
+            assert isinstance(run[key], kind), (run["policy"], key)
+        assert set(run["tpot_ms"]) == {"median", "p90"}
+        assert 0 < run["tpot_ms"]["median"] <= run["tpot_ms"]["p90"]
+        assert 0 <= run["hit_rate"] <= 1 and 0 <= run["prefetch_precision"] <= 1 and 0 <= run["prefetch_recall"] <= 1
+        assert run["peak_device_bytes"] > 0 and len(run["token_ids"]) == TOKENS
+    by_policy = {r["policy"]: r for r in report["runs"]}
+    assert by_policy["resident"]["hit_rate"] == 1.0 and by_policy["resident"]["bytes_per_token"] == 0
+    assert by_policy["ondemand"]["hit_rate"] == 0.0 and by_policy["ondemand"]["prefetch_precision"] == 0.0
+    assert by_policy["ondemand"]["bytes_per_token"] > 0
+
+
+def test_compare_runs_every_policy_with_identical_tokens(compare_all, checkpoints):
+    report, _ = compare_all
+    assert [r["policy"] for r in report["runs"]] == list(PRESETS)
+    ids = {tuple(r["token_ids"]) for r in report["runs"]}
+    assert len(ids) == 1 and report["token_ids_identical"] is True
+    # … and they are transformers' own greedy tokens for the same prompt.
+    from fmoe_cli.models.load import load_model
+
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", console=Console(file=io.StringIO()))
+    prompt_ids = encode_prompt(lm, "What does a router do?")
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["mixtral"], dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(prompt_ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False,
+                             pad_token_id=lm.tokenizer.pad_token_id)
+    assert list(ids)[0] == tuple(out[0, prompt_ids.shape[1]:].tolist())
+    assert report["prompt_tokens"] == prompt_ids.shape[1]
+
+
+def test_ratios_are_to_the_first_policy(compare_all):
+    report, _ = compare_all
+    base = report["runs"][0]
+    assert report["ratios_to"] == base["policy"] == "moepic"
+    for run in report["runs"]:
+        r = run["ratios"]
+        assert r["tpot_median"] == pytest.approx(run["tpot_ms"]["median"] / base["tpot_ms"]["median"])
+        assert r["tpot_p90"] == pytest.approx(run["tpot_ms"]["p90"] / base["tpot_ms"]["p90"])
+        assert r["ttft"] == pytest.approx(run["ttft_ms"] / base["ttft_ms"])
+        assert r["tokens_per_s"] == pytest.approx(run["tokens_per_s"] / base["tokens_per_s"])
+    assert base["ratios"]["tpot_median"] == 1.0
+
+
+def test_trace_out_holds_each_measured_run(compare_all):
+    report, path = compare_all
+    trace = read_trace(path)
+    assert [s.id for s in trace.sequences] == list(PRESETS)  # one sequence per policy, warm-up left out
+    per_run = report["prompt_tokens"] + TOKENS - 1  # the last token is generated, never fed
+    assert all(len(s.tokens) == per_run for s in trace.sequences)
+    assert trace.layers == (0, 1, 2, 3) and trace.num_experts == 8
+    lines = [json.loads(line) for line in path.read_text().splitlines()[1:]]
+    with_prediction = {rec["seq"] for rec in lines if "predicted" in rec}
+    assert {"moepic", "lru"} <= with_prediction  # the prefetching policies record their ranking
+    assert "ondemand" not in with_prediction  # no prefetch, no prediction
+    # Routing is the model's, not the policy's: every policy's trace routes identically.
+    routes = {tuple(tuple(r.experts) for layer in s.records for r in layer) for s in trace.sequences}
+    assert len(routes) == 1
+
+
+def test_table_fits_80_columns(compare_all):
+    report, _ = compare_all
+    out = io.StringIO()
+    render(report, Console(file=out, width=80, color_system=None))
+    lines = out.getvalue().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert "emulated 20 GB/s" in out.getvalue()
+    rows = [line for line in lines if line.split()[:1] and line.split()[0] in PRESETS]
+    assert [row.split()[0] for row in rows] == list(PRESETS)
+    for row in rows:  # one line per policy, every cell whole (no wrapping, no ellipsis)
+        cells = row.split()
+        assert len(cells) == 12 and "…" not in row
+        assert all(re.fullmatch(r"[0-9.]+|–", c) for c in cells[1:])
+    assert rows[0].split()[-1] == "1.00"
+
+
+def test_prompt_file_and_policy_parsing(tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("Why is the sky blue?\n", encoding="utf-8")
+    assert read_prompt(None, str(f)) == "Why is the sky blue?\n"
+    with pytest.raises(FmoeError, match="not both"):
+        read_prompt("x", str(f))
+    with pytest.raises(FmoeError, match="does not exist"):
+        read_prompt(None, str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(FmoeError, match="empty"):
+        read_prompt(None, str(tmp_path / "empty.txt"))
+    assert parse_policies(None, None, list(PRESETS)) == ["moepic", "lru"]
+    assert parse_policies(["lru"], "moepic,lru,lfu", list(PRESETS)) == ["lru", "moepic", "lfu"]
+    assert parse_policies(None, "all", list(PRESETS)) == list(PRESETS)
+
+
+def test_prompt_file_on_the_command_line(checkpoints, tmp_path):
+    f = tmp_path / "prompt.txt"
+    f.write_text("Tell me about experts.", encoding="utf-8")
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "2",
+                                      "--warmup", "0", "--device", "cpu", "--prompt-file", str(f), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [r["policy"] for r in report["runs"]] == ["lru"]
+    assert report["link"]["kind"] != "emulated"
