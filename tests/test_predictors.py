@@ -251,6 +251,15 @@ def test_map_store_capacity_rdy_replacement_and_entry_size():
     target = 2
     slot = store.add(store.maps[target] + 1e-3, store.semantic[target].clone())
     assert slot == target
+    # the weights: same meaning but another trajectory (A) vs another meaning, same trajectory (B)
+    two = MapStore(capacity=2, num_layers=L, num_experts=N, distance=d)
+    first_half, second_half = torch.zeros(L, N), torch.zeros(L, N)
+    first_half[:, : N // 2], second_half[:, N // 2:] = 1.0, 1.0
+    meaning, other = torch.zeros(H), torch.zeros(H)
+    meaning[0], other[1] = 1.0, 1.0
+    two.add(first_half, meaning)  # A: RDY = (d/L)·1 + ((L−d)/L)·0 = 1/3
+    two.add(second_half, other)  # B: RDY = (d/L)·0 + ((L−d)/L)·1 = 2/3
+    assert two.add(second_half.clone(), meaning.clone()) == 1
     assert store.entry_bytes(H) == 4 * (L * N + H)
     assert store.entry_bytes(H) == store.maps[0].nbytes + store.semantic[0].nbytes
 
