@@ -1,5 +1,25 @@
 """The one error type the CLI turns into a one-line message and exit code 2."""
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class FmoeError(Exception):
     """Bad input or an unsupported model: the message is shown to the user as one line."""
+
+
+@contextmanager
+def reading(path, what: str) -> Iterator[None]:
+    """Turn the errors of reading a user's file (`what`: "trace", "prompt file", …) into one-line FmoeErrors."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise FmoeError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise FmoeError(f"{what} {path} is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise FmoeError(f"{what} {path} is not a text (UTF-8) file") from None
+    except OSError as exc:
+        raise FmoeError(f"cannot read {what} {path}: {exc.strerror or exc}") from None

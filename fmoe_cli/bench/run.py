@@ -28,7 +28,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, reading
 from fmoe_cli.generate import SamplingParams, stream_generate
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
@@ -95,17 +95,8 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     if prompt_file is None:
         text = DEFAULT_PROMPT if prompt is None else prompt
     else:
-        path = Path(prompt_file)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise FmoeError(f"prompt file {path} does not exist") from None
-        except IsADirectoryError:
-            raise FmoeError(f"prompt file {path} is a directory") from None
-        except UnicodeDecodeError:
-            raise FmoeError(f"prompt file {path} is not a text (UTF-8) file") from None
-        except OSError as exc:
-            raise FmoeError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+        with reading(prompt_file, "prompt file"):
+            text = Path(prompt_file).read_text(encoding="utf-8")
     if not text.strip():
         raise FmoeError("the prompt is empty")
     return text
@@ -272,6 +263,7 @@ def run_bench(
     from fmoe_cli.models.load import load_model
     from fmoe_cli.offload.presets import make_settings
     from fmoe_cli.planning.plan import parse_budget
+    from fmoe_cli.planning.replan import Replanner
     from fmoe_cli.prediction import PREDICTORS, make_predictor
 
     console = console or Console(stderr=True)
@@ -299,6 +291,8 @@ def run_bench(
     runs = []
     try:
         for s in settings:
+            if isinstance(on_idle, Replanner):  # `moepic` runs the configurator's plan
+                s = on_idle.settings(s)
             start = None
             if recorder is not None:  # one trace sequence per policy: its measured run
                 def start(seq=s.policy):

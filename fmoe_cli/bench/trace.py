@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, reading
 
 FORMAT_VERSION = 1
 SeqId = int | str
@@ -300,18 +300,9 @@ def _parse_vllm(obj: dict[str, Any]) -> TraceRecord:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                yield lineno, line
-    except FileNotFoundError:
-        raise FmoeError(f"trace {path} does not exist") from None
-    except IsADirectoryError:
-        raise FmoeError(f"trace {path} is a directory, not a file") from None
-    except UnicodeDecodeError:
-        raise FmoeError(f"trace {path} is not a text (UTF-8) file") from None
-    except OSError as exc:
-        raise FmoeError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    with reading(path, "trace"), open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            yield lineno, line
 
 
 def read_records(path: str | os.PathLike[str]) -> tuple[Literal["fmoe", "vllm"], dict[str, Any], list[tuple[int, TraceRecord]]]:
