@@ -292,6 +292,9 @@ class Engine:
         return total
 
     def close(self) -> None:
+        if self._embedding_hook is not None:
+            self._embedding_hook.remove()
+            self._embedding_hook = None
         self.predictor.close()
         if self.pool is not None:
             self.pool.clear()
