@@ -89,12 +89,13 @@ def bench(
     _quiet_libraries()
     from fmoe_cli.bench.run import parse_policies, read_prompt, render, run_bench
     from fmoe_cli.offload.presets import PRESETS
+    from fmoe_cli.planning.replan import attach_replanner
 
     report = run_bench(
         model, policies=parse_policies(policy, compare, list(PRESETS)), vram_budget=vram_budget, tokens=tokens,
         warmup=warmup, prompt=read_prompt(prompt, prompt_file), emulate_link=emulate_link,
         dtype=None if dtype == "auto" else dtype, device=device, trust_remote_code=trust_remote_code,
-        trace_out=trace_out, predictor=predictor, console=err_console,
+        trace_out=trace_out, predictor=predictor, console=err_console, make_idle=attach_replanner,
     )
     if as_json:
         print(json.dumps(report))
@@ -126,12 +127,14 @@ def chat(
     """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
     _quiet_libraries()
     from fmoe_cli.chat.repl import ChatOptions, run_chat
+    from fmoe_cli.planning.replan import attach_replanner
 
     run_chat(ChatOptions(
         model=model, vram_budget=vram_budget, policy=policy, profile=profile, system=system, temperature=temperature,
         top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
         dtype=None if dtype == "auto" else dtype, predictor=predictor, emulate_link=emulate_link,
-        trace_out=trace_out, trust_remote_code=trust_remote_code), err_console=err_console)
+        trace_out=trace_out, trust_remote_code=trust_remote_code), err_console=err_console,
+        make_idle=attach_replanner)
 
 
 @app.command()

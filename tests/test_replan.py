@@ -52,7 +52,7 @@ def test_replanned_engine_gives_transformers_tokens(setup, tmp_path):
     assert planner.stats.tokens == 0 and planner.recorder in engine.observers
     engine.configure(planner.settings(make_settings("moepic", lm.shape, budget)))
     first_plan = engine.settings.plan
-    assert first_plan.source == "moepic" and first_plan.total_bytes <= budget
+    assert first_plan.source == "configurator" and first_plan.total_bytes <= budget
     assert not planner.on_idle()  # nothing recorded yet: not due
     cache = DynamicCache(config=lm.model.config)
     got = generate(lm, engine, PROMPT, cache, FIRST)
@@ -148,6 +148,26 @@ def test_moepic_plan_within_budget_uniform_without_stats_and_adapts_to_skew():
         assert config.plan.total_bytes <= budget
     assert skewed.total_exposed < plain.total_exposed
     plan = moepic_plan(SHAPE, budget, timings, skewed_stats(rng))
-    assert plan.source == "moepic"
+    assert plan.source == "configurator"
     uniform = uniform_plan(SHAPE, budget)
     assert plan.staging_slots == uniform.staging_slots
+
+
+def test_fmoe_bench_runs_moepic_on_the_configured_plan_and_saves_statistics(checkpoints, tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from fmoe_cli.cli import app
+    from fmoe_cli.planning.stats import default_stats_path
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    path = str(checkpoints["mixtral"])
+    result = CliRunner().invoke(app, ["bench", path, "--policy", "moepic", "--policy", "uniform", "--tokens", "4",
+                                      "--warmup", "1", "--emulate-link", "20", "--json"])
+    assert result.exit_code == 0, result.output
+    runs = {r["policy"]: r for r in json.loads(result.stdout)["runs"]}
+    assert runs["moepic"]["plan"].startswith("configurator:") and runs["uniform"]["plan"].startswith("uniform:")
+    assert runs["moepic"]["token_ids"] == runs["uniform"]["token_ids"]
+    saved = RoutingStats.load(default_stats_path(path))
+    assert saved.tokens > 0  # both runs' tokens, recorded for the next session

@@ -9,8 +9,6 @@ a profile's fit or a few timed copies of expert-sized blocks).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from fmoe_cli.planning.configurator import DEFAULT_ZETA, Configuration, Timings, vram_allocation
 from fmoe_cli.planning.plan import ExpertShape, Plan, check_budget, min_staging_slots
 from fmoe_cli.planning.stats import RoutingStats
@@ -36,8 +34,8 @@ def moepic_configuration(
 
 def moepic_plan(shape: ExpertShape, budget_bytes: int, timings: Timings, stats: RoutingStats | None = None,
                 **kwargs) -> Plan:
-    """The configured plan (source "moepic")."""
-    return replace(moepic_configuration(shape, budget_bytes, timings, stats, **kwargs).plan, source="moepic")
+    """The configured plan (source "configurator": the bench and chat summaries show it)."""
+    return moepic_configuration(shape, budget_bytes, timings, stats, **kwargs).plan
 
 
 def link_fit_of(link, device, expert_bytes: int):

@@ -40,7 +40,10 @@ class Replanner:
         path = stats_path or default_stats_path(lm.model_id)
         stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, path)
         recorder = StatsRecorder(stats, path)
+        before = engine.settings
         timings = timings or engine_timings(lm, engine)
+        if before is not None and engine.settings is not before:  # a quick measurement reconfigured it
+            engine.configure(before)
         engine.observers.append(recorder)
         return cls(engine, budget_bytes, timings, recorder, tau, lm.model_id)
 
@@ -75,7 +78,18 @@ class Replanner:
         self.replans += 1
         return True
 
+    __call__ = on_idle  # a Replanner is an idle hook (bench.run.IdleHook)
+
     def close(self) -> None:
         self.recorder.save()
         if self.recorder in self.engine.observers:
             self.engine.observers.remove(self.recorder)
+
+
+def attach_replanner(lm, engine: Engine, budget_bytes: int) -> Replanner:
+    """The idle-hook factory of `fmoe chat` and `fmoe bench` (bench.run.IdleFactory): record
+    statistics, and if the engine already runs `moepic`, give it the configured plan now."""
+    planner = Replanner.attach(lm, engine, budget_bytes)
+    if engine.settings is not None and engine.settings.policy == "moepic":
+        engine.configure(planner.settings(engine.settings))
+    return planner

@@ -65,22 +65,26 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
     """Per-layer times of a loaded model whose experts the (installed) engine serves.
 
     The engine is left configured for on-demand loading with the smallest staging pool:
-    configure it again afterwards."""
+    configure it again afterwards. Its observers do not see the measurement."""
     from fmoe_cli.offload.presets import make_settings
     from fmoe_cli.planning.plan import min_staging_slots
 
     slots = min_staging_slots(lm.shape)
     engine.configure(make_settings("ondemand", lm.shape, slots * lm.shape.expert_bytes))
     moe_index = {layer.decoder_index: layer.index for layer in lm.layers}
-    return time_layers(
-        lm.model, prompt_ids(lm, prefill_len),
-        model_identity=model_identity(lm.model_id, lm.path / "config.json"),
-        top_k=lm.shape.top_k,
-        decode_steps=2 if quick else 4,
-        repeats=3 if quick else 7,
-        resident=lambda i: resident_layer(engine, moe_index[i]),
-        advance=advance,
-    )
+    observers, engine.observers = engine.observers, []  # a measurement is not traffic: no trace, no statistics
+    try:
+        return time_layers(
+            lm.model, prompt_ids(lm, prefill_len),
+            model_identity=model_identity(lm.model_id, lm.path / "config.json"),
+            top_k=lm.shape.top_k,
+            decode_steps=2 if quick else 4,
+            repeats=3 if quick else 7,
+            resident=lambda i: resident_layer(engine, moe_index[i]),
+            advance=advance,
+        )
+    finally:
+        engine.observers = observers
 
 
 def run_profile(
