@@ -321,6 +321,14 @@ def test_eam_collection_capacity_most_similar_replacement_and_entry_size():
     assert collection.entry_bytes == 4 * L * N == collection.matrices[0].nbytes
 
 
+def test_iteration_keeps_only_recent_router_inputs():
+    it = Iteration(L, N, keep_hidden=3)
+    it.begin(torch.zeros(1, H))
+    for layer in range(L):
+        it.observe(layer, torch.zeros(1, N), torch.zeros(1, K, dtype=torch.long))
+    assert sorted(it.hidden) == [L - 3, L - 2, L - 1] and it.observed == list(range(L))
+
+
 def test_iteration_requests():
     it = Iteration(L, N)
     it.begin(torch.zeros(5, H))
@@ -489,6 +497,7 @@ def test_every_predictor_keeps_the_tokens_of_transformers(family, name):
                 got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine,
                                                            max_new_tokens=NEW_TOKENS, stop_on_eos=False)]
                 assert got == want, f"{name} ({eviction}): tokens differ"
+                assert engine.device_bytes() <= tight  # prefetches live in the plan's staging pool only
         assert engine.counters().prefetch_issued > 0
     finally:
         engine.close()

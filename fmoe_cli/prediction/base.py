@@ -52,11 +52,14 @@ class Iteration:
     num_layers: int  # L
     num_experts: int  # N
     routers: list[torch.nn.Module] | None = None  # to compute full routing distributions; None in synthetic tests
+    # Router inputs are kept for the last `keep_hidden` layers only (a long prompt's [T, H] per layer
+    # would add up); 3 = FIRM-MoE's P, the most any predictor here looks back.
+    keep_hidden: int = 3
     request: int = -1  # counts requests (-1: none yet)
     index: int = 0  # iteration number within the request (0: its prefill)
     tokens: int = 0  # tokens in this forward pass
     embedding: torch.Tensor | None = None  # [T, H] output of the embedding layer
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> router input [T, H]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> router input [T, H] (recent layers)
     routed: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> top_k_index [T, K]
     _distribution: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -80,6 +83,8 @@ class Iteration:
         if layer in self.routed:  # no embedding hook ran (engine used without `install`): a new pass
             self.begin(None, tokens=routed.shape[0])
         self.hidden[layer] = hidden
+        for old in [h for h in self.hidden if h <= layer - self.keep_hidden]:
+            del self.hidden[old]
         self.routed[layer] = routed
         if distribution is not None:
             self._distribution[layer] = distribution.float()

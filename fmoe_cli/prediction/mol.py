@@ -9,7 +9,8 @@ Choices the paper leaves open (decided here):
   order of the nearest layer's scores (softmax(R_t(h_l)), i.e. `speculative`).
   So an empty intersection falls back to exactly the speculative ranking.
 - Fewer than P layers observed (the first layers of a pass): intersect the ones
-  there are (layer 0 alone = the speculative prediction). The last layer predicts
+  there are (layer 0 alone = the speculative prediction). The engine's `Iteration`
+  keeps the router inputs of the last 3 layers, so P > 3 acts as P = 3. The last layer predicts
   layer 0 of the next token from the last P layers of this one, as speculative does.
 - Several tokens (prefill): each layer's candidates come from its per-token
   probabilities averaged over the tokens (as speculative).
