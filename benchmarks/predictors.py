@@ -145,15 +145,13 @@ def main() -> None:
             results[name] = run(lm, name, gbps, budget, history, measured, args.warmup, args.tokens, args.policy)
 
     layers = Table(title="precision / recall of the predictions per MoE layer (decode steps)")
-    layers.add_column("predictor", justify="left")
-    for layer in range(shape.num_layers):
-        layers.add_column(f"L{layer}", justify="right")
-    layers.add_column("mean", justify="right")
-    for name, r in results.items():
-        b = r["board"]
-        prec, rec = b.precision(), b.recall()
-        layers.add_row(name, *[f"{prec[i]:.2f}/{rec[i]:.2f}" for i in range(shape.num_layers)],
-                       f"{prec.mean():.2f}/{rec.mean():.2f}")
+    layers.add_column("layer", justify="right")
+    for name in results:
+        layers.add_column(name, justify="right")
+    boards = {name: (r["board"].precision(), r["board"].recall()) for name, r in results.items()}
+    for i in range(shape.num_layers):
+        layers.add_row(str(i), *[f"{prec[i]:.2f} / {rec[i]:.2f}" for prec, rec in boards.values()])
+    layers.add_row("mean", *[f"{prec.mean():.2f} / {rec.mean():.2f}" for prec, rec in boards.values()])
     console.print(layers)
 
     base = results["speculative"]["tpot"]

@@ -153,7 +153,12 @@ def test_mol_uses_p_earlier_layers():
         (prediction,) = mol.after_layer(it, layer)
     assert mol.last_intersection == {2}  # {0,1,2} ∩ {1,2,3} ∩ {2,3,4}
     assert prediction.target == 3 and prediction.distance == 1
-    assert prediction.ranking()[0] == 2
+    assert prediction.ranking()[0] == 2 and prediction.count == 1  # only the intersection is prefetched
+    h = torch.tensor([[0.0, 0, 0, 0, 0, 5, 4, 3]])  # disjoint from the earlier top-3 sets
+    it.observe(3, h, top_k(h))
+    (fallback,) = mol.after_layer(it, 3)
+    assert mol.last_intersection == set() and fallback.count is None  # speculative's candidates
+    assert fallback.ranking()[:3] == [5, 6, 7]
 
 
 # --- expert-map (fMoE) -------------------------------------------------------------------

@@ -7,15 +7,17 @@ in every candidate set (the intersection) are the confident prediction.
 Choices the paper leaves open (decided here):
 - Ranking: intersection experts first, the rest after them; inside both groups the
   order of the nearest layer's scores (softmax(R_t(h_l)), i.e. `speculative`).
-  So an empty intersection falls back to exactly the speculative ranking.
+  So an empty intersection falls back to exactly the speculative ranking (and the
+  ranking, used by the statistics, stays a full one).
 - Fewer than P layers observed (the first layers of a pass): intersect the ones
   there are (layer 0 alone = the speculative prediction). The engine's `Iteration`
   keeps the router inputs of the last 3 layers, so P > 3 acts as P = 3. The last layer predicts
   layer 0 of the next token from the last P layers of this one, as speculative does.
 - Several tokens (prefill): each layer's candidates come from its per-token
   probabilities averaged over the tokens (as speculative).
-- Prefetch count: the prefetcher's default, as speculative (the intersection only
-  reorders); distance 1.
+- What is prefetched: the intersection only (`count` = its size: FIRM-MoE trades
+  recall for precision); an empty intersection falls back to the speculative
+  candidates (the prefetcher's default count). Distance 1.
 """
 
 from __future__ import annotations
@@ -61,4 +63,4 @@ class MolPredictor(BasePredictor):
         router = self.routers[target]
         per_layer = [router_scores(router, it.hidden[h]).mean(dim=0) for h in sources]
         scores, self.last_intersection = intersection_scores(per_layer, self.k)
-        return [Prediction(target, scores, distance=1)]
+        return [Prediction(target, scores, distance=1, count=len(self.last_intersection) or None)]
