@@ -18,6 +18,8 @@ Printed: per-layer precision / recall of the predictions the prefetcher got
 when it gives none — see fmoe_cli/prediction/score.py), and TPOT (median decode
 step over all measured prompts) on the emulated link at equal budget, with the
 engine's own prefetch precision / recall and hit rate, and TPOT ÷ speculative.
+Every predictor runs `--repeats` times, round-robin; TPOT is the median over all
+decode steps of its runs.
 
     python benchmarks/predictors.py                 # the demo model (trained if shipped, else random)
     python benchmarks/predictors.py --model /tmp/fmoe-bench-engine --seen
@@ -109,8 +111,7 @@ def run(lm, name: str, gbps: float, budget: int, history, measured, warmup: int,
         chosen = scored.inner.chosen() if name == "auto" else None
     finally:
         engine.close()
-    return {"board": scored.board, "tpot": statistics.median(tpot), "counters": steady, "tokens": token_ids,
-            "chosen": chosen}
+    return {"board": scored.board, "tpot": tpot, "counters": steady, "tokens": token_ids, "chosen": chosen}
 
 
 def main() -> None:
@@ -122,6 +123,8 @@ def main() -> None:
     p.add_argument("--policy", default="moepic", help="engine policy (same for every predictor)")
     p.add_argument("--load-ratio", type=float, default=3.0, help="expert load time / expert compute time")
     p.add_argument("--seen", action="store_true", help="measure on the history prompts again")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs per predictor, round-robin (TPOT: median over all their decode steps)")
     args = p.parse_args()
     torch.set_num_threads(1)
     console = Console()
@@ -139,10 +142,18 @@ def main() -> None:
                   f"{len(history)} history prompts × {args.warmup} tokens, then "
                   f"{len(measured)} {'seen' if args.seen else 'unseen'} prompts × {args.tokens} tokens")
 
-    results = {}
-    for name in PREDICTORS:
-        with console.status(f"{name} …"):
-            results[name] = run(lm, name, gbps, budget, history, measured, args.warmup, args.tokens, args.policy)
+    results: dict[str, dict] = {}
+    for repeat in range(args.repeats):  # round-robin, so that drift in the machine's load hits every predictor
+        for name in PREDICTORS:
+            with console.status(f"{name} (run {repeat + 1} of {args.repeats}) …"):
+                r = run(lm, name, gbps, budget, history, measured, args.warmup, args.tokens, args.policy)
+            if name not in results:
+                results[name] = r  # precision / recall, counters, tokens: from the first run
+            else:
+                results[name]["tpot"] += r["tpot"]
+                assert r["tokens"] == results[name]["tokens"]
+    for r in results.values():
+        r["tpot"] = statistics.median(r["tpot"])
 
     layers = Table(title="precision / recall of the predictions per MoE layer (decode steps)")
     layers.add_column("layer", justify="right")
