@@ -50,6 +50,8 @@ def test_replanned_engine_gives_transformers_tokens(setup, tmp_path):
     budget = budget_of(lm.shape)
     planner = Replanner.attach(lm, engine, budget, stats_path=tmp_path / "stats.json", tau=FIRST)
     assert planner.stats.tokens == 0 and planner.recorder in engine.observers
+    lru = make_settings("lru", lm.shape, budget)
+    assert planner.settings(lru) is lru and callable(planner._timings)  # no moepic: nothing measured
     engine.configure(planner.settings(make_settings("moepic", lm.shape, budget)))
     first_plan = engine.settings.plan
     assert first_plan.source == "configurator" and first_plan.total_bytes <= budget

@@ -10,6 +10,7 @@ history and fills each layer with its top-C_i experts by LCP priority, split at 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,11 +22,11 @@ from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_e
 
 
 class Replanner:
-    def __init__(self, engine: Engine, budget_bytes: int, timings: Timings, recorder: StatsRecorder,
-                 tau: int = DEFAULT_TAU, model: str = "") -> None:
+    def __init__(self, engine: Engine, budget_bytes: int, timings: Timings | Callable[[], Timings],
+                 recorder: StatsRecorder, tau: int = DEFAULT_TAU, model: str = "") -> None:
         self.engine = engine
         self.budget_bytes = budget_bytes
-        self.timings = timings
+        self._timings = timings  # Timings, or how to find them when first needed
         self.recorder = recorder
         self.tau = tau  # τ: tokens between re-plans
         self.model = model
@@ -35,17 +36,25 @@ class Replanner:
     @classmethod
     def attach(cls, lm, engine: Engine, budget_bytes: int, *, timings: Timings | None = None,
                stats_path: Path | None = None, tau: int = DEFAULT_TAU) -> Replanner:
-        """Load this model's saved statistics, observe the engine, find the timings (see engine_timings)."""
+        """Load this model's saved statistics and observe the engine. Timings, if not given, are found
+        when the first plan is made (see engine_timings): a session without `moepic` never measures."""
         shape = lm.shape
         path = stats_path or default_stats_path(lm.model_id)
         stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, path)
         recorder = StatsRecorder(stats, path)
-        before = engine.settings
-        timings = timings or engine_timings(lm, engine)
-        if before is not None and engine.settings is not before:  # a quick measurement reconfigured it
-            engine.configure(before)
         engine.observers.append(recorder)
-        return cls(engine, budget_bytes, timings, recorder, tau, lm.model_id)
+        return cls(engine, budget_bytes, timings or (lambda: engine_timings(lm, engine)), recorder, tau, lm.model_id)
+
+    @property
+    def timings(self) -> Timings:
+        """The configurator's timings. A quick measurement reconfigures the engine: it is put back to
+        its settings (cold: call this before generating, as `settings()` is)."""
+        if callable(self._timings):
+            before = self.engine.settings
+            self._timings = self._timings()
+            if before is not None and self.engine.settings is not before:
+                self.engine.configure(before)
+        return self._timings
 
     @property
     def stats(self):
