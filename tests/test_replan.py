@@ -9,6 +9,7 @@ import transformers
 from transformers import DynamicCache
 
 from fmoe_cli.generate import stream_generate
+from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import EmulatedLink
@@ -27,7 +28,7 @@ def budget_of(shape: ExpertShape) -> int:
     return 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 3
 
 
-@pytest.fixture(scope="module", params=["mixtral", "deepseek_v2"])
+@pytest.fixture(scope="module", params=list(TINY_FAMILIES))
 def setup(request, checkpoints):
     path = checkpoints[request.param]
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
