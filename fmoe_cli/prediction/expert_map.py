@@ -194,6 +194,7 @@ class ExpertMapPredictor(BasePredictor):
         return self._ready(layer)
 
     def close(self) -> None:
+        """Stop the worker (after this, matching runs inline: a closed engine no longer calls it)."""
         if self._worker is not None:
             self._worker.shutdown(wait=True, cancel_futures=True)
             self._worker = None
