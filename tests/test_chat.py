@@ -243,3 +243,40 @@ def test_cli_chat_over_a_pipe_with_trace(checkpoints, tmp_path):
     t = read_trace(trace)
     assert [s.id for s in t.sequences] == [1, 2]  # one sequence per turn
     assert t.layers == (0, 1, 2, 3)
+
+
+def test_ctrl_c_in_a_real_terminal(checkpoints, tmp_path):
+    """A pseudo-terminal: Ctrl-C while an answer streams stops it and the chat goes on; Ctrl-C at the
+    prompt clears the line; Ctrl-D quits with exit code 0."""
+    import os
+    import sys
+    import time
+
+    pexpect = pytest.importorskip("pexpect")
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path), PROMPT_TOOLKIT_NO_CPR="1", HF_HUB_OFFLINE="1")
+    child = pexpect.spawn(sys.executable, ["-m", "fmoe_cli.cli", "chat", str(checkpoints["mixtral"]), "--device", "cpu",
+                                           "--temperature", "0", "--max-new-tokens", "2000", "--emulate-link", "0.5"],
+                          env=env, encoding="utf-8", timeout=120, dimensions=(24, 80))
+    try:
+        child.expect(">>>")
+        child.send("tell me everything\r")
+        child.expect("tell me everything")
+        child.expect_exact("\x1b[?2004l")  # prompt-toolkit has left the prompt (bracketed paste off)
+        time.sleep(1.0)  # the answer streams (2000 tokens on a 0.5 GB/s emulated link take minutes)
+        child.sendintr()  # Ctrl-C during the answer
+        child.expect(r"stopped \(Ctrl-C\)")
+        child.expect(">>>")
+        child.send("half-typed")
+        child.sendintr()  # Ctrl-C at the prompt: the line is cleared, the chat goes on
+        child.expect(">>>")
+        child.send("/save " + str(tmp_path / "c.json") + "\r")
+        child.expect("saved 2 messages")
+        child.expect(">>>")
+        child.sendeof()  # Ctrl-D
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    messages = json.loads((tmp_path / "c.json").read_text())["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert "half-typed" not in (tmp_path / "fmoe" / "chat_history").read_text()
