@@ -506,3 +506,13 @@ def test_every_predictor_keeps_the_tokens_of_transformers(family, name):
         assert engine.counters().prefetch_issued > 0
     finally:
         engine.close()
+
+
+def test_bench_refuses_an_unknown_predictor_in_one_line(checkpoints):
+    from typer.testing import CliRunner
+
+    from fmoe_cli.cli import app
+
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--predictor", "oracle"])
+    assert result.exit_code == 2
+    assert "error: unknown predictor 'oracle'" in result.output and "Traceback" not in result.output
