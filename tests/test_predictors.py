@@ -516,3 +516,18 @@ def test_bench_refuses_an_unknown_predictor_in_one_line(checkpoints):
     result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--predictor", "oracle"])
     assert result.exit_code == 2
     assert "error: unknown predictor 'oracle'" in result.output and "Traceback" not in result.output
+
+
+def test_bench_runs_with_a_predictor_and_names_it(checkpoints):
+    import json
+
+    from typer.testing import CliRunner
+
+    from fmoe_cli.cli import app
+
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "uniform", "--predictor",
+                                      "expert-map", "--tokens", "4", "--warmup", "1", "--device", "cpu",
+                                      "--emulate-link", "20", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["predictor"] == "expert-map" and report["runs"][0]["prefetch_precision"] >= 0
