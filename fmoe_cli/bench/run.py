@@ -305,6 +305,9 @@ def run_bench(
             if on_idle is not None:  # the device is idle between runs: re-planning may happen here
                 on_idle()
     finally:
+        close_idle = getattr(on_idle, "close", None)  # a Replanner saves its statistics
+        if close_idle is not None:
+            close_idle()
         engine.close()
         if writer is not None:
             writer.close()

@@ -294,6 +294,9 @@ class Chat:
         repl(self.session, read, console, self.budget_bytes, self.idle)
 
     def close(self) -> None:
+        close_idle = getattr(self.idle, "close", None)  # a Replanner saves its statistics
+        if close_idle is not None:
+            close_idle()
         self.session.engine.close()
         if self.writer is not None:
             self.writer.close()
