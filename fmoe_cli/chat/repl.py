@@ -16,7 +16,9 @@ from pathlib import Path
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from fmoe_cli.bench.run import IdleFactory
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
@@ -111,6 +113,15 @@ def line_reader(stream=None) -> Reader:
 _CONTROL = {c: "\ufffd" for c in range(32) if chr(c) not in "\n\t"} | {127: "\ufffd"}
 
 
+def say(console: Console, text: str, style: str | None = None) -> None:
+    """One line of plain text: no markup, highlighting or emoji codes read into it."""
+    console.print(text, style=style, markup=False, highlight=False, emoji=False)
+
+
+def error(console: Console, message: str) -> None:
+    console.print(Text.assemble(("error:", "bold red"), " ", message), highlight=False)
+
+
 def printable(text: str) -> str:
     """Model text for the terminal: control characters (a bell, an escape sequence) shown as U+FFFD."""
     return text.translate(_CONTROL)
@@ -123,7 +134,7 @@ def header_lines(session: ChatSession, link_label: str, budget_bytes: int, profi
     if lm.model_id == "demo" and "tiny" not in label.lower():
         label = f"tiny demo model: {label}"
     lines = [
-        f"[bold]fmoe chat[/bold] · {label}",
+        f"[bold]fmoe chat[/bold] · {escape(label)}",
         f"device {lm.device} ({str(lm.dtype).removeprefix('torch.')}) · {link_label} · "
         f"VRAM budget {budget_bytes / MiB:.1f} MiB for experts",
         f"plan {session.settings.plan.summary()}",
@@ -197,28 +208,28 @@ def handle_command(line: str, session: ChatSession, console: Console, budget_byt
         console.print(help_table())
     elif name == "/stats":
         console.print(stats_table(session))
-        console.print(memory_line(session, budget_bytes), highlight=False)
+        say(console, memory_line(session, budget_bytes))
     elif name == "/plan":
-        console.print(f"plan {session.settings.plan.summary()}", highlight=False)
+        say(console, f"plan {session.settings.plan.summary()}")
         console.print(plan_table(session))
     elif name == "/system":
         if not arg:
-            console.print(f"system prompt: {session.system!r}" if session.system else
-                          "no system prompt; set one with /system TEXT", highlight=False)
+            say(console, f"system prompt: {session.system!r}" if session.system else
+                "no system prompt; set one with /system TEXT")
         else:
             session.system = None if arg == "-" else arg
-            console.print("system prompt cleared" if session.system is None else "system prompt set", style="dim")
+            say(console, "system prompt cleared" if session.system is None else "system prompt set", "dim")
     elif name == "/reset":
         session.reset()
-        console.print("conversation cleared", style="dim")
+        say(console, "conversation cleared", "dim")
     elif name == "/save":
         if not arg:
-            console.print("usage: /save FILE", style="yellow")
+            say(console, "usage: /save FILE", "yellow")
         else:
             path = session.save(arg)
-            console.print(f"saved {len(session.messages)} messages to {path}", style="dim", highlight=False)
+            say(console, f"saved {len(session.messages)} messages to {path}", "dim")
     else:
-        console.print(f"unknown command {name}; /help lists the commands", style="yellow", highlight=False)
+        say(console, f"unknown command {name}; /help lists the commands", "yellow")
     return True
 
 
@@ -241,20 +252,20 @@ def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int
                 continue
             problem = work.wait()  # the device is needed again: the idle work must be done
             if problem:
-                console.print(problem, style="yellow", highlight=False)
+                say(console, problem, "yellow")
             if text.startswith("/") and not text.startswith("//"):
                 try:
                     if not handle_command(text, session, console, budget_bytes):
                         break
                 except FmoeError as exc:
-                    console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+                    error(console, str(exc))
                 continue
             message = text[1:] if text.startswith("//") else text
             try:
-                stats = session.ask(message, on_text=lambda t: console.print(printable(t), end="", markup=False,
-                                                                               highlight=False))
+                stats = session.ask(message, on_text=lambda t: console.print(
+                    printable(t), end="", markup=False, highlight=False, emoji=False, soft_wrap=True))
             except FmoeError as exc:
-                console.print(f"[bold red]error:[/bold red] {exc}", highlight=False)
+                error(console, str(exc))
                 pending = text
                 continue
             except KeyboardInterrupt:  # before the answer began (ask handles it once generating)
@@ -264,12 +275,11 @@ def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int
             except Exception as exc:  # a failure inside generation: report it, keep the text
                 console.print()
                 first = str(exc).splitlines()[0] if str(exc) else ""
-                console.print(f"[bold red]error:[/bold red] the answer failed: {exc.__class__.__name__}: {first}",
-                              highlight=False)
+                error(console, f"the answer failed: {exc.__class__.__name__}: {first}")
                 pending = text
                 continue
             console.print()
-            console.print(stats.footer(), style="dim", highlight=False)
+            say(console, stats.footer(), "dim")
             work.start()  # re-plan while the user types the next message
     finally:
         work.wait()
