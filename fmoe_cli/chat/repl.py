@@ -250,7 +250,12 @@ def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int
             pending = ""
             if not text.strip():
                 continue
-            problem = work.wait()  # the device is needed again: the idle work must be done
+            try:
+                problem = work.wait()  # the device is needed again: the idle work must be done
+            except KeyboardInterrupt:  # Ctrl-C while re-planning finishes: keep the text, ask again
+                console.print()
+                pending = text
+                continue
             if problem:
                 say(console, problem, "yellow")
             if text.startswith("/") and not text.startswith("//"):
