@@ -280,3 +280,32 @@ def test_ctrl_c_in_a_real_terminal(checkpoints, tmp_path):
     messages = json.loads((tmp_path / "c.json").read_text())["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant"]
     assert "half-typed" not in (tmp_path / "fmoe" / "chat_history").read_text()
+
+
+def test_idle_hook_runs_between_turns_never_during_an_answer(checkpoints, monkeypatch):
+    events: list[str] = []
+    real_stream = session_module.stream_generate
+
+    def stream(*args, **kwargs):
+        events.append("answer starts")
+        yield from real_stream(*args, **kwargs)
+        events.append("answer ends")
+
+    def make_idle(lm, engine, budget):
+        assert engine.settings is not None and budget > 0
+
+        def hook():
+            events.append("idle")
+            if events.count("idle") == 2:
+                raise RuntimeError("stats file unwritable")
+
+        return hook
+
+    monkeypatch.setattr(session_module, "stream_generate", stream)
+    opts = ChatOptions(model=str(checkpoints["mixtral"]), temperature=0.0, max_new_tokens=3, device="cpu")
+    c = open_chat(opts, err_console=Console(file=io.StringIO()), make_idle=make_idle)
+    out, _ = talk(c, ["one", "two", "three"])
+    assert events == ["answer starts", "answer ends", "idle", "answer starts", "answer ends", "idle",
+                      "answer starts", "answer ends", "idle"]
+    assert [line for line in out.splitlines() if "re-planning failed" in line] == [
+        "re-planning failed: RuntimeError: stats file unwritable"]
