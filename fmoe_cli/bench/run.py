@@ -227,8 +227,8 @@ def render(report: dict, console: Console) -> None:
     """Header lines (model, device, link — 'emulated' when it is), the table, the legend, the token check."""
     peak = "peak RSS of the process (CPU)" if report["device"] == "cpu" else "peak device memory"
     console.print(f"[bold]{report['label']}[/bold]", highlight=False)
-    console.print(f"device {report['device']} ({report['dtype']}) · {report['link']['label']} · "
-                  f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
+    console.print(f"device {report['device']} ({report['dtype']}) · {report['link']['label']}", highlight=False)
+    console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
                   f"predictor {report.get('predictor', 'speculative')}", highlight=False)
     if report.get("tokens") is not None:
         console.print(f"{report['prompt_tokens']} prompt tokens, {report['tokens']} measured after "
