@@ -255,15 +255,6 @@ class RoutingStats:
         except (KeyError, TypeError, ValueError, zlib.error) as exc:
             raise FmoeError(f"{source} is malformed ({type(exc).__name__}: {exc})") from None
 
-    def check_matches(self, model: str, num_layers: int, num_experts: int, top_k: int) -> None:
-        theirs = (self.num_layers, self.num_experts, self.top_k)
-        ours = (num_layers, num_experts, top_k)
-        if self.model != model or theirs != ours:
-            raise FmoeError(
-                f"routing statistics are for {self.model} (L={theirs[0]}, N={theirs[1]}, K={theirs[2]}), "
-                f"not for {model} (L={ours[0]}, N={ours[1]}, K={ours[2]})"
-            )
-
     def save(self, path: Path) -> Path:
         return write_atomic(Path(path), json.dumps(self.to_dict()))
 
@@ -339,5 +330,8 @@ def load_or_empty(model: str, num_layers: int, num_experts: int, top_k: int, pat
     if not Path(path).exists():
         return RoutingStats.empty(model, num_layers, num_experts, top_k)
     stats = RoutingStats.load(path)
-    stats.check_matches(model, num_layers, num_experts, top_k)
+    if (stats.model, stats.num_layers, stats.num_experts, stats.top_k) != (model, num_layers, num_experts, top_k):
+        # Saved for another checkpoint under the same name (a re-used directory, a new demo):
+        # start afresh; the next save replaces the stale file.
+        return RoutingStats.empty(model, num_layers, num_experts, top_k)
     return stats
