@@ -126,6 +126,9 @@ def chat(
 ) -> None:
     """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
     _quiet_libraries()
+    from functools import partial
+    from pathlib import Path
+
     from fmoe_cli.chat.repl import ChatOptions, run_chat
     from fmoe_cli.planning.replan import attach_replanner
 
@@ -134,7 +137,7 @@ def chat(
         top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
         dtype=None if dtype == "auto" else dtype, predictor=predictor, emulate_link=emulate_link,
         trace_out=trace_out, trust_remote_code=trust_remote_code), err_console=err_console,
-        make_idle=attach_replanner)
+        make_idle=partial(attach_replanner, profile_path=None if profile is None else Path(profile)))
 
 
 @app.command()

@@ -35,7 +35,7 @@ class Replanner:
 
     @classmethod
     def attach(cls, lm, engine: Engine, budget_bytes: int, *, timings: Timings | None = None,
-               stats_path: Path | None = None, tau: int = DEFAULT_TAU) -> Replanner:
+               stats_path: Path | None = None, tau: int = DEFAULT_TAU, profile_path: Path | None = None) -> Replanner:
         """Load this model's saved statistics and observe the engine. Timings, if not given, are found
         when the first plan is made (see engine_timings): a session without `moepic` never measures."""
         shape = lm.shape
@@ -43,7 +43,8 @@ class Replanner:
         stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, path)
         recorder = StatsRecorder(stats, path)
         engine.observers.append(recorder)
-        return cls(engine, budget_bytes, timings or (lambda: engine_timings(lm, engine)), recorder, tau, lm.model_id)
+        return cls(engine, budget_bytes, timings or (lambda: engine_timings(lm, engine, profile_path)), recorder, tau,
+                   lm.model_id)
 
     @property
     def timings(self) -> Timings:
@@ -95,10 +96,11 @@ class Replanner:
             self.engine.observers.remove(self.recorder)
 
 
-def attach_replanner(lm, engine: Engine, budget_bytes: int) -> Replanner:
+def attach_replanner(lm, engine: Engine, budget_bytes: int, profile_path: Path | None = None) -> Replanner:
     """The idle-hook factory of `fmoe chat` and `fmoe bench` (bench.run.IdleFactory): record
-    statistics, and if the engine already runs `moepic`, give it the configured plan now."""
-    planner = Replanner.attach(lm, engine, budget_bytes)
+    statistics, and if the engine already runs `moepic`, give it the configured plan now.
+    `profile_path` (chat --profile): the profile to take timings from instead of the default one."""
+    planner = Replanner.attach(lm, engine, budget_bytes, profile_path=profile_path)
     if engine.settings is not None and engine.settings.policy == "moepic":
         engine.configure(planner.settings(engine.settings))
     return planner
