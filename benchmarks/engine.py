@@ -47,13 +47,9 @@ def mid_size_checkpoint(path: Path) -> Path:
     return path
 
 
-def plain_transformers_tpot(path: Path, prompt_ids: torch.Tensor, tokens: int) -> float:
-    """Median decode-step time of transformers' own model (no engine), same loop as the engine runs."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    events = list(stream_generate(model, prompt_ids, max_new_tokens=tokens, stop_on_eos=False))
-    del model
+def decode_tpot_ms(model, prompt_ids: torch.Tensor, tokens: int, engine: Engine | None = None) -> float:
+    """Median decode-step time of `model` (through `engine` if given), the loop every command uses."""
+    events = list(stream_generate(model, prompt_ids, engine=engine, max_new_tokens=tokens, stop_on_eos=False))
     return statistics.median(e.latency_s for e in events[1:]) * 1000
 
 
@@ -78,6 +74,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--budget", default="25%")
     p.add_argument("--load-ratio", type=float, default=3.0, help="expert load time / expert compute time")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is reported")
     args = p.parse_args()
     torch.set_num_threads(1)
     console = Console()
@@ -89,42 +86,56 @@ def main() -> None:
     console.print(f"{lm.label}: {shape.num_layers} MoE layers × {shape.num_experts} experts, top-{shape.top_k}, "
                   f"hidden {shape.hidden}, expert {shape.expert_bytes / 2**20:.2f} MiB")
 
-    # 1. resident through the engine vs plain transformers.
+    # 1. resident through the engine vs plain transformers, interleaved `repeats` times.
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(lm.path, dtype=torch.float32).eval()
     engine = Engine(lm.layers, lm.store, shape, ThreadLink(), lm.device, lm.dtype)
     engine.install(lm.model)
-    resident = bench_policy(lm, engine, make_settings("resident", shape, 0), prompt_ids, args.tokens, args.warmup)
+    engine.configure(make_settings("resident", shape, 0))
+    hf, ours = [], []
+    for _ in range(args.repeats):
+        hf.append(decode_tpot_ms(plain, prompt_ids, args.tokens))
+        ours.append(decode_tpot_ms(lm.model, prompt_ids, args.tokens, engine))
     engine.close()
-    hf_tpot = plain_transformers_tpot(Path(lm.path), prompt_ids, args.tokens)
-    t1 = Table(title="1. resident engine vs plain transformers (TPOT, median of decode steps)")
+    del plain
+    hf_tpot, resident_tpot = statistics.median(hf), statistics.median(ours)
+    t1 = Table(title=f"1. resident engine vs plain transformers (TPOT ms, median of {args.repeats} interleaved runs)")
     for col in ("run", "TPOT ms", "ratio"):
         t1.add_column(col, justify="right" if col != "run" else "left")
     t1.add_row("transformers", f"{hf_tpot:.2f}", "1.00")
-    t1.add_row("fmoe resident", f"{resident.tpot_ms['median']:.2f}", f"{resident.tpot_ms['median'] / hf_tpot:.2f}")
+    t1.add_row("fmoe resident", f"{resident_tpot:.2f}", f"{resident_tpot / hf_tpot:.2f}")
     console.print(t1)
 
-    # 2. every policy on an emulated link at load/compute = load_ratio.
+    # 2. every policy on an emulated link at load/compute = load_ratio, policies interleaved.
     t_exp = expert_compute_s(lm)
     gbps = shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
     budget = parse_budget(args.budget, shape.all_experts_bytes)
     link = EmulatedLink(gbps)
     engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
     engine.install(lm.model)
-    runs = {}
-    for name in POLICIES:
-        with console.status(f"{name} …"):
-            runs[name] = bench_policy(lm, engine, make_settings(name, shape, budget), prompt_ids, args.tokens,
-                                      args.warmup)
+    runs: dict[str, list] = {name: [] for name in POLICIES}
+    for r in range(args.repeats):
+        for name in POLICIES:
+            with console.status(f"round {r + 1}/{args.repeats}: {name} …"):
+                runs[name].append(bench_policy(lm, engine, make_settings(name, shape, budget), prompt_ids,
+                                               args.tokens, args.warmup))
     engine.close()
-    base = runs["lru"].tpot_ms["median"]
-    t2 = Table(title=f"2. {link.label()} (expert load {args.load_ratio:g}× T_exp = {t_exp * 1e3:.3f} ms), "
-                     f"budget {args.budget} = {budget / 2**20:.0f} MiB")
+
+    def tpot(name: str) -> float:
+        return statistics.median(r.tpot_ms["median"] for r in runs[name])
+
+    base = tpot("lru")
+    t2 = Table(title=f"2. {link.label()} (expert load {args.load_ratio:g}× T_exp = {args.load_ratio * t_exp * 1e3:.3f} ms), "
+                     f"budget {args.budget} = {budget / 2**20:.0f} MiB, median of {args.repeats} rounds")
     for col in ("policy", "TPOT ms", "÷ lru", "hit", "exp ms/tok", "MiB/tok"):
         t2.add_column(col, justify="right" if col != "policy" else "left")
-    for name, r in runs.items():
-        t2.add_row(name, f"{r.tpot_ms['median']:.2f}", f"{r.tpot_ms['median'] / base:.2f}", f"{r.hit_rate:.2f}",
-                   f"{r.exposed_load_ms_per_token:.2f}", f"{r.bytes_per_token / 2**20:.1f}")
+    for name, rs in runs.items():
+        exposed = statistics.median(r.exposed_load_ms_per_token for r in rs)
+        t2.add_row(name, f"{tpot(name):.2f}", f"{tpot(name) / base:.2f}", f"{rs[-1].hit_rate:.2f}",
+                   f"{exposed:.2f}", f"{rs[-1].bytes_per_token / 2**20:.1f}")
     console.print(t2)
-    same = len({tuple(r.token_ids) for r in runs.values()} | {tuple(resident.token_ids)}) == 1
+    same = len({tuple(r.token_ids) for rs in runs.values() for r in rs}) == 1
     console.print("token ids identical across policies" if same else "[red]token ids DIFFER[/red]")
 
 
