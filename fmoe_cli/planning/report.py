@@ -47,7 +47,11 @@ class ModelFacts:
 
 
 def config_path_of(model: str) -> Path:
-    """A local config.json, a model directory holding one, or config.json alone from the hub."""
+    """A local config.json, a model directory holding one, `demo`, or config.json alone from the hub."""
+    if model == "demo":
+        from fmoe_cli.models.demo import demo_path
+
+        return demo_path() / "config.json"
     local = Path(model).expanduser()
     if local.is_file():
         return local
@@ -57,7 +61,7 @@ def config_path_of(model: str) -> Path:
         return local / "config.json"
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FmoeError(f"no such file or model directory: {model}")
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
         GatedRepoError,
@@ -68,7 +72,8 @@ def config_path_of(model: str) -> Path:
     )
 
     try:
-        return Path(hf_hub_download(model, "config.json"))
+        # snapshot_download (not hf_hub_download): fails at once without a network instead of retrying
+        path = Path(snapshot_download(model, allow_patterns=["config.json"])) / "config.json"
     except GatedRepoError:
         raise FmoeError(f"{model} is gated: accept its licence on the hub and log in (`hf auth login`)") from None
     except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError):
@@ -79,6 +84,9 @@ def config_path_of(model: str) -> Path:
         raise FmoeError(f"{model} has no config.json on the hub") from None
     except OSError as exc:
         raise FmoeError(f"cannot fetch {model}'s config.json: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
+    if not path.exists():
+        raise FmoeError(f"{model} has no config.json on the hub")
+    return path
 
 
 def _nbytes(module) -> int:
