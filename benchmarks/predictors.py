@@ -138,7 +138,7 @@ def main() -> None:
     budget = parse_budget(args.budget, shape.all_experts_bytes)
     console.print(f"{lm.label}: {shape.num_layers} MoE layers × {shape.num_experts} experts, top-{shape.top_k}; "
                   f"policy {args.policy}, budget {args.budget} = {budget / 2**20:.2f} MiB; link: emulated "
-                  f"{gbps:.3g} GB/s (expert load {args.load_ratio:g}× T_exp = {t_exp * 1e3:.3f} ms); "
+                  f"{gbps:.3g} GB/s (expert load = {args.load_ratio:g} × T_exp, T_exp = {t_exp * 1e3:.3f} ms); "
                   f"{len(history)} history prompts × {args.warmup} tokens, then "
                   f"{len(measured)} {'seen' if args.seen else 'unseen'} prompts × {args.tokens} tokens")
 
