@@ -59,6 +59,9 @@ BudgetOpt = Annotated[str, typer.Option(
     "--vram-budget", help="Device memory for experts: 6GiB, 512MiB, or a share of all routed experts such as 25%.")]
 LinkOpt = Annotated[float | None, typer.Option(
     "--emulate-link", metavar="GBPS", help="Emulate a host→device link of this many GB/s (any device).")]
+OmegaOpt = Annotated[float, typer.Option(
+    "--lcp-omega", help="LCP ω: tokens over which an idle expert's priority decays by ρ (MoEpic Eq. 4).")]
+RhoOpt = Annotated[float, typer.Option("--lcp-rho", help="LCP ρ ∈ (0, 1): the decay per ω idle tokens.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the repository's own Python code to run.")]
 
 
@@ -79,6 +82,8 @@ def bench(
     trace_out: Annotated[str | None, typer.Option(help="Write the routing of every measured run (JSONL trace).")] = None,
     predictor: Annotated[str, typer.Option(
         help="Expert predictor of the prefetcher: speculative, expert-map, eam, mol, auto.")] = "speculative",
+    lcp_omega: OmegaOpt = 128.0,
+    lcp_rho: RhoOpt = 0.25,
     emulate_link: LinkOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
@@ -95,7 +100,8 @@ def bench(
         model, policies=parse_policies(policy, compare, list(PRESETS)), vram_budget=vram_budget, tokens=tokens,
         warmup=warmup, prompt=read_prompt(prompt, prompt_file), emulate_link=emulate_link,
         dtype=None if dtype == "auto" else dtype, device=device, trust_remote_code=trust_remote_code,
-        trace_out=trace_out, predictor=predictor, console=err_console, make_idle=attach_replanner,
+        trace_out=trace_out, predictor=predictor, omega=lcp_omega, rho=lcp_rho, console=err_console,
+        make_idle=attach_replanner,
     )
     if as_json:
         print(json.dumps(report))
@@ -120,6 +126,8 @@ def chat(
     dtype: DtypeOpt = "auto",
     predictor: Annotated[str, typer.Option(
         help="Expert predictor of the prefetcher: speculative, expert-map, eam, mol, auto.")] = "speculative",
+    lcp_omega: OmegaOpt = 128.0,
+    lcp_rho: RhoOpt = 0.25,
     emulate_link: LinkOpt = None,
     trace_out: Annotated[str | None, typer.Option(help="Record the routing of every turn (JSONL trace).")] = None,
     trust_remote_code: TrustOpt = False,
@@ -136,7 +144,8 @@ def chat(
         model=model, vram_budget=vram_budget, policy=policy, profile=profile, system=system, temperature=temperature,
         top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
         dtype=None if dtype == "auto" else dtype, predictor=predictor, emulate_link=emulate_link,
-        trace_out=trace_out, trust_remote_code=trust_remote_code), err_console=err_console,
+        trace_out=trace_out, trust_remote_code=trust_remote_code, omega=lcp_omega, rho=lcp_rho),
+        err_console=err_console,
         make_idle=partial(attach_replanner, profile_path=None if profile is None else Path(profile)))
 
 

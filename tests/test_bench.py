@@ -144,3 +144,29 @@ def test_prompt_file_on_the_command_line(checkpoints, tmp_path):
     report = json.loads(result.stdout)
     assert [r["policy"] for r in report["runs"]] == ["lru"]
     assert report["link"]["kind"] != "emulated"
+
+
+def test_lcp_omega_and_rho_are_settable(checkpoints, compare_all):
+    """--lcp-omega/--lcp-rho reach the LCP policy; other values never change the tokens; bad ones are refused."""
+    from fmoe_cli.offload.policies import make_policy
+    from fmoe_cli.offload.presets import make_settings
+    from fmoe_cli.planning.plan import ExpertShape
+
+    shape = ExpertShape(num_layers=2, num_experts=8, top_k=2, hidden=8, intermediate=8, dtype_bytes=4)
+    settings = make_settings("uniform", shape, 10**6, omega=16, rho=0.5)
+    assert (settings.omega, settings.rho) == (16, 0.5)
+    policy = make_policy("lcp", 8, omega=16, rho=0.5)
+    assert (policy.omega, policy.rho) == (16, 0.5)
+    base, _ = compare_all
+    result = CliRunner().invoke(app, [
+        "bench", str(checkpoints["mixtral"]), "--policy", "uniform", "--tokens", str(TOKENS), "--warmup", "1",
+        "--device", "cpu", "--emulate-link", "20", "--json", "--prompt", "What does a router do?",
+        "--lcp-omega", "1", "--lcp-rho", "0.01",
+    ])
+    assert result.exit_code == 0, result.output
+    run = json.loads(result.stdout)["runs"][0]
+    assert run["token_ids"] == next(r for r in base["runs"] if r["policy"] == "uniform")["token_ids"]
+    for bad in (["--lcp-rho", "1.5"], ["--lcp-omega", "0"]):
+        result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--device", "cpu", *bad])
+        assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+        assert "LCP needs" in result.output

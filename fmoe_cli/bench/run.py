@@ -255,6 +255,8 @@ def run_bench(
     trust_remote_code: bool = False,
     trace_out: str | None = None,
     predictor: str = "speculative",
+    omega: float = 128.0,
+    rho: float = 0.25,
     make_idle: IdleFactory | None = None,
     console: Console | None = None,
 ) -> dict:
@@ -275,7 +277,7 @@ def run_bench(
         raise FmoeError("--warmup must be 0 or more")
     lm = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, console=console)
     budget = parse_budget(vram_budget, lm.shape.all_experts_bytes)
-    settings = [make_settings(name, lm.shape, budget) for name in policies]  # validates before running
+    settings = [make_settings(name, lm.shape, budget, omega=omega, rho=rho) for name in policies]  # validates first
     prompt_ids = encode_prompt(lm, prompt)
     writer = None
     if trace_out is not None:

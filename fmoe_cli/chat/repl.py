@@ -56,6 +56,8 @@ class ChatOptions:
     emulate_link: float | None = None
     trace_out: str | None = None
     trust_remote_code: bool = False
+    omega: float = 128.0  # LCP ω
+    rho: float = 0.25  # LCP ρ
 
 
 # --- input -------------------------------------------------------------------
@@ -341,7 +343,7 @@ def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: 
     if opts.profile is not None:
         check_profile(opts.profile, lm.device)
     budget = parse_budget(opts.vram_budget, lm.shape.all_experts_bytes)
-    settings = make_settings(opts.policy, lm.shape, budget)
+    settings = make_settings(opts.policy, lm.shape, budget, omega=opts.omega, rho=opts.rho)
     writer = recorder = None
     if opts.trace_out is not None:
         shape = lm.shape

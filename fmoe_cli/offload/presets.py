@@ -37,6 +37,8 @@ def make_settings(
     """Settings for a named policy. `plan` overrides the preset's plan (the configurator's, for moepic)."""
     if name not in PRESETS:
         raise FmoeError(f"unknown policy {name!r}; choose from {', '.join(PRESETS)}")
+    if not omega > 0 or not 0 < rho < 1:
+        raise FmoeError(f"LCP needs ω > 0 and 0 < ρ < 1, got ω = {omega:g}, ρ = {rho:g}")
     preset_theta, preset_eviction, prefetch, _ = PRESETS[name]
     if plan is None:
         if name == "resident":
