@@ -35,6 +35,7 @@ from fmoe_cli.offload.layout import segment_forward
 from fmoe_cli.offload.link import EmulatedLink, ThreadLink
 from fmoe_cli.offload.presets import make_settings
 from fmoe_cli.planning.plan import parse_budget
+from fmoe_cli.planning.replan import attach_replanner
 
 POLICIES = ["lru", "moepic", "uniform", "lfu", "cache-only", "prefetch-only", "ondemand", "resident"]
 PROMPT = "Explain how a mixture of experts decides which experts to use for each token."
@@ -114,13 +115,19 @@ def main() -> None:
     link = EmulatedLink(gbps)
     engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
     engine.install(lm.model)
+    # As `fmoe bench` does: routing statistics are recorded under every policy, and `moepic`
+    # runs the configurator's plan (re-planned between runs, when the device is idle).
+    planner = attach_replanner(lm, engine, budget)
     runs: dict[str, list] = {name: [] for name in POLICIES}
     for r in range(args.repeats):
         for name in POLICIES:
+            settings = planner.settings(make_settings(name, shape, budget))
             with console.status(f"round {r + 1}/{args.repeats}: {name} …"):
-                runs[name].append(bench_policy(lm, engine, make_settings(name, shape, budget), prompt_ids,
-                                               args.tokens, args.warmup))
+                runs[name].append(bench_policy(lm, engine, settings, prompt_ids, args.tokens, args.warmup))
+            planner()
+    planner.close()
     engine.close()
+    console.print(f"moepic plan: {runs['moepic'][-1].plan}")
 
     def tpot(name: str) -> float:
         return statistics.median(r.tpot_ms["median"] for r in runs[name])
