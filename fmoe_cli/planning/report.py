@@ -243,6 +243,8 @@ def render(report: dict, console: Console) -> None:
                   f"one expert {s['expert_bytes'] / MiB:.1f} MiB, all experts {m['all_experts'] / GiB:.1f} GiB",
                   highlight=False)
     for key, value in report["sources"].items():
+        if key == "vram":
+            value = f"{m['device'] / MiB:,.0f} MiB (from {value})"
         console.print(f"{key}: {value}", highlight=False)
     if report["uniform_routing"]:
         console.print("assumes uniform routing: no statistics recorded for this model yet "
