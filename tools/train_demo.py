@@ -31,7 +31,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import random
 import re
 import shutil

@@ -31,8 +31,7 @@ from rich.table import Table
 from fmoe_cli.errors import FmoeError, reading
 from fmoe_cli.generate import SamplingParams, stream_generate
 from fmoe_cli.models.load import LoadedModel
-from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
-from fmoe_cli.offload.link import CudaLink, EmulatedLink, ThreadLink
+from fmoe_cli.offload.engine import Counters, Engine, EngineSettings, open_engine
 
 DEFAULT_PROMPT = "Explain in a few sentences how a mixture-of-experts model decides which experts to use."
 DEFAULT_POLICIES = ("moepic", "lru")
@@ -58,20 +57,6 @@ class RunResult:
     plan: str
     token_ids: list[int]
     engine_device_bytes: int = 0  # what the engine accounts on the device: non-expert weights + caches + staging
-
-
-def make_link(device: torch.device, emulate_gbps: float | None):
-    if emulate_gbps is not None:
-        if emulate_gbps <= 0:
-            raise FmoeError(f"--emulate-link takes a bandwidth in GB/s > 0, got {emulate_gbps}")
-        return EmulatedLink(emulate_gbps)
-    if device.type == "cuda":
-        return CudaLink(device)
-    return ThreadLink()  # the CPU is its own device: a plain host copy
-
-
-def link_info(link) -> dict:
-    return {"kind": link.kind, "gbps": link.gbps, "label": link.label()}
 
 
 def encode_prompt(lm: LoadedModel, prompt: str) -> torch.Tensor:
@@ -266,11 +251,10 @@ def run_bench(
     from fmoe_cli.offload.presets import make_settings
     from fmoe_cli.planning.plan import parse_budget
     from fmoe_cli.planning.replan import Replanner
-    from fmoe_cli.prediction import PREDICTORS, make_predictor
+    from fmoe_cli.prediction import check_predictor
 
     console = console or Console(stderr=True)
-    if predictor not in PREDICTORS:
-        raise FmoeError(f"unknown predictor {predictor!r}; choose from {', '.join(PREDICTORS)}")
+    check_predictor(predictor)
     if tokens < 1:
         raise FmoeError("--tokens must be at least 1")
     if warmup < 0:
@@ -279,15 +263,9 @@ def run_bench(
     budget = parse_budget(vram_budget, lm.shape.all_experts_bytes)
     settings = [make_settings(name, lm.shape, budget, omega=omega, rho=rho) for name in policies]  # validates first
     prompt_ids = encode_prompt(lm, prompt)
-    writer = None
-    if trace_out is not None:
-        shape = lm.shape
-        writer = TraceWriter(trace_out, num_layers=shape.num_layers, num_experts=shape.num_experts,
-                             top_k=shape.top_k, model=lm.model_id)
-    link = make_link(lm.device, emulate_link)
-    engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype,
-                    predictor=make_predictor(predictor, lm.layers, lm.shape.num_experts, lm.shape.top_k))
-    engine.install(lm.model)
+    writer = TraceWriter.for_model(trace_out, lm) if trace_out is not None else None
+    engine = open_engine(lm, emulate_link, predictor)
+    link = engine.link
     recorder = RouteRecorder(writer) if writer is not None else None
     on_idle = make_idle(lm, engine, budget) if make_idle is not None else None
     runs = []
@@ -295,9 +273,9 @@ def run_bench(
         for s in settings:
             if isinstance(on_idle, Replanner):  # `moepic` runs the configurator's plan
                 s = on_idle.settings(s)
-            start = None
+            start: Callable[[], None] | None = None
             if recorder is not None:  # one trace sequence per policy: its measured run
-                def start(seq=s.policy):
+                def start(seq: str = s.policy) -> None:
                     recorder.start_sequence(seq)
                     engine.observers.append(recorder)
             with console.status(f"{s.policy}: generating {warmup} + {tokens} tokens …"):

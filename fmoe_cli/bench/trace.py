@@ -110,6 +110,13 @@ class TraceWriter:
     `close` flushes and is idempotent; `record` after `close` raises.
     """
 
+    @classmethod
+    def for_model(cls, path: str | os.PathLike[str], lm) -> TraceWriter:
+        """A writer whose header describes a loaded model (models.load.LoadedModel)."""
+        shape = lm.shape
+        return cls(path, num_layers=shape.num_layers, num_experts=shape.num_experts, top_k=shape.top_k,
+                   model=lm.model_id)
+
     def __init__(
         self,
         path: str | os.PathLike[str],

@@ -321,14 +321,13 @@ class Chat:
 
 def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: IdleFactory | None = None) -> Chat:
     """Check the options, load the model (progress on `err_console`), build and configure the engine."""
-    from fmoe_cli.bench.run import make_link
     from fmoe_cli.bench.trace import RouteRecorder, TraceWriter
     from fmoe_cli.generate import SamplingParams
     from fmoe_cli.models.load import load_model
-    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.engine import open_engine
     from fmoe_cli.offload.presets import make_settings
     from fmoe_cli.planning.plan import parse_budget
-    from fmoe_cli.prediction import PREDICTORS, make_predictor
+    from fmoe_cli.prediction import check_predictor
 
     if opts.temperature < 0:
         raise FmoeError(f"--temperature must be 0 or more, got {opts.temperature}")
@@ -336,24 +335,17 @@ def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: 
         raise FmoeError(f"--top-p must be in (0, 1], got {opts.top_p}")
     if opts.max_new_tokens < 1:
         raise FmoeError("--max-new-tokens must be at least 1")
-    if opts.predictor not in PREDICTORS:
-        raise FmoeError(f"unknown predictor {opts.predictor!r}; choose from {', '.join(PREDICTORS)}")
+    check_predictor(opts.predictor)
     lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
                     console=err_console or Console(stderr=True))
     if opts.profile is not None:
         check_profile(opts.profile, lm.device)
     budget = parse_budget(opts.vram_budget, lm.shape.all_experts_bytes)
     settings = make_settings(opts.policy, lm.shape, budget, omega=opts.omega, rho=opts.rho)
-    writer = recorder = None
-    if opts.trace_out is not None:
-        shape = lm.shape
-        writer = TraceWriter(opts.trace_out, num_layers=shape.num_layers, num_experts=shape.num_experts,
-                             top_k=shape.top_k, model=lm.model_id)
-        recorder = RouteRecorder(writer)
-    link = make_link(lm.device, opts.emulate_link)
-    engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype,
-                    predictor=make_predictor(opts.predictor, lm.layers, lm.shape.num_experts, lm.shape.top_k))
-    engine.install(lm.model)
+    writer = TraceWriter.for_model(opts.trace_out, lm) if opts.trace_out is not None else None
+    recorder = RouteRecorder(writer) if writer is not None else None
+    engine = open_engine(lm, opts.emulate_link, opts.predictor)
+    link = engine.link
     engine.configure(settings)
     if recorder is not None:
         engine.observers.append(recorder)

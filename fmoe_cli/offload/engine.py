@@ -29,7 +29,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from fmoe_cli.models.families import MoeLayer
 from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.layout import segment_forward
-from fmoe_cli.offload.link import DEMAND, PREFETCH, Transfer
+from fmoe_cli.offload.link import DEMAND, Transfer
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.offload.store import HostStore
@@ -436,3 +436,16 @@ class Engine:
             return
         self.iteration.begin(output.detach())
         self.prefetcher.issue(self, self.predictor.begin(self.iteration))
+
+
+def open_engine(lm, emulate_gbps: float | None = None, predictor: str = "speculative") -> Engine:
+    """The engine every command runs on a loaded model (models.load.LoadedModel): its experts
+    behind the link (emulated if asked), the named predictor, installed in the model."""
+    from fmoe_cli.offload.link import make_link
+    from fmoe_cli.prediction import make_predictor
+
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, make_link(lm.device, emulate_gbps), lm.device, lm.dtype,
+                    predictor=make_predictor(predictor, lm.layers, shape.num_experts, shape.top_k))
+    engine.install(lm.model)
+    return engine

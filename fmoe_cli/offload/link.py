@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fmoe_cli.errors import FmoeError
+
 DEMAND = 0  # priority of a load the current layer is waiting for
 PREFETCH = 1  # prefetches: PREFETCH + rank, so higher-scored experts go first
 
@@ -227,3 +229,14 @@ class CudaLink:
 
     def close(self) -> None:
         self.stream.synchronize()
+
+
+def make_link(device: torch.device, emulate_gbps: float | None):
+    """The link every command uses: emulated if asked, the copy stream on CUDA, else a host copy."""
+    if emulate_gbps is not None:
+        if emulate_gbps <= 0:
+            raise FmoeError(f"--emulate-link takes a bandwidth in GB/s > 0, got {emulate_gbps}")
+        return EmulatedLink(emulate_gbps)
+    if device.type == "cuda":
+        return CudaLink(device)
+    return ThreadLink()  # the CPU is its own device: a plain host copy

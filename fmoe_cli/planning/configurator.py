@@ -255,7 +255,7 @@ class _Search:
         self.windows = [c.window for c in self.choices]
 
     def total_with(self, layer: int, budget: int) -> float:
-        models, choices = self.models, self.choices
+        models = self.models
         total = self.prefix[layer]
         window = self.windows[layer]
         for i in range(layer, len(models)):

@@ -22,6 +22,12 @@ PREDICTORS = {
 }
 
 
+def check_predictor(name: str) -> None:
+    """Refuse an unknown predictor name (before a long model load)."""
+    if name not in PREDICTORS:
+        raise FmoeError(f"unknown predictor {name!r}; choose from {', '.join(PREDICTORS)}")
+
+
 def make_predictor(name: str, layers: list[MoeLayer], num_experts: int, top_k: int) -> Predictor:
     routers = [layer.router for layer in layers]
     num_layers = len(layers)
@@ -36,8 +42,10 @@ def make_predictor(name: str, layers: list[MoeLayer], num_experts: int, top_k: i
     if name == "auto":
         candidates = [make_predictor(n, layers, num_experts, top_k) for n in PREDICTORS if n != "auto"]
         return AutoPredictor(candidates, num_layers, top_k)
-    raise FmoeError(f"unknown predictor {name!r}; choose from {', '.join(PREDICTORS)}")
+    check_predictor(name)
+    raise AssertionError(name)  # every name in PREDICTORS is handled above
 
 
 __all__ = ["PREDICTORS", "AutoPredictor", "BasePredictor", "EamPredictor", "ExpertMapPredictor", "Iteration",
-           "MolPredictor", "Prediction", "Predictor", "SpeculativePredictor", "make_predictor"]
+           "MolPredictor", "Prediction", "Predictor", "SpeculativePredictor", "check_predictor",
+           "make_predictor"]

@@ -99,7 +99,7 @@ def run_profile(
     trust_remote_code: bool,
     console: Console,
 ) -> Path:
-    from fmoe_cli.bench.run import make_link
+    from fmoe_cli.offload.engine import open_engine
     from fmoe_cli.models.load import load_model, pick_device
 
     dev = pick_device(device)
@@ -119,8 +119,7 @@ def run_profile(
         timings = None
         if lm is not None:
             layer_task = progress.add_task(f"timing {len(lm.layers)} MoE layers (decode, prefill)", total=2 * len(lm.layers))
-            engine = Engine(lm.layers, lm.store, lm.shape, make_link(lm.device, None), lm.device, lm.dtype)
-            engine.install(lm.model)
+            engine = open_engine(lm)  # layers are timed resident: no link emulation here
             try:
                 timings = model_timings(lm, engine, prefill_len, quick, advance=lambda: progress.advance(layer_task))
             finally:
