@@ -150,7 +150,7 @@ def test_lcp_omega_and_rho_are_settable(checkpoints, compare_all):
     """--lcp-omega/--lcp-rho reach the LCP policy; other values never change the tokens; bad ones are refused."""
     from fmoe_cli.offload.policies import make_policy
     from fmoe_cli.offload.presets import make_settings
-    from fmoe_cli.planning.plan import ExpertShape
+    from fmoe_cli.types import ExpertShape
 
     shape = ExpertShape(num_layers=2, num_experts=8, top_k=2, hidden=8, intermediate=8, dtype_bytes=4)
     settings = make_settings("uniform", shape, 10**6, omega=16, rho=0.5)

@@ -19,7 +19,7 @@ from fmoe_cli.planning.configurator import (
     replan_due,
     vram_allocation,
 )
-from fmoe_cli.planning.plan import ExpertShape
+from fmoe_cli.types import ExpertShape
 from fmoe_cli.planning.stats import LayerStats, RoutingStats, lcp_ranking
 
 # N = 2 experts, K = 1, I = 4 neurons, H = 1, 1 byte per weight: a neuron is 3 bytes,

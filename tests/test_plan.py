@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.planning.plan import ExpertShape, min_staging_slots, parse_budget, resident_plan, uniform_plan
+from fmoe_cli.types import ExpertShape
+from fmoe_cli.planning.plan import min_staging_slots, parse_budget, resident_plan, uniform_plan
 
 MiB = 1024**2
 # Mixtral-8x7B in bf16: 32 layers × 8 experts, top-2, H = 4096, I = 14336.

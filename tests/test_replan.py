@@ -16,7 +16,8 @@ from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.offload.presets import make_settings
 from fmoe_cli.planning.autoplan import engine_timings, moepic_configuration, moepic_plan
 from fmoe_cli.planning.configurator import Timings
-from fmoe_cli.planning.plan import ExpertShape, uniform_plan
+from fmoe_cli.types import ExpertShape
+from fmoe_cli.planning.plan import uniform_plan
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import RoutingStats, StatsRecorder, lcp_ranking
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from fmoe_cli.offload.engine import Staged, StagingPool
 from fmoe_cli.offload.link import DEMAND, PREFETCH, Transfer
-from fmoe_cli.planning.plan import ExpertShape
+from fmoe_cli.types import ExpertShape
 
 
 class ScriptedLink:

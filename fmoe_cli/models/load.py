@@ -21,7 +21,7 @@ from fmoe_cli.models import demo
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.offload.layout import pack_experts
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.planning.plan import ExpertShape
+from fmoe_cli.types import ExpertShape
 
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]
 

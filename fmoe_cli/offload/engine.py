@@ -33,7 +33,7 @@ from fmoe_cli.offload.link import DEMAND, Transfer
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.planning.plan import ExpertShape, Plan
+from fmoe_cli.types import ExpertShape, Plan
 from fmoe_cli.prediction import Iteration, Predictor, SpeculativePredictor
 
 IMPLEMENTATION_NAME = "fmoe"

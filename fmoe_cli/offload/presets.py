@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.engine import EngineSettings
-from fmoe_cli.planning.plan import ExpertShape, Plan, resident_plan, uniform_plan
+from fmoe_cli.planning.plan import resident_plan, uniform_plan
+from fmoe_cli.types import ExpertShape, Plan
 
 # name: (θ, eviction, prefetch, what it is)
 PRESETS: dict[str, tuple[float, str, bool, str]] = {

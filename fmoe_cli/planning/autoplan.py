@@ -10,7 +10,8 @@ a profile's fit or a few timed copies of expert-sized blocks).
 from __future__ import annotations
 
 from fmoe_cli.planning.configurator import DEFAULT_ZETA, Configuration, Timings, vram_allocation
-from fmoe_cli.planning.plan import ExpertShape, Plan, check_budget, min_staging_slots
+from fmoe_cli.planning.plan import check_budget, min_staging_slots
+from fmoe_cli.types import ExpertShape, Plan
 from fmoe_cli.planning.stats import RoutingStats
 
 

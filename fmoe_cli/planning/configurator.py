@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.planning.plan import MiB, ExpertShape, LayerPlan, Plan, min_staging_slots
+from fmoe_cli.planning.plan import min_staging_slots
+from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan
 from fmoe_cli.planning.stats import LayerCurves, RoutingStats
 
 DEFAULT_ZETA = 0.01  # ζ: share of V_e moved per iteration (MoEpic)

@@ -13,94 +13,9 @@ configurator (planning/configurator.py) makes the tuned one.
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
-
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan
 
-MiB = 1024**2
-
-
-@dataclass(frozen=True)
-class ExpertShape:
-    """What a plan needs to know about a model's routed experts."""
-
-    num_layers: int  # L: MoE layers
-    num_experts: int  # N: routed experts per layer
-    top_k: int  # K
-    hidden: int  # H
-    intermediate: int  # I: neurons per expert
-    dtype_bytes: int
-
-    @property
-    def expert_bytes(self) -> int:
-        """S_e: one packed expert, [I, 3, H]."""
-        return self.intermediate * 3 * self.hidden * self.dtype_bytes
-
-    @property
-    def neuron_bytes(self) -> int:
-        return 3 * self.hidden * self.dtype_bytes
-
-    @property
-    def all_experts_bytes(self) -> int:
-        return self.num_layers * self.num_experts * self.expert_bytes
-
-    @property
-    def neuron_block(self) -> int:
-        """Granularity of k: whole blocks keep the matmuls efficient (DESIGN §2)."""
-        for block in (64, 16):
-            if self.intermediate % block == 0 and self.intermediate >= 8 * block:
-                return block
-        return 1
-
-    def top_neurons(self, theta: float) -> int:
-        """k = θ·I rounded to whole blocks; never 0 < k < block, never 0 for θ > 0."""
-        if not 0.0 <= theta <= 1.0:
-            raise FmoeError(f"split ratio θ must be in [0, 1], got {theta}")
-        if theta == 0.0:
-            return 0
-        block = self.neuron_block
-        k = round(theta * self.intermediate / block) * block
-        return min(self.intermediate, max(block, k))
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    vram_bytes: int  # V_i = C_i · k_i · neuron_bytes
-    cache_size: int  # C_i
-    top_neurons: int  # k_i
-    split: float  # θ_i = k_i / I
-
-
-@dataclass(frozen=True)
-class Plan:
-    layers: tuple[LayerPlan, ...]
-    staging_slots: int  # full-expert slots in the staging pool (U_b = slots · S_e)
-    expert_bytes: int  # S_e
-    source: str  # "uniform", "configurator", "resident", …
-
-    @property
-    def cache_bytes(self) -> int:
-        return sum(layer.vram_bytes for layer in self.layers)
-
-    @property
-    def staging_bytes(self) -> int:
-        return self.staging_slots * self.expert_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.cache_bytes + self.staging_bytes
-
-    def summary(self) -> str:
-        cached = sum(layer.cache_size for layer in self.layers)
-        thetas = sorted({round(layer.split, 3) for layer in self.layers})
-        theta = f"θ={thetas[0]}" if len(thetas) == 1 else f"θ={thetas[0]}…{thetas[-1]}"
-        return (
-            f"{self.source}: {cached} expert tops cached over {len(self.layers)} layers ({theta}), "
-            f"{self.staging_slots} staging slots, {self.total_bytes / MiB:.1f} MiB"
-        )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def layer_plan(shape: ExpertShape, cache_size: int, theta: float) -> LayerPlan:

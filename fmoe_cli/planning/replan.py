@@ -17,7 +17,7 @@ from pathlib import Path
 from fmoe_cli.offload.engine import Engine, EngineSettings
 from fmoe_cli.planning.autoplan import engine_timings, moepic_plan
 from fmoe_cli.planning.configurator import DEFAULT_TAU, Timings, replan_due
-from fmoe_cli.planning.plan import Plan
+from fmoe_cli.types import Plan
 from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
 
 

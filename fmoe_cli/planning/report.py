@@ -25,7 +25,8 @@ from rich.table import Table
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.planning.autoplan import moepic_configuration
 from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings
-from fmoe_cli.planning.plan import MiB, ExpertShape, min_staging_slots, parse_budget
+from fmoe_cli.planning.plan import min_staging_slots, parse_budget
+from fmoe_cli.types import MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
 
 GiB = 1024**3

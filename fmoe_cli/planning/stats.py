@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ import numpy as np
 import platformdirs
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.files import model_slug, read_json, write_atomic
 from fmoe_cli.offload.policies import LCP, EvictionPolicy
 
 STATS_SCHEMA_VERSION = 1
@@ -263,16 +263,6 @@ class RoutingStats:
         return cls.from_dict(read_json(path, "routing statistics"), source=f"routing statistics {path}")
 
 
-def read_json(path: Path, what: str, hint: str = "") -> object:
-    """JSON from a file, or a one-line FmoeError saying what is wrong (`hint`: what to do if it is missing)."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (FileNotFoundError, IsADirectoryError):
-        raise FmoeError(f"no {what} at {path}{hint}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise FmoeError(f"{what} {path} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
-
-
 class StatsRecorder:
     """An engine observer (`engine.observers.append(recorder)`) that feeds RoutingStats.
 
@@ -301,21 +291,6 @@ class StatsRecorder:
 
     def save(self) -> Path | None:
         return self.stats.save(self.path) if self.path is not None else None
-
-
-def write_atomic(path: Path, text: str) -> Path:
-    """Write through a temporary file and rename: never leave a half-written file behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
-
-
-def model_slug(model: str) -> str:
-    """A file name for a model id or directory ('mistralai/Mixtral-8x7B-v0.1' -> 'mistralai--Mixtral-8x7B-v0.1')."""
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "--", model.strip().rstrip("/")).strip("-.")
-    return slug or "model"
 
 
 def default_stats_path(model: str, config_dir: Path | None = None) -> Path:

@@ -19,7 +19,7 @@ import platformdirs
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.planning.configurator import Timings
-from fmoe_cli.planning.stats import model_slug, read_json, write_atomic
+from fmoe_cli.files import model_slug, read_json, write_atomic
 
 PROFILE_SCHEMA_VERSION = 1
 GiB = 1024**3
