@@ -21,8 +21,9 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.models import demo
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.models.checkpoint import check_weight_files, read_checkpoint
+from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import ExpertShape
+from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
 
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]
 
@@ -132,10 +133,13 @@ def load_model(
     dtype: str | None = None,
     trust_remote_code: bool = False,
     console: Console | None = None,
+    experts: str = "bf16",
 ) -> LoadedModel:
+    """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`."""
     from transformers import AutoConfig, AutoTokenizer
 
     console = console or Console(stderr=True)
+    check_expert_format(experts)
     path, label = resolve_model(model_id, trust_remote_code)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
@@ -145,8 +149,8 @@ def load_model(
         raise FmoeError(f"{model_id}: {str(exc).splitlines()[0]} (pass --trust-remote-code for custom code)") from None
     check_is_moe(config, model_id)
     model, layers = build_skeleton(config, torch_dtype, model_id, trust_remote_code)
-    shape = expert_shape(layers, torch_dtype)
-    store = HostStore(shape, torch_dtype, pin=dev.type == "cuda")
+    shape = expert_shape(layers, torch_dtype, experts)
+    store = make_store(shape, torch_dtype, pin=dev.type == "cuda")
     store.allocate()
     try:
         read_checkpoint(path, model, layers, store, torch_dtype, console)
@@ -192,7 +196,12 @@ def _finish_skeleton(model, model_id: str) -> None:
     model.initialize_weights()  # only what is not marked initialised: the buffers just built
 
 
-def expert_shape(layers: list[MoeLayer], dtype: torch.dtype) -> ExpertShape:
+def check_expert_format(experts: str) -> None:
+    if experts not in EXPERT_FORMATS:
+        raise FmoeError(f"unknown expert format {experts!r}; use {', '.join(EXPERT_FORMATS)}")
+
+
+def expert_shape(layers: list[MoeLayer], dtype: torch.dtype, experts: str = "bf16") -> ExpertShape:
     first = layers[0].experts
     n, two_i, h = first.gate_up_proj.shape
     if getattr(first, "is_transposed", False):
@@ -201,7 +210,7 @@ def expert_shape(layers: list[MoeLayer], dtype: torch.dtype) -> ExpertShape:
         if tuple(layer.experts.gate_up_proj.shape) != tuple(first.gate_up_proj.shape):
             raise FmoeError(f"unsupported expert layout: {layer.name} differs in shape from {layers[0].name}")
     top_k = getattr(layers[0].router, "top_k", None) or first.config.num_experts_per_tok
-    return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size())
+    return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size(), experts)
 
 
 def _free_expert_weights(experts: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -28,7 +28,6 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from fmoe_cli.models.families import MoeLayer
 from fmoe_cli.offload.cache import LayerCache
-from fmoe_cli.offload.layout import segment_forward
 from fmoe_cli.offload.link import DEMAND, Transfer
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.prefetch import Prefetcher
@@ -115,8 +114,10 @@ class Staged:
 class StagingPool:
     """Full-expert slots on the device for bottoms and missed experts (U_b)."""
 
-    def __init__(self, slots: int, shape: ExpertShape, device: torch.device, dtype: torch.dtype) -> None:
-        self.buffer = torch.empty(slots, shape.intermediate, 3, shape.hidden, device=device, dtype=dtype)
+    def __init__(self, slots: int, shape: ExpertShape, device: torch.device, dtype: torch.dtype,
+                 row_shape: tuple[int, ...] | None = None) -> None:
+        row_shape = row_shape or (3, shape.hidden)  # the store's row (quantised: bytes)
+        self.buffer = torch.empty(slots, shape.intermediate, *row_shape, device=device, dtype=dtype)
         self.entries: list[Staged | None] = [None] * slots
         self._draining: list[Staged] = []  # released while a copy was still writing the slot
 
@@ -262,18 +263,19 @@ class Engine:
                                      seed=settings.seed + i)
             cache = LayerCache(lp.cache_size, policy)
             if plan.source == "resident":
-                tops = self.store.layers[i].to(self.device, self.dtype)  # no copy on the CPU
+                tops = self.store.layers[i].to(self.device, self.store.dtype)  # no copy on the CPU
                 for e in range(shape.num_experts):
                     cache.insert(e)
             else:
-                tops = torch.empty(lp.cache_size, lp.top_neurons, 3, shape.hidden, device=self.device, dtype=self.dtype)
+                tops = torch.empty(lp.cache_size, lp.top_neurons, *self.store.row_shape, device=self.device,
+                                   dtype=self.store.dtype)
                 if warm:
                     cache.step = old[i].cache.step
                     ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]
                     for e in ranked[: lp.cache_size]:
                         tops[cache.insert(e)].copy_(self.store.expert(i, e)[: lp.top_neurons])
             self.layers.append(LayerState(cache, tops, lp.top_neurons))
-        self.pool = StagingPool(plan.staging_slots, shape, self.device, self.dtype)
+        self.pool = StagingPool(plan.staging_slots, shape, self.device, self.store.dtype, self.store.row_shape)
         self.settings = settings
         self._predicted = [None] * shape.num_layers
         self.predictor.replan()  # `auto` re-chooses its predictor per layer with every plan
@@ -363,9 +365,9 @@ class Engine:
         outputs: dict[int, torch.Tensor] = {}
         top_outputs: dict[int, torch.Tensor] = {}
         for e in whole:
-            outputs[e] = segment_forward(hidden_states[rows[e][0]], state.tops[state.cache.slot(e)], act)
+            outputs[e] = self.store.segment_forward(hidden_states[rows[e][0]], state.tops[state.cache.slot(e)], act)
         for e in tops:
-            top_outputs[e] = segment_forward(hidden_states[rows[e][0]], state.tops[state.cache.slot(e)], act)
+            top_outputs[e] = self.store.segment_forward(hidden_states[rows[e][0]], state.tops[state.cache.slot(e)], act)
 
         prefetched = False
         while loading or waiting:
@@ -382,9 +384,9 @@ class Engine:
             segment = pool.buffer[entry.slot]
             x = hidden_states[rows[e][0]]
             if e in top_outputs:  # exact: top + bottom, always in this order
-                outputs[e] = top_outputs.pop(e) + segment_forward(x, segment[k:], act)
+                outputs[e] = top_outputs.pop(e) + self.store.segment_forward(x, segment[k:], act)
             else:
-                outputs[e] = segment_forward(x, segment, act)
+                outputs[e] = self.store.segment_forward(x, segment, act)
                 self._offer(i, e, segment)
             pool.release(entry)
             self._submit_demand(i, waiting, loading)
