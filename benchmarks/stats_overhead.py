@@ -73,7 +73,7 @@ def synthetic(num_experts: int, top_k: int, tokens: int = 2000) -> float:
         t0 = time.perf_counter()
         recorder(event)
         spent += time.perf_counter() - t0
-        cache.record(chosen.tolist())
+        cache.record([chosen.tolist()])
         cache.advance()
     return spent / tokens
 

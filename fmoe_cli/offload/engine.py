@@ -300,7 +300,7 @@ class Engine:
             for observe in self.observers:
                 observe(event)
         self._predicted[i] = None  # a prediction is for one routing
-        state.cache.record(routed)
+        state.cache.record(top_k_index.tolist())  # token by token: ν counts prompt tokens too
         for e in active:
             state.cache.pin(e)
         c.activations += len(active)
@@ -382,7 +382,7 @@ class Engine:
             final.index_add_(0, token_idx, weighted.to(final.dtype))
         for e in active:
             state.cache.unpin(e)
-        state.cache.advance(hidden_states.shape[0])
+        state.cache.advance()
         return final
 
     def _submit_demand(self, i: int, waiting: list[tuple[int, int]], loading: list[Staged]) -> None:

@@ -107,10 +107,15 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
 
 def measure_link(device: torch.device, plan: LinkPlan, advance: Callable[[], None] = lambda: None) -> list[tuple[int, float]]:
     """(bytes, median seconds) per size; `advance` is called after every timed copy."""
+    from fmoe_cli.offload.store import HostBuffer
+
     timed = _timer(device)
     samples = []
     for size in plan.sizes:
-        src = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        # page-locked in place like the host store (not torch's caching pinned allocator, which keeps
+        # the memory after the profile): unregistered and freed before the next size
+        host = HostBuffer(size, pin=device.type == "cuda")
+        src = host.tensor
         src.fill_(1)
         dst = torch.empty(size, dtype=torch.uint8, device=device)
         copy = lambda: dst.copy_(src, non_blocking=True)  # noqa: E731
@@ -121,7 +126,10 @@ def measure_link(device: torch.device, plan: LinkPlan, advance: Callable[[], Non
             times.append(timed(copy))
             advance()
         samples.append((size, statistics.median(times)))
-        del src, dst
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        host.close()
+        del host, src, dst
     return samples
 
 
