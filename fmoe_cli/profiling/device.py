@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.offload.link import check_bandwidth
 from fmoe_cli.profiling.files import DeviceIdentity, DeviceProfile, LinkFit
 
 MiB = 1024**2
@@ -155,8 +156,7 @@ def profile_device(
     free, _ = device_memory(device)
     on_cpu = device.type == "cpu"
     if emulate_gbps is not None:
-        if emulate_gbps <= 0:
-            raise FmoeError(f"--emulate-link needs a bandwidth > 0 GB/s, got {emulate_gbps}")
+        check_bandwidth(emulate_gbps)
         link = LinkFit("emulated", emulate_gbps * 1e9, emulate_latency, (), f"link: emulated {emulate_gbps:g} GB/s")
     else:
         samples = measure_link(device, link_plan(device, quick), advance)
