@@ -15,10 +15,10 @@ from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.layout import DOWN, GATE, UP, segment_forward
 from fmoe_cli.offload.link import EmulatedLink
-from fmoe_cli.offload.presets import PRESETS, make_settings
+from fmoe_cli.planning.presets import PRESETS, make_settings
 from fmoe_cli.offload.quant import dequantize, quantize
 from fmoe_cli.planning.plan import uniform_plan
-from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
+from fmoe_cli.types import EXPERT_FORMATS, ExpertShape, Timings
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 NEW_TOKENS = 24
@@ -112,8 +112,9 @@ def test_quantised_tokens_match_transformers_with_dequantised_experts(quant_setu
     lm, engine, want, full_sequence, want_logits = quant_setup
     shape = lm.shape
     budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 3
-    for theta in ([0.25, 0.5] if policy in ("moepic", "uniform") else [None]):
-        engine.configure(make_settings(policy, shape, budget, theta=theta))
+    for theta in ([0.25, 0.5] if policy == "uniform" else [None]):
+        timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=shape.top_k)  # as test_exactness
+        engine.configure(make_settings(policy, shape, budget, theta=theta, timings=timings))
         got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
                                                    stop_on_eos=False)]
         assert got == want, f"{policy} θ={theta}: tokens differ"
@@ -124,3 +125,47 @@ def test_quantised_tokens_match_transformers_with_dequantised_experts(quant_setu
     if policy not in ("resident",):
         # quantised bytes on the link: every load is a whole number of quantised neuron rows
         assert c.bytes_moved > 0 and c.bytes_moved % shape.neuron_bytes == 0
+
+
+def test_plan_says_what_each_format_needs_and_caches_more_int4(checkpoints):
+    import json
+
+    from test_cli_errors import run
+
+    path = str(checkpoints["mixtral"])
+    reports = {}
+    for fmt in EXPERT_FORMATS:
+        result, text = run("plan", path, "--vram", "1700KiB", "--workspace", "1MiB", "--context", "0",
+                           "--experts", fmt, "--json")
+        assert result.exit_code == 0, text
+        reports[fmt] = json.loads(result.stdout)
+    host = reports["int4"]["host"]
+    assert host["chosen"] == "int4" and host["free"] > 0
+    shape = ExpertShape(4, 8, 2, 64, 64, 4)  # the tiny mixtral in float32 (its config's dtype)
+    for fmt, entry in host["formats"].items():
+        assert entry["experts"] == replace_format(shape, fmt).all_experts_bytes
+        assert entry["needed"] == entry["experts"] + entry["non_expert"]
+    assert reports["int4"]["shape"]["expert_bytes"] == replace_format(shape, "int4").expert_bytes
+    # the VRAM plan spends the same budget on the chosen format's experts
+    cached = {fmt: r["totals"]["cached_experts"] for fmt, r in reports.items()}
+    assert cached["int8"] >= 2 * cached["bf16"] > 0
+    assert cached["int4"] >= min(3.4 * cached["bf16"], 4 * 8) and cached["int4"] > cached["int8"]
+    result, text = run("plan", path, "--vram", "1700KiB", "--workspace", "1MiB", "--context", "0", "--experts", "int4")
+    assert "host RAM to load" in text and "int4" in text
+
+
+def replace_format(shape, fmt):
+    from dataclasses import replace
+
+    return replace(shape, experts=fmt)
+
+
+def test_a_model_that_does_not_fit_in_host_ram_is_refused_before_loading(checkpoints, monkeypatch):
+    from test_cli_errors import assert_one_line_error, run
+
+    import fmoe_cli.models.load as load
+
+    monkeypatch.setattr(load, "host_ram_free", lambda: 100_000)
+    monkeypatch.setattr(load, "read_checkpoint", lambda *a, **k: pytest.fail("read weights before refusing"))
+    result, text = run("bench", str(checkpoints["mixtral"]), "--tokens", "2", "--experts", "bf16")
+    assert_one_line_error(result, text, "host RAM", "--experts bf16", "free here")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
 from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
 
+GiB = 1024**3
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]
 
 
@@ -150,6 +151,7 @@ def load_model(
     check_is_moe(config, model_id)
     model, layers = build_skeleton(config, torch_dtype, model_id, trust_remote_code)
     shape = expert_shape(layers, torch_dtype, experts)
+    check_host_ram(label, shape, skeleton_non_expert_bytes(model, layers))  # before a byte is read
     store = make_store(shape, torch_dtype, pin=dev.type == "cuda")
     store.allocate()
     try:
@@ -194,6 +196,39 @@ def _finish_skeleton(model, model_id: str) -> None:
     for p in model.parameters():
         p._is_hf_initialized = True
     model.initialize_weights()  # only what is not marked initialised: the buffers just built
+
+
+def skeleton_non_expert_bytes(model, layers: list[MoeLayer]) -> int:
+    """U_n from the (meta) model: every parameter and buffer but the routed experts."""
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return nbytes(list(model.parameters()) + list(model.buffers())) - sum(nbytes(l.experts.parameters()) for l in layers)
+
+
+def host_ram_needed(shape: ExpertShape, non_expert_bytes: int) -> int:
+    """Host RAM a load needs at its peak: the expert store and the other weights (measured within 1.15×
+    of this: tests/test_loading.py, benchmarks/loading.py)."""
+    return shape.all_experts_bytes + non_expert_bytes
+
+
+def host_ram_free() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_host_ram(label: str, shape: ExpertShape, non_expert_bytes: int) -> None:
+    """Refuse, in one line with the numbers, a model that would not fit in host RAM (not the OOM killer)."""
+    need, free = host_ram_needed(shape, non_expert_bytes), host_ram_free()
+    if need <= free:
+        return
+    smaller = [f for f in EXPERT_FORMATS if host_ram_needed(replace(shape, experts=f), non_expert_bytes) <= free]
+    hint = f"; --experts {smaller[-1]} needs {host_ram_needed(replace(shape, experts=smaller[-1]), non_expert_bytes) / GiB:.1f} GiB" \
+        if smaller else ""
+    raise FmoeError(f"{label} needs {need / GiB:.1f} GiB of host RAM with --experts {shape.experts} (experts "
+                    f"{shape.all_experts_bytes / GiB:.1f} + other weights {non_expert_bytes / GiB:.1f} GiB) but "
+                    f"{free / GiB:.1f} GiB is free here{hint}")
 
 
 def check_expert_format(experts: str) -> None:
