@@ -21,7 +21,7 @@ import transformers
 from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
-from fmoe_cli.offload.link import PREFETCH, Transfer
+from fmoe_cli.offload.link import PREFETCH, EmulatedLink, TransferState, VirtualClock
 from fmoe_cli.offload.policies import FmoePolicy, make_policy
 from fmoe_cli.offload.presets import make_settings
 from fmoe_cli.prediction import (
@@ -401,37 +401,6 @@ def test_fmoe_policy_keeps_highest_p_times_freq():
 
 
 # --- the prefetcher in the engine ------------------------------------------------------------------
-class HeldLink:
-    """A link whose transfers stay queued until the test says otherwise."""
-
-    kind, gbps = "test", None
-
-    def submit(self, dst, src, priority):
-        return Transfer(dst, src, priority, src.numel() * src.element_size(), _link=self)
-
-    def reprioritise(self, t, priority):
-        t.priority = min(t.priority, priority)
-
-    def poll(self, t):
-        return t.state == "done"
-
-    def wait(self, t):
-        t.dst.copy_(t.src)
-        t.state = "done"
-
-    def cancel(self, t):
-        if t.state == "queued":
-            t.state = "cancelled"
-            return True
-        return False
-
-    def close(self):
-        pass
-
-    def label(self):
-        return "link: test"
-
-
 @pytest.fixture(scope="module")
 def mixtral(checkpoints):
     return load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
@@ -446,27 +415,30 @@ def one_hot_scores(experts, value=1.0):
 def test_prefetcher_orders_by_distance_and_never_displaces_busy_entries(mixtral):
     lm = mixtral
     shape = lm.shape
-    engine = Engine(lm.layers, lm.store, shape, HeldLink(), lm.device, lm.dtype)
+    clock = VirtualClock()
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(1.0, clock=clock), lm.device, lm.dtype)
     engine.configure(make_settings("prefetch-only", shape, 2 * shape.top_k * shape.expert_bytes))
     pool = engine.pool
     assert len(pool.entries) == 4
     near = Prediction(1, one_hot_scores([0, 1], 0.5), distance=1)
     far = Prediction(3, one_hot_scores([2, 3], 0.5), distance=3)
-    engine.prefetcher.issue(engine, [far, near])
+    rankings = engine.prefetcher.issue([far, near])
+    assert rankings[1][:2] == [0, 1] and rankings[3][:2] == [2, 3]  # returned, not written into the engine
     staged = {(e.layer, e.expert): e for e in pool.entries}
     assert set(staged) == {(1, 0), (1, 1), (3, 2), (3, 3)}
     assert max(staged[(1, e)].transfer.priority for e in (0, 1)) < min(staged[(3, e)].transfer.priority for e in (2, 3))
     assert min(e.transfer.priority for e in pool.entries) == PREFETCH
-    staged[(3, 2)].transfer.state = "running"  # in flight
+    engine.link.reprioritise(staged[(3, 2)].transfer, 0)  # next on the link ...
+    clock.advance(engine.link.duration(shape.expert_bytes) * 1.5)
+    assert staged[(1, 0)].transfer.ready() and staged[(3, 2)].transfer.state is TransferState.RUNNING  # ... in flight
     staged[(1, 0)].in_use = True  # in use
     urgent = Prediction(2, one_hot_scores([4, 5, 6], 0.9), distance=1, count=3)
-    engine.prefetcher.issue(engine, [urgent])
+    engine.prefetcher.issue([urgent])
     now = {(e.layer, e.expert) for e in pool.entries if e is not None}
-    # only the queued, idle, lower-priority entry gave way; the pool stays at its size
-    assert (3, 2) in now and (1, 0) in now and (3, 3) not in now and (2, 4) in now
-    assert len([e for e in pool.entries if e is not None]) == 4
+    # only the queued, idle, lower-priority entries gave way; the pool stays at its size
+    assert now == {(1, 0), (3, 2), (2, 4), (2, 5)}
     too_far = Prediction(1, one_hot_scores([7]), distance=shape.num_layers)
-    engine.prefetcher.issue(engine, [too_far])
+    engine.prefetcher.issue([too_far])
     assert pool.find(1, 7) is None  # a layer that routes again first: ignored
     engine.close()
 
