@@ -127,6 +127,34 @@ def test_router_predictors_are_exact_when_layers_copy_and_chance_on_random(make)
     assert 0.12 < float(acc.mean()) < 0.4, acc  # about K/N = 0.25, no worse
 
 
+def test_speculative_uses_the_next_router_on_this_layers_hidden_state():
+    """Distinct routers and distinct per-layer hidden states: the prediction for layer l+1 is
+    softmax(R_{l+1}(h_l)), not R_l(h_l) (this layer's router) nor R_{l+1}(h_{l-1})."""
+    from fmoe_cli.models.families import router_scores
+
+    g = torch.Generator().manual_seed(11)
+    routers = []
+    for _ in range(L):
+        r = torch.nn.Linear(N, N, bias=False)
+        with torch.no_grad():
+            r.weight.copy_(torch.randn(N, N, generator=g) * 3)
+        routers.append(r)
+    hidden = [torch.randn(3, N, generator=g) for _ in range(L)]
+    it = Iteration(L, N, routers)
+    it.begin(torch.zeros(3, H))
+    predictor = SpeculativePredictor(routers)
+    for layer in range(L):
+        it.observe(layer, hidden[layer], top_k(hidden[layer]))
+        (p,) = predictor.after_layer(it, layer)
+        target = (layer + 1) % L
+        assert p.target == target and p.distance == 1
+        right = router_scores(routers[target], hidden[layer]).mean(dim=0)
+        assert torch.allclose(p.scores, right)
+        wrong_router = router_scores(routers[layer], hidden[layer]).mean(dim=0)
+        wrong_state = router_scores(routers[target], hidden[layer - 1]).mean(dim=0)
+        assert not torch.allclose(p.scores, wrong_router) and not torch.allclose(p.scores, wrong_state)
+
+
 def test_mol_intersection_first_and_fallback_to_the_nearest_layer():
     nearest = torch.tensor([0.9, 0.8, 0.7, 0.1, 0.0, 0.2, 0.3, 0.05])  # top-3: 0, 1, 2
     older = torch.tensor([0.0, 0.9, 0.8, 0.7, 0.1, 0.0, 0.0, 0.0])  # top-3: 1, 2, 3
