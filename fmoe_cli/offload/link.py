@@ -173,6 +173,15 @@ def _promote(t: Transfer, priority: int) -> None:
                 _promote(dep, priority)
 
 
+def _cancel_queued(t: Transfer, queue: list[Transfer]) -> bool:
+    """Cancel `t` if it has not started (no byte of it is on the link); returns whether it was."""
+    if t.state is not TransferState.QUEUED:
+        return False
+    t.state = TransferState.CANCELLED
+    queue.remove(t)
+    return True
+
+
 def _eligible_at(t: Transfer) -> float:
     """Earliest time `t` may start: after its submission and everything in `after`."""
     at = t.submitted_at
@@ -300,11 +309,7 @@ class EmulatedLink:
 
     def cancel(self, t: Transfer) -> bool:
         self._advance(self.clock.now())
-        if t.state is TransferState.QUEUED:
-            t.state = TransferState.CANCELLED
-            self._queue.remove(t)
-            return True
-        return False
+        return _cancel_queued(t, self._queue)
 
     def synchronize(self) -> None:
         pass  # modelled copies hold no device memory; in copy mode the bytes land synchronously
@@ -454,11 +459,7 @@ class CudaLink:
         return out
 
     def cancel(self, t: Transfer) -> bool:
-        if t.state is TransferState.QUEUED:
-            t.state = TransferState.CANCELLED
-            self._queue.remove(t)
-            return True
-        return False
+        return _cancel_queued(t, self._queue)
 
     def synchronize(self) -> None:
         self.stream.synchronize()
