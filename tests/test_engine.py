@@ -9,11 +9,11 @@ import torch
 
 from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.load import load_model
-from fmoe_cli.offload.engine import Engine, EngineSettings
+from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.hits import classify
 from fmoe_cli.offload.link import EmulatedLink, VirtualClock
 from fmoe_cli.planning.plan import layer_plan
-from fmoe_cli.types import Plan
+from fmoe_cli.types import EngineSettings, Plan
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 
@@ -44,7 +44,7 @@ def mixtral(checkpoints):
 def want_tokens(lm, n):
     engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
     engine.install(lm.model)
-    from fmoe_cli.offload.presets import make_settings
+    from fmoe_cli.planning.presets import make_settings
 
     engine.configure(make_settings("resident", lm.shape, 0))
     out = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=n, stop_on_eos=False)]
@@ -62,7 +62,7 @@ def test_configure_builds_every_layer_from_its_own_plan(mixtral):
     assert len({(lp.cache_size, lp.top_neurons) for lp in layers}) > 1
     engine = Engine(lm.layers, lm.store, shape, EmulatedLink(20, clock=VirtualClock(), copy=True), lm.device, lm.dtype)
     engine.install(lm.model)
-    engine.configure(EngineSettings("test", plan))
+    engine.configure(EngineSettings("test", plan, "lcp", True, 128.0, 0.25))
     for state, lp in zip(engine.layers, layers):
         assert state.cache.capacity == lp.cache_size and state.top_neurons == lp.top_neurons
         assert tuple(state.tops.shape) == (lp.cache_size, lp.top_neurons, *lm.store.row_shape)
@@ -79,7 +79,7 @@ def split_engine(lm, prefetch: bool):
                 2 * shape.top_k, shape.expert_bytes, "test")
     engine = Engine(lm.layers, lm.store, shape, EmulatedLink(20, clock=VirtualClock(), copy=True), lm.device, lm.dtype)
     engine.install(lm.model)
-    engine.configure(EngineSettings("test", plan, prefetch=prefetch))
+    engine.configure(EngineSettings("test", plan, "lcp", prefetch, 128.0, 0.25))
     for i, state in enumerate(engine.layers):
         for e in range(shape.num_experts):
             state.tops[state.cache.insert(e)].copy_(lm.store.expert(i, e)[:k])
@@ -109,7 +109,7 @@ def test_exposed_time_is_the_time_the_compute_waited(mixtral):
     clock = VirtualClock()
     engine = Engine(lm.layers, lm.store, shape, EmulatedLink(1.0, clock=clock), lm.device, lm.dtype)
     engine.install(lm.model)
-    from fmoe_cli.offload.presets import make_settings
+    from fmoe_cli.planning.presets import make_settings
 
     engine.configure(make_settings("ondemand", shape, 2 * shape.top_k * shape.expert_bytes))
     list(stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=3, stop_on_eos=False))

@@ -23,7 +23,7 @@ from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import PREFETCH, EmulatedLink, TransferState, VirtualClock
 from fmoe_cli.offload.policies import FmoePolicy, make_policy
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.presets import make_settings
 from fmoe_cli.prediction import (
     PREDICTORS,
     AutoPredictor,
@@ -425,7 +425,6 @@ def test_fmoe_policy_keeps_highest_p_times_freq():
     # p·freq: 0.1·5/3.3, 0.2·2/3.3, 3·1/3.3 → expert 2 first, expert 3 (p = 0) last
     assert policy.ranking(10) == [2, 0, 1, 3]
     assert policy.choose_victim([0, 1, 2], 10) == 1  # the highest 1/(p·freq)
-    assert policy.admits(3, 1, 10)  # plain eviction: the newcomer always goes in
 
 
 # --- the prefetcher in the engine ------------------------------------------------------------------

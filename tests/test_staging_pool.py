@@ -20,7 +20,8 @@ from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import DEMAND, PREFETCH, EmulatedLink, Fence, TransferState, VirtualClock
 from fmoe_cli.offload.pool import Staged, StagingPool
-from fmoe_cli.offload.presets import PRESETS, make_settings
+from fmoe_cli.planning.presets import PRESETS, make_settings
+from fmoe_cli.types import Timings
 
 ROW = (3, 4)
 NEURONS, LAYERS, EXPERTS = 4, 3, 6
@@ -117,7 +118,8 @@ def test_a_prompt_longer_than_the_pool_on_an_asynchronous_link(checkpoints):
         for policy in PRESETS:
             if policy == "resident":
                 continue
-            settings_ = make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes + shape.expert_bytes)
+            settings_ = make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes + shape.expert_bytes,
+                                      timings=Timings(1e-4, 2e-4, 1e-4, 3e-4, shape.top_k))
             assert settings_.plan.staging_slots == 2 * shape.top_k or policy in ("prefetch-only", "ondemand")
             engine.configure(settings_)
             got = [e.token_id for e in stream_generate(lm.model, prompt, engine=engine, max_new_tokens=4,

@@ -6,7 +6,7 @@ All predictions of one call compete in one order, by priority
                                       fMoE's p / (l − l_now); MoE-Infinity passes 1 − (i − l)/L)
 
 so nearer layers go first. The candidates of a prediction are its `count` best
-experts (default: the engine's Y, `prefetch_width`, = K); candidates already
+experts (default: Y = K); candidates already
 staged or whole on the device are skipped, not replaced by lower-ranked ones.
 Each load is only the bottom segment when the top is cached, the whole expert
 otherwise. The link priority is PREFETCH + the position in that order.
@@ -33,14 +33,13 @@ class Prefetcher:
     """Built for one plan (the engine's `configure`): the pool, link and store it loads with,
     and the engine's per-layer states (cache, top width, counters)."""
 
-    def __init__(self, pool: StagingPool, link: Link, store, layers: list, shape: ExpertShape,
-                 width: int | None = None) -> None:
+    def __init__(self, pool: StagingPool, link: Link, store, layers: list, shape: ExpertShape) -> None:
         self.pool = pool
         self.link = link
         self.store = store
         self.layers = layers  # engine LayerState per MoE layer
         self.shape = shape
-        self.width = width or shape.top_k  # Y
+        self.width = shape.top_k  # Y: the prefetch candidates of a prediction without its own count
         self.priority: dict[Staged, float] = {}  # staged prefetch -> the priority it was issued with
 
     def issue(self, predictions: list[Prediction]) -> dict[int, list[int]]:
