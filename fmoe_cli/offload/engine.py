@@ -1,6 +1,6 @@
 """The offloading engine: transformers' experts forward, served from a split-expert cache.
 
-One decode step through MoE layer i (DESIGN §5):
+One decode step through MoE layer i (docs/architecture.md § One decode step):
 1. the router (run by the model) gives the activated set A_i;
 2. the engine records statistics, drops this layer's prefetches that are not in A_i,
    and queues the missing segments of A_i as demand loads, ahead of any prefetch;
@@ -26,15 +26,17 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from fmoe_cli.models.families import MoeLayer
-from fmoe_cli.offload.cache import LayerCache
+from fmoe_cli.types import MoeLayer
+from fmoe_cli.offload.cache import LayerCache, rebuild_order
 from fmoe_cli.offload.layout import segment_forward
-from fmoe_cli.offload.link import DEMAND, Transfer
+from fmoe_cli.offload.link import DEMAND, Transfer, make_link
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.offload.store import HostStore
 from fmoe_cli.types import EngineSettings, ExpertShape, Plan
-from fmoe_cli.prediction import Iteration, Predictor, SpeculativePredictor
+from fmoe_cli.prediction.base import Iteration, Predictor
+from fmoe_cli.prediction.make import make_predictor
+from fmoe_cli.prediction.speculative import SpeculativePredictor
 
 IMPLEMENTATION_NAME = "fmoe"
 
@@ -230,7 +232,7 @@ class Engine:
 
         warm=False starts empty with fresh policies; warm=True keeps the policies'
         history and fills each cache with its top-C_i experts by priority (the
-        rebuild after re-planning, DESIGN §7).
+        rebuild after re-planning, docs/architecture.md § Statistics, configurator, re-planning).
         """
         plan = settings.plan
         old = self.layers if warm else []
@@ -253,8 +255,8 @@ class Engine:
                 tops = torch.empty(lp.cache_size, lp.top_neurons, 3, shape.hidden, device=self.device, dtype=self.dtype)
                 if warm:
                     cache.step = old[i].cache.step
-                    ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]
-                    for e in ranked[: lp.cache_size]:
+                    ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]  # ever activated
+                    for e in rebuild_order(ranked, lp):
                         tops[cache.insert(e)].copy_(self.store.expert(i, e)[: lp.top_neurons])
             self.layers.append(LayerState(cache, tops, lp.top_neurons))
         self.pool = StagingPool(plan.staging_slots, shape, self.device, self.dtype)
@@ -425,9 +427,6 @@ class Engine:
 def open_engine(lm, emulate_gbps: float | None = None, predictor: str = "speculative", link=None) -> Engine:
     """The engine every command runs on a loaded model (models.load.LoadedModel): its experts
     behind `link` (default: make_link, emulated if asked), the named predictor, installed in the model."""
-    from fmoe_cli.offload.link import make_link
-    from fmoe_cli.prediction import make_predictor
-
     shape = lm.shape
     link = link if link is not None else make_link(lm.device, emulate_gbps)
     engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype,

@@ -1,4 +1,4 @@
-"""The host→device link (DESIGN §4).
+"""The host→device link (docs/architecture.md § Device memory and the link).
 
 `submit(dst, src, priority) -> Transfer`; a transfer can be polled (`ready`), waited
 for (`wait`) and cancelled before it starts. Lower priority numbers go first, so
