@@ -132,7 +132,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians and spread are reported")
     args = p.parse_args()
     torch.set_num_threads(1)
-    console = Console()
+    console = Console(width=130)
     console.print("command: python benchmarks/engine.py " + " ".join(sys.argv[1:]), highlight=False)
 
     path = str(mid_size_checkpoint(Path(args.dir))) if args.model is None else args.model
