@@ -159,3 +159,37 @@ def test_a_decode_step_computes_each_prediction_once_and_no_nonzero(mixtral, mon
     assert calls == list(range(lm.shape.num_layers)) * 3
     monkeypatch.undo()
     assert got == want_tokens(lm, 3)
+
+
+def test_configure_frees_before_it_allocates_and_keeps_the_old_plan_on_oom(mixtral, monkeypatch):
+    from fmoe_cli.errors import FmoeError
+    from fmoe_cli.offload import engine as engine_module
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = mixtral
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(20, clock=VirtualClock(), copy=True), lm.device, lm.dtype)
+    engine.install(lm.model)
+    small = make_settings("lru", shape, 2 * shape.top_k * shape.expert_bytes + shape.expert_bytes)
+    big = make_settings("lru", shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 2)
+    engine.configure(small)
+    seen = []
+    real_pool = engine_module.StagingPool
+
+    def pool_that_runs_out(*args, **kwargs):
+        seen.append((engine.pool, list(engine.layers)))  # what the engine still held while allocating
+        if len(seen) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return real_pool(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "StagingPool", pool_that_runs_out)
+    with pytest.raises(FmoeError, match=r"^out of device memory for the plan \(\d+ MiB\): kept the previous plan") as err:
+        engine.configure(big)
+    assert "\n" not in str(err.value)
+    assert seen[0] == (None, [])  # the old buffers were let go before the new ones were allocated
+    assert engine.settings is small
+    assert [s.cache.capacity for s in engine.layers] == [lp.cache_size for lp in small.plan.layers]
+    monkeypatch.undo()
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=4, stop_on_eos=False)]
+    engine.close()
+    assert got == want_tokens(lm, 4)
