@@ -143,7 +143,7 @@ def test_a_decode_step_computes_each_prediction_once_and_no_nonzero(mixtral, mon
     """The speculative scores are computed once per layer, on the device, before the routing copy
     (not again on the host side); and no per-expert nonzero (a host sync each on a GPU)."""
     from fmoe_cli.planning.presets import make_settings
-    from fmoe_cli.prediction import SpeculativePredictor
+    from fmoe_cli.prediction.speculative import SpeculativePredictor
 
     lm = mixtral
     engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(20, clock=VirtualClock()), lm.device, lm.dtype)
