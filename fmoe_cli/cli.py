@@ -172,13 +172,16 @@ def plan(
     context: Annotated[int, typer.Option(help="Tokens of KV cache to reserve.")] = 4096,
     workspace: Annotated[str, typer.Option(help="Reserve for activations, the allocator and the CUDA context.")] = "512MiB",
     dtype: Annotated[str, typer.Option(help="auto (the config's, else bfloat16), bfloat16, float16, float32.")] = "auto",
+    trace: Annotated[str | None, typer.Option(help="A routing trace (fmoe or vLLM format) to simulate TPOT over.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """How the configurator would split the device memory for MODEL (from config.json alone, no weights)."""
+    """How the configurator would split the device memory for MODEL, and the TPOT each policy would get
+    (from config.json alone, no weights)."""
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan
 
-    run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace)
+    run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace,
+             trace=trace)
 
 
 @app.command()
