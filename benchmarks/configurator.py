@@ -30,12 +30,12 @@ from fmoe_cli.models.demo import build_random_moe
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Counters, Engine
 from fmoe_cli.offload.link import EmulatedLink, ThreadLink
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.presets import make_settings
 from fmoe_cli.planning.autoplan import link_fit_of, moepic_configuration
 from fmoe_cli.planning.plan import parse_budget
 from fmoe_cli.planning.stats import RoutingStats, StatsRecorder
 from fmoe_cli.profiling.files import LinkFit
-from fmoe_cli.profiling.run import model_timings
+from fmoe_cli.profiling.model import model_timings
 
 MiB = 1024**2
 LOAD_OVER_COMPUTE = 3.0  # T_load ≈ 3 · T_exp

@@ -24,7 +24,7 @@ from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.offload.policies import make_policy
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.presets import make_settings
 from fmoe_cli.planning.stats import RoutingStats, StatsRecorder
 
 

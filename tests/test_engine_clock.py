@@ -8,7 +8,7 @@ import torch
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import ThreadLink
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.presets import make_settings
 
 
 def test_prefill_stamps_each_token_at_its_own_step(checkpoints):

@@ -13,11 +13,15 @@ from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import EmulatedLink
-from fmoe_cli.offload.presets import PRESETS, make_settings
+from fmoe_cli.planning.plan import min_staging_slots
+from fmoe_cli.planning.presets import PRESETS, make_settings
+from fmoe_cli.types import Timings
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 NEW_TOKENS = 32
-SPLIT_POLICIES = {"moepic", "uniform"}
+SPLIT_POLICIES = {"uniform"}  # run at two θ; moepic's θ_i are the configurator's
+# The configurator's inputs for `moepic` (T_load = 3 × T_exp, as MoEpic measured); no statistics: uniform routing.
+TIMINGS = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=2)
 
 
 @pytest.fixture(scope="module", params=list(TINY_FAMILIES))
@@ -51,7 +55,13 @@ def test_greedy_tokens_and_logits_match_transformers(family_setup, policy, budge
     lm, engine, want, full_sequence, want_logits = family_setup
     thetas = [0.25, 0.5] if policy in SPLIT_POLICIES else [None]
     for theta in thetas:
-        engine.configure(make_settings(policy, lm.shape, budgets(lm.shape)[budget], theta=theta))
+        budget_bytes = budgets(lm.shape)[budget]
+        timings = Timings(TIMINGS.t_att, TIMINGS.t_moe, TIMINGS.t_head, TIMINGS.t_load, lm.shape.top_k)
+        engine.configure(make_settings(policy, lm.shape, budget_bytes, theta=theta, timings=timings))
+        if PRESETS[policy].configured:  # the configurator's plan, within the budget, with the staging pool
+            plan = engine.settings.plan
+            assert plan.source == "configurator" and plan.total_bytes <= budget_bytes
+            assert plan.staging_slots == min_staging_slots(lm.shape) and len(plan.layers) == lm.shape.num_layers
         got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine,
                                                    max_new_tokens=NEW_TOKENS, stop_on_eos=False)]
         assert got == want, f"{policy} θ={theta}: tokens differ"
@@ -65,7 +75,7 @@ def test_greedy_tokens_and_logits_match_transformers(family_setup, policy, budge
         assert counters.hit_rate == 1.0 and counters.bytes_moved == 0
     elif policy in ("ondemand", "prefetch-only"):
         assert counters.hits_full == counters.hits_top == 0
-    if PRESETS[policy][2]:  # prefetching policies really prefetch
+    if PRESETS[policy].prefetch:  # prefetching policies really prefetch
         assert counters.prefetch_issued > 0
 
 

@@ -23,7 +23,7 @@ from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import PREFETCH, Transfer
 from fmoe_cli.offload.policies import FmoePolicy, make_policy
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.presets import make_settings
 from fmoe_cli.prediction import (
     PREDICTORS,
     AutoPredictor,

@@ -33,7 +33,7 @@ from fmoe_cli.offload.link import DEMAND, Transfer
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import ExpertShape, Plan
+from fmoe_cli.types import EngineSettings, ExpertShape, Plan
 from fmoe_cli.prediction import Iteration, Predictor, SpeculativePredictor
 
 IMPLEMENTATION_NAME = "fmoe"
@@ -42,22 +42,6 @@ IMPLEMENTATION_NAME = "fmoe"
 def _experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     """Registered in transformers' ExpertsInterface; dispatches to the engine that owns the module."""
     return experts._fmoe_engine.experts_forward(experts, hidden_states, top_k_index, top_k_weights)
-
-
-@dataclass
-class EngineSettings:
-    policy: str  # the preset's name, for labels
-    plan: Plan
-    eviction: str = "lcp"
-    prefetch: bool = True
-    omega: float = 128.0  # LCP ω
-    rho: float = 0.25  # LCP ρ
-    seed: int = 0
-    # Y: how many of the predicted ranking's best experts are prefetch candidates
-    # (None = K). Candidates already on the device are skipped, not replaced by
-    # lower-ranked ones: those are rarely used and would hold the link when a
-    # demand load arrives (a transfer in progress is not pre-empted).
-    prefetch_width: int | None = None
 
 
 @dataclass
@@ -259,9 +243,9 @@ class Engine:
                 policy = old[i].cache.policy
             else:
                 policy = make_policy(settings.eviction, shape.num_experts, omega=settings.omega, rho=settings.rho,
-                                     seed=settings.seed + i)
+                                     seed=i)
             cache = LayerCache(lp.cache_size, policy)
-            if plan.source == "resident":
+            if plan.resident:
                 tops = self.store.layers[i].to(self.device, self.dtype)  # no copy on the CPU
                 for e in range(shape.num_experts):
                     cache.insert(e)
@@ -281,7 +265,7 @@ class Engine:
     def device_bytes(self) -> int:
         """Bytes the engine holds on the device: cached tops and the staging pool."""
         tops = sum(s.tops.numel() * s.tops.element_size() for s in self.layers)
-        if self.settings is not None and self.settings.plan.source == "resident" and self.device.type == "cpu":
+        if self.settings is not None and self.settings.plan.resident and self.device.type == "cpu":
             tops = self.store.nbytes  # resident on the CPU shares the host store; count it once
         return tops + (self.pool.nbytes if self.pool else 0)
 
@@ -438,14 +422,15 @@ class Engine:
         self.prefetcher.issue(self, self.predictor.begin(self.iteration))
 
 
-def open_engine(lm, emulate_gbps: float | None = None, predictor: str = "speculative") -> Engine:
+def open_engine(lm, emulate_gbps: float | None = None, predictor: str = "speculative", link=None) -> Engine:
     """The engine every command runs on a loaded model (models.load.LoadedModel): its experts
-    behind the link (emulated if asked), the named predictor, installed in the model."""
+    behind `link` (default: make_link, emulated if asked), the named predictor, installed in the model."""
     from fmoe_cli.offload.link import make_link
     from fmoe_cli.prediction import make_predictor
 
     shape = lm.shape
-    engine = Engine(lm.layers, lm.store, shape, make_link(lm.device, emulate_gbps), lm.device, lm.dtype,
+    link = link if link is not None else make_link(lm.device, emulate_gbps)
+    engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype,
                     predictor=make_predictor(predictor, lm.layers, shape.num_experts, shape.top_k))
     engine.install(lm.model)
     return engine

@@ -231,11 +231,16 @@ class CudaLink:
         self.stream.synchronize()
 
 
+def check_bandwidth(emulate_gbps: float) -> None:
+    """Refuse an emulated link of ≤ 0 GB/s (--emulate-link) in one line."""
+    if not emulate_gbps > 0:
+        raise FmoeError(f"--emulate-link needs a bandwidth > 0 GB/s, got {emulate_gbps:g}")
+
+
 def make_link(device: torch.device, emulate_gbps: float | None):
     """The link every command uses: emulated if asked, the copy stream on CUDA, else a host copy."""
     if emulate_gbps is not None:
-        if emulate_gbps <= 0:
-            raise FmoeError(f"--emulate-link takes a bandwidth in GB/s > 0, got {emulate_gbps}")
+        check_bandwidth(emulate_gbps)
         return EmulatedLink(emulate_gbps)
     if device.type == "cuda":
         return CudaLink(device)

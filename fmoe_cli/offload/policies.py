@@ -17,6 +17,8 @@ import math
 import random
 from collections.abc import Sequence
 
+from fmoe_cli.errors import FmoeError
+
 
 class EvictionPolicy:
     """Priority-based policy: the lowest-priority unpinned expert is the victim."""
@@ -49,6 +51,17 @@ class EvictionPolicy:
         return sorted(range(self.num_experts), key=lambda e: (-self.priority(e, step), e))
 
 
+# LCP's ω and ρ (MoEpic Eq. 4): the one place their defaults and their range are written.
+LCP_OMEGA = 128.0  # ω: tokens over which an idle expert's priority decays by ρ
+LCP_RHO = 0.25  # ρ: the decay per ω idle tokens
+
+
+def check_lcp(omega: float, rho: float) -> None:
+    """Refuse ω ≤ 0 or ρ outside (0, 1] (ρ = 1: no decay) in one line."""
+    if not omega > 0 or not 0 < rho <= 1:
+        raise FmoeError(f"LCP needs ω > 0 and 0 < ρ ≤ 1, got ω = {omega:g}, ρ = {rho:g}")
+
+
 class LCP(EvictionPolicy):
     """Least Critical Priority (MoEpic Eq. 4): P = μ · ρ^(ν/ω).
 
@@ -64,10 +77,9 @@ class LCP(EvictionPolicy):
 
     name = "lcp"
 
-    def __init__(self, num_experts: int, omega: float = 128.0, rho: float = 0.25) -> None:
+    def __init__(self, num_experts: int, omega: float = LCP_OMEGA, rho: float = LCP_RHO) -> None:
         super().__init__(num_experts)
-        if omega <= 0 or not 0 < rho <= 1:
-            raise ValueError(f"LCP needs ω > 0 and 0 < ρ ≤ 1, got ω={omega}, ρ={rho}")
+        check_lcp(omega, rho)
         self.omega = omega
         self.rho = rho
         self.log_rho_per_token = math.log(rho) / omega  # log ρ / ω
@@ -140,7 +152,7 @@ class FmoePolicy(EvictionPolicy):
 POLICIES = {"lcp": LCP, "lru": LRU, "lfu": LFU, "random": RandomPolicy, "fmoe": FmoePolicy}
 
 
-def make_policy(name: str, num_experts: int, *, omega: float = 128.0, rho: float = 0.25, seed: int = 0) -> EvictionPolicy:
+def make_policy(name: str, num_experts: int, *, omega: float = LCP_OMEGA, rho: float = LCP_RHO, seed: int = 0) -> EvictionPolicy:
     if name == "lcp":
         return LCP(num_experts, omega=omega, rho=rho)
     if name == "random":

@@ -6,7 +6,7 @@ All predictions of one call compete in one order, by priority
                                       fMoE's p / (l − l_now); MoE-Infinity passes 1 − (i − l)/L)
 
 so nearer layers go first. The candidates of a prediction are its `count` best
-experts (default: the engine's Y, `prefetch_width`, = K); candidates already
+experts (default: Y = K); candidates already
 staged or whole on the device are skipped, not replaced by lower-ranked ones.
 Each load is only the bottom segment when the top is cached, the whole expert
 otherwise. The link priority is PREFETCH + the position in that order.
@@ -39,7 +39,7 @@ class Prefetcher:
         live = {e for e in pool.entries if e is not None}
         self.priority = {e: p for e, p in self.priority.items() if e in live}
         usable = [p for p in predictions if 1 <= p.distance < shape.num_layers]
-        width = engine.settings.prefetch_width or shape.top_k  # Y
+        width = shape.top_k  # Y: the prefetch candidates of a prediction without its own count
         candidates = []
         for index, p in enumerate(usable):
             ranking = p.ranking()

@@ -55,46 +55,12 @@ import numpy as np
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.planning.plan import min_staging_slots, uniform_plan
-from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan
+from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan, Timings
 from fmoe_cli.planning.stats import LayerCurves, RoutingStats
 
 DEFAULT_ZETA = 0.01  # ζ: share of V_e moved per iteration (MoEpic)
 DEFAULT_TAU = 5000  # τ: tokens between re-plans (MoEpic)
 _TIE = 1e-12  # m_i within this of the best count as ties
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Seconds for one decode token (MoEpic's T_*)."""
-
-    t_att: float  # T_att: one layer's attention (and norms)
-    t_moe: float  # T_moe: one layer's K activated experts, all resident
-    t_head: float  # T_head: LM head (+ final norm, + any dense layers before the first MoE layer)
-    t_load: float  # T_load: one whole expert (S_e bytes) host → device
-    top_k: int  # K
-
-    def __post_init__(self) -> None:
-        for name in ("t_att", "t_moe", "t_head", "t_load"):
-            value = getattr(self, name)
-            if not value >= 0 or not np.isfinite(value):
-                raise FmoeError(f"timing {name} must be a finite number of seconds ≥ 0, got {value}")
-        if self.top_k < 1:
-            raise FmoeError(f"top_k must be ≥ 1, got {self.top_k}")
-
-    @property
-    def t_exp(self) -> float:
-        """T_exp = T_moe / K: one expert's compute."""
-        return self.t_moe / self.top_k
-
-    @classmethod
-    def from_link(
-        cls, *, t_att: float, t_moe: float, t_head: float, top_k: int,
-        expert_bytes: int, bandwidth: float, latency: float = 0.0,
-    ) -> Timings:
-        """T_load = latency + S_e / bandwidth (bandwidth in bytes/s, from the device profile's fit)."""
-        if bandwidth <= 0:
-            raise FmoeError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
-        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k)
 
 
 @dataclass(frozen=True)

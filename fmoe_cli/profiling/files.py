@@ -18,7 +18,7 @@ from typing import Any
 import platformdirs
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.planning.configurator import Timings
+from fmoe_cli.types import Timings
 from fmoe_cli.files import model_slug, read_json, write_atomic
 
 PROFILE_SCHEMA_VERSION = 1
