@@ -56,10 +56,12 @@ def validate(args, console: Console) -> None:
     from fmoe_cli.models.load import load_model
     from fmoe_cli.offload.engine import Engine
     from fmoe_cli.offload.link import EmulatedLink
-    from fmoe_cli.offload.presets import make_settings
     from fmoe_cli.planning.plan import parse_budget
-    from fmoe_cli.planning.replan import attach_replanner
+    from fmoe_cli.planning.presets import PlanInputs, settings_for
+    from fmoe_cli.planning.replan import Replanner
     from fmoe_cli.planning.simulate import simulate_policy, tokens_of
+    from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
+    from fmoe_cli.run import find_timings
 
     torch.set_num_threads(1)
     lm = load_model(args.model, device="cpu", dtype="float32", console=console)
@@ -69,10 +71,12 @@ def validate(args, console: Console) -> None:
     gbps = shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
     budget = parse_budget(args.budget, shape.all_experts_bytes)
     link = EmulatedLink(gbps)
+    timings = find_timings(lm, link)  # the configurator's timings (as fmoe bench finds them)
     engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
     engine.install(lm.model)
-    planner = attach_replanner(lm, engine, budget)
-    timings = planner.timings  # the configurator's quick measurement of this model
+    stats_path = default_stats_path(lm.model_id)
+    stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
+    planner = Replanner(engine, PlanInputs(shape, budget, timings, model=lm.model_id), StatsRecorder(stats, stats_path))
     trace_path = Path(tempfile.mkdtemp(prefix="fmoe-sim-")) / "runs.jsonl"
     writer = TraceWriter.for_model(trace_path, lm)
     recorder = RouteRecorder(writer)
@@ -81,7 +85,7 @@ def validate(args, console: Console) -> None:
     used: dict[str, list] = {p: [] for p in POLICIES}
     for r in range(args.rounds):
         for name in POLICIES:
-            settings = planner.settings(make_settings(name, shape, budget))
+            settings = settings_for(name, planner.plan_inputs())
 
             def start(seq=f"{name}#{r}"):
                 recorder.start_sequence(seq)
@@ -116,7 +120,7 @@ def validate(args, console: Console) -> None:
         table.add_row(name, f"{meas:.2f}", f"{min(measured[name]):.2f}–{max(measured[name]):.2f}", f"{sim:.2f}",
                       f"{sim / meas:.2f}", f"{measured_hit[name]:.2f}", f"{sims[-1].hit_rate:.2f}", f"{sims[-1].exposed_s_per_token * 1e3:.2f}")
     console.print(table)
-    console.print(f"compute times (configurator's quick measurement): T_att {timings.t_att * 1e3:.3f} ms, "
+    console.print(f"compute times (the configurator's timings): T_att {timings.t_att * 1e3:.3f} ms, "
                   f"T_exp {timings.t_exp * 1e3:.3f} ms, T_head {timings.t_head * 1e3:.3f} ms; "
                   f"moepic plan: {used['moepic'][-1].plan.summary()}", highlight=False)
     if args.json:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from fmoe_cli.bench.replay import policy_hits
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.presets import make_settings
 from fmoe_cli.planning.configurator import Timings
 from fmoe_cli.planning.simulate import RoutingPredictor, Token, VirtualLink, predict_policies, simulate_policy
 from fmoe_cli.types import ExpertShape

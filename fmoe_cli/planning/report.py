@@ -218,8 +218,8 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
     over its tokens, with the trace's rankings or, for a vLLM trace, the routing-only `eam`
     predictor. Without one: the configurator's model (Eq. 5–11) priced for each policy's plan
     over the saved statistics (or uniform routing): compute plus predicted exposed load time."""
-    from fmoe_cli.offload.presets import PRESETS, make_settings
     from fmoe_cli.planning.configurator import price_plan
+    from fmoe_cli.planning.presets import PlanInputs, settings_for
 
     if routing is not None:  # bench.trace.Trace
         from fmoe_cli.planning.simulate import predict_policies, tokens_of
@@ -248,12 +248,11 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
     compute = shape.num_layers * (timings.t_att + timings.t_moe) + timings.t_head
     out = {}
     for name in TPOT_POLICIES:
-        if name == "resident":
-            out[name] = {"tpot_s": compute, "hit_rate": 1.0, "exposed_s": 0.0}
+        settings = settings_for(name, PlanInputs(shape, budget, timings, stats, model))
+        if settings.plan.resident:
+            out[name] = {"tpot_s": compute, "hit_rate": 1.0, "exposed_s": 0.0, "plan": settings.plan.summary()}
             continue
-        plan = moepic_configuration(shape, budget, timings, stats, model=model).plan if name == "moepic" else None
-        settings = make_settings(name, shape, budget, plan=plan)
-        split = price_plan(settings.plan, stats, timings, shape, max_prefetch=shape.top_k if PRESETS[name][2] else 0)
+        split = price_plan(settings.plan, stats, timings, shape, max_prefetch=shape.top_k if settings.prefetch else 0)
         hit = sum(c.hit_rate for c in split.layers) / len(split.layers)
         out[name] = {"tpot_s": compute + split.total_exposed, "hit_rate": hit, "exposed_s": split.total_exposed,
                      "plan": settings.plan.summary()}

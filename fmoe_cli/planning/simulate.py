@@ -5,7 +5,7 @@ vLLM trace with a routing-only predictor), one decode token at a time, every MoE
 layer goes through what `offload/engine.py` does, on a virtual clock:
 
 - the cache is the engine's `LayerCache` with the engine's policy objects, built from
-  the policy's own plan (`offload/presets.py: make_settings`, the configurator's plan
+  the policy's own plan (`planning/presets.py`, the configurator's plan
   for `moepic`), fed token by token as the engine feeds it;
 - the link is a `VirtualLink`: one copy engine, transfers in priority order (demand
   loads first, then prefetches by rank), each lasting latency + bytes / bandwidth, a
@@ -256,18 +256,18 @@ class Simulator:
         self.times = times
         self.link = VirtualLink(bandwidth, latency)
         plan: Plan = settings.plan
-        self.resident = plan.source == "resident"
+        self.resident = plan.resident
         self.layers = []
         for i, lp in enumerate(plan.layers):
             policy = make_policy(settings.eviction, shape.num_experts, omega=settings.omega, rho=settings.rho,
-                                 seed=settings.seed + i)
+                                 seed=i)
             cache = LayerCache(lp.cache_size, policy)
             if self.resident:
                 for e in range(shape.num_experts):
                     cache.insert(e)
             self.layers.append(_Layer(cache, lp.top_neurons))
         self.pool = SimPool(plan.staging_slots, self.link)
-        self.width = settings.prefetch_width or shape.top_k  # Y
+        self.width = shape.top_k  # Y
         self.predictor = predictor  # routing-only predictor (ranking from routing so far), or None
         self.now = 0.0
 
@@ -574,22 +574,14 @@ def stats_from(sequences: Sequence[Sequence[Token]], shape: ExpertShape, predict
     return stats
 
 
-def _policy_settings(name: str, shape: ExpertShape, budget_bytes: int, timings: Timings, stats):
-    from fmoe_cli.offload.presets import make_settings
-    from fmoe_cli.planning.autoplan import moepic_configuration
-
-    plan = None
-    if name == "moepic":
-        plan = moepic_configuration(shape, budget_bytes, timings, stats).plan
-    return make_settings(name, shape, budget_bytes, plan=plan)
-
-
 def predict_policies(shape: ExpertShape, budget_bytes: int, timings: Timings, bandwidth: float, latency: float,
                      *, sequences: Sequence[Sequence[Token]], policies: Sequence[str], prompt_tokens: int = 0,
                      progress: Callable[[str], None] | None = None) -> dict[str, SimResult]:
     """Simulated TPOT of every policy over the same routing. Without the prefetcher's rankings
     in the routing, the routing-only `eam` predictor makes them. `moepic` gets the configurator's
     plan from statistics of this routing and these timings."""
+    from fmoe_cli.planning.presets import PlanInputs, settings_for
+
     has_rankings = any(t.predicted is not None for seq in sequences for t in seq)
 
     def predictor():
@@ -600,7 +592,7 @@ def predict_policies(shape: ExpertShape, budget_bytes: int, timings: Timings, ba
     for name in policies:
         if progress is not None:
             progress(name)  # called before each policy
-        settings = _policy_settings(name, shape, budget_bytes, timings, stats)
+        settings = settings_for(name, PlanInputs(shape, budget_bytes, timings, stats))
         out[name] = simulate_policy(shape, settings, timings, sequences, bandwidth=bandwidth, latency=latency,
                                     prompt_tokens=prompt_tokens, predictor_factory=predictor)
     return out
