@@ -32,7 +32,7 @@ from fmoe_cli.models.demo import build_random_moe
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.layout import segment_forward
-from fmoe_cli.offload.link import EmulatedLink, ThreadLink
+from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.planning.plan import parse_budget
 from fmoe_cli.planning.presets import PlanInputs, make_settings, settings_for
 from fmoe_cli.planning.replan import Replanner
@@ -93,7 +93,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(lm.path, dtype=torch.float32).eval()
-    engine = Engine(lm.layers, lm.store, shape, ThreadLink(), lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
     engine.install(lm.model)
     engine.configure(make_settings("resident", shape, 0))
     hf, ours = [], []

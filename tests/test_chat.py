@@ -146,9 +146,9 @@ def test_scripted_conversation_commands_and_save(checkpoints, reference, tmp_pat
 
 def test_ctrl_c_during_answer_keeps_the_conversation(checkpoints, reference, monkeypatch):
     """Ctrl-C arrives inside an expert's forward of the 4th token (experts pinned, loads in flight)."""
-    import fmoe_cli.offload.engine as engine_module
+    from fmoe_cli.offload.store import HostStore
 
-    real_stream, real_segment = session_module.stream_generate, engine_module.segment_forward
+    real_stream, real_segment = session_module.stream_generate, HostStore.segment_forward
     state = {"answers": 0, "armed": False}
 
     def stream(*args, **kwargs):
@@ -164,7 +164,7 @@ def test_ctrl_c_during_answer_keeps_the_conversation(checkpoints, reference, mon
         return real_segment(*args, **kwargs)
 
     monkeypatch.setattr(session_module, "stream_generate", stream)
-    monkeypatch.setattr(engine_module, "segment_forward", segment)
+    monkeypatch.setattr(HostStore, "segment_forward", segment)
     checks = {}
 
     def after_interrupt(n):  # the 2nd read: right after the interrupted answer

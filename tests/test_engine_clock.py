@@ -7,13 +7,13 @@ import torch
 
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
-from fmoe_cli.offload.link import ThreadLink
+from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.planning.presets import make_settings
 
 
 def test_prefill_stamps_each_token_at_its_own_step(checkpoints):
     lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
-    engine = Engine(lm.layers, lm.store, lm.shape, ThreadLink(), lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
     engine.install(lm.model)
     routes: dict[int, list[list[int]]] = {}
     engine.observers.append(lambda event: routes.setdefault(event.layer, event.top_k_index.tolist()))
