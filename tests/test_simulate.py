@@ -10,32 +10,12 @@ import pytest
 from fmoe_cli.bench.replay import policy_hits
 from fmoe_cli.planning.presets import make_settings
 from fmoe_cli.planning.configurator import Timings
-from fmoe_cli.planning.simulate import RoutingPredictor, Token, VirtualLink, predict_policies, simulate_policy
+from fmoe_cli.planning.simulate import RoutingPredictor, Token, next_ranking, predict_policies, simulate_policy
 from fmoe_cli.types import ExpertShape
 
 # 2 MoE layers, 4 experts, top-2, I = 4 neurons of 3 bytes (H = 1, 1 byte): S_e = 12 bytes.
 SHAPE = ExpertShape(num_layers=2, num_experts=4, top_k=2, hidden=1, intermediate=4, dtype_bytes=1)
 TIMES = Timings(t_att=1.0, t_moe=2.0, t_head=3.0, t_load=0.0, top_k=2)  # T_exp = 1
-
-
-def test_virtual_link_by_hand():
-    link = VirtualLink(bandwidth=1.0, latency=0.5)  # 1 byte/s: a transfer of n bytes lasts n + 0.5 s
-    a = link.submit(2, priority=5, now=0.0)  # starts at once: 0 → 2.5
-    b = link.submit(1, priority=5, now=1.0)  # queued behind a
-    c = link.submit(1, priority=1, now=1.0)  # more urgent than b: runs after a, before b
-    assert (a.state, b.state, c.state) == ("running", "queued", "queued")
-    assert not link.ready(c, 2.0)
-    assert link.cancel(b) is True and b.state == "cancelled"  # queued: cancelled for free
-    assert link.ready(a, 2.5)
-    assert link.wait(c, 2.5) == pytest.approx(4.0)  # 2.5 → 4.0
-    assert link.cancel(c) is False  # done
-    d = link.submit(4, priority=9, now=10.0)  # the link idled from 4.0: starts at 10
-    e = link.submit(1, priority=0, now=10.5)  # demand arrives: d is not pre-empted
-    assert link.wait(e, 10.5) == pytest.approx(10 + 4.5 + 1.5)
-    assert link.wait(d, 11.0) == pytest.approx(14.5)  # done already: the time it ended (≥ now is the caller's)
-    with pytest.raises(RuntimeError):
-        link.wait(b, 20.0)
-    assert link.bytes_moved == 2 + 1 + 4 + 1  # b never moved
 
 
 def _tokens(rows):
@@ -105,9 +85,9 @@ def test_predict_policies_runs_every_policy_with_a_routing_only_predictor():
     p = RoutingPredictor(4, 8, 2)
     p.start_sequence()
     p.begin([seq[0]])
-    assert p.after_layer(0, seq[0].experts[0]) is None  # nothing seen of layer 1 yet
+    assert next_ranking(p.after_layer(0, seq[0].experts[0]), 0, 4) is None  # nothing seen of layer 1 yet
     for i in range(1, 4):
         p.after_layer(i, seq[0].experts[i])
     p.begin([seq[1]])
-    ranking = p.after_layer(0, seq[1].experts[0])  # from the request's own EAM: token 0's layer 1 first
+    ranking = next_ranking(p.after_layer(0, seq[1].experts[0]), 0, 4)  # the request's own EAM: token 0's layer 1
     assert set(ranking[:2]) == set(seq[0].experts[1])
