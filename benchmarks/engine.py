@@ -13,12 +13,19 @@ little locality; the demo model (`--model demo`) has learned routing.
 
     python benchmarks/engine.py                # builds /tmp/fmoe-bench-engine on first run
     python benchmarks/engine.py --model demo --tokens 48
+    python benchmarks/engine.py --matrix [--ratios 1,3,10,30 --budgets 10%,25%,50% --repeats 3 --tokens 16]
+
+3. `--matrix` (issue 12): at every load ratio × budget, `moepic` TPOT against the best
+   of `lru`, `lfu`, `uniform`, `cache-only`, `prefetch-only` (target ≤ 1.03 ×), with
+   `resident` as the floor: where the best baseline is within 5 % of it, there is
+   nothing for `moepic` to gain, and the table says so. On the demo model by default.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -152,5 +159,82 @@ def main() -> None:
     console.print("token ids identical across policies" if same else "[red]token ids DIFFER[/red]")
 
 
+# --- the requirement matrix (issue 12) -------------------------------------------------
+MATRIX_BASELINES = ["lru", "lfu", "uniform", "cache-only", "prefetch-only"]
+NOTHING_TO_GAIN = 1.05  # the best baseline within 5 % of resident: nothing left for moepic to hide
+
+
+def matrix(args, console: Console) -> None:
+    """moepic vs the best of lru, lfu, uniform, cache-only, prefetch-only at every load ratio × budget,
+    all policies of a regime (and resident, the floor) interleaved over rounds, medians; target
+    moepic ≤ 1.03 × the best."""
+    lm = load_model(args.model or "demo", device="cpu", dtype="float32", console=console)
+    prompt_ids = encode_prompt(lm, PROMPT)
+    shape = lm.shape
+    t_exp = expert_compute_s(lm)
+    stats_path = default_stats_path(lm.model_id)
+    stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    budgets = [b.strip() for b in args.budgets.split(",")]
+    policies = ["moepic", *MATRIX_BASELINES, "resident"]
+    rows = []
+    for ratio in ratios:
+        gbps = shape.expert_bytes / (ratio * t_exp) / 1e9
+        link = EmulatedLink(gbps)
+        timings = find_timings(lm, link)
+        engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
+        engine.install(lm.model)
+        for budget_text in budgets:
+            budget = parse_budget(budget_text, shape.all_experts_bytes)
+            planner = Replanner(engine, PlanInputs(shape, budget, timings, model=lm.model_id), StatsRecorder(stats, stats_path))
+            runs: dict[str, list] = {name: [] for name in policies}
+            for r in range(args.repeats):
+                for name in policies if r % 2 == 0 else policies[::-1]:  # alternate the order between rounds
+                    settings = settings_for(name, planner.plan_inputs())
+                    with console.status(f"ratio {ratio:g}, budget {budget_text}, round {r + 1}/{args.repeats}: {name} …"):
+                        runs[name].append(bench_policy(lm, engine, settings, prompt_ids, args.tokens, args.warmup))
+                    planner()
+            planner.close()
+            tpot = {name: statistics.median(x.tpot_ms["median"] for x in rs) for name, rs in runs.items()}
+            spread = {name: (min(x.tpot_ms["median"] for x in rs), max(x.tpot_ms["median"] for x in rs))
+                      for name, rs in runs.items()}
+            best = min(MATRIX_BASELINES, key=lambda n: tpot[n])
+            rows.append((ratio, budget_text, tpot, spread, best, runs["moepic"][-1].plan))
+            console.print(f"ratio {ratio:g}, budget {budget_text}: moepic {tpot['moepic']:.2f} ms, best {best} "
+                          f"{tpot[best]:.2f} ms, resident {tpot['resident']:.2f} ms", highlight=False)
+        engine.close()
+    table = Table(title=f"moepic vs the best baseline, {lm.label}, emulated link (load ratio = one expert's load / "
+                        f"its compute, T_exp = {t_exp * 1e3:.3f} ms), TPOT ms, median of {args.repeats} interleaved rounds "
+                        f"(min–max), {args.tokens} tokens after {args.warmup} warm-up")
+    for col in ("ratio", "budget", "moepic", "best baseline", "moepic ÷ best", "resident", "verdict"):
+        table.add_column(col, justify="left" if col in ("best baseline", "verdict") else "right")
+    for ratio, budget_text, tpot, spread, best, _plan in rows:
+        quotient = tpot["moepic"] / tpot[best]
+        if tpot[best] <= NOTHING_TO_GAIN * tpot["resident"]:
+            verdict = "nothing to gain (best ≈ resident)"
+        else:
+            verdict = "meets ≤ 1.03" if quotient <= 1.03 else "[red]misses 1.03[/red]"
+        lo, hi = spread["moepic"]
+        blo, bhi = spread[best]
+        table.add_row(f"{ratio:g}", budget_text, f"{tpot['moepic']:.2f} ({lo:.2f}–{hi:.2f})",
+                      f"{best} {tpot[best]:.2f} ({blo:.2f}–{bhi:.2f})", f"{quotient:.2f}", f"{tpot['resident']:.2f}",
+                      verdict)
+    console.print(table)
+    for ratio, budget_text, _tpot, _spread, _best, plan in rows:
+        console.print(f"moepic plan at ratio {ratio:g}, budget {budget_text}: {plan}", highlight=False)
+
+
 if __name__ == "__main__":
-    main()
+    if "--matrix" in sys.argv:
+        q = argparse.ArgumentParser(description="issue 12's requirement matrix")
+        q.add_argument("--matrix", action="store_true")
+        q.add_argument("--model", default="demo", help="default: the demo model (learned routing)")
+        q.add_argument("--ratios", default="1,3,10,30", help="expert load time / expert compute time")
+        q.add_argument("--budgets", default="10%,25%,50%")
+        q.add_argument("--tokens", type=int, default=16)
+        q.add_argument("--warmup", type=int, default=2)
+        q.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is reported")
+        torch.set_num_threads(1)
+        matrix(q.parse_args(), Console())
+    else:
+        main()
