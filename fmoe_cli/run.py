@@ -26,7 +26,7 @@ from rich.console import Console
 
 from fmoe_cli.bench.trace import TraceWriter
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.models.load import LoadedModel, load_model
+from fmoe_cli.models.load import LoadedModel, check_expert_format, load_model
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import check_bandwidth, make_link
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
@@ -56,6 +56,7 @@ class RunOptions:
     emulate_link: float | None = None  # GB/s of an emulated host→device link
     device: str = "auto"
     dtype: str | None = None  # None: auto
+    experts: str = "bf16"  # storage of the routed experts: bf16 (unquantised, in dtype), int8, int4
     trust_remote_code: bool = False
     trace_out: str | None = None  # JSONL routing trace
     profile: str | None = None  # a device profile (the configurator's timings), instead of the default one
@@ -70,6 +71,7 @@ class RunOptions:
         for name in self.policies:
             preset(name)
         check_predictor(self.predictor)
+        check_expert_format(self.experts)
         check_lcp(self.omega, self.rho)
         if self.emulate_link is not None:
             check_bandwidth(self.emulate_link)
@@ -150,7 +152,7 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
     console = console or Console(stderr=True)
     with ExitStack() as stack:
         lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
-                        console=console)
+                        console=console, experts=opts.experts)
         if opts.profile is not None:
             check_profile(opts.profile, lm.device)
         shape = lm.shape

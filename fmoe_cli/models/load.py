@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,9 +21,11 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.models import demo
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.models.checkpoint import check_weight_files, read_checkpoint
+from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import ExpertShape
+from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
 
+GiB = 1024**3
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]
 
 
@@ -132,10 +134,13 @@ def load_model(
     dtype: str | None = None,
     trust_remote_code: bool = False,
     console: Console | None = None,
+    experts: str = "bf16",
 ) -> LoadedModel:
+    """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`."""
     from transformers import AutoConfig, AutoTokenizer
 
     console = console or Console(stderr=True)
+    check_expert_format(experts)
     path, label = resolve_model(model_id, trust_remote_code)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
@@ -145,8 +150,9 @@ def load_model(
         raise FmoeError(f"{model_id}: {str(exc).splitlines()[0]} (pass --trust-remote-code for custom code)") from None
     check_is_moe(config, model_id)
     model, layers = build_skeleton(config, torch_dtype, model_id, trust_remote_code)
-    shape = expert_shape(layers, torch_dtype)
-    store = HostStore(shape, torch_dtype, pin=dev.type == "cuda")
+    shape = expert_shape(layers, torch_dtype, experts)
+    check_host_ram(label, shape, skeleton_non_expert_bytes(model, layers))  # before a byte is read
+    store = make_store(shape, torch_dtype, pin=dev.type == "cuda")
     store.allocate()
     try:
         read_checkpoint(path, model, layers, store, torch_dtype, console)
@@ -192,7 +198,45 @@ def _finish_skeleton(model, model_id: str) -> None:
     model.initialize_weights()  # only what is not marked initialised: the buffers just built
 
 
-def expert_shape(layers: list[MoeLayer], dtype: torch.dtype) -> ExpertShape:
+def skeleton_non_expert_bytes(model, layers: list[MoeLayer]) -> int:
+    """U_n from the (meta) model: every parameter and buffer but the routed experts."""
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return nbytes(list(model.parameters()) + list(model.buffers())) - sum(nbytes(l.experts.parameters()) for l in layers)
+
+
+def host_ram_needed(shape: ExpertShape, non_expert_bytes: int) -> int:
+    """Host RAM a load needs at its peak: the expert store and the other weights (measured within 1.15×
+    of this: tests/test_loading.py, benchmarks/loading.py)."""
+    return shape.all_experts_bytes + non_expert_bytes
+
+
+def host_ram_free() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_host_ram(label: str, shape: ExpertShape, non_expert_bytes: int) -> None:
+    """Refuse, in one line with the numbers, a model that would not fit in host RAM (not the OOM killer)."""
+    need, free = host_ram_needed(shape, non_expert_bytes), host_ram_free()
+    if need <= free:
+        return
+    smaller = [f for f in EXPERT_FORMATS if host_ram_needed(replace(shape, experts=f), non_expert_bytes) <= free]
+    hint = f"; --experts {smaller[-1]} needs {host_ram_needed(replace(shape, experts=smaller[-1]), non_expert_bytes) / GiB:.1f} GiB" \
+        if smaller else ""
+    raise FmoeError(f"{label} needs {need / GiB:.1f} GiB of host RAM with --experts {shape.experts} (experts "
+                    f"{shape.all_experts_bytes / GiB:.1f} + other weights {non_expert_bytes / GiB:.1f} GiB) but "
+                    f"{free / GiB:.1f} GiB is free here{hint}")
+
+
+def check_expert_format(experts: str) -> None:
+    if experts not in EXPERT_FORMATS:
+        raise FmoeError(f"unknown expert format {experts!r}; use {', '.join(EXPERT_FORMATS)}")
+
+
+def expert_shape(layers: list[MoeLayer], dtype: torch.dtype, experts: str = "bf16") -> ExpertShape:
     first = layers[0].experts
     n, two_i, h = first.gate_up_proj.shape
     if getattr(first, "is_transposed", False):
@@ -201,7 +245,7 @@ def expert_shape(layers: list[MoeLayer], dtype: torch.dtype) -> ExpertShape:
         if tuple(layer.experts.gate_up_proj.shape) != tuple(first.gate_up_proj.shape):
             raise FmoeError(f"unsupported expert layout: {layer.name} differs in shape from {layers[0].name}")
     top_k = getattr(layers[0].router, "top_k", None) or first.config.num_experts_per_tok
-    return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size())
+    return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size(), experts)
 
 
 def _free_expert_weights(experts: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -16,7 +16,7 @@ and the plan assumes compute hides no loading.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -94,12 +94,12 @@ def _nbytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def model_facts(model: str, dtype: str | None = None) -> ModelFacts:
+def model_facts(model: str, dtype: str | None = None, experts: str = "bf16") -> ModelFacts:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fmoe_cli.models.families import check_is_moe, find_moe_layers
-    from fmoe_cli.models.load import expert_shape, pick_dtype
+    from fmoe_cli.models.load import check_expert_format, expert_shape, pick_dtype, skeleton_non_expert_bytes
     from fmoe_cli.profiling.layers import decoder_layers
 
     path = config_path_of(model)
@@ -116,9 +116,9 @@ def model_facts(model: str, dtype: str | None = None) -> ModelFacts:
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     layers = find_moe_layers(meta, model)
-    shape = expert_shape(layers, torch_dtype)
-    total = _nbytes(meta)
-    non_expert = total - shape.all_experts_bytes
+    check_expert_format(experts)
+    shape = expert_shape(layers, torch_dtype, experts)
+    non_expert = skeleton_non_expert_bytes(meta, layers)
     decoders = decoder_layers(meta)
     first = decoders[layers[0].decoder_index]
     attention = _nbytes(first) - _nbytes(layers[0].experts)
@@ -154,7 +154,8 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
 
 
 def run_plan(model: str, vram: str | None, profile_path: str | None, context: int, dtype: str | None,
-             as_json: bool, console: Console, workspace: str = "512MiB", trace: str | None = None) -> dict:
+             as_json: bool, console: Console, workspace: str = "512MiB", experts: str = "bf16",
+             trace: str | None = None) -> dict:
     from fmoe_cli.profiling.files import Profile
 
     if context < 0:
@@ -167,7 +168,7 @@ def run_plan(model: str, vram: str | None, profile_path: str | None, context: in
         from fmoe_cli.bench.trace import read_trace
 
         routing = read_trace(trace)
-    facts = model_facts(model, dtype)
+    facts = model_facts(model, dtype, experts)
     shape = facts.shape
     if vram is not None:
         total = parse_budget(vram, shape.all_experts_bytes)
@@ -195,7 +196,9 @@ def run_plan(model: str, vram: str | None, profile_path: str | None, context: in
         stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)
     budget = device.expert_budget + device.staging
     config = moepic_configuration(shape, budget, timings, stats, model=model)
-    report = plan_report(facts, device, config, timings, stats, context,
+    from fmoe_cli.models.load import host_ram_free
+
+    report = plan_report(facts, device, config, timings, stats, context, host_free=host_ram_free(),
                          sources={"vram": vram_source, "link": link_source, "timings": timing_source,
                                   "statistics": "uniform routing (none recorded)" if stats.uniform
                                   else f"{stats.tokens} recorded tokens ({stats_path})"})
@@ -271,8 +274,22 @@ def _local_gpu_memory() -> int:
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
+def host_ram_report(facts: ModelFacts, free: int) -> dict:
+    """Host RAM a load of the model needs in each expert format (from config.json alone), and what is free."""
+    from fmoe_cli.models.load import host_ram_needed
+    from fmoe_cli.types import EXPERT_FORMATS
+
+    formats = {}
+    for name in EXPERT_FORMATS:
+        shape = replace(facts.shape, experts=name)
+        need = host_ram_needed(shape, facts.non_expert_bytes)
+        formats[name] = {"experts": shape.all_experts_bytes, "non_expert": facts.non_expert_bytes, "needed": need,
+                         "fits": need <= free}
+    return {"free": free, "chosen": facts.shape.experts, "formats": formats}
+
+
 def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, timings: Timings,
-                stats: RoutingStats, context: int, sources: dict) -> dict:
+                stats: RoutingStats, context: int, sources: dict, host_free: int) -> dict:
     shape = facts.shape
     layers = [{
         "layer": i, "vram_bytes": c.vram_bytes, "cache_size": c.cache_size, "split": c.split,
@@ -284,7 +301,8 @@ def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, 
         "model": facts.name,
         "shape": {"moe_layers": shape.num_layers, "experts": shape.num_experts, "top_k": shape.top_k,
                   "hidden": shape.hidden, "intermediate": shape.intermediate, "dtype_bytes": shape.dtype_bytes,
-                  "expert_bytes": shape.expert_bytes},
+                  "expert_bytes": shape.expert_bytes, "expert_format": shape.experts},
+        "host": host_ram_report(facts, host_free),
         "uniform_routing": stats.uniform,
         "sources": sources,
         "timings": {"t_att": timings.t_att, "t_moe": timings.t_moe, "t_exp": timings.t_exp, "t_head": timings.t_head,
@@ -302,10 +320,19 @@ def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, 
     }
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
+
+
 def render(report: dict, console: Console) -> None:
     s, m, t = report["shape"], report["memory"], report["totals"]
     console.print(f"{report['model']}: {s['moe_layers']} MoE layers × {s['experts']} experts (top-{s['top_k']}), "
-                  f"one expert {s['expert_bytes'] / MiB:.1f} MiB, all experts {m['all_experts'] / GiB:.1f} GiB",
+                  f"one expert {s['expert_bytes'] / MiB:.1f} MiB ({s['expert_format']}), all experts "
+                  f"{m['all_experts'] / GiB:.1f} GiB", highlight=False)
+    host = report["host"]
+    needs = " · ".join(f"{name} {_size(f['needed'])}" + ("" if f["fits"] else " (does not fit)")
+                       + (" ← --experts" if name == host["chosen"] else "") for name, f in host["formats"].items())
+    console.print(f"host RAM to load (expert store + other weights): {needs}; free here {_size(host['free'])}",
                   highlight=False)
     for key, value in report["sources"].items():
         if key == "vram":

@@ -46,7 +46,6 @@ from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.prediction.base import Prediction
 from fmoe_cli.types import EngineSettings, ExpertShape, Timings
 
-_DTYPES = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 META = torch.device("meta")
 
 
@@ -80,11 +79,12 @@ class _Layer:  # what the prefetcher reads of the engine's LayerState (no tops: 
 
 
 class _MetaStore:
-    """The host store's interface without bytes: expert(j, e) is a meta tensor [I, *row]."""
+    """The host store's interface without bytes: expert(j, e) is a meta tensor of I rows of
+    `neuron_bytes` bytes (any storage format: only the byte counts matter to the link)."""
 
     def __init__(self, shape: ExpertShape) -> None:
-        self.row_shape = (3, shape.hidden)
-        self.dtype = _DTYPES[shape.dtype_bytes]
+        self.row_shape = (shape.neuron_bytes,)
+        self.dtype = torch.uint8
         self._expert = torch.empty(shape.intermediate, *self.row_shape, dtype=self.dtype, device=META)
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
