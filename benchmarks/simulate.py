@@ -53,7 +53,7 @@ def validate(args, console: Console) -> None:
     from engine import PROMPT, expert_compute_s  # benchmarks/engine.py
 
     from fmoe_cli.bench.run import bench_policy, encode_prompt
-    from fmoe_cli.bench.trace import RouteRecorder, TraceWriter, read_trace
+    from fmoe_cli.trace import RouteRecorder, TraceWriter, read_trace
     from fmoe_cli.models.load import load_model
     from fmoe_cli.offload.engine import Engine
     from fmoe_cli.offload.link import EmulatedLink
@@ -138,7 +138,7 @@ def validate(args, console: Console) -> None:
 
 
 def mixtral(args, console: Console) -> None:
-    from fmoe_cli.bench.trace import read_trace
+    from fmoe_cli.trace import read_trace
     from fmoe_cli.planning.report import model_facts, plan_timings
     from fmoe_cli.planning.simulate import predict_policies, tokens_of
     from fmoe_cli.profiling.files import Profile

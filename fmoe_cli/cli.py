@@ -12,10 +12,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from fmoe_cli import chat as chat_defaults
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO
 from fmoe_cli.planning.plan import DEFAULT_BUDGET
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
+from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
 
 app = typer.Typer(
     help="Chat with a Mixture-of-Experts LLM on a GPU that cannot hold it.",
@@ -32,8 +34,8 @@ def _root() -> None:
 
 
 def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before tokenizers is first imported
+    import transformers  # slow: only once a command runs, never for --help
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -68,8 +70,7 @@ LinkOpt = Annotated[float | None, typer.Option(
 OmegaOpt = Annotated[float, typer.Option(
     "--lcp-omega", help="LCP ω: tokens over which an idle expert's priority decays by ρ (MoEpic Eq. 4).")]
 RhoOpt = Annotated[float, typer.Option("--lcp-rho", help="LCP ρ ∈ (0, 1]: the decay per ω idle tokens.")]
-PredictorOpt = Annotated[str, typer.Option(
-    help="Expert predictor of the prefetcher: speculative, expert-map, eam, mol, auto.")]
+PredictorOpt = Annotated[str, typer.Option(help=f"Expert predictor of the prefetcher: {', '.join(PREDICTORS)}.")]
 TraceOpt = Annotated[str | None, typer.Option(help="Record the routing of every measured run or turn (JSONL trace).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the repository's own Python code to run.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
@@ -101,7 +102,7 @@ def bench(
     prompt: Annotated[str | None, typer.Option(help="Prompt (default: a short question).")] = None,
     prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from this text file.")] = None,
     trace_out: TraceOpt = None,
-    predictor: PredictorOpt = "speculative",
+    predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,
@@ -133,14 +134,14 @@ def chat(
     policy: Annotated[str, typer.Option(help=f"{POLICY_NAMES}.")] = DEFAULT_POLICY,
     profile: Annotated[str | None, typer.Option(help="A device profile from `fmoe profile` (JSON).")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")] = 0.9,
-    max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = 512,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = chat_defaults.TEMPERATURE,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")] = chat_defaults.TOP_P,
+    max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = chat_defaults.MAX_NEW_TOKENS,
     seed: Annotated[int | None, typer.Option(help="Sampling seed (reproducible answers).")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = "bf16",
-    predictor: PredictorOpt = "speculative",
+    predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,

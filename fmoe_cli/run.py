@@ -24,21 +24,20 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fmoe_cli.bench.trace import TraceWriter
+from fmoe_cli.trace import TraceWriter
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models.load import LoadedModel, check_expert_format, load_model
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import check_bandwidth, make_link
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
-from fmoe_cli.planning.autoplan import link_fit_of
 from fmoe_cli.planning.configurator import DEFAULT_TAU
 from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_budget, min_staging_slots, parse_budget
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, PlanInputs, make_settings, preset, settings_for
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
-from fmoe_cli.profiling.device import device_identity
-from fmoe_cli.profiling.files import Profile, default_profile_path, model_identity
+from fmoe_cli.profiling.device import LinkPlan, device_identity, fit_link, measure_link
+from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
 from fmoe_cli.profiling.model import model_timings
 from fmoe_cli.types import Timings
 
@@ -122,6 +121,16 @@ def measure_timings(lm: LoadedModel, engine: Engine | None = None):
     finally:
         if own:
             engine.close()
+
+
+def link_fit_of(link, device, expert_bytes: int):
+    """(LinkFit, what it is) for the engine's link: an emulated link's own figures, else a quick measurement."""
+    if getattr(link, "gbps", None):
+        return LinkFit("emulated", link.gbps * 1e9, getattr(link, "latency_s", 0.0), (), link.label())
+    sizes = (expert_bytes, 4 * expert_bytes, 16 * expert_bytes)
+    samples = measure_link(device, LinkPlan(sizes, repeats=5, warmup=1))
+    latency, bandwidth = fit_link(samples)
+    return LinkFit("measured", bandwidth, latency, tuple(samples), f"quick measurement of {link.label()}")
 
 
 def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine: Engine | None = None) -> Timings:

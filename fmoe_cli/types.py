@@ -1,6 +1,7 @@
 """Small shared types at the bottom of the import graph (docs/architecture.md).
 
-`ExpertShape` describes a model's routed experts, `Plan` / `LayerPlan` how the expert
+`MoeLayer` is one routed-experts module of a loaded model, `ExpertShape` describes a
+model's routed experts, `Plan` / `LayerPlan` how the expert
 budget is spent on the device (MoEpic §3.4 notation: V_i, C_i, θ_i = k_i / I, U_b),
 `EngineSettings` what the engine is configured with, `Timings` the configurator's
 T_att, T_moe, T_head, T_load. Models, the engine, profiling and the planner all use
@@ -11,10 +12,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from fmoe_cli.errors import FmoeError
 
+if TYPE_CHECKING:  # annotations only: this module stays free of torch
+    from torch import nn
+
 MiB = 1024**2
+
+
+@dataclass
+class MoeLayer:
+    """One routed-experts module of a loaded model and its router (models/families.py finds them)."""
+
+    index: int  # position among the MoE layers (0 … L-1)
+    name: str  # module path of the experts module
+    decoder_index: int  # position among all decoder layers
+    experts: nn.Module
+    router: nn.Module
 
 
 @dataclass(frozen=True)
@@ -76,7 +92,7 @@ class ExpertShape:
 
     @property
     def neuron_block(self) -> int:
-        """Granularity of k: whole blocks keep the matmuls efficient (DESIGN §2)."""
+        """Granularity of k: whole blocks keep the matmuls efficient (docs/architecture.md § The split expert)."""
         for block in (64, 16):
             if self.intermediate % block == 0 and self.intermediate >= 8 * block:
                 return block

@@ -1,4 +1,4 @@
-"""MoEpic's configurator: hand-computed cases and invariants (DESIGN §7)."""
+"""MoEpic's configurator: hand-computed cases and invariants (docs/architecture.md § Statistics, configurator, re-planning)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.offload.cache import rebuild_order
 from fmoe_cli.offload.policies import LCP
 from fmoe_cli.planning.configurator import (
     DeviceBudget,
     Timings,
     expert_split,
-    rebuild_order,
     replan_due,
     vram_allocation,
 )

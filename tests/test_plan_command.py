@@ -151,7 +151,7 @@ def test_bad_input_is_one_line_exit_2(checkpoints, tmp_path, monkeypatch, args, 
 def test_plan_predicts_tpot_per_policy(checkpoints, tmp_path):
     """Without a trace: the configurator's model priced for every policy; with an fmoe or vLLM trace
     of the model's shape: the simulation over it. A trace of another shape is one error line."""
-    from fmoe_cli.bench.trace import TraceWriter
+    from fmoe_cli.trace import TraceWriter
 
     path = str(checkpoints["mixtral"])
     report = plan_json(path, "--vram", "64MiB", "--workspace", "8MiB")

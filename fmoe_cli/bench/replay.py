@@ -28,7 +28,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fmoe_cli.bench.trace import Trace, read_trace
+from fmoe_cli.trace import Trace, read_trace
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, replay_token
 from fmoe_cli.offload.policies import POLICIES, make_policy
@@ -213,19 +213,6 @@ def render_table(result: ReplayResult) -> Table:
         label = "belady (optimum)" if p == BELADY else p
         table.add_row(label, *cells, style="dim" if p == BELADY else None)
     return table
-
-
-def markdown_table(result: ReplayResult) -> str:
-    """The same table as GitHub Markdown (for docs)."""
-    sizes = sorted({s for rates in result.hit_rate.values() for s in rates})
-    lines = [
-        "| policy | " + " | ".join(f"C={s}" for s in sizes) + " |",
-        "|---|" + "---:|" * len(sizes),
-    ]
-    for p, rates in result.hit_rate.items():
-        label = "belady (optimum)" if p == BELADY else p
-        lines.append(f"| {label} | " + " | ".join(f"{rates[s]:.3f}" for s in sizes) + " |")
-    return "\n".join(lines)
 
 
 def run_replay(

@@ -29,7 +29,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from safetensors import SafetensorError, safe_open
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.models.families import MoeLayer
+from fmoe_cli.types import MoeLayer
 from fmoe_cli.offload.layout import DOWN, GATE, UP
 
 INDEX = "model.safetensors.index.json"

@@ -10,7 +10,6 @@ code runs only with `trust_remote_code=True`.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from rich.console import Console
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models import demo
+from fmoe_cli.models.hub import download
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.models.checkpoint import check_weight_files, read_checkpoint
 from fmoe_cli.offload.quant import make_store
@@ -67,32 +67,8 @@ def resolve_model(model_id: str, trust_remote_code: bool = False) -> tuple[Path,
 
 
 def _download(repo_id: str, trust_remote_code: bool) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-    from tqdm import TqdmExperimentalWarning
-    from tqdm.rich import tqdm as rich_tqdm
-
     patterns = DOWNLOAD_PATTERNS if trust_remote_code else [p for p in DOWNLOAD_PATTERNS if p != "*.py"]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", TqdmExperimentalWarning)
-            return Path(snapshot_download(repo_id, allow_patterns=patterns, tqdm_class=rich_tqdm))
-    except GatedRepoError:
-        raise FmoeError(f"{repo_id} is gated: accept its licence on the hub and log in (`hf auth login`)") from None
-    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError):
-        raise FmoeError(f"unknown model id {repo_id!r}: not a local directory and not found on the hub") from None
-    except LocalEntryNotFoundError:
-        raise FmoeError(
-            f"cannot download {repo_id}: no network (or HF_HUB_OFFLINE is set) and it is not in the local cache"
-        ) from None
-    except OSError as exc:  # connection errors and the like
-        raise FmoeError(f"cannot download {repo_id}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
+    return download(repo_id, patterns, repo_id)
 
 
 def _check_weights(path: Path, model_id: str) -> None:

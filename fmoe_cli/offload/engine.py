@@ -1,6 +1,6 @@
 """The offloading engine: transformers' experts forward, served from a split-expert cache.
 
-One decode step through MoE layer i (DESIGN §5):
+One decode step through MoE layer i (docs/architecture.md § One decode step):
 1. the router (run by the model) gives the activated set A_i;
 2. the engine records statistics, drops this layer's prefetches that are not in A_i,
    and queues the missing segments of A_i as demand loads, ahead of any prefetch;
@@ -26,16 +26,17 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.models.families import MoeLayer
-from fmoe_cli.offload.cache import LayerCache
+from fmoe_cli.offload.cache import LayerCache, rebuild_order
 from fmoe_cli.offload.hits import Hits, classify
-from fmoe_cli.offload.link import DEMAND, Link
+from fmoe_cli.offload.link import DEMAND, Link, make_link
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.prediction import Iteration, Predictor, SpeculativePredictor
-from fmoe_cli.types import MiB, EngineSettings, ExpertShape, Plan
+from fmoe_cli.prediction.base import Iteration, Predictor
+from fmoe_cli.prediction.make import make_predictor
+from fmoe_cli.prediction.speculative import SpeculativePredictor
+from fmoe_cli.types import MiB, EngineSettings, ExpertShape, MoeLayer, Plan
 
 IMPLEMENTATION_NAME = "fmoe"
 
@@ -189,9 +190,10 @@ class Engine:
 
         warm=False starts empty with fresh policies; warm=True keeps the policies'
         history and fills each cache with its top-C_i experts by priority (the
-        rebuild after re-planning, DESIGN §7). The old plan's buffers are freed before
-        the new ones are allocated; if an allocation fails, the old plan is rebuilt
-        (cold: its buffers were freed) and the error is raised as one line.
+        rebuild after re-planning, docs/architecture.md § Statistics, configurator, re-planning).
+        The old plan's buffers are freed before the new ones are allocated; if an
+        allocation fails, the old plan is rebuilt (cold: its buffers were freed) and the
+        error is raised as one line.
         """
         previous = self.settings
         policies = [state.cache.policy for state in self.layers] if warm and self.layers else None
@@ -239,8 +241,8 @@ class Engine:
                                    dtype=store.dtype)
                 if steps is not None:
                     cache.step = steps[i]
-                    ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]
-                    for e in ranked[: lp.cache_size]:
+                    ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]  # ever activated
+                    for e in rebuild_order(ranked, lp):
                         tops[cache.insert(e)].copy_(store.expert(i, e)[: lp.top_neurons])
             layers.append(LayerState(cache, tops, lp.top_neurons))
         pool = StagingPool(plan.staging_slots, shape.intermediate, store.row_shape, store.dtype, self.device)
@@ -425,9 +427,6 @@ class Engine:
 def open_engine(lm, emulate_gbps: float | None = None, predictor: str = "speculative", link=None) -> Engine:
     """The engine every command runs on a loaded model (models.load.LoadedModel): its experts
     behind `link` (default: make_link, emulated if asked), the named predictor, installed in the model."""
-    from fmoe_cli.offload.link import make_link
-    from fmoe_cli.prediction import make_predictor
-
     shape = lm.shape
     link = link if link is not None else make_link(lm.device, emulate_gbps)
     engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype,

@@ -4,7 +4,7 @@ For every MoE layer i: V_i (bytes of top segments cached), C_i (experts cached),
 θ_i = k_i / I (the split ratio; k_i top neurons per cached expert). Plus the staging
 pool U_b: full-expert slots for bottoms and missed experts.
 
-    U_n + Σ_i V_i + U_b + KV + workspace ≤ V        (DESIGN §4)
+    U_n + Σ_i V_i + U_b + KV + workspace ≤ V        (docs/architecture.md § Device memory and the link)
 
 The engine takes a Plan; `uniform_plan` makes the configurator-free one and the
 configurator (planning/configurator.py) makes the tuned one.
@@ -25,7 +25,7 @@ def layer_plan(shape: ExpertShape, cache_size: int, theta: float) -> LayerPlan:
 
 
 def min_staging_slots(shape: ExpertShape) -> int:
-    """Current and next layer: K slots each (DESIGN §4)."""
+    """Current and next layer: K slots each (docs/architecture.md § Device memory and the link)."""
     return min(2 * shape.top_k, 2 * shape.num_experts)
 
 

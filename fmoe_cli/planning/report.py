@@ -7,7 +7,7 @@ experts and count its other weights exactly. The device memory V comes from --vr
 
     U_n (non-expert weights) + U_b (staging pool) + KV (--context tokens) + workspace,
 
-and the rest, V_e, is what the configurator spends (DESIGN §4, §7). Timings: the
+and the rest, V_e, is what the configurator spends (docs/architecture.md § Device memory and the link, § Statistics, configurator, re-planning). Timings: the
 profile's model timings if it has them for this model; else a roofline estimate
 (decode reads every weight once at the profile's device-memory bandwidth); else none,
 and the plan assumes compute hides no loading.
@@ -19,15 +19,34 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.demo import demo_path
+from fmoe_cli.models.families import check_is_moe, find_moe_layers
+from fmoe_cli.models.hub import download
+from fmoe_cli.models.load import (
+    check_expert_format,
+    expert_shape,
+    host_ram_free,
+    host_ram_needed,
+    pick_dtype,
+    skeleton_non_expert_bytes,
+)
 from fmoe_cli.planning.autoplan import moepic_configuration
-from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings
+from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings, price_plan
+from fmoe_cli.planning.presets import PlanInputs, settings_for
+from fmoe_cli.planning.simulate import predict_policies, tokens_of
 from fmoe_cli.planning.plan import min_staging_slots, parse_budget
-from fmoe_cli.types import MiB, ExpertShape
+from fmoe_cli.types import EXPERT_FORMATS, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
+from fmoe_cli.profiling.files import Profile, model_identity
+from fmoe_cli.profiling.layers import decoder_layers
+from fmoe_cli.trace import read_trace
 
 GiB = 1024**3
 # Without a profile: PCIe 4.0 x16, 16 GT/s × 16 lanes × 128/130 / 8 bits (PCI-SIG), one direction.
@@ -50,8 +69,6 @@ class ModelFacts:
 def config_path_of(model: str) -> Path:
     """A local config.json, a model directory holding one, `demo`, or config.json alone from the hub."""
     if model == "demo":
-        from fmoe_cli.models.demo import demo_path
-
         return demo_path() / "config.json"
     local = Path(model).expanduser()
     if local.is_file():
@@ -62,29 +79,7 @@ def config_path_of(model: str) -> Path:
         return local / "config.json"
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FmoeError(f"no such file or model directory: {model}")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    try:
-        # snapshot_download (not hf_hub_download): fails at once without a network instead of retrying
-        path = Path(snapshot_download(model, allow_patterns=["config.json"])) / "config.json"
-    except GatedRepoError:
-        raise FmoeError(f"{model} is gated: accept its licence on the hub and log in (`hf auth login`)") from None
-    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError):
-        raise FmoeError(f"unknown model id {model!r}: not a local file or directory and not found on the hub") from None
-    except LocalEntryNotFoundError:  # (a subclass of EntryNotFoundError: first)
-        raise FmoeError(f"cannot fetch {model}'s config.json: no network (or HF_HUB_OFFLINE is set) and it is not cached") from None
-    except EntryNotFoundError:
-        raise FmoeError(f"{model} has no config.json on the hub") from None
-    except OSError as exc:
-        raise FmoeError(f"cannot fetch {model}'s config.json: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
+    path = download(model, ["config.json"], f"{model}'s config.json", progress=False) / "config.json"
     if not path.exists():
         raise FmoeError(f"{model} has no config.json on the hub")
     return path
@@ -95,13 +90,6 @@ def _nbytes(module) -> int:
 
 
 def model_facts(model: str, dtype: str | None = None, experts: str = "bf16") -> ModelFacts:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fmoe_cli.models.families import check_is_moe, find_moe_layers
-    from fmoe_cli.models.load import check_expert_format, expert_shape, pick_dtype, skeleton_non_expert_bytes
-    from fmoe_cli.profiling.layers import decoder_layers
-
     path = config_path_of(model)
     try:
         config = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
@@ -136,8 +124,6 @@ def model_facts(model: str, dtype: str | None = None, experts: str = "bf16") -> 
 
 def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, profile) -> tuple[Timings, str]:
     """(Timings, where they come from)."""
-    from fmoe_cli.profiling.files import model_identity
-
     shape = facts.shape
     if profile is not None and profile.model is not None:
         profile.check_model(model_identity(facts.name, facts.config_path), source="the profile")
@@ -156,8 +142,6 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
 def run_plan(model: str, vram: str | None, profile_path: str | None, context: int, dtype: str | None,
              as_json: bool, console: Console, workspace: str = "512MiB", experts: str = "bf16",
              trace: str | None = None) -> dict:
-    from fmoe_cli.profiling.files import Profile
-
     if context < 0:
         raise FmoeError(f"--context must be ≥ 0 tokens, got {context}")
     if trace is not None and not Path(trace).is_file():
@@ -165,8 +149,6 @@ def run_plan(model: str, vram: str | None, profile_path: str | None, context: in
     profile = Profile.load(Path(profile_path)) if profile_path is not None else None
     routing = None
     if trace is not None:  # a malformed trace is refused before the model is built
-        from fmoe_cli.bench.trace import read_trace
-
         routing = read_trace(trace)
     facts = model_facts(model, dtype, experts)
     shape = facts.shape
@@ -196,7 +178,6 @@ def run_plan(model: str, vram: str | None, profile_path: str | None, context: in
         stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)
     budget = device.expert_budget + device.staging
     config = moepic_configuration(shape, budget, timings, stats, model=model)
-    from fmoe_cli.models.load import host_ram_free
 
     report = plan_report(facts, device, config, timings, stats, context, host_free=host_ram_free(),
                          sources={"vram": vram_source, "link": link_source, "timings": timing_source,
@@ -221,19 +202,12 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
     over its tokens, with the trace's rankings or, for a vLLM trace, the routing-only `eam`
     predictor. Without one: the configurator's model (Eq. 5–11) priced for each policy's plan
     over the saved statistics (or uniform routing): compute plus predicted exposed load time."""
-    from fmoe_cli.planning.configurator import price_plan
-    from fmoe_cli.planning.presets import PlanInputs, settings_for
-
-    if routing is not None:  # bench.trace.Trace
-        from fmoe_cli.planning.simulate import predict_policies, tokens_of
-
+    if routing is not None:  # fmoe_cli.trace.Trace
         trace = routing.path
         if len(routing.layers) != shape.num_layers or routing.num_experts > shape.num_experts:
             raise FmoeError(f"--trace {trace}: {len(routing.layers)} layers × {routing.num_experts} experts, "
                             f"the model has {shape.num_layers} × {shape.num_experts}")
         sequences = tokens_of(routing)
-        from rich.progress import Progress
-
         with Progress(transient=True, console=Console(stderr=True)) as bar:
             task = bar.add_task("simulating", total=len(TPOT_POLICIES))
 
@@ -266,8 +240,6 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
 
 
 def _local_gpu_memory() -> int:
-    import torch
-
     if not torch.cuda.is_available():
         raise FmoeError("no GPU on this machine: say how much device memory to plan for with --vram (e.g. 12GiB) "
                         "or give a --profile")
@@ -276,8 +248,6 @@ def _local_gpu_memory() -> int:
 
 def host_ram_report(facts: ModelFacts, free: int) -> dict:
     """Host RAM a load of the model needs in each expert format (from config.json alone), and what is free."""
-    from fmoe_cli.models.load import host_ram_needed
-    from fmoe_cli.types import EXPERT_FORMATS
 
     formats = {}
     for name in EXPERT_FORMATS:

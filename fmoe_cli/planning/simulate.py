@@ -291,7 +291,7 @@ def next_ranking(predictions: Sequence[Prediction], layer: int, num_layers: int)
 
 
 def tokens_of(trace) -> list[list[Token]]:
-    """A read trace (bench/trace.py: Trace) as token sequences for the simulator."""
+    """A read trace (fmoe_cli/trace.py: Trace) as token sequences for the simulator."""
     out = []
     for seq in trace.sequences:
         layers = seq.records  # [layer position][token position]

@@ -24,8 +24,23 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from fmoe_cli.models.families import router_scores
+
+
+def router_scores(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The router's per-expert scores for hidden states [T, H] -> [T, N] (higher = more likely).
+
+    Used for speculative prediction (MoEpic Eq. 3: softmax(R_{i+1}(h_i))). Routers
+    that choose by sigmoid + a correction bias (DeepSeek-V3) are ranked the way they
+    choose.
+    """
+    logits = F.linear(hidden.float(), router.weight.float())
+    bias = getattr(router, "e_score_correction_bias", None)
+    if bias is not None:
+        return logits.sigmoid() + bias.float()
+    return logits.softmax(dim=-1)
 
 
 @dataclass

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from fmoe_cli.models.families import router_scores
-from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, router_scores
 
 DEFAULT_CANDIDATES = 3  # K: candidates per layer
 DEFAULT_LAYERS = 3  # P: earlier layers intersected

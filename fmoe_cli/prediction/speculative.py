@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fmoe_cli.models.families import router_scores
-from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, router_scores
 
 
 class SpeculativePredictor(BasePredictor):
