@@ -260,7 +260,8 @@ class RoutingPredictor:
     name = "eam"
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int) -> None:
-        from fmoe_cli.prediction import EamPredictor, Iteration
+        from fmoe_cli.prediction.base import Iteration
+        from fmoe_cli.prediction.eam import EamPredictor
 
         self.num_layers = num_layers
         self.eam = EamPredictor(num_layers, num_experts, top_k)
