@@ -64,7 +64,7 @@ ModelArg = Annotated[str, typer.Argument(help="Hugging Face model id, a local mo
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")]
 BudgetOpt = Annotated[str, typer.Option(
-    "--vram-budget", help="Device memory for experts: 6GiB, 512MiB, or a share of all routed experts such as 25%.")]
+    "--vram-budget", help="Device memory for experts: auto (what fits on this device; CPU: 25%), 6GiB, 512MiB, or a share of all routed experts such as 25%.")]
 LinkOpt = Annotated[float | None, typer.Option(
     "--emulate-link", metavar="GBPS", help="Emulate a host→device link of this many GB/s (any device).")]
 OmegaOpt = Annotated[float, typer.Option(

@@ -31,7 +31,17 @@ from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import check_bandwidth, make_link
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
 from fmoe_cli.planning.configurator import DEFAULT_TAU
-from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_budget, min_staging_slots, parse_budget
+from fmoe_cli.planning.plan import (
+    DEFAULT_BUDGET,
+    KV_TOKENS,
+    check_budget,
+    check_budget_text,
+    check_plan_fits,
+    device_room,
+    kv_cache_bytes,
+    min_staging_slots,
+    resolve_budget,
+)
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, PlanInputs, make_settings, preset, settings_for
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
@@ -72,6 +82,7 @@ class RunOptions:
         check_predictor(self.predictor)
         check_expert_format(self.experts)
         check_lcp(self.omega, self.rho)
+        check_budget_text(self.vram_budget)
         if self.emulate_link is not None:
             check_bandwidth(self.emulate_link)
 
@@ -165,12 +176,15 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
         if opts.profile is not None:
             check_profile(opts.profile, lm.device)
         shape = lm.shape
-        slots_bytes = min_staging_slots(shape) * shape.expert_bytes
-        budget = slots_bytes if opts.vram_budget is None else parse_budget(opts.vram_budget, shape.all_experts_bytes)
+        # The budget against the device's free memory (the non-expert weights are loaded by now).
+        room = device_room(lm.device, kv_cache_bytes(lm.model.config, KV_TOKENS, shape.dtype_bytes))
+        budget = resolve_budget(opts.vram_budget, shape, room)
         presets = [PRESETS[name] for name in opts.policies]
         inputs = PlanInputs(shape, budget, model=lm.model_id)
         fixed = {p.name: settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
                  for p in presets if not p.configured}  # checks the budget before anything slow
+        for fixed_settings in fixed.values():
+            check_plan_fits(fixed_settings.plan, room)  # `resident` when the model does not fit
         configured = any(p.configured for p in presets)
         if configured:
             check_budget(shape, budget, min_staging_slots(shape))

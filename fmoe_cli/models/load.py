@@ -21,6 +21,8 @@ from fmoe_cli.models import demo
 from fmoe_cli.models.hub import download
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.models.checkpoint import check_weight_files, read_checkpoint
+from fmoe_cli.models.identity import checkpoint_fingerprint
+from fmoe_cli.offload.converted import converted_path, open_converted, save_converted
 from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
 from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
@@ -129,15 +131,25 @@ def load_model(
     shape = expert_shape(layers, torch_dtype, experts)
     check_host_ram(label, shape, skeleton_non_expert_bytes(model, layers))  # before a byte is read
     store = make_store(shape, torch_dtype, pin=dev.type == "cuda")
-    store.allocate()
+    to_save = None  # (path, fingerprint) of a converted store to write after this load
     try:
-        read_checkpoint(path, model, layers, store, torch_dtype, console)
+        mapped = None
+        if EXPERT_FORMATS[experts] is not None:  # quantised: from the converted store if there is a good one
+            fingerprint = checkpoint_fingerprint(path)
+            converted = converted_path(fingerprint, experts)
+            mapped = open_converted(converted, fingerprint, shape, console)
+            if mapped is None:
+                to_save = (converted, fingerprint)
+        store.allocate(mapped)
+        read_checkpoint(path, model, layers, store if mapped is None else None, torch_dtype, console)
         for layer in layers:
             _free_expert_weights(layer.experts, torch_dtype)
         _finish_skeleton(model, model_id)
     except BaseException:
         store.close()
         raise
+    if to_save is not None:
+        _save_converted(to_save[0], store, to_save[1], shape, console)
     model.eval().requires_grad_(False)
     model.to(dev)
     non_expert = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -146,6 +158,16 @@ def load_model(
     except (OSError, ValueError, TypeError):
         tokenizer = None
     return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert)
+
+
+def _save_converted(path: Path, store, fingerprint: str, shape: ExpertShape, console: Console) -> None:
+    """Keep the quantised store for the next load; a failure to save is a warning, not fatal."""
+    try:
+        with console.status(f"saving the {shape.experts} experts for the next start ({store.nbytes / GiB:.2f} GiB) …"):
+            save_converted(path, store.layers, fingerprint, shape)
+    except OSError as exc:
+        console.print(f"warning: could not save the converted store to {path} ({exc.strerror or exc}); "
+                      f"the next start converts again", highlight=False)
 
 
 def build_skeleton(config, dtype: torch.dtype, model_id: str, trust_remote_code: bool = False):

@@ -79,7 +79,8 @@ class QuantStore(HostStore):
         self.format = EXPERT_FORMATS[shape.experts]
         assert self.format is not None, shape.experts
         self.compute_dtype = compute_dtype
-        self._blocks: list[torch.Tensor] = []  # float [I, 3, H] blocks the loader assembles experts in
+        # float32 [I, 3, H] blocks the loader assembles experts in: the codes do not depend on --dtype
+        self._blocks: list[torch.Tensor] = []
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -98,7 +99,7 @@ class QuantStore(HostStore):
     def block(self, layer: int, expert: int) -> torch.Tensor:
         if self._blocks:
             return self._blocks.pop()
-        return torch.empty(self.shape.intermediate, 3, self.shape.hidden, dtype=self.compute_dtype)
+        return torch.empty(self.shape.intermediate, 3, self.shape.hidden, dtype=torch.float32)
 
     def put(self, layer: int, expert: int, block: torch.Tensor) -> None:
         self.layers[layer][expert].copy_(quantize(block, self.format))
