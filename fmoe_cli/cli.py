@@ -184,14 +184,16 @@ def plan(
     workspace: Annotated[str, typer.Option(help="Reserve for activations, the allocator and the CUDA context.")] = "512MiB",
     dtype: Annotated[str, typer.Option(help="auto (the config's, else bfloat16), bfloat16, float16, float32.")] = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
+    trace: Annotated[str | None, typer.Option(help="A routing trace (fmoe or vLLM format) to simulate TPOT over.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """How the configurator would split the device memory for MODEL (from config.json alone, no weights)."""
+    """How the configurator would split the device memory for MODEL, and the TPOT each policy would get
+    (from config.json alone, no weights)."""
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan  # torch and transformers: only once a command runs
 
     run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace,
-             experts=experts)
+             experts=experts, trace=trace)
 
 
 @app.command()
