@@ -192,8 +192,8 @@ def plan(
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan  # torch and transformers: only once a command runs
 
-    run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace,
-             experts=experts, trace=trace)
+    run_plan(model, vram=vram, profile_path=profile, context=context, dtype=None if dtype == "auto" else dtype,
+             as_json=as_json, console=Console(), workspace=workspace, experts=experts, trace=trace)
 
 
 @app.command()
