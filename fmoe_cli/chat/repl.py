@@ -22,7 +22,7 @@ from rich.text import Text
 
 from fmoe_cli.bench.run import IdleFactory
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload.engine import Counters
 
 MiB = 1024**2
@@ -72,7 +72,7 @@ def history_path() -> Path:
 def prompt_reader(history: Path | None, *, pt_input=None, pt_output=None) -> Reader:
     """A prompt-toolkit reader: Enter submits, Esc+Enter / Alt+Enter inserts a newline."""
     from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.history import InMemoryHistory
     from prompt_toolkit.key_binding import KeyBindings
 
     bindings = KeyBindings()
@@ -87,14 +87,36 @@ def prompt_reader(history: Path | None, *, pt_input=None, pt_output=None) -> Rea
 
     store = InMemoryHistory()
     if history is not None:
-        try:
+        try:  # history is appended after every message: it must open for appending now
             history.parent.mkdir(parents=True, exist_ok=True)
-            store = FileHistory(str(history))
-        except OSError:
-            pass  # an unwritable data directory: history for this session only
+            with open(history, "ab"):
+                pass
+            store = _file_history()(str(history))
+        except OSError as exc:
+            warn(f"chat history {history} cannot be written ({exc.strerror or exc}); "
+                 "this session's history is not kept")
     session = PromptSession(history=store, multiline=True, key_bindings=bindings, input=pt_input, output=pt_output,
                             prompt_continuation="... ")
     return lambda default: session.prompt(">>> ", default=default)
+
+
+def _file_history():
+    from prompt_toolkit.history import FileHistory
+
+    class SafeFileHistory(FileHistory):
+        """A FileHistory that stops writing (one warning) instead of failing inside the event loop."""
+
+        def store_string(self, string: str) -> None:
+            if getattr(self, "_failed", False):
+                return
+            try:
+                super().store_string(string)
+            except OSError as exc:
+                self._failed = True
+                warn(f"chat history {self.filename} cannot be written ({exc.strerror or exc}); "
+                     "this session's history is not kept")
+
+    return SafeFileHistory
 
 
 def line_reader(stream=None) -> Reader:

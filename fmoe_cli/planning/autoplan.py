@@ -57,23 +57,25 @@ def engine_timings(lm, engine, profile_path=None) -> Timings:
 
     A quick measurement leaves the engine configured for on-demand loading: configure it afterwards.
     """
-    from fmoe_cli.errors import FmoeError
+    from fmoe_cli.errors import FmoeError, warn
     from fmoe_cli.profiling.device import device_identity
     from fmoe_cli.profiling.files import Profile, default_profile_path, model_identity
     from fmoe_cli.profiling.run import model_timings
 
-    path = profile_path or default_profile_path(lm.model_id)
+    emulated = bool(getattr(engine.link, "gbps", None))
+    path = profile_path or default_profile_path(lm.model_id, model_path=lm.path, emulated=emulated)
     timings, link = None, None
     if path.exists():
-        try:  # a profile of another device or model (or a stale one) is not used: measure instead
+        try:  # a profile of another device or model (or a damaged one) is not used: measure instead, and say so
             profile = Profile.load(path)
             profile.check_device(device_identity(lm.device))
             profile.check_model(model_identity(lm.model_id, lm.path / "config.json"))
             timings, link = profile.model, profile.device.link
-        except FmoeError:
+        except FmoeError as exc:
+            warn(f"not using the saved profile: {exc}; timing the layers quickly instead")
             timings = None
     if timings is None:
         timings = model_timings(lm, engine, prefill_len=8, quick=True)
-    if getattr(engine.link, "gbps", None) or link is None:  # the link the engine really uses
+    if emulated or link is None or link.kind == "emulated":  # the link the engine really uses
         link = link_fit_of(engine.link, lm.device, lm.shape.expert_bytes)
     return timings.timings(link, lm.shape.expert_bytes)

@@ -18,7 +18,7 @@ from fmoe_cli.offload.engine import Engine, EngineSettings
 from fmoe_cli.planning.autoplan import engine_timings, moepic_plan
 from fmoe_cli.planning.configurator import DEFAULT_TAU, Timings, replan_due
 from fmoe_cli.types import Plan
-from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
+from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, open_recorder
 
 
 class Replanner:
@@ -39,9 +39,8 @@ class Replanner:
         """Load this model's saved statistics and observe the engine. Timings, if not given, are found
         when the first plan is made (see engine_timings): a session without `moepic` never measures."""
         shape = lm.shape
-        path = stats_path or default_stats_path(lm.model_id)
-        stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, path)
-        recorder = StatsRecorder(stats, path)
+        path = stats_path or default_stats_path(lm.model_id, model_path=lm.path)
+        recorder = open_recorder(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, path)
         engine.observers.append(recorder)
         return cls(engine, budget_bytes, timings or (lambda: engine_timings(lm, engine, profile_path)), recorder, tau,
                    lm.model_id)

@@ -19,7 +19,8 @@ import platformdirs
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.planning.configurator import Timings
-from fmoe_cli.files import model_slug, read_json, write_atomic
+from fmoe_cli.files import read_json, write_atomic
+from fmoe_cli.models.identity import model_key
 
 PROFILE_SCHEMA_VERSION = 1
 GiB = 1024**3
@@ -180,10 +181,14 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def default_profile_path(model: str | None = None, config_dir: Path | None = None) -> Path:
-    """The user's config directory: profiles/device.json, or profiles/<model>.json with model timings."""
+def default_profile_path(model: str | None = None, config_dir: Path | None = None, *, model_path: Path | None = None,
+                         emulated: bool = False) -> Path:
+    """The user's config directory: profiles/device.json, or profiles/<model key>.json with model timings
+    (the key of models.identity: source and fingerprint, so a directory named `demo` is not the demo).
+    A profile of an emulated link is kept apart (`*.emulated.json`): it never stands in for the real link."""
     base = Path(config_dir) if config_dir is not None else Path(platformdirs.user_config_dir("fmoe"))
-    return base / "profiles" / (f"{model_slug(model)}.json" if model else "device.json")
+    stem = model_key(model, model_path) if model else "device"
+    return base / "profiles" / (f"{stem}.emulated.json" if emulated else f"{stem}.json")
 
 
 class _Reader:

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, warn
+from fmoe_cli.files import writable_dir
 from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.engine import Engine, LayerState
 from fmoe_cli.offload.policies import make_policy
@@ -98,7 +99,7 @@ def run_profile(
     dtype: str | None,
     trust_remote_code: bool,
     console: Console,
-) -> Path:
+) -> Path | None:
     from fmoe_cli.offload.engine import open_engine
     from fmoe_cli.models.load import load_model, pick_device
 
@@ -107,10 +108,16 @@ def run_profile(
         raise FmoeError(f"--emulate-link needs a bandwidth > 0 GB/s, got {emulate_link}")
     if prefill_len < 1:
         raise FmoeError(f"--prefill-len must be at least 1, got {prefill_len}")
-    path = Path(out) if out is not None else default_profile_path(model)
+    if out is not None:  # the user asked for this file: refuse a place it cannot go before measuring
+        if Path(out).is_dir():
+            raise FmoeError(f"--out {out} is a directory; give a file name")
+        if (why := writable_dir(Path(out).parent)) is not None:
+            raise FmoeError(f"--out {out}: cannot write in {Path(out).parent} ({why})")
     lm = None
     if model is not None:
         lm = load_model(model, device=str(dev), dtype=dtype, trust_remote_code=trust_remote_code, console=console)
+    path = Path(out) if out is not None else default_profile_path(
+        model, model_path=None if lm is None else lm.path, emulated=emulate_link is not None)
 
     with Progress(console=console, transient=True) as progress:
         link_task = progress.add_task("host → device link", total=link_steps(dev, quick, emulate_link is not None))
@@ -125,12 +132,18 @@ def run_profile(
             finally:
                 engine.close()
     profile = Profile(device_profile, timings, created=now_iso())
-    profile.save(path)
+    saved: Path | None = path
+    try:
+        profile.save(path)
+    except OSError as exc:  # the figures are printed all the same; saving is skipped with one warning
+        saved, problem = None, f"cannot save the profile to {path} ({exc.strerror or exc}); the figures are not kept"
     if as_json:
-        print(json.dumps({"path": str(path), "profile": profile.to_dict()}))
+        print(json.dumps({"path": None if saved is None else str(saved), "profile": profile.to_dict()}))
     else:
-        render(profile, path, lm.shape.expert_bytes if lm is not None else None, console)
-    return path
+        render(profile, saved, lm.shape.expert_bytes if lm is not None else None, console)
+    if saved is None:
+        warn(problem)
+    return saved
 
 
 def device_line(profile: Profile) -> str:
@@ -145,7 +158,7 @@ def link_line(profile: Profile) -> str:
     return f"link ({link.kind}): {link.bandwidth / 1e9:.2f} GB/s{latency} — {link.note}"
 
 
-def render(profile: Profile, path: Path, expert_bytes: int | None, console: Console) -> None:
+def render(profile: Profile, path: Path | None, expert_bytes: int | None, console: Console) -> None:
     console.print(device_line(profile), highlight=False)
     console.print(link_line(profile), highlight=False)
     if profile.device.free_memory is not None:
@@ -165,4 +178,5 @@ def render(profile: Profile, path: Path, expert_bytes: int | None, console: Cons
         if expert_bytes is not None:
             t_load = profile.device.link.transfer_time(expert_bytes)
             console.print(f"T_load (one expert, {expert_bytes / MiB:.2f} MiB): {t_load * 1e3:.3f} ms", highlight=False)
-    console.print(f"saved the profile to {path}", highlight=False)
+    if path is not None:
+        console.print(f"saved the profile to {path}", highlight=False)
