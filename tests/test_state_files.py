@@ -295,7 +295,7 @@ def test_chat_with_read_only_history(read_only_dir, capsys):
     from fmoe_cli.chat.repl import prompt_reader
 
     with create_pipe_input() as pipe:
-        read = prompt_reader(read_only_dir / "fmoe" / "chat_history", pt_input=pipe, pt_output=DummyOutput())
+        read = prompt_reader(read_only_dir / "chat_history", pt_input=pipe, pt_output=DummyOutput())
         for text in ("first", "second"):
             pipe.send_text(text + "\r")
             assert read("") == text
