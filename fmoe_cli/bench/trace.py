@@ -111,11 +111,11 @@ class TraceWriter:
     """
 
     @classmethod
-    def for_model(cls, path: str | os.PathLike[str], lm) -> TraceWriter:
+    def for_model(cls, path: str | os.PathLike[str], lm, overwrite: bool = False) -> TraceWriter:
         """A writer whose header describes a loaded model (models.load.LoadedModel)."""
         shape = lm.shape
         return cls(path, num_layers=shape.num_layers, num_experts=shape.num_experts, top_k=shape.top_k,
-                   model=lm.model_id)
+                   model=lm.model_id, overwrite=overwrite)
 
     def __init__(
         self,
@@ -126,13 +126,18 @@ class TraceWriter:
         top_k: int | None = None,
         model: str | None = None,
         buffer_lines: int = 4096,
+        overwrite: bool = False,
     ) -> None:
         self.path = Path(path)
         self._buffer: list[str] = []
         self._buffer_lines = max(1, buffer_lines)
         self.num_experts = num_experts
-        try:
-            self._file: IO[str] | None = open(self.path, "w", encoding="utf-8")
+        check_trace_out(self.path, overwrite)
+        try:  # "x": a file that appeared since the check is not overwritten either
+            self._file: IO[str] | None = open(self.path, "w" if overwrite else "x", encoding="utf-8")
+        except FileExistsError:
+            check_trace_out(self.path, overwrite)
+            raise
         except OSError as exc:
             raise FmoeError(f"cannot write trace {self.path}: {exc.strerror or exc}") from exc
         header: dict[str, Any] = {"fmoe_trace": FORMAT_VERSION}
@@ -196,6 +201,17 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_trace_out(path: str | os.PathLike[str], overwrite: bool = False) -> None:
+    """Refuse, before any slow work, a trace path that would overwrite the user's file (or is a directory)."""
+    path = Path(path)
+    if path.is_dir():
+        raise FmoeError(f"--trace-out {path} is a directory; give a file name")
+    if path.exists() and not overwrite:
+        raise FmoeError(f"--trace-out {path} exists; give another name or delete it first (fmoe never overwrites a trace)")
+    if not path.parent.is_dir():
+        raise FmoeError(f"cannot write trace {path}: no directory {path.parent}")
 
 
 class RouteRecorder:
