@@ -29,13 +29,13 @@ from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.demo import build_random_moe
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Counters, Engine
-from fmoe_cli.offload.link import EmulatedLink, ThreadLink
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.offload.link import EmulatedLink
+from fmoe_cli.planning.presets import make_settings
 from fmoe_cli.planning.autoplan import link_fit_of, moepic_configuration
 from fmoe_cli.planning.plan import parse_budget
 from fmoe_cli.planning.stats import RoutingStats, StatsRecorder
 from fmoe_cli.profiling.files import LinkFit
-from fmoe_cli.profiling.run import model_timings
+from fmoe_cli.profiling.model import model_timings
 
 MiB = 1024**2
 LOAD_OVER_COMPUTE = 3.0  # T_load ≈ 3 · T_exp
@@ -93,7 +93,7 @@ def main() -> None:
     prompt = torch.tensor([list(range(5, 37))])
 
     # T_exp on this machine, then a link that makes T_load ≈ 3 · T_exp
-    probe = Engine(lm.layers, lm.store, shape, ThreadLink(), lm.device, lm.dtype)
+    probe = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
     probe.install(lm.model)
     measured = model_timings(lm, probe, prefill_len=8, quick=True)
     probe.close()

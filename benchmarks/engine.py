@@ -32,10 +32,12 @@ from fmoe_cli.models.demo import build_random_moe
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.layout import segment_forward
-from fmoe_cli.offload.link import EmulatedLink, ThreadLink
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.planning.plan import parse_budget
-from fmoe_cli.planning.replan import attach_replanner
+from fmoe_cli.planning.presets import PlanInputs, make_settings, settings_for
+from fmoe_cli.planning.replan import Replanner
+from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
+from fmoe_cli.run import find_timings
 
 POLICIES = ["lru", "moepic", "uniform", "lfu", "cache-only", "prefetch-only", "ondemand", "resident"]
 PROMPT = "Explain how a mixture of experts decides which experts to use for each token."
@@ -91,7 +93,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(lm.path, dtype=torch.float32).eval()
-    engine = Engine(lm.layers, lm.store, shape, ThreadLink(), lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
     engine.install(lm.model)
     engine.configure(make_settings("resident", shape, 0))
     hf, ours = [], []
@@ -113,15 +115,19 @@ def main() -> None:
     gbps = shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
     budget = parse_budget(args.budget, shape.all_experts_bytes)
     link = EmulatedLink(gbps)
+    # As `fmoe bench` does (fmoe_cli/run.py): the configurator's timings found before the engine is
+    # configured, routing statistics recorded under every policy, `moepic` planned from them when its
+    # turn comes and re-planned between runs, when the device is idle.
+    timings = find_timings(lm, link)
     engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
     engine.install(lm.model)
-    # As `fmoe bench` does: routing statistics are recorded under every policy, and `moepic`
-    # runs the configurator's plan (re-planned between runs, when the device is idle).
-    planner = attach_replanner(lm, engine, budget)
+    stats_path = default_stats_path(lm.model_id)
+    stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
+    planner = Replanner(engine, PlanInputs(shape, budget, timings, model=lm.model_id), StatsRecorder(stats, stats_path))
     runs: dict[str, list] = {name: [] for name in POLICIES}
     for r in range(args.repeats):
         for name in POLICIES:
-            settings = planner.settings(make_settings(name, shape, budget))
+            settings = settings_for(name, planner.plan_inputs())
             with console.status(f"round {r + 1}/{args.repeats}: {name} …"):
                 runs[name].append(bench_policy(lm, engine, settings, prompt_ids, args.tokens, args.warmup))
             planner()

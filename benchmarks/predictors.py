@@ -44,7 +44,8 @@ from fmoe_cli.generate import stream_generate  # noqa: E402
 from fmoe_cli.models.load import load_model  # noqa: E402
 from fmoe_cli.offload.engine import Counters, Engine  # noqa: E402
 from fmoe_cli.offload.link import EmulatedLink  # noqa: E402
-from fmoe_cli.offload.presets import make_settings  # noqa: E402
+from fmoe_cli.planning.presets import PRESETS, make_settings  # noqa: E402
+from fmoe_cli.run import find_timings  # noqa: E402
 from fmoe_cli.planning.plan import parse_budget  # noqa: E402
 from fmoe_cli.prediction import PREDICTORS, BasePredictor, make_predictor  # noqa: E402
 from fmoe_cli.prediction.score import Scoreboard  # noqa: E402
@@ -89,12 +90,13 @@ class Scored(BasePredictor):
         self.inner.close()
 
 
-def run(lm, name: str, gbps: float, budget: int, history, measured, warmup: int, tokens: int, policy: str):
+def run(lm, name: str, gbps: float, budget: int, history, measured, warmup: int, tokens: int, policy: str,
+        timings=None):
     shape = lm.shape
     scored = Scored(make_predictor(name, lm.layers, shape.num_experts, shape.top_k), shape.num_layers, shape.top_k)
     engine = Engine(lm.layers, lm.store, shape, EmulatedLink(gbps), lm.device, lm.dtype, predictor=scored)
     engine.install(lm.model)
-    settings = make_settings(policy, shape, budget)
+    settings = make_settings(policy, shape, budget, timings=timings)
     try:
         engine.configure(settings)
         for ids in history:
@@ -136,6 +138,8 @@ def main() -> None:
     t_exp = expert_compute_s(lm)
     gbps = shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
     budget = parse_budget(args.budget, shape.all_experts_bytes)
+    # A configured policy (moepic) plans from timings found before any engine is configured, as `fmoe bench`.
+    timings = find_timings(lm, EmulatedLink(gbps)) if PRESETS[args.policy].configured else None
     console.print(f"{lm.label}: {shape.num_layers} MoE layers × {shape.num_experts} experts, top-{shape.top_k}; "
                   f"policy {args.policy}, budget {args.budget} = {budget / 2**20:.2f} MiB; link: emulated "
                   f"{gbps:.3g} GB/s (expert load = {args.load_ratio:g} × T_exp, T_exp = {t_exp * 1e3:.3f} ms); "
@@ -146,7 +150,7 @@ def main() -> None:
     for repeat in range(args.repeats):  # round-robin, so that drift in the machine's load hits every predictor
         for name in PREDICTORS:
             with console.status(f"{name} (run {repeat + 1} of {args.repeats}) …"):
-                r = run(lm, name, gbps, budget, history, measured, args.warmup, args.tokens, args.policy)
+                r = run(lm, name, gbps, budget, history, measured, args.warmup, args.tokens, args.policy, timings)
             if name not in results:
                 results[name] = r  # precision / recall, counters, tokens: from the first run
             else:

@@ -24,7 +24,7 @@ from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.offload.policies import make_policy
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.presets import make_settings
 from fmoe_cli.planning.stats import RoutingStats, StatsRecorder
 
 
@@ -73,7 +73,7 @@ def synthetic(num_experts: int, top_k: int, tokens: int = 2000) -> float:
         t0 = time.perf_counter()
         recorder(event)
         spent += time.perf_counter() - t0
-        cache.record(chosen.tolist())
+        cache.record([chosen.tolist()])
         cache.advance()
     return spent / tokens
 

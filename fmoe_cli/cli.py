@@ -6,12 +6,16 @@ import functools
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO
+from fmoe_cli.planning.plan import DEFAULT_BUDGET
+from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
 
 app = typer.Typer(
     help="Chat with a Mixture-of-Experts LLM on a GPU that cannot hold it.",
@@ -52,6 +56,8 @@ def user_errors(command):
     return wrapper
 
 
+# The option tables are light (no torch): --help stays fast, and the help lists what the tables hold.
+POLICY_NAMES = ", ".join(PRESETS)
 ModelArg = Annotated[str, typer.Argument(help="Hugging Face model id, a local model directory, or 'demo'.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")]
@@ -61,8 +67,22 @@ LinkOpt = Annotated[float | None, typer.Option(
     "--emulate-link", metavar="GBPS", help="Emulate a host→device link of this many GB/s (any device).")]
 OmegaOpt = Annotated[float, typer.Option(
     "--lcp-omega", help="LCP ω: tokens over which an idle expert's priority decays by ρ (MoEpic Eq. 4).")]
-RhoOpt = Annotated[float, typer.Option("--lcp-rho", help="LCP ρ ∈ (0, 1): the decay per ω idle tokens.")]
+RhoOpt = Annotated[float, typer.Option("--lcp-rho", help="LCP ρ ∈ (0, 1]: the decay per ω idle tokens.")]
+PredictorOpt = Annotated[str, typer.Option(
+    help="Expert predictor of the prefetcher: speculative, expert-map, eam, mol, auto.")]
+TraceOpt = Annotated[str | None, typer.Option(help="Record the routing of every measured run or turn (JSONL trace).")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Let --trace-out overwrite an existing file.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the repository's own Python code to run.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def run_options(model: str, policies, *, dtype: str, lcp_omega: float = LCP_OMEGA, lcp_rho: float = LCP_RHO,
+                **fields):
+    """The RunOptions of a command line (fmoe_cli/run.py: what every option means and checks)."""
+    from fmoe_cli.run import RunOptions  # torch and transformers: only once a command runs
+
+    return RunOptions(model=model, policies=tuple(policies), omega=lcp_omega, rho=lcp_rho,
+                      dtype=None if dtype == "auto" else dtype, **fields)
 
 
 @app.command()
@@ -70,39 +90,33 @@ TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the r
 def bench(
     model: ModelArg = "demo",
     policy: Annotated[list[str] | None, typer.Option(
-        help="Policy to run (repeatable; the first is the ratios' base): moepic, uniform, lru, lfu, "
-             "cache-only, prefetch-only, ondemand, resident.")] = None,
+        help=f"Policy to run (repeatable; the first is the ratios' base): {POLICY_NAMES}.")] = None,
     compare: Annotated[str | None, typer.Option(
         help="Policies to run side by side, comma-separated (or 'all'), after any --policy.")] = None,
-    vram_budget: BudgetOpt = "25%",
+    vram_budget: BudgetOpt = DEFAULT_BUDGET,
     tokens: Annotated[int, typer.Option(help="Tokens to generate per policy.")] = 32,
     warmup: Annotated[int, typer.Option(help="Tokens generated before measuring (same prompt).")] = 4,
     prompt: Annotated[str | None, typer.Option(help="Prompt (default: a short question).")] = None,
     prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from this text file.")] = None,
-    trace_out: Annotated[str | None, typer.Option(help="Write the routing of every measured run (JSONL trace).")] = None,
-    predictor: Annotated[str, typer.Option(
-        help="Expert predictor of the prefetcher: speculative, expert-map, eam, mol, auto.")] = "speculative",
-    lcp_omega: OmegaOpt = 128.0,
-    lcp_rho: RhoOpt = 0.25,
+    trace_out: TraceOpt = None,
+    force: ForceOpt = False,
+    predictor: PredictorOpt = "speculative",
+    lcp_omega: OmegaOpt = LCP_OMEGA,
+    lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,
     dtype: DtypeOpt = "auto",
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Measure TTFT/TPOT, hit rate and link traffic of the offloading engine, policy by policy."""
     _quiet_libraries()
-    from fmoe_cli.bench.run import parse_policies, read_prompt, render, run_bench
-    from fmoe_cli.offload.presets import PRESETS
-    from fmoe_cli.planning.replan import attach_replanner
+    from fmoe_cli.bench.run import read_prompt, render, run_bench  # torch: only once a command runs
 
-    report = run_bench(
-        model, policies=parse_policies(policy, compare, list(PRESETS)), vram_budget=vram_budget, tokens=tokens,
-        warmup=warmup, prompt=read_prompt(prompt, prompt_file), emulate_link=emulate_link,
-        dtype=None if dtype == "auto" else dtype, device=device, trust_remote_code=trust_remote_code,
-        trace_out=trace_out, predictor=predictor, omega=lcp_omega, rho=lcp_rho, console=err_console,
-        make_idle=attach_replanner,
-    )
+    opts = run_options(model, parse_policies(policy, compare), vram_budget=vram_budget, predictor=predictor,
+                       lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
+                       overwrite_trace=force, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=read_prompt(prompt, prompt_file), console=err_console)
     if as_json:
         print(json.dumps(report))
     else:
@@ -113,9 +127,8 @@ def bench(
 @user_errors
 def chat(
     model: ModelArg = "demo",
-    vram_budget: BudgetOpt = "25%",
-    policy: Annotated[str, typer.Option(help="moepic, uniform, lru, lfu, cache-only, prefetch-only, ondemand, "
-                                             "resident.")] = "moepic",
+    vram_budget: BudgetOpt = DEFAULT_BUDGET,
+    policy: Annotated[str, typer.Option(help=f"{POLICY_NAMES}.")] = DEFAULT_POLICY,
     profile: Annotated[str | None, typer.Option(help="A device profile from `fmoe profile` (JSON).")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
@@ -124,29 +137,23 @@ def chat(
     seed: Annotated[int | None, typer.Option(help="Sampling seed (reproducible answers).")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    predictor: Annotated[str, typer.Option(
-        help="Expert predictor of the prefetcher: speculative, expert-map, eam, mol, auto.")] = "speculative",
-    lcp_omega: OmegaOpt = 128.0,
-    lcp_rho: RhoOpt = 0.25,
+    predictor: PredictorOpt = "speculative",
+    lcp_omega: OmegaOpt = LCP_OMEGA,
+    lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,
-    trace_out: Annotated[str | None, typer.Option(help="Record the routing of every turn (JSONL trace).")] = None,
+    trace_out: TraceOpt = None,
+    force: ForceOpt = False,
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
     _quiet_libraries()
-    from functools import partial
-    from pathlib import Path
+    from fmoe_cli.chat.repl import ChatOptions, run_chat  # torch: only once a command runs
 
-    from fmoe_cli.chat.repl import ChatOptions, run_chat
-    from fmoe_cli.planning.replan import attach_replanner
-
-    run_chat(ChatOptions(
-        model=model, vram_budget=vram_budget, policy=policy, profile=profile, system=system, temperature=temperature,
-        top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, device=device,
-        dtype=None if dtype == "auto" else dtype, predictor=predictor, emulate_link=emulate_link,
-        trace_out=trace_out, trust_remote_code=trust_remote_code, omega=lcp_omega, rho=lcp_rho),
-        err_console=err_console,
-        make_idle=partial(attach_replanner, profile_path=None if profile is None else Path(profile)))
+    opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
+                       lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
+                       dtype=dtype, device=device, trust_remote_code=trust_remote_code, profile=profile)
+    run_chat(ChatOptions(opts, system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                         seed=seed), err_console=err_console)
 
 
 @app.command()
@@ -158,7 +165,7 @@ def replay(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Replay a routing trace through the engine's cache policies: hit rate per policy and cache size."""
-    from fmoe_cli.bench.replay import run_replay
+    from fmoe_cli.bench.replay import run_replay  # numpy: only once a command runs
 
     run_replay(trace, cache_sizes, policies, as_json)
 
@@ -176,7 +183,7 @@ def plan(
 ) -> None:
     """How the configurator would split the device memory for MODEL (from config.json alone, no weights)."""
     _quiet_libraries()
-    from fmoe_cli.planning.report import run_plan
+    from fmoe_cli.planning.report import run_plan  # torch and transformers: only once a command runs
 
     run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace)
 
@@ -196,12 +203,14 @@ def profile(
 ) -> None:
     """Measure the host→device link and memory (and per-layer times with --model); save a profile."""
     _quiet_libraries()
-    from pathlib import Path
+    from fmoe_cli.bench.profile import run_profile  # torch: only once a command runs
 
-    from fmoe_cli.profiling.run import run_profile
-
-    run_profile(model, None if out is None else Path(out), emulate_link, prefill_len, quick, as_json, device,
-                None if dtype == "auto" else dtype, trust_remote_code, err_console if as_json else Console())
+    # The model's layers are timed on the engine of a run without a cache, link emulation or statistics.
+    opts = None if model is None else run_options(
+        model, ["ondemand"], vram_budget=None, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+        record_statistics=False)
+    run_profile(opts, None if out is None else Path(out), emulate_link, prefill_len, quick, as_json, device,
+                err_console if as_json else Console())
 
 
 def main() -> None:

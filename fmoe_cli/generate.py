@@ -13,7 +13,33 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.engine import Counters, Engine
+
+# What `fmoe bench` and `fmoe profile` generate from when no prompt is given.
+DEFAULT_PROMPT = "Explain in a few sentences how a mixture-of-experts model decides which experts to use."
+
+
+def encode_messages(tokenizer, messages: list[dict], model_id: str, *, plain: bool = False) -> list[int]:
+    """Token ids of a conversation ({"role", "content"} dicts) ready for the assistant's answer:
+    the model's chat template; without one, "role: text" lines and "assistant:" (chat), or
+    with `plain` a lone message's text as it is (bench: a base model continues it). One-line errors."""
+    if tokenizer is None:
+        raise FmoeError(f"{model_id} has no tokenizer; fmoe needs one to encode the prompt")
+    try:
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        elif plain and len(messages) == 1:
+            ids = tokenizer(messages[0]["content"])["input_ids"]
+        else:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+            ids = tokenizer(text + "assistant:")["input_ids"]
+    except Exception as exc:  # a template may refuse a conversation (say, a system role it lacks)
+        first = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise FmoeError(f"the chat template of {model_id} refused the conversation: {first}") from None
+    if not ids:
+        raise FmoeError("the prompt encodes to no tokens")
+    return list(ids)
 
 
 @dataclass

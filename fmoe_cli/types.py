@@ -1,13 +1,15 @@
 """Small shared types at the bottom of the import graph (docs/architecture.md).
 
 `ExpertShape` describes a model's routed experts, `Plan` / `LayerPlan` how the expert
-budget is spent on the device (MoEpic §3.4 notation: V_i, C_i, θ_i = k_i / I, U_b).
-Models, the engine and the planner all use them; this module imports nothing of fmoe
-except errors.
+budget is spent on the device (MoEpic §3.4 notation: V_i, C_i, θ_i = k_i / I, U_b),
+`EngineSettings` what the engine is configured with, `Timings` the configurator's
+T_att, T_moe, T_head, T_load. Models, the engine, profiling and the planner all use
+them; this module imports nothing of fmoe except errors.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from fmoe_cli.errors import FmoeError
@@ -71,7 +73,10 @@ class Plan:
     layers: tuple[LayerPlan, ...]
     staging_slots: int  # full-expert slots in the staging pool (U_b = slots · S_e)
     expert_bytes: int  # S_e
-    source: str  # "uniform", "configurator", "resident", …
+    source: str  # what made it, for labels: "uniform", "configurator", "resident", …
+    # Every expert whole on the device from the start, never loaded or evicted (the
+    # reference): the engine fills the caches from the store when it is configured.
+    resident: bool = False
 
     @property
     def cache_bytes(self) -> int:
@@ -96,3 +101,50 @@ class Plan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class EngineSettings:
+    """What the engine is configured with (offload/engine.py): a preset's plan and policies
+    (planning/presets.py makes them)."""
+
+    policy: str  # the preset's name, for labels and the preset table
+    plan: Plan
+    eviction: str  # offload.policies.POLICIES
+    prefetch: bool  # speculative prefetch into the staging pool
+    omega: float  # LCP ω
+    rho: float  # LCP ρ
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds for one decode token (MoEpic's T_*)."""
+
+    t_att: float  # T_att: one layer's attention (and norms)
+    t_moe: float  # T_moe: one layer's K activated experts, all resident
+    t_head: float  # T_head: LM head (+ final norm, + any dense layers before the first MoE layer)
+    t_load: float  # T_load: one whole expert (S_e bytes) host → device
+    top_k: int  # K
+
+    def __post_init__(self) -> None:
+        for name in ("t_att", "t_moe", "t_head", "t_load"):
+            value = getattr(self, name)
+            if not value >= 0 or not math.isfinite(value):
+                raise FmoeError(f"timing {name} must be a finite number of seconds ≥ 0, got {value}")
+        if self.top_k < 1:
+            raise FmoeError(f"top_k must be ≥ 1, got {self.top_k}")
+
+    @property
+    def t_exp(self) -> float:
+        """T_exp = T_moe / K: one expert's compute."""
+        return self.t_moe / self.top_k
+
+    @classmethod
+    def from_link(
+        cls, *, t_att: float, t_moe: float, t_head: float, top_k: int,
+        expert_bytes: int, bandwidth: float, latency: float = 0.0,
+    ) -> Timings:
+        """T_load = latency + S_e / bandwidth (bandwidth in bytes/s, from the device profile's fit)."""
+        if bandwidth <= 0:
+            raise FmoeError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
+        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k)

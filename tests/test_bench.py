@@ -13,11 +13,11 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from fmoe_cli.bench.run import encode_prompt, parse_policies, read_prompt, render
+from fmoe_cli.bench.run import encode_prompt, read_prompt, render
 from fmoe_cli.bench.trace import read_trace
 from fmoe_cli.cli import app
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.offload.presets import PRESETS
+from fmoe_cli.planning.presets import PRESETS, parse_policies
 
 TOKENS = 5
 RUN_KEYS = {"policy": str, "ttft_ms": float, "tpot_ms": dict, "tokens_per_s": float, "hit_rate": float,
@@ -130,9 +130,9 @@ def test_prompt_file_and_policy_parsing(tmp_path):
     (tmp_path / "empty.txt").write_text("  \n")
     with pytest.raises(FmoeError, match="empty"):
         read_prompt(None, str(tmp_path / "empty.txt"))
-    assert parse_policies(None, None, list(PRESETS)) == ["moepic", "lru"]
-    assert parse_policies(["lru"], "moepic,lru,lfu", list(PRESETS)) == ["lru", "moepic", "lfu"]
-    assert parse_policies(None, "all", list(PRESETS)) == list(PRESETS)
+    assert parse_policies(None, None) == ["moepic", "lru"]
+    assert parse_policies(["lru"], "moepic,lru,lfu") == ["lru", "moepic", "lfu"]
+    assert parse_policies(None, "all") == list(PRESETS)
 
 
 def test_prompt_file_on_the_command_line(checkpoints, tmp_path):
@@ -149,7 +149,7 @@ def test_prompt_file_on_the_command_line(checkpoints, tmp_path):
 def test_lcp_omega_and_rho_are_settable(checkpoints, compare_all):
     """--lcp-omega/--lcp-rho reach the LCP policy; other values never change the tokens; bad ones are refused."""
     from fmoe_cli.offload.policies import make_policy
-    from fmoe_cli.offload.presets import make_settings
+    from fmoe_cli.planning.presets import make_settings
     from fmoe_cli.types import ExpertShape
 
     shape = ExpertShape(num_layers=2, num_experts=8, top_k=2, hidden=8, intermediate=8, dtype_bytes=4)

@@ -18,6 +18,7 @@ import fmoe_cli.chat.session as session_module
 from fmoe_cli.bench.trace import read_trace
 from fmoe_cli.chat.repl import Chat, ChatOptions, open_chat, prompt_reader
 from fmoe_cli.cli import app
+from fmoe_cli.run import RunOptions
 
 MAX_NEW = 6
 
@@ -45,7 +46,7 @@ class Script:
 
 
 def start(path, **options) -> Chat:
-    opts = ChatOptions(model=str(path), temperature=0.0, max_new_tokens=MAX_NEW, device="cpu", **options)
+    opts = ChatOptions(RunOptions(model=str(path), device="cpu", **options), temperature=0.0, max_new_tokens=MAX_NEW)
     return open_chat(opts, err_console=Console(file=io.StringIO()))
 
 
@@ -116,7 +117,7 @@ def test_scripted_conversation_commands_and_save(checkpoints, reference, tmp_pat
     ], on_read=check_kv)
     lines = out.splitlines()
     assert "link: emulated 50 GB/s" in out
-    assert any(line.startswith("plan moepic:") for line in lines)
+    assert any(line.startswith("plan configurator:") for line in lines)  # moepic runs the configured plan
     assert any(line.endswith("Ctrl-D quits · /help") for line in lines[:6])  # keys and the help hint
     assert "/save FILE" in out and "Esc+Enter" in out  # /help lists commands and keys
     assert sum(1 for line in lines if "tokens · TTFT" in line) == 2  # one footer per answer
@@ -145,9 +146,9 @@ def test_scripted_conversation_commands_and_save(checkpoints, reference, tmp_pat
 
 def test_ctrl_c_during_answer_keeps_the_conversation(checkpoints, reference, monkeypatch):
     """Ctrl-C arrives inside an expert's forward of the 4th token (experts pinned, loads in flight)."""
-    import fmoe_cli.offload.engine as engine_module
+    from fmoe_cli.offload.store import HostStore
 
-    real_stream, real_segment = session_module.stream_generate, engine_module.segment_forward
+    real_stream, real_segment = session_module.stream_generate, HostStore.segment_forward
     state = {"answers": 0, "armed": False}
 
     def stream(*args, **kwargs):
@@ -163,7 +164,7 @@ def test_ctrl_c_during_answer_keeps_the_conversation(checkpoints, reference, mon
         return real_segment(*args, **kwargs)
 
     monkeypatch.setattr(session_module, "stream_generate", stream)
-    monkeypatch.setattr(engine_module, "segment_forward", segment)
+    monkeypatch.setattr(HostStore, "segment_forward", segment)
     checks = {}
 
     def after_interrupt(n):  # the 2nd read: right after the interrupted answer
@@ -302,7 +303,7 @@ def test_idle_hook_runs_between_turns_never_during_an_answer(checkpoints, monkey
         return hook
 
     monkeypatch.setattr(session_module, "stream_generate", stream)
-    opts = ChatOptions(model=str(checkpoints["mixtral"]), temperature=0.0, max_new_tokens=3, device="cpu")
+    opts = ChatOptions(RunOptions(model=str(checkpoints["mixtral"]), device="cpu"), temperature=0.0, max_new_tokens=3)
     c = open_chat(opts, err_console=Console(file=io.StringIO()), make_idle=make_idle)
     out, _ = talk(c, ["one", "two", "three"])
     assert events == ["answer starts", "answer ends", "idle", "answer starts", "answer ends", "idle",
@@ -347,6 +348,7 @@ def test_text_typed_during_an_answer_comes_back_at_the_prompt(checkpoints, tmp_p
         child.expect(">>>")
         child.send("/save " + str(tmp_path / "c.json") + "\r")
         child.expect("saved 4 messages")
+        child.expect(">>>")
         child.sendeof()
         child.expect(pexpect.EOF)
     finally:

@@ -256,3 +256,101 @@ def test_more_budget_can_predict_more_with_several_layers():
     assert small.total_exposed == pytest.approx(0.5875)
     assert large.total_exposed == pytest.approx(0.675)
     assert large.split.layers[1].window < small.split.layers[1].window  # the shrunken window
+
+
+# --- the link is charged for every issued prefetch; the search contains its baselines ----------
+from fmoe_cli.planning.configurator import ALGORITHM_1, BASELINES, price_plan  # noqa: E402
+from fmoe_cli.planning.plan import uniform_plan  # noqa: E402
+
+
+def test_every_issued_prefetch_is_charged_its_link_time():
+    """No cache (V = 0), T_wind^1 = T_head + T_att = 5, T_load = 4, PREDICTABLE statistics.
+
+    Eq. 10 alone (no width): one prefetch fits (4 ≤ 5): m = P(1) = 0.75, T = 0.25·4 − 0.75 = 0.25.
+    The engine's width Y = 2: both are issued, F = 8 s of link, R = 8 − 5 = 3 s still on the link
+    when the layer routes; m = min(1, 0.75 + 0.25) = 1, T = 3 + 0·4 − 1·1 = 2,
+    T_wind^2 = T_moe − min(1, 3) + T_att = 1.
+    """
+    timings = Timings(t_att=1.0, t_moe=1.0, t_head=4.0, t_load=4.0, top_k=1)
+    stats = stats_of(layer(**PREDICTABLE))
+    (free,) = expert_split([0], stats, timings, TINY).layers
+    assert (free.prefetches, free.hidden, free.exposed) == (1, pytest.approx(0.75), pytest.approx(0.25))
+    shape = ExpertShape(2, 2, 1, 1, 4, 1)
+    first, second = expert_split([0, 0], stats_of(layer(**PREDICTABLE), layer(**PREDICTABLE)), timings, shape,
+                                 max_prefetch=2).layers
+    assert (first.prefetches, first.hidden, first.exposed) == (2, pytest.approx(1.0), pytest.approx(2.0))
+    assert second.window == pytest.approx(1.0)
+
+
+def _stats2(*layers):
+    return RoutingStats("tiny", 2, 1, [layer(r, p, ph, predicted_tokens=sum(r)) for r, p, ph in layers])
+
+
+SHAPE2 = ExpertShape(2, 2, 1, 1, 4, 1)  # two layers of TINY
+
+
+def _is_baseline_plan(config, theta):
+    base = uniform_plan(SHAPE2, config.expert_budget + config.plan.staging_slots * SHAPE2.expert_bytes, theta)
+    return config.plan.layers == base.layers
+
+
+def test_whole_experts_win_where_they_should():
+    """Found by search: Algorithm 1's greedy moves end at Σ T = 4.83; whole experts at V_e/L per
+    layer price at 3.83, so the configurator returns the θ = 1 plan (lru's)."""
+    stats = _stats2(([1, 1], [1, 1], [[2, 0], [1, 1]]), ([2, 1], [0, 3], [[2, 1], [2, 1]]))
+    timings = Timings(t_att=0.0, t_moe=0.5, t_head=0.0, t_load=4.0, top_k=1)
+    config = vram_allocation(24, stats, timings, SHAPE2, zeta=0.25, max_prefetch=1)
+    prices = dict(config.candidates)
+    assert config.chosen == "whole experts (θ = 1)" and _is_baseline_plan(config, 1.0)
+    assert config.total_exposed == pytest.approx(3.8333333)
+    assert config.total_exposed < prices[ALGORITHM_1] - 0.9
+    assert all(layer.split == 1.0 for layer in config.plan.layers)
+
+
+def test_uniform_wins_where_it_should():
+    """Found by search: θ = 0.5 at V_e/L per layer (`uniform`'s plan) prices at 1.5 against 5.0."""
+    stats = _stats2(([1, 3], [3, 1], [[0, 4], [1, 3]]), ([0, 3], [3, 0], [[0, 3], [2, 1]]))
+    timings = Timings(t_att=1.0, t_moe=0.5, t_head=0.0, t_load=4.0, top_k=1)
+    config = vram_allocation(30, stats, timings, SHAPE2, zeta=0.25, max_prefetch=1)
+    assert config.chosen == "uniform (θ = 0.5)" and _is_baseline_plan(config, 0.5)
+    assert config.total_exposed == pytest.approx(1.5)
+    assert config.total_exposed < dict(config.candidates)[ALGORITHM_1] - 3
+
+
+def test_prefetch_only_is_in_the_search():
+    """A budget that holds no neuron block of any expert per layer: every candidate is C_i = 0 (the
+    prefetch-only plan), priced alike; with consistent statistics the model never prices a cache
+    above no cache (a cached top is a hit the prefetch need not load), so θ = 0 wins only here."""
+    stats = _stats2(([2, 2], [3, 1], [[2, 2], [2, 2]]), ([3, 1], [3, 1], [[2, 2], [2, 2]]))
+    timings = Timings(t_att=1.0, t_moe=1.0, t_head=1.0, t_load=4.0, top_k=1)
+    config = vram_allocation(2, stats, timings, SHAPE2, max_prefetch=1)
+    prices = dict(config.candidates)
+    assert set(prices) == {ALGORITHM_1, *BASELINES}
+    assert all(layer.cache_size == 0 for layer in config.plan.layers)
+    assert prices["prefetch only (θ = 0)"] == pytest.approx(config.total_exposed)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_configurator_never_predicts_worse_than_a_baseline(data):
+    """Whatever the statistics, the returned plan's predicted Σ T^i is the least of Algorithm 1's
+    and every baseline's, each baseline priced as the preset's own plan would run."""
+    n, k = 4, data.draw(st.integers(1, 2))
+    shape = ExpertShape(3, n, k, 1, 64, 1)
+    layers = []
+    for _ in range(3):
+        q = data.draw(st.integers(1, 8))
+        rank = data.draw(st.lists(st.integers(0, q), min_size=n, max_size=n))
+        pred = data.draw(st.lists(st.integers(0, q), min_size=n, max_size=n))
+        ph = [data.draw(st.lists(st.integers(0, q // n + 1), min_size=n, max_size=n)) for _ in range(n)]
+        layers.append(LayerStats(n, k, np.array(rank), np.array(pred), np.array(ph), tokens=q, predicted_tokens=q))
+    stats = RoutingStats("m", n, k, layers)
+    timings = Timings(t_att=data.draw(st.floats(0, 2)), t_moe=data.draw(st.floats(0.1, 2)), t_head=data.draw(st.floats(0, 2)),
+                      t_load=data.draw(st.floats(0.1, 8)), top_k=k)
+    budget = data.draw(st.integers(0, 3 * n * shape.expert_bytes))
+    config = vram_allocation(budget, stats, timings, shape, zeta=0.1, max_prefetch=k)
+    prices = dict(config.candidates)
+    assert config.total_exposed <= min(prices.values()) + 1e-9
+    for name, theta in BASELINES.items():
+        base = uniform_plan(shape, budget + 2 * k * shape.expert_bytes, theta)
+        assert prices[name] == pytest.approx(price_plan(base, stats, timings, shape, max_prefetch=k).total_exposed)

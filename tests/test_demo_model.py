@@ -14,7 +14,8 @@ from fmoe_cli.models.demo import SHIPPED, demo_path
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import EmulatedLink
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.presets import make_settings
+from fmoe_cli.types import Timings
 from fmoe_cli.planning.plan import parse_budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,9 @@ def test_demo_greedy_through_the_engine_equals_transformers(demo, policy: str) -
     engine = Engine(demo.layers, demo.store, demo.shape, EmulatedLink(50.0), demo.device, demo.dtype)
     engine.install(demo.model)
     try:
-        engine.configure(make_settings(policy, demo.shape, parse_budget("25%", demo.shape.all_experts_bytes)))
+        timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=demo.shape.top_k)  # moepic's
+        engine.configure(make_settings(policy, demo.shape, parse_budget("25%", demo.shape.all_experts_bytes),
+                                       timings=timings))
         got = [e.token_id for e in stream_generate(demo.model, prompt, engine=engine, max_new_tokens=32,
                                                    stop_on_eos=False)]
     finally:

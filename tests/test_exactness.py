@@ -1,6 +1,9 @@
 """Offloading never changes the answer: every family × every policy × two budgets ×
 two split ratios gives transformers' own greedy tokens, and logits within fp32
-tolerance."""
+tolerance. The link is the asynchronous emulated one (CudaLink's host semantics: wait()
+does not block, completion only by polling) on a virtual clock, moving real bytes into
+the staging slots (copy=True), and the prompt activates more experts than the staging
+pool has slots, so prefill runs in waves."""
 
 from __future__ import annotations
 
@@ -12,12 +15,16 @@ from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
-from fmoe_cli.offload.link import EmulatedLink
-from fmoe_cli.offload.presets import PRESETS, make_settings
+from fmoe_cli.offload.link import EmulatedLink, VirtualClock
+from fmoe_cli.planning.plan import min_staging_slots
+from fmoe_cli.planning.presets import PRESETS, make_settings
+from fmoe_cli.types import Timings
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 NEW_TOKENS = 32
-SPLIT_POLICIES = {"moepic", "uniform"}
+SPLIT_POLICIES = {"uniform"}  # run at two θ; moepic's θ_i are the configurator's
+# The configurator's inputs for `moepic` (T_load = 3 × T_exp, as MoEpic measured); no statistics: uniform routing.
+TIMINGS = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=2)
 
 
 @pytest.fixture(scope="module", params=list(TINY_FAMILIES))
@@ -33,7 +40,7 @@ def family_setup(request, checkpoints):
     with torch.no_grad():
         want_logits = reference(full_sequence).logits
     lm = load_model(str(path), device="cpu", dtype="float32")
-    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20), lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20, clock=VirtualClock(), copy=True), lm.device, lm.dtype)
     engine.install(lm.model)
     yield lm, engine, want, full_sequence, want_logits
     engine.close()
@@ -51,7 +58,15 @@ def test_greedy_tokens_and_logits_match_transformers(family_setup, policy, budge
     lm, engine, want, full_sequence, want_logits = family_setup
     thetas = [0.25, 0.5] if policy in SPLIT_POLICIES else [None]
     for theta in thetas:
-        engine.configure(make_settings(policy, lm.shape, budgets(lm.shape)[budget], theta=theta))
+        budget_bytes = budgets(lm.shape)[budget]
+        timings = Timings(TIMINGS.t_att, TIMINGS.t_moe, TIMINGS.t_head, TIMINGS.t_load, lm.shape.top_k)
+        engine.configure(make_settings(policy, lm.shape, budget_bytes, theta=theta, timings=timings))
+        if budget == "tight" and policy != "resident":  # prefill in waves through the pool
+            assert PROMPT.shape[1] * lm.shape.top_k > engine.settings.plan.staging_slots
+        if PRESETS[policy].configured:  # the configurator's plan, within the budget, with the staging pool
+            plan = engine.settings.plan
+            assert plan.source == "configurator" and plan.total_bytes <= budget_bytes
+            assert plan.staging_slots == min_staging_slots(lm.shape) and len(plan.layers) == lm.shape.num_layers
         got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine,
                                                    max_new_tokens=NEW_TOKENS, stop_on_eos=False)]
         assert got == want, f"{policy} θ={theta}: tokens differ"
@@ -65,7 +80,7 @@ def test_greedy_tokens_and_logits_match_transformers(family_setup, policy, budge
         assert counters.hit_rate == 1.0 and counters.bytes_moved == 0
     elif policy in ("ondemand", "prefetch-only"):
         assert counters.hits_full == counters.hits_top == 0
-    if PRESETS[policy][2]:  # prefetching policies really prefetch
+    if PRESETS[policy].prefetch:  # prefetching policies really prefetch
         assert counters.prefetch_issued > 0
 
 

@@ -21,9 +21,9 @@ import transformers
 from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
-from fmoe_cli.offload.link import PREFETCH, Transfer
+from fmoe_cli.offload.link import PREFETCH, EmulatedLink, TransferState, VirtualClock
 from fmoe_cli.offload.policies import FmoePolicy, make_policy
-from fmoe_cli.offload.presets import make_settings
+from fmoe_cli.planning.presets import make_settings
 from fmoe_cli.prediction import (
     PREDICTORS,
     AutoPredictor,
@@ -125,6 +125,34 @@ def test_router_predictors_are_exact_when_layers_copy_and_chance_on_random(make)
     board = Driver(make(routers), routers=routers).run(random_passes(300))
     acc = board.accuracy()
     assert 0.12 < float(acc.mean()) < 0.4, acc  # about K/N = 0.25, no worse
+
+
+def test_speculative_uses_the_next_router_on_this_layers_hidden_state():
+    """Distinct routers and distinct per-layer hidden states: the prediction for layer l+1 is
+    softmax(R_{l+1}(h_l)), not R_l(h_l) (this layer's router) nor R_{l+1}(h_{l-1})."""
+    from fmoe_cli.models.families import router_scores
+
+    g = torch.Generator().manual_seed(11)
+    routers = []
+    for _ in range(L):
+        r = torch.nn.Linear(N, N, bias=False)
+        with torch.no_grad():
+            r.weight.copy_(torch.randn(N, N, generator=g) * 3)
+        routers.append(r)
+    hidden = [torch.randn(3, N, generator=g) for _ in range(L)]
+    it = Iteration(L, N, routers)
+    it.begin(torch.zeros(3, H))
+    predictor = SpeculativePredictor(routers)
+    for layer in range(L):
+        it.observe(layer, hidden[layer], top_k(hidden[layer]))
+        (p,) = predictor.after_layer(it, layer)
+        target = (layer + 1) % L
+        assert p.target == target and p.distance == 1
+        right = router_scores(routers[target], hidden[layer]).mean(dim=0)
+        assert torch.allclose(p.scores, right)
+        wrong_router = router_scores(routers[layer], hidden[layer]).mean(dim=0)
+        wrong_state = router_scores(routers[target], hidden[layer - 1]).mean(dim=0)
+        assert not torch.allclose(p.scores, wrong_router) and not torch.allclose(p.scores, wrong_state)
 
 
 def test_mol_intersection_first_and_fallback_to_the_nearest_layer():
@@ -397,41 +425,9 @@ def test_fmoe_policy_keeps_highest_p_times_freq():
     # p·freq: 0.1·5/3.3, 0.2·2/3.3, 3·1/3.3 → expert 2 first, expert 3 (p = 0) last
     assert policy.ranking(10) == [2, 0, 1, 3]
     assert policy.choose_victim([0, 1, 2], 10) == 1  # the highest 1/(p·freq)
-    assert policy.admits(3, 1, 10)  # plain eviction: the newcomer always goes in
 
 
 # --- the prefetcher in the engine ------------------------------------------------------------------
-class HeldLink:
-    """A link whose transfers stay queued until the test says otherwise."""
-
-    kind, gbps = "test", None
-
-    def submit(self, dst, src, priority):
-        return Transfer(dst, src, priority, src.numel() * src.element_size(), _link=self)
-
-    def reprioritise(self, t, priority):
-        t.priority = min(t.priority, priority)
-
-    def poll(self, t):
-        return t.state == "done"
-
-    def wait(self, t):
-        t.dst.copy_(t.src)
-        t.state = "done"
-
-    def cancel(self, t):
-        if t.state == "queued":
-            t.state = "cancelled"
-            return True
-        return False
-
-    def close(self):
-        pass
-
-    def label(self):
-        return "link: test"
-
-
 @pytest.fixture(scope="module")
 def mixtral(checkpoints):
     return load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
@@ -446,27 +442,30 @@ def one_hot_scores(experts, value=1.0):
 def test_prefetcher_orders_by_distance_and_never_displaces_busy_entries(mixtral):
     lm = mixtral
     shape = lm.shape
-    engine = Engine(lm.layers, lm.store, shape, HeldLink(), lm.device, lm.dtype)
+    clock = VirtualClock()
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(1.0, clock=clock), lm.device, lm.dtype)
     engine.configure(make_settings("prefetch-only", shape, 2 * shape.top_k * shape.expert_bytes))
     pool = engine.pool
     assert len(pool.entries) == 4
     near = Prediction(1, one_hot_scores([0, 1], 0.5), distance=1)
     far = Prediction(3, one_hot_scores([2, 3], 0.5), distance=3)
-    engine.prefetcher.issue(engine, [far, near])
+    rankings = engine.prefetcher.issue([far, near])
+    assert rankings[1][:2] == [0, 1] and rankings[3][:2] == [2, 3]  # returned, not written into the engine
     staged = {(e.layer, e.expert): e for e in pool.entries}
     assert set(staged) == {(1, 0), (1, 1), (3, 2), (3, 3)}
     assert max(staged[(1, e)].transfer.priority for e in (0, 1)) < min(staged[(3, e)].transfer.priority for e in (2, 3))
     assert min(e.transfer.priority for e in pool.entries) == PREFETCH
-    staged[(3, 2)].transfer.state = "running"  # in flight
+    engine.link.reprioritise(staged[(3, 2)].transfer, 0)  # next on the link ...
+    clock.advance(engine.link.duration(shape.expert_bytes) * 1.5)
+    assert staged[(1, 0)].transfer.ready() and staged[(3, 2)].transfer.state is TransferState.RUNNING  # ... in flight
     staged[(1, 0)].in_use = True  # in use
     urgent = Prediction(2, one_hot_scores([4, 5, 6], 0.9), distance=1, count=3)
-    engine.prefetcher.issue(engine, [urgent])
+    engine.prefetcher.issue([urgent])
     now = {(e.layer, e.expert) for e in pool.entries if e is not None}
-    # only the queued, idle, lower-priority entry gave way; the pool stays at its size
-    assert (3, 2) in now and (1, 0) in now and (3, 3) not in now and (2, 4) in now
-    assert len([e for e in pool.entries if e is not None]) == 4
+    # only the queued, idle, lower-priority entries gave way; the pool stays at its size
+    assert now == {(1, 0), (3, 2), (2, 4), (2, 5)}
     too_far = Prediction(1, one_hot_scores([7]), distance=shape.num_layers)
-    engine.prefetcher.issue(engine, [too_far])
+    engine.prefetcher.issue([too_far])
     assert pool.find(1, 7) is None  # a layer that routes again first: ignored
     engine.close()
 

@@ -13,13 +13,14 @@ from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import EmulatedLink
-from fmoe_cli.offload.presets import make_settings
-from fmoe_cli.planning.autoplan import engine_timings, moepic_configuration, moepic_plan
-from fmoe_cli.planning.configurator import Timings
-from fmoe_cli.types import ExpertShape
+from fmoe_cli.planning.autoplan import moepic_configuration, moepic_plan
+from fmoe_cli.planning.configurator import DEFAULT_TAU
 from fmoe_cli.planning.plan import uniform_plan
+from fmoe_cli.planning.presets import PlanInputs, make_settings, settings_for
 from fmoe_cli.planning.replan import Replanner
-from fmoe_cli.planning.stats import RoutingStats, StatsRecorder, lcp_ranking
+from fmoe_cli.planning.stats import RoutingStats, StatsRecorder, lcp_ranking, load_or_empty
+from fmoe_cli.run import find_timings
+from fmoe_cli.types import ExpertShape, Timings
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 FIRST, SECOND = 12, 12  # tokens before and after the re-plan
@@ -42,6 +43,13 @@ def setup(request, checkpoints):
     engine.close()
 
 
+def attach(lm, engine, budget, path, *, timings: Timings, tau: int = DEFAULT_TAU) -> Replanner:
+    """What open_run does: this model's saved statistics observed by a Replanner, timings found first."""
+    shape = lm.shape
+    stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, path)
+    return Replanner(engine, PlanInputs(shape, budget, timings, model=lm.model_id), StatsRecorder(stats, path), tau)
+
+
 def generate(lm, engine, ids, cache, n):
     return [e.token_id for e in stream_generate(lm.model, ids, engine=engine, max_new_tokens=n, stop_on_eos=False,
                                                 past_key_values=cache)]
@@ -50,11 +58,10 @@ def generate(lm, engine, ids, cache, n):
 def test_replanned_engine_gives_transformers_tokens(setup, tmp_path):
     lm, engine, want = setup
     budget = budget_of(lm.shape)
-    planner = Replanner.attach(lm, engine, budget, stats_path=tmp_path / "stats.json", tau=FIRST)
+    timings = find_timings(lm, engine.link, tmp_path / "no-profile.json", engine=engine)
+    planner = attach(lm, engine, budget, tmp_path / "stats.json", timings=timings, tau=FIRST)
     assert planner.stats.tokens == 0 and planner.recorder in engine.observers
-    lru = make_settings("lru", lm.shape, budget)
-    assert planner.settings(lru) is lru and callable(planner._timings)  # no moepic: nothing measured
-    engine.configure(planner.settings(make_settings("moepic", lm.shape, budget)))
+    engine.configure(settings_for("moepic", planner.plan_inputs()))
     first_plan = engine.settings.plan
     assert first_plan.source == "configurator" and first_plan.total_bytes <= budget
     assert not planner.on_idle()  # nothing recorded yet: not due
@@ -79,13 +86,13 @@ def test_statistics_persist_across_sessions(setup, tmp_path):
     budget = budget_of(lm.shape)
     path = tmp_path / "stats.json"
     timings = Timings(1e-4, 2e-4, 1e-4, 3e-4, lm.shape.top_k)
-    first = Replanner.attach(lm, engine, budget, timings=timings, stats_path=path)
-    engine.configure(first.settings(make_settings("moepic", lm.shape, budget)))
+    first = attach(lm, engine, budget, path, timings=timings)
+    engine.configure(settings_for("moepic", first.plan_inputs()))
     generate(lm, engine, PROMPT, None, 4)
     first.close()
     learned = first.stats.layers[1].rank_hist.copy()
     assert learned.sum() == (PROMPT.shape[1] + 3) * lm.shape.top_k
-    second = Replanner.attach(lm, engine, budget, timings=timings, stats_path=path)
+    second = attach(lm, engine, budget, path, timings=timings)
     assert (second.stats.layers[1].rank_hist == learned).all()
     assert second.stats.tokens == PROMPT.shape[1] + 3
     second.close()
@@ -118,7 +125,7 @@ def test_recorder_ranks_by_lcp_priority_before_the_token(setup):
 
 def test_engine_timings_use_the_emulated_link(setup, tmp_path):
     lm, engine, _ = setup
-    t = engine_timings(lm, engine, profile_path=tmp_path / "none.json")
+    t = find_timings(lm, engine.link, profile_path=tmp_path / "none.json", engine=engine)
     link = engine.link
     assert t.t_load == pytest.approx(lm.shape.expert_bytes / (link.gbps * 1e9) + link.latency_s)
     assert t.t_moe > 0 and t.t_att > 0 and t.t_head > 0 and t.top_k == lm.shape.top_k

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from fmoe_cli.cli import app
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import open_engine
-from fmoe_cli.planning.autoplan import engine_timings
+from fmoe_cli.run import find_timings
 from fmoe_cli.profiling.files import Profile, default_profile_path
 
 
@@ -27,7 +27,7 @@ def test_a_damaged_saved_profile_is_remeasured_and_says_so(loaded, tmp_path, mon
     path = default_profile_path(lm.model_id, model_path=lm.path)
     path.parent.mkdir(parents=True)
     path.write_text('{"kind": "fmoe-profile", "schema_version": 1, "device": {')
-    timings = engine_timings(lm, engine)
+    timings = find_timings(lm, engine.link, engine=engine)
     assert timings.t_moe > 0
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
@@ -45,6 +45,6 @@ def test_an_emulated_profile_is_kept_apart(loaded, tmp_path, monkeypatch, capsys
     assert emulated.exists() and not real.exists()
     assert Profile.load(emulated).device.link.kind == "emulated"
     # even when named explicitly, an emulated profile's link is not taken for the real one
-    timings = engine_timings(lm, engine, profile_path=emulated)
+    timings = find_timings(lm, engine.link, profile_path=emulated, engine=engine)
     assert timings.t_load != pytest.approx(lm.shape.expert_bytes / 8e9)
     assert capsys.readouterr().err.strip() == ""  # its layer timings are used: nothing to warn about

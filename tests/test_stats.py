@@ -16,6 +16,7 @@ from fmoe_cli.offload.policies import LCP
 from fmoe_cli.planning.stats import (
     LayerStats,
     RoutingStats,
+    StatsRecorder,
     default_stats_path,
     lcp_ranking,
     load_or_empty,
@@ -203,3 +204,29 @@ def test_malformed_stats_are_refused(tmp_path):
         path.write_text(json.dumps(broken))
         with pytest.raises(FmoeError):
             RoutingStats.load(path)
+
+
+def test_recorder_ranks_each_prefill_token_at_its_own_step() -> None:
+    """A T-token prefill event gives the same statistics as its tokens fed one by one: the policy
+    records a prefill token by token, so the ranking for token t includes tokens 0..t-1."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fmoe_cli.offload.cache import LayerCache
+
+    rng = random.Random(3)
+    n, k = 6, 2
+    prompt = [rng.sample(range(n), k) for _ in range(40)]
+    whole = StatsRecorder(RoutingStats.empty("m", 1, n, k))
+    cache = LayerCache(2, LCP(n))
+    whole(SimpleNamespace(layer=0, top_k_index=torch.tensor(prompt), cache=cache, predicted=None))
+    one_by_one = StatsRecorder(RoutingStats.empty("m", 1, n, k))
+    cache = LayerCache(2, LCP(n))
+    for row in prompt:
+        one_by_one(SimpleNamespace(layer=0, top_k_index=torch.tensor([row]), cache=cache, predicted=None))
+        cache.record([row])
+        cache.advance()
+    a, b = whole.stats.layers[0], one_by_one.stats.layers[0]
+    assert a.tokens == b.tokens == 40 and whole.tokens == 40
+    assert a.rank_hist.tolist() == b.rank_hist.tolist()

@@ -292,5 +292,9 @@ def test_bench_trace_out_onto_an_existing_file_is_refused(checkpoints, tmp_path:
     result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "2",
                                       "--warmup", "0", "--device", "cpu", "--trace-out", str(path)])
     assert result.exit_code == 2 and result.output.strip().startswith("error: --trace-out"), result.output
-    assert len(result.output.strip().splitlines()) == 1
+    assert len(result.output.strip().splitlines()) == 1 and "--force" in result.output
     assert path.read_text() == "keep me\n"
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "2",
+                                      "--warmup", "0", "--device", "cpu", "--trace-out", str(path), "--force"])
+    assert result.exit_code == 0, result.output
+    assert read_trace(path).num_tokens > 0

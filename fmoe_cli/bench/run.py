@@ -18,7 +18,7 @@ the first policy is the base of the ratios. Figures per run:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,18 +28,14 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from fmoe_cli.bench.trace import RouteRecorder
 from fmoe_cli.errors import FmoeError, reading
-from fmoe_cli.generate import SamplingParams, stream_generate
+from fmoe_cli.generate import DEFAULT_PROMPT, SamplingParams, encode_messages, stream_generate
 from fmoe_cli.models.load import LoadedModel
-from fmoe_cli.offload.engine import Counters, Engine, EngineSettings, open_engine
+from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
+from fmoe_cli.run import RunOptions, open_run
 
-DEFAULT_PROMPT = "Explain in a few sentences how a mixture-of-experts model decides which experts to use."
-DEFAULT_POLICIES = ("moepic", "lru")
 MiB = 1024**2
-
-IdleHook = Callable[[], object]  # work for the idle device (re-planning); never runs inside a timed run
-# Makes the idle hook once the model is loaded and the engine built: (model, engine, expert budget bytes) -> hook.
-IdleFactory = Callable[[LoadedModel, Engine, int], IdleHook | None]
 
 
 @dataclass
@@ -60,17 +56,9 @@ class RunResult:
 
 
 def encode_prompt(lm: LoadedModel, prompt: str) -> torch.Tensor:
-    tok = lm.tokenizer
-    if tok is None:
-        raise FmoeError(f"{lm.model_id} has no tokenizer; fmoe needs one to encode the prompt")
-    if getattr(tok, "chat_template", None):
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      return_dict=False)
-    else:
-        ids = tok(prompt)["input_ids"]
-    if not ids:
-        raise FmoeError("the prompt encodes to no tokens")
-    return torch.tensor([ids])
+    """[1, T]: one user message with the chat template (the plain text without one)."""
+    return torch.tensor([encode_messages(lm.tokenizer, [{"role": "user", "content": prompt}], lm.model_id,
+                                         plain=True)])
 
 
 def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
@@ -87,30 +75,21 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     return text
 
 
-def parse_policies(policy: Sequence[str] | None, compare: str | None, all_names: Sequence[str]) -> list[str]:
-    """--policy P (repeatable) then --compare P1,P2 (or 'all'), in order, without repeats."""
-    names: list[str] = list(policy or [])
-    if compare is not None:
-        parts = [p.strip() for p in compare.split(",") if p.strip()]
-        if not parts:
-            raise FmoeError("--compare takes policy names separated by commas, or 'all'")
-        names += list(all_names) if parts == ["all"] else parts
-    unique = list(dict.fromkeys(names))
-    return unique or list(DEFAULT_POLICIES)
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prompt_ids: torch.Tensor,
-                 tokens: int, warmup: int = 0, *, before_measure: Callable[[], None] | None = None) -> RunResult:
-    """Configure the engine for one policy, warm it up on the prompt, then measure `tokens` tokens (greedy).
+                 tokens: int, warmup: int = 0, *, before_measure: Callable[[], None] | None = None,
+                 configure: bool = True) -> RunResult:
+    """Configure the engine for one policy (unless `configure` is False: it is, and unused), warm it up
+    on the prompt, then measure `tokens` tokens (greedy).
 
     `before_measure` runs after the warm-up, right before the measured generation (a trace recorder
     starts its sequence there, so the trace holds the measured run only)."""
-    engine.configure(settings)
+    if configure:
+        engine.configure(settings)
     if warmup:
         for _ in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=warmup, stop_on_eos=False):
             pass
@@ -226,71 +205,33 @@ def render(report: dict, console: Console) -> None:
                   "[red]token ids DIFFER across policies[/red]")
 
 
-def run_bench(
-    model: str,
-    *,
-    policies: Sequence[str],
-    vram_budget: str,
-    tokens: int,
-    warmup: int,
-    prompt: str,
-    emulate_link: float | None,
-    dtype: str | None,
-    device: str,
-    trust_remote_code: bool = False,
-    trace_out: str | None = None,
-    predictor: str = "speculative",
-    omega: float = 128.0,
-    rho: float = 0.25,
-    make_idle: IdleFactory | None = None,
-    console: Console | None = None,
-) -> dict:
-    """`fmoe bench`: load, run every policy on the same prompt, return the report (the --json object)."""
-    from fmoe_cli.bench.trace import RouteRecorder, TraceWriter
-    from fmoe_cli.models.load import load_model
-    from fmoe_cli.offload.presets import make_settings
-    from fmoe_cli.planning.plan import parse_budget
-    from fmoe_cli.planning.replan import Replanner
-    from fmoe_cli.prediction import check_predictor
-
+def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str, console: Console | None = None) -> dict:
+    """`fmoe bench`: set up the run, run every policy on the same prompt, return the report (the --json object)."""
     console = console or Console(stderr=True)
-    check_predictor(predictor)
     if tokens < 1:
         raise FmoeError("--tokens must be at least 1")
     if warmup < 0:
         raise FmoeError("--warmup must be 0 or more")
-    lm = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code, console=console)
-    budget = parse_budget(vram_budget, lm.shape.all_experts_bytes)
-    settings = [make_settings(name, lm.shape, budget, omega=omega, rho=rho) for name in policies]  # validates first
-    prompt_ids = encode_prompt(lm, prompt)
-    writer = TraceWriter.for_model(trace_out, lm) if trace_out is not None else None
-    engine = open_engine(lm, emulate_link, predictor)
-    link = engine.link
-    recorder = RouteRecorder(writer) if writer is not None else None
-    on_idle = make_idle(lm, engine, budget) if make_idle is not None else None
     runs = []
-    try:
-        for s in settings:
-            if isinstance(on_idle, Replanner):  # `moepic` runs the configurator's plan
-                s = on_idle.settings(s)
+    with open_run(opts, console) as run:
+        lm, engine = run.lm, run.engine
+        prompt_ids = encode_prompt(lm, prompt)
+        recorder = RouteRecorder(run.writer) if run.writer is not None else None
+        for index in range(len(run.settings)):
+            s = run.settings_for(index)
             start: Callable[[], None] | None = None
             if recorder is not None:  # one trace sequence per policy: its measured run
                 def start(seq: str = s.policy) -> None:
                     recorder.start_sequence(seq)
                     engine.observers.append(recorder)
             with console.status(f"{s.policy}: generating {warmup} + {tokens} tokens …"):
-                runs.append(bench_policy(lm, engine, s, prompt_ids, tokens, warmup, before_measure=start))
+                # open_run configured the engine for the first policy: that run starts from it as it is
+                runs.append(bench_policy(lm, engine, s, prompt_ids, tokens, warmup, before_measure=start,
+                                         configure=index > 0))
             if recorder is not None:
                 engine.observers.remove(recorder)
-            if on_idle is not None:  # the device is idle between runs: re-planning may happen here
-                on_idle()
-    finally:
-        close_idle = getattr(on_idle, "close", None)  # a Replanner saves its statistics
-        if close_idle is not None:
-            close_idle()
-        engine.close()
-        if writer is not None:
-            writer.close()
-    report = bench_report(lm, link, budget, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens, warmup=warmup)
-    report["predictor"] = predictor
+            run.idle()  # the device is idle between runs: statistics saved, re-planned if due
+    report = bench_report(lm, engine.link, run.budget_bytes, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens,
+                          warmup=warmup)
+    report["predictor"] = opts.predictor
     return report

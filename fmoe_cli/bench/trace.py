@@ -209,7 +209,7 @@ def check_trace_out(path: str | os.PathLike[str], overwrite: bool = False) -> No
     if path.is_dir():
         raise FmoeError(f"--trace-out {path} is a directory; give a file name")
     if path.exists() and not overwrite:
-        raise FmoeError(f"--trace-out {path} exists; give another name or delete it first (fmoe never overwrites a trace)")
+        raise FmoeError(f"--trace-out {path} exists; give another name, or pass --force to overwrite it")
     if not path.parent.is_dir():
         raise FmoeError(f"cannot write trace {path}: no directory {path.parent}")
 

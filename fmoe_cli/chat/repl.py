@@ -14,8 +14,9 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from functools import partial
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich import box
@@ -24,10 +25,13 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fmoe_cli.bench.run import IdleFactory
+from fmoe_cli.bench.trace import RouteRecorder
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
 from fmoe_cli.errors import FmoeError, warn
-from fmoe_cli.offload.engine import Counters
+from fmoe_cli.generate import SamplingParams
+from fmoe_cli.models.load import LoadedModel
+from fmoe_cli.offload.engine import Counters, Engine
+from fmoe_cli.run import RunOptions, open_run
 
 MiB = 1024**2
 KEYS = "Enter sends · Esc+Enter new line · Ctrl-C stops an answer · Ctrl-D quits · /help"
@@ -41,27 +45,30 @@ COMMANDS = {
     "/exit": "quit (also Ctrl-D)",
 }
 Reader = Callable[[str], str]  # default text -> the user's input; raises KeyboardInterrupt / EOFError
+# Makes the idle hook instead of the run's re-planner (tests): (model, engine, expert budget bytes) -> hook.
+IdleFactory = Callable[[LoadedModel, Engine, int], IdleHook | None]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChatOptions:
-    model: str = "demo"
-    vram_budget: str = "25%"
-    policy: str = "moepic"
-    profile: str | None = None
+    """The run (model, policy, budget, …) and what only a chat has: the defaults live here."""
+
+    run: RunOptions = field(default_factory=RunOptions)
     system: str | None = None
     temperature: float = 0.7
     top_p: float = 0.9
     max_new_tokens: int = 512
     seed: int | None = None
-    device: str = "auto"
-    dtype: str | None = None
-    predictor: str = "speculative"
-    emulate_link: float | None = None
-    trace_out: str | None = None
-    trust_remote_code: bool = False
-    omega: float = 128.0  # LCP ω
-    rho: float = 0.25  # LCP ρ
+
+    def check(self) -> None:
+        """Refuse bad options in one line, before the model is loaded."""
+        if self.temperature < 0:
+            raise FmoeError(f"--temperature must be 0 or more, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise FmoeError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise FmoeError("--max-new-tokens must be at least 1")
+        self.run.check()
 
 
 # --- input -------------------------------------------------------------------
@@ -387,7 +394,7 @@ class Chat:
     link_label: str
     profile: str | None = None
     idle: IdleHook | None = None
-    writer: object | None = None  # the --trace-out TraceWriter
+    resources: ExitStack = field(default_factory=ExitStack)  # the run: statistics, engine, trace writer
 
     def header(self, console: Console) -> None:
         for line in header_lines(self.session, self.link_label, self.budget_bytes, self.profile):
@@ -397,57 +404,29 @@ class Chat:
         repl(self.session, read, console, self.budget_bytes, self.idle, hold)
 
     def close(self) -> None:
-        close_idle = getattr(self.idle, "close", None)  # a Replanner saves its statistics
-        if close_idle is not None:
-            close_idle()
-        self.session.engine.close()
-        if self.writer is not None:
-            self.writer.close()
+        self.resources.close()
 
 
 def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: IdleFactory | None = None) -> Chat:
-    """Check the options, load the model (progress on `err_console`), build and configure the engine."""
-    from fmoe_cli.bench.trace import RouteRecorder, TraceWriter
-    from fmoe_cli.generate import SamplingParams
-    from fmoe_cli.models.load import load_model
-    from fmoe_cli.offload.engine import open_engine
-    from fmoe_cli.offload.presets import make_settings
-    from fmoe_cli.planning.plan import parse_budget
-    from fmoe_cli.prediction import check_predictor
-
-    if opts.temperature < 0:
-        raise FmoeError(f"--temperature must be 0 or more, got {opts.temperature}")
-    if not 0 < opts.top_p <= 1:
-        raise FmoeError(f"--top-p must be in (0, 1], got {opts.top_p}")
-    if opts.max_new_tokens < 1:
-        raise FmoeError("--max-new-tokens must be at least 1")
-    check_predictor(opts.predictor)
-    lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
-                    console=err_console or Console(stderr=True))
-    if opts.profile is not None:
-        check_profile(opts.profile, lm.device)
-    budget = parse_budget(opts.vram_budget, lm.shape.all_experts_bytes)
-    settings = make_settings(opts.policy, lm.shape, budget, omega=opts.omega, rho=opts.rho)
-    writer = TraceWriter.for_model(opts.trace_out, lm) if opts.trace_out is not None else None
-    recorder = RouteRecorder(writer) if writer is not None else None
-    engine = open_engine(lm, opts.emulate_link, opts.predictor)
-    link = engine.link
-    engine.configure(settings)
-    if recorder is not None:
-        engine.observers.append(recorder)
-    # Idle-time work between turns (re-planning and the cache rebuild, DESIGN §7) plugs in here.
-    idle = make_idle(lm, engine, budget) if make_idle is not None else None
-    session = ChatSession(lm, engine, system=opts.system,
-                          sampling=SamplingParams(opts.temperature, opts.top_p, opts.seed),
-                          max_new_tokens=opts.max_new_tokens, recorder=recorder)
-    return Chat(session, budget, link.label(), opts.profile, idle, writer)
+    """Check the options, set up the run (model loading progress on `err_console`), start the session."""
+    opts.check()
+    with ExitStack() as stack:
+        run = stack.enter_context(open_run(opts.run, err_console))
+        recorder = RouteRecorder(run.writer) if run.writer is not None else None
+        if recorder is not None:  # one trace sequence per turn
+            run.engine.observers.append(recorder)
+        idle = make_idle(run.lm, run.engine, run.budget_bytes) if make_idle is not None else run.idle
+        session = ChatSession(run.lm, run.engine, system=opts.system,
+                              sampling=SamplingParams(opts.temperature, opts.top_p, opts.seed),
+                              max_new_tokens=opts.max_new_tokens, recorder=recorder)
+        return Chat(session, run.budget_bytes, run.engine.link.label(), run.profile, idle, stack.pop_all())
 
 
 def run_chat(opts: ChatOptions, console: Console | None = None, err_console: Console | None = None,
-             read: Reader | None = None, make_idle: IdleFactory | None = None) -> ChatSession:
+             read: Reader | None = None) -> ChatSession:
     """`fmoe chat`: start, print the header, run the loop until /exit or Ctrl-D. Returns the session."""
     console = console or Console()
-    chat = open_chat(opts, err_console, make_idle)
+    chat = open_chat(opts, err_console)
     try:
         chat.header(console)
         hold = None
@@ -459,11 +438,3 @@ def run_chat(opts: ChatOptions, console: Console | None = None, err_console: Con
     finally:
         chat.close()
     return chat.session
-
-
-def check_profile(path: str, device) -> None:
-    """Refuse a profile that does not read or is of another device (one line)."""
-    from fmoe_cli.profiling.device import device_identity
-    from fmoe_cli.profiling.files import Profile
-
-    Profile.load(Path(path)).check_device(device_identity(device), source=f"profile {path}")

@@ -26,13 +26,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from fmoe_cli.bench.run import IdleHook
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.generate import SamplingParams, stream_generate
+from fmoe_cli.generate import SamplingParams, encode_messages, stream_generate
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
 
-
+IdleHook = Callable[[], object]  # work for the idle device (re-planning); never runs during an answer
 
 @dataclass
 class AnswerStats:
@@ -100,22 +99,7 @@ class ChatSession:
         return head + (self.messages if messages is None else messages)
 
     def encode(self, messages: list[dict]) -> list[int]:
-        tok = self.lm.tokenizer
-        if tok is None:
-            raise FmoeError(f"{self.lm.model_id} has no tokenizer; fmoe cannot chat with it")
-        try:
-            if getattr(tok, "chat_template", None):
-                ids = tok.apply_chat_template(self.conversation(messages), add_generation_prompt=True,
-                                              return_dict=False)
-            else:  # no template: plain "role: text" lines
-                text = "".join(f"{m['role']}: {m['content']}\n" for m in self.conversation(messages))
-                ids = tok(text + "assistant:")["input_ids"]
-        except Exception as exc:  # a template may refuse a conversation (say, a system role it lacks)
-            first = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
-            raise FmoeError(f"the chat template of {self.lm.model_id} refused the conversation: {first}") from None
-        if not ids:
-            raise FmoeError("the conversation encodes to no tokens")
-        return list(ids)
+        return encode_messages(self.lm.tokenizer, self.conversation(messages), self.lm.model_id)
 
     def _layer_counters(self) -> list[Counters]:
         return [state.counters for state in self.engine.layers]
@@ -184,7 +168,7 @@ class ChatSession:
 
     def recover(self) -> None:
         """After an interrupted or failed answer: rebuild the engine's caches warm (eviction history
-        kept, DESIGN §7), so nothing stays pinned or staged from the forward that stopped half-way."""
+        kept, docs/architecture.md), so nothing stays pinned or staged from the forward that stopped half-way."""
         self.engine.configure(self.engine.settings, warm=True)
 
     def reset(self) -> None:

@@ -1,5 +1,7 @@
-"""Resolve a model id (hub or local directory), load it with transformers, and move
-its routed experts into the host store, one layer at a time.
+"""Resolve a model id (hub or local directory) and load it: the model is built without
+its routed experts (meta device), its other weights are read into it, and every
+expert is read from the safetensors files straight into the host store
+(models/checkpoint.py). Peak host memory: the store plus the non-expert weights.
 
 Safe by default: weights come from safetensors only and a repository's own Python
 code runs only with `trust_remote_code=True`.
@@ -14,12 +16,11 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models import demo
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
-from fmoe_cli.offload.layout import pack_experts
+from fmoe_cli.models.checkpoint import check_weight_files, read_checkpoint
 from fmoe_cli.offload.store import HostStore
 from fmoe_cli.types import ExpertShape
 
@@ -94,6 +95,7 @@ def _download(repo_id: str, trust_remote_code: bool) -> Path:
 
 def _check_weights(path: Path, model_id: str) -> None:
     if any(path.glob("*.safetensors")):
+        check_weight_files(path)  # a truncated or corrupt file: one line, before any slow work
         return
     if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
         raise FmoeError(
@@ -131,7 +133,7 @@ def load_model(
     trust_remote_code: bool = False,
     console: Console | None = None,
 ) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     console = console or Console(stderr=True)
     path, label = resolve_model(model_id, trust_remote_code)
@@ -142,20 +144,19 @@ def load_model(
     except ValueError as exc:
         raise FmoeError(f"{model_id}: {str(exc).splitlines()[0]} (pass --trust-remote-code for custom code)") from None
     check_is_moe(config, model_id)
-    with console.status(f"loading {label} …"):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, use_safetensors=True, trust_remote_code=trust_remote_code
-        )
-    model.eval().requires_grad_(False)
-    layers = find_moe_layers(model, model_id)
+    model, layers = build_skeleton(config, torch_dtype, model_id, trust_remote_code)
     shape = expert_shape(layers, torch_dtype)
-    store = HostStore(pin=dev.type == "cuda")
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("packing experts into the host store", total=len(layers))
-        for layer in layers:  # one layer at a time: peak host memory ≈ model + one layer
-            store.add_layer(pack_experts(layer.experts))
-            _free_expert_weights(layer.experts)
-            progress.advance(task)
+    store = HostStore(shape, torch_dtype, pin=dev.type == "cuda")
+    store.allocate()
+    try:
+        read_checkpoint(path, model, layers, store, torch_dtype, console)
+        for layer in layers:
+            _free_expert_weights(layer.experts, torch_dtype)
+        _finish_skeleton(model, model_id)
+    except BaseException:
+        store.close()
+        raise
+    model.eval().requires_grad_(False)
     model.to(dev)
     non_expert = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     try:
@@ -163,6 +164,32 @@ def load_model(
     except (OSError, ValueError, TypeError):
         tokenizer = None
     return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert)
+
+
+def build_skeleton(config, dtype: torch.dtype, model_id: str, trust_remote_code: bool = False):
+    """The model on the meta device (shapes, no memory) and its MoE layers."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model, find_moe_layers(model, model_id)
+
+
+def _finish_skeleton(model, model_id: str) -> None:
+    """What transformers' from_pretrained does after reading the weights: tie the weights, build the
+    non-persistent buffers (rotary inv_freq …) with the model's own init; any weight still missing is an error."""
+    for name, buffer in model.named_buffers():
+        if buffer.is_meta:
+            module_name, _, attr = name.rpartition(".")
+            model.get_submodule(module_name)._buffers[attr] = torch.empty_like(buffer, device="cpu")
+    model.tie_weights()
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise FmoeError(f"{model_id}: the checkpoint has no weights for {missing[0]} "
+                        f"({len(missing)} missing; incomplete download?)")
+    for p in model.parameters():
+        p._is_hf_initialized = True
+    model.initialize_weights()  # only what is not marked initialised: the buffers just built
 
 
 def expert_shape(layers: list[MoeLayer], dtype: torch.dtype) -> ExpertShape:
@@ -177,7 +204,8 @@ def expert_shape(layers: list[MoeLayer], dtype: torch.dtype) -> ExpertShape:
     return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size())
 
 
-def _free_expert_weights(experts: torch.nn.Module) -> None:
-    empty = torch.empty(0, dtype=experts.down_proj.dtype)
+def _free_expert_weights(experts: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The experts live in the host store: the module keeps empty parameters (its forward is the engine's)."""
+    empty = torch.empty(0, dtype=dtype)
     experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
     experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)

@@ -60,17 +60,26 @@ class LayerCache:
         else:
             self._pins[expert] = n - 1
 
-    def record(self, experts: Iterable[int]) -> None:
-        """Record activations at the current step (an expert used by several tokens: once per token)."""
-        for e in experts:
-            self.policy.touch(e, self.step)
+    def record(self, tokens: Sequence[Iterable[int]]) -> None:
+        """Record one forward's activations token by token: token t of T at step + t
+        (ν counts tokens, prompt tokens too), so a prefill's last tokens leave their
+        experts young. The clock then stands at the forward's last token, where the
+        forward's admissions are decided; `advance` moves past it."""
+        if not tokens:
+            return
+        for t, experts in enumerate(tokens):
+            for e in experts:
+                self.policy.touch(e, self.step + t)
+        self.step += len(tokens) - 1
 
-    def advance(self, tokens: int = 1) -> None:
-        """Move the layer's clock past the tokens of the current forward."""
-        self.step += tokens
+    def advance(self) -> None:
+        """Move the layer's clock past the current forward (its last token)."""
+        self.step += 1
 
     def admit(self, expert: int) -> Admission | None:
-        """Offer a loaded expert to the cache. Returns where it goes, or None if it stays out."""
+        """Offer a loaded expert to the cache: a free slot, else the slot of the policy's
+        victim among the unpinned cached experts. None: it stays out (no capacity, or
+        every cached expert is pinned)."""
         if expert in self._slot_of or self.capacity == 0:
             return None
         if self._free:
@@ -80,10 +89,7 @@ class LayerCache:
         candidates = [e for e in self._slot_of if not self.is_pinned(e)]
         if not candidates:
             return None
-        now = self.step
-        victim = self.policy.choose_victim(candidates, now)
-        if not self.policy.admits(expert, victim, now):
-            return None
+        victim = self.policy.choose_victim(candidates, self.step)
         slot = self._slot_of.pop(victim)
         self._slot_of[expert] = slot
         return Admission(slot, victim)
@@ -111,7 +117,7 @@ def replay_token(cache: LayerCache, experts: Sequence[int]) -> int:
     (the token's experts pinned meanwhile, so none of them is evicted).
     Returns the number of hits."""
     misses = [e for e in experts if e not in cache]
-    cache.record(experts)
+    cache.record([experts])
     if misses:  # pins only matter to admissions
         for e in experts:
             cache.pin(e)

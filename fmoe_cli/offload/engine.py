@@ -19,22 +19,23 @@ smaller than the activated set it works in waves.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from fmoe_cli.errors import FmoeError
 from fmoe_cli.models.families import MoeLayer
 from fmoe_cli.offload.cache import LayerCache
-from fmoe_cli.offload.layout import segment_forward
-from fmoe_cli.offload.link import DEMAND, Transfer
+from fmoe_cli.offload.hits import Hits, classify
+from fmoe_cli.offload.link import DEMAND, Link
 from fmoe_cli.offload.policies import make_policy
+from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import ExpertShape, Plan
 from fmoe_cli.prediction import Iteration, Predictor, SpeculativePredictor
+from fmoe_cli.types import MiB, EngineSettings, ExpertShape, Plan
 
 IMPLEMENTATION_NAME = "fmoe"
 
@@ -42,22 +43,6 @@ IMPLEMENTATION_NAME = "fmoe"
 def _experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     """Registered in transformers' ExpertsInterface; dispatches to the engine that owns the module."""
     return experts._fmoe_engine.experts_forward(experts, hidden_states, top_k_index, top_k_weights)
-
-
-@dataclass
-class EngineSettings:
-    policy: str  # the preset's name, for labels
-    plan: Plan
-    eviction: str = "lcp"
-    prefetch: bool = True
-    omega: float = 128.0  # LCP ω
-    rho: float = 0.25  # LCP ρ
-    seed: int = 0
-    # Y: how many of the predicted ranking's best experts are prefetch candidates
-    # (None = K). Candidates already on the device are skipped, not replaced by
-    # lower-ranked ones: those are rarely used and would hold the link when a
-    # demand load arrives (a transfer in progress is not pre-empted).
-    prefetch_width: int | None = None
 
 
 @dataclass
@@ -99,88 +84,46 @@ class Counters:
         return self.prefetch_covered / self.needed_loads if self.needed_loads else 0.0
 
 
-@dataclass(eq=False)
-class Staged:
-    """A segment [start, I) of one expert in a staging slot (start = 0: the whole expert)."""
+@dataclass
+class Routing:
+    """One layer's routing on the host, from one device→host copy, and each expert's rows."""
 
-    layer: int
-    expert: int
-    start: int
-    slot: int
-    transfer: Transfer
-    prefetched: bool
-    in_use: bool = False
+    ids: torch.Tensor  # [T, K] activated experts per token (host)
+    weights: torch.Tensor  # [T, K] their routing weights (host)
+    flat: list[int]  # ids flattened, token-major
+    active: list[int]  # distinct activated experts, ascending
+    _rows: dict | None = None
 
+    @classmethod
+    def of(cls, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Routing:
+        if top_k_index.device.type == "cpu":
+            ids, weights = top_k_index, top_k_weights
+        else:  # ids and weights in one copy (float64 holds both exactly)
+            k = top_k_index.shape[-1]
+            host = torch.cat([top_k_index.double(), top_k_weights.double()], dim=-1).cpu()
+            ids, weights = host[:, :k].long(), host[:, k:].to(top_k_weights.dtype)
+        flat = ids.reshape(-1).tolist()
+        return cls(ids, weights, flat, sorted(set(flat)))
 
-class StagingPool:
-    """Full-expert slots on the device for bottoms and missed experts (U_b)."""
-
-    def __init__(self, slots: int, shape: ExpertShape, device: torch.device, dtype: torch.dtype) -> None:
-        self.buffer = torch.empty(slots, shape.intermediate, 3, shape.hidden, device=device, dtype=dtype)
-        self.entries: list[Staged | None] = [None] * slots
-        self._draining: list[Staged] = []  # released while a copy was still writing the slot
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-    def find(self, layer: int, expert: int) -> Staged | None:
-        for entry in self.entries:
-            if entry is not None and entry.layer == layer and entry.expert == expert:
-                return entry
-        return None
-
-    def of_layer(self, layer: int) -> list[Staged]:
-        return [e for e in self.entries if e is not None and e.layer == layer]
-
-    def free_slot(self) -> int | None:
-        for slot, entry in enumerate(self.entries):
-            if entry is None and not any(d.slot == slot for d in self._draining):
-                return slot
-        for entry in list(self._draining):  # a slot whose copy has finished is free again
-            if entry.transfer.state in ("done", "cancelled"):
-                self._draining.remove(entry)
-                if self.entries[entry.slot] is None:
-                    return entry.slot
-        return None
-
-    def reclaim(self, keep_layer: int) -> int | None:
-        """A slot for a demand load: a free one, else one holding another layer's unused prefetch."""
-        slot = self.free_slot()
-        if slot is not None:
-            return slot
-        victims = [e for e in self.entries if e is not None and e.layer != keep_layer and not e.in_use]
-        # Prefer prefetches not started (cancel is free), then finished ones, then running ones.
-        victims.sort(key=lambda e: {"queued": 0, "done": 1}.get(e.transfer.state, 2))
-        for entry in victims:
-            self.release(entry)
-            slot = self.free_slot()
-            if slot is not None:
-                return slot
-        for entry in list(self._draining):
-            entry.transfer.wait()
-        return self.free_slot()
-
-    def put(self, entry: Staged) -> None:
-        self.entries[entry.slot] = entry
-
-    def release(self, entry: Staged) -> None:
-        self.entries[entry.slot] = None
-        if not entry.transfer.cancel() and entry.transfer.state != "done":
-            self._draining.append(entry)
-
-    def clear(self) -> None:
-        for entry in [e for e in self.entries if e is not None]:
-            self.release(entry)
-        for entry in self._draining:
-            entry.transfer.wait()
-        self._draining.clear()
+    def rows(self, device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """expert -> (token indices, positions in top-k) on `device`, tokens ascending; no per-expert sync."""
+        if self._rows is None:
+            k = self.ids.shape[-1]
+            order = sorted(range(len(self.flat)), key=self.flat.__getitem__)  # stable: by expert, then position
+            perm = torch.tensor(order, dtype=torch.long).to(device, non_blocking=True)
+            tokens, slots = perm // k, perm % k
+            self._rows, start = {}, 0
+            for e in self.active:
+                n = self.flat.count(e)
+                self._rows[e] = (tokens[start:start + n], slots[start:start + n])
+                start += n
+        return self._rows
 
 
 @dataclass
 class LayerState:
     cache: LayerCache
-    tops: torch.Tensor  # [C_i, k_i, 3, H] on the device (for resident: all experts, whole)
+    tops: torch.Tensor  # [C_i, k_i, *row_shape] on the device (for resident: all experts, whole)
     top_neurons: int  # k_i
     counters: Counters = field(default_factory=Counters)
 
@@ -207,7 +150,7 @@ class Engine:
         layers: list[MoeLayer],
         store: HostStore,
         shape: ExpertShape,
-        link,
+        link: Link,
         device: torch.device,
         dtype: torch.dtype,
         predictor: Predictor | None = None,
@@ -220,7 +163,7 @@ class Engine:
         self.dtype = dtype
         routers = [layer.router for layer in layers]
         self.predictor = predictor or SpeculativePredictor(routers)
-        self.prefetcher = Prefetcher()
+        self.prefetcher: Prefetcher | None = None  # built with each plan's pool
         self.iteration = Iteration(shape.num_layers, shape.num_experts, routers)  # what predictors see
         self._embedding_hook = None
         self.observers: list[RouteObserver] = []
@@ -246,46 +189,75 @@ class Engine:
 
         warm=False starts empty with fresh policies; warm=True keeps the policies'
         history and fills each cache with its top-C_i experts by priority (the
-        rebuild after re-planning, DESIGN §7).
+        rebuild after re-planning, DESIGN §7). The old plan's buffers are freed before
+        the new ones are allocated; if an allocation fails, the old plan is rebuilt
+        (cold: its buffers were freed) and the error is raised as one line.
         """
-        plan = settings.plan
-        old = self.layers if warm else []
+        previous = self.settings
+        policies = [state.cache.policy for state in self.layers] if warm and self.layers else None
+        steps = [state.cache.step for state in self.layers] if policies else None
+        self._release_buffers()
+        try:
+            self._build(settings, policies, steps)
+        except torch.OutOfMemoryError as exc:
+            self._release_buffers()
+            if previous is not None:
+                self._build(previous, policies, steps)
+            raise FmoeError(f"out of device memory for the plan ({settings.plan.total_bytes / MiB:.0f} MiB): "
+                            f"kept the previous plan; use a smaller --vram-budget") from exc
+        self.predictor.replan()  # `auto` re-chooses its predictor per layer with every plan
+
+    def _release_buffers(self) -> None:
+        """Drop the cached tops and the staging pool (after every copy into them has finished)."""
+        self._collect_stalls()
         if self.pool is not None:
             self.pool.clear()
-        shape = self.shape
-        self.layers = []
+        self.pool, self.prefetcher, self.layers = None, None, []
+        if self.device.type == "cuda":
+            self.link.synchronize()  # copies still writing the old buffers finish before they are freed
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def _build(self, settings: EngineSettings, policies: list | None, steps: list[int] | None) -> None:
+        plan, shape, store = settings.plan, self.shape, self.store
+        if len(plan.layers) != shape.num_layers:
+            raise FmoeError(f"the plan has {len(plan.layers)} layers, the model {shape.num_layers}")
+        layers = []
         for i, lp in enumerate(plan.layers):
-            if old:
-                policy = old[i].cache.policy
+            if policies is not None:
+                policy = policies[i]
             else:
                 policy = make_policy(settings.eviction, shape.num_experts, omega=settings.omega, rho=settings.rho,
-                                     seed=settings.seed + i)
+                                     seed=i)
             cache = LayerCache(lp.cache_size, policy)
-            if plan.source == "resident":
-                tops = self.store.layers[i].to(self.device, self.dtype)  # no copy on the CPU
+            if plan.resident:
+                tops = store.layers[i].to(self.device, store.dtype)  # no copy on the CPU
                 for e in range(shape.num_experts):
                     cache.insert(e)
             else:
-                tops = torch.empty(lp.cache_size, lp.top_neurons, 3, shape.hidden, device=self.device, dtype=self.dtype)
-                if warm:
-                    cache.step = old[i].cache.step
+                tops = torch.empty(lp.cache_size, lp.top_neurons, *store.row_shape, device=self.device,
+                                   dtype=store.dtype)
+                if steps is not None:
+                    cache.step = steps[i]
                     ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]
                     for e in ranked[: lp.cache_size]:
-                        tops[cache.insert(e)].copy_(self.store.expert(i, e)[: lp.top_neurons])
-            self.layers.append(LayerState(cache, tops, lp.top_neurons))
-        self.pool = StagingPool(plan.staging_slots, shape, self.device, self.dtype)
+                        tops[cache.insert(e)].copy_(store.expert(i, e)[: lp.top_neurons])
+            layers.append(LayerState(cache, tops, lp.top_neurons))
+        pool = StagingPool(plan.staging_slots, shape.intermediate, store.row_shape, store.dtype, self.device)
+        self.layers, self.pool = layers, pool
+        self.prefetcher = Prefetcher(pool, self.link, store, layers, shape)
         self.settings = settings
         self._predicted = [None] * shape.num_layers
-        self.predictor.replan()  # `auto` re-chooses its predictor per layer with every plan
 
     def device_bytes(self) -> int:
         """Bytes the engine holds on the device: cached tops and the staging pool."""
         tops = sum(s.tops.numel() * s.tops.element_size() for s in self.layers)
-        if self.settings is not None and self.settings.plan.source == "resident" and self.device.type == "cpu":
+        if self.settings is not None and self.settings.plan.resident and self.device.type == "cpu":
             tops = self.store.nbytes  # resident on the CPU shares the host store; count it once
         return tops + (self.pool.nbytes if self.pool else 0)
 
     def counters(self) -> Counters:
+        self._collect_stalls()
         total = Counters()
         for state in self.layers:
             total = total + state.counters
@@ -299,123 +271,125 @@ class Engine:
         if self.pool is not None:
             self.pool.clear()
         self.link.close()
+        self._collect_stalls()
 
     # --- the experts forward -------------------------------------------------
     def experts_forward(self, experts, hidden_states, top_k_index, top_k_weights):
+        """hidden_states [T, H], top_k_index / top_k_weights [T, K] -> [T, H]."""
         i = experts._fmoe_layer
         state = self.layers[i]
-        pool = self.pool
-        full = self.shape.intermediate
-        k = state.top_neurons
-        c = state.counters
-
-        routed = top_k_index.reshape(-1).tolist()
-        active = sorted(set(routed))
+        self._collect_stalls()
+        routing = Routing.of(top_k_index, top_k_weights)  # the one device→host copy of the layer
         if self.observers:
-            event = RouteEvent(i, top_k_index, top_k_weights, routed, state.cache, self._predicted[i])
+            event = RouteEvent(i, routing.ids, routing.weights, routing.flat, state.cache, self._predicted[i])
             for observe in self.observers:
                 observe(event)
         self._predicted[i] = None  # a prediction is for one routing
-        state.cache.record(routed)
-        for e in active:
+        state.cache.record(routing.ids.tolist())  # token by token: ν counts prompt tokens too
+        for e in routing.active:
             state.cache.pin(e)
+        try:
+            hits = self._classify(i, routing.active)
+            loading, waiting = self._submit(i, hits)
+            outputs = self._compute(i, experts.act_fn, hidden_states, routing, hits, loading, waiting, top_k_index)
+            return self._combine(hidden_states, routing, outputs, top_k_weights)
+        finally:
+            for e in routing.active:
+                state.cache.unpin(e)
+            state.cache.advance()
+
+    def _classify(self, i: int, active: list[int]) -> Hits:
+        """1. classify the activated experts (offload/hits.py); count; drop useless staged entries."""
+        state, pool = self.layers[i], self.pool
+        staged = {entry.expert: entry.start for entry in pool.of_layer(i)}
+        hits = classify(active, state.cache.cached(), state.top_neurons, self.shape.intermediate, staged)
+        c = state.counters
         c.activations += len(active)
+        c.hits_full += len(hits.whole)
+        c.hits_top += len(hits.top_hits)
+        c.misses += len(hits.misses)
+        c.needed_loads += hits.needed
+        c.prefetch_used += len(hits.covered)
+        c.prefetch_covered += len(hits.covered)
+        for e in hits.dropped:
+            pool.release(pool.find(i, e))
+        return hits
 
-        # 2. drop this layer's prefetches that were wrong; find what must be loaded
-        active_set = set(active)
-        for entry in pool.of_layer(i):
-            if entry.expert not in active_set:
-                pool.release(entry)
-        whole, tops, needs = [], [], []  # needs: (expert, first neuron to load)
-        for e in active:
-            slot = state.cache.slot(e)
-            if slot is not None and k == full:
-                whole.append(e)
-                c.hits_full += 1
-            elif slot is not None:
-                tops.append(e)
-                needs.append((e, k))
-                c.hits_top += 1
-            else:
-                needs.append((e, 0))
-                c.misses += 1
-        c.needed_loads += len(needs)
-
+    def _submit(self, i: int, hits: Hits) -> tuple[list[Staged], list[tuple[int, int]]]:
+        """2. take the covering prefetches as demand loads; queue the rest ahead of any prefetch."""
         loading: list[Staged] = []
-        waiting: list[tuple[int, int]] = []
-        for e, start in needs:
-            entry = pool.find(i, e)
-            if entry is not None and entry.start <= start:
-                entry.in_use = True
-                c.prefetch_used += 1
-                c.prefetch_covered += 1
-                self.link.reprioritise(entry.transfer, DEMAND)
-                loading.append(entry)
-            else:
-                if entry is not None:
-                    pool.release(entry)
-                waiting.append((e, start))
+        for e, _start in hits.covered:
+            entry = self.pool.find(i, e)
+            entry.in_use = True
+            self.link.reprioritise(entry.transfer, DEMAND)
+            loading.append(entry)
+        waiting = list(hits.loads)
         self._submit_demand(i, waiting, loading)
+        return loading, waiting
 
-        # 3. compute what is on the device, then each load as it arrives
-        rows = {e: torch.nonzero(top_k_index == e, as_tuple=True) for e in active}
-        act = experts.act_fn
+    def _submit_demand(self, i: int, waiting: list[tuple[int, int]], loading: list[Staged]) -> None:
+        pool = self.pool
+        while waiting:
+            slot = pool.reclaim(keep_layer=i)
+            if slot is None:
+                assert loading, "every slot is in use by this layer's loads"
+                return  # the next wave gets the slot this layer's next finished load frees
+            e, start = waiting.pop(0)
+            transfer = self.link.submit(pool.buffer[slot][start:], self.store.expert(i, e)[start:], DEMAND,
+                                        after=pool.after(slot))
+            entry = Staged(i, e, start, slot, transfer, prefetched=False, in_use=True)
+            pool.put(entry)
+            loading.append(entry)
+            self.layers[i].counters.bytes_demand += transfer.nbytes
+
+    def _compute(self, i: int, act, hidden_states: torch.Tensor, routing: Routing, hits: Hits,
+                 loading: list[Staged], waiting: list[tuple[int, int]], top_k_index: torch.Tensor) -> dict:
+        """3. compute what is on the device, then each load as it arrives (speculating once every
+        demand load is queued); returns expert -> output rows [T_e, H]."""
+        state, pool, store = self.layers[i], self.pool, self.store
+        k = state.top_neurons
+        rows = routing.rows(hidden_states.device)
         outputs: dict[int, torch.Tensor] = {}
         top_outputs: dict[int, torch.Tensor] = {}
-        for e in whole:
-            outputs[e] = segment_forward(hidden_states[rows[e][0]], state.tops[state.cache.slot(e)], act)
-        for e in tops:
-            top_outputs[e] = segment_forward(hidden_states[rows[e][0]], state.tops[state.cache.slot(e)], act)
-
+        for e in hits.whole:
+            outputs[e] = store.segment_forward(hidden_states[rows[e][0]], state.tops[state.cache.slot(e)], act)
+        for e in hits.top_hits:
+            top_outputs[e] = store.segment_forward(hidden_states[rows[e][0]], state.tops[state.cache.slot(e)], act)
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
                 self._prefetch(i, hidden_states, top_k_index)  # 4. speculate once every demand load is queued
                 prefetched = True
             entry = next((x for x in loading if x.transfer.ready()), loading[0])
-            if not entry.transfer.ready():
-                t0 = time.perf_counter()
-                entry.transfer.wait()
-                c.exposed_s += time.perf_counter() - t0
             loading.remove(entry)
+            segment = self.link.acquire(entry.transfer, tag=i)  # [I - start, *row]: the only place that waits
             e = entry.expert
-            segment = pool.buffer[entry.slot]
             x = hidden_states[rows[e][0]]
             if e in top_outputs:  # exact: top + bottom, always in this order
-                outputs[e] = top_outputs.pop(e) + segment_forward(x, segment[k:], act)
+                outputs[e] = top_outputs.pop(e) + store.segment_forward(x, segment[k - entry.start:], act)
             else:
-                outputs[e] = segment_forward(x, segment, act)
+                outputs[e] = store.segment_forward(x, segment, act)
                 self._offer(i, e, segment)
-            pool.release(entry)
+            pool.release(entry, self.link.record_reads())  # the next copy into the slot waits for these reads
             self._submit_demand(i, waiting, loading)
         if not prefetched:
             self._prefetch(i, hidden_states, top_k_index)
+        return outputs
 
+    def _combine(self, hidden_states: torch.Tensor, routing: Routing, outputs: dict,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """4. the weighted sum, in a fixed order (by expert id), so results are deterministic."""
+        rows = routing.rows(hidden_states.device)
         final = torch.zeros_like(hidden_states)
-        for e in active:  # fixed order: by expert id
+        for e in routing.active:
             token_idx, k_pos = rows[e]
             weighted = outputs[e] * top_k_weights[token_idx, k_pos, None]
             final.index_add_(0, token_idx, weighted.to(final.dtype))
-        for e in active:
-            state.cache.unpin(e)
-        state.cache.advance(hidden_states.shape[0])
         return final
 
-    def _submit_demand(self, i: int, waiting: list[tuple[int, int]], loading: list[Staged]) -> None:
-        while waiting:
-            slot = self.pool.reclaim(keep_layer=i)
-            if slot is None:
-                return  # the pool is busy with this layer: the next wave gets the slot
-            e, start = waiting.pop(0)
-            src = self.store.expert(i, e)[start:]
-            transfer = self.link.submit(self.pool.buffer[slot][start:], src, DEMAND)
-            entry = Staged(i, e, start, slot, transfer, prefetched=False, in_use=True)
-            self.pool.put(entry)
-            loading.append(entry)
-            self.layers[i].counters.bytes_demand += transfer.nbytes
-
     def _offer(self, i: int, e: int, segment: torch.Tensor) -> None:
-        """Offer a whole loaded expert's top segment to layer i's cache (LCP decides)."""
+        """Offer a whole loaded expert's top segment to layer i's cache (LCP decides).
+        The copy runs on the compute stream, after every earlier read of the slot it replaces."""
         state = self.layers[i]
         if state.top_neurons == 0:
             return
@@ -428,24 +402,35 @@ class Engine:
         if self.settings is None or not self.settings.prefetch:
             return
         self.iteration.observe(i, hidden_states, top_k_index)
-        self.prefetcher.issue(self, self.predictor.after_layer(self.iteration, i))
+        self._note_rankings(self.prefetcher.issue(self.predictor.after_layer(self.iteration, i)))
+
+    def _note_rankings(self, rankings: dict[int, list[int]]) -> None:
+        for target, ranking in rankings.items():
+            self._predicted[target] = ranking
+
+    def _collect_stalls(self) -> None:
+        """Exposed load time, where the compute really waited (link.stalls: emulated or CUDA events)."""
+        for layer, seconds in self.link.stalls():
+            if isinstance(layer, int) and layer < len(self.layers):
+                self.layers[layer].counters.exposed_s += seconds
 
     def _begin_pass(self, module, args, output) -> None:
         """Forward hook on the embedding layer: a new pass; its output is the predictors' semantic hint."""
         if self.settings is None or not self.settings.prefetch:
             return
         self.iteration.begin(output.detach())
-        self.prefetcher.issue(self, self.predictor.begin(self.iteration))
+        self._note_rankings(self.prefetcher.issue(self.predictor.begin(self.iteration)))
 
 
-def open_engine(lm, emulate_gbps: float | None = None, predictor: str = "speculative") -> Engine:
+def open_engine(lm, emulate_gbps: float | None = None, predictor: str = "speculative", link=None) -> Engine:
     """The engine every command runs on a loaded model (models.load.LoadedModel): its experts
-    behind the link (emulated if asked), the named predictor, installed in the model."""
+    behind `link` (default: make_link, emulated if asked), the named predictor, installed in the model."""
     from fmoe_cli.offload.link import make_link
     from fmoe_cli.prediction import make_predictor
 
     shape = lm.shape
-    engine = Engine(lm.layers, lm.store, shape, make_link(lm.device, emulate_gbps), lm.device, lm.dtype,
+    link = link if link is not None else make_link(lm.device, emulate_gbps)
+    engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype,
                     predictor=make_predictor(predictor, lm.layers, shape.num_experts, shape.top_k))
     engine.install(lm.model)
     return engine

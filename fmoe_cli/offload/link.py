@@ -1,24 +1,45 @@
-"""The host→device link (DESIGN §4).
+"""The host→device link (DESIGN §4), with a CUDA copy stream's semantics on every device.
 
-`submit(dst, src, priority) -> Transfer`; a transfer can be polled (`ready`), waited
-for (`wait`) and cancelled before it starts. Lower priority numbers go first, so
-demand loads (priority 0) overtake queued prefetches.
+`submit(dst, src, priority, after) -> Transfer` queues a copy of `src` (host store)
+into `dst` (a device buffer). Lower priority numbers go first, so demand loads
+(priority 0) overtake queued prefetches; a copy runs only after everything in
+`after` (fences of compute that still reads `dst`, or an earlier copy into it).
 
-- `ThreadLink`: a worker thread copies and then holds the transfer until
-  `bytes / bandwidth + latency` seconds of wall time have passed, so compute on the
-  caller's thread really overlaps it. As `EmulatedLink` it stands in for a PCIe
-  link on machines without a GPU; as a plain host copy it is the CPU "device".
-- `CudaLink`: a dedicated copy stream, non-blocking copies from pinned memory, one
-  event per transfer; the compute stream waits on the event, no host sync.
+What the host sees is what a CUDA copy stream gives it, on every link:
+
+- `poll(t)` / `t.ready()`: the only way completion is seen;
+- `wait(t)`: orders the compute issued next after the copy; it never blocks the host
+  (CUDA: the compute stream waits on the copy's event);
+- `acquire(t, tag)`: the segment, readable by the compute issued next. This is where
+  the data is really read: on CUDA it is `wait` plus the destination buffer (still no
+  host block); an emulated link blocks the host here, and only here, until the
+  modelled transfer time has passed. The stall is reported by `stalls()`;
+- `record_reads()`: a fence after the compute issued so far. A copy submitted with
+  `after=[fence]` does not start before that compute has finished reading its
+  buffer (no write-after-read).
+
+Links:
+- `EmulatedLink`: a model of one copy engine, no thread. Time comes from a `Clock`
+  (`MonotonicClock` for `--emulate-link`, `VirtualClock` in tests, which only moves
+  when told or when the host "sleeps"). Copies move in `chunk_bytes` pieces; between
+  pieces the most urgent eligible copy goes next, so a demand load overtakes a long
+  prefetch after at most one chunk. With `copy=False` (the CPU, which is its own
+  device) no byte moves: `acquire` returns the host store's tensor once the modelled
+  time has passed, so emulation costs no compute. With `copy=True` (tests of the data
+  path; CUDA `--emulate-link`) the bytes land in `dst` when the copy completes.
+  `gbps=None` is an instant link (the CPU without emulation).
+- `CudaLink`: a dedicated copy stream, non-blocking copies from pinned memory in
+  chunks, one event per transfer, at most `max_in_flight` chunks handed to the GPU
+  (so a demand load is never stuck behind a long tail of issued prefetches).
 """
 
 from __future__ import annotations
 
-import heapq
+import enum
 import itertools
-import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -26,6 +47,29 @@ from fmoe_cli.errors import FmoeError
 
 DEMAND = 0  # priority of a load the current layer is waiting for
 PREFETCH = 1  # prefetches: PREFETCH + rank, so higher-scored experts go first
+URGENT = -1  # a load the compute has asked for (`wait`): next on the link
+CHUNK_BYTES = 16 * 1024**2  # 16 MiB: a demand load waits at most one chunk (≈ 1 ms at 16 GB/s)
+
+
+class TransferState(enum.Enum):
+    QUEUED = "queued"  # submitted, not started: can be cancelled
+    RUNNING = "running"  # on the link (some bytes may have landed)
+    DONE = "done"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Fence:
+    """Compute issued up to some point has finished. `ready_at`: when (emulated time;
+    inf = not yet known); `event`: the CUDA event recorded on the compute stream."""
+
+    ready_at: float = 0.0
+    event: object = None
+
+    def ready(self) -> bool:
+        if self.event is not None:
+            return self.event.query()
+        return self.ready_at != float("inf")
 
 
 @dataclass(eq=False)
@@ -34,209 +78,416 @@ class Transfer:
     src: torch.Tensor
     priority: int
     nbytes: int
-    state: str = "queued"  # queued → running → done, or queued → cancelled
-    _done: threading.Event = field(default_factory=threading.Event, repr=False)
-    _link: object = field(default=None, repr=False)
-    _event: object = field(default=None, repr=False)  # torch.cuda.Event on CudaLink
+    link: Link | None = field(default=None, repr=False)
+    after: tuple = ()  # Fences / Transfers this copy must follow
+    state: TransferState = TransferState.QUEUED
+    submitted_at: float = 0.0
+    started_at: float | None = None
+    done_at: float | None = None  # emulated: when the last byte lands
+    sent: int = 0  # bytes on the link so far (emulated: whole chunks)
+    event: object = field(default=None, repr=False)  # torch.cuda.Event of the last chunk (CudaLink)
+    seq: int = field(default_factory=itertools.count().__next__)  # submission order (ties in priority)
 
     def ready(self) -> bool:
-        return self._link.poll(self)
+        return self.link.poll(self)
 
     def wait(self) -> None:
-        self._link.wait(self)
+        self.link.wait(self)
 
     def cancel(self) -> bool:
         """Cancel if not started yet; returns whether it was cancelled."""
-        return self._link.cancel(self)
+        return self.link.cancel(self)
+
+    @property
+    def finished(self) -> bool:
+        """DONE or CANCELLED as last seen (no poll)."""
+        return self.state in (TransferState.DONE, TransferState.CANCELLED)
 
 
-class _Queue:
-    """Priority queue of transfers, FIFO among equal priorities."""
+class Link(Protocol):
+    kind: str  # "emulated", "host", "cuda"
+    gbps: float | None
+    bytes_moved: int
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Transfer]] = []
-        self._seq = itertools.count()
+    def label(self) -> str: ...
 
-    def push(self, t: Transfer) -> None:
-        heapq.heappush(self._heap, (t.priority, next(self._seq), t))
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int, after: tuple = ()) -> Transfer: ...
 
-    def pop(self) -> Transfer | None:
-        while self._heap:
-            _, _, t = heapq.heappop(self._heap)
-            if t.state == "queued":
-                return t
-        return None
+    def reprioritise(self, t: Transfer, priority: int) -> None: ...
 
-    def promote(self, t: Transfer, priority: int) -> None:
-        if t.state == "queued" and priority < t.priority:
-            t.priority = priority
-            self.push(t)  # the stale entry is skipped later: pop() only sees it once started
+    def poll(self, t: Transfer) -> bool: ...
 
-    def __len__(self) -> int:
-        return len(self._heap)
+    def wait(self, t: Transfer) -> None: ...
+
+    def acquire(self, t: Transfer, tag: object = None) -> torch.Tensor: ...
+
+    def record_reads(self) -> Fence: ...
+
+    def stalls(self) -> list[tuple[object, float]]: ...
+
+    def cancel(self, t: Transfer) -> bool: ...
+
+    def synchronize(self) -> None: ...  # block the host until every copy handed to the device has finished
+
+    def close(self) -> None: ...
 
 
-class ThreadLink:
-    """Copies on a worker thread; each transfer lasts at least bytes/bandwidth + latency."""
+# --- clocks ---------------------------------------------------------------------------
+class MonotonicClock:
+    """Wall time; `sleep_until` really sleeps (the host is blocked)."""
 
-    def __init__(self, gbps: float | None = None, latency_s: float = 0.0, kind: str | None = None) -> None:
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def sleep_until(self, t: float) -> None:
+        remaining = t - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+
+
+class VirtualClock:
+    """Time that moves only when a test says so (`advance`) or the host waits (`sleep_until`)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.t = start
+        self.slept = 0.0  # total time the host spent blocked
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+    def sleep_until(self, t: float) -> None:
+        if t > self.t:
+            self.slept += t - self.t
+            self.t = t
+
+
+def _promote(t: Transfer, priority: int) -> None:
+    """Raise t's priority, and that of the copies it must follow (they stand in its way)."""
+    if priority < t.priority and not t.finished:
+        t.priority = priority
+        for dep in t.after:
+            if isinstance(dep, Transfer):
+                _promote(dep, priority)
+
+
+def _cancel_queued(t: Transfer, queue: list[Transfer]) -> bool:
+    """Cancel `t` if it has not started (no byte of it is on the link); returns whether it was."""
+    if t.state is not TransferState.QUEUED:
+        return False
+    t.state = TransferState.CANCELLED
+    queue.remove(t)
+    return True
+
+
+def _eligible_at(t: Transfer) -> float:
+    """Earliest time `t` may start: after its submission and everything in `after`."""
+    at = t.submitted_at
+    for dep in t.after:
+        if isinstance(dep, Transfer):
+            if dep.state is TransferState.CANCELLED:
+                continue
+            at = max(at, dep.done_at if dep.state is TransferState.DONE else float("inf"))
+        else:
+            at = max(at, dep.ready_at)
+    return at
+
+
+class EmulatedLink:
+    """One modelled copy engine of `gbps` GB/s plus `latency_s` per transfer (see the module doc)."""
+
+    def __init__(self, gbps: float | None, latency_s: float = 10e-6, *, clock=None, copy: bool = False,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
+        if gbps is not None and gbps <= 0:
+            raise ValueError("emulated link bandwidth must be > 0 GB/s")
         self.gbps = gbps
-        self.latency_s = latency_s
-        self.kind = kind or ("emulated" if gbps else "host-copy")
-        self._queue = _Queue()
-        self._cv = threading.Condition()
-        self._closed = False
+        self.latency_s = latency_s if gbps else 0.0
+        self.kind = "emulated" if gbps else "host"
+        self.clock = clock or MonotonicClock()
+        self.copy = copy
+        self.chunk_bytes = chunk_bytes
         self.bytes_moved = 0
-        self._worker = threading.Thread(target=self._run, name="fmoe-link", daemon=True)
-        self._worker.start()
+        self._queue: list[Transfer] = []  # queued, and running ones between chunks
+        self._current: tuple[Transfer, float, int] | None = None  # (transfer, chunk end, chunk bytes)
+        self._free_at = float("-inf")  # when the copy engine finished its last chunk
+        self._stalls: list[tuple[object, float]] = []
 
     def label(self) -> str:
         if self.gbps:
             return f"link: emulated {self.gbps:g} GB/s"
-        return "link: host copy (no device link)"
+        return "link: none (the CPU is the device; experts are read from host memory)"
 
     def duration(self, nbytes: int) -> float:
+        """bytes / bandwidth + latency (one transfer)."""
         if not self.gbps:
             return 0.0
         return nbytes / (self.gbps * 1e9) + self.latency_s
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int) -> Transfer:
-        t = Transfer(dst, src, priority, src.numel() * src.element_size(), _link=self)
-        with self._cv:
-            self._queue.push(t)
-            self._cv.notify()
+    # --- the model -------------------------------------------------------------
+    def _chunk_time(self, t: Transfer, nbytes: int) -> float:
+        return nbytes / (self.gbps * 1e9) + (self.latency_s if t.sent == 0 else 0.0) if self.gbps else 0.0
+
+    def _advance(self, now: float, until: Transfer | None = None) -> None:
+        """Play the copy engine forward to `now` (or until `until` is done)."""
+        while True:
+            if self._current is not None:
+                t, end, nbytes = self._current
+                if end > now:
+                    return
+                self._current = None
+                self._free_at = end
+                t.sent += nbytes
+                if t.sent >= t.nbytes:
+                    self._complete(t, end)
+                    if t is until:
+                        return
+                else:
+                    self._queue.append(t)  # between chunks: it competes again by priority
+            if not self._queue:
+                return
+            start = max(self._free_at, min(_eligible_at(t) for t in self._queue))
+            if start > now or start == float("inf"):
+                return
+            ready = [t for t in self._queue if _eligible_at(t) <= start]
+            t = min(ready, key=lambda x: (x.priority, x.seq))
+            self._queue.remove(t)
+            if t.state is TransferState.QUEUED:
+                t.state = TransferState.RUNNING
+                t.started_at = start
+            nbytes = min(self.chunk_bytes, t.nbytes - t.sent) if t.nbytes else 0
+            self._current = (t, start + self._chunk_time(t, nbytes), nbytes)
+
+    def _complete(self, t: Transfer, at: float) -> None:
+        if self.copy:
+            t.dst.copy_(t.src)  # the bytes land when the copy completes
+        t.done_at = at
+        t.state = TransferState.DONE
+        self.bytes_moved += t.nbytes
+
+    # --- the protocol ------------------------------------------------------------
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int, after: tuple = ()) -> Transfer:
+        now = self.clock.now()
+        self._advance(now)
+        t = Transfer(dst, src, priority, src.numel() * src.element_size(), link=self, after=tuple(after),
+                     submitted_at=now)
+        self._queue.append(t)
+        self._advance(now)
         return t
 
     def reprioritise(self, t: Transfer, priority: int) -> None:
-        with self._cv:
-            self._queue.promote(t, priority)
+        _promote(t, priority)
 
     def poll(self, t: Transfer) -> bool:
-        return t.state == "done"
+        self._advance(self.clock.now())
+        return t.state is TransferState.DONE
 
     def wait(self, t: Transfer) -> None:
-        if t.state == "cancelled":
+        if t.state is TransferState.CANCELLED:
             raise RuntimeError("waiting on a cancelled transfer")
-        t._done.wait()
+        self.reprioritise(t, URGENT)  # as CudaLink issues it at once; the host does not block
+
+    def acquire(self, t: Transfer, tag: object = None) -> torch.Tensor:
+        self.wait(t)
+        now = self.clock.now()
+        self._advance(now)
+        if t.state is not TransferState.DONE:
+            self._advance(float("inf"), until=t)
+            if t.state is not TransferState.DONE:
+                raise RuntimeError("a transfer waits on a fence that never completes")
+            self.clock.sleep_until(t.done_at)
+            self._stalls.append((tag, t.done_at - now))
+        return t.dst if self.copy else t.src
+
+    def record_reads(self) -> Fence:
+        return Fence(self.clock.now())  # host compute is synchronous: the reads have finished
+
+    def stalls(self) -> list[tuple[object, float]]:
+        out, self._stalls = self._stalls, []
+        return out
 
     def cancel(self, t: Transfer) -> bool:
-        with self._cv:
-            if t.state == "queued":
-                t.state = "cancelled"
-                return True
-            return False
+        self._advance(self.clock.now())
+        return _cancel_queued(t, self._queue)
 
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                t = self._queue.pop()
-                while t is None and not self._closed:
-                    self._cv.wait()
-                    t = self._queue.pop()
-                if t is None:
-                    return
-                t.state = "running"
-            start = time.perf_counter()
-            t.dst.copy_(t.src)
-            remaining = start + self.duration(t.nbytes) - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
-            self.bytes_moved += t.nbytes
-            t.state = "done"
-            t._done.set()
+    def synchronize(self) -> None:
+        pass  # modelled copies hold no device memory; in copy mode the bytes land synchronously
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        self._worker.join(timeout=5)
-
-
-def EmulatedLink(gbps: float, latency_s: float = 10e-6) -> ThreadLink:
-    """A PCIe-like link of `gbps` GB/s for machines without a GPU (always labelled emulated)."""
-    if gbps <= 0:
-        raise ValueError("emulated link bandwidth must be > 0 GB/s")
-    return ThreadLink(gbps, latency_s, kind="emulated")
+        for t in self._queue:
+            if t.state is TransferState.QUEUED:
+                t.state = TransferState.CANCELLED
+        self._queue = [t for t in self._queue if t.state is TransferState.RUNNING]
+        self._advance(float("inf"))  # running copies finish (the clock does not move)
 
 
 class CudaLink:
-    """Host→GPU copies on a dedicated stream, at most `max_in_flight` issued at once.
+    """Host→GPU copies on a dedicated stream in chunks, at most `max_in_flight` chunks issued at once.
 
-    Keeping few copies issued means a demand load that arrives later is never stuck
-    behind a long tail of prefetches already handed to the GPU.
+    A transfer is issued chunk by chunk; between chunks the most urgent queued
+    transfer goes next, so a demand load is never behind more than `max_in_flight`
+    chunks. `after` fences make the copy stream wait on events recorded on the
+    compute stream (no write-after-read); an `after` transfer is on the same stream,
+    so issuing after it is enough. `wait` makes the compute stream wait on the
+    transfer's last event; the host never blocks. With `throttle_gbps` (CUDA
+    `--emulate-link`) a transfer's chunks are issued no faster than that bandwidth.
     """
 
     kind = "cuda"
 
-    def __init__(self, device: torch.device, max_in_flight: int = 2) -> None:
+    def __init__(self, device: torch.device, max_in_flight: int = 2, chunk_bytes: int = CHUNK_BYTES,
+                 throttle_gbps: float | None = None) -> None:
         self.device = device
-        self.gbps = None
+        self.gbps = throttle_gbps
         self.stream = torch.cuda.Stream(device)
         self.max_in_flight = max_in_flight
-        self._queue = _Queue()
-        self._in_flight: list[Transfer] = []
+        self.chunk_bytes = chunk_bytes
+        self.clock = MonotonicClock()
+        self._queue: list[Transfer] = []
+        self._in_flight: list[tuple[Transfer, object, bool]] = []  # (transfer, chunk event, last chunk)
+        self._next_issue = 0.0  # throttle: when the next chunk may be issued
+        self._pending_stalls: list[tuple[object, object, object]] = []  # (tag, before, after) compute-stream events
         self.bytes_moved = 0
+        if throttle_gbps is not None:
+            self.kind = "emulated"
 
     def label(self) -> str:
-        return f"link: {torch.cuda.get_device_name(self.device)} (copy stream)"
+        name = torch.cuda.get_device_name(self.device)
+        if self.gbps:
+            return f"link: emulated {self.gbps:g} GB/s (throttled copies to {name})"
+        return f"link: {name} (copy stream)"
 
-    def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int) -> Transfer:
-        t = Transfer(dst, src, priority, src.numel() * src.element_size(), _link=self)
-        self._queue.push(t)
+    def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int, after: tuple = ()) -> Transfer:
+        t = Transfer(dst, src, priority, src.numel() * src.element_size(), link=self, after=tuple(after),
+                     submitted_at=time.perf_counter())
+        self._queue.append(t)
         self._pump()
         return t
 
     def reprioritise(self, t: Transfer, priority: int) -> None:
-        self._queue.promote(t, priority)
+        _promote(t, priority)
 
-    def _issue(self, t: Transfer) -> None:
+    def _issue_chunk(self, t: Transfer) -> None:
+        flat_dst, flat_src = t.dst.reshape(-1), t.src.reshape(-1)
+        per = max(1, self.chunk_bytes // max(1, t.src.element_size()))
+        first = t.sent // t.src.element_size()
+        last = min(flat_src.numel(), first + per)
         with torch.cuda.stream(self.stream):
-            t.dst.copy_(t.src, non_blocking=True)
-            t._event = torch.cuda.Event()
-            t._event.record(self.stream)
-        t.state = "running"
-        self.bytes_moved += t.nbytes
-        self._in_flight.append(t)
+            if t.sent == 0:
+                for dep in t.after:
+                    if isinstance(dep, Fence) and dep.event is not None:
+                        self.stream.wait_event(dep.event)  # compute that still reads dst finishes first
+            flat_dst[first:last].copy_(flat_src[first:last], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        nbytes = (last - first) * t.src.element_size()
+        if t.state is TransferState.QUEUED:
+            t.state = TransferState.RUNNING
+        t.sent += nbytes
+        done = t.sent >= t.nbytes
+        if done:
+            t.event = event
+            self._queue.remove(t)
+        self._in_flight.append((t, event, done))
+        if self.gbps:
+            self._next_issue = max(self._next_issue, time.perf_counter()) + nbytes / (self.gbps * 1e9)
+
+    def _issuable(self, t: Transfer) -> bool:
+        return all(dep.state is not TransferState.QUEUED for dep in t.after if isinstance(dep, Transfer))
 
     def _pump(self) -> None:
-        for t in [t for t in self._in_flight if t._event.query()]:
-            t.state = "done"
-            self._in_flight.remove(t)
-        while len(self._in_flight) < self.max_in_flight:
-            t = self._queue.pop()
-            if t is None:
+        still = []
+        for t, event, last in self._in_flight:
+            if event.query():
+                if last:
+                    t.state = TransferState.DONE
+                    self.bytes_moved += t.nbytes
+            else:
+                still.append((t, event, last))
+        self._in_flight = still
+        while len(self._in_flight) < self.max_in_flight and self._queue:
+            if self.gbps and time.perf_counter() < self._next_issue:
                 break
-            self._issue(t)
+            ready = [t for t in self._queue if self._issuable(t)]
+            if not ready:
+                break
+            self._issue_chunk(min(ready, key=lambda x: (x.priority, x.seq)))
 
     def poll(self, t: Transfer) -> bool:
         self._pump()
-        return t.state == "done"
+        return t.state is TransferState.DONE
 
     def wait(self, t: Transfer) -> None:
-        if t.state == "cancelled":
+        if t.state is TransferState.CANCELLED:
             raise RuntimeError("waiting on a cancelled transfer")
-        if t.state == "queued":  # the compute needs it now: issue it ahead of the queue
-            t.state = "issuing"
-            self._issue(t)
+        self.reprioritise(t, URGENT)
+        while t.event is None:  # the compute needs it now: issue the rest ahead of the queue
+            if self.gbps:
+                self.clock.sleep_until(self._next_issue)
+            for dep in t.after:
+                if isinstance(dep, Transfer) and dep.state is TransferState.QUEUED:
+                    self.wait(dep)
+            self._issue_chunk(t)
         # The compute stream waits on the copy; the host does not.
-        torch.cuda.current_stream(self.device).wait_event(t._event)
+        torch.cuda.current_stream(self.device).wait_event(t.event)
+
+    def acquire(self, t: Transfer, tag: object = None) -> torch.Tensor:
+        compute = torch.cuda.current_stream(self.device)
+        before = torch.cuda.Event(enable_timing=True)
+        before.record(compute)
+        self.wait(t)
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(compute)
+        self._pending_stalls.append((tag, before, after))  # the stall happens on the GPU: timed by events
+        return t.dst
+
+    def record_reads(self) -> Fence:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return Fence(event=event)
+
+    def stalls(self) -> list[tuple[object, float]]:
+        """Compute-stream time spent waiting on copies, for every wait whose events have completed."""
+        out, pending = [], []
+        for tag, before, after in self._pending_stalls:
+            if after.query():
+                out.append((tag, before.elapsed_time(after) / 1e3))
+            else:
+                pending.append((tag, before, after))
+        self._pending_stalls = pending
+        return out
 
     def cancel(self, t: Transfer) -> bool:
-        if t.state == "queued":
-            t.state = "cancelled"
-            return True
-        return False
+        return _cancel_queued(t, self._queue)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+        self._pump()
 
     def close(self) -> None:
-        self.stream.synchronize()
+        for t in list(self._queue):
+            if t.state is TransferState.QUEUED:
+                self.cancel(t)
+        while self._queue:
+            self._issue_chunk(self._queue[0])
+        self.synchronize()
 
 
-def make_link(device: torch.device, emulate_gbps: float | None):
-    """The link every command uses: emulated if asked, the copy stream on CUDA, else a host copy."""
+def check_bandwidth(emulate_gbps: float) -> None:
+    """Refuse an emulated link of ≤ 0 GB/s (--emulate-link) in one line."""
+    if not emulate_gbps > 0:
+        raise FmoeError(f"--emulate-link needs a bandwidth > 0 GB/s, got {emulate_gbps:g}")
+
+
+def make_link(device: torch.device, emulate_gbps: float | None) -> Link:
+    """The link every command uses: emulated if asked (throttled real copies on CUDA, no bytes
+    moved on the CPU), the copy stream on CUDA, else none (the CPU reads the host store)."""
     if emulate_gbps is not None:
-        if emulate_gbps <= 0:
-            raise FmoeError(f"--emulate-link takes a bandwidth in GB/s > 0, got {emulate_gbps}")
+        check_bandwidth(emulate_gbps)
+        if device.type == "cuda":
+            return CudaLink(device, throttle_gbps=emulate_gbps)
         return EmulatedLink(emulate_gbps)
     if device.type == "cuda":
         return CudaLink(device)
-    return ThreadLink()  # the CPU is its own device: a plain host copy
+    return EmulatedLink(None)  # the CPU is its own device

@@ -2,17 +2,22 @@
 
 Pure Python, no tensors: the engine, `fmoe replay` and the routing statistics all
 use these same classes. `step` is the layer's token counter (one step per token
-that passed through the layer).
+that passed through the layer, prompt tokens included: a prefill of T tokens
+advances it T times, token by token).
 
-A policy answers two questions when an expert that is not cached has been loaded:
-which cached expert would go (`choose_victim`) and whether the newcomer is worth
-it (`admits`).
+When an expert that is not cached has been loaded and the cache is full, the
+policy names the cached expert that goes (`choose_victim`); the newcomer always
+takes its slot (MoEpic §3.3: "Once the cache miss, MoEpic evicts the
+lowest-priority expert from VRAM, and replaces it with the newly loaded expert").
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
+
+from fmoe_cli.errors import FmoeError
 
 
 class EvictionPolicy:
@@ -41,41 +46,50 @@ class EvictionPolicy:
         # Ties go to the lowest expert id so that runs are deterministic.
         return min(candidates, key=lambda e: (self.priority(e, step), e))
 
-    def admits(self, expert: int, victim: int, step: int) -> bool:
-        """Classic caches always admit the newcomer."""
-        return True
-
     def ranking(self, step: int) -> list[int]:
         """All experts, highest priority first (what a cache of size C would hold: the first C)."""
         return sorted(range(self.num_experts), key=lambda e: (-self.priority(e, step), e))
+
+
+# LCP's ω and ρ (MoEpic Eq. 4): the one place their defaults and their range are written.
+LCP_OMEGA = 128.0  # ω: tokens over which an idle expert's priority decays by ρ
+LCP_RHO = 0.25  # ρ: the decay per ω idle tokens
+
+
+def check_lcp(omega: float, rho: float) -> None:
+    """Refuse ω ≤ 0 or ρ outside (0, 1] (ρ = 1: no decay) in one line."""
+    if not omega > 0 or not 0 < rho <= 1:
+        raise FmoeError(f"LCP needs ω > 0 and 0 < ρ ≤ 1, got ω = {omega:g}, ρ = {rho:g}")
 
 
 class LCP(EvictionPolicy):
     """Least Critical Priority (MoEpic Eq. 4): P = μ · ρ^(ν/ω).
 
     μ is the expert's activation count and ν the number of tokens since its last
-    activation. A loaded expert replaces the lowest-priority cached one only when
-    its own priority is higher.
+    activation. A miss replaces the lowest-priority cached expert (no admission test:
+    on the Mixtral HumanEval trace an admission rule, "replace only when the
+    newcomer's P is higher", lost at every cache size, docs/traces.md).
+
+    `priority` is log P = log μ + (ν/ω)·log ρ: the same order as P, but P itself
+    underflows to 0 after ~69k idle tokens (ρ = 0.25, ω = 128), where every old
+    expert would tie; log P keeps them apart. Never activated: −inf.
     """
 
     name = "lcp"
 
-    def __init__(self, num_experts: int, omega: float = 128.0, rho: float = 0.25) -> None:
+    def __init__(self, num_experts: int, omega: float = LCP_OMEGA, rho: float = LCP_RHO) -> None:
         super().__init__(num_experts)
-        if omega <= 0 or not 0 < rho <= 1:
-            raise ValueError(f"LCP needs ω > 0 and 0 < ρ ≤ 1, got ω={omega}, ρ={rho}")
+        check_lcp(omega, rho)
         self.omega = omega
         self.rho = rho
+        self.log_rho_per_token = math.log(rho) / omega  # log ρ / ω
 
     def priority(self, expert: int, step: int) -> float:
         mu = self.count[expert]
         if mu == 0:
-            return 0.0
-        nu = step - self.last[expert]
-        return mu * self.rho ** (nu / self.omega)
-
-    def admits(self, expert: int, victim: int, step: int) -> bool:
-        return self.priority(expert, step) > self.priority(victim, step)
+            return -math.inf
+        nu = step - self.last[expert]  # ν
+        return math.log(mu) + nu * self.log_rho_per_token  # log(μ · ρ^(ν/ω))
 
 
 class LRU(EvictionPolicy):
@@ -138,7 +152,7 @@ class FmoePolicy(EvictionPolicy):
 POLICIES = {"lcp": LCP, "lru": LRU, "lfu": LFU, "random": RandomPolicy, "fmoe": FmoePolicy}
 
 
-def make_policy(name: str, num_experts: int, *, omega: float = 128.0, rho: float = 0.25, seed: int = 0) -> EvictionPolicy:
+def make_policy(name: str, num_experts: int, *, omega: float = LCP_OMEGA, rho: float = LCP_RHO, seed: int = 0) -> EvictionPolicy:
     if name == "lcp":
         return LCP(num_experts, omega=omega, rho=rho)
     if name == "random":

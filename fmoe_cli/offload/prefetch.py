@@ -6,7 +6,7 @@ All predictions of one call compete in one order, by priority
                                       fMoE's p / (l − l_now); MoE-Infinity passes 1 − (i − l)/L)
 
 so nearer layers go first. The candidates of a prediction are its `count` best
-experts (default: the engine's Y, `prefetch_width`, = K); candidates already
+experts (default: Y = K); candidates already
 staged or whole on the device are skipped, not replaced by lower-ranked ones.
 Each load is only the bottom segment when the top is cached, the whole expert
 otherwise. The link priority is PREFETCH + the position in that order.
@@ -23,64 +23,75 @@ before it: such predictions are ignored.
 
 from __future__ import annotations
 
-from fmoe_cli.offload.link import PREFETCH
+from fmoe_cli.offload.link import PREFETCH, Link, TransferState
+from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.prediction.base import Prediction
+from fmoe_cli.types import ExpertShape
 
 
 class Prefetcher:
-    def __init__(self) -> None:
-        self.priority: dict[object, float] = {}  # staged prefetch -> the priority it was issued with
+    """Built for one plan (the engine's `configure`): the pool, link and store it loads with,
+    and the engine's per-layer states (cache, top width, counters)."""
 
-    def issue(self, engine, predictions: list[Prediction]) -> None:
-        from fmoe_cli.offload.engine import Staged  # the engine imports this module
+    def __init__(self, pool: StagingPool, link: Link, store, layers: list, shape: ExpertShape) -> None:
+        self.pool = pool
+        self.link = link
+        self.store = store
+        self.layers = layers  # engine LayerState per MoE layer
+        self.shape = shape
+        self.width = shape.top_k  # Y: the prefetch candidates of a prediction without its own count
+        self.priority: dict[Staged, float] = {}  # staged prefetch -> the priority it was issued with
 
-        shape = engine.shape
-        pool = engine.pool
-        live = {e for e in pool.entries if e is not None}
+    def issue(self, predictions: list[Prediction]) -> dict[int, list[int]]:
+        """Queue the loads `predictions` call for; returns each target layer's ranking (best first)."""
+        shape, pool = self.shape, self.pool
+        live = set(pool.live())
         self.priority = {e: p for e, p in self.priority.items() if e in live}
         usable = [p for p in predictions if 1 <= p.distance < shape.num_layers]
-        width = engine.settings.prefetch_width or shape.top_k  # Y
+        rankings: dict[int, list[int]] = {}
         candidates = []
         for index, p in enumerate(usable):
-            ranking = p.ranking()
-            engine._predicted[p.target] = ranking
-            policy = engine.layers[p.target].cache.policy
-            if policy.uses_prediction:
-                policy.see_prediction(p.scores.tolist())
-            weight = p.priority_weight
             scores = p.scores.tolist()
-            best = ranking[: p.count if p.count is not None else width]
+            ranking = sorted(range(len(scores)), key=lambda e: -scores[e])  # stable: ties by expert id
+            rankings[p.target] = ranking
+            policy = self.layers[p.target].cache.policy
+            if policy.uses_prediction:
+                policy.see_prediction(scores)
+            weight = p.priority_weight
+            best = ranking[: p.count if p.count is not None else self.width]
             candidates += [(-scores[e] * weight, index, rank, e) for rank, e in enumerate(best)]
         candidates.sort()
         for position, (neg_priority, index, _rank, e) in enumerate(candidates):
             j = usable[index].target
             if pool.find(j, e) is not None:
                 continue
-            target = engine.layers[j]
+            target = self.layers[j]
             cached = target.cache.slot(e) is not None
             if cached and target.top_neurons == shape.intermediate:
                 continue  # already whole on the device
             slot = pool.free_slot()
             if slot is None:
-                slot = self._displace(pool, -neg_priority)
+                slot = self._displace(-neg_priority)
             if slot is None:
                 break  # the staging pool is full of more urgent work
-            start = target.top_neurons if cached else 0
-            transfer = engine.link.submit(pool.buffer[slot][start:], engine.store.expert(j, e)[start:],
-                                          PREFETCH + position)
+            start = target.top_neurons if cached else 0  # only the bottom when the top is cached
+            transfer = self.link.submit(pool.buffer[slot][start:], self.store.expert(j, e)[start:],
+                                        PREFETCH + position, after=pool.after(slot))
             entry = Staged(j, e, start, slot, transfer, prefetched=True)
             pool.put(entry)
             self.priority[entry] = -neg_priority
             target.counters.prefetch_issued += 1
             target.counters.bytes_prefetch += transfer.nbytes
+        return rankings
 
-    def _displace(self, pool, priority: float) -> int | None:
+    def _displace(self, priority: float) -> int | None:
         """Free the slot of the lowest-priority queued prefetch below `priority`, if any."""
-        victims = [e for e in pool.entries if e is not None and e.prefetched and not e.in_use
-                   and e.transfer.state == "queued" and self.priority.get(e, float("inf")) < priority]
+        pool = self.pool
+        victims = [e for e in pool.live() if e.prefetched and not e.in_use
+                   and e.transfer.state is TransferState.QUEUED and self.priority.get(e, float("inf")) < priority]
         if not victims:
             return None
         victim = min(victims, key=lambda e: (self.priority[e], e.slot))
         pool.release(victim)
         self.priority.pop(victim, None)
-        return pool.free_slot()
+        return victim.slot

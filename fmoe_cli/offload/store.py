@@ -1,19 +1,83 @@
-"""The host store: every routed expert, packed, in host RAM (pinned when a GPU will read it)."""
+"""The host store: every routed expert, packed neuron-major, in host RAM.
+
+One [N, I, *row_shape] tensor of `dtype` per MoE layer, each in one allocation of
+exactly its size. When a GPU reads the store, that memory is page-locked in place
+with cudaHostRegister (as MoE-Infinity does) instead of `pin_memory()`, whose
+caching allocator rounds every block up to a power of two (Mixtral's 2.625 GiB
+layers would take 4 GiB each). The CPU path is the same minus the registration.
+
+The engine reads the store through three members only (agreed with offload/engine):
+`row_shape` (one neuron's row), `dtype` (the rows' storage dtype) and
+`segment_forward(x, segment, act)`: unquantised rows are (3, H) of the compute dtype
+and compute with layout.segment_forward; quantised rows (offload/quant.py) are bytes.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.offload import layout
+from fmoe_cli.types import ExpertShape
+
+
+class HostBuffer:
+    """`nbytes` of ordinary host memory, page-locked for the GPU when `pin` (exact size, no rounding)."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.registered = False
+        if pin and nbytes > 0:
+            cudart = torch.cuda.cudart()
+            # flags 0 = cudaHostRegisterDefault: page-locked, usable by copies on any stream
+            status = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            if int(status) != 0:
+                raise FmoeError(f"cannot page-lock {nbytes / 2**30:.2f} GiB of host memory for the GPU "
+                                f"(cudaHostRegister error {int(status)}); lower the memory limit (ulimit -l)?")
+            self.registered = True
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.registered = False
+
 
 class HostStore:
-    """One [N, I, 3, H] tensor per MoE layer."""
+    """Unquantised experts: rows of (gate row n, up row n, down column n), (3, H) of the compute dtype."""
 
-    def __init__(self, pin: bool) -> None:
+    def __init__(self, shape: ExpertShape, dtype: torch.dtype, pin: bool) -> None:
+        self.shape = shape
+        self.dtype = dtype
         self.pin = pin
-        self.layers: list[torch.Tensor] = []
+        self.layers: list[torch.Tensor] = []  # [N, I, *row_shape] per MoE layer
+        self._buffers: list[HostBuffer] = []
 
-    def add_layer(self, packed: torch.Tensor) -> None:
-        self.layers.append(packed.pin_memory() if self.pin else packed)
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return (3, self.shape.hidden)
+
+    def segment_forward(self, x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
+        """Partial expert output of the neurons in `segment` ([n, *row_shape]) for tokens x ([T, H])."""
+        return layout.segment_forward(x, segment, act)
+
+    def allocate(self) -> None:
+        """One exact-size buffer per MoE layer (contents undefined until `put`)."""
+        s = self.shape
+        per_layer = s.num_experts * s.intermediate * s.neuron_bytes
+        for _ in range(s.num_layers):
+            buffer = HostBuffer(per_layer, self.pin)
+            self._buffers.append(buffer)
+            self.layers.append(buffer.tensor.view(self.dtype).view(s.num_experts, s.intermediate, *self.row_shape))
+
+    def block(self, layer: int, expert: int) -> torch.Tensor:
+        """Where the loader assembles an expert's packed [I, 3, H] block: here, its place in the store."""
+        return self.layers[layer][expert]
+
+    def put(self, layer: int, expert: int, block: torch.Tensor) -> None:
+        """Write expert `expert` of MoE layer `layer` from its packed [I, 3, H] block."""
+        target = self.layers[layer][expert]
+        if block.data_ptr() != target.data_ptr():
+            target.copy_(block)
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         return self.layers[layer][expert]
@@ -21,3 +85,7 @@ class HostStore:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers)
+
+    def close(self) -> None:
+        for buffer in self._buffers:
+            buffer.close()

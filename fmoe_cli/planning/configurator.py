@@ -12,20 +12,32 @@ Symbols (paper → code):
                         loading is hidden: cached top segments plus what prefetch covers
     T^i                 exposed (un-hidden) load time of layer i
 
-ExpertSplit({V_i}) (Eq. 5–11, as DESIGN §7 states them):
+ExpertSplit({V_i}) (Eq. 5–11, as DESIGN §7 states them, with the link charged for
+every prefetch the engine issues):
     T_wind^1 = T_head + T_att                                                   (5)
     for i = 1..L: choose C_i ≤ N (θ_i = V_i / (C_i·S_e) ≤ 1, rounded down to whole blocks)
         m_i = K·H_i(C_i)·θ_i + Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·P_i(y)            (9)
-        Y   = largest count with Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·T_load ≤ T_wind^i  (10)
+        Y   = the engine's prefetch width (`max_prefetch`; K by default); without one,
+              the largest count with Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·T_load ≤ T_wind^i  (10)
+        F_i = Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·T_load: link time of the issued prefetches,
+              used or not; what the window does not cover, R_i = max(0, F_i − T_wind^i),
+              still holds the link when layer i's demand loads arrive
         C_i = argmax m_i                                                          (11)
-        T^i = max(0, (K − m_i)·T_load − m_i·T_exp)                                (6)
-        T_wind^{i+1} = T_moe − min(m_i·T_exp, (K − m_i)·T_load) + T_att           (7)
+        T^i = max(0, R_i + (K − m_i)·T_load − m_i·T_exp)                          (6)
+        T_wind^{i+1} = T_moe − min(m_i·T_exp, R_i + (K − m_i)·T_load) + T_att     (7)
 
-Two guards the formulas leave implicit: m_i is capped at K (no layer hides more than
-its K experts; with product-of-marginals statistics Eq. 9 can exceed K), and
-`max_prefetch` optionally caps Y at what the staging pool holds (None: Eq. 10 alone).
-C_i = 0 (no cache, θ_i undefined, reported as 0) is a candidate, and the only one
-when V_i cannot hold one neuron block of one expert.
+With R_i = 0 (every prefetch fits its window, as Eq. 10 makes it) these are the
+paper's equations. Two guards the formulas leave implicit: m_i is capped at K (no
+layer hides more than its K experts; with product-of-marginals statistics Eq. 9 can
+exceed K), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
+reported as 0) is a candidate, and the only one when V_i cannot hold one neuron block
+of one expert.
+
+The search contains its baselines: after Algorithm 1, the same model prices the
+plans of the special cases it competes with at the same budget — whole experts
+(θ = 1, V_e/L per layer: `lru`, `lfu`, `cache-only`), uniform (θ = 0.5, V_e/L:
+`uniform`) and prefetch only (θ = 0: `prefetch-only`) — and the plan with the least
+predicted exposed time wins (Algorithm 1 on ties).
 
 VramAllocation (Algorithm 1): start uniform (V_i = V_e / L); repeat: move ζ·V_e from
 the layer whose loss of budget costs least to the layer whose gain is largest; stop,
@@ -42,47 +54,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.planning.plan import min_staging_slots
-from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan
+from fmoe_cli.planning.plan import min_staging_slots, uniform_plan
+from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan, Timings
 from fmoe_cli.planning.stats import LayerCurves, RoutingStats
 
 DEFAULT_ZETA = 0.01  # ζ: share of V_e moved per iteration (MoEpic)
 DEFAULT_TAU = 5000  # τ: tokens between re-plans (MoEpic)
 _TIE = 1e-12  # m_i within this of the best count as ties
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Seconds for one decode token (MoEpic's T_*)."""
-
-    t_att: float  # T_att: one layer's attention (and norms)
-    t_moe: float  # T_moe: one layer's K activated experts, all resident
-    t_head: float  # T_head: LM head (+ final norm, + any dense layers before the first MoE layer)
-    t_load: float  # T_load: one whole expert (S_e bytes) host → device
-    top_k: int  # K
-
-    def __post_init__(self) -> None:
-        for name in ("t_att", "t_moe", "t_head", "t_load"):
-            value = getattr(self, name)
-            if not value >= 0 or not np.isfinite(value):
-                raise FmoeError(f"timing {name} must be a finite number of seconds ≥ 0, got {value}")
-        if self.top_k < 1:
-            raise FmoeError(f"top_k must be ≥ 1, got {self.top_k}")
-
-    @property
-    def t_exp(self) -> float:
-        """T_exp = T_moe / K: one expert's compute."""
-        return self.t_moe / self.top_k
-
-    @classmethod
-    def from_link(
-        cls, *, t_att: float, t_moe: float, t_head: float, top_k: int,
-        expert_bytes: int, bandwidth: float, latency: float = 0.0,
-    ) -> Timings:
-        """T_load = latency + S_e / bandwidth (bandwidth in bytes/s, from the device profile's fit)."""
-        if bandwidth <= 0:
-            raise FmoeError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
-        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k)
 
 
 @dataclass(frozen=True)
@@ -112,6 +90,12 @@ class Split:
         return Plan(layers, staging_slots, shape.expert_bytes, source)
 
 
+# The special cases the configurator competes with, as plans of the same budget: name -> θ of a
+# uniform plan (planning/plan.py: uniform_plan; the presets lru/lfu/cache-only, uniform, prefetch-only).
+BASELINES: dict[str, float] = {"whole experts (θ = 1)": 1.0, "uniform (θ = 0.5)": 0.5, "prefetch only (θ = 0)": 0.0}
+ALGORITHM_1 = "algorithm 1"
+
+
 @dataclass(frozen=True)
 class Configuration:
     """What vram_allocation returns: the plan and what the model predicts for it."""
@@ -120,8 +104,10 @@ class Configuration:
     split: Split
     expert_budget: int  # V_e
     iterations: int  # accepted moves
-    history: tuple[float, ...]  # Σ T^i at the start and after every accepted move (strictly falling)
+    history: tuple[float, ...]  # Σ T^i of Algorithm 1 at the start and after every accepted move (strictly falling)
     uniform_routing: bool  # the statistics were assumed, not recorded
+    chosen: str = ALGORITHM_1  # which candidate won: ALGORITHM_1 or a BASELINES name
+    candidates: tuple[tuple[str, float], ...] = ()  # (candidate, predicted Σ T^i), in the order priced
 
     @property
     def total_exposed(self) -> float:
@@ -175,25 +161,34 @@ class _LayerModel:
         self._by_budget[budget] = tables
         return tables
 
-    def choose(self, budget: int, window: float) -> tuple[LayerChoice, float]:
-        """The best C_i for V_i = budget in window T_wind^i; returns it and T_wind^{i+1}."""
+    def choose(self, budget: int, window: float, cache_size: int | None = None) -> tuple[LayerChoice, float]:
+        """The best C_i for V_i = budget in window T_wind^i (or the given `cache_size`: pricing a
+        fixed plan); returns it and T_wind^{i+1}."""
         k, theta, feasible, cost, gain, cached = self._tables(budget)
         t = self.timings
         top_k = t.top_k
-        fits = cost <= window * (1 + 1e-12)  # cost is non-decreasing in y: a prefix fits
-        prefetches = fits.sum(axis=0)  # Y per C (Eq. 10)
-        if self.max_prefetch is not None:
-            prefetches = np.minimum(prefetches, self.max_prefetch)
         columns = self.sizes
-        prefetched = np.where(prefetches > 0, gain[np.maximum(prefetches - 1, 0), columns], 0.0)
+        if self.max_prefetch is None:
+            fits = cost <= window * (1 + 1e-12)  # cost is non-decreasing in y: a prefix fits
+            prefetches = fits.sum(axis=0)  # Y per C (Eq. 10)
+        else:  # the engine issues its prefetch width, whether the window fits them or not
+            prefetches = np.full(columns.shape, min(self.max_prefetch, len(cost)))
+        last = np.maximum(prefetches - 1, 0)
+        prefetched = np.where(prefetches > 0, gain[last, columns], 0.0)
+        link = np.where(prefetches > 0, cost[last, columns], 0.0)  # F_i: every issued prefetch's link time
         hidden = np.minimum(cached + prefetched, top_k)  # m_i (Eq. 9), capped at K
         hidden = np.where(feasible, hidden, -np.inf)
-        # Eq. 11. Among (near-)ties keep the most bytes cached (never worse in practice), then the smallest C.
-        best = hidden >= hidden.max() - _TIE
-        c = int(np.argmax(np.where(best, self.sizes * k, -1)))
+        if cache_size is None:
+            # Eq. 11. Among (near-)ties keep the most bytes cached (never worse in practice), then the smallest C.
+            best = hidden >= hidden.max() - _TIE
+            c = int(np.argmax(np.where(best, self.sizes * k, -1)))
+        else:
+            c = cache_size
         m = float(hidden[c])
-        exposed = max(0.0, (top_k - m) * t.t_load - m * t.t_exp)  # T^i (Eq. 6)
-        next_window = t.t_moe - min(m * t.t_exp, (top_k - m) * t.t_load) + t.t_att  # T_wind^{i+1} (Eq. 7)
+        behind = max(0.0, float(link[c]) - window)  # R_i: prefetch link time the window did not cover
+        busy = behind + (top_k - m) * t.t_load  # the link's work once layer i has routed
+        exposed = max(0.0, busy - m * t.t_exp)  # T^i (Eq. 6)
+        next_window = t.t_moe - min(m * t.t_exp, busy) + t.t_att  # T_wind^{i+1} (Eq. 7)
         size = c if k[c] > 0 else 0
         choice = LayerChoice(
             budget=int(budget),
@@ -267,6 +262,23 @@ class _Search:
         return float(total)
 
 
+def price_plan(plan: Plan, stats: RoutingStats, timings: Timings, shape: ExpertShape,
+               max_prefetch: int | None = None) -> Split:
+    """The model's prediction for a fixed plan (its C_i and k_i; nothing chosen)."""
+    models = _layer_models(stats, timings, shape, max_prefetch)
+    return _price(models, plan, timings)
+
+
+def _price(models: Sequence[_LayerModel], plan: Plan, timings: Timings) -> Split:
+    window = first_window(timings)
+    choices = []
+    for model, layer in zip(models, plan.layers):
+        size = layer.cache_size if layer.top_neurons > 0 else 0
+        choice, window = model.choose(size * layer.top_neurons * model.shape.neuron_bytes, window, cache_size=size)
+        choices.append(choice)
+    return Split(tuple(choices))
+
+
 def vram_allocation(
     expert_budget: int,
     stats: RoutingStats,
@@ -277,8 +289,11 @@ def vram_allocation(
     staging_slots: int | None = None,
     max_prefetch: int | None = None,
     max_iterations: int = 100_000,
+    baselines: bool = True,
 ) -> Configuration:
-    """Algorithm 1: how to spend V_e (bytes for the caches, Σ_i V_i ≤ V_e) over the layers.
+    """Algorithm 1: how to spend V_e (bytes for the caches, Σ_i V_i ≤ V_e) over the layers,
+    then (`baselines`) the same model prices the BASELINES' uniform plans at the same total
+    budget (V_e + U_b) and the least predicted exposed time wins.
 
     The staging pool (U_b = staging_slots · S_e) is outside V_e; by default K slots
     for each of the current and the next layer.
@@ -314,7 +329,18 @@ def vram_allocation(
         history.append(search.total)
         iterations += 1
     split = Split(tuple(search.choices))
-    return Configuration(split.to_plan(shape, slots), split, int(expert_budget), iterations, tuple(history), stats.uniform)
+    plan = split.to_plan(shape, slots)
+    chosen, candidates = ALGORITHM_1, [(ALGORITHM_1, split.total_exposed)]
+    if baselines:
+        best = split.total_exposed
+        for name, theta in BASELINES.items():
+            base = uniform_plan(shape, int(expert_budget) + slots * shape.expert_bytes, theta, source="configurator")
+            priced = _price(models, base, timings)
+            candidates.append((name, priced.total_exposed))
+            if priced.total_exposed < best * (1 - 1e-9) - 1e-15:  # strictly better: Algorithm 1 keeps ties
+                chosen, best, split, plan = name, priced.total_exposed, priced, base
+    return Configuration(plan, split, int(expert_budget), iterations, tuple(history), stats.uniform, chosen,
+                         tuple(candidates))
 
 
 # --- the device budget (DESIGN §4) ------------------------------------------------

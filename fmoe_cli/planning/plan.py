@@ -54,8 +54,10 @@ def uniform_plan(shape: ExpertShape, budget_bytes: int, theta: float = 0.5, sour
 def resident_plan(shape: ExpertShape) -> Plan:
     """Every expert whole on the device (no budget: the reference point)."""
     full = layer_plan(shape, shape.num_experts, 1.0)
-    return Plan(tuple(full for _ in range(shape.num_layers)), 0, shape.expert_bytes, "resident")
+    return Plan(tuple(full for _ in range(shape.num_layers)), 0, shape.expert_bytes, "resident", resident=True)
 
+
+DEFAULT_BUDGET = "25%"  # bench and chat: a quarter of all routed experts' bytes
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%|b|kib|mib|gib|tib|kb|mb|gb|tb|k|m|g|t)?\s*$", re.IGNORECASE)
 _UNITS = {

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -212,14 +213,19 @@ class LayerStats:
 def lcp_ranking(policy: EvictionPolicy, step: int, omega: float | None = None, rho: float | None = None) -> list[int]:
     """`policy.ranking(step)` for LCP: P = μ · ρ^(ν/ω), highest first, ties by expert id.
 
-    The same expression as `LCP.priority` (so the same floats), without a method call per
-    expert. Every policy keeps μ (`count`) and the last step (`last`), so this also ranks
-    by LCP priority while another policy runs the cache (ω, ρ: the policy's own if it is
+    Every policy keeps μ (`count`) and the last step (`last`), so this also ranks by
+    LCP priority while another policy runs the cache (ω, ρ: the policy's own if it is
     LCP, else the arguments, else MoEpic's defaults).
     """
     omega = getattr(policy, "omega", None) or omega or 128.0
     rho = getattr(policy, "rho", None) or rho or 0.25
-    priority = [mu * rho ** ((step - last) / omega) if mu else 0.0 for mu, last in zip(policy.count, policy.last)]
+    return _lcp_order(policy.count, policy.last, step, math.log(rho) / omega)
+
+
+def _lcp_order(count: Sequence[int], last: Sequence[int], step: int, log_rho_per_token: float) -> list[int]:
+    """The same expression as `LCP.priority` (log P, so the same floats), without a method call per expert."""
+    log = math.log
+    priority = [log(mu) + (step - t) * log_rho_per_token if mu else -math.inf for mu, t in zip(count, last)]
     return sorted(range(len(priority)), key=lambda e: -priority[e])  # sorted() is stable: ties by id
 
 
@@ -312,9 +318,9 @@ class StatsRecorder:
     """An engine observer (`engine.observers.append(recorder)`) that feeds RoutingStats.
 
     Each RouteEvent comes before the layer's policy sees the forward: every token of it
-    is observed with the LCP priority ranking of that moment (a prefill: the same
-    ranking for every prompt token, as the policy records them all at one step), and a
-    decode token also with the prefetcher's ranking for the layer (P_i, PH_i).
+    is observed with the LCP priority ranking of its own moment (the policy records a
+    prefill token by token, so token t is ranked after the touches of tokens 0..t-1),
+    and a decode token also with the prefetcher's ranking for the layer (P_i, PH_i).
     `tokens` counts the tokens that passed the first MoE layer (for τ).
     """
 
@@ -326,12 +332,22 @@ class StatsRecorder:
 
     def __call__(self, event) -> None:  # event: offload.engine.RouteEvent
         cache = event.cache
-        ranking = lcp_ranking(cache.policy, cache.step)
+        policy = cache.policy
         rows = event.top_k_index.tolist()
         predicted = event.predicted if len(rows) == 1 else None
         layer = self.stats.layers[event.layer]
-        for row in rows:
-            layer.observe(row, ranking, predicted)
+        if len(rows) == 1:
+            layer.observe(rows[0], lcp_ranking(policy, cache.step), predicted)
+        else:  # a prefill: replay its touches on a copy of μ and the last steps, as LayerCache.record does
+            omega = getattr(policy, "omega", None) or 128.0
+            rho = getattr(policy, "rho", None) or 0.25
+            count, last = list(policy.count), list(policy.last)
+            for t, row in enumerate(rows):
+                step = cache.step + t
+                layer.observe(row, _lcp_order(count, last, step, math.log(rho) / omega), None)
+                for e in row:
+                    count[e] += 1
+                    last[e] = step
         if event.layer == 0:
             self.tokens += len(rows)
 

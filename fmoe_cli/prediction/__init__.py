@@ -13,6 +13,7 @@ from fmoe_cli.prediction.expert_map import ExpertMapPredictor
 from fmoe_cli.prediction.mol import MolPredictor
 from fmoe_cli.prediction.speculative import SpeculativePredictor
 
+DEFAULT_PREDICTOR = "speculative"
 PREDICTORS = {
     "speculative": "MoEpic/AdapMoE: the next layer's router on this layer's hidden state (default)",
     "expert-map": "fMoE: iteration expert maps, semantic + trajectory matching, distance d = 3",
@@ -46,6 +47,6 @@ def make_predictor(name: str, layers: list[MoeLayer], num_experts: int, top_k: i
     raise AssertionError(name)  # every name in PREDICTORS is handled above
 
 
-__all__ = ["PREDICTORS", "AutoPredictor", "BasePredictor", "EamPredictor", "ExpertMapPredictor", "Iteration",
+__all__ = ["DEFAULT_PREDICTOR", "PREDICTORS", "AutoPredictor", "BasePredictor", "EamPredictor", "ExpertMapPredictor", "Iteration",
            "MolPredictor", "Prediction", "Predictor", "SpeculativePredictor", "check_predictor",
            "make_predictor"]

@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.offload.link import check_bandwidth
 from fmoe_cli.profiling.files import DeviceIdentity, DeviceProfile, LinkFit
 
 MiB = 1024**2
@@ -106,10 +107,15 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
 
 def measure_link(device: torch.device, plan: LinkPlan, advance: Callable[[], None] = lambda: None) -> list[tuple[int, float]]:
     """(bytes, median seconds) per size; `advance` is called after every timed copy."""
+    from fmoe_cli.offload.store import HostBuffer
+
     timed = _timer(device)
     samples = []
     for size in plan.sizes:
-        src = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        # page-locked in place like the host store (not torch's caching pinned allocator, which keeps
+        # the memory after the profile): unregistered and freed before the next size
+        host = HostBuffer(size, pin=device.type == "cuda")
+        src = host.tensor
         src.fill_(1)
         dst = torch.empty(size, dtype=torch.uint8, device=device)
         copy = lambda: dst.copy_(src, non_blocking=True)  # noqa: E731
@@ -120,7 +126,10 @@ def measure_link(device: torch.device, plan: LinkPlan, advance: Callable[[], Non
             times.append(timed(copy))
             advance()
         samples.append((size, statistics.median(times)))
-        del src, dst
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        host.close()
+        del host, src, dst
     return samples
 
 
@@ -147,8 +156,7 @@ def profile_device(
     free, _ = device_memory(device)
     on_cpu = device.type == "cpu"
     if emulate_gbps is not None:
-        if emulate_gbps <= 0:
-            raise FmoeError(f"--emulate-link needs a bandwidth > 0 GB/s, got {emulate_gbps}")
+        check_bandwidth(emulate_gbps)
         link = LinkFit("emulated", emulate_gbps * 1e9, emulate_latency, (), f"link: emulated {emulate_gbps:g} GB/s")
     else:
         samples = measure_link(device, link_plan(device, quick), advance)

@@ -18,7 +18,7 @@ from typing import Any
 import platformdirs
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.planning.configurator import Timings
+from fmoe_cli.types import Timings
 from fmoe_cli.files import read_json, write_atomic
 from fmoe_cli.models.identity import model_key
 

@@ -1,0 +1,110 @@
+"""`fmoe profile`: measure the device (and, with --model, the per-layer timings) and save a profile.
+
+The model part works when the model does not fit on the device: the run's engine loads
+experts on demand, and each MoE layer is timed alone with only its own experts made
+resident (profiling/model.py).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from fmoe_cli.errors import FmoeError, warn
+from fmoe_cli.files import writable_dir
+from fmoe_cli.models.load import pick_device
+from fmoe_cli.offload.link import check_bandwidth
+from fmoe_cli.profiling.device import link_steps, profile_device
+from fmoe_cli.profiling.files import Profile, default_profile_path, now_iso
+from fmoe_cli.profiling.model import model_timings
+from fmoe_cli.run import RunOptions, open_run
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+def run_profile(opts: RunOptions | None, out: Path | None, emulate_link: float | None, prefill_len: int,
+                quick: bool, as_json: bool, device: str, console: Console) -> Path | None:
+    """`fmoe profile`: the device's link and memory; with a model (`opts`), its per-layer timings too."""
+    dev = pick_device(device)
+    if emulate_link is not None:
+        check_bandwidth(emulate_link)
+    if prefill_len < 1:
+        raise FmoeError(f"--prefill-len must be at least 1, got {prefill_len}")
+    if out is not None:  # the user asked for this file: refuse a place it cannot go before measuring
+        if Path(out).is_dir():
+            raise FmoeError(f"--out {out} is a directory; give a file name")
+        if (why := writable_dir(Path(out).parent)) is not None:
+            raise FmoeError(f"--out {out}: cannot write in {Path(out).parent} ({why})")
+    with ExitStack() as stack:
+        # The model's layers are timed resident, on demand otherwise: no link emulation, no cache.
+        run = None if opts is None else stack.enter_context(open_run(opts, console))
+        # An emulated link's profile is kept apart: it never stands in for the real link.
+        path = Path(out) if out is not None else default_profile_path(
+            None if opts is None else opts.model, model_path=None if run is None else run.lm.path,
+            emulated=emulate_link is not None)
+        with Progress(console=console, transient=True) as progress:
+            link_task = progress.add_task("host → device link", total=link_steps(dev, quick, emulate_link is not None))
+            device_profile = profile_device(emulate_link, quick=quick, device=dev,
+                                            advance=lambda: progress.advance(link_task))
+            timings = None
+            if run is not None:
+                layers = len(run.lm.layers)
+                layer_task = progress.add_task(f"timing {layers} MoE layers (decode, prefill)", total=2 * layers)
+                timings = model_timings(run.lm, run.engine, prefill_len, quick,
+                                        advance=lambda: progress.advance(layer_task))
+        expert_bytes = None if run is None else run.lm.shape.expert_bytes
+    profile = Profile(device_profile, timings, created=now_iso())
+    saved: Path | None = path
+    try:
+        profile.save(path)
+    except OSError as exc:  # the figures are printed all the same; saving is skipped with one warning
+        saved, problem = None, f"cannot save the profile to {path} ({exc.strerror or exc}); the figures are not kept"
+    if as_json:
+        print(json.dumps({"path": None if saved is None else str(saved), "profile": profile.to_dict()}))
+    else:
+        render(profile, saved, expert_bytes, console)
+    if saved is None:
+        warn(problem)
+    return saved
+
+
+def device_line(profile: Profile) -> str:
+    d = profile.device.device
+    where = "no GPU: profiled the CPU" if d.kind == "cpu" else "GPU"
+    return f"device: {d.kind} '{d.name}', {d.total_memory / GiB:.1f} GiB ({where})"
+
+
+def link_line(profile: Profile) -> str:
+    link = profile.device.link
+    latency = f", latency {link.latency * 1e6:.0f} µs" if link.latency is not None else ""
+    return f"link ({link.kind}): {link.bandwidth / 1e9:.2f} GB/s{latency} — {link.note}"
+
+
+def render(profile: Profile, path: Path | None, expert_bytes: int | None, console: Console) -> None:
+    console.print(device_line(profile), highlight=False)
+    console.print(link_line(profile), highlight=False)
+    if profile.device.free_memory is not None:
+        console.print(f"free memory: {profile.device.free_memory / GiB:.1f} GiB", highlight=False)
+    timings = profile.model
+    if timings is not None:
+        table = Table(title=f"{timings.model.name}: per-layer times (decode: 1 token; prefill: {timings.prefill.tokens} tokens)")
+        for col in ("layer", "MoE", "decode T_att ms", "decode T_moe ms", "decode T_exp ms", "prefill T_att ms", "prefill T_moe ms"):
+            table.add_column(col, justify="right")
+        for dec, pre in zip(timings.decode.layers, timings.prefill.layers):
+            t_exp = f"{dec.t_moe / timings.top_k * 1e3:.3f}" if dec.moe else "—"
+            table.add_row(str(dec.index), "yes" if dec.moe else "dense", f"{dec.t_att * 1e3:.3f}",
+                          f"{dec.t_moe * 1e3:.3f}", t_exp, f"{pre.t_att * 1e3:.3f}", f"{pre.t_moe * 1e3:.3f}")
+        console.print(table)
+        console.print(f"T_head: decode {timings.decode.t_head * 1e3:.3f} ms, prefill {timings.prefill.t_head * 1e3:.3f} ms",
+                      highlight=False)
+        if expert_bytes is not None:
+            t_load = profile.device.link.transfer_time(expert_bytes)
+            console.print(f"T_load (one expert, {expert_bytes / MiB:.2f} MiB): {t_load * 1e3:.3f} ms", highlight=False)
+    if path is not None:
+        console.print(f"saved the profile to {path}", highlight=False)

@@ -1,0 +1,54 @@
+"""Hit classification: what one layer's activated experts need, from the cache and the staging pool.
+
+Pure logic (no tensors), shared by the engine and the simulator. For every activated
+expert e of layer i (k = the layer's top neurons, I = neurons per expert):
+
+- whole: e is cached and k = I: compute, nothing to load;
+- top hit: the top [0, k) is cached: compute it, load the bottom [k, I);
+- miss: nothing cached: load the whole expert [0, I);
+
+and a needed load is *covered* when a prefetch of this layer already staged e from a
+first neuron at or before the one needed. Staged entries of this layer that are not
+activated, or that start too late to cover the need, are *dropped*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Hits:
+    whole: tuple[int, ...]  # cached whole: compute only
+    top_hits: tuple[int, ...]  # top cached: top computed, bottom loaded
+    misses: tuple[int, ...]  # whole expert loaded
+    covered: tuple[tuple[int, int], ...]  # (expert, first neuron needed) a staged prefetch already holds
+    loads: tuple[tuple[int, int], ...]  # (expert, first neuron) to submit as demand loads
+    dropped: tuple[int, ...]  # staged experts of this layer that are of no use now
+
+    @property
+    def needed(self) -> int:
+        """Activated experts that needed any load."""
+        return len(self.top_hits) + len(self.misses)
+
+
+def classify(active: Iterable[int], cached: Container[int], top_neurons: int, intermediate: int,
+             staged: Mapping[int, int]) -> Hits:
+    """active: the layer's activated experts; cached: experts whose top is cached; staged:
+    expert -> first neuron of the segment this layer's staging entries hold."""
+    active = sorted(set(active))
+    whole, top_hits, misses, covered, loads = [], [], [], [], []
+    for e in active:
+        if e in cached and top_neurons == intermediate:
+            whole.append(e)
+            continue
+        start = top_neurons if e in cached else 0
+        (top_hits if e in cached else misses).append(e)
+        if e in staged and staged[e] <= start:
+            covered.append((e, start))
+        else:
+            loads.append((e, start))
+    usable = {e for e, _ in covered}
+    dropped = tuple(sorted(e for e in staged if e not in usable))
+    return Hits(tuple(whole), tuple(top_hits), tuple(misses), tuple(covered), tuple(loads), dropped)

@@ -1,0 +1,113 @@
+"""The staging pool U_b: full-expert slots on the device for bottoms, missed experts and prefetches.
+
+An entry (`Staged`) is one segment [start, I) of one expert in one slot, with the
+transfer that fills it. The pool only keeps the bookkeeping; the link orders the
+copies:
+
+- a slot is free as soon as its entry is released, even while the copy that was
+  filling it is still in flight: the next copy into the slot is submitted with
+  `after(slot)` = that copy (the link runs it afterwards: CUDA's copy stream is in
+  order; the emulated link models the same) and the fence recorded when compute last
+  read the slot (no write-after-read: the copy stream waits on the compute stream's
+  event). Nothing is given up on, and the host never waits here;
+- a demand load takes a free slot, else the slot of another layer's entry that is not
+  in use (a queued prefetch first: cancelling it is free; then a finished one; then one
+  in flight). So a layer that needs more experts than there are slots (a prefill wave)
+  only waits for its own loads: with 2·K slots every wave length works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fmoe_cli.offload.link import Fence, Transfer, TransferState
+
+
+@dataclass(eq=False)
+class Staged:
+    """A segment [start, I) of one expert in a staging slot (start = 0: the whole expert)."""
+
+    layer: int
+    expert: int
+    start: int
+    slot: int
+    transfer: Transfer
+    prefetched: bool
+    in_use: bool = False
+
+
+_RECLAIM_ORDER = {TransferState.QUEUED: 0, TransferState.DONE: 1, TransferState.CANCELLED: 1,
+                  TransferState.RUNNING: 2}
+
+
+class StagingPool:
+    def __init__(self, slots: int, neurons: int, row_shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.buffer = torch.empty(slots, neurons, *row_shape, device=device, dtype=dtype)  # [U, I, *row]
+        self.entries: list[Staged | None] = [None] * slots
+        self._writer: list[Transfer | None] = [None] * slots  # the last copy into each slot
+        self._reads: list[Fence | None] = [None] * slots  # compute that last read each slot
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def find(self, layer: int, expert: int) -> Staged | None:
+        for entry in self.entries:
+            if entry is not None and entry.layer == layer and entry.expert == expert:
+                return entry
+        return None
+
+    def of_layer(self, layer: int) -> list[Staged]:
+        return [e for e in self.entries if e is not None and e.layer == layer]
+
+    def live(self) -> list[Staged]:
+        return [e for e in self.entries if e is not None]
+
+    def free_slot(self) -> int | None:
+        for slot, entry in enumerate(self.entries):
+            if entry is None:
+                return slot
+        return None
+
+    def after(self, slot: int) -> tuple:
+        """What a new copy into `slot` must follow: the copy still writing it, the compute still reading it."""
+        deps = []
+        writer = self._writer[slot]
+        if writer is not None and not writer.finished:
+            deps.append(writer)
+        if self._reads[slot] is not None:
+            deps.append(self._reads[slot])
+        return tuple(deps)
+
+    def reclaim(self, keep_layer: int) -> int | None:
+        """A slot for a demand load of `keep_layer`: a free one, else one holding another layer's
+        entry that is not in use. None only when every slot holds an entry in use or of `keep_layer`."""
+        slot = self.free_slot()
+        if slot is not None:
+            return slot
+        victims = [e for e in self.entries if e is not None and e.layer != keep_layer and not e.in_use]
+        if not victims:
+            return None
+        victim = min(victims, key=lambda e: (_RECLAIM_ORDER[e.transfer.state], e.slot))
+        self.release(victim)
+        return victim.slot
+
+    def put(self, entry: Staged) -> None:
+        assert self.entries[entry.slot] is None, "a slot holds one entry"
+        self.entries[entry.slot] = entry
+        self._writer[entry.slot] = entry.transfer
+
+    def release(self, entry: Staged, reads: Fence | None = None) -> None:
+        """Let the slot go; `reads`: the fence after the compute that read it (if it was read)."""
+        self.entries[entry.slot] = None
+        entry.in_use = False
+        entry.transfer.cancel()  # a copy not started yet is dropped; one in flight stays the slot's writer
+        if reads is not None:
+            self._reads[entry.slot] = reads
+
+    def clear(self) -> None:
+        for entry in self.live():
+            self.release(entry)

@@ -1,0 +1,196 @@
+"""One way to set up a run: `open_run(RunOptions)` (docs/architecture.md).
+
+`fmoe bench`, `fmoe chat` and `fmoe profile` (and any later command) get the loaded
+model, the engine, the policies' settings, the idle re-planner and the trace writer
+from here. The order is the point:
+
+1. every option is checked before anything slow (`RunOptions.check`);
+2. the model is loaded; the budget and every fixed plan are checked;
+3. the routing statistics saved for this model are loaded, and — if a policy's plan
+   needs them (`Preset.configured`, `moepic`) — the configurator's timings are found:
+   the device profile, else a quick measurement on a temporary engine;
+4. every policy's settings are made from these `PlanInputs`;
+5. the engine is built and configured once, with the first policy's settings.
+
+Closing the run saves the statistics and closes the engine and the trace writer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from fmoe_cli.bench.trace import TraceWriter, check_trace_out
+from fmoe_cli.errors import FmoeError, warn
+from fmoe_cli.models.load import LoadedModel, load_model
+from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
+from fmoe_cli.offload.link import check_bandwidth, make_link
+from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
+from fmoe_cli.planning.autoplan import link_fit_of
+from fmoe_cli.planning.configurator import DEFAULT_TAU
+from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_budget, min_staging_slots, parse_budget
+from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, PlanInputs, make_settings, preset, settings_for
+from fmoe_cli.planning.replan import Replanner
+from fmoe_cli.planning.stats import default_stats_path, open_recorder
+from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
+from fmoe_cli.profiling.device import device_identity
+from fmoe_cli.profiling.files import Profile, default_profile_path, model_identity
+from fmoe_cli.profiling.model import model_timings
+from fmoe_cli.types import Timings
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything a run is set up from; the command line builds one (the defaults live here)."""
+
+    model: str = "demo"
+    policies: tuple[str, ...] = (DEFAULT_POLICY,)  # the engine starts with the first
+    vram_budget: str | None = DEFAULT_BUDGET  # None: the staging pool alone (no cache)
+    predictor: str = DEFAULT_PREDICTOR
+    omega: float = LCP_OMEGA  # LCP ω
+    rho: float = LCP_RHO  # LCP ρ
+    emulate_link: float | None = None  # GB/s of an emulated host→device link
+    device: str = "auto"
+    dtype: str | None = None  # None: auto
+    trust_remote_code: bool = False
+    trace_out: str | None = None  # JSONL routing trace
+    overwrite_trace: bool = False  # --force: trace_out may replace an existing file
+    profile: str | None = None  # a device profile (the configurator's timings), instead of the default one
+    stats_path: Path | None = None  # where the routing statistics are kept (default: per model)
+    tau: int = DEFAULT_TAU  # τ: tokens between re-plans
+    record_statistics: bool = True  # observe routing, keep the statistics, re-plan while idle
+
+    def check(self) -> None:
+        """Refuse bad options in one line, before the model is loaded."""
+        if not self.policies:
+            raise FmoeError("no policy to run")
+        for name in self.policies:
+            preset(name)
+        check_predictor(self.predictor)
+        check_lcp(self.omega, self.rho)
+        if self.emulate_link is not None:
+            check_bandwidth(self.emulate_link)
+        if self.trace_out is not None:
+            check_trace_out(self.trace_out, self.overwrite_trace)
+
+
+@dataclass
+class Run:
+    options: RunOptions
+    lm: LoadedModel
+    engine: Engine  # configured with settings[0]
+    budget_bytes: int
+    inputs: PlanInputs  # what the plans were made from (statistics as loaded)
+    settings: list[EngineSettings]  # one per policy, in the options' order
+    replanner: Replanner | None = None  # the idle hook (None: statistics not recorded)
+    writer: TraceWriter | None = None  # --trace-out
+    profile: str | None = None
+
+    def settings_for(self, index: int) -> EngineSettings:
+        """Policy `index`'s settings, planned now from the statistics so far when its plan reads them
+        (bench: a later policy's configurator plan sees the earlier runs' routing)."""
+        s = self.settings[index]
+        if index == 0 or self.replanner is None or not PRESETS[s.policy].configured:
+            return s
+        return settings_for(s.policy, self.replanner.plan_inputs(), omega=s.omega, rho=s.rho)
+
+    def idle(self) -> None:
+        """The device is idle (between turns or runs): statistics saved, re-planned if due."""
+        if self.replanner is not None:
+            self.replanner.on_idle()
+
+
+def check_profile(path: str, device) -> Profile:
+    """A profile that reads and is of this device, else a one-line error."""
+    profile = Profile.load(Path(path))
+    profile.check_device(device_identity(device), source=f"profile {path}")
+    return profile
+
+
+def measure_timings(lm: LoadedModel, engine: Engine | None = None):
+    """A quick measurement of `lm`'s per-layer times, loading experts on demand through the smallest
+    staging pool: on `engine` (left so configured) or on a temporary engine of its own, closed after
+    (the run's engine is then not configured for it)."""
+    own = engine is None
+    engine = open_engine(lm) if own else engine
+    try:
+        engine.configure(make_settings("ondemand", lm.shape, min_staging_slots(lm.shape) * lm.shape.expert_bytes))
+        return model_timings(lm, engine, prefill_len=8, quick=True)
+    finally:
+        if own:
+            engine.close()
+
+
+def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine: Engine | None = None) -> Timings:
+    """The configurator's timings: the saved profile of this device and model, else a quick
+    measurement (on `engine` if given — it is left configured for on-demand loading — else on a
+    temporary one). T_load: the link the run really uses (an emulated one's own figures)."""
+    emulated = bool(getattr(link, "gbps", None))
+    path = profile_path or default_profile_path(lm.model_id, model_path=lm.path, emulated=emulated)
+    timings, link_fit = None, None
+    if path.exists():
+        try:  # a profile of another device or model (or a damaged one) is not used: measure instead, and say so
+            profile = Profile.load(path)
+            profile.check_device(device_identity(lm.device))
+            profile.check_model(model_identity(lm.model_id, lm.path / "config.json"))
+            timings, link_fit = profile.model, profile.device.link
+        except FmoeError as exc:
+            warn(f"not using the saved profile: {exc}; timing the layers quickly instead")
+            timings = None
+    if timings is None:
+        timings = measure_timings(lm, engine)
+    if emulated or link_fit is None or link_fit.kind == "emulated":  # the link the engine really uses
+        link_fit = link_fit_of(link, lm.device, lm.shape.expert_bytes)
+    return timings.timings(link_fit, lm.shape.expert_bytes)
+
+
+@contextmanager
+def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
+    """Set up a run (see the module's docstring); on exit save the statistics and close everything."""
+    opts.check()
+    console = console or Console(stderr=True)
+    with ExitStack() as stack:
+        lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
+                        console=console)
+        if opts.profile is not None:
+            check_profile(opts.profile, lm.device)
+        shape = lm.shape
+        slots_bytes = min_staging_slots(shape) * shape.expert_bytes
+        budget = slots_bytes if opts.vram_budget is None else parse_budget(opts.vram_budget, shape.all_experts_bytes)
+        presets = [PRESETS[name] for name in opts.policies]
+        inputs = PlanInputs(shape, budget, model=lm.model_id)
+        fixed = {p.name: settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
+                 for p in presets if not p.configured}  # checks the budget before anything slow
+        configured = any(p.configured for p in presets)
+        if configured:
+            check_budget(shape, budget, min_staging_slots(shape))
+        writer = TraceWriter.for_model(opts.trace_out, lm, opts.overwrite_trace) if opts.trace_out is not None else None
+        if writer is not None:
+            stack.callback(writer.close)
+        recorder = None
+        if opts.record_statistics:
+            stats_path = opts.stats_path or default_stats_path(lm.model_id, model_path=lm.path)
+            recorder = open_recorder(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
+            inputs = PlanInputs(shape, budget, stats=recorder.stats, model=lm.model_id)
+        link = make_link(lm.device, opts.emulate_link)
+        try:
+            if configured:
+                with console.status("timing the model for the configurator …"):
+                    profile_path = None if opts.profile is None else Path(opts.profile)
+                    inputs = PlanInputs(shape, budget, find_timings(lm, link, profile_path), inputs.stats, lm.model_id)
+            settings = [fixed.get(p.name) or settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
+                        for p in presets]
+            engine = open_engine(lm, predictor=opts.predictor, link=link)
+        except BaseException:
+            link.close()
+            raise
+        stack.callback(engine.close)
+        replanner = Replanner(engine, inputs, recorder, opts.tau) if recorder is not None else None
+        if replanner is not None:
+            stack.callback(replanner.close)  # saves the statistics (runs before engine.close)
+        engine.configure(settings[0])
+        yield Run(opts, lm, engine, budget, inputs, settings, replanner, writer, opts.profile)

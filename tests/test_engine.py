@@ -1,0 +1,120 @@
+"""The engine's behaviour that keeps tokens identical, checked through counters and shapes:
+hit classification (pure), each layer built from its own plan, the bytes a top hit and a
+prefetch move, and exposed time measured where the compute waits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fmoe_cli.generate import stream_generate
+from fmoe_cli.models.load import load_model
+from fmoe_cli.offload.engine import Engine
+from fmoe_cli.offload.hits import classify
+from fmoe_cli.offload.link import EmulatedLink, VirtualClock
+from fmoe_cli.planning.plan import layer_plan
+from fmoe_cli.types import EngineSettings, Plan
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
+
+
+# --- hit classification: no tensors ------------------------------------------------------
+def test_classify_whole_top_miss_and_covered():
+    cached = {1, 2, 5}
+    h = classify([5, 1, 3, 4, 1], cached, top_neurons=8, intermediate=16, staged={3: 0, 4: 0, 6: 0, 1: 8})
+    assert h.whole == () and h.top_hits == (1, 5) and h.misses == (3, 4)
+    assert h.covered == ((1, 8), (3, 0), (4, 0))  # staged from a neuron at or before the one needed
+    assert h.loads == ((5, 8),)
+    assert h.dropped == (6,) and h.needed == 4  # a staged expert nobody routed to
+    whole = classify([1, 2, 3], cached, top_neurons=16, intermediate=16, staged={})
+    assert whole.whole == (1, 2) and whole.misses == (3,) and whole.loads == ((3, 0),)
+
+
+def test_classify_drops_a_staged_bottom_that_cannot_serve_a_miss():
+    h = classify([7], cached=set(), top_neurons=8, intermediate=16, staged={7: 8})
+    assert h.misses == (7,) and h.covered == () and h.loads == ((7, 0),) and h.dropped == (7,)
+
+
+# --- the engine ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mixtral(checkpoints):
+    return load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+
+
+def want_tokens(lm, n):
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    from fmoe_cli.planning.presets import make_settings
+
+    engine.configure(make_settings("resident", lm.shape, 0))
+    out = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=n, stop_on_eos=False)]
+    engine.close()
+    return out
+
+
+def test_configure_builds_every_layer_from_its_own_plan(mixtral):
+    lm = mixtral
+    shape = lm.shape
+    thetas = [0.25, 0.5, 1.0, 0.75, 0.5, 0.25]
+    layers = tuple(layer_plan(shape, (i % shape.num_experts) + 1, thetas[i % len(thetas)])
+                   for i in range(shape.num_layers))
+    plan = Plan(layers, 2 * shape.top_k, shape.expert_bytes, "test")
+    assert len({(lp.cache_size, lp.top_neurons) for lp in layers}) > 1
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(20, clock=VirtualClock(), copy=True), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(EngineSettings("test", plan, "lcp", True, 128.0, 0.25))
+    for state, lp in zip(engine.layers, layers):
+        assert state.cache.capacity == lp.cache_size and state.top_neurons == lp.top_neurons
+        assert tuple(state.tops.shape) == (lp.cache_size, lp.top_neurons, *lm.store.row_shape)
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=6, stop_on_eos=False)]
+    engine.close()
+    assert got == want_tokens(lm, 6)
+
+
+def split_engine(lm, prefetch: bool):
+    """θ = 0.5, every expert's top cached in every layer: every activation is a top hit."""
+    shape = lm.shape
+    k = shape.top_neurons(0.5)
+    plan = Plan(tuple(layer_plan(shape, shape.num_experts, 0.5) for _ in range(shape.num_layers)),
+                2 * shape.top_k, shape.expert_bytes, "test")
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(20, clock=VirtualClock(), copy=True), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(EngineSettings("test", plan, "lcp", prefetch, 128.0, 0.25))
+    for i, state in enumerate(engine.layers):
+        for e in range(shape.num_experts):
+            state.tops[state.cache.insert(e)].copy_(lm.store.expert(i, e)[:k])
+    return engine, k
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_top_hit_and_a_prefetch_of_a_cached_top_load_only_the_bottom(mixtral, prefetch):
+    lm = mixtral
+    engine, k = split_engine(lm, prefetch=prefetch)
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=6, stop_on_eos=False)]
+    c = engine.counters()
+    engine.close()
+    assert got == want_tokens(lm, 6)
+    bottom = (lm.shape.intermediate - k) * lm.shape.neuron_bytes
+    assert c.hits_top == c.activations > 0 and c.misses == 0
+    assert c.bytes_demand == (c.hits_top - c.prefetch_covered) * bottom  # not the whole expert
+    if prefetch:
+        assert c.prefetch_issued > 0 and c.prefetch_covered > 0
+        assert c.bytes_prefetch == c.prefetch_issued * bottom
+
+
+def test_exposed_time_is_the_time_the_compute_waited(mixtral):
+    """On a virtual clock the host only waits inside acquire: exposed time = the clock's sleep."""
+    lm = mixtral
+    shape = lm.shape
+    clock = VirtualClock()
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(1.0, clock=clock), lm.device, lm.dtype)
+    engine.install(lm.model)
+    from fmoe_cli.planning.presets import make_settings
+
+    engine.configure(make_settings("ondemand", shape, 2 * shape.top_k * shape.expert_bytes))
+    list(stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=3, stop_on_eos=False))
+    c = engine.counters()
+    engine.close()
+    assert c.exposed_s == pytest.approx(clock.slept) and clock.slept > 0
+    # nothing overlaps on a virtual clock without compute time: every byte was waited for
+    assert clock.slept == pytest.approx(c.bytes_demand / 1e9 + c.needed_loads * engine.link.latency_s, rel=1e-6)
