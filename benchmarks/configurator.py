@@ -31,7 +31,8 @@ from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Counters, Engine
 from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.planning.presets import make_settings
-from fmoe_cli.planning.autoplan import link_fit_of, moepic_configuration
+from fmoe_cli.planning.autoplan import moepic_configuration
+from fmoe_cli.run import link_fit_of
 from fmoe_cli.planning.plan import parse_budget
 from fmoe_cli.planning.stats import RoutingStats, StatsRecorder
 from fmoe_cli.profiling.files import LinkFit

@@ -1,25 +1,33 @@
 #!/usr/bin/env python3
-"""Engine benchmark (issue 2): measured side by side in one run, printed as ratios.
+"""Engine benchmark (issue 2, issue 10): measured side by side in one run, printed as ratios.
 
 1. `resident` through the engine vs plain transformers on the same checkpoint
    (TPOT ratio; target <= 1.10): the cost of the ExpertsInterface hook itself.
-2. An emulated link whose bandwidth makes loading one expert take `--load-ratio`
-   (default 3, MoEpic's measured ratio) times computing one expert for one token, at
-   an expert budget of 25 % of all experts: TPOT of every policy as a ratio to `lru`.
+2. For each `--load-ratio` R (default 3, MoEpic's measured regime, and 18, a consumer
+   card: PCIe 4.0 x8 against GDDR6), an emulated link whose bandwidth makes loading one
+   expert take R times computing one expert for one token, at an expert budget of 25 %
+   of all experts: TPOT of every policy as a ratio to `lru`, with hit rate, exposed load
+   ms per token and MiB moved per token. The emulated link has CudaLink's host
+   semantics and moves no bytes on the CPU (offload/link.py): the host only waits where
+   a segment is read, so emulation costs no compute.
+3. Chunked copies: how long a demand load waits behind a prefetch already on the link,
+   per chunk size (emulated link on a virtual clock: modelled, deterministic).
 
-The checkpoint is a mid-size random Mixtral (8 layers, 32 experts, top-4, hidden
-1024, expert intermediate 512) built once into --dir. Random weights route with
-little locality; the demo model (`--model demo`) has learned routing.
+Rounds are interleaved (round r runs every table's every policy before round r + 1);
+tables give medians over rounds and the spread (min–max of the per-round values).
+`policy_table` prints one table of runs; a further matrix adds a table the same way.
 
-    python benchmarks/engine.py                # builds /tmp/fmoe-bench-engine on first run
-    python benchmarks/engine.py --model demo --tokens 48
+    python benchmarks/engine.py --model demo --repeats 3     # the issue-10 tables
+    python benchmarks/engine.py                # mid-size random Mixtral, built in /tmp/fmoe-bench-engine
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +48,7 @@ from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_e
 from fmoe_cli.run import find_timings
 
 POLICIES = ["lru", "moepic", "uniform", "lfu", "cache-only", "prefetch-only", "ondemand", "resident"]
+MIXTRAL_EXPERT_BYTES = 14336 * 3 * 4096 * 2  # one Mixtral-8x7B expert in bf16: 336 MiB
 PROMPT = "Explain how a mixture of experts decides which experts to use for each token."
 
 
@@ -69,6 +78,48 @@ def expert_compute_s(lm, repeats: int = 200) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """median [min–max] of per-round values."""
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+
+
+def policy_table(title: str, runs: dict[str, list], base: str = "lru") -> Table:
+    """One table of interleaved runs: policy -> RunResult per round; ratios to `base` per round."""
+    table = Table(title=title)
+    for col in ("policy", "TPOT ms", f"÷ {base} [spread]", "hit", "exp ms/tok", "MiB/tok"):
+        table.add_column(col, justify="right" if col != "policy" else "left")
+    for name, rs in runs.items():
+        ratios = [r.tpot_ms["median"] / b.tpot_ms["median"] for r, b in zip(rs, runs[base])]
+        table.add_row(name, spread([r.tpot_ms["median"] for r in rs]), spread(ratios),
+                      f"{statistics.median(r.hit_rate for r in rs):.2f}",
+                      spread([r.exposed_load_ms_per_token for r in rs]),
+                      f"{statistics.median(r.bytes_per_token for r in rs) / 2**20:.1f}")
+    return table
+
+
+def chunk_table(expert_bytes: int, gbps: float) -> Table:
+    """A demand load of one expert arriving 10 % into a whole-expert prefetch: its wait per chunk size."""
+    from fmoe_cli.offload.link import DEMAND, PREFETCH, VirtualClock
+
+    table = Table(title=f"3. demand load behind a prefetch, emulated {gbps:g} GB/s, expert {expert_bytes / 2**20:.1f} MiB "
+                        "(modelled on a virtual clock)")
+    for col in ("chunk", "demand wait ms", "prefetch done ms"):
+        table.add_column(col, justify="right")
+    whole = torch.empty(expert_bytes, dtype=torch.uint8)  # never written: the model moves no bytes
+    for chunk_mib in (4, 16, 32, 64, None):
+        clock = VirtualClock()
+        link = EmulatedLink(gbps, clock=clock, chunk_bytes=chunk_mib * 2**20 if chunk_mib else 1 << 62)
+        prefetch = link.submit(whole, whole, PREFETCH)
+        clock.advance(link.duration(expert_bytes) * 0.1)
+        start = clock.now()
+        demand = link.submit(whole, whole, DEMAND)
+        link.acquire(demand)
+        link.acquire(prefetch)
+        table.add_row(f"{chunk_mib} MiB" if chunk_mib else "none", f"{(demand.done_at - start) * 1e3:.2f}",
+                      f"{prefetch.done_at * 1e3:.2f}")
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a model id or directory instead of the mid-size random checkpoint")
@@ -76,18 +127,21 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--budget", default="25%")
-    p.add_argument("--load-ratio", type=float, default=3.0, help="expert load time / expert compute time")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is reported")
+    p.add_argument("--load-ratio", type=float, nargs="+", default=[3.0, 18.0],
+                   help="expert load time / expert compute time (one table each)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians and spread are reported")
     args = p.parse_args()
     torch.set_num_threads(1)
-    console = Console()
+    console = Console(width=130)
+    console.print("command: python benchmarks/engine.py " + " ".join(sys.argv[1:]), highlight=False)
 
     path = str(mid_size_checkpoint(Path(args.dir))) if args.model is None else args.model
     lm = load_model(path, device="cpu", dtype="float32", console=console)
     prompt_ids = encode_prompt(lm, PROMPT)
     shape = lm.shape
     console.print(f"{lm.label}: {shape.num_layers} MoE layers × {shape.num_experts} experts, top-{shape.top_k}, "
-                  f"hidden {shape.hidden}, expert {shape.expert_bytes / 2**20:.2f} MiB")
+                  f"hidden {shape.hidden}, expert {shape.expert_bytes / 2**20:.2f} MiB; prompt {prompt_ids.shape[-1]} "
+                  f"tokens, {args.tokens} measured tokens after {args.warmup} warm-up")
 
     # 1. resident through the engine vs plain transformers, interleaved `repeats` times.
     from transformers import AutoModelForCausalLM
@@ -102,54 +156,46 @@ def main() -> None:
         ours.append(decode_tpot_ms(lm.model, prompt_ids, args.tokens, engine))
     engine.close()
     del plain
-    hf_tpot, resident_tpot = statistics.median(hf), statistics.median(ours)
-    t1 = Table(title=f"1. resident engine vs plain transformers (TPOT ms, median of {args.repeats} interleaved runs)")
+    t1 = Table(title=f"1. resident engine vs plain transformers (TPOT ms: median [min–max] of {args.repeats} "
+                     "interleaved rounds)")
     for col in ("run", "TPOT ms", "ratio"):
         t1.add_column(col, justify="right" if col != "run" else "left")
-    t1.add_row("transformers", f"{hf_tpot:.2f}", "1.00")
-    t1.add_row("fmoe resident", f"{resident_tpot:.2f}", f"{resident_tpot / hf_tpot:.2f}")
+    t1.add_row("transformers", spread(hf), "1.00")
+    t1.add_row("fmoe resident", spread(ours), spread([o / h for o, h in zip(ours, hf)]))
     console.print(t1)
 
-    # 2. every policy on an emulated link at load/compute = load_ratio, policies interleaved.
+    # 2. every policy on an emulated link per load ratio; rounds interleave ratios and policies.
     t_exp = expert_compute_s(lm)
-    gbps = shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
     budget = parse_budget(args.budget, shape.all_experts_bytes)
-    link = EmulatedLink(gbps)
-    # As `fmoe bench` does (fmoe_cli/run.py): the configurator's timings found before the engine is
-    # configured, routing statistics recorded under every policy, `moepic` planned from them when its
-    # turn comes and re-planned between runs, when the device is idle.
-    timings = find_timings(lm, link)
-    engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
+    links = {ratio: EmulatedLink(shape.expert_bytes / (ratio * t_exp) / 1e9) for ratio in args.load_ratio}
+    # As `fmoe bench` does (fmoe_cli/run.py): the configurator's timings for the link in use, found
+    # before the engine is installed (a measurement installs its own), routing statistics recorded
+    # under every policy, `moepic` planned from the statistics so far when its turn comes.
+    timings = {ratio: find_timings(lm, link) for ratio, link in links.items()}
+    engine = Engine(lm.layers, lm.store, shape, links[args.load_ratio[0]], lm.device, lm.dtype)
     engine.install(lm.model)
     stats_path = default_stats_path(lm.model_id)
     stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
-    planner = Replanner(engine, PlanInputs(shape, budget, timings, model=lm.model_id), StatsRecorder(stats, stats_path))
-    runs: dict[str, list] = {name: [] for name in POLICIES}
+    planner = Replanner(engine, PlanInputs(shape, budget, timings[args.load_ratio[0]], model=lm.model_id),
+                        StatsRecorder(stats, stats_path))
+    runs: dict[float, dict[str, list]] = {ratio: {name: [] for name in POLICIES} for ratio in args.load_ratio}
     for r in range(args.repeats):
-        for name in POLICIES:
-            settings = settings_for(name, planner.plan_inputs())
-            with console.status(f"round {r + 1}/{args.repeats}: {name} …"):
-                runs[name].append(bench_policy(lm, engine, settings, prompt_ids, args.tokens, args.warmup))
-            planner()
+        for ratio, link in links.items():
+            engine.link = link
+            for name in POLICIES:
+                settings = settings_for(name, replace(planner.plan_inputs(), timings=timings[ratio]))
+                with console.status(f"round {r + 1}/{args.repeats}: load ratio {ratio:g}, {name} …"):
+                    runs[ratio][name].append(bench_policy(lm, engine, settings, prompt_ids, args.tokens, args.warmup))
     planner.close()
     engine.close()
-    console.print(f"moepic plan: {runs['moepic'][-1].plan}")
-
-    def tpot(name: str) -> float:
-        return statistics.median(r.tpot_ms["median"] for r in runs[name])
-
-    base = tpot("lru")
-    t2 = Table(title=f"2. {link.label()} (expert load {args.load_ratio:g}× T_exp = {args.load_ratio * t_exp * 1e3:.3f} ms), "
-                     f"budget {args.budget} = {budget / 2**20:.0f} MiB, median of {args.repeats} rounds")
-    for col in ("policy", "TPOT ms", "÷ lru", "hit", "exp ms/tok", "MiB/tok"):
-        t2.add_column(col, justify="right" if col != "policy" else "left")
-    for name, rs in runs.items():
-        exposed = statistics.median(r.exposed_load_ms_per_token for r in rs)
-        t2.add_row(name, f"{tpot(name):.2f}", f"{tpot(name) / base:.2f}", f"{rs[-1].hit_rate:.2f}",
-                   f"{exposed:.2f}", f"{rs[-1].bytes_per_token / 2**20:.1f}")
-    console.print(t2)
-    same = len({tuple(r.token_ids) for rs in runs.values() for r in rs}) == 1
-    console.print("token ids identical across policies" if same else "[red]token ids DIFFER[/red]")
+    for ratio, link in links.items():
+        console.print(policy_table(
+            f"2. {link.label()} (expert load {ratio:g}× T_exp = {ratio * t_exp * 1e3:.3f} ms), budget {args.budget} = "
+            f"{budget / 2**20:.0f} MiB: median [min–max] of {args.repeats} interleaved rounds", runs[ratio]))
+        console.print(f"moepic plan: {runs[ratio]['moepic'][-1].plan}", highlight=False)
+    same = len({tuple(r.token_ids) for rr in runs.values() for rs in rr.values() for r in rs}) == 1
+    console.print("token ids identical across policies and links" if same else "[red]token ids DIFFER[/red]")
+    console.print(chunk_table(MIXTRAL_EXPERT_BYTES, 16.0))
 
 
 if __name__ == "__main__":

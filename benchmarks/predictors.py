@@ -47,7 +47,9 @@ from fmoe_cli.offload.link import EmulatedLink  # noqa: E402
 from fmoe_cli.planning.presets import PRESETS, make_settings  # noqa: E402
 from fmoe_cli.run import find_timings  # noqa: E402
 from fmoe_cli.planning.plan import parse_budget  # noqa: E402
-from fmoe_cli.prediction import PREDICTORS, BasePredictor, make_predictor  # noqa: E402
+from fmoe_cli.prediction import PREDICTORS  # noqa: E402
+from fmoe_cli.prediction.base import BasePredictor  # noqa: E402
+from fmoe_cli.prediction.make import make_predictor  # noqa: E402
 from fmoe_cli.prediction.score import Scoreboard  # noqa: E402
 
 HISTORY = [

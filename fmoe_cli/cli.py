@@ -12,10 +12,12 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from fmoe_cli import chat as chat_defaults
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO
 from fmoe_cli.planning.plan import DEFAULT_BUDGET
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
+from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
 
 app = typer.Typer(
     help="Chat with a Mixture-of-Experts LLM on a GPU that cannot hold it.",
@@ -32,8 +34,8 @@ def _root() -> None:
 
 
 def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # before tokenizers is first imported
+    import transformers  # slow: only once a command runs, never for --help
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -62,18 +64,20 @@ ModelArg = Annotated[str, typer.Argument(help="Hugging Face model id, a local mo
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")]
 BudgetOpt = Annotated[str, typer.Option(
-    "--vram-budget", help="Device memory for experts: 6GiB, 512MiB, or a share of all routed experts such as 25%.")]
+    "--vram-budget", help="Device memory for experts: auto (what fits on this device; CPU: 25%), 6GiB, 512MiB, or a share of all routed experts such as 25%.")]
 LinkOpt = Annotated[float | None, typer.Option(
     "--emulate-link", metavar="GBPS", help="Emulate a host→device link of this many GB/s (any device).")]
 OmegaOpt = Annotated[float, typer.Option(
     "--lcp-omega", help="LCP ω: tokens over which an idle expert's priority decays by ρ (MoEpic Eq. 4).")]
 RhoOpt = Annotated[float, typer.Option("--lcp-rho", help="LCP ρ ∈ (0, 1]: the decay per ω idle tokens.")]
-PredictorOpt = Annotated[str, typer.Option(
-    help="Expert predictor of the prefetcher: speculative, expert-map, eam, mol, auto.")]
+PredictorOpt = Annotated[str, typer.Option(help=f"Expert predictor of the prefetcher: {', '.join(PREDICTORS)}.")]
 TraceOpt = Annotated[str | None, typer.Option(help="Record the routing of every measured run or turn (JSONL trace).")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Let --trace-out overwrite an existing file.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the repository's own Python code to run.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+ExpertsOpt = Annotated[str, typer.Option(
+    "--experts", help="How the routed experts are stored and moved: bf16 (unquantised, in --dtype), int8 or int4 "
+                      "(weight-only, group-wise: about 2× / 3.5× fewer bytes in RAM and on the link).")]
 
 
 def run_options(model: str, policies, *, dtype: str, lcp_omega: float = LCP_OMEGA, lcp_rho: float = LCP_RHO,
@@ -100,11 +104,12 @@ def bench(
     prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from this text file.")] = None,
     trace_out: TraceOpt = None,
     force: ForceOpt = False,
-    predictor: PredictorOpt = "speculative",
+    predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,
     dtype: DtypeOpt = "auto",
+    experts: ExpertsOpt = "bf16",
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
     as_json: JsonOpt = False,
@@ -115,7 +120,8 @@ def bench(
 
     opts = run_options(model, parse_policies(policy, compare), vram_budget=vram_budget, predictor=predictor,
                        lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
-                       overwrite_trace=force, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+                       overwrite_trace=force, dtype=dtype, experts=experts, device=device,
+                       trust_remote_code=trust_remote_code)
     report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=read_prompt(prompt, prompt_file), console=err_console)
     if as_json:
         print(json.dumps(report))
@@ -131,13 +137,14 @@ def chat(
     policy: Annotated[str, typer.Option(help=f"{POLICY_NAMES}.")] = DEFAULT_POLICY,
     profile: Annotated[str | None, typer.Option(help="A device profile from `fmoe profile` (JSON).")] = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.7,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")] = 0.9,
-    max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = 512,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = chat_defaults.TEMPERATURE,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")] = chat_defaults.TOP_P,
+    max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = chat_defaults.MAX_NEW_TOKENS,
     seed: Annotated[int | None, typer.Option(help="Sampling seed (reproducible answers).")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    predictor: PredictorOpt = "speculative",
+    experts: ExpertsOpt = "bf16",
+    predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,
@@ -151,7 +158,8 @@ def chat(
 
     opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
                        lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
-                       dtype=dtype, device=device, trust_remote_code=trust_remote_code, profile=profile)
+                       dtype=dtype, experts=experts, device=device, trust_remote_code=trust_remote_code,
+                       profile=profile)
     run_chat(ChatOptions(opts, system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                          seed=seed), err_console=err_console)
 
@@ -179,13 +187,15 @@ def plan(
     context: Annotated[int, typer.Option(help="Tokens of KV cache to reserve.")] = 4096,
     workspace: Annotated[str, typer.Option(help="Reserve for activations, the allocator and the CUDA context.")] = "512MiB",
     dtype: Annotated[str, typer.Option(help="auto (the config's, else bfloat16), bfloat16, float16, float32.")] = "auto",
+    experts: ExpertsOpt = "bf16",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """How the configurator would split the device memory for MODEL (from config.json alone, no weights)."""
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan  # torch and transformers: only once a command runs
 
-    run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace)
+    run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace,
+             experts=experts)
 
 
 @app.command()
@@ -197,6 +207,7 @@ def profile(
     prefill_len: Annotated[int, typer.Option(help="Prompt length of the timed prefill.")] = 64,
     quick: Annotated[bool, typer.Option(help="Fewer transfer sizes and repeats (seconds, less precise).")] = False,
     dtype: DtypeOpt = "auto",
+    experts: ExpertsOpt = "bf16",
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -207,8 +218,8 @@ def profile(
 
     # The model's layers are timed on the engine of a run without a cache, link emulation or statistics.
     opts = None if model is None else run_options(
-        model, ["ondemand"], vram_budget=None, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-        record_statistics=False)
+        model, ["ondemand"], vram_budget=None, dtype=dtype, experts=experts, device=device,
+        trust_remote_code=trust_remote_code, record_statistics=False)
     run_profile(opts, None if out is None else Path(out), emulate_link, prefill_len, quick, as_json, device,
                 err_console if as_json else Console())
 

@@ -24,21 +24,30 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fmoe_cli.bench.trace import TraceWriter, check_trace_out
+from fmoe_cli.trace import TraceWriter, check_trace_out
 from fmoe_cli.errors import FmoeError, warn
-from fmoe_cli.models.load import LoadedModel, load_model
+from fmoe_cli.models.load import LoadedModel, check_expert_format, load_model
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import check_bandwidth, make_link
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
-from fmoe_cli.planning.autoplan import link_fit_of
 from fmoe_cli.planning.configurator import DEFAULT_TAU
-from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_budget, min_staging_slots, parse_budget
+from fmoe_cli.planning.plan import (
+    DEFAULT_BUDGET,
+    KV_TOKENS,
+    check_budget,
+    check_budget_text,
+    check_plan_fits,
+    device_room,
+    kv_cache_bytes,
+    min_staging_slots,
+    resolve_budget,
+)
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, PlanInputs, make_settings, preset, settings_for
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import default_stats_path, open_recorder
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
-from fmoe_cli.profiling.device import device_identity
-from fmoe_cli.profiling.files import Profile, default_profile_path, model_identity
+from fmoe_cli.profiling.device import LinkPlan, device_identity, fit_link, measure_link
+from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
 from fmoe_cli.profiling.model import model_timings
 from fmoe_cli.types import Timings
 
@@ -56,6 +65,7 @@ class RunOptions:
     emulate_link: float | None = None  # GB/s of an emulated host→device link
     device: str = "auto"
     dtype: str | None = None  # None: auto
+    experts: str = "bf16"  # storage of the routed experts: bf16 (unquantised, in dtype), int8, int4
     trust_remote_code: bool = False
     trace_out: str | None = None  # JSONL routing trace
     overwrite_trace: bool = False  # --force: trace_out may replace an existing file
@@ -71,7 +81,9 @@ class RunOptions:
         for name in self.policies:
             preset(name)
         check_predictor(self.predictor)
+        check_expert_format(self.experts)
         check_lcp(self.omega, self.rho)
+        check_budget_text(self.vram_budget)
         if self.emulate_link is not None:
             check_bandwidth(self.emulate_link)
         if self.trace_out is not None:
@@ -125,6 +137,16 @@ def measure_timings(lm: LoadedModel, engine: Engine | None = None):
             engine.close()
 
 
+def link_fit_of(link, device, expert_bytes: int):
+    """(LinkFit, what it is) for the engine's link: an emulated link's own figures, else a quick measurement."""
+    if getattr(link, "gbps", None):
+        return LinkFit("emulated", link.gbps * 1e9, getattr(link, "latency_s", 0.0), (), link.label())
+    sizes = (expert_bytes, 4 * expert_bytes, 16 * expert_bytes)
+    samples = measure_link(device, LinkPlan(sizes, repeats=5, warmup=1))
+    latency, bandwidth = fit_link(samples)
+    return LinkFit("measured", bandwidth, latency, tuple(samples), f"quick measurement of {link.label()}")
+
+
 def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine: Engine | None = None) -> Timings:
     """The configurator's timings: the saved profile of this device and model, else a quick
     measurement (on `engine` if given — it is left configured for on-demand loading — else on a
@@ -155,16 +177,19 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
     console = console or Console(stderr=True)
     with ExitStack() as stack:
         lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
-                        console=console)
+                        console=console, experts=opts.experts)
         if opts.profile is not None:
             check_profile(opts.profile, lm.device)
         shape = lm.shape
-        slots_bytes = min_staging_slots(shape) * shape.expert_bytes
-        budget = slots_bytes if opts.vram_budget is None else parse_budget(opts.vram_budget, shape.all_experts_bytes)
+        # The budget against the device's free memory (the non-expert weights are loaded by now).
+        room = device_room(lm.device, kv_cache_bytes(lm.model.config, KV_TOKENS, shape.dtype_bytes))
+        budget = resolve_budget(opts.vram_budget, shape, room)
         presets = [PRESETS[name] for name in opts.policies]
         inputs = PlanInputs(shape, budget, model=lm.model_id)
         fixed = {p.name: settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
                  for p in presets if not p.configured}  # checks the budget before anything slow
+        for fixed_settings in fixed.values():
+            check_plan_fits(fixed_settings.plan, room)  # `resident` when the model does not fit
         configured = any(p.configured for p in presets)
         if configured:
             check_budget(shape, budget, min_staging_slots(shape))

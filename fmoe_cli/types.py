@@ -1,6 +1,7 @@
 """Small shared types at the bottom of the import graph (docs/architecture.md).
 
-`ExpertShape` describes a model's routed experts, `Plan` / `LayerPlan` how the expert
+`MoeLayer` is one routed-experts module of a loaded model, `ExpertShape` describes a
+model's routed experts, `Plan` / `LayerPlan` how the expert
 budget is spent on the device (MoEpic §3.4 notation: V_i, C_i, θ_i = k_i / I, U_b),
 `EngineSettings` what the engine is configured with, `Timings` the configurator's
 T_att, T_moe, T_head, T_load. Models, the engine, profiling and the planner all use
@@ -11,10 +12,53 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from fmoe_cli.errors import FmoeError
 
+if TYPE_CHECKING:  # annotations only: this module stays free of torch
+    from torch import nn
+
 MiB = 1024**2
+
+
+@dataclass
+class MoeLayer:
+    """One routed-experts module of a loaded model and its router (models/families.py finds them)."""
+
+    index: int  # position among the MoE layers (0 … L-1)
+    name: str  # module path of the experts module
+    decoder_index: int  # position among all decoder layers
+    experts: nn.Module
+    router: nn.Module
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """Weight-only, group-wise along the hidden dimension H (offload/quant.py). Each neuron row holds its
+    gate row, up row and down column quantised, then their per-group metadata (float16 scale, and offset for int4)."""
+
+    bits: int
+    group: int  # G: weights per scale (fewer when H is not a multiple)
+    meta_bytes: int  # per group: scale (int8: symmetric) or scale + offset (int4: min/max)
+
+    def group_size(self, hidden: int) -> int:
+        g = self.group
+        while hidden % g:
+            g //= 2
+        return max(g, 1)
+
+    def projection_bytes(self, hidden: int) -> int:
+        """One projection's row: H codes of `bits`, then H/G groups of metadata."""
+        return hidden * self.bits // 8 + hidden // self.group_size(hidden) * self.meta_bytes
+
+
+# --experts: "bf16" is unquantised (stored in the compute dtype, --dtype); int8 ≈ 8.1 bits, int4 ≈ 4.5 bits a weight.
+EXPERT_FORMATS: dict[str, QuantFormat | None] = {
+    "bf16": None,
+    "int8": QuantFormat(bits=8, group=128, meta_bytes=2),
+    "int4": QuantFormat(bits=4, group=64, meta_bytes=4),
+}
 
 
 @dataclass(frozen=True)
@@ -26,16 +70,21 @@ class ExpertShape:
     top_k: int  # K
     hidden: int  # H
     intermediate: int  # I: neurons per expert
-    dtype_bytes: int
+    dtype_bytes: int  # the compute dtype's
+    experts: str = "bf16"  # storage format of the routed experts (EXPERT_FORMATS)
 
     @property
     def expert_bytes(self) -> int:
-        """S_e: one packed expert, [I, 3, H]."""
-        return self.intermediate * 3 * self.hidden * self.dtype_bytes
+        """S_e: one packed expert, [I, 3, H] (quantised: I rows of neuron_bytes)."""
+        return self.intermediate * self.neuron_bytes
 
     @property
     def neuron_bytes(self) -> int:
-        return 3 * self.hidden * self.dtype_bytes
+        """One neuron's row: gate row, up row and down column (with their scales when quantised)."""
+        fmt = EXPERT_FORMATS[self.experts]
+        if fmt is None:
+            return 3 * self.hidden * self.dtype_bytes
+        return 3 * fmt.projection_bytes(self.hidden)
 
     @property
     def all_experts_bytes(self) -> int:
@@ -43,7 +92,7 @@ class ExpertShape:
 
     @property
     def neuron_block(self) -> int:
-        """Granularity of k: whole blocks keep the matmuls efficient (DESIGN §2)."""
+        """Granularity of k: whole blocks keep the matmuls efficient (docs/architecture.md § The split expert)."""
         for block in (64, 16):
             if self.intermediate % block == 0 and self.intermediate >= 8 * block:
                 return block

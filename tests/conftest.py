@@ -12,6 +12,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # fmoe keeps profiles and routing statistics in the user's config directory: tests get a fresh one.
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="fmoe-test-config-")
+# … and converted (quantised) stores in its cache directory.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fmoe-test-cache-")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)  # tiny models: threads only add noise and contention
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from fmoe_cli.bench.run import encode_prompt, read_prompt, render
-from fmoe_cli.bench.trace import read_trace
+from fmoe_cli.trace import read_trace
 from fmoe_cli.cli import app
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.planning.presets import PRESETS, parse_policies

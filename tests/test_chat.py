@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 import fmoe_cli.chat.session as session_module
-from fmoe_cli.bench.trace import read_trace
+from fmoe_cli.trace import read_trace
 from fmoe_cli.chat.repl import Chat, ChatOptions, open_chat, prompt_reader
 from fmoe_cli.cli import app
 from fmoe_cli.run import RunOptions

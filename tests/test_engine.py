@@ -118,3 +118,78 @@ def test_exposed_time_is_the_time_the_compute_waited(mixtral):
     assert c.exposed_s == pytest.approx(clock.slept) and clock.slept > 0
     # nothing overlaps on a virtual clock without compute time: every byte was waited for
     assert clock.slept == pytest.approx(c.bytes_demand / 1e9 + c.needed_loads * engine.link.latency_s, rel=1e-6)
+
+
+def test_routing_and_predictor_scores_reach_the_host_in_one_copy(monkeypatch):
+    from fmoe_cli.offload.engine import Routing
+
+    ids = torch.tensor([[3, 1], [1, 0], [7, 3]])
+    weights = torch.tensor([[0.7, 0.3], [0.55, 0.45], [0.9, 0.1]], dtype=torch.bfloat16)
+    scores = {("speculative", 2): torch.rand(8), ("mol", 2): torch.rand(3, 8)}
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t.shape) or real_cpu(t, *a, **k))
+    r = Routing.of(ids, weights, scores, pack=True)
+    assert len(copies) == 1  # one device→host copy for all of it
+    assert torch.equal(r.ids, ids) and torch.equal(r.weights, weights) and r.weights.dtype == torch.bfloat16
+    assert all(torch.equal(r.extra[key], t) for key, t in scores.items())
+    assert r.flat == [3, 1, 1, 0, 7, 3] and r.active == [0, 1, 3, 7]
+    rows = r.rows(torch.device("cpu"))
+    assert rows[3][0].tolist() == [0, 2] and rows[3][1].tolist() == [0, 1]  # tokens ascending, their top-k slot
+    assert rows[1][0].tolist() == [0, 1] and rows[1][1].tolist() == [1, 0]
+
+
+def test_a_decode_step_computes_each_prediction_once_and_no_nonzero(mixtral, monkeypatch):
+    """The speculative scores are computed once per layer, on the device, before the routing copy
+    (not again on the host side); and no per-expert nonzero (a host sync each on a GPU)."""
+    from fmoe_cli.planning.presets import make_settings
+    from fmoe_cli.prediction.speculative import SpeculativePredictor
+
+    lm = mixtral
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(20, clock=VirtualClock()), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("uniform", lm.shape, 2 * lm.shape.top_k * lm.shape.expert_bytes
+                                   + lm.shape.all_experts_bytes // 4))
+    calls = []
+    real = SpeculativePredictor._scores
+    monkeypatch.setattr(SpeculativePredictor, "_scores", lambda self, *a: calls.append(a[0]) or real(self, *a))
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: (_ for _ in ()).throw(AssertionError("nonzero")))
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=3, stop_on_eos=False)]
+    engine.close()
+    assert calls == list(range(lm.shape.num_layers)) * 3
+    monkeypatch.undo()
+    assert got == want_tokens(lm, 3)
+
+
+def test_configure_frees_before_it_allocates_and_keeps_the_old_plan_on_oom(mixtral, monkeypatch):
+    from fmoe_cli.errors import FmoeError
+    from fmoe_cli.offload import engine as engine_module
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = mixtral
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(20, clock=VirtualClock(), copy=True), lm.device, lm.dtype)
+    engine.install(lm.model)
+    small = make_settings("lru", shape, 2 * shape.top_k * shape.expert_bytes + shape.expert_bytes)
+    big = make_settings("lru", shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 2)
+    engine.configure(small)
+    seen = []
+    real_pool = engine_module.StagingPool
+
+    def pool_that_runs_out(*args, **kwargs):
+        seen.append((engine.pool, list(engine.layers)))  # what the engine still held while allocating
+        if len(seen) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return real_pool(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "StagingPool", pool_that_runs_out)
+    with pytest.raises(FmoeError, match=r"^out of device memory for the plan \(\d+ MiB\): kept the previous plan") as err:
+        engine.configure(big)
+    assert "\n" not in str(err.value)
+    assert seen[0] == (None, [])  # the old buffers were let go before the new ones were allocated
+    assert engine.settings is small
+    assert [s.cache.capacity for s in engine.layers] == [lp.cache_size for lp in small.plan.layers]
+    monkeypatch.undo()
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=4, stop_on_eos=False)]
+    engine.close()
+    assert got == want_tokens(lm, 4)

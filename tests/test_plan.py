@@ -70,3 +70,44 @@ def test_resident_plan_holds_every_expert_whole() -> None:
     plan = resident_plan(MIXTRAL)
     assert all(lp.cache_size == 8 and lp.split == 1.0 for lp in plan.layers)
     assert plan.cache_bytes == MIXTRAL.all_experts_bytes
+
+
+def test_whole_experts_spread_over_layers_when_a_layer_share_is_under_one_expert() -> None:
+    # Mixtral at 6 GiB: V_e = 6144 − 1344 MiB; V_e / 32 = 150 MiB < one 336 MiB expert.
+    from fmoe_cli.planning.plan import spread
+
+    plan = uniform_plan(MIXTRAL, 6 * 1024 * MiB, theta=1.0)
+    sizes = [lp.cache_size for lp in plan.layers]
+    assert sum(sizes) == (6 * 1024 - 4 * 336) // 336 == 14  # every expert that fits is cached
+    assert set(sizes) == {0, 1} and plan.total_bytes <= 6 * 1024 * MiB
+    assert sizes == spread(14, 32) and sizes[:16].count(1) == 7  # evenly over depth
+    assert uniform_plan(MIXTRAL, 12 * 1024 * MiB, theta=0.5).layers[0].cache_size == 2  # a share ≥ one: V_e / L
+
+
+class FakeConfig:
+    num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 32, 32, 8, 4096
+
+
+def test_budget_against_the_device_in_one_line_with_mib() -> None:
+    from fmoe_cli.planning.plan import Room, check_budget_text, check_plan_fits, kv_cache_bytes, resolve_budget
+
+    assert kv_cache_bytes(FakeConfig(), 4096, 2) == 2 * 32 * 8 * 128 * 2 * 4096  # Mixtral: 512 MiB at 4k tokens
+    room = Room(free=12 * 1024 * MiB, non_expert=0, kv=512 * MiB, workspace=512 * MiB)
+    assert room.bytes == 11 * 1024 * MiB
+    assert resolve_budget("auto", MIXTRAL, room) == 11 * 1024 * MiB  # the default: what fits
+    assert resolve_budget("6GiB", MIXTRAL, room) == 6 * 1024 * MiB
+    with pytest.raises(FmoeError, match=r"^--vram-budget 21504 MiB does not fit on this device: it has 11264 MiB "
+                                        r"\(free 12288 MiB − KV cache 512 MiB − workspace 512 MiB\)"):
+        resolve_budget("25%", MIXTRAL, room)  # 25 % of Mixtral's experts: 21 GiB
+    with pytest.raises(FmoeError, match=r"resident needs 86016 MiB for every expert on the device; this device has "
+                                        r"11264 MiB"):
+        check_plan_fits(resident_plan(MIXTRAL), room)
+    check_plan_fits(uniform_plan(MIXTRAL, 6 * 1024 * MiB), room)
+    tiny = Room(free=1024 * MiB, non_expert=0, kv=256 * MiB, workspace=512 * MiB)
+    with pytest.raises(FmoeError, match=r"the staging pool needs 1344 MiB, the device has 256 MiB"):
+        resolve_budget("auto", MIXTRAL, tiny)
+    assert resolve_budget("auto", MIXTRAL, None) == MIXTRAL.all_experts_bytes // 4  # the CPU: 25 %
+    assert resolve_budget(None, MIXTRAL, None) == 4 * 336 * MiB  # the staging pool alone
+    with pytest.raises(FmoeError, match="cannot read the budget"):
+        check_budget_text("lots")
+    check_budget_text("auto")

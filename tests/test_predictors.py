@@ -22,20 +22,16 @@ from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import PREFETCH, EmulatedLink, TransferState, VirtualClock
-from fmoe_cli.offload.policies import FmoePolicy, make_policy
+from fmoe_cli.offload.policies import FinemoePolicy, make_policy
 from fmoe_cli.planning.presets import make_settings
-from fmoe_cli.prediction import (
-    PREDICTORS,
-    AutoPredictor,
-    BasePredictor,
-    EamPredictor,
-    ExpertMapPredictor,
-    Iteration,
-    MolPredictor,
-    Prediction,
-    SpeculativePredictor,
-    make_predictor,
-)
+from fmoe_cli.prediction import PREDICTORS
+from fmoe_cli.prediction.auto import AutoPredictor
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction
+from fmoe_cli.prediction.eam import EamPredictor
+from fmoe_cli.prediction.expert_map import ExpertMapPredictor
+from fmoe_cli.prediction.make import make_predictor
+from fmoe_cli.prediction.mol import MolPredictor
+from fmoe_cli.prediction.speculative import SpeculativePredictor
 from fmoe_cli.prediction.eam import EamCollection, normalise_rows
 from fmoe_cli.prediction.expert_map import MapStore, prefetch_count
 from fmoe_cli.prediction.mol import intersection_scores
@@ -130,7 +126,7 @@ def test_router_predictors_are_exact_when_layers_copy_and_chance_on_random(make)
 def test_speculative_uses_the_next_router_on_this_layers_hidden_state():
     """Distinct routers and distinct per-layer hidden states: the prediction for layer l+1 is
     softmax(R_{l+1}(h_l)), not R_l(h_l) (this layer's router) nor R_{l+1}(h_{l-1})."""
-    from fmoe_cli.models.families import router_scores
+    from fmoe_cli.prediction.base import router_scores
 
     g = torch.Generator().manual_seed(11)
     routers = []
@@ -414,8 +410,8 @@ def test_auto_chooses_per_layer_the_most_accurate_at_replan():
 
 # --- fMoE's eviction policy ---------------------------------------------------------------------
 def test_fmoe_policy_keeps_highest_p_times_freq():
-    policy = make_policy("fmoe", 4)
-    assert isinstance(policy, FmoePolicy) and policy.uses_prediction
+    policy = make_policy("finemoe", 4)
+    assert isinstance(policy, FinemoePolicy) and policy.uses_prediction
     for e, n in [(0, 5), (1, 2), (2, 1)]:
         for step in range(n):
             policy.touch(e, step)
@@ -495,7 +491,7 @@ def test_every_predictor_keeps_the_tokens_of_transformers(family, name):
     engine.install(lm.model)
     tight = 2 * shape.top_k * shape.expert_bytes + shape.expert_bytes
     try:
-        for eviction in ("lcp", "fmoe"):
+        for eviction in ("lcp", "finemoe"):
             engine.configure(make_settings("uniform", shape, tight, eviction=eviction))
             for _ in range(2):  # the second request finds the first one's maps / EAM
                 got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine,

@@ -1,4 +1,4 @@
-"""Profiles (DESIGN §6): files round-trip, refuse another device / model / malformed JSON;
+"""Profiles (docs/architecture.md § Profiles and timings): files round-trip, refuse another device / model / malformed JSON;
 the link fit; `fmoe profile` end to end on a tiny checkpoint (quick mode)."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from fmoe_cli.bench.replay import (
     replay,
     run_replay,
 )
-from fmoe_cli.bench.trace import TraceWriter, read_trace
+from fmoe_cli.trace import TraceWriter, read_trace
 from fmoe_cli.errors import FmoeError
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mixtral-8x7b-humaneval.jsonl"

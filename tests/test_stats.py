@@ -1,4 +1,4 @@
-"""Routing statistics against brute force (DESIGN §7)."""
+"""Routing statistics against brute force (docs/architecture.md § Statistics, configurator, re-planning)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fmoe_cli.bench.trace import TraceRecord, TraceWriter, read_trace, write_trace
+from fmoe_cli.trace import TraceRecord, TraceWriter, read_trace, write_trace
 from fmoe_cli.errors import FmoeError
 
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mixtral-8x7b-humaneval.jsonl"

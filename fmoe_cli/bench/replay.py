@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from fmoe_cli.bench.trace import SequenceTrace, Trace, iter_sequences, scan_trace
+from fmoe_cli.trace import SequenceTrace, Trace, iter_sequences, scan_trace
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, replay_token
 from fmoe_cli.offload.policies import POLICIES, make_policy
@@ -252,19 +252,6 @@ def footer(result: ReplayResult) -> str:
     return (f"{result.format} trace: {result.sequences} sequences, {result.tokens} tokens{skipped}, "
             f"{result.layers} layers, {result.experts} experts. Hit rate = hits / activated experts; "
             f"per-layer caches, empty at each sequence start. belady = offline optimum.")
-
-
-def markdown_table(result: ReplayResult) -> str:
-    """The same table as GitHub Markdown (for docs)."""
-    sizes = sorted({s for rates in result.hit_rate.values() for s in rates})
-    lines = [
-        "| policy | " + " | ".join(f"C={s}" for s in sizes) + " |",
-        "|---|" + "---:|" * len(sizes),
-    ]
-    for p, rates in result.hit_rate.items():
-        label = "belady (optimum)" if p == BELADY else p
-        lines.append(f"| {label} | " + " | ".join(f"{rates[s]:.3f}" for s in sizes) + " |")
-    return "\n".join(lines)
 
 
 def run_replay(

@@ -28,7 +28,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from fmoe_cli.bench.trace import RouteRecorder
+from fmoe_cli.trace import RouteRecorder
 from fmoe_cli.errors import FmoeError, reading
 from fmoe_cli.generate import DEFAULT_PROMPT, SamplingParams, encode_messages, stream_generate
 from fmoe_cli.models.load import LoadedModel

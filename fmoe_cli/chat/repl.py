@@ -19,13 +19,18 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import platformdirs
+from prompt_toolkit import PromptSession
+from prompt_toolkit.history import FileHistory, InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings
 from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fmoe_cli.bench.trace import RouteRecorder
+from fmoe_cli.trace import RouteRecorder
+from fmoe_cli.chat import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.generate import SamplingParams
@@ -55,9 +60,9 @@ class ChatOptions:
 
     run: RunOptions = field(default_factory=RunOptions)
     system: str | None = None
-    temperature: float = 0.7
-    top_p: float = 0.9
-    max_new_tokens: int = 512
+    temperature: float = TEMPERATURE
+    top_p: float = TOP_P
+    max_new_tokens: int = MAX_NEW_TOKENS
     seed: int | None = None
 
     def check(self) -> None:
@@ -75,17 +80,11 @@ class ChatOptions:
 
 
 def history_path() -> Path:
-    import platformdirs
-
     return Path(platformdirs.user_data_dir("fmoe")) / "chat_history"
 
 
 def prompt_reader(history: Path | None, *, pt_input=None, pt_output=None) -> Reader:
     """A prompt-toolkit reader: Enter submits, Esc+Enter / Alt+Enter inserts a newline."""
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import InMemoryHistory
-    from prompt_toolkit.key_binding import KeyBindings
-
     bindings = KeyBindings()
 
     @bindings.add("enter")
@@ -112,8 +111,6 @@ def prompt_reader(history: Path | None, *, pt_input=None, pt_output=None) -> Rea
 
 
 def _file_history():
-    from prompt_toolkit.history import FileHistory
-
     class SafeFileHistory(FileHistory):
         """A FileHistory that stops writing (one warning) instead of failing inside the event loop."""
 

@@ -81,7 +81,7 @@ class ChatSession:
     system: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 512
-    recorder: object | None = None  # a bench.trace.RouteRecorder already in engine.observers, or None
+    recorder: object | None = None  # a trace.RouteRecorder already in engine.observers, or None
     messages: list[dict] = field(default_factory=list)  # user/assistant turns (the system prompt is apart)
     turns: int = 0
     last_answer_ids: list[int] = field(default_factory=list)  # token ids of the latest answer (with any EOS)

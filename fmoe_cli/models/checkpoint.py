@@ -29,7 +29,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from safetensors import SafetensorError, safe_open
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.models.families import MoeLayer
+from fmoe_cli.types import MoeLayer
 from fmoe_cli.offload.layout import DOWN, GATE, UP
 
 INDEX = "model.safetensors.index.json"
@@ -203,7 +203,8 @@ def _set_tensor(model, name: str, value: torch.Tensor) -> None:
 
 
 def read_checkpoint(path: Path, model, layers: list[MoeLayer], store, dtype: torch.dtype, console: Console) -> None:
-    """Load the non-expert weights into `model` (a meta-device skeleton) and every routed expert into `store`."""
+    """Load the non-expert weights into `model` (a meta-device skeleton) and every routed expert into `store`
+    (store None: the experts are already in a converted store; they are not read)."""
     files = [WeightFile(f) for f in weight_files(path)]
     try:
         _read(path, files, model, layers, store, dtype, console)
@@ -218,8 +219,10 @@ def _read(path: Path, files: list[WeightFile], model, layers, store, dtype: torc
         plain, experts = classify_keys(model, layers, f.keys())
         plan += [(f, key, target) for key, target in {**plain, **experts}.items()]
     _check_every_expert_present(layers, [t for _, _, t in plan if isinstance(t, ExpertPiece)])
+    if store is None:
+        plan = [(f, key, target) for f, key, target in plan if isinstance(target, str)]
     total = sum(f.nbytes(key) for f, key, _ in plan)
-    n_experts, intermediate = store.shape.num_experts, store.shape.intermediate
+    n_experts, intermediate = (store.shape.num_experts, store.shape.intermediate) if store is not None else (0, 0)
     scratch: torch.Tensor | None = None  # one piece as read from the file, reused
     # Per-expert pieces arrive tensor by tensor; an expert goes to the store once its three rows are in.
     pending: dict[tuple[int, int], tuple[torch.Tensor, set[int]]] = {}

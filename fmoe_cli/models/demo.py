@@ -11,6 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import platformdirs
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 SHIPPED = Path(__file__).parent / "demo_model"
 RANDOM_DEMO_VERSION = "random-v1"
@@ -43,9 +47,6 @@ def demo_path(cache_dir: Path | None = None) -> Path:
 
 def build_tokenizer(vocab_size: int = 384):
     """A small byte-level BPE tokenizer with a chat template (no download)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     specials = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -83,8 +84,6 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
 
 
 def tiny_config(family: str, vocab_size: int, eos_token_id: int = 1, pad_token_id: int = 0, **overrides):
-    import transformers
-
     config_class, shape = TINY_FAMILIES[family]
     kwargs = dict(
         bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=pad_token_id, vocab_size=vocab_size,
@@ -98,9 +97,6 @@ def tiny_config(family: str, vocab_size: int, eos_token_id: int = 1, pad_token_i
 
 def build_random_moe(path: Path, family: str = "mixtral", seed: int = 0, **overrides) -> Path:
     """Save a seeded random MoE checkpoint (safetensors + tokenizer) in the hub layout."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     tokenizer = build_tokenizer()
     config = tiny_config(
         family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

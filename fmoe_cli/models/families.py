@@ -9,26 +9,16 @@ resident.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import _default_apply_gate
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.types import MoeLayer
 
 # Config keys that name the number of routed experts, by family.
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-
-
-@dataclass
-class MoeLayer:
-    index: int  # position among the MoE layers (0 … L-1)
-    name: str  # module path of the experts module
-    decoder_index: int  # position among all decoder layers
-    experts: nn.Module
-    router: nn.Module
 
 
 def routed_expert_count(config) -> int:
@@ -48,7 +38,7 @@ def check_is_moe(config, model_id: str) -> None:
 
 
 def check_experts(experts: nn.Module, name: str) -> None:
-    """Refuse expert variants whose split would not be exact (DESIGN §2)."""
+    """Refuse expert variants whose split would not be exact (docs/architecture.md § The split expert)."""
     kind = type(experts).__name__
     if not hasattr(experts, "has_gate") or not hasattr(experts, "down_proj"):
         raise FmoeError(f"unsupported expert layout in {name} ({kind}): not a transformers fused-experts module")
@@ -84,17 +74,3 @@ def find_moe_layers(model: nn.Module, model_id: str = "model") -> list[MoeLayer]
     if not layers:
         raise FmoeError(f"{model_id}: found no routed experts to offload (dense model or unsupported family)")
     return layers
-
-
-def router_scores(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The router's per-expert scores for hidden states [T, H] -> [T, N] (higher = more likely).
-
-    Used for speculative prediction (MoEpic Eq. 3: softmax(R_{i+1}(h_i))). Routers
-    that choose by sigmoid + a correction bias (DeepSeek-V3) are ranked the way they
-    choose.
-    """
-    logits = F.linear(hidden.float(), router.weight.float())
-    bias = getattr(router, "e_score_correction_bias", None)
-    if bias is not None:
-        return logits.sigmoid() + bias.float()
-    return logits.softmax(dim=-1)

@@ -10,8 +10,7 @@ code runs only with `trust_remote_code=True`.
 from __future__ import annotations
 
 import os
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,11 +18,16 @@ from rich.console import Console
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models import demo
+from fmoe_cli.models.hub import download
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.models.checkpoint import check_weight_files, read_checkpoint
+from fmoe_cli.models.identity import checkpoint_fingerprint
+from fmoe_cli.offload.converted import converted_path, open_converted, save_converted
+from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import ExpertShape
+from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
 
+GiB = 1024**3
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]
 
 
@@ -65,32 +69,8 @@ def resolve_model(model_id: str, trust_remote_code: bool = False) -> tuple[Path,
 
 
 def _download(repo_id: str, trust_remote_code: bool) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-    from tqdm import TqdmExperimentalWarning
-    from tqdm.rich import tqdm as rich_tqdm
-
     patterns = DOWNLOAD_PATTERNS if trust_remote_code else [p for p in DOWNLOAD_PATTERNS if p != "*.py"]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", TqdmExperimentalWarning)
-            return Path(snapshot_download(repo_id, allow_patterns=patterns, tqdm_class=rich_tqdm))
-    except GatedRepoError:
-        raise FmoeError(f"{repo_id} is gated: accept its licence on the hub and log in (`hf auth login`)") from None
-    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError):
-        raise FmoeError(f"unknown model id {repo_id!r}: not a local directory and not found on the hub") from None
-    except LocalEntryNotFoundError:
-        raise FmoeError(
-            f"cannot download {repo_id}: no network (or HF_HUB_OFFLINE is set) and it is not in the local cache"
-        ) from None
-    except OSError as exc:  # connection errors and the like
-        raise FmoeError(f"cannot download {repo_id}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
+    return download(repo_id, patterns, repo_id)
 
 
 def _check_weights(path: Path, model_id: str) -> None:
@@ -132,10 +112,13 @@ def load_model(
     dtype: str | None = None,
     trust_remote_code: bool = False,
     console: Console | None = None,
+    experts: str = "bf16",
 ) -> LoadedModel:
+    """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`."""
     from transformers import AutoConfig, AutoTokenizer
 
     console = console or Console(stderr=True)
+    check_expert_format(experts)
     path, label = resolve_model(model_id, trust_remote_code)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
@@ -145,17 +128,28 @@ def load_model(
         raise FmoeError(f"{model_id}: {str(exc).splitlines()[0]} (pass --trust-remote-code for custom code)") from None
     check_is_moe(config, model_id)
     model, layers = build_skeleton(config, torch_dtype, model_id, trust_remote_code)
-    shape = expert_shape(layers, torch_dtype)
-    store = HostStore(shape, torch_dtype, pin=dev.type == "cuda")
-    store.allocate()
+    shape = expert_shape(layers, torch_dtype, experts)
+    check_host_ram(label, shape, skeleton_non_expert_bytes(model, layers))  # before a byte is read
+    store = make_store(shape, torch_dtype, pin=dev.type == "cuda")
+    to_save = None  # (path, fingerprint) of a converted store to write after this load
     try:
-        read_checkpoint(path, model, layers, store, torch_dtype, console)
+        mapped = None
+        if EXPERT_FORMATS[experts] is not None:  # quantised: from the converted store if there is a good one
+            fingerprint = checkpoint_fingerprint(path)
+            converted = converted_path(fingerprint, experts)
+            mapped = open_converted(converted, fingerprint, shape, console)
+            if mapped is None:
+                to_save = (converted, fingerprint)
+        store.allocate(mapped)
+        read_checkpoint(path, model, layers, store if mapped is None else None, torch_dtype, console)
         for layer in layers:
             _free_expert_weights(layer.experts, torch_dtype)
         _finish_skeleton(model, model_id)
     except BaseException:
         store.close()
         raise
+    if to_save is not None:
+        _save_converted(to_save[0], store, to_save[1], shape, console)
     model.eval().requires_grad_(False)
     model.to(dev)
     non_expert = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -164,6 +158,16 @@ def load_model(
     except (OSError, ValueError, TypeError):
         tokenizer = None
     return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert)
+
+
+def _save_converted(path: Path, store, fingerprint: str, shape: ExpertShape, console: Console) -> None:
+    """Keep the quantised store for the next load; a failure to save is a warning, not fatal."""
+    try:
+        with console.status(f"saving the {shape.experts} experts for the next start ({store.nbytes / GiB:.2f} GiB) …"):
+            save_converted(path, store.layers, fingerprint, shape)
+    except OSError as exc:
+        console.print(f"warning: could not save the converted store to {path} ({exc.strerror or exc}); "
+                      f"the next start converts again", highlight=False)
 
 
 def build_skeleton(config, dtype: torch.dtype, model_id: str, trust_remote_code: bool = False):
@@ -192,7 +196,45 @@ def _finish_skeleton(model, model_id: str) -> None:
     model.initialize_weights()  # only what is not marked initialised: the buffers just built
 
 
-def expert_shape(layers: list[MoeLayer], dtype: torch.dtype) -> ExpertShape:
+def skeleton_non_expert_bytes(model, layers: list[MoeLayer]) -> int:
+    """U_n from the (meta) model: every parameter and buffer but the routed experts."""
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return nbytes(list(model.parameters()) + list(model.buffers())) - sum(nbytes(l.experts.parameters()) for l in layers)
+
+
+def host_ram_needed(shape: ExpertShape, non_expert_bytes: int) -> int:
+    """Host RAM a load needs at its peak: the expert store and the other weights (measured within 1.15×
+    of this: tests/test_loading.py, benchmarks/loading.py)."""
+    return shape.all_experts_bytes + non_expert_bytes
+
+
+def host_ram_free() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_host_ram(label: str, shape: ExpertShape, non_expert_bytes: int) -> None:
+    """Refuse, in one line with the numbers, a model that would not fit in host RAM (not the OOM killer)."""
+    need, free = host_ram_needed(shape, non_expert_bytes), host_ram_free()
+    if need <= free:
+        return
+    smaller = [f for f in EXPERT_FORMATS if host_ram_needed(replace(shape, experts=f), non_expert_bytes) <= free]
+    hint = f"; --experts {smaller[-1]} needs {host_ram_needed(replace(shape, experts=smaller[-1]), non_expert_bytes) / GiB:.1f} GiB" \
+        if smaller else ""
+    raise FmoeError(f"{label} needs {need / GiB:.1f} GiB of host RAM with --experts {shape.experts} (experts "
+                    f"{shape.all_experts_bytes / GiB:.1f} + other weights {non_expert_bytes / GiB:.1f} GiB) but "
+                    f"{free / GiB:.1f} GiB is free here{hint}")
+
+
+def check_expert_format(experts: str) -> None:
+    if experts not in EXPERT_FORMATS:
+        raise FmoeError(f"unknown expert format {experts!r}; use {', '.join(EXPERT_FORMATS)}")
+
+
+def expert_shape(layers: list[MoeLayer], dtype: torch.dtype, experts: str = "bf16") -> ExpertShape:
     first = layers[0].experts
     n, two_i, h = first.gate_up_proj.shape
     if getattr(first, "is_transposed", False):
@@ -201,7 +243,7 @@ def expert_shape(layers: list[MoeLayer], dtype: torch.dtype) -> ExpertShape:
         if tuple(layer.experts.gate_up_proj.shape) != tuple(first.gate_up_proj.shape):
             raise FmoeError(f"unsupported expert layout: {layer.name} differs in shape from {layers[0].name}")
     top_k = getattr(layers[0].router, "top_k", None) or first.config.num_experts_per_tok
-    return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size())
+    return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size(), experts)
 
 
 def _free_expert_weights(experts: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from fmoe_cli.offload.policies import EvictionPolicy
+from fmoe_cli.types import LayerPlan
 
 
 @dataclass(frozen=True)
@@ -128,3 +129,8 @@ def replay_token(cache: LayerCache, experts: Sequence[int]) -> int:
             cache.unpin(e)
     cache.advance()
     return len(experts) - len(misses)
+
+
+def rebuild_order(ranking: Sequence[int], layer: LayerPlan) -> list[int]:
+    """Which experts a rebuilt cache holds: the top C_i by priority (ranking: highest first), split at θ_i."""
+    return list(ranking[: layer.cache_size])

@@ -1,6 +1,6 @@
 """The offloading engine: transformers' experts forward, served from a split-expert cache.
 
-One decode step through MoE layer i (DESIGN §5):
+One decode step through MoE layer i (docs/architecture.md § One decode step):
 1. the router (run by the model) gives the activated set A_i;
 2. the engine records statistics, drops this layer's prefetches that are not in A_i,
    and queues the missing segments of A_i as demand loads, ahead of any prefetch;
@@ -26,16 +26,17 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.models.families import MoeLayer
-from fmoe_cli.offload.cache import LayerCache
+from fmoe_cli.offload.cache import LayerCache, rebuild_order
 from fmoe_cli.offload.hits import Hits, classify
-from fmoe_cli.offload.link import DEMAND, Link
+from fmoe_cli.offload.link import DEMAND, Link, make_link
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.prediction import Iteration, Predictor, SpeculativePredictor
-from fmoe_cli.types import MiB, EngineSettings, ExpertShape, Plan
+from fmoe_cli.prediction.base import Iteration, Predictor
+from fmoe_cli.prediction.make import make_predictor
+from fmoe_cli.prediction.speculative import SpeculativePredictor
+from fmoe_cli.types import MiB, EngineSettings, ExpertShape, MoeLayer, Plan
 
 IMPLEMENTATION_NAME = "fmoe"
 
@@ -94,16 +95,28 @@ class Routing:
     active: list[int]  # distinct activated experts, ascending
     _rows: dict | None = None
 
+    extra: dict = field(default_factory=dict)  # the predictor's device parts, on the host
+
     @classmethod
-    def of(cls, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Routing:
-        if top_k_index.device.type == "cpu":
-            ids, weights = top_k_index, top_k_weights
-        else:  # ids and weights in one copy (float64 holds both exactly)
-            k = top_k_index.shape[-1]
-            host = torch.cat([top_k_index.double(), top_k_weights.double()], dim=-1).cpu()
-            ids, weights = host[:, :k].long(), host[:, k:].to(top_k_weights.dtype)
+    def of(cls, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, extra: dict | None = None,
+           pack: bool | None = None) -> Routing:
+        """Ids, weights and `extra` (key -> tensor) to the host in one copy (float64 holds ids,
+        bf16/fp32 weights and scores exactly). `pack`: default, only when they are not on the host."""
+        extra = extra or {}
+        if not (pack if pack is not None else top_k_index.device.type != "cpu"):
+            return cls._make(top_k_index, top_k_weights, {key: t.detach() for key, t in extra.items()})
+        parts = [top_k_index.reshape(-1), top_k_weights.reshape(-1), *(t.reshape(-1) for t in extra.values())]
+        host = torch.cat([t.detach().double() for t in parts]).cpu()
+        pieces = iter(host.split([t.numel() for t in parts]))
+        ids = next(pieces).long().view(top_k_index.shape)
+        weights = next(pieces).to(top_k_weights.dtype).view(top_k_weights.shape)
+        out = {key: next(pieces).to(t.dtype).view(t.shape) for key, t in extra.items()}
+        return cls._make(ids, weights, out)
+
+    @classmethod
+    def _make(cls, ids: torch.Tensor, weights: torch.Tensor, extra: dict) -> Routing:
         flat = ids.reshape(-1).tolist()
-        return cls(ids, weights, flat, sorted(set(flat)))
+        return cls(ids, weights, flat, sorted(set(flat)), extra=extra)
 
     def rows(self, device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """expert -> (token indices, positions in top-k) on `device`, tokens ascending; no per-expert sync."""
@@ -189,9 +202,10 @@ class Engine:
 
         warm=False starts empty with fresh policies; warm=True keeps the policies'
         history and fills each cache with its top-C_i experts by priority (the
-        rebuild after re-planning, DESIGN §7). The old plan's buffers are freed before
-        the new ones are allocated; if an allocation fails, the old plan is rebuilt
-        (cold: its buffers were freed) and the error is raised as one line.
+        rebuild after re-planning, docs/architecture.md § Statistics, configurator, re-planning).
+        The old plan's buffers are freed before the new ones are allocated; if an
+        allocation fails, the old plan is rebuilt (cold: its buffers were freed) and the
+        error is raised as one line.
         """
         previous = self.settings
         policies = [state.cache.policy for state in self.layers] if warm and self.layers else None
@@ -239,8 +253,8 @@ class Engine:
                                    dtype=store.dtype)
                 if steps is not None:
                     cache.step = steps[i]
-                    ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]
-                    for e in ranked[: lp.cache_size]:
+                    ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]  # ever activated
+                    for e in rebuild_order(ranked, lp):
                         tops[cache.insert(e)].copy_(store.expert(i, e)[: lp.top_neurons])
             layers.append(LayerState(cache, tops, lp.top_neurons))
         pool = StagingPool(plan.staging_slots, shape.intermediate, store.row_shape, store.dtype, self.device)
@@ -279,7 +293,8 @@ class Engine:
         i = experts._fmoe_layer
         state = self.layers[i]
         self._collect_stalls()
-        routing = Routing.of(top_k_index, top_k_weights)  # the one device→host copy of the layer
+        extra = self.predictor.device_part(self.iteration, i, hidden_states) if self._prefetching else {}
+        routing = Routing.of(top_k_index, top_k_weights, extra)  # the one device→host copy of the layer
         if self.observers:
             event = RouteEvent(i, routing.ids, routing.weights, routing.flat, state.cache, self._predicted[i])
             for observe in self.observers:
@@ -291,7 +306,7 @@ class Engine:
         try:
             hits = self._classify(i, routing.active)
             loading, waiting = self._submit(i, hits)
-            outputs = self._compute(i, experts.act_fn, hidden_states, routing, hits, loading, waiting, top_k_index)
+            outputs = self._compute(i, experts.act_fn, hidden_states, routing, hits, loading, waiting)
             return self._combine(hidden_states, routing, outputs, top_k_weights)
         finally:
             for e in routing.active:
@@ -343,7 +358,7 @@ class Engine:
             self.layers[i].counters.bytes_demand += transfer.nbytes
 
     def _compute(self, i: int, act, hidden_states: torch.Tensor, routing: Routing, hits: Hits,
-                 loading: list[Staged], waiting: list[tuple[int, int]], top_k_index: torch.Tensor) -> dict:
+                 loading: list[Staged], waiting: list[tuple[int, int]]) -> dict:
         """3. compute what is on the device, then each load as it arrives (speculating once every
         demand load is queued); returns expert -> output rows [T_e, H]."""
         state, pool, store = self.layers[i], self.pool, self.store
@@ -358,7 +373,7 @@ class Engine:
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
-                self._prefetch(i, hidden_states, top_k_index)  # 4. speculate once every demand load is queued
+                self._prefetch(i, hidden_states, routing)  # 4. speculate once every demand load is queued
                 prefetched = True
             entry = next((x for x in loading if x.transfer.ready()), loading[0])
             loading.remove(entry)
@@ -373,7 +388,7 @@ class Engine:
             pool.release(entry, self.link.record_reads())  # the next copy into the slot waits for these reads
             self._submit_demand(i, waiting, loading)
         if not prefetched:
-            self._prefetch(i, hidden_states, top_k_index)
+            self._prefetch(i, hidden_states, routing)
         return outputs
 
     def _combine(self, hidden_states: torch.Tensor, routing: Routing, outputs: dict,
@@ -397,11 +412,15 @@ class Engine:
         if admission is not None:
             state.tops[admission.slot].copy_(segment[: state.top_neurons])
 
-    def _prefetch(self, i: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> None:
-        """Show the predictor layer i's routing; queue what it predicts (fmoe_cli/offload/prefetch.py)."""
-        if self.settings is None or not self.settings.prefetch:
+    @property
+    def _prefetching(self) -> bool:
+        return self.settings is not None and self.settings.prefetch
+
+    def _prefetch(self, i: int, hidden_states: torch.Tensor, routing: Routing) -> None:
+        """Show the predictor layer i's routing (host); queue what it predicts (fmoe_cli/offload/prefetch.py)."""
+        if not self._prefetching:
             return
-        self.iteration.observe(i, hidden_states, top_k_index)
+        self.iteration.observe(i, hidden_states, routing.ids, host=routing.extra)
         self._note_rankings(self.prefetcher.issue(self.predictor.after_layer(self.iteration, i)))
 
     def _note_rankings(self, rankings: dict[int, list[int]]) -> None:
@@ -416,7 +435,7 @@ class Engine:
 
     def _begin_pass(self, module, args, output) -> None:
         """Forward hook on the embedding layer: a new pass; its output is the predictors' semantic hint."""
-        if self.settings is None or not self.settings.prefetch:
+        if not self._prefetching:
             return
         self.iteration.begin(output.detach())
         self._note_rankings(self.prefetcher.issue(self.predictor.begin(self.iteration)))
@@ -425,9 +444,6 @@ class Engine:
 def open_engine(lm, emulate_gbps: float | None = None, predictor: str = "speculative", link=None) -> Engine:
     """The engine every command runs on a loaded model (models.load.LoadedModel): its experts
     behind `link` (default: make_link, emulated if asked), the named predictor, installed in the model."""
-    from fmoe_cli.offload.link import make_link
-    from fmoe_cli.prediction import make_predictor
-
     shape = lm.shape
     link = link if link is not None else make_link(lm.device, emulate_gbps)
     engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype,

@@ -1,4 +1,4 @@
-"""The split expert: neuron-major packing (DESIGN §2).
+"""The split expert: neuron-major packing (docs/architecture.md § The split expert).
 
 Every gated expert computes
 

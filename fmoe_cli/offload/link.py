@@ -1,4 +1,5 @@
-"""The host→device link (DESIGN §4), with a CUDA copy stream's semantics on every device.
+"""The host→device link (docs/architecture.md § Device memory and the link), with a CUDA
+copy stream's semantics on every device.
 
 `submit(dst, src, priority, after) -> Transfer` queues a copy of `src` (host store)
 into `dst` (a device buffer). Lower priority numbers go first, so demand loads

@@ -123,7 +123,7 @@ class RandomPolicy(EvictionPolicy):
         return self._rng.choice(sorted(candidates))
 
 
-class FmoePolicy(EvictionPolicy):
+class FinemoePolicy(EvictionPolicy):
     """fMoE's eviction: evict the expert with the highest 1 / (p · freq), i.e. keep the
     highest p · freq. p: the expert's probability in the layer's latest prediction
     (normalised to sum 1; uniform 1/N before any), freq: its activation count μ.
@@ -133,7 +133,7 @@ class FmoePolicy(EvictionPolicy):
     negative scores (DeepSeek-V3's bias) count as 0.
     """
 
-    name = "fmoe"
+    name = "finemoe"
     uses_prediction = True
 
     def __init__(self, num_experts: int) -> None:
@@ -149,7 +149,7 @@ class FmoePolicy(EvictionPolicy):
         return self.p[expert] * self.count[expert]
 
 
-POLICIES = {"lcp": LCP, "lru": LRU, "lfu": LFU, "random": RandomPolicy, "fmoe": FmoePolicy}
+POLICIES = {"lcp": LCP, "lru": LRU, "lfu": LFU, "random": RandomPolicy, "finemoe": FinemoePolicy}
 
 
 def make_policy(name: str, num_experts: int, *, omega: float = LCP_OMEGA, rho: float = LCP_RHO, seed: int = 0) -> EvictionPolicy:

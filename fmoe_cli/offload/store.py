@@ -24,8 +24,9 @@ from fmoe_cli.types import ExpertShape
 class HostBuffer:
     """`nbytes` of ordinary host memory, page-locked for the GPU when `pin` (exact size, no rounding)."""
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+    def __init__(self, nbytes: int, pin: bool, memory: torch.Tensor | None = None) -> None:
+        """`memory`: existing uint8 host memory of `nbytes` to register instead (a memory-mapped file)."""
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8) if memory is None else memory
         self.registered = False
         if pin and nbytes > 0:
             cudart = torch.cuda.cudart()
@@ -60,12 +61,17 @@ class HostStore:
         """Partial expert output of the neurons in `segment` ([n, *row_shape]) for tokens x ([T, H])."""
         return layout.segment_forward(x, segment, act)
 
-    def allocate(self) -> None:
-        """One exact-size buffer per MoE layer (contents undefined until `put`)."""
+    @property
+    def layer_bytes(self) -> int:
         s = self.shape
-        per_layer = s.num_experts * s.intermediate * s.neuron_bytes
-        for _ in range(s.num_layers):
-            buffer = HostBuffer(per_layer, self.pin)
+        return s.num_experts * s.intermediate * s.neuron_bytes
+
+    def allocate(self, memory: list[torch.Tensor] | None = None) -> None:
+        """One exact-size buffer per MoE layer (contents undefined until `put`); or `memory`: one
+        uint8 tensor of layer_bytes per layer that already holds them (a memory-mapped converted store)."""
+        s = self.shape
+        for i in range(s.num_layers):
+            buffer = HostBuffer(self.layer_bytes, self.pin, None if memory is None else memory[i])
             self._buffers.append(buffer)
             self.layers.append(buffer.tensor.view(self.dtype).view(s.num_experts, s.intermediate, *self.row_shape))
 

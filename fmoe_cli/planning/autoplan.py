@@ -1,9 +1,7 @@
 """The `moepic` policy's plan: the configurator (Algorithm 1) fed with timings and statistics.
 
 `moepic_plan` is pure (numbers in, Plan out). The run set-up (fmoe_cli/run.py,
-`find_timings`) finds the numbers for a loaded model before its engine is configured;
-`link_fit_of` gives T_load for a link (an emulated link's own figures, else a few
-timed copies of expert-sized blocks).
+`find_timings`) finds the numbers for a loaded model before its engine is configured.
 """
 
 from __future__ import annotations
@@ -36,16 +34,3 @@ def moepic_plan(shape: ExpertShape, budget_bytes: int, timings: Timings, stats: 
                 **kwargs) -> Plan:
     """The configured plan (source "configurator": the bench and chat summaries show it)."""
     return moepic_configuration(shape, budget_bytes, timings, stats, **kwargs).plan
-
-
-def link_fit_of(link, device, expert_bytes: int):
-    """(LinkFit, what it is) for the engine's link: an emulated link's own figures, else a quick measurement."""
-    from fmoe_cli.profiling.device import LinkPlan, fit_link, measure_link
-    from fmoe_cli.profiling.files import LinkFit
-
-    if getattr(link, "gbps", None):
-        return LinkFit("emulated", link.gbps * 1e9, getattr(link, "latency_s", 0.0), (), link.label())
-    sizes = (expert_bytes, 4 * expert_bytes, 16 * expert_bytes)
-    samples = measure_link(device, LinkPlan(sizes, repeats=5, warmup=1))
-    latency, bandwidth = fit_link(samples)
-    return LinkFit("measured", bandwidth, latency, tuple(samples), f"quick measurement of {link.label()}")

@@ -1,4 +1,4 @@
-"""MoEpic's configurator (§3.4, Algorithm 1; DESIGN §7): numbers in, Plan out.
+"""MoEpic's configurator (§3.4, Algorithm 1; docs/architecture.md § Statistics, configurator, re-planning): numbers in, Plan out.
 
 Symbols (paper → code):
     L, N, K, I          shape.num_layers, num_experts, top_k, intermediate
@@ -12,7 +12,7 @@ Symbols (paper → code):
                         loading is hidden: cached top segments plus what prefetch covers
     T^i                 exposed (un-hidden) load time of layer i
 
-ExpertSplit({V_i}) (Eq. 5–11, as DESIGN §7 states them, with the link charged for
+ExpertSplit({V_i}) (Eq. 5–11, as docs/architecture.md § Statistics, configurator, re-planning states them, with the link charged for
 every prefetch the engine issues):
     T_wind^1 = T_head + T_att                                                   (5)
     for i = 1..L: choose C_i ≤ N (θ_i = V_i / (C_i·S_e) ≤ 1, rounded down to whole blocks)
@@ -343,7 +343,7 @@ def vram_allocation(
                          tuple(candidates))
 
 
-# --- the device budget (DESIGN §4) ------------------------------------------------
+# --- the device budget (docs/architecture.md § Device memory and the link) ------------------------------------------------
 @dataclass(frozen=True)
 class DeviceBudget:
     """U_n + Σ_i V_i + U_b + KV + workspace ≤ V."""
@@ -375,8 +375,3 @@ class DeviceBudget:
 def replan_due(tokens_since_plan: int, device_idle: bool, tau: int = DEFAULT_TAU) -> bool:
     """Re-plan every τ tokens, but only while the device is idle (between chat turns, after a bench run)."""
     return device_idle and tokens_since_plan >= tau
-
-
-def rebuild_order(ranking: Sequence[int], layer: LayerPlan) -> list[int]:
-    """Which experts a rebuilt cache holds: the top C_i by priority (ranking: highest first), split at θ_i."""
-    return list(ranking[: layer.cache_size])

@@ -4,7 +4,7 @@ For every MoE layer i: V_i (bytes of top segments cached), C_i (experts cached),
 θ_i = k_i / I (the split ratio; k_i top neurons per cached expert). Plus the staging
 pool U_b: full-expert slots for bottoms and missed experts.
 
-    U_n + Σ_i V_i + U_b + KV + workspace ≤ V        (DESIGN §4)
+    U_n + Σ_i V_i + U_b + KV + workspace ≤ V        (docs/architecture.md § Device memory and the link)
 
 The engine takes a Plan; `uniform_plan` makes the configurator-free one and the
 configurator (planning/configurator.py) makes the tuned one.
@@ -25,7 +25,7 @@ def layer_plan(shape: ExpertShape, cache_size: int, theta: float) -> LayerPlan:
 
 
 def min_staging_slots(shape: ExpertShape) -> int:
-    """Current and next layer: K slots each (DESIGN §4)."""
+    """Current and next layer: K slots each (docs/architecture.md § Device memory and the link)."""
     return min(2 * shape.top_k, 2 * shape.num_experts)
 
 
@@ -39,16 +39,30 @@ def check_budget(shape: ExpertShape, budget_bytes: int, staging_slots: int) -> N
 
 
 def uniform_plan(shape: ExpertShape, budget_bytes: int, theta: float = 0.5, source: str = "uniform") -> Plan:
-    """MoEpic without the configurator: V_i = V_e / L for every layer, one θ."""
+    """MoEpic without the configurator: V_i = V_e / L for every layer, one θ.
+
+    When V_e / L is less than one cached segment (Mixtral at 6 GiB: 150 MiB per layer
+    against a 336 MiB expert), the C = V_e // segment segments that fit are spread over
+    the layers instead, one each, evenly over depth (`spread`), so the budget is not
+    left unused."""
     slots = min_staging_slots(shape)
     check_budget(shape, budget_bytes, slots)
     if theta == 0.0:  # no cache: the whole budget is staging (prefetch-only)
         slots = max(slots, budget_bytes // shape.expert_bytes)
         return Plan(tuple(layer_plan(shape, 0, 0.0) for _ in range(shape.num_layers)), slots, shape.expert_bytes, source)
-    per_layer = (budget_bytes - slots * shape.expert_bytes) // shape.num_layers  # V_i = V_e / L
-    k = shape.top_neurons(theta)
-    cache_size = min(shape.num_experts, per_layer // (k * shape.neuron_bytes))
-    return Plan(tuple(layer_plan(shape, cache_size, theta) for _ in range(shape.num_layers)), slots, shape.expert_bytes, source)
+    expert_budget = budget_bytes - slots * shape.expert_bytes  # V_e
+    segment = shape.top_neurons(theta) * shape.neuron_bytes
+    cache_size = min(shape.num_experts, expert_budget // shape.num_layers // segment)  # V_i = V_e / L
+    if cache_size > 0:
+        sizes = [cache_size] * shape.num_layers
+    else:
+        sizes = spread(min(expert_budget // segment, shape.num_layers), shape.num_layers)
+    return Plan(tuple(layer_plan(shape, c, theta) for c in sizes), slots, shape.expert_bytes, source)
+
+
+def spread(count: int, layers: int) -> list[int]:
+    """`count` ≤ `layers` ones spread evenly over `layers` (layer i gets one when ⌊(i+1)·c/L⌋ > ⌊i·c/L⌋)."""
+    return [(i + 1) * count // layers - i * count // layers for i in range(layers)]
 
 
 def resident_plan(shape: ExpertShape) -> Plan:
@@ -57,7 +71,87 @@ def resident_plan(shape: ExpertShape) -> Plan:
     return Plan(tuple(full for _ in range(shape.num_layers)), 0, shape.expert_bytes, "resident", resident=True)
 
 
-DEFAULT_BUDGET = "25%"  # bench and chat: a quarter of all routed experts' bytes
+DEFAULT_BUDGET = "auto"  # bench and chat: what fits on this device (the CPU: AUTO_SHARE of all routed experts)
+AUTO_SHARE = "25%"
+WORKSPACE_BYTES = 512 * MiB  # activations, matmul workspace and allocator slack left free on the device
+KV_TOKENS = 4096  # the context the default budget leaves KV-cache room for
+
+
+def kv_cache_bytes(config, tokens: int, dtype_bytes: int) -> int:
+    """KV cache of `tokens` tokens: 2 (K, V) · layers · KV heads · head dim · dtype bytes per token."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * heads * head_dim * dtype_bytes * tokens
+
+
+def device_room(device, kv_bytes: int, workspace_bytes: int = WORKSPACE_BYTES, non_expert_pending: int = 0):
+    """Bytes the experts may take on `device`: its free memory now (torch.cuda.mem_get_info) minus
+    the KV cache, the workspace and any non-expert weights not loaded yet. None on the CPU (no limit
+    to check: the experts are read from host memory)."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return Room(free, non_expert_pending, kv_bytes, workspace_bytes)
+
+
+class Room:
+    """U_e = free − U_n (still to load) − KV − workspace: what the expert budget may use."""
+
+    def __init__(self, free: int, non_expert: int, kv: int, workspace: int) -> None:
+        self.free, self.non_expert, self.kv, self.workspace = free, non_expert, kv, workspace
+
+    @property
+    def bytes(self) -> int:
+        return self.free - self.non_expert - self.kv - self.workspace
+
+    def why(self) -> str:
+        pending = f" − non-expert weights {self.non_expert / MiB:.0f} MiB" if self.non_expert else ""
+        return (f"{self.bytes / MiB:.0f} MiB (free {self.free / MiB:.0f} MiB{pending} − KV cache "
+                f"{self.kv / MiB:.0f} MiB − workspace {self.workspace / MiB:.0f} MiB)")
+
+
+def resolve_budget(text: str | None, shape: ExpertShape, room: Room | None) -> int:
+    """The expert budget in bytes from --vram-budget: None = the staging pool alone; "auto" = what
+    fits (the CPU: AUTO_SHARE of all routed experts); else parse_budget. Refused in one line with
+    MiB when it does not fit in `room`."""
+    slots_bytes = min_staging_slots(shape) * shape.expert_bytes
+    if text is None:
+        budget = slots_bytes
+    elif _is_auto(text):
+        if room is None:
+            return parse_budget(AUTO_SHARE, shape.all_experts_bytes)
+        budget = min(room.bytes, shape.all_experts_bytes + slots_bytes)
+        if budget < slots_bytes:
+            raise FmoeError(f"the experts do not fit on this device: the staging pool needs {slots_bytes / MiB:.0f} "
+                            f"MiB, the device has {room.why()}")
+        return budget
+    else:
+        budget = parse_budget(text, shape.all_experts_bytes)
+    if room is not None and budget > room.bytes:
+        raise FmoeError(f"--vram-budget {budget / MiB:.0f} MiB does not fit on this device: it has {room.why()}; "
+                        f"use --vram-budget auto or less")
+    return budget
+
+
+def _is_auto(text: str) -> bool:
+    return text.strip().lower() == "auto"
+
+
+def check_budget_text(text: str | None) -> None:
+    """Refuse a --vram-budget that does not read, before anything slow."""
+    if text is not None and not _is_auto(text):
+        parse_budget(text, 1)
+
+
+def check_plan_fits(plan: Plan, room: Room | None) -> None:
+    """A plan's caches and staging pool (`resident`: every expert) must fit: else one line with MiB."""
+    if room is not None and plan.total_bytes > room.bytes:
+        what = "every expert on the device" if plan.resident else "its caches and staging pool"
+        raise FmoeError(f"{plan.source} needs {plan.total_bytes / MiB:.0f} MiB for {what}; this device has "
+                        f"{room.why()}")
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(%|b|kib|mib|gib|tib|kb|mb|gb|tb|k|m|g|t)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -72,7 +166,8 @@ def parse_budget(text: str, all_experts_bytes: int) -> int:
     """'6GiB', '512MiB', '1.5G', '25%' (of all routed experts' bytes) or plain bytes."""
     m = _SIZE.match(text)
     if not m:
-        raise FmoeError(f"cannot read the budget {text!r}: use a size such as 6GiB or 512MiB, or a share such as 25%")
+        raise FmoeError(f"cannot read the budget {text!r}: use a size such as 6GiB or 512MiB, a share such as 25%, "
+                        "or auto")
     value, unit = float(m.group(1)), (m.group(2) or "").lower() or None
     if unit == "%":
         if not 0 < value <= 100:

@@ -7,7 +7,7 @@ experts and count its other weights exactly. The device memory V comes from --vr
 
     U_n (non-expert weights) + U_b (staging pool) + KV (--context tokens) + workspace,
 
-and the rest, V_e, is what the configurator spends (DESIGN §4, §7). Timings: the
+and the rest, V_e, is what the configurator spends (docs/architecture.md § Device memory and the link, § Statistics, configurator, re-planning). Timings: the
 profile's model timings if it has them for this model; else a roofline estimate
 (decode reads every weight once at the profile's device-memory bandwidth); else none,
 and the plan assumes compute hides no loading.
@@ -16,18 +16,33 @@ and the plan assumes compute hides no loading.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.demo import demo_path
+from fmoe_cli.models.families import check_is_moe, find_moe_layers
+from fmoe_cli.models.hub import download
+from fmoe_cli.models.load import (
+    check_expert_format,
+    expert_shape,
+    host_ram_free,
+    host_ram_needed,
+    pick_dtype,
+    skeleton_non_expert_bytes,
+)
 from fmoe_cli.planning.autoplan import moepic_configuration
 from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings
 from fmoe_cli.planning.plan import min_staging_slots, parse_budget
-from fmoe_cli.types import MiB, ExpertShape
+from fmoe_cli.types import EXPERT_FORMATS, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
+from fmoe_cli.profiling.files import Profile, model_identity
+from fmoe_cli.profiling.layers import decoder_layers
 
 GiB = 1024**3
 # Without a profile: PCIe 4.0 x16, 16 GT/s × 16 lanes × 128/130 / 8 bits (PCI-SIG), one direction.
@@ -50,8 +65,6 @@ class ModelFacts:
 def config_path_of(model: str) -> Path:
     """A local config.json, a model directory holding one, `demo`, or config.json alone from the hub."""
     if model == "demo":
-        from fmoe_cli.models.demo import demo_path
-
         return demo_path() / "config.json"
     local = Path(model).expanduser()
     if local.is_file():
@@ -62,29 +75,7 @@ def config_path_of(model: str) -> Path:
         return local / "config.json"
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FmoeError(f"no such file or model directory: {model}")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    try:
-        # snapshot_download (not hf_hub_download): fails at once without a network instead of retrying
-        path = Path(snapshot_download(model, allow_patterns=["config.json"])) / "config.json"
-    except GatedRepoError:
-        raise FmoeError(f"{model} is gated: accept its licence on the hub and log in (`hf auth login`)") from None
-    except (RepositoryNotFoundError, RevisionNotFoundError, HFValidationError):
-        raise FmoeError(f"unknown model id {model!r}: not a local file or directory and not found on the hub") from None
-    except LocalEntryNotFoundError:  # (a subclass of EntryNotFoundError: first)
-        raise FmoeError(f"cannot fetch {model}'s config.json: no network (or HF_HUB_OFFLINE is set) and it is not cached") from None
-    except EntryNotFoundError:
-        raise FmoeError(f"{model} has no config.json on the hub") from None
-    except OSError as exc:
-        raise FmoeError(f"cannot fetch {model}'s config.json: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
+    path = download(model, ["config.json"], f"{model}'s config.json", progress=False) / "config.json"
     if not path.exists():
         raise FmoeError(f"{model} has no config.json on the hub")
     return path
@@ -94,14 +85,7 @@ def _nbytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def model_facts(model: str, dtype: str | None = None) -> ModelFacts:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fmoe_cli.models.families import check_is_moe, find_moe_layers
-    from fmoe_cli.models.load import expert_shape, pick_dtype
-    from fmoe_cli.profiling.layers import decoder_layers
-
+def model_facts(model: str, dtype: str | None = None, experts: str = "bf16") -> ModelFacts:
     path = config_path_of(model)
     try:
         config = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
@@ -116,9 +100,9 @@ def model_facts(model: str, dtype: str | None = None) -> ModelFacts:
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     layers = find_moe_layers(meta, model)
-    shape = expert_shape(layers, torch_dtype)
-    total = _nbytes(meta)
-    non_expert = total - shape.all_experts_bytes
+    check_expert_format(experts)
+    shape = expert_shape(layers, torch_dtype, experts)
+    non_expert = skeleton_non_expert_bytes(meta, layers)
     decoders = decoder_layers(meta)
     first = decoders[layers[0].decoder_index]
     attention = _nbytes(first) - _nbytes(layers[0].experts)
@@ -136,8 +120,6 @@ def model_facts(model: str, dtype: str | None = None) -> ModelFacts:
 
 def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, profile) -> tuple[Timings, str]:
     """(Timings, where they come from)."""
-    from fmoe_cli.profiling.files import model_identity
-
     shape = facts.shape
     if profile is not None and profile.model is not None:
         profile.check_model(model_identity(facts.name, facts.config_path), source="the profile")
@@ -154,13 +136,11 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
 
 
 def run_plan(model: str, vram: str | None, profile_path: str | None, context: int, dtype: str | None,
-             as_json: bool, console: Console, workspace: str = "512MiB") -> dict:
-    from fmoe_cli.profiling.files import Profile
-
+             as_json: bool, console: Console, workspace: str = "512MiB", experts: str = "bf16") -> dict:
     if context < 0:
         raise FmoeError(f"--context must be ≥ 0 tokens, got {context}")
     profile = Profile.load(Path(profile_path)) if profile_path is not None else None
-    facts = model_facts(model, dtype)
+    facts = model_facts(model, dtype, experts)
     shape = facts.shape
     if vram is not None:
         total = parse_budget(vram, shape.all_experts_bytes)
@@ -187,7 +167,8 @@ def run_plan(model: str, vram: str | None, profile_path: str | None, context: in
     if stats.tokens == 0:
         stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)
     config = moepic_configuration(shape, device.expert_budget + device.staging, timings, stats, model=model)
-    report = plan_report(facts, device, config, timings, stats, context,
+
+    report = plan_report(facts, device, config, timings, stats, context, host_free=host_ram_free(),
                          sources={"vram": vram_source, "link": link_source, "timings": timing_source,
                                   "statistics": "uniform routing (none recorded)" if stats.uniform
                                   else f"{stats.tokens} recorded tokens ({stats_path})"})
@@ -199,16 +180,26 @@ def run_plan(model: str, vram: str | None, profile_path: str | None, context: in
 
 
 def _local_gpu_memory() -> int:
-    import torch
-
     if not torch.cuda.is_available():
         raise FmoeError("no GPU on this machine: say how much device memory to plan for with --vram (e.g. 12GiB) "
                         "or give a --profile")
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
+def host_ram_report(facts: ModelFacts, free: int) -> dict:
+    """Host RAM a load of the model needs in each expert format (from config.json alone), and what is free."""
+
+    formats = {}
+    for name in EXPERT_FORMATS:
+        shape = replace(facts.shape, experts=name)
+        need = host_ram_needed(shape, facts.non_expert_bytes)
+        formats[name] = {"experts": shape.all_experts_bytes, "non_expert": facts.non_expert_bytes, "needed": need,
+                         "fits": need <= free}
+    return {"free": free, "chosen": facts.shape.experts, "formats": formats}
+
+
 def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, timings: Timings,
-                stats: RoutingStats, context: int, sources: dict) -> dict:
+                stats: RoutingStats, context: int, sources: dict, host_free: int) -> dict:
     shape = facts.shape
     layers = [{
         "layer": i, "vram_bytes": c.vram_bytes, "cache_size": c.cache_size, "split": c.split,
@@ -220,7 +211,8 @@ def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, 
         "model": facts.name,
         "shape": {"moe_layers": shape.num_layers, "experts": shape.num_experts, "top_k": shape.top_k,
                   "hidden": shape.hidden, "intermediate": shape.intermediate, "dtype_bytes": shape.dtype_bytes,
-                  "expert_bytes": shape.expert_bytes},
+                  "expert_bytes": shape.expert_bytes, "expert_format": shape.experts},
+        "host": host_ram_report(facts, host_free),
         "uniform_routing": stats.uniform,
         "sources": sources,
         "timings": {"t_att": timings.t_att, "t_moe": timings.t_moe, "t_exp": timings.t_exp, "t_head": timings.t_head,
@@ -238,10 +230,19 @@ def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, 
     }
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
+
+
 def render(report: dict, console: Console) -> None:
     s, m, t = report["shape"], report["memory"], report["totals"]
     console.print(f"{report['model']}: {s['moe_layers']} MoE layers × {s['experts']} experts (top-{s['top_k']}), "
-                  f"one expert {s['expert_bytes'] / MiB:.1f} MiB, all experts {m['all_experts'] / GiB:.1f} GiB",
+                  f"one expert {s['expert_bytes'] / MiB:.1f} MiB ({s['expert_format']}), all experts "
+                  f"{m['all_experts'] / GiB:.1f} GiB", highlight=False)
+    host = report["host"]
+    needs = " · ".join(f"{name} {_size(f['needed'])}" + ("" if f["fits"] else " (does not fit)")
+                       + (" ← --experts" if name == host["chosen"] else "") for name, f in host["formats"].items())
+    console.print(f"host RAM to load (expert store + other weights): {needs}; free here {_size(host['free'])}",
                   highlight=False)
     for key, value in report["sources"].items():
         if key == "vram":

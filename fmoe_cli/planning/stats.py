@@ -1,4 +1,4 @@
-"""Routing statistics for the configurator (MoEpic §3.4, DESIGN §7).
+"""Routing statistics for the configurator (MoEpic §3.4, docs/architecture.md § Statistics, configurator, re-planning).
 
 Per MoE layer i, after q tokens:
 
@@ -70,7 +70,7 @@ def _decode(text: str, shape: tuple[int, ...]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class LayerCurves:
-    """The three functions of DESIGN §7 for one layer, tabulated (what the configurator reads)."""
+    """The three functions of docs/architecture.md § Statistics, configurator, re-planning for one layer, tabulated (what the configurator reads)."""
 
     hit: np.ndarray  # [N+1]: H_i(C) for C = 0..N
     predicted_hit: np.ndarray  # [N]: P_i(y) at row y-1
@@ -134,7 +134,7 @@ class LayerStats:
             self.predicted_rank_hist[y, rank_of[pred]] += 1
             self.predicted_tokens += 1
 
-    # --- the functions of DESIGN §7 -----------------------------------------
+    # --- the functions of docs/architecture.md § Statistics, configurator, re-planning -----------------------------------------
     def hit_rate(self, cache_size: int) -> float:
         """H_i(C) = cumsum(hist)[C] / (q·K)."""
         return float(self.curves().hit[cache_size])

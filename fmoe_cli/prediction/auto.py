@@ -56,6 +56,12 @@ class AutoPredictor(BasePredictor):
             out += [p for p in predictions if self.choice[p.target] == c]
         return out
 
+    def device_part(self, it: Iteration, layer: int, hidden: torch.Tensor) -> dict:
+        parts: dict = {}
+        for c in self.candidates:  # every candidate runs in the shadow: all their parts, one copy
+            parts.update(c.device_part(it, layer, hidden))
+        return parts
+
     def begin(self, it: Iteration) -> list[Prediction]:
         return self._route([c.begin(it) for c in self.candidates])
 

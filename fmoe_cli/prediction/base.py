@@ -9,9 +9,17 @@ token in a decode step). The engine fills an `Iteration` as the pass goes:
   input and the experts it chose).
 
 A predictor is asked at both moments (`begin`, `after_layer`) and returns any
-number of `Prediction`s: for a target layer, a score per expert, how far ahead
+number of `Prediction`s (scores on the host): for a target layer, a score per expert, how far ahead
 the prediction is issued, how many of its best experts are worth loading, and
 the priority weight the prefetcher gives it.
+
+Device work: before MoE layer l's routing is copied to the host, the engine asks
+`device_part(it, l, hidden)` for the tensors a predictor computes on the device from
+h_l (the next router's scores, this layer's routing distribution, …). They travel to
+the host in the same single copy as the routing ids and weights, and `after_layer`
+finds them in `it.host` under the keys the predictor chose. A predictor run without
+the engine (tests, benchmarks) computes them itself (`Iteration.host_part`). So
+predictors and statistics only ever see host tensors and keep their state there.
 
 A *request* is what a user sends: its first iteration is a prefill (more than
 one token); the decode steps that follow (one token each) belong to it. A new
@@ -24,8 +32,23 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from fmoe_cli.models.families import router_scores
+
+
+def router_scores(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The router's per-expert scores for hidden states [T, H] -> [T, N] (higher = more likely).
+
+    Used for speculative prediction (MoEpic Eq. 3: softmax(R_{i+1}(h_i))). Routers
+    that choose by sigmoid + a correction bias (DeepSeek-V3) are ranked the way they
+    choose.
+    """
+    logits = F.linear(hidden.float(), router.weight.float())
+    bias = getattr(router, "e_score_correction_bias", None)
+    if bias is not None:
+        return logits.sigmoid() + bias.float()
+    return logits.softmax(dim=-1)
 
 
 @dataclass
@@ -60,8 +83,10 @@ class Iteration:
     tokens: int = 0  # tokens in this forward pass
     embedding: torch.Tensor | None = None  # [T, H] output of the embedding layer
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> router input [T, H] (recent layers)
-    routed: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> top_k_index [T, K]
+    routed: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> top_k_index [T, K] (host)
+    host: dict = field(default_factory=dict)  # key -> host copy of a predictor's device part (this pass)
     _distribution: dict[int, torch.Tensor] = field(default_factory=dict)
+    _semantic: torch.Tensor | None = None
 
     def begin(self, embedding: torch.Tensor | None, tokens: int | None = None) -> None:
         """A new forward pass. More than one token starts a new request (a prefill)."""
@@ -73,15 +98,31 @@ class Iteration:
             self.index += 1
         self.tokens = tokens
         self.embedding = embedding.reshape(-1, embedding.shape[-1]) if embedding is not None else None
+        self._semantic = None
         self.hidden.clear()
         self.routed.clear()
+        self.host.clear()
         self._distribution.clear()
 
+    def semantic(self) -> torch.Tensor | None:
+        """The pass's semantic vector on the host: the embedding output averaged over its tokens [H]."""
+        if self._semantic is None and self.embedding is not None:
+            self._semantic = self.embedding.float().mean(dim=0).cpu()
+        return self._semantic
+
+    def host_part(self, key, compute) -> torch.Tensor:
+        """The host copy of a device part (the engine's single copy), else `compute()` brought to the host."""
+        if key not in self.host:
+            self.host[key] = compute().cpu()
+        return self.host[key]
+
     def observe(self, layer: int, hidden: torch.Tensor | None, routed: torch.Tensor,
-                distribution: torch.Tensor | None = None) -> None:
-        """MoE layer `layer` has routed. `distribution` ([N]) may be given directly (synthetic routing)."""
+                distribution: torch.Tensor | None = None, host: dict | None = None) -> None:
+        """MoE layer `layer` has routed (`routed` on the host). `distribution` ([N]) may be given
+        directly (synthetic routing); `host`: the predictors' device parts, copied with the routing."""
         if layer in self.routed:  # no embedding hook ran (engine used without `install`): a new pass
             self.begin(None, tokens=routed.shape[0])
+        self.host.update(host or {})
         self.hidden[layer] = hidden
         for old in [h for h in self.hidden if h <= layer - self.keep_hidden]:
             del self.hidden[old]
@@ -102,7 +143,8 @@ class Iteration:
         routing) the share of routed slots each expert got."""
         if layer not in self._distribution:
             if self.routers is not None and self.hidden.get(layer) is not None:
-                p = router_scores(self.routers[layer], self.hidden[layer]).mean(dim=0)
+                p = self.host_part(("distribution", layer), lambda: distribution_part(self.routers[layer],
+                                                                                     self.hidden[layer]))
             else:
                 p = torch.bincount(self.routed[layer].reshape(-1), minlength=self.num_experts).float()
             p = p.clamp_min(0)  # DeepSeek-V3's bias can make a sigmoid score negative
@@ -110,8 +152,18 @@ class Iteration:
         return self._distribution[layer]
 
 
+def distribution_part(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Device part: a layer's router probabilities averaged over the pass's tokens [N]."""
+    return router_scores(router, hidden).mean(dim=0)
+
+
 class Predictor(Protocol):
     name: str
+
+    def device_part(self, it: Iteration, layer: int, hidden: torch.Tensor) -> dict:
+        """Before layer `layer`'s routing is copied to the host: tensors to compute on the device from
+        its router input `hidden` [T, H], by key; `after_layer` reads their host copies in `it.host`."""
+        ...
 
     def begin(self, it: Iteration) -> list[Prediction]:
         """The embedding layer has run: predictions that need no routing yet."""
@@ -133,6 +185,9 @@ class BasePredictor:
     """No-op defaults for the optional parts of the protocol."""
 
     name = "base"
+
+    def device_part(self, it: Iteration, layer: int, hidden: torch.Tensor) -> dict:
+        return {}
 
     def begin(self, it: Iteration) -> list[Prediction]:
         return []

@@ -51,7 +51,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, cosine_rows
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, cosine_rows, distribution_part
 
 DEFAULT_CAPACITY = 1000  # C (fMoE)
 DEFAULT_DISTANCE = 3  # d (fMoE)
@@ -176,10 +176,15 @@ class ExpertMapPredictor(BasePredictor):
         return out
 
     # --- the interface -------------------------------------------------------
+    def device_part(self, it: Iteration, layer: int, hidden: torch.Tensor) -> dict:
+        if it.routers is None:
+            return {}
+        return {("distribution", layer): distribution_part(it.routers[layer], hidden)}
+
     def begin(self, it: Iteration) -> list[Prediction]:
         self._pass = (it.request, it.index)
         self._rows.zero_()
-        self._semantic = it.embedding.float().mean(dim=0) if it.embedding is not None else None
+        self._semantic = it.semantic()  # on the host, as the map store
         if self._semantic is not None:
             self._submit(self._semantic_job, self._pass, self._semantic.clone())
         return self._ready(-1)

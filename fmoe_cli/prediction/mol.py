@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from fmoe_cli.models.families import router_scores
-from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, router_scores
 
 DEFAULT_CANDIDATES = 3  # K: candidates per layer
 DEFAULT_LAYERS = 3  # P: earlier layers intersected
@@ -57,10 +56,20 @@ class MolPredictor(BasePredictor):
         self.p = layers
         self.last_intersection: set[int] = set()  # for tests and the curious
 
+    def _per_layer(self, it: Iteration, layer: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        """[P', N]: the target router on the router inputs of this layer and the P − 1 before it."""
+        target = (layer + 1) % len(self.routers)
+        inputs = {layer: hidden if hidden is not None else it.hidden.get(layer)}
+        for h in range(layer - 1, layer - self.p, -1):
+            inputs[h] = it.hidden.get(h)
+        router = self.routers[target]
+        return torch.stack([router_scores(router, x).mean(dim=0) for x in inputs.values() if x is not None])
+
+    def device_part(self, it: Iteration, layer: int, hidden: torch.Tensor) -> dict:
+        return {("mol", layer): self._per_layer(it, layer, hidden)}
+
     def after_layer(self, it: Iteration, layer: int) -> list[Prediction]:
         target = (layer + 1) % len(self.routers)
-        sources = [h for h in (layer - j for j in range(self.p)) if h in it.hidden and it.hidden[h] is not None]
-        router = self.routers[target]
-        per_layer = [router_scores(router, it.hidden[h]).mean(dim=0) for h in sources]
+        per_layer = list(it.host_part(("mol", layer), lambda: self._per_layer(it, layer, None)))
         scores, self.last_intersection = intersection_scores(per_layer, self.k)
         return [Prediction(target, scores, distance=1, count=len(self.last_intersection) or None)]

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fmoe_cli.models.families import router_scores
-from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, router_scores
 
 
 class SpeculativePredictor(BasePredictor):
@@ -17,6 +16,14 @@ class SpeculativePredictor(BasePredictor):
     def __init__(self, routers: list[torch.nn.Module]) -> None:
         self.routers = routers
 
+    def _scores(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        target = (layer + 1) % len(self.routers)
+        return router_scores(self.routers[target], hidden).mean(dim=0)  # [N]
+
+    def device_part(self, it: Iteration, layer: int, hidden: torch.Tensor) -> dict:
+        return {("speculative", layer): self._scores(layer, hidden)}
+
     def after_layer(self, it: Iteration, layer: int) -> list[Prediction]:
         target = (layer + 1) % len(self.routers)
-        return [Prediction(target, router_scores(self.routers[target], it.hidden[layer]).mean(dim=0), distance=1)]
+        scores = it.host_part(("speculative", layer), lambda: self._scores(layer, it.hidden[layer]))
+        return [Prediction(target, scores, distance=1)]

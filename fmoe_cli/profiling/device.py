@@ -1,4 +1,4 @@
-"""Profile the local device (DESIGN §6): the host → device link, memory, identity.
+"""Profile the local device (docs/architecture.md § Profiles and timings): the host → device link, memory, identity.
 
 On a GPU: copies from pinned host memory to the device at 1 MiB … 512 MiB, the
 median of repeats after a warm-up, and a least-squares fit of
@@ -22,6 +22,7 @@ import torch
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.link import check_bandwidth
+from fmoe_cli.offload.store import HostBuffer
 from fmoe_cli.profiling.files import DeviceIdentity, DeviceProfile, LinkFit
 
 MiB = 1024**2
@@ -107,8 +108,6 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
 
 def measure_link(device: torch.device, plan: LinkPlan, advance: Callable[[], None] = lambda: None) -> list[tuple[int, float]]:
     """(bytes, median seconds) per size; `advance` is called after every timed copy."""
-    from fmoe_cli.offload.store import HostBuffer
-
     timed = _timer(device)
     samples = []
     for size in plan.sizes:

@@ -1,4 +1,4 @@
-"""Profile files (DESIGN §6): what `fmoe profile` measured, as versioned JSON.
+"""Profile files (docs/architecture.md § Profiles and timings): what `fmoe profile` measured, as versioned JSON.
 
 A profile holds the device part (identity, memory, the host→device link fit) and
 optionally the per-layer model timings. It is refused, with a one-line FmoeError,

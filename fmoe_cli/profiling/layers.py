@@ -1,4 +1,4 @@
-"""Per-layer model timings (DESIGN §6): T_att, T_moe (T_exp = T_moe / K), T_head.
+"""Per-layer model timings (docs/architecture.md § Profiles and timings): T_att, T_moe (T_exp = T_moe / K), T_head.
 
 `time_layers` takes an already-loaded transformers model (the engine's, or a fully
 resident one) and:

@@ -30,7 +30,7 @@ def resident_layer(engine: Engine, moe_index: int) -> Iterator[None]:
     cache = LayerCache(n, make_policy("lcp", n))
     for e in range(n):
         cache.insert(e)
-    tops = engine.store.layers[moe_index].to(engine.device, engine.dtype)
+    tops = engine.store.layers[moe_index].to(engine.device, engine.store.dtype)
     engine.layers[moe_index] = LayerState(cache, tops, engine.shape.intermediate)
     try:
         yield

@@ -1,0 +1,127 @@
+"""The converted store on disk: a quantised host store, saved once, memory-mapped after.
+
+The first int8/int4 load of a checkpoint quantises every expert (minutes for a large
+model); it then writes the packed store to the user cache as one safetensors file,
+
+    <cache>/converted/<checkpoint fingerprint[:20]>-<format>-v<FORMAT_VERSION>.safetensors
+
+with one uint8 tensor [N, I, 3, row bytes] per MoE layer and, in its metadata, the
+format version, the fingerprint, the format and the expert shape. Later loads map the
+file (`torch.from_file`, private mapping): start-up reads only the header, and pages
+become resident only when touched (or when page-locked for a GPU).
+
+Writes are atomic (a unique temporary name in the same directory, fsync, rename), so
+an interrupted write never leaves a file under the final name. A file that does not
+open as safetensors (truncated, garbage, corrupt header) or whose metadata does not
+match (another version, fingerprint, format or shape: stale) is set aside and
+rebuilt, with one line saying so; it is never used. (The tensor bytes themselves are
+not checksummed: hashing tens of GB would cost the start-up this file exists to save.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from safetensors import SafetensorError, safe_open
+
+from fmoe_cli.types import ExpertShape
+
+FORMAT_VERSION = 1
+ALIGN = 64  # data offsets of every tensor: page-friendly, and any dtype view is aligned
+
+
+def converted_dir() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("fmoe")) / "converted"
+
+
+def converted_path(fingerprint: str, experts: str, directory: Path | None = None) -> Path:
+    return (directory or converted_dir()) / f"{fingerprint[:20]}-{experts}-v{FORMAT_VERSION}.safetensors"
+
+
+def _metadata(fingerprint: str, shape: ExpertShape) -> dict[str, str]:
+    geometry = {"num_layers": shape.num_layers, "num_experts": shape.num_experts, "hidden": shape.hidden,
+                "intermediate": shape.intermediate, "neuron_bytes": shape.neuron_bytes}
+    return {"fmoe_converted_store": str(FORMAT_VERSION), "fingerprint": fingerprint, "experts": shape.experts,
+            "shape": json.dumps(geometry, sort_keys=True)}
+
+
+def save_converted(path: Path, layers: list[torch.Tensor], fingerprint: str, shape: ExpertShape) -> None:
+    """Write the store's layers (uint8 tensors) as safetensors, atomically, without copying them in memory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header: dict = {"__metadata__": _metadata(fingerprint, shape)}
+    offset = 0
+    for i, t in enumerate(layers):
+        offset = -(-offset // ALIGN) * ALIGN
+        nbytes = t.numel() * t.element_size()
+        header[f"layer.{i}"] = {"dtype": "U8", "shape": [nbytes], "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)  # the data starts aligned
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            start = 8 + len(text)
+            for i, t in enumerate(layers):
+                f.seek(start + header[f"layer.{i}"]["data_offsets"][0])
+                f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def open_converted(path: Path, fingerprint: str, shape: ExpertShape, console: Console) -> list[torch.Tensor] | None:
+    """The memory-mapped layers (uint8, layer_bytes each) of a valid converted store at `path`, else None
+    (nothing there; or corrupt / stale: set aside with a message, to be rebuilt)."""
+    if not path.exists():
+        return None
+    problem = _check(path, fingerprint, shape)
+    if problem is not None:
+        aside = path.with_name(path.name + f".bad-{uuid.uuid4().hex[:8]}")
+        try:
+            os.replace(path, aside)
+            where = f"moved to {aside.name}"
+        except OSError:
+            where = "left in place"
+        console.print(f"converted store {path} is {problem}: rebuilding it ({where})", highlight=False)
+        return None
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    start = 8 + n
+    size = path.stat().st_size
+    flat = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)  # a private map: lazy pages
+    return [flat[start + header[f"layer.{i}"]["data_offsets"][0]: start + header[f"layer.{i}"]["data_offsets"][1]]
+            for i in range(shape.num_layers)]
+
+
+def _check(path: Path, fingerprint: str, shape: ExpertShape) -> str | None:
+    """None if usable, else what is wrong (corrupt or stale)."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu", backend="pread") as f:
+            metadata = f.metadata() or {}
+            keys = set(f.keys())
+            sizes = {k: f.get_slice(k).get_shape() for k in keys}
+    except (SafetensorError, OSError, ValueError) as exc:
+        return f"corrupt ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    if metadata.get("fmoe_converted_store") != str(FORMAT_VERSION):
+        return f"stale (format version {metadata.get('fmoe_converted_store')!r}, this fmoe writes {FORMAT_VERSION})"
+    want = _metadata(fingerprint, shape)
+    for key in ("fingerprint", "experts", "shape"):
+        if metadata.get(key) != want[key]:
+            return f"stale (its {key} does not match the checkpoint)"
+    layer_bytes = shape.num_experts * shape.intermediate * shape.neuron_bytes
+    if keys != {f"layer.{i}" for i in range(shape.num_layers)} or any(s != [layer_bytes] for s in sizes.values()):
+        return "corrupt (its tensors do not match its shape)"
+    return None

@@ -1,0 +1,110 @@
+"""The converted store: the first int8/int4 load writes it, later loads map it instead of
+quantising again; a corrupt, stale or interrupted one is never used."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+from rich.console import Console
+
+import fmoe_cli.offload.converted as converted_module
+from fmoe_cli.models.identity import checkpoint_fingerprint
+from fmoe_cli.models.load import load_model
+from fmoe_cli.offload.converted import converted_path
+from fmoe_cli.offload.quant import QuantStore
+
+
+@pytest.fixture
+def model(checkpoints, tmp_path, monkeypatch):
+    """A private copy of a checkpoint and a private cache directory."""
+    monkeypatch.setattr(converted_module, "converted_dir", lambda: tmp_path / "cache")
+    path = tmp_path / "model"
+    path.mkdir()
+    for f in checkpoints["qwen2_moe"].iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+def load(path, experts="int4"):
+    out = io.StringIO()
+    lm = load_model(str(path), device="cpu", dtype="float32", experts=experts, console=Console(file=out, width=400))
+    return lm, out.getvalue()
+
+
+def never_quantise(monkeypatch):
+    monkeypatch.setattr(QuantStore, "put", lambda *a: pytest.fail("quantised again instead of mapping the store"))
+
+
+def test_second_load_maps_the_converted_store(model, monkeypatch):
+    first, _ = load(model)
+    path = converted_path(checkpoint_fingerprint(model), "int4")
+    assert path.exists() and path.stat().st_size >= first.store.nbytes
+    never_quantise(monkeypatch)
+    second, text = load(model)
+    assert text.strip() == ""
+    for a, b in zip(first.store.layers, second.store.layers):
+        assert torch.equal(a, b)
+    assert not any(p.name.endswith(".tmp") for p in path.parent.iterdir())
+
+
+def test_each_format_has_its_own(model, monkeypatch):
+    load(model, "int4")
+    load(model, "int8")
+    names = sorted(p.name for p in (converted_module.converted_dir()).iterdir())
+    assert [n.split("-")[1] for n in names] == ["int4", "int8"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_corrupt_store_is_set_aside_and_rebuilt(model, damage):
+    first, _ = load(model)
+    path = converted_path(checkpoint_fingerprint(model), "int4")
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[: len(data) // 2], "garbage": os.urandom(5000), "empty": b""}[damage])
+    again, text = load(model)
+    assert "is corrupt" in text and "rebuilding" in text
+    for a, b in zip(first.store.layers, again.store.layers):
+        assert torch.equal(a, b)
+    assert path.exists() and path.read_bytes() == data  # rebuilt
+    assert any(".bad-" in p.name for p in path.parent.iterdir())  # set aside, not deleted
+
+
+def test_stale_store_is_rebuilt(model, monkeypatch):
+    monkeypatch.setattr(converted_module, "FORMAT_VERSION", 0)
+    load(model)
+    old = converted_path(checkpoint_fingerprint(model), "int4")
+    monkeypatch.undo()
+    monkeypatch.setattr(converted_module, "converted_dir", lambda: old.parent)
+    path = converted_path(checkpoint_fingerprint(model), "int4")
+    os.replace(old, path)  # an old version's file under this version's name
+    _, text = load(model)
+    assert "stale" in text and "format version" in text
+
+
+def test_changed_checkpoint_gets_a_new_store(model, monkeypatch):
+    load(model)
+    import json
+
+    before = converted_path(checkpoint_fingerprint(model), "int4")
+    config = json.loads((model / "config.json").read_text())
+    config["rms_norm_eps"] *= 2
+    (model / "config.json").write_text(json.dumps(config))
+    after = converted_path(checkpoint_fingerprint(model), "int4")
+    assert before.exists() and after != before and not after.exists()
+
+
+def test_interrupted_write_leaves_nothing_behind(model, monkeypatch):
+    def crash(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(converted_module.os, "fsync", crash)
+    lm, text = load(model)  # the load itself succeeds; saving is a warning
+    assert "could not save the converted store" in text
+    directory = converted_module.converted_dir()
+    assert list(directory.iterdir()) == []  # no partial file, no temporary left
+    monkeypatch.undo()
+    monkeypatch.setattr(converted_module, "converted_dir", lambda: directory)
+    load(model)
+    assert converted_path(checkpoint_fingerprint(model), "int4").exists()

@@ -1,0 +1,171 @@
+"""int8 / int4 experts: the quantiser's layout (every neuron carries its own scales, so
+any split is one segment), its error, the byte sizes plans use, and the exactness
+contract: greedy tokens equal transformers' generate on the same checkpoint with its
+experts replaced by the dequantised weights, for every family and policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from fmoe_cli.generate import stream_generate
+from fmoe_cli.models.demo import TINY_FAMILIES
+from fmoe_cli.models.load import load_model
+from fmoe_cli.offload.engine import Engine
+from fmoe_cli.offload.layout import DOWN, GATE, UP, segment_forward
+from fmoe_cli.offload.link import EmulatedLink
+from fmoe_cli.planning.presets import PRESETS, make_settings
+from fmoe_cli.offload.quant import dequantize, quantize
+from fmoe_cli.planning.plan import uniform_plan
+from fmoe_cli.types import EXPERT_FORMATS, ExpertShape, Timings
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
+NEW_TOKENS = 24
+QUANT = ["int8", "int4"]
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_every_neuron_carries_its_scales(name):
+    """Quantising a bottom segment alone gives the same bytes as the bottom of the whole expert:
+    a split [0, k) / [k, I) is one contiguous segment with its scales."""
+    fmt = EXPERT_FORMATS[name]
+    torch.manual_seed(0)
+    block = torch.randn(96, 3, 256) * torch.logspace(-3, 0, 96)[:, None, None]  # neurons of very different scale
+    whole = quantize(block, fmt)
+    for k in (1, 17, 64):
+        assert torch.equal(whole[k:], quantize(block[k:], fmt))
+        assert torch.equal(dequantize(whole[k:], fmt, 256, torch.float32), dequantize(whole, fmt, 256, torch.float32)[k:])
+    assert whole.shape == (96, 3, fmt.projection_bytes(256)) and whole.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("name, max_error", [("int8", 0.5 / 127), ("int4", 0.5 / 15)])
+def test_error_is_within_half_a_step_per_group(name, max_error):
+    fmt = EXPERT_FORMATS[name]
+    torch.manual_seed(1)
+    block = torch.randn(32, 3, 512)
+    back = dequantize(quantize(block, fmt), fmt, 512, torch.float32)
+    groups = block.reshape(32, 3, -1, fmt.group_size(512))
+    span = groups.abs().amax(-1) if fmt.bits == 8 else groups.amax(-1) - groups.amin(-1)
+    error = (back - block).abs().reshape(groups.shape).amax(-1)
+    assert (error <= span * max_error * 1.01 + 1e-3 * span).all()  # half a step (+ float16 scale rounding)
+    assert error.mean() > 0  # really quantised
+
+
+def test_segment_forward_splits_exactly():
+    """Top + bottom of a quantised expert = the whole quantised expert (the engine's split stays exact)."""
+    fmt = EXPERT_FORMATS["int4"]
+    torch.manual_seed(2)
+    q = quantize(torch.randn(64, 3, 128) * 0.05, fmt)
+    x = torch.randn(5, 128)
+    act = torch.nn.functional.silu
+    w = dequantize(q, fmt, 128, torch.float32)
+    whole = segment_forward(x, w, act)
+    split = segment_forward(x, dequantize(q[:16], fmt, 128, torch.float32), act) + \
+        segment_forward(x, dequantize(q[16:], fmt, 128, torch.float32), act)
+    torch.testing.assert_close(split, whole)
+
+
+def test_plans_cache_more_quantised_experts_in_the_same_budget():
+    mixtral = dict(num_layers=32, num_experts=8, top_k=2, hidden=4096, intermediate=14336, dtype_bytes=2)
+    sizes = {name: ExpertShape(**mixtral, experts=name).expert_bytes for name in EXPERT_FORMATS}
+    assert sizes["bf16"] == 14336 * 3 * 4096 * 2
+    assert 3.5 < sizes["bf16"] / sizes["int4"] < 3.6 and 1.9 < sizes["bf16"] / sizes["int8"] < 2.0
+    qwen3_30b = dict(num_layers=48, num_experts=128, top_k=8, hidden=2048, intermediate=768, dtype_bytes=2)
+    budget = 8 * 2**30
+    cached = {name: sum(layer.cache_size for layer in
+                        uniform_plan(ExpertShape(**qwen3_30b, experts=name), budget, theta=1.0).layers)
+              for name in EXPERT_FORMATS}
+    assert cached["int4"] >= 3.4 * cached["bf16"] and cached["int8"] >= 1.9 * cached["bf16"], cached
+
+
+@pytest.fixture(scope="module", params=[(f, q) for f in TINY_FAMILIES for q in QUANT], ids=lambda p: f"{p[0]}-{p[1]}")
+def quant_setup(request, checkpoints):
+    family, experts = request.param
+    path = checkpoints[family]
+    lm = load_model(str(path), device="cpu", dtype="float32", experts=experts)
+    assert lm.store.dtype == torch.uint8 and lm.shape.experts == experts
+    # The reference: transformers' own model with its experts replaced by the dequantised weights.
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from fmoe_cli.models.families import find_moe_layers
+
+    for layer in find_moe_layers(reference, family):
+        w = lm.store.dequantized(layer.index)  # [N, I, 3, H]
+        with torch.no_grad():
+            original = layer.experts.gate_up_proj.clone()
+            layer.experts.gate_up_proj.copy_(torch.cat([w[:, :, GATE], w[:, :, UP]], dim=1))
+            layer.experts.down_proj.copy_(w[:, :, DOWN].transpose(1, 2))
+        assert not torch.equal(original, layer.experts.gate_up_proj)  # the weights really changed
+    reference.generation_config.eos_token_id = None
+    want = reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1]:].tolist()
+    full_sequence = torch.cat([PROMPT, torch.tensor([want])], dim=1)
+    with torch.no_grad():
+        want_logits = reference(full_sequence).logits
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20), lm.device, lm.dtype)
+    engine.install(lm.model)
+    yield lm, engine, want, full_sequence, want_logits
+    engine.close()
+
+
+@pytest.mark.parametrize("policy", list(PRESETS))
+def test_quantised_tokens_match_transformers_with_dequantised_experts(quant_setup, policy):
+    lm, engine, want, full_sequence, want_logits = quant_setup
+    shape = lm.shape
+    budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 3
+    for theta in ([0.25, 0.5] if policy == "uniform" else [None]):
+        timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=shape.top_k)  # as test_exactness
+        engine.configure(make_settings(policy, shape, budget, theta=theta, timings=timings))
+        got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
+                                                   stop_on_eos=False)]
+        assert got == want, f"{policy} θ={theta}: tokens differ"
+        with torch.no_grad():  # a prefill of the whole sequence: every expert, in waves through the pool
+            logits = lm.model(full_sequence).logits
+        torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+    c = engine.counters()
+    if policy not in ("resident",):
+        # quantised bytes on the link: every load is a whole number of quantised neuron rows
+        assert c.bytes_moved > 0 and c.bytes_moved % shape.neuron_bytes == 0
+
+
+def test_plan_says_what_each_format_needs_and_caches_more_int4(checkpoints):
+    import json
+
+    from test_cli_errors import run
+
+    path = str(checkpoints["mixtral"])
+    reports = {}
+    for fmt in EXPERT_FORMATS:
+        result, text = run("plan", path, "--vram", "1700KiB", "--workspace", "1MiB", "--context", "0",
+                           "--experts", fmt, "--json")
+        assert result.exit_code == 0, text
+        reports[fmt] = json.loads(result.stdout)
+    host = reports["int4"]["host"]
+    assert host["chosen"] == "int4" and host["free"] > 0
+    shape = ExpertShape(4, 8, 2, 64, 64, 4)  # the tiny mixtral in float32 (its config's dtype)
+    for fmt, entry in host["formats"].items():
+        assert entry["experts"] == replace_format(shape, fmt).all_experts_bytes
+        assert entry["needed"] == entry["experts"] + entry["non_expert"]
+    assert reports["int4"]["shape"]["expert_bytes"] == replace_format(shape, "int4").expert_bytes
+    # the VRAM plan spends the same budget on the chosen format's experts
+    cached = {fmt: r["totals"]["cached_experts"] for fmt, r in reports.items()}
+    assert cached["int8"] >= 2 * cached["bf16"] > 0
+    assert cached["int4"] >= min(3.4 * cached["bf16"], 4 * 8) and cached["int4"] > cached["int8"]
+    result, text = run("plan", path, "--vram", "1700KiB", "--workspace", "1MiB", "--context", "0", "--experts", "int4")
+    assert "host RAM to load" in text and "int4" in text
+
+
+def replace_format(shape, fmt):
+    from dataclasses import replace
+
+    return replace(shape, experts=fmt)
+
+
+def test_a_model_that_does_not_fit_in_host_ram_is_refused_before_loading(checkpoints, monkeypatch):
+    from test_cli_errors import assert_one_line_error, run
+
+    import fmoe_cli.models.load as load
+
+    monkeypatch.setattr(load, "host_ram_free", lambda: 100_000)
+    monkeypatch.setattr(load, "read_checkpoint", lambda *a, **k: pytest.fail("read weights before refusing"))
+    result, text = run("bench", str(checkpoints["mixtral"]), "--tokens", "2", "--experts", "bf16")
+    assert_one_line_error(result, text, "host RAM", "--experts bf16", "free here")
