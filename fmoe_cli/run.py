@@ -26,6 +26,7 @@ from rich.console import Console
 
 from fmoe_cli.trace import TraceWriter, check_trace_out
 from fmoe_cli.errors import FmoeError, warn
+from fmoe_cli.models.identity import model_key
 from fmoe_cli.models.load import LoadedModel, check_expert_format, load_model
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import check_bandwidth, make_link
@@ -152,7 +153,7 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
     measurement (on `engine` if given — it is left configured for on-demand loading — else on a
     temporary one). T_load: the link the run really uses (an emulated one's own figures)."""
     emulated = bool(getattr(link, "gbps", None))
-    path = profile_path or default_profile_path(lm.model_id, model_path=lm.path, emulated=emulated)
+    path = profile_path or default_profile_path(model_key(lm.model_id, lm.path), emulated=emulated)
     timings, link_fit = None, None
     if path.exists():
         try:  # a profile of another device or model (or a damaged one) is not used: measure instead, and say so

@@ -10,6 +10,7 @@ from fmoe_cli.cli import app
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import open_engine
 from fmoe_cli.run import find_timings
+from fmoe_cli.models.identity import model_key
 from fmoe_cli.profiling.files import Profile, default_profile_path
 
 
@@ -24,7 +25,7 @@ def loaded(checkpoints):
 def test_a_damaged_saved_profile_is_remeasured_and_says_so(loaded, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     lm, engine = loaded
-    path = default_profile_path(lm.model_id, model_path=lm.path)
+    path = default_profile_path(model_key(lm.model_id, lm.path))
     path.parent.mkdir(parents=True)
     path.write_text('{"kind": "fmoe-profile", "schema_version": 1, "device": {')
     timings = find_timings(lm, engine.link, engine=engine)
@@ -40,8 +41,8 @@ def test_an_emulated_profile_is_kept_apart(loaded, tmp_path, monkeypatch, capsys
     result = CliRunner().invoke(app, ["profile", "--model", lm.model_id, "--emulate-link", "8", "--quick",
                                       "--prefill-len", "4", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    real = default_profile_path(lm.model_id, model_path=lm.path)
-    emulated = default_profile_path(lm.model_id, model_path=lm.path, emulated=True)
+    real = default_profile_path(model_key(lm.model_id, lm.path))
+    emulated = default_profile_path(model_key(lm.model_id, lm.path), emulated=True)
     assert emulated.exists() and not real.exists()
     assert Profile.load(emulated).device.link.kind == "emulated"
     # even when named explicitly, an emulated profile's link is not taken for the real one

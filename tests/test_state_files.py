@@ -74,7 +74,7 @@ def test_a_directory_named_demo_is_not_the_builtin_demo(tmp_path, monkeypatch):
     builtin = default_stats_path("demo", tmp_path)
     for name in ("./demo", "demo/", str(tmp_path / "demo")):
         assert default_stats_path(name, tmp_path) != builtin, name
-        assert default_profile_path(name, tmp_path) != default_profile_path("demo", tmp_path), name
+        assert default_profile_path(model_key(name), tmp_path) != default_profile_path(model_key("demo"), tmp_path), name
     # one directory named three ways is one model
     assert len({default_stats_path(name, tmp_path) for name in ("./demo", "demo/", str(tmp_path / "demo"))}) == 1
     # the built-in demo's 9,130 tokens survive a session of the local directory

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.identity import model_key
 from fmoe_cli.profiling.files import default_profile_path
 from fmoe_cli.offload.policies import LCP
 from fmoe_cli.planning.stats import (
@@ -180,7 +181,7 @@ def test_save_load_round_trip(tmp_path):
             stats.observe(layer, a, rng.sample(range(n), n), noisy_prediction(rng, n, a, n))
     path = stats.save(default_stats_path("org/model", tmp_path))
     # next to the model's profile
-    assert path.parent == default_profile_path("org/model", tmp_path).parent
+    assert path.parent == default_profile_path(model_key("org/model"), tmp_path).parent
     assert path.name.startswith("org--model-") and path.name.endswith(".stats.json")  # name plus identity hash
     back = RoutingStats.load(path)
     for a, b in zip(stats.layers, back.layers):

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.files import writable_dir
+from fmoe_cli.models.identity import model_key
 from fmoe_cli.models.load import pick_device
 from fmoe_cli.offload.link import check_bandwidth
 from fmoe_cli.profiling.device import link_steps, profile_device
@@ -46,8 +47,7 @@ def run_profile(opts: RunOptions | None, out: Path | None, emulate_link: float |
         run = None if opts is None else stack.enter_context(open_run(opts, console))
         # An emulated link's profile is kept apart: it never stands in for the real link.
         path = Path(out) if out is not None else default_profile_path(
-            None if opts is None else opts.model, model_path=None if run is None else run.lm.path,
-            emulated=emulate_link is not None)
+            None if run is None else model_key(opts.model, run.lm.path), emulated=emulate_link is not None)
         with Progress(console=console, transient=True) as progress:
             link_task = progress.add_task("host → device link", total=link_steps(dev, quick, emulate_link is not None))
             device_profile = profile_device(emulate_link, quick=quick, device=dev,

@@ -20,7 +20,6 @@ import platformdirs
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.types import Timings
 from fmoe_cli.files import read_json, write_atomic
-from fmoe_cli.models.identity import model_key
 
 PROFILE_SCHEMA_VERSION = 1
 GiB = 1024**3
@@ -181,13 +180,13 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def default_profile_path(model: str | None = None, config_dir: Path | None = None, *, model_path: Path | None = None,
-                         emulated: bool = False) -> Path:
-    """The user's config directory: profiles/device.json, or profiles/<model key>.json with model timings
-    (the key of models.identity: source and fingerprint, so a directory named `demo` is not the demo).
-    A profile of an emulated link is kept apart (`*.emulated.json`): it never stands in for the real link."""
+def default_profile_path(key: str | None = None, config_dir: Path | None = None, *, emulated: bool = False) -> Path:
+    """The user's config directory: profiles/device.json, or profiles/<key>.json with a model's timings, where
+    `key` is the model's key (models.identity.model_key: where it comes from and its fingerprint, so a
+    directory named `demo` is not the demo). A profile of an emulated link is kept apart (`*.emulated.json`):
+    it never stands in for the real link."""
     base = Path(config_dir) if config_dir is not None else Path(platformdirs.user_config_dir("fmoe"))
-    stem = model_key(model, model_path) if model else "device"
+    stem = key or "device"
     return base / "profiles" / (f"{stem}.emulated.json" if emulated else f"{stem}.json")
 
 
