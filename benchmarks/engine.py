@@ -18,6 +18,13 @@ tables give medians over rounds and the spread (min–max of the per-round value
 `policy_table` prints one table of runs; a further matrix adds a table the same way.
 
     python benchmarks/engine.py --model demo --repeats 3     # the issue-10 tables
+    python benchmarks/engine.py --matrix [--ratios 1,3,10,30 --budgets 10%,25%,50% --repeats 3]
+
+4. `--matrix` (issue 12), on the demo model by default: at every load ratio × budget,
+   `moepic` TPOT against the best of `lru`, `lfu`, `uniform`, `cache-only` and
+   `prefetch-only` (target ≤ 1.03 ×), `resident` as the floor: where the best baseline
+   is within 5 % of it there is nothing for `moepic` to gain, and the table says so.
+   Round r runs every regime's every policy (order alternating) before round r + 1.
     python benchmarks/engine.py                # mid-size random Mixtral, built in /tmp/fmoe-bench-engine
 """
 
@@ -198,5 +205,78 @@ def main() -> None:
     console.print(chunk_table(MIXTRAL_EXPERT_BYTES, 16.0))
 
 
+# --- 4. the requirement matrix (issue 12) -------------------------------------------------
+MATRIX_BASELINES = ["lru", "lfu", "uniform", "cache-only", "prefetch-only"]
+NOTHING_TO_GAIN = 1.05  # the best baseline within 5 % of resident: nothing left for moepic to hide
+
+
+def matrix(args, console: Console) -> None:
+    """moepic vs the best baseline at every load ratio × budget (see the module doc)."""
+    lm = load_model(args.model, device="cpu", dtype="float32", console=console)
+    prompt_ids = encode_prompt(lm, PROMPT)
+    shape = lm.shape
+    t_exp = expert_compute_s(lm)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    budgets = [b.strip() for b in args.budgets.split(",")]
+    links = {ratio: EmulatedLink(shape.expert_bytes / (ratio * t_exp) / 1e9) for ratio in ratios}
+    timings = {ratio: find_timings(lm, link) for ratio, link in links.items()}
+    engine = Engine(lm.layers, lm.store, shape, links[ratios[0]], lm.device, lm.dtype)
+    engine.install(lm.model)
+    stats_path = default_stats_path(lm.model_id)
+    stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
+    first = parse_budget(budgets[0], shape.all_experts_bytes)
+    planner = Replanner(engine, PlanInputs(shape, first, timings[ratios[0]], model=lm.model_id),
+                        StatsRecorder(stats, stats_path))
+    policies = ["moepic", *MATRIX_BASELINES, "resident"]
+    regimes = [(ratio, b) for ratio in ratios for b in budgets]
+    runs = {regime: {name: [] for name in policies} for regime in regimes}
+    for r in range(args.repeats):
+        for ratio, budget_text in regimes:
+            engine.link = links[ratio]
+            budget = parse_budget(budget_text, shape.all_experts_bytes)
+            inputs = replace(planner.plan_inputs(), timings=timings[ratio], budget_bytes=budget)
+            for name in policies if r % 2 == 0 else policies[::-1]:
+                with console.status(f"round {r + 1}/{args.repeats}: ratio {ratio:g}, budget {budget_text}, {name} …"):
+                    runs[(ratio, budget_text)][name].append(
+                        bench_policy(lm, engine, settings_for(name, inputs), prompt_ids, args.tokens, args.warmup))
+    planner.close()
+    engine.close()
+    table = Table(title=f"4. moepic vs the best baseline: {lm.label}, emulated link (load ratio = one expert's load / "
+                        f"its compute, T_exp = {t_exp * 1e3:.3f} ms); TPOT ms, median [min–max] of {args.repeats} "
+                        f"interleaved rounds, {args.tokens} tokens after {args.warmup} warm-up")
+    for col in ("ratio", "budget", "moepic", "best baseline", "moepic ÷ best", "resident", "verdict"):
+        table.add_column(col, justify="left" if col in ("best baseline", "verdict") else "right")
+    for (ratio, budget_text), rr in runs.items():
+        tpot = {name: [x.tpot_ms["median"] for x in rs] for name, rs in rr.items()}
+        med = {name: statistics.median(v) for name, v in tpot.items()}
+        best = min(MATRIX_BASELINES, key=lambda n: med[n])
+        quotient = med["moepic"] / med[best]
+        if med[best] <= NOTHING_TO_GAIN * med["resident"]:
+            verdict = "nothing to gain (best ≈ resident)"
+        else:
+            verdict = "meets ≤ 1.03" if quotient <= 1.03 else "misses 1.03"
+        table.add_row(f"{ratio:g}", budget_text, spread(tpot["moepic"]), f"{best} {spread(tpot[best])}",
+                      f"{quotient:.2f}", spread(tpot["resident"]), verdict)
+    console.print(table)
+    for (ratio, budget_text), rr in runs.items():
+        console.print(f"moepic plan, ratio {ratio:g}, budget {budget_text}: {rr['moepic'][-1].plan}", highlight=False)
+    same = len({tuple(x.token_ids) for rr in runs.values() for rs in rr.values() for x in rs}) == 1
+    console.print("token ids identical across policies and regimes" if same else "[red]token ids DIFFER[/red]")
+
+
 if __name__ == "__main__":
-    main()
+    if "--matrix" in sys.argv:
+        q = argparse.ArgumentParser(description="issue 12's requirement matrix")
+        q.add_argument("--matrix", action="store_true")
+        q.add_argument("--model", default="demo", help="default: the demo model (learned routing)")
+        q.add_argument("--ratios", default="1,3,10,30", help="expert load time / expert compute time")
+        q.add_argument("--budgets", default="10%,25%,50%")
+        q.add_argument("--tokens", type=int, default=16)
+        q.add_argument("--warmup", type=int, default=2)
+        q.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians and spread are reported")
+        torch.set_num_threads(1)
+        console = Console(width=150)
+        console.print("command: python benchmarks/engine.py " + " ".join(sys.argv[1:]), highlight=False)
+        matrix(q.parse_args(), console)
+    else:
+        main()

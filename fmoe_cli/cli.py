@@ -18,6 +18,7 @@ from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO
 from fmoe_cli.planning.plan import DEFAULT_BUDGET
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
+from fmoe_cli.types import DEFAULT_EXPERTS
 
 app = typer.Typer(
     help="Chat with a Mixture-of-Experts LLM on a GPU that cannot hold it.",
@@ -72,6 +73,7 @@ OmegaOpt = Annotated[float, typer.Option(
 RhoOpt = Annotated[float, typer.Option("--lcp-rho", help="LCP ρ ∈ (0, 1]: the decay per ω idle tokens.")]
 PredictorOpt = Annotated[str, typer.Option(help=f"Expert predictor of the prefetcher: {', '.join(PREDICTORS)}.")]
 TraceOpt = Annotated[str | None, typer.Option(help="Record the routing of every measured run or turn (JSONL trace).")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Let --trace-out overwrite an existing file.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the repository's own Python code to run.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 ExpertsOpt = Annotated[str, typer.Option(
@@ -102,12 +104,13 @@ def bench(
     prompt: Annotated[str | None, typer.Option(help="Prompt (default: a short question).")] = None,
     prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from this text file.")] = None,
     trace_out: TraceOpt = None,
+    force: ForceOpt = False,
     predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,
     dtype: DtypeOpt = "auto",
-    experts: ExpertsOpt = "bf16",
+    experts: ExpertsOpt = DEFAULT_EXPERTS,
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
     as_json: JsonOpt = False,
@@ -118,7 +121,8 @@ def bench(
 
     opts = run_options(model, parse_policies(policy, compare), vram_budget=vram_budget, predictor=predictor,
                        lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
-                       dtype=dtype, experts=experts, device=device, trust_remote_code=trust_remote_code)
+                       overwrite_trace=force, dtype=dtype, experts=experts, device=device,
+                       trust_remote_code=trust_remote_code)
     report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=read_prompt(prompt, prompt_file), console=err_console)
     if as_json:
         print(json.dumps(report))
@@ -140,12 +144,13 @@ def chat(
     seed: Annotated[int | None, typer.Option(help="Sampling seed (reproducible answers).")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    experts: ExpertsOpt = "bf16",
+    experts: ExpertsOpt = DEFAULT_EXPERTS,
     predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,
     trace_out: TraceOpt = None,
+    force: ForceOpt = False,
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
@@ -153,8 +158,9 @@ def chat(
     from fmoe_cli.chat.repl import ChatOptions, run_chat  # torch: only once a command runs
 
     opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
-                       lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, dtype=dtype, experts=experts,
-                       device=device, trust_remote_code=trust_remote_code, profile=profile)
+                       lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
+                       dtype=dtype, experts=experts, device=device, trust_remote_code=trust_remote_code,
+                       profile=profile)
     run_chat(ChatOptions(opts, system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                          seed=seed), err_console=err_console)
 
@@ -165,7 +171,7 @@ def replay(
     trace: Annotated[str, typer.Argument(help="Routing trace: fmoe JSONL, or the vLLM dumps of shared/traces.")],
     cache_sizes: Annotated[str, typer.Option("--cache-sizes", help="Experts cached per layer: 1-7, 2,4,6 or 1-3,6.")] = "1-7",
     policies: Annotated[str, typer.Option(help="Comma-separated lru,lfu,lcp,random (belady is always added).")] = "lru,lfu,lcp,random",
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Replay a routing trace through the engine's cache policies: hit rate per policy and cache size."""
     from fmoe_cli.bench.replay import run_replay  # numpy: only once a command runs
@@ -182,15 +188,17 @@ def plan(
     context: Annotated[int, typer.Option(help="Tokens of KV cache to reserve.")] = 4096,
     workspace: Annotated[str, typer.Option(help="Reserve for activations, the allocator and the CUDA context.")] = "512MiB",
     dtype: Annotated[str, typer.Option(help="auto (the config's, else bfloat16), bfloat16, float16, float32.")] = "auto",
-    experts: ExpertsOpt = "bf16",
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    experts: ExpertsOpt = DEFAULT_EXPERTS,
+    trace: Annotated[str | None, typer.Option(help="A routing trace (fmoe or vLLM format) to simulate TPOT over.")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """How the configurator would split the device memory for MODEL (from config.json alone, no weights)."""
+    """How the configurator would split the device memory for MODEL, and the TPOT each policy would get
+    (from config.json alone, no weights)."""
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan  # torch and transformers: only once a command runs
 
-    run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace,
-             experts=experts)
+    run_plan(model, vram=vram, profile_path=profile, context=context, dtype=None if dtype == "auto" else dtype,
+             as_json=as_json, console=Console(), workspace=workspace, experts=experts, trace=trace)
 
 
 @app.command()
@@ -202,10 +210,10 @@ def profile(
     prefill_len: Annotated[int, typer.Option(help="Prompt length of the timed prefill.")] = 64,
     quick: Annotated[bool, typer.Option(help="Fewer transfer sizes and repeats (seconds, less precise).")] = False,
     dtype: DtypeOpt = "auto",
-    experts: ExpertsOpt = "bf16",
+    experts: ExpertsOpt = DEFAULT_EXPERTS,
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Measure the host→device link and memory (and per-layer times with --model); save a profile."""
     _quiet_libraries()
@@ -215,8 +223,8 @@ def profile(
     opts = None if model is None else run_options(
         model, ["ondemand"], vram_budget=None, dtype=dtype, experts=experts, device=device,
         trust_remote_code=trust_remote_code, record_statistics=False)
-    run_profile(opts, None if out is None else Path(out), emulate_link, prefill_len, quick, as_json, device,
-                err_console if as_json else Console())
+    run_profile(opts, out=None if out is None else Path(out), emulate_link=emulate_link, prefill_len=prefill_len,
+                quick=quick, as_json=as_json, device=device, console=err_console if as_json else Console())
 
 
 def main() -> None:

@@ -146,3 +146,36 @@ def test_bad_input_is_one_line_exit_2(checkpoints, tmp_path, monkeypatch, args, 
     bad.write_text("{not json")
     args = [str(checkpoints["mixtral"]) if a == "MODEL" else str(bad) if a == "PROFILE" else a for a in args]
     one_line_error(runner.invoke(app, ["plan", *args]), message)
+
+
+def test_plan_predicts_tpot_per_policy(checkpoints, tmp_path):
+    """Without a trace: the configurator's model priced for every policy; with an fmoe or vLLM trace
+    of the model's shape: the simulation over it. A trace of another shape is one error line."""
+    from fmoe_cli.trace import TraceWriter
+
+    path = str(checkpoints["mixtral"])
+    report = plan_json(path, "--vram", "64MiB", "--workspace", "8MiB")
+    tpot = report["tpot"]
+    assert tpot["how"].startswith("model:")
+    assert set(tpot["policies"]) >= {"moepic", "lru", "lfu", "prefetch-only", "resident"}
+    shape = report["shape"]
+    layers, experts, k = shape["moe_layers"], shape["experts"], shape["top_k"]
+    trace = tmp_path / "t.jsonl"
+    rng = __import__("random").Random(0)
+    with TraceWriter(trace, num_layers=layers, num_experts=experts, top_k=k) as w:
+        for t in range(40):
+            for layer in range(layers):
+                w.record(0, t, layer, rng.sample(range(experts), k), [1 / k] * k)
+    report = plan_json(path, "--vram", "64MiB", "--workspace", "8MiB", "--trace", str(trace))
+    sim = report["tpot"]
+    assert sim["how"].startswith("simulated:") and "eam" in sim["how"]
+    assert sim["policies"]["resident"]["exposed_s"] == 0.0
+    assert all(p["tpot_s"] >= sim["policies"]["resident"]["tpot_s"] - 1e-12 for p in sim["policies"].values())
+    other = tmp_path / "other.jsonl"
+    with TraceWriter(other, num_layers=layers + 1, num_experts=experts, top_k=k) as w:
+        for layer in range(layers + 1):
+            w.record(0, 0, layer, list(range(k)), [1 / k] * k)
+    one_line_error(runner.invoke(app, ["plan", path, "--vram", "64MiB", "--workspace", "8MiB", "--trace", str(other)]),
+                   "layers")
+    one_line_error(runner.invoke(app, ["plan", path, "--vram", "64MiB", "--trace", str(tmp_path / "nope")]),
+                   "no such file")

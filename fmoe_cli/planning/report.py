@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -37,12 +38,15 @@ from fmoe_cli.models.load import (
     skeleton_non_expert_bytes,
 )
 from fmoe_cli.planning.autoplan import moepic_configuration
-from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings
+from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings, price_plan
+from fmoe_cli.planning.presets import PlanInputs, settings_for
+from fmoe_cli.planning.simulate import predict_policies, tokens_of
 from fmoe_cli.planning.plan import min_staging_slots, parse_budget
-from fmoe_cli.types import EXPERT_FORMATS, MiB, ExpertShape
+from fmoe_cli.types import DEFAULT_EXPERTS, EXPERT_FORMATS, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
 from fmoe_cli.profiling.files import Profile, model_identity
 from fmoe_cli.profiling.layers import decoder_layers
+from fmoe_cli.trace import read_trace
 
 GiB = 1024**3
 # Without a profile: PCIe 4.0 x16, 16 GT/s × 16 lanes × 128/130 / 8 bits (PCI-SIG), one direction.
@@ -85,7 +89,7 @@ def _nbytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def model_facts(model: str, dtype: str | None = None, experts: str = "bf16") -> ModelFacts:
+def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXPERTS) -> ModelFacts:
     path = config_path_of(model)
     try:
         config = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
@@ -136,10 +140,16 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
 
 
 def run_plan(model: str, vram: str | None, profile_path: str | None, context: int, dtype: str | None,
-             as_json: bool, console: Console, workspace: str = "512MiB", experts: str = "bf16") -> dict:
+             as_json: bool, console: Console, workspace: str = "512MiB", experts: str = DEFAULT_EXPERTS,
+             trace: str | None = None) -> dict:
     if context < 0:
         raise FmoeError(f"--context must be ≥ 0 tokens, got {context}")
+    if trace is not None and not Path(trace).is_file():
+        raise FmoeError(f"--trace: no such file: {trace}")
     profile = Profile.load(Path(profile_path)) if profile_path is not None else None
+    routing = None
+    if trace is not None:  # a malformed trace is refused before the model is built
+        routing = read_trace(trace)
     facts = model_facts(model, dtype, experts)
     shape = facts.shape
     if vram is not None:
@@ -162,21 +172,71 @@ def run_plan(model: str, vram: str | None, profile_path: str | None, context: in
     device = DeviceBudget(total, facts.non_expert_bytes, slots * shape.expert_bytes,
                           facts.kv_bytes_per_token * context, parse_budget(workspace, 0))
     device.check()
-    stats_path = default_stats_path(model)
+    stats_path = default_stats_path(model, model_path=facts.config_path)
     stats = load_or_empty(model, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
     if stats.tokens == 0:
         stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)
-    config = moepic_configuration(shape, device.expert_budget + device.staging, timings, stats, model=model)
+    budget = device.expert_budget + device.staging
+    config = moepic_configuration(shape, budget, timings, stats, model=model)
 
     report = plan_report(facts, device, config, timings, stats, context, host_free=host_ram_free(),
                          sources={"vram": vram_source, "link": link_source, "timings": timing_source,
                                   "statistics": "uniform routing (none recorded)" if stats.uniform
                                   else f"{stats.tokens} recorded tokens ({stats_path})"})
+    report["tpot"] = predicted_tpot(shape, budget, timings, bandwidth, latency, stats, routing, model)
     if as_json:
         print(json.dumps(report))
     else:
         render(report, console)
     return report
+
+
+TPOT_POLICIES = ("moepic", "lru", "lfu", "uniform", "cache-only", "prefetch-only", "ondemand", "resident")
+
+
+def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth: float, latency: float,
+                   stats: RoutingStats, routing, model: str) -> dict:
+    """Predicted TPOT per policy at the same budget (the `tpot` part of the report).
+
+    With a routing trace: the event simulation of the engine's decisions (planning/simulate.py)
+    over its tokens, with the trace's rankings or, for a vLLM trace, the routing-only `eam`
+    predictor. Without one: the configurator's model (Eq. 5–11) priced for each policy's plan
+    over the saved statistics (or uniform routing): compute plus predicted exposed load time."""
+    if routing is not None:  # fmoe_cli.trace.Trace
+        trace = routing.path
+        if len(routing.layers) != shape.num_layers or routing.num_experts > shape.num_experts:
+            raise FmoeError(f"--trace {trace}: {len(routing.layers)} layers × {routing.num_experts} experts, "
+                            f"the model has {shape.num_layers} × {shape.num_experts}")
+        sequences = tokens_of(routing)
+        with Progress(transient=True, console=Console(stderr=True)) as bar:
+            task = bar.add_task("simulating", total=len(TPOT_POLICIES))
+
+            def step(name: str) -> None:
+                bar.update(task, description=f"simulating {name}", completed=TPOT_POLICIES.index(name))
+
+            results = predict_policies(shape, budget, timings, bandwidth, latency, sequences=sequences,
+                                       policies=TPOT_POLICIES, progress=step)
+        ranked = any(t.predicted is not None for seq in sequences for t in seq)
+        how = (f"simulated: the engine's decisions over {routing.num_tokens} tokens of {trace} "
+               f"({'the trace’s prefetch rankings' if ranked else 'routing-only predictor eam'})")
+        return {"how": how, "policies": {name: {
+            "tpot_s": r.tpot_s, "hit_rate": r.hit_rate, "exposed_s": r.exposed_s_per_token,
+            "bytes_per_token": r.bytes_per_token, "plan": r.plan} for name, r in results.items()}}
+    compute = shape.num_layers * (timings.t_att + timings.t_moe) + timings.t_head
+    out = {}
+    for name in TPOT_POLICIES:
+        settings = settings_for(name, PlanInputs(shape, budget, timings, stats, model))
+        if settings.plan.resident:
+            out[name] = {"tpot_s": compute, "hit_rate": 1.0, "exposed_s": 0.0, "plan": settings.plan.summary()}
+            continue
+        split = price_plan(settings.plan, stats, timings, shape, max_prefetch=shape.top_k if settings.prefetch else 0)
+        hit = sum(c.hit_rate for c in split.layers) / len(split.layers)
+        out[name] = {"tpot_s": compute + split.total_exposed, "hit_rate": hit, "exposed_s": split.total_exposed,
+                     "plan": settings.plan.summary()}
+    how = ("model: the configurator's Eq. 5–11 for each policy's plan over "
+           + ("uniform routing (no statistics recorded; give --trace for a simulation)" if stats.uniform
+              else f"{stats.tokens} recorded tokens of statistics"))
+    return {"how": how, "policies": out}
 
 
 def _local_gpu_memory() -> int:
@@ -263,6 +323,14 @@ def render(report: dict, console: Console) -> None:
         f"{m['staging'] / MiB:.0f} ({m['staging_slots']} experts) + KV cache {m['kv_cache'] / MiB:.0f} "
         f"({m['context_tokens']} tokens) + workspace {m['workspace'] / MiB:.0f} + expert cache budget "
         f"{m['expert_budget'] / MiB:.0f} MiB", highlight=False)
+    tpot = report.get("tpot")
+    if tpot:
+        table = Table(title=f"predicted TPOT per policy at this budget ({tpot['how']})")
+        for col in ("policy", "TPOT ms", "hit rate", "exposed load ms"):
+            table.add_column(col, justify="left" if col == "policy" else "right")
+        for name, r in tpot["policies"].items():
+            table.add_row(name, f"{r['tpot_s'] * 1e3:.1f}", f"{r['hit_rate']:.2f}", f"{r['exposed_s'] * 1e3:.1f}")
+        console.print(table)
     console.print(
         f"fits: {t['cached_experts']} expert tops cached, {m['cached'] / MiB:.0f} MiB = {100 * t['cached_fraction']:.1f}% "
         f"of all expert bytes; mean predicted hit rate {t['mean_hit_rate']:.2f}; predicted exposed load time "

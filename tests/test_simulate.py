@@ -1,0 +1,93 @@
+"""The TPOT simulator (planning/simulate.py): the virtual link by hand, compute-only and
+load-only decode steps by hand, and the engine's cache decisions (same hits as `fmoe replay`)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fmoe_cli.bench.replay import policy_hits
+from fmoe_cli.planning.presets import make_settings
+from fmoe_cli.planning.configurator import Timings
+from fmoe_cli.planning.simulate import RoutingPredictor, Token, next_ranking, predict_policies, simulate_policy
+from fmoe_cli.types import ExpertShape
+
+# 2 MoE layers, 4 experts, top-2, I = 4 neurons of 3 bytes (H = 1, 1 byte): S_e = 12 bytes.
+SHAPE = ExpertShape(num_layers=2, num_experts=4, top_k=2, hidden=1, intermediate=4, dtype_bytes=1)
+TIMES = Timings(t_att=1.0, t_moe=2.0, t_head=3.0, t_load=0.0, top_k=2)  # T_exp = 1
+
+
+def _tokens(rows):
+    return [Token(tuple(tuple(r) for r in row)) for row in rows]
+
+
+def test_resident_is_compute_only():
+    """Every expert whole on the device: TPOT = L·(T_att + K·T_exp) + T_head = 2·(1 + 2) + 3 = 9."""
+    seq = _tokens([[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[0, 3], [1, 2]]])
+    r = simulate_policy(SHAPE, make_settings("resident", SHAPE, 0), TIMES, [seq], bandwidth=1.0)
+    assert r.tpot_s == pytest.approx(9.0) and r.hit_rate == 1.0 and r.exposed_s_per_token == 0.0
+
+
+def test_ondemand_waits_for_every_load():
+    """No cache, no prefetch, a 12-byte expert at 12 bytes/s = 1 s per load, K = 2 per layer:
+    per layer T_att 1, then load 1 (1 s), compute it (1 s) while load 2 arrives, compute it (1 s):
+    1 + 1 + 1 + 1 = 4; the token 2·4 + T_head 3 = 11, of which 1 s waited per layer."""
+    seq = _tokens([[[0, 1], [2, 3]], [[1, 2], [0, 3]]])
+    budget = 2 * SHAPE.top_k * SHAPE.expert_bytes
+    r = simulate_policy(SHAPE, make_settings("ondemand", SHAPE, budget), TIMES, [seq], bandwidth=12.0)
+    assert r.tpot_s == pytest.approx(11.0)
+    assert r.exposed_s_per_token == pytest.approx(2.0)
+    assert r.hit_rate == 0.0 and r.bytes_per_token == 4 * SHAPE.expert_bytes
+
+
+def test_cache_hits_are_the_engines():
+    """cache-only (whole experts, LCP, no prefetch) over random routing: the same hits as
+    `fmoe replay`'s LayerCache over the same routes (C experts per layer)."""
+    rng = random.Random(0)
+    shape = ExpertShape(3, 8, 2, 1, 64, 1)
+    seq = [Token(tuple(tuple(rng.sample(range(8), 2)) for _ in range(3))) for _ in range(200)]
+    budget = (2 * 2 + 3 * 3) * shape.expert_bytes  # staging 2K slots + 3 whole experts per layer
+    settings = make_settings("cache-only", shape, budget)
+    assert {lp.cache_size for lp in settings.plan.layers} == {3}
+    r = simulate_policy(shape, settings, Timings(0.0, 0.0, 0.0, 0.0, 2), [seq], bandwidth=1e9)
+    hits = sum(policy_hits([t.experts[i] for t in seq], "lcp", 3, 8) for i in range(3))
+    assert r.hit_rate == pytest.approx(hits / (200 * 3 * 2))
+
+
+def test_a_right_prediction_hides_the_load():
+    """prefetch-only with the trace's rankings: right predictions arrive during T_att + compute of
+    the previous layer; wrong ones leave the load exposed."""
+    rows = [[[0, 1], [2, 3]]] * 6
+    right = [Token(tuple(tuple(r) for r in row), ((0, 1, 2, 3), (2, 3, 0, 1))) for row in rows]
+    wrong = [Token(tuple(tuple(r) for r in row), ((2, 3, 0, 1), (0, 1, 2, 3))) for row in rows]
+    budget = 2 * SHAPE.top_k * SHAPE.expert_bytes
+    settings = make_settings("prefetch-only", SHAPE, budget)
+    slow = Timings(t_att=2.0, t_moe=2.0, t_head=3.0, t_load=0.0, top_k=2)
+    good = simulate_policy(SHAPE, settings, slow, [right], bandwidth=12.0)
+    bad = simulate_policy(SHAPE, settings, slow, [wrong], bandwidth=12.0)
+    assert good.prefetch_precision == 1.0 and bad.prefetch_precision == 0.0
+    assert good.tpot_s < bad.tpot_s
+    assert good.exposed_s_per_token < bad.exposed_s_per_token
+
+
+def test_predict_policies_runs_every_policy_with_a_routing_only_predictor():
+    rng = random.Random(1)
+    shape = ExpertShape(4, 8, 2, 1, 64, 1)
+    seq = [Token(tuple(tuple(rng.sample(range(4), 2)) for _ in range(4))) for _ in range(60)]
+    times = Timings.from_link(t_att=1e-3, t_moe=2e-3, t_head=1e-3, top_k=2, expert_bytes=shape.expert_bytes,
+                              bandwidth=shape.expert_bytes / 3e-3)
+    out = predict_policies(shape, (4 + 8) * shape.expert_bytes, times, shape.expert_bytes / 3e-3, 0.0,
+                           sequences=[seq], policies=["moepic", "lru", "resident"])
+    assert set(out) == {"moepic", "lru", "resident"}
+    assert out["resident"].tpot_s == pytest.approx(4 * 3e-3 + 1e-3)
+    assert all(r.tpot_s >= out["resident"].tpot_s - 1e-12 for r in out.values())
+    p = RoutingPredictor(4, 8, 2)
+    p.start_sequence()
+    p.begin([seq[0]])
+    assert next_ranking(p.after_layer(0, seq[0].experts[0]), 0, 4) is None  # nothing seen of layer 1 yet
+    for i in range(1, 4):
+        p.after_layer(i, seq[0].experts[i])
+    p.begin([seq[1]])
+    ranking = next_ranking(p.after_layer(0, seq[1].experts[0]), 0, 4)  # the request's own EAM: token 0's layer 1
+    assert set(ranking[:2]) == set(seq[0].experts[1])
