@@ -18,6 +18,7 @@ from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO
 from fmoe_cli.planning.plan import DEFAULT_BUDGET
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
+from fmoe_cli.types import DEFAULT_EXPERTS
 
 app = typer.Typer(
     help="Chat with a Mixture-of-Experts LLM on a GPU that cannot hold it.",
@@ -107,7 +108,7 @@ def bench(
     lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,
     dtype: DtypeOpt = "auto",
-    experts: ExpertsOpt = "bf16",
+    experts: ExpertsOpt = DEFAULT_EXPERTS,
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
     as_json: JsonOpt = False,
@@ -140,7 +141,7 @@ def chat(
     seed: Annotated[int | None, typer.Option(help="Sampling seed (reproducible answers).")] = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    experts: ExpertsOpt = "bf16",
+    experts: ExpertsOpt = DEFAULT_EXPERTS,
     predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
@@ -165,7 +166,7 @@ def replay(
     trace: Annotated[str, typer.Argument(help="Routing trace: fmoe JSONL, or the vLLM dumps of shared/traces.")],
     cache_sizes: Annotated[str, typer.Option("--cache-sizes", help="Experts cached per layer: 1-7, 2,4,6 or 1-3,6.")] = "1-7",
     policies: Annotated[str, typer.Option(help="Comma-separated lru,lfu,lcp,random (belady is always added).")] = "lru,lfu,lcp,random",
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Replay a routing trace through the engine's cache policies: hit rate per policy and cache size."""
     from fmoe_cli.bench.replay import run_replay  # numpy: only once a command runs
@@ -182,9 +183,9 @@ def plan(
     context: Annotated[int, typer.Option(help="Tokens of KV cache to reserve.")] = 4096,
     workspace: Annotated[str, typer.Option(help="Reserve for activations, the allocator and the CUDA context.")] = "512MiB",
     dtype: Annotated[str, typer.Option(help="auto (the config's, else bfloat16), bfloat16, float16, float32.")] = "auto",
-    experts: ExpertsOpt = "bf16",
+    experts: ExpertsOpt = DEFAULT_EXPERTS,
     trace: Annotated[str | None, typer.Option(help="A routing trace (fmoe or vLLM format) to simulate TPOT over.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """How the configurator would split the device memory for MODEL, and the TPOT each policy would get
     (from config.json alone, no weights)."""
@@ -204,10 +205,10 @@ def profile(
     prefill_len: Annotated[int, typer.Option(help="Prompt length of the timed prefill.")] = 64,
     quick: Annotated[bool, typer.Option(help="Fewer transfer sizes and repeats (seconds, less precise).")] = False,
     dtype: DtypeOpt = "auto",
-    experts: ExpertsOpt = "bf16",
+    experts: ExpertsOpt = DEFAULT_EXPERTS,
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Measure the host→device link and memory (and per-layer times with --model); save a profile."""
     _quiet_libraries()
@@ -217,8 +218,8 @@ def profile(
     opts = None if model is None else run_options(
         model, ["ondemand"], vram_budget=None, dtype=dtype, experts=experts, device=device,
         trust_remote_code=trust_remote_code, record_statistics=False)
-    run_profile(opts, None if out is None else Path(out), emulate_link, prefill_len, quick, as_json, device,
-                err_console if as_json else Console())
+    run_profile(opts, out=None if out is None else Path(out), emulate_link=emulate_link, prefill_len=prefill_len,
+                quick=quick, as_json=as_json, device=device, console=err_console if as_json else Console())
 
 
 def main() -> None:

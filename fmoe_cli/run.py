@@ -49,7 +49,7 @@ from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
 from fmoe_cli.profiling.device import LinkPlan, device_identity, fit_link, measure_link
 from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
 from fmoe_cli.profiling.model import model_timings
-from fmoe_cli.types import Timings
+from fmoe_cli.types import DEFAULT_EXPERTS, Timings
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class RunOptions:
     emulate_link: float | None = None  # GB/s of an emulated host→device link
     device: str = "auto"
     dtype: str | None = None  # None: auto
-    experts: str = "bf16"  # storage of the routed experts: bf16 (unquantised, in dtype), int8, int4
+    experts: str = DEFAULT_EXPERTS  # storage of the routed experts: bf16 (unquantised, in dtype), int8, int4
     trust_remote_code: bool = False
     trace_out: str | None = None  # JSONL routing trace
     profile: str | None = None  # a device profile (the configurator's timings), instead of the default one

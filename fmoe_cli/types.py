@@ -59,6 +59,7 @@ EXPERT_FORMATS: dict[str, QuantFormat | None] = {
     "int8": QuantFormat(bits=8, group=128, meta_bytes=2),
     "int4": QuantFormat(bits=4, group=64, meta_bytes=4),
 }
+DEFAULT_EXPERTS = "bf16"  # --experts
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class ExpertShape:
     hidden: int  # H
     intermediate: int  # I: neurons per expert
     dtype_bytes: int  # the compute dtype's
-    experts: str = "bf16"  # storage format of the routed experts (EXPERT_FORMATS)
+    experts: str = DEFAULT_EXPERTS  # storage format of the routed experts (EXPERT_FORMATS)
 
     @property
     def expert_bytes(self) -> int:

@@ -27,7 +27,7 @@ MiB = 1024**2
 GiB = 1024**3
 
 
-def run_profile(opts: RunOptions | None, out: Path | None, emulate_link: float | None, prefill_len: int,
+def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: float | None, prefill_len: int,
                 quick: bool, as_json: bool, device: str, console: Console) -> Path:
     """`fmoe profile`: the device's link and memory; with a model (`opts`), its per-layer timings too."""
     dev = pick_device(device)

@@ -25,7 +25,7 @@ from fmoe_cli.models.identity import checkpoint_fingerprint
 from fmoe_cli.offload.converted import converted_path, open_converted, save_converted
 from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
+from fmoe_cli.types import DEFAULT_EXPERTS, EXPERT_FORMATS, ExpertShape
 
 GiB = 1024**3
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]
@@ -112,7 +112,7 @@ def load_model(
     dtype: str | None = None,
     trust_remote_code: bool = False,
     console: Console | None = None,
-    experts: str = "bf16",
+    experts: str = DEFAULT_EXPERTS,
 ) -> LoadedModel:
     """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`."""
     from transformers import AutoConfig, AutoTokenizer
@@ -234,7 +234,7 @@ def check_expert_format(experts: str) -> None:
         raise FmoeError(f"unknown expert format {experts!r}; use {', '.join(EXPERT_FORMATS)}")
 
 
-def expert_shape(layers: list[MoeLayer], dtype: torch.dtype, experts: str = "bf16") -> ExpertShape:
+def expert_shape(layers: list[MoeLayer], dtype: torch.dtype, experts: str = DEFAULT_EXPERTS) -> ExpertShape:
     first = layers[0].experts
     n, two_i, h = first.gate_up_proj.shape
     if getattr(first, "is_transposed", False):

@@ -42,7 +42,7 @@ from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings,
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of
 from fmoe_cli.planning.plan import min_staging_slots, parse_budget
-from fmoe_cli.types import EXPERT_FORMATS, MiB, ExpertShape
+from fmoe_cli.types import DEFAULT_EXPERTS, EXPERT_FORMATS, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
 from fmoe_cli.profiling.files import Profile, model_identity
 from fmoe_cli.profiling.layers import decoder_layers
@@ -89,7 +89,7 @@ def _nbytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def model_facts(model: str, dtype: str | None = None, experts: str = "bf16") -> ModelFacts:
+def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXPERTS) -> ModelFacts:
     path = config_path_of(model)
     try:
         config = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
@@ -140,7 +140,7 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
 
 
 def run_plan(model: str, vram: str | None, profile_path: str | None, context: int, dtype: str | None,
-             as_json: bool, console: Console, workspace: str = "512MiB", experts: str = "bf16",
+             as_json: bool, console: Console, workspace: str = "512MiB", experts: str = DEFAULT_EXPERTS,
              trace: str | None = None) -> dict:
     if context < 0:
         raise FmoeError(f"--context must be ≥ 0 tokens, got {context}")

@@ -36,7 +36,7 @@ import platformdirs
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.files import model_slug, read_json, write_atomic
-from fmoe_cli.offload.policies import LCP, EvictionPolicy
+from fmoe_cli.offload.policies import LCP, LCP_OMEGA, LCP_RHO, EvictionPolicy
 
 STATS_SCHEMA_VERSION = 1
 _COUNT_DTYPE = np.int64
@@ -182,8 +182,8 @@ def lcp_ranking(policy: EvictionPolicy, step: int, omega: float | None = None, r
     LCP priority while another policy runs the cache (ω, ρ: the policy's own if it is
     LCP, else the arguments, else MoEpic's defaults).
     """
-    omega = getattr(policy, "omega", None) or omega or 128.0
-    rho = getattr(policy, "rho", None) or rho or 0.25
+    omega = getattr(policy, "omega", None) or omega or LCP_OMEGA
+    rho = getattr(policy, "rho", None) or rho or LCP_RHO
     return _lcp_order(policy.count, policy.last, step, math.log(rho) / omega)
 
 
@@ -293,8 +293,8 @@ class StatsRecorder:
         if len(rows) == 1:
             layer.observe(rows[0], lcp_ranking(policy, cache.step), predicted)
         else:  # a prefill: replay its touches on a copy of μ and the last steps, as LayerCache.record does
-            omega = getattr(policy, "omega", None) or 128.0
-            rho = getattr(policy, "rho", None) or 0.25
+            omega = getattr(policy, "omega", None) or LCP_OMEGA
+            rho = getattr(policy, "rho", None) or LCP_RHO
             count, last = list(policy.count), list(policy.last)
             for t, row in enumerate(rows):
                 step = cache.step + t
