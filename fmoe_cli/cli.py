@@ -73,6 +73,7 @@ OmegaOpt = Annotated[float, typer.Option(
 RhoOpt = Annotated[float, typer.Option("--lcp-rho", help="LCP ρ ∈ (0, 1]: the decay per ω idle tokens.")]
 PredictorOpt = Annotated[str, typer.Option(help=f"Expert predictor of the prefetcher: {', '.join(PREDICTORS)}.")]
 TraceOpt = Annotated[str | None, typer.Option(help="Record the routing of every measured run or turn (JSONL trace).")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Let --trace-out overwrite an existing file.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the repository's own Python code to run.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 ExpertsOpt = Annotated[str, typer.Option(
@@ -103,6 +104,7 @@ def bench(
     prompt: Annotated[str | None, typer.Option(help="Prompt (default: a short question).")] = None,
     prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from this text file.")] = None,
     trace_out: TraceOpt = None,
+    force: ForceOpt = False,
     predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
@@ -119,8 +121,9 @@ def bench(
 
     opts = run_options(model, parse_policies(policy, compare), vram_budget=vram_budget, predictor=predictor,
                        lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
-                       dtype=dtype, experts=experts, device=device, trust_remote_code=trust_remote_code,
-                       shape_link=True, if_fits=("resident",) if policy is None and compare is None else ())
+                       overwrite_trace=force, dtype=dtype, experts=experts, device=device,
+                       trust_remote_code=trust_remote_code, shape_link=True,
+                       if_fits=("resident",) if policy is None and compare is None else ())
     report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=read_prompt(prompt, prompt_file), console=err_console)
     if as_json:
         print(json.dumps(report))
@@ -148,6 +151,7 @@ def chat(
     lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,
     trace_out: TraceOpt = None,
+    force: ForceOpt = False,
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
@@ -155,8 +159,9 @@ def chat(
     from fmoe_cli.chat.repl import ChatOptions, run_chat  # torch: only once a command runs
 
     opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
-                       lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, dtype=dtype, experts=experts,
-                       device=device, trust_remote_code=trust_remote_code, profile=profile)
+                       lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
+                       dtype=dtype, experts=experts, device=device, trust_remote_code=trust_remote_code,
+                       profile=profile)
     run_chat(ChatOptions(opts, system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                          seed=seed), err_console=err_console)
 
@@ -193,8 +198,8 @@ def plan(
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan  # torch and transformers: only once a command runs
 
-    run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace,
-             experts=experts, trace=trace)
+    run_plan(model, vram=vram, profile_path=profile, context=context, dtype=None if dtype == "auto" else dtype,
+             as_json=as_json, console=Console(), workspace=workspace, experts=experts, trace=trace)
 
 
 @app.command()

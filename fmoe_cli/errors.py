@@ -23,3 +23,11 @@ def reading(path, what: str) -> Iterator[None]:
         raise FmoeError(f"{what} {path} is not a text (UTF-8) file") from None
     except OSError as exc:
         raise FmoeError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+def warn(message: str) -> None:
+    """Work goes on, something is worth knowing (a save skipped, a damaged file set aside): one line on stderr."""
+    from rich.console import Console
+    from rich.text import Text
+
+    Console(stderr=True).print(Text.assemble(("warning:", "bold yellow"), " ", message), highlight=False, soft_wrap=True)

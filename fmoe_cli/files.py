@@ -1,12 +1,24 @@
-"""Files fmoe keeps for the user: JSON read with one-line errors, atomic writes, file names per model.
+"""Files fmoe keeps for the user: JSON read with one-line errors, atomic writes, locks, file names per model.
 
 Profiling and planning both use these; this module imports nothing of fmoe except errors.
+
+- `write_atomic`: a unique temporary file in the same directory, fsync, then rename: a reader
+  sees the old file or the new one, never half of one; two writers never share a temporary.
+- `locked(path)`: an exclusive lock (`.<name>.lock` beside the file) around read-merge-write,
+  so two sessions saving the same file both count. Where no lock can be taken (a read-only
+  directory, a system without `fcntl`), it goes on unlocked: the write itself then fails or wins.
+- `set_aside(path)`: a damaged file is renamed `<name>.corrupt-<time>`, never deleted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime as _dt
 import json
+import os
 import re
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from fmoe_cli.errors import FmoeError
@@ -14,21 +26,91 @@ from fmoe_cli.errors import FmoeError
 
 def read_json(path: Path, what: str, hint: str = "") -> object:
     """JSON from a file, or a one-line FmoeError saying what is wrong (`hint`: what to do if it is missing)."""
+    path = Path(path)
+    if path.is_dir():
+        raise FmoeError(f"{what} {path} is a directory, not a file; move it away{hint}")
     try:
-        return json.loads(Path(path).read_text())
-    except (FileNotFoundError, IsADirectoryError):
+        return json.loads(path.read_text())
+    except FileNotFoundError:
         raise FmoeError(f"no {what} at {path}{hint}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FmoeError(f"{what} {path} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
+    except OSError as exc:
+        raise FmoeError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
 
 def write_atomic(path: Path, text: str) -> Path:
-    """Write through a temporary file and rename: never leave a half-written file behind."""
+    """Write `text` to a unique temporary file beside `path`, fsync it, rename it over `path`.
+
+    Raises OSError (a read-only directory, a full disk): the caller decides whether that is fatal."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself survives a crash once the directory is synced
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
     return path
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[bool]:
+    """Hold an exclusive lock for `path` (blocks until other holders are done). Yields whether it is held."""
+    path = Path(path)
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks here; writes stay atomic
+        yield False
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.parent / f".{path.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged file to `<name>.corrupt-<UTC time>` (kept for the user, out of the way)."""
+    path = Path(path)
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+    os.replace(path, target)
+    return target
+
+
+def writable_dir(directory: Path) -> str | None:
+    """None if files can be created in `directory` (made if missing), else why not (one phrase)."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".fmoe-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def model_slug(model: str) -> str:

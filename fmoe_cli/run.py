@@ -24,8 +24,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fmoe_cli.trace import TraceWriter
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.trace import TraceWriter, check_trace_out
+from fmoe_cli.errors import FmoeError, warn
+from fmoe_cli.models.identity import model_key
 from fmoe_cli.models.load import LoadedModel, check_expert_format, load_model
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import check_bandwidth, make_link
@@ -44,7 +45,7 @@ from fmoe_cli.planning.plan import (
 )
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, PlanInputs, make_settings, preset, settings_for
 from fmoe_cli.planning.replan import Replanner
-from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
+from fmoe_cli.planning.stats import default_stats_path, open_recorder
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
 from fmoe_cli.profiling.device import LinkPlan, device_identity, fit_link, measure_link
 from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
@@ -69,6 +70,7 @@ class RunOptions:
     experts: str = DEFAULT_EXPERTS  # storage of the routed experts: bf16 (unquantised, in dtype), int8, int4
     trust_remote_code: bool = False
     trace_out: str | None = None  # JSONL routing trace
+    overwrite_trace: bool = False  # --force: trace_out may replace an existing file
     profile: str | None = None  # a device profile (the configurator's timings), instead of the default one
     stats_path: Path | None = None  # where the routing statistics are kept (default: per model)
     tau: int = DEFAULT_TAU  # τ: tokens between re-plans
@@ -90,6 +92,8 @@ class RunOptions:
         check_budget_text(self.vram_budget)
         if self.emulate_link is not None:
             check_bandwidth(self.emulate_link)
+        if self.trace_out is not None:
+            check_trace_out(self.trace_out, self.overwrite_trace)
 
 
 @dataclass
@@ -153,19 +157,21 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
     """The configurator's timings: the saved profile of this device and model, else a quick
     measurement (on `engine` if given — it is left configured for on-demand loading — else on a
     temporary one). T_load: the link the run really uses (an emulated one's own figures)."""
-    path = profile_path or default_profile_path(lm.model_id)
+    emulated = bool(getattr(link, "gbps", None))
+    path = profile_path or default_profile_path(model_key(lm.model_id, lm.path), emulated=emulated)
     timings, link_fit = None, None
     if path.exists():
-        try:  # a profile of another device or model (or a stale one) is not used: measure instead
+        try:  # a profile of another device or model (or a damaged one) is not used: measure instead, and say so
             profile = Profile.load(path)
             profile.check_device(device_identity(lm.device))
             profile.check_model(model_identity(lm.model_id, lm.path / "config.json"))
             timings, link_fit = profile.model, profile.device.link
-        except FmoeError:
+        except FmoeError as exc:
+            warn(f"not using the saved profile: {exc}; timing the layers quickly instead")
             timings = None
     if timings is None:
         timings = measure_timings(lm, engine)
-    if getattr(link, "gbps", None) or link_fit is None:  # the link the engine really uses
+    if emulated or link_fit is None or link_fit.kind == "emulated":  # the link the engine really uses
         link_fit = link_fit_of(link, lm.device, lm.shape.expert_bytes)
     return timings.timings(link_fit, lm.shape.expert_bytes)
 
@@ -200,15 +206,14 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
         configured = any(p.configured for p in presets)
         if configured:
             check_budget(shape, budget, min_staging_slots(shape))
-        writer = TraceWriter.for_model(opts.trace_out, lm) if opts.trace_out is not None else None
+        writer = TraceWriter.for_model(opts.trace_out, lm, opts.overwrite_trace) if opts.trace_out is not None else None
         if writer is not None:
             stack.callback(writer.close)
         recorder = None
         if opts.record_statistics:
-            stats_path = opts.stats_path or default_stats_path(lm.model_id)
-            stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
-            recorder = StatsRecorder(stats, stats_path)
-            inputs = PlanInputs(shape, budget, stats=stats, model=lm.model_id)
+            stats_path = opts.stats_path or default_stats_path(lm.model_id, model_path=lm.path)
+            recorder = open_recorder(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
+            inputs = PlanInputs(shape, budget, stats=recorder.stats, model=lm.model_id)
         gbps, note = opts.emulate_link, None
         if gbps is None and opts.shape_link and lm.device.type == "cpu":
             gbps, note = CONSUMER_CARD.link_gbps(shape.expert_bytes, expert_compute_s(lm)), CONSUMER_CARD.note()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -111,11 +111,11 @@ class TraceWriter:
     """
 
     @classmethod
-    def for_model(cls, path: str | os.PathLike[str], lm) -> TraceWriter:
+    def for_model(cls, path: str | os.PathLike[str], lm, overwrite: bool = False) -> TraceWriter:
         """A writer whose header describes a loaded model (models.load.LoadedModel)."""
         shape = lm.shape
         return cls(path, num_layers=shape.num_layers, num_experts=shape.num_experts, top_k=shape.top_k,
-                   model=lm.model_id)
+                   model=lm.model_id, overwrite=overwrite)
 
     def __init__(
         self,
@@ -126,13 +126,18 @@ class TraceWriter:
         top_k: int | None = None,
         model: str | None = None,
         buffer_lines: int = 4096,
+        overwrite: bool = False,
     ) -> None:
         self.path = Path(path)
         self._buffer: list[str] = []
         self._buffer_lines = max(1, buffer_lines)
         self.num_experts = num_experts
-        try:
-            self._file: IO[str] | None = open(self.path, "w", encoding="utf-8")
+        check_trace_out(self.path, overwrite)
+        try:  # "x": a file that appeared since the check is not overwritten either
+            self._file: IO[str] | None = open(self.path, "w" if overwrite else "x", encoding="utf-8")
+        except FileExistsError:
+            check_trace_out(self.path, overwrite)
+            raise
         except OSError as exc:
             raise FmoeError(f"cannot write trace {self.path}: {exc.strerror or exc}") from exc
         header: dict[str, Any] = {"fmoe_trace": FORMAT_VERSION}
@@ -196,6 +201,17 @@ class TraceWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_trace_out(path: str | os.PathLike[str], overwrite: bool = False) -> None:
+    """Refuse, before any slow work, a trace path that would overwrite the user's file (or is a directory)."""
+    path = Path(path)
+    if path.is_dir():
+        raise FmoeError(f"--trace-out {path} is a directory; give a file name")
+    if path.exists() and not overwrite:
+        raise FmoeError(f"--trace-out {path} exists; give another name, or pass --force to overwrite it")
+    if not path.parent.is_dir():
+        raise FmoeError(f"cannot write trace {path}: no directory {path.parent}")
 
 
 class RouteRecorder:
@@ -306,22 +322,41 @@ def _parse_vllm(obj: dict[str, Any]) -> TraceRecord:
     )
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
+MIN_RECORD_BYTES = 50  # the shortest record line: {"seq":0,"token":0,"layer":0,"experts":[0],"probs":[1]}
+MAX_EXPERTS = 4096  # experts per layer fmoe replays (each policy keeps per-expert counters per layer)
+Progress = Callable[[int], object]  # advance(characters read)
+
+
+def _lines(path: Path, advance: Progress | None = None) -> Iterator[tuple[int, str]]:
     with reading(path, "trace"), open(path, encoding="utf-8") as f:
+        done = 0
         for lineno, line in enumerate(f, 1):
+            if advance is not None:
+                done += len(line)
+                if done >= 1 << 20:  # report in steps of a MiB: cheap on traces of millions of lines
+                    advance(done)
+                    done = 0
             yield lineno, line
+        if advance is not None and done:
+            advance(done)
 
 
-def read_records(path: str | os.PathLike[str]) -> tuple[Literal["fmoe", "vllm"], dict[str, Any], list[tuple[int, TraceRecord]]]:
-    """Parse every line: (format, header, [(line number, record)]). Raises FmoeError naming the bad line."""
-    p = Path(path)
-    fmt: Literal["fmoe", "vllm"] | None = None
-    header: dict[str, Any] = {}
-    records: list[tuple[int, TraceRecord]] = []
-    num_experts: int | None = None
-    for lineno, line in _lines(p):
+class _Parser:
+    """Reads a trace line by line: the format and the header come from the first lines; every count
+    a line declares is bounded by what the file can hold (a header cannot make fmoe allocate more)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fmt: Literal["fmoe", "vllm"] | None = None
+        self.header: dict[str, Any] = {}
+        self.num_experts: int | None = None
+        self.records = 0
+        self.max_records = max(1, path.stat().st_size // MIN_RECORD_BYTES) if path.is_file() else 1
+
+    def line(self, lineno: int, line: str) -> TraceRecord | None:
+        """The record of one line, None for a blank line or the header; FmoeError naming the line."""
         if not line.strip():
-            continue
+            return None
         try:
             try:
                 obj = json.loads(line)
@@ -330,59 +365,126 @@ def read_records(path: str | os.PathLike[str]) -> tuple[Literal["fmoe", "vllm"],
             if not isinstance(obj, dict):
                 raise _LineError("expected a JSON object")
             if "fmoe_trace" in obj:
-                if records or header:
-                    raise _LineError("a trace header may only appear on the first line")
-                if type(obj["fmoe_trace"]) is not int or obj["fmoe_trace"] != FORMAT_VERSION:
-                    raise _LineError(f"unsupported fmoe trace version {_show(obj['fmoe_trace'])} (this fmoe reads {FORMAT_VERSION})")
-                header = obj
-                fmt = "fmoe"
-                if "num_experts" in obj:
-                    num_experts = _int(obj, "num_experts", minimum=1)
-                if "num_layers" in obj:
-                    _int(obj, "num_layers", minimum=1)
-                continue
-            if fmt is None:
-                fmt = "vllm" if "gating_probs" in obj or "problem_id" in obj else "fmoe"
-            rec = _parse_vllm(obj) if fmt == "vllm" else _parse_fmoe(obj, num_experts)
-            if header.get("num_layers") is not None and rec.layer >= header["num_layers"]:
-                raise _LineError(f"layer {rec.layer} but the header says {header['num_layers']} layers")
+                self._read_header(obj)
+                return None
+            if self.fmt is None:
+                self.fmt = "vllm" if "gating_probs" in obj or "problem_id" in obj else "fmoe"
+            rec = _parse_vllm(obj) if self.fmt == "vllm" else _parse_fmoe(obj, self.num_experts)
+            if self.num_experts is None and max(rec.experts + (rec.predicted or ())) >= MAX_EXPERTS:
+                raise _LineError(f"expert {max(rec.experts + (rec.predicted or ()))}: fmoe replays at most "
+                                 f"{MAX_EXPERTS} experts per layer")
+            if self.header.get("num_layers") is not None and rec.layer >= self.header["num_layers"]:
+                raise _LineError(f"layer {rec.layer} but the header says {self.header['num_layers']} layers")
         except _LineError as exc:
-            raise FmoeError(f"{p}:{lineno}: bad trace line: {exc}") from None
-        records.append((lineno, rec))
-    return fmt or "fmoe", header, records
+            raise FmoeError(f"{self.path}:{lineno}: bad trace line: {exc}") from None
+        self.records += 1
+        return rec
+
+    def _read_header(self, obj: dict[str, Any]) -> None:
+        if self.records or self.header:
+            raise _LineError("a trace header may only appear on the first line")
+        if type(obj["fmoe_trace"]) is not int or obj["fmoe_trace"] != FORMAT_VERSION:
+            raise _LineError(f"unsupported fmoe trace version {_show(obj['fmoe_trace'])} (this fmoe reads {FORMAT_VERSION})")
+        if "num_experts" in obj:
+            n = _int(obj, "num_experts", minimum=1)
+            if n > MAX_EXPERTS:
+                raise _LineError(f"the header says {n} experts; fmoe replays at most {MAX_EXPERTS} per layer")
+            self.num_experts = n
+        if "num_layers" in obj:
+            n = _int(obj, "num_layers", minimum=1)
+            if n > self.max_records:
+                raise _LineError(f"the header says {n} layers, more than the file can hold (a file of "
+                                 f"{self.path.stat().st_size} bytes holds at most {self.max_records} records)")
+        self.header = obj
+        self.fmt = "fmoe"
+
+
+def read_records(path: str | os.PathLike[str]) -> tuple[Literal["fmoe", "vllm"], dict[str, Any], list[tuple[int, TraceRecord]]]:
+    """Parse every line: (format, header, [(line number, record)]). Raises FmoeError naming the bad line."""
+    parser = _Parser(Path(path))
+    records = [(n, rec) for n, line in _lines(Path(path)) if (rec := parser.line(n, line)) is not None]
+    return parser.fmt or "fmoe", parser.header, records
+
+
+@dataclass(frozen=True)
+class TraceIndex:
+    """What a first pass over a trace learns, keeping no records: enough to stream it sequence by sequence."""
+
+    path: Path
+    format: Literal["fmoe", "vllm"]
+    header: dict[str, Any]
+    layers: tuple[int, ...]  # MoE layer indices present, ascending
+    num_experts: int
+    order: dict[SeqId, int]  # sequence -> its position in the trace (first appearance)
+    last_line: dict[SeqId, int]  # sequence -> the line of its last record
+    records: int
+    size: int  # characters in the file (for progress)
+
+
+def scan_trace(path: str | os.PathLike[str], advance: Progress | None = None) -> TraceIndex:
+    """First pass: check every line (FmoeError naming the first bad one) and index the sequences."""
+    p = Path(path)
+    parser = _Parser(p)
+    order: dict[SeqId, int] = {}
+    last_line: dict[SeqId, int] = {}
+    layers: set[int] = set()
+    max_expert, size = 0, 0
+    for lineno, line in _lines(p, advance):
+        size += len(line)
+        rec = parser.line(lineno, line)
+        if rec is None:
+            continue
+        order.setdefault(rec.seq, len(order))
+        last_line[rec.seq] = lineno
+        layers.add(rec.layer)
+        max_expert = max(max_expert, max(rec.experts), *(rec.predicted or ()))
+    if not parser.records:
+        raise FmoeError(f"trace {p} holds no routing records")
+    header = parser.header
+    if "num_layers" in header:
+        layers.update(range(header["num_layers"]))
+    num_experts = header.get("num_experts") or max_expert + 1
+    return TraceIndex(p, parser.fmt or "fmoe", header, tuple(sorted(layers)), num_experts, order, last_line,
+                      parser.records, size)
+
+
+def iter_sequences(index: TraceIndex, advance: Progress | None = None) -> Iterator[tuple[int, SequenceTrace | None, int]]:
+    """Second pass: (position, sequence of its complete tokens or None, incomplete tokens skipped) for every
+    sequence, as soon as its last line is read: only the sequences still open are held in memory."""
+    parser = _Parser(index.path)
+    layer_order = index.layers
+    open_: dict[SeqId, dict[int, dict[int, tuple[int, TraceRecord]]]] = {}  # seq -> token -> layer -> (line, rec)
+    for lineno, line in _lines(index.path, advance):
+        r = parser.line(lineno, line)
+        if r is None:
+            continue
+        layers = open_.setdefault(r.seq, {}).setdefault(r.token, {})
+        if r.layer in layers:
+            raise FmoeError(
+                f"{index.path}:{lineno}: bad trace line: sequence {_show(r.seq)} token {r.token} layer {r.layer} "
+                f"already recorded on line {layers[r.layer][0]}"
+            )
+        layers[r.layer] = (lineno, r)
+        if lineno == index.last_line[r.seq]:
+            tokens = open_.pop(r.seq)
+            kept = [t for t in sorted(tokens) if len(tokens[t]) == len(layer_order)]
+            seq = None
+            if kept:
+                recs = tuple(tuple(tokens[t][layer][1] for t in kept) for layer in layer_order)
+                seq = SequenceTrace(r.seq, tuple(kept), recs)
+            yield index.order[r.seq], seq, len(tokens) - len(kept)
 
 
 def read_trace(path: str | os.PathLike[str]) -> Trace:
-    """Read an fmoe or vLLM trace, keeping complete tokens only."""
-    fmt, header, records = read_records(path)
-    p = Path(path)
-    if not records:
-        raise FmoeError(f"trace {p} holds no routing records")
-    seen: dict[tuple[SeqId, int, int], int] = {}
-    by_token: dict[SeqId, dict[int, dict[int, TraceRecord]]] = {}
-    layers: set[int] = set(range(header["num_layers"])) if "num_layers" in header else set()
-    max_expert = 0
-    for lineno, r in records:
-        key = (r.seq, r.token, r.layer)
-        if key in seen:
-            raise FmoeError(
-                f"{p}:{lineno}: bad trace line: sequence {_show(r.seq)} token {r.token} layer {r.layer} "
-                f"already recorded on line {seen[key]}"
-            )
-        seen[key] = lineno
-        by_token.setdefault(r.seq, {}).setdefault(r.token, {})[r.layer] = r
-        layers.add(r.layer)
-        max_expert = max(max_expert, max(r.experts), *(r.predicted or ()))
-    num_experts = header.get("num_experts") or max_expert + 1
-    layer_order = tuple(sorted(layers))
-    sequences: list[SequenceTrace] = []
-    skipped = 0
-    for seq, tokens in by_token.items():
-        kept = [t for t in sorted(tokens) if len(tokens[t]) == len(layer_order)]
-        skipped += len(tokens) - len(kept)
-        if kept:
-            recs = tuple(tuple(tokens[t][layer] for t in kept) for layer in layer_order)
-            sequences.append(SequenceTrace(seq, tuple(kept), recs))
-    if not sequences:
-        raise FmoeError(f"trace {p} has no complete token (one with all {len(layer_order)} layers)")
-    return Trace(str(path), fmt, layer_order, num_experts, tuple(sequences), skipped)
+    """Read an fmoe or vLLM trace, keeping complete tokens only (all of it in memory: `fmoe replay`
+    streams with scan_trace and iter_sequences instead)."""
+    index = scan_trace(path)
+    found, skipped = [], 0
+    for pos, seq, skip in iter_sequences(index):
+        skipped += skip
+        if seq is not None:
+            found.append((pos, seq))
+    found.sort(key=lambda x: x[0])
+    if not found:
+        raise FmoeError(f"trace {index.path} has no complete token (one with all {len(index.layers)} layers)")
+    return Trace(str(path), index.format, index.layers, index.num_experts, tuple(seq for _, seq in found), skipped)

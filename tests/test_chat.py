@@ -310,3 +310,49 @@ def test_idle_hook_runs_between_turns_never_during_an_answer(checkpoints, monkey
                       "answer starts", "answer ends", "idle"]
     assert [line for line in out.splitlines() if "re-planning failed" in line] == [
         "re-planning failed: RuntimeError: stats file unwritable"]
+
+
+def test_non_utf8_input_is_refused_in_one_line(checkpoints):
+    result = CliRunner().invoke(app, ["chat", str(checkpoints["mixtral"]), "--temperature", "0", "--max-new-tokens",
+                                      "2", "--device", "cpu"], input=b"caf\xe9 au lait\nhi\n/exit\n")
+    assert result.exit_code == 0, result.output
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
+    assert errors == ["error: the message is not UTF-8 text (bytes 0xe9); it was not sent"], result.stdout
+    assert result.stdout.count("tokens · TTFT") == 1  # the next message is answered
+
+
+def test_text_typed_during_an_answer_comes_back_at_the_prompt(checkpoints, tmp_path):
+    """A pseudo-terminal: keys pressed while an answer streams are not echoed into it, and they are
+    the start of the next message (with backspace applied)."""
+    import os
+    import re
+    import sys
+
+    pexpect = pytest.importorskip("pexpect")
+    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path), PROMPT_TOOLKIT_NO_CPR="1", HF_HUB_OFFLINE="1")
+    child = pexpect.spawn(sys.executable, ["-m", "fmoe_cli.cli", "chat", str(checkpoints["mixtral"]), "--device", "cpu",
+                                           "--temperature", "0", "--max-new-tokens", "60", "--emulate-link", "0.5"],
+                          env=env, encoding="utf-8", timeout=120, dimensions=(24, 200))
+    try:
+        child.expect(">>>")
+        child.send("tell me everything\r")
+        child.expect_exact("\x1b[?2004l")  # prompt-toolkit has left the prompt: the answer streams
+        child.send("typed ahedd")
+        child.send("\x7f\x7fad")  # two backspaces: "typed ahead"
+        child.expect(r"tokens · TTFT")
+        answer = child.before
+        child.expect(">>>")
+        child.expect("typed ahead")  # pre-filled at the prompt
+        child.send(" too\r")
+        child.expect(r"tokens · TTFT")
+        child.expect(">>>")
+        child.send("/save " + str(tmp_path / "c.json") + "\r")
+        child.expect("saved 4 messages")
+        child.expect(">>>")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert "typed" not in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", answer)  # not echoed into the answer
+    messages = json.loads((tmp_path / "c.json").read_text())["messages"]
+    assert messages[2] == {"role": "user", "content": "typed ahead too"}

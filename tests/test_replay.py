@@ -272,3 +272,45 @@ def test_shared_trace_replay() -> None:
     assert [round(lru[c], 3) for c in (2, 4, 6)] == [0.395, 0.620, 0.813]
     assert [round(lcp[c], 3) for c in (2, 4, 6)] == [0.395, 0.638, 0.829]
     assert [round(opt[c], 3) for c in (2, 4, 6)] == [0.565, 0.782, 0.907]
+
+
+def _many_sequences(path: Path, sequences: int, tokens: int, layers: int, experts: int = 8) -> Path:
+    rng = random.Random(0)
+    with TraceWriter(path, num_layers=layers, num_experts=experts) as w:
+        for s in range(sequences):
+            for t in range(tokens):
+                for layer in range(layers):
+                    w.record(s, t, layer, rng.sample(range(experts), 2), [0.5, 0.5])
+    return path
+
+
+def test_replay_streams_big_traces_with_bounded_memory_and_progress(tmp_path: Path) -> None:
+    """A trace is replayed sequence by sequence: the peak memory is a small part of what holding the
+    whole trace takes, the result is the same, and the progress reaches both passes' end."""
+    import tracemalloc
+
+    from fmoe_cli.bench.replay import replay_file
+
+    path = _many_sequences(tmp_path / "big.jsonl", sequences=300, tokens=12, layers=4)  # ~1.3 MB
+    tracemalloc.start()
+    whole = read_trace(path)
+    _, held = tracemalloc.get_traced_memory()
+    del whole
+    tracemalloc.reset_peak()
+    calls: list[tuple[int, int]] = []
+    obj = run_replay(str(path), "2", "lru", True, console=Console(file=io.StringIO()))
+    _, streamed = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert streamed < held / 5, (streamed, held)
+    assert obj["hit_rate"] == replay(read_trace(path), [2], ["lru"]).to_json()["hit_rate"]
+    replay_file(str(path), [2], ["lru"], progress=lambda done, total: calls.append((done, total)))
+    size = path.stat().st_size
+    assert calls[-1] == (2 * size, 2 * size) and len(calls) >= 3  # a MiB at a time, then the rest
+
+
+def test_replay_footer_is_not_squeezed_into_the_table(tmp_path: Path) -> None:
+    path = _write_trace(tmp_path / "t.jsonl", 4, [[[[0, 1], [1, 2]]]])
+    buf = io.StringIO()
+    run_replay(str(path), "1", "lru", False, console=Console(file=buf, width=100))
+    lines = buf.getvalue().splitlines()
+    assert any(line.startswith("fmoe trace: 1 sequences, 2 tokens, 1 layers, 4 experts. Hit rate") for line in lines)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.identity import model_key
 from fmoe_cli.profiling.files import default_profile_path
 from fmoe_cli.offload.policies import LCP
 from fmoe_cli.planning.stats import (
@@ -180,7 +181,8 @@ def test_save_load_round_trip(tmp_path):
             stats.observe(layer, a, rng.sample(range(n), n), noisy_prediction(rng, n, a, n))
     path = stats.save(default_stats_path("org/model", tmp_path))
     # next to the model's profile
-    assert path.parent == default_profile_path("org/model", tmp_path).parent and path.name == "org--model.stats.json"
+    assert path.parent == default_profile_path(model_key("org/model"), tmp_path).parent
+    assert path.name.startswith("org--model-") and path.name.endswith(".stats.json")  # name plus identity hash
     back = RoutingStats.load(path)
     for a, b in zip(stats.layers, back.layers):
         np.testing.assert_array_equal(a.predicted_rank_hist, b.predicted_rank_hist)
@@ -188,9 +190,9 @@ def test_save_load_round_trip(tmp_path):
         assert (a.tokens, a.predicted_tokens) == (b.tokens, b.predicted_tokens)
     assert load_or_empty("org/model", 2, n, k, path).tokens == 30
     assert load_or_empty("org/model", 2, n, k, tmp_path / "none.json").tokens == 0
-    # statistics saved for another checkpoint under this name (a new demo, a re-used directory): start afresh
-    assert load_or_empty("other/model", 2, n, k, path).tokens == 0
+    # statistics of another shape under this file name: set aside (kept), start afresh
     assert load_or_empty("org/model", 3, n, k, path).tokens == 0
+    assert not path.exists() and len(list(path.parent.glob(path.name + ".corrupt-*"))) == 1
 
 
 def test_malformed_stats_are_refused(tmp_path):

@@ -253,3 +253,48 @@ def test_writer_takes_numpy_scalars(tmp_path: Path) -> None:
                  predicted=np.array([0, 3, 1]))
     rec = read_trace(path).sequences[0].records[0][0]
     assert rec == TraceRecord(2, 0, 1, (3, 0), (0.75, 0.25), (0, 3, 1))
+
+
+# --- limits (issue 14): a file cannot make fmoe allocate more than it holds; no trace is overwritten ---
+
+
+@pytest.mark.parametrize("lines, needle", [
+    ([{"fmoe_trace": 1, "num_layers": 10**9}, GOOD], ":1: bad trace line: the header says 1000000000 layers, more than"),
+    ([{"fmoe_trace": 1, "num_experts": 10**9}, GOOD], ":1: bad trace line: the header says 1000000000 experts"),
+    ([_vllm(0, 0, 0, [1, 2]), _vllm(0, 1, 0, [10**9, 2])], ":2: bad trace line: expert 1000000000"),
+    ([GOOD, {**GOOD, "token": 1, "predicted": [0, 10**9]}], ":2: bad trace line: expert 1000000000"),
+])
+def test_counts_read_from_a_trace_are_bounded(tmp_path: Path, lines: list, needle: str) -> None:
+    with pytest.raises(FmoeError, match=needle):
+        read_trace(_write(tmp_path / "huge.jsonl", lines))
+
+
+def test_trace_out_never_overwrites(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("the user's own file\n")
+    with pytest.raises(FmoeError, match="exists"):
+        TraceWriter(path, num_layers=1)
+    assert path.read_text() == "the user's own file\n"
+    with pytest.raises(FmoeError, match="is a directory"):
+        TraceWriter(tmp_path, num_layers=1)
+    with TraceWriter(path, num_layers=1, overwrite=True) as w:
+        w.record(0, 0, 0, [1], [1.0])
+    assert read_trace(path).num_tokens == 1
+
+
+def test_bench_trace_out_onto_an_existing_file_is_refused(checkpoints, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from fmoe_cli.cli import app
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("keep me\n")
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "2",
+                                      "--warmup", "0", "--device", "cpu", "--trace-out", str(path)])
+    assert result.exit_code == 2 and result.output.strip().startswith("error: --trace-out"), result.output
+    assert len(result.output.strip().splitlines()) == 1 and "--force" in result.output
+    assert path.read_text() == "keep me\n"
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "2",
+                                      "--warmup", "0", "--device", "cpu", "--trace-out", str(path), "--force"])
+    assert result.exit_code == 0, result.output
+    assert read_trace(path).num_tokens > 0

@@ -15,7 +15,9 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, warn
+from fmoe_cli.files import writable_dir
+from fmoe_cli.models.identity import model_key
 from fmoe_cli.models.load import pick_device
 from fmoe_cli.offload.link import check_bandwidth
 from fmoe_cli.profiling.device import link_steps, profile_device
@@ -28,17 +30,24 @@ GiB = 1024**3
 
 
 def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: float | None, prefill_len: int,
-                quick: bool, as_json: bool, device: str, console: Console) -> Path:
+                quick: bool, as_json: bool, device: str, console: Console) -> Path | None:
     """`fmoe profile`: the device's link and memory; with a model (`opts`), its per-layer timings too."""
     dev = pick_device(device)
     if emulate_link is not None:
         check_bandwidth(emulate_link)
     if prefill_len < 1:
         raise FmoeError(f"--prefill-len must be at least 1, got {prefill_len}")
-    path = Path(out) if out is not None else default_profile_path(None if opts is None else opts.model)
+    if out is not None:  # the user asked for this file: refuse a place it cannot go before measuring
+        if Path(out).is_dir():
+            raise FmoeError(f"--out {out} is a directory; give a file name")
+        if (why := writable_dir(Path(out).parent)) is not None:
+            raise FmoeError(f"--out {out}: cannot write in {Path(out).parent} ({why})")
     with ExitStack() as stack:
         # The model's layers are timed resident, on demand otherwise: no link emulation, no cache.
         run = None if opts is None else stack.enter_context(open_run(opts, console))
+        # An emulated link's profile is kept apart: it never stands in for the real link.
+        path = Path(out) if out is not None else default_profile_path(
+            None if run is None else model_key(opts.model, run.lm.path), emulated=emulate_link is not None)
         with Progress(console=console, transient=True) as progress:
             link_task = progress.add_task("host → device link", total=link_steps(dev, quick, emulate_link is not None))
             device_profile = profile_device(emulate_link, quick=quick, device=dev,
@@ -51,12 +60,18 @@ def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: floa
                                         advance=lambda: progress.advance(layer_task))
         expert_bytes = None if run is None else run.lm.shape.expert_bytes
     profile = Profile(device_profile, timings, created=now_iso())
-    profile.save(path)
+    saved: Path | None = path
+    try:
+        profile.save(path)
+    except OSError as exc:  # the figures are printed all the same; saving is skipped with one warning
+        saved, problem = None, f"cannot save the profile to {path} ({exc.strerror or exc}); the figures are not kept"
     if as_json:
-        print(json.dumps({"path": str(path), "profile": profile.to_dict()}))
+        print(json.dumps({"path": None if saved is None else str(saved), "profile": profile.to_dict()}))
     else:
-        render(profile, path, expert_bytes, console)
-    return path
+        render(profile, saved, expert_bytes, console)
+    if saved is None:
+        warn(problem)
+    return saved
 
 
 def device_line(profile: Profile) -> str:
@@ -71,7 +86,7 @@ def link_line(profile: Profile) -> str:
     return f"link ({link.kind}): {link.bandwidth / 1e9:.2f} GB/s{latency} — {link.note}"
 
 
-def render(profile: Profile, path: Path, expert_bytes: int | None, console: Console) -> None:
+def render(profile: Profile, path: Path | None, expert_bytes: int | None, console: Console) -> None:
     console.print(device_line(profile), highlight=False)
     console.print(link_line(profile), highlight=False)
     if profile.device.free_memory is not None:
@@ -91,4 +106,5 @@ def render(profile: Profile, path: Path, expert_bytes: int | None, console: Cons
         if expert_bytes is not None:
             t_load = profile.device.link.transfer_time(expert_bytes)
             console.print(f"T_load (one expert, {expert_bytes / MiB:.2f} MiB): {t_load * 1e3:.3f} ms", highlight=False)
-    console.print(f"saved the profile to {path}", highlight=False)
+    if path is not None:
+        console.print(f"saved the profile to {path}", highlight=False)

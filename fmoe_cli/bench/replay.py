@@ -21,14 +21,16 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from fmoe_cli.trace import Trace, read_trace
+from fmoe_cli.trace import SequenceTrace, Trace, iter_sequences, scan_trace
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, replay_token
 from fmoe_cli.offload.policies import POLICIES, make_policy
@@ -110,41 +112,77 @@ class ReplayResult:
         }
 
 
-def replay(trace: Trace, cache_sizes: Sequence[int], policies: Sequence[str], *, seed: int = 0) -> ReplayResult:
-    """Hit rate of every policy (and `belady`) for every cache size (experts cached per layer)."""
+def _check_policies(policies: Sequence[str]) -> list[str]:
     names = [p for p in policies if p != BELADY] + [BELADY]
     for p in names:
         if p != BELADY and p not in POLICIES:
             raise FmoeError(f"unknown policy {p!r}; choose from {', '.join([*POLICIES, BELADY])}")
-    sizes = sorted(set(cache_sizes))
-    activations = trace.num_activations
-    hit_rate: dict[str, dict[int, float]] = {}
-    per_layer = [
-        (si, lj, seq.routes(lj)) for si, seq in enumerate(trace.sequences) for lj in range(len(trace.layers))
-    ]
-    for name in names:
-        rates: dict[int, float] = {}
-        for size in sizes:
-            if name == BELADY:
-                hits = sum(belady_hits(routes, size) for _, _, routes in per_layer)
-            else:
-                hits = sum(
-                    policy_hits(routes, name, size, trace.num_experts, seed=random_seed(seed, si, lj))
-                    for si, lj, routes in per_layer
-                )
-            rates[size] = hits / activations if activations else 0.0
-        hit_rate[name] = rates
-    return ReplayResult(
-        trace=trace.path,
-        format=trace.format,
-        sequences=len(trace.sequences),
-        tokens=trace.num_tokens,
-        layers=len(trace.layers),
-        experts=trace.num_experts,
-        skipped_tokens=trace.skipped_tokens,
-        activations=activations,
-        hit_rate=hit_rate,
-    )
+    return names
+
+
+class _Hits:
+    """Hits per policy and cache size, summed sequence by sequence (a sequence is replayed once read)."""
+
+    def __init__(self, names: list[str], sizes: list[int], num_experts: int, seed: int) -> None:
+        self.names, self.sizes, self.num_experts, self.seed = names, sizes, num_experts, seed
+        self.hits = {name: dict.fromkeys(sizes, 0) for name in names}
+        self.sequences = self.tokens = self.activations = 0
+
+    def add(self, position: int, seq: SequenceTrace) -> None:
+        """`position`: the sequence's place in the trace (the random policy's seed stream)."""
+        self.sequences += 1
+        self.tokens += len(seq.tokens)
+        for lj in range(len(seq.records)):
+            routes = seq.routes(lj)
+            self.activations += sum(len(r) for r in routes)
+            for name in self.names:
+                for size in self.sizes:
+                    self.hits[name][size] += (
+                        belady_hits(routes, size) if name == BELADY else
+                        policy_hits(routes, name, size, self.num_experts, seed=random_seed(self.seed, position, lj)))
+
+    def result(self, path: str, fmt: str, layers: int, skipped: int) -> ReplayResult:
+        a = self.activations
+        return ReplayResult(
+            trace=path, format=fmt, sequences=self.sequences, tokens=self.tokens, layers=layers,
+            experts=self.num_experts, skipped_tokens=skipped, activations=a,
+            hit_rate={name: {size: h / a if a else 0.0 for size, h in rates.items()} for name, rates in self.hits.items()},
+        )
+
+
+def replay(trace: Trace, cache_sizes: Sequence[int], policies: Sequence[str], *, seed: int = 0) -> ReplayResult:
+    """Hit rate of every policy (and `belady`) for every cache size (experts cached per layer)."""
+    hits = _Hits(_check_policies(policies), sorted(set(cache_sizes)), trace.num_experts, seed)
+    for position, seq in enumerate(trace.sequences):
+        hits.add(position, seq)
+    return hits.result(trace.path, trace.format, len(trace.layers), trace.skipped_tokens)
+
+
+def replay_file(path: str, cache_sizes: Sequence[int], policies: Sequence[str], *, seed: int = 0,
+                progress: Callable[[int, int], object] | None = None) -> ReplayResult:
+    """`replay` of a trace file, streamed: two passes (check and index, then replay each sequence as soon
+    as it is complete), so memory holds the open sequences only, never the whole trace.
+    `progress(done, total)`: characters read over both passes."""
+    names, sizes = _check_policies(policies), sorted(set(cache_sizes))
+    size = Path(path).stat().st_size if Path(path).is_file() else 0
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, 2 * size)
+
+    index = scan_trace(path, advance)
+    hits = _Hits(names, sizes, index.num_experts, seed)
+    skipped = 0
+    for position, seq, skip in iter_sequences(index, advance):
+        skipped += skip
+        if seq is not None:
+            hits.add(position, seq)
+    if not hits.sequences:
+        raise FmoeError(f"trace {path} has no complete token (one with all {len(index.layers)} layers)")
+    return hits.result(str(path), index.format, len(index.layers), skipped)
 
 
 # --- command-line helpers ----------------------------------------------------
@@ -191,15 +229,7 @@ def parse_policies(text: str) -> list[str]:
 def render_table(result: ReplayResult) -> Table:
     """Rows: policies; columns: experts cached per layer; the best online policy of each column in bold."""
     sizes = sorted({s for rates in result.hit_rate.values() for s in rates})
-    skipped = f", {result.skipped_tokens} incomplete tokens skipped" if result.skipped_tokens else ""
-    table = Table(
-        title=f"Expert cache hit rate: {result.trace}",
-        caption=(
-            f"{result.format} trace: {result.sequences} sequences, {result.tokens} tokens{skipped}, "
-            f"{result.layers} layers, {result.experts} experts. Hit rate = hits / activated experts; "
-            f"per-layer caches, empty at each sequence start. belady = offline optimum."
-        ),
-    )
+    table = Table(title=f"Expert cache hit rate: {result.trace}")
     table.add_column("policy")
     for s in sizes:
         table.add_column(f"C={s}", justify="right")
@@ -213,6 +243,15 @@ def render_table(result: ReplayResult) -> Table:
         label = "belady (optimum)" if p == BELADY else p
         table.add_row(label, *cells, style="dim" if p == BELADY else None)
     return table
+
+
+def footer(result: ReplayResult) -> str:
+    """What the table counts, printed under it at the terminal's width (a table caption would wrap
+    into the table's narrow column)."""
+    skipped = f", {result.skipped_tokens} incomplete tokens skipped" if result.skipped_tokens else ""
+    return (f"{result.format} trace: {result.sequences} sequences, {result.tokens} tokens{skipped}, "
+            f"{result.layers} layers, {result.experts} experts. Hit rate = hits / activated experts; "
+            f"per-layer caches, empty at each sequence start. belady = offline optimum.")
 
 
 def run_replay(
@@ -230,11 +269,17 @@ def run_replay(
     raises FmoeError (one-line message; the CLI exits with code 2)."""
     sizes = parse_cache_sizes(cache_sizes)
     names = parse_policies(policies)
-    result = replay(read_trace(trace), sizes, names, seed=seed)
+    with Progress(TextColumn("replaying {task.description}"), BarColumn(), TaskProgressColumn(),
+                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(Path(trace).name, total=None)
+        result = replay_file(trace, sizes, names, seed=seed,
+                             progress=lambda done, total: bar.update(task, completed=done, total=total))
     obj = result.to_json()
     if as_json:
         out = console.file if console is not None else sys.stdout
         out.write(json.dumps(obj, indent=2) + "\n")
     else:
-        (console or Console()).print(render_table(result))
+        console = console or Console()
+        console.print(render_table(result))
+        console.print(footer(result), style="dim", highlight=False)
     return obj

@@ -9,10 +9,14 @@ message per line), so `fmoe chat` can be scripted.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import platformdirs
@@ -28,7 +32,7 @@ from rich.text import Text
 from fmoe_cli.trace import RouteRecorder
 from fmoe_cli.chat import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.generate import SamplingParams
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine
@@ -93,27 +97,98 @@ def prompt_reader(history: Path | None, *, pt_input=None, pt_output=None) -> Rea
 
     store = InMemoryHistory()
     if history is not None:
-        try:
+        try:  # history is appended after every message: it must open for appending now
             history.parent.mkdir(parents=True, exist_ok=True)
-            store = FileHistory(str(history))
-        except OSError:
-            pass  # an unwritable data directory: history for this session only
+            with open(history, "ab"):
+                pass
+            store = _file_history()(str(history))
+        except OSError as exc:
+            warn(f"chat history {history} cannot be written ({exc.strerror or exc}); "
+                 "this session's history is not kept")
     session = PromptSession(history=store, multiline=True, key_bindings=bindings, input=pt_input, output=pt_output,
                             prompt_continuation="... ")
     return lambda default: session.prompt(">>> ", default=default)
 
 
+def _file_history():
+    class SafeFileHistory(FileHistory):
+        """A FileHistory that stops writing (one warning) instead of failing inside the event loop."""
+
+        def store_string(self, string: str) -> None:
+            if getattr(self, "_failed", False):
+                return
+            try:
+                super().store_string(string)
+            except OSError as exc:
+                self._failed = True
+                warn(f"chat history {self.filename} cannot be written ({exc.strerror or exc}); "
+                     "this session's history is not kept")
+
+    return SafeFileHistory
+
+
 def line_reader(stream=None) -> Reader:
     """Plain lines from a pipe (stdin not a terminal): one message per line, EOF quits."""
     stream = stream or sys.stdin
+    raw = getattr(stream, "buffer", None)  # bytes: a line that is not UTF-8 is read, and refused by the loop
 
     def read(default: str) -> str:
-        line = stream.readline()
+        line = raw.readline().decode("utf-8", "surrogateescape") if raw is not None else stream.readline()
         if not line:
             raise EOFError
-        return line.rstrip("\n")
+        return line.rstrip("\n").removesuffix("\r")
 
     return read
+
+
+def not_utf8(text: str) -> str | None:
+    """None for proper text; else what is wrong, for one line. Input that is not UTF-8 reaches Python
+    as lone surrogates (the bytes escaped), which no tokenizer can encode."""
+    bad = [c for c in text if "\udc80" <= c <= "\udcff"]
+    if not bad:
+        bad = [c for c in text if "\ud800" <= c <= "\udfff"]
+        return None if not bad else "the message holds a lone UTF-16 surrogate; it was not sent"
+    shown = " ".join(f"0x{ord(c) - 0xDC00:02x}" for c in bad[:3])
+    return f"the message is not UTF-8 text (bytes {shown}{' …' if len(bad) > 3 else ''}); it was not sent"
+
+
+@contextlib.contextmanager
+def held_typeahead(fd: int) -> Iterator[list[str]]:
+    """While an answer streams: the terminal does not echo keystrokes into it (ECHO and ICANON off,
+    ISIG kept: Ctrl-C still stops the answer); afterwards what was typed is read without waiting and
+    handed back (appended to the yielded list) for the next prompt. Not a terminal: does nothing."""
+    typed: list[str] = []
+    try:
+        import termios
+
+        saved = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError):  # no termios (Windows), not a terminal
+        yield typed
+        return
+    quiet = termios.tcgetattr(fd)
+    quiet[3] &= ~(termios.ECHO | termios.ICANON)  # lflag
+    quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 0, 0  # reads never wait
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield typed
+    finally:
+        data = b""
+        try:
+            while chunk := os.read(fd, 4096):
+                data += chunk
+        except OSError:
+            pass
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+        text = data.decode("utf-8", "replace")
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z~]|\x1b.?", "", text)  # arrow keys and other escape sequences
+        kept: list[str] = []
+        for c in text:
+            if c in "\x7f\b":  # backspace: the terminal did not erase, so do it here
+                if kept:
+                    kept.pop()
+            elif c in "\n\t" or c >= " ":
+                kept.append(c)
+        typed.append("".join(kept).rstrip("\n"))
 
 
 # --- output ------------------------------------------------------------------
@@ -241,10 +316,13 @@ def handle_command(line: str, session: ChatSession, console: Console, budget_byt
     return True
 
 
-def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int, idle: IdleHook | None = None) -> None:
+def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int, idle: IdleHook | None = None,
+         hold: Callable[[], contextlib.AbstractContextManager[list[str]]] | None = None) -> None:
     """Read, answer, repeat. Bad input and failures print one line; the typed text is never lost
-    (after an error it comes back at the prompt)."""
+    (after an error it comes back at the prompt). `hold`: a terminal's typeahead keeper (see
+    `held_typeahead`): what is typed during an answer is not echoed into it and comes back at the prompt."""
     work = IdleWork(idle)
+    hold = hold or (lambda: contextlib.nullcontext([]))
     pending = ""
     try:
         while True:
@@ -257,6 +335,9 @@ def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int
                 break
             pending = ""
             if not text.strip():
+                continue
+            if (problem := not_utf8(text)) is not None:
+                error(console, problem)
                 continue
             try:
                 problem = work.wait()  # the device is needed again: the idle work must be done
@@ -274,9 +355,11 @@ def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int
                     error(console, str(exc))
                 continue
             message = text[1:] if text.startswith("//") else text
+            typed: list[str] = []
             try:
-                stats = session.ask(message, on_text=lambda t: console.print(
-                    printable(t), end="", markup=False, highlight=False, emoji=False, soft_wrap=True))
+                with hold() as typed:
+                    stats = session.ask(message, on_text=lambda t: console.print(
+                        printable(t), end="", markup=False, highlight=False, emoji=False, soft_wrap=True))
             except FmoeError as exc:
                 error(console, str(exc))
                 pending = text
@@ -293,6 +376,7 @@ def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int
                 continue
             console.print()
             say(console, stats.footer(), "dim")
+            pending = "".join(typed)  # typed during the answer: the start of the next message
             work.start()  # re-plan while the user types the next message
     finally:
         work.wait()
@@ -313,8 +397,8 @@ class Chat:
         for line in header_lines(self.session, self.link_label, self.budget_bytes, self.profile):
             console.print(line, highlight=False)
 
-    def loop(self, read: Reader, console: Console) -> None:
-        repl(self.session, read, console, self.budget_bytes, self.idle)
+    def loop(self, read: Reader, console: Console, hold=None) -> None:
+        repl(self.session, read, console, self.budget_bytes, self.idle, hold)
 
     def close(self) -> None:
         self.resources.close()
@@ -342,9 +426,12 @@ def run_chat(opts: ChatOptions, console: Console | None = None, err_console: Con
     chat = open_chat(opts, err_console)
     try:
         chat.header(console)
+        hold = None
         if read is None:
-            read = prompt_reader(history_path()) if sys.stdin.isatty() else line_reader()
-        chat.loop(read, console)
+            terminal = sys.stdin.isatty()
+            read = prompt_reader(history_path()) if terminal else line_reader()
+            hold = partial(held_typeahead, sys.stdin.fileno()) if terminal else None
+        chat.loop(read, console, hold)
     finally:
         chat.close()
     return chat.session

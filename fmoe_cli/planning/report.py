@@ -172,7 +172,7 @@ def run_plan(model: str, vram: str | None, profile_path: str | None, context: in
     device = DeviceBudget(total, facts.non_expert_bytes, slots * shape.expert_bytes,
                           facts.kv_bytes_per_token * context, parse_budget(workspace, 0))
     device.check()
-    stats_path = default_stats_path(model)
+    stats_path = default_stats_path(model, model_path=facts.config_path)
     stats = load_or_empty(model, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
     if stats.tokens == 0:
         stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)

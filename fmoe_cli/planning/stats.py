@@ -34,12 +34,18 @@ from pathlib import Path
 import numpy as np
 import platformdirs
 
-from fmoe_cli.errors import FmoeError
-from fmoe_cli.files import model_slug, read_json, write_atomic
+from fmoe_cli.errors import FmoeError, warn
+from fmoe_cli.files import locked, read_json, set_aside, writable_dir, write_atomic
+from fmoe_cli.models.identity import model_key
 from fmoe_cli.offload.policies import LCP, LCP_OMEGA, LCP_RHO, EvictionPolicy
 
 STATS_SCHEMA_VERSION = 1
 _COUNT_DTYPE = np.int64
+MAX_EXPERTS = 4096  # per layer; the N×N histogram of one layer is then 128 MiB
+
+
+class StatsShapeError(FmoeError):
+    """Saved statistics of another shape (layers, experts, top-k) than the model's."""
 
 
 def _encode(array: np.ndarray) -> str:
@@ -49,8 +55,16 @@ def _encode(array: np.ndarray) -> str:
 
 
 def _decode(text: str, shape: tuple[int, ...]) -> np.ndarray:
-    raw = zlib.decompress(base64.b64decode(text.encode("ascii"), validate=True))
+    """The counts back, refusing anything but the expected shape of non-negative counts (a file cannot
+    make this allocate more than the shape it declares: decompression stops at that size)."""
+    expected = 8 * int(np.prod(shape))
+    inflate = zlib.decompressobj()
+    raw = inflate.decompress(base64.b64decode(text.encode("ascii"), validate=True), expected + 1)
+    if len(raw) != expected or not inflate.eof:
+        raise ValueError(f"counts of shape {shape} expected")
     array = np.frombuffer(raw, dtype="<i8").astype(_COUNT_DTYPE)
+    if (array < 0).any():
+        raise ValueError("a negative count")
     return array.reshape(shape)
 
 
@@ -164,15 +178,36 @@ class LayerStats:
     @classmethod
     def from_dict(cls, data: dict, num_experts: int, top_k: int) -> LayerStats:
         n = num_experts
+        tokens, predicted = data["tokens"], data["predicted_tokens"]
+        for name, value in (("tokens", tokens), ("predicted_tokens", predicted)):
+            if type(value) is not int or value < 0:
+                raise ValueError(f"'{name}' must be a count >= 0, got {value!r}")
+        if predicted > tokens:
+            raise ValueError(f"{predicted} predicted tokens of {tokens} tokens")
         return cls(
             n,
             top_k,
             _decode(data["rank_hist"], (n,)),
             _decode(data["predicted_hist"], (n,)),
             _decode(data["predicted_rank_hist"], (n, n)),
-            int(data["tokens"]),
-            int(data["predicted_tokens"]),
+            tokens,
+            predicted,
         )
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        return self.rank_hist, self.predicted_hist, self.predicted_rank_hist, self.tokens, self.predicted_tokens
+
+    def copy(self) -> LayerStats:
+        return LayerStats(self.num_experts, self.top_k, self.rank_hist.copy(), self.predicted_hist.copy(),
+                          self.predicted_rank_hist.copy(), self.tokens, self.predicted_tokens)
+
+    def add(self, other: LayerStats, sign: int = 1) -> None:
+        """Add (sign -1: subtract) another layer's counts, in place (merging sessions' statistics)."""
+        self.rank_hist += sign * other.rank_hist
+        self.predicted_hist += sign * other.predicted_hist
+        self.predicted_rank_hist += sign * other.predicted_rank_hist
+        self.tokens += sign * other.tokens
+        self.predicted_tokens += sign * other.predicted_tokens
 
 
 def lcp_ranking(policy: EvictionPolicy, step: int, omega: float | None = None, rho: float | None = None) -> list[int]:
@@ -247,16 +282,26 @@ class RoutingStats:
         }
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "routing statistics") -> RoutingStats:
+    def from_dict(cls, data: dict, source: str = "routing statistics", expect: tuple[int, int, int] | None = None) -> RoutingStats:
+        """`expect`: (num_layers, num_experts, top_k) the caller needs; another shape raises StatsShapeError
+        before any counts are decoded."""
         if not isinstance(data, dict) or data.get("kind") != "fmoe-routing-stats":
             raise FmoeError(f"{source} is not an fmoe routing-statistics file")
         if data.get("schema_version") != STATS_SCHEMA_VERSION:
             raise FmoeError(f"{source} has schema version {data.get('schema_version')!r}; this fmoe reads version {STATS_SCHEMA_VERSION}")
         try:
-            n, k = int(data["num_experts"]), int(data["top_k"])
+            shape = tuple(data[key] for key in ("num_layers", "num_experts", "top_k"))
+            if any(type(v) is not int or v < 1 for v in shape):
+                raise ValueError(f"num_layers, num_experts and top_k must be integers >= 1, got {list(shape)}")
+            if expect is not None and shape != tuple(expect):
+                raise StatsShapeError(f"{source} is for {shape[0]} layers of {shape[1]} experts (top-{shape[2]}), "
+                                      f"not {expect[0]} layers of {expect[1]} (top-{expect[2]})")
+            num_layers, n, k = shape
+            if not isinstance(data["layers"], list) or len(data["layers"]) != num_layers:
+                raise ValueError(f"{num_layers} layers declared, {len(data['layers'])} present")
+            if n > MAX_EXPERTS:
+                raise ValueError(f"{n} experts (at most {MAX_EXPERTS})")
             layers = [LayerStats.from_dict(d, n, k) for d in data["layers"]]
-            if len(layers) != int(data["num_layers"]):
-                raise ValueError("layer count")
             return cls(str(data["model"]), n, k, layers)
         except (KeyError, TypeError, ValueError, zlib.error) as exc:
             raise FmoeError(f"{source} is malformed ({type(exc).__name__}: {exc})") from None
@@ -265,8 +310,8 @@ class RoutingStats:
         return write_atomic(Path(path), json.dumps(self.to_dict()))
 
     @classmethod
-    def load(cls, path: Path) -> RoutingStats:
-        return cls.from_dict(read_json(path, "routing statistics"), source=f"routing statistics {path}")
+    def load(cls, path: Path, expect: tuple[int, int, int] | None = None) -> RoutingStats:
+        return cls.from_dict(read_json(path, "routing statistics"), source=f"routing statistics {path}", expect=expect)
 
 
 class StatsRecorder:
@@ -283,6 +328,7 @@ class StatsRecorder:
         self.stats = stats
         self.path = path
         self.tokens = 0
+        self._saved = [layer.copy() for layer in stats.layers]  # the counts as last read or written
 
     def __call__(self, event) -> None:  # event: offload.engine.RouteEvent
         cache = event.cache
@@ -306,23 +352,83 @@ class StatsRecorder:
             self.tokens += len(rows)
 
     def save(self) -> Path | None:
-        return self.stats.save(self.path) if self.path is not None else None
+        """Add this session's new counts to the file, under its lock: what other sessions saved since
+        this one read it is kept (concurrent sessions add up), and this session's statistics become
+        the sum. A save that cannot be written is skipped with one warning (and not tried again)."""
+        if self.path is None:
+            return None
+        path, stats = Path(self.path), self.stats
+        try:
+            with locked(path):
+                disk = _read_saved(path, (stats.num_layers, stats.num_experts, stats.top_k))
+                if disk is not None:
+                    for mine, saved, theirs in zip(stats.layers, self._saved, disk.layers):
+                        delta = mine.copy()
+                        delta.add(saved, -1)  # what this session observed since the last read or write
+                        theirs.add(delta)
+                        mine.rank_hist[:], mine.predicted_hist[:], mine.predicted_rank_hist[:] = theirs.counts()[:3]
+                        mine.tokens, mine.predicted_tokens = theirs.tokens, theirs.predicted_tokens
+                stats.save(path)
+        except OSError as exc:
+            warn(f"cannot save routing statistics to {path} ({exc.strerror or exc}); "
+                 "this session's statistics are not kept")
+            self.path = None
+            return None
+        self._saved = [layer.copy() for layer in stats.layers]
+        return path
 
 
-def default_stats_path(model: str, config_dir: Path | None = None) -> Path:
-    """Per model, next to its profile: <user config dir>/profiles/<model>.stats.json (platformdirs)."""
+def default_stats_path(model: str, config_dir: Path | None = None, model_path: Path | None = None) -> Path:
+    """Per model, next to its profile: <user config dir>/profiles/<model key>.stats.json (platformdirs).
+
+    The model key (models.identity) names the model by where it comes from and a fingerprint of its
+    config and weights: a local directory called `demo` is not the built-in demo. `model_path`: the
+    model's resolved directory (or config.json) when known."""
     base = Path(config_dir) if config_dir is not None else Path(platformdirs.user_config_dir("fmoe"))
-    return base / "profiles" / f"{model_slug(model)}.stats.json"
+    return base / "profiles" / f"{model_key(model, model_path)}.stats.json"
+
+
+def _read_saved(path: Path, expect: tuple[int, int, int]) -> RoutingStats | None:
+    """The statistics saved at `path`, or None if there are none. A damaged file, or one of another
+    shape, is set aside (`.corrupt-<time>`) with a one-line warning: it never blocks a session."""
+    path = Path(path)
+    if not path.exists() or path.is_dir():  # a directory: left alone (load_or_empty says so)
+        return None
+    try:
+        return RoutingStats.load(path, expect=expect)
+    except FmoeError as exc:
+        try:
+            aside = set_aside(path)
+        except OSError as err:
+            warn(f"{exc}; cannot move it aside ({err.strerror or err}): starting with empty statistics")
+            return None
+        warn(f"{exc}; moved it to {aside.name} and started with empty statistics")
+        return None
 
 
 def load_or_empty(model: str, num_layers: int, num_experts: int, top_k: int, path: Path | None = None) -> RoutingStats:
-    """What earlier sessions learned about this model, or empty statistics if nothing was saved."""
-    path = path or default_stats_path(model)
-    if not Path(path).exists():
+    """What earlier sessions learned about this model, or empty statistics if nothing (usable) was saved."""
+    path = Path(path or default_stats_path(model))
+    if path.is_dir():
+        warn(f"routing statistics {path} is a directory, not a file: move it away to keep statistics")
+    with locked(path):
+        stats = _read_saved(path, (num_layers, num_experts, top_k))
+    if stats is None:
         return RoutingStats.empty(model, num_layers, num_experts, top_k)
-    stats = RoutingStats.load(path)
-    if (stats.model, stats.num_layers, stats.num_experts, stats.top_k) != (model, num_layers, num_experts, top_k):
-        # Saved for another checkpoint under the same name (a re-used directory, a new demo):
-        # start afresh; the next save replaces the stale file.
-        return RoutingStats.empty(model, num_layers, num_experts, top_k)
+    stats.model = model
     return stats
+
+
+def open_recorder(model: str, num_layers: int, num_experts: int, top_k: int, path: Path) -> StatsRecorder:
+    """A StatsRecorder that starts from the saved statistics and will add to them. Where they cannot
+    be saved (a read-only config directory, a directory in place of the file) it says so once, now,
+    and the session goes on without saving."""
+    path = Path(path)
+    stats = load_or_empty(model, num_layers, num_experts, top_k, path)
+    save_to: Path | None = path
+    if path.is_dir():
+        save_to = None  # load_or_empty said so
+    elif (why := writable_dir(path.parent)) is not None:
+        warn(f"cannot save routing statistics in {path.parent} ({why}); this session's statistics are not kept")
+        save_to = None
+    return StatsRecorder(stats, save_to)

@@ -19,7 +19,7 @@ import platformdirs
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.types import Timings
-from fmoe_cli.files import model_slug, read_json, write_atomic
+from fmoe_cli.files import read_json, write_atomic
 
 PROFILE_SCHEMA_VERSION = 1
 GiB = 1024**3
@@ -180,10 +180,14 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def default_profile_path(model: str | None = None, config_dir: Path | None = None) -> Path:
-    """The user's config directory: profiles/device.json, or profiles/<model>.json with model timings."""
+def default_profile_path(key: str | None = None, config_dir: Path | None = None, *, emulated: bool = False) -> Path:
+    """The user's config directory: profiles/device.json, or profiles/<key>.json with a model's timings, where
+    `key` is the model's key (models.identity.model_key: where it comes from and its fingerprint, so a
+    directory named `demo` is not the demo). A profile of an emulated link is kept apart (`*.emulated.json`):
+    it never stands in for the real link."""
     base = Path(config_dir) if config_dir is not None else Path(platformdirs.user_config_dir("fmoe"))
-    return base / "profiles" / (f"{model_slug(model)}.json" if model else "device.json")
+    stem = key or "device"
+    return base / "profiles" / (f"{stem}.emulated.json" if emulated else f"{stem}.json")
 
 
 class _Reader:

@@ -1,0 +1,51 @@
+"""Saved profiles (issue 14, item 10): a damaged one is re-measured with a message; a profile of an
+emulated link is kept apart from the real one and never stands in for the real link."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from fmoe_cli.cli import app
+from fmoe_cli.models.load import load_model
+from fmoe_cli.offload.engine import open_engine
+from fmoe_cli.run import find_timings
+from fmoe_cli.models.identity import model_key
+from fmoe_cli.profiling.files import Profile, default_profile_path
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoints):
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    engine = open_engine(lm)  # the real (CPU) link, no emulation
+    yield lm, engine
+    engine.close()
+
+
+def test_a_damaged_saved_profile_is_remeasured_and_says_so(loaded, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    lm, engine = loaded
+    path = default_profile_path(model_key(lm.model_id, lm.path))
+    path.parent.mkdir(parents=True)
+    path.write_text('{"kind": "fmoe-profile", "schema_version": 1, "device": {')
+    timings = find_timings(lm, engine.link, engine=engine)
+    assert timings.t_moe > 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("warning: not using the saved profile") and "not valid JSON" in err
+
+
+def test_an_emulated_profile_is_kept_apart(loaded, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    lm, engine = loaded
+    result = CliRunner().invoke(app, ["profile", "--model", lm.model_id, "--emulate-link", "8", "--quick",
+                                      "--prefill-len", "4", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    real = default_profile_path(model_key(lm.model_id, lm.path))
+    emulated = default_profile_path(model_key(lm.model_id, lm.path), emulated=True)
+    assert emulated.exists() and not real.exists()
+    assert Profile.load(emulated).device.link.kind == "emulated"
+    # even when named explicitly, an emulated profile's link is not taken for the real one
+    timings = find_timings(lm, engine.link, profile_path=emulated, engine=engine)
+    assert timings.t_load != pytest.approx(lm.shape.expert_bytes / 8e9)
+    assert capsys.readouterr().err.strip() == ""  # its layer timings are used: nothing to warn about
