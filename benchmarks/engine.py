@@ -73,13 +73,13 @@ def decode_tpot_ms(model, prompt_ids: torch.Tensor, tokens: int, engine: Engine 
 
 def spread(values: list[float], fmt: str = "{:.2f}") -> str:
     """median [min–max] of per-round values."""
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+    return f"{fmt.format(statistics.median(values))} \\[{fmt.format(min(values))}–{fmt.format(max(values))}]"
 
 
 def policy_table(title: str, runs: dict[str, list], base: str = "lru") -> Table:
     """One table of interleaved runs: policy -> RunResult per round; ratios to `base` per round."""
     table = Table(title=title)
-    for col in ("policy", "TPOT ms", f"÷ {base} [spread]", "hit", "exp ms/tok", "MiB/tok"):
+    for col in ("policy", "TPOT ms", f"÷ {base} \\[spread]", "hit", "exp ms/tok", "MiB/tok"):
         table.add_column(col, justify="right" if col != "policy" else "left")
     for name, rs in runs.items():
         ratios = [r.tpot_ms["median"] / b.tpot_ms["median"] for r, b in zip(rs, runs[base])]
@@ -149,7 +149,7 @@ def main() -> None:
         ours.append(decode_tpot_ms(lm.model, prompt_ids, args.tokens, engine))
     engine.close()
     del plain
-    t1 = Table(title=f"1. resident engine vs plain transformers (TPOT ms: median [min–max] of {args.repeats} "
+    t1 = Table(title=f"1. resident engine vs plain transformers (TPOT ms: median \\[min–max] of {args.repeats} "
                      "interleaved rounds)")
     for col in ("run", "TPOT ms", "ratio"):
         t1.add_column(col, justify="right" if col != "run" else "left")
@@ -184,7 +184,7 @@ def main() -> None:
     for ratio, link in links.items():
         console.print(policy_table(
             f"2. {link.label()} (expert load {ratio:g}× T_exp = {ratio * t_exp * 1e3:.3f} ms), budget {args.budget} = "
-            f"{budget / 2**20:.0f} MiB: median [min–max] of {args.repeats} interleaved rounds", runs[ratio]))
+            f"{budget / 2**20:.0f} MiB: median \\[min–max] of {args.repeats} interleaved rounds", runs[ratio]))
         console.print(f"moepic plan: {runs[ratio]['moepic'][-1].plan}", highlight=False)
     same = len({tuple(r.token_ids) for rr in runs.values() for rs in rr.values() for r in rs}) == 1
     console.print("token ids identical across policies and links" if same else "[red]token ids DIFFER[/red]")
