@@ -49,7 +49,8 @@ from fmoe_cli.planning.stats import default_stats_path, open_recorder
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
 from fmoe_cli.profiling.device import LinkPlan, device_identity, fit_link, measure_link
 from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
-from fmoe_cli.profiling.model import model_timings
+from fmoe_cli.profiling.model import expert_compute_s, model_timings
+from fmoe_cli.profiling.reference import CONSUMER_CARD
 from fmoe_cli.types import DEFAULT_EXPERTS, Timings
 
 
@@ -74,6 +75,10 @@ class RunOptions:
     stats_path: Path | None = None  # where the routing statistics are kept (default: per model)
     tau: int = DEFAULT_TAU  # τ: tokens between re-plans
     record_statistics: bool = True  # observe routing, keep the statistics, re-plan while idle
+    # Without a GPU and without emulate_link: an emulated link shaped like a consumer card
+    # (profiling/reference.py) instead of none. fmoe bench sets it.
+    shape_link: bool = False
+    if_fits: tuple[str, ...] = ()  # policies left out (with a note) when their plan does not fit the device
 
     def check(self) -> None:
         """Refuse bad options in one line, before the model is loaded."""
@@ -189,8 +194,15 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
         inputs = PlanInputs(shape, budget, model=lm.model_id)
         fixed = {p.name: settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
                  for p in presets if not p.configured}  # checks the budget before anything slow
-        for fixed_settings in fixed.values():
-            check_plan_fits(fixed_settings.plan, room)  # `resident` when the model does not fit
+        for name, fixed_settings in list(fixed.items()):
+            try:
+                check_plan_fits(fixed_settings.plan, room)  # `resident` when the model does not fit
+            except FmoeError as exc:
+                if name not in opts.if_fits or len(presets) == 1:
+                    raise
+                console.print(f"{name} left out: {exc}", highlight=False)
+                del fixed[name]
+                presets = [p for p in presets if p.name != name]
         configured = any(p.configured for p in presets)
         if configured:
             check_budget(shape, budget, min_staging_slots(shape))
@@ -202,7 +214,10 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             stats_path = opts.stats_path or default_stats_path(lm.model_id, model_path=lm.path)
             recorder = open_recorder(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
             inputs = PlanInputs(shape, budget, stats=recorder.stats, model=lm.model_id)
-        link = make_link(lm.device, opts.emulate_link)
+        gbps, note = opts.emulate_link, None
+        if gbps is None and opts.shape_link and lm.device.type == "cpu":
+            gbps, note = CONSUMER_CARD.link_gbps(shape.expert_bytes, expert_compute_s(lm)), CONSUMER_CARD.note()
+        link = make_link(lm.device, gbps, note)
         try:
             if configured:
                 with console.status("timing the model for the configurator …"):
