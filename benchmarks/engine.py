@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,12 +45,12 @@ from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.demo import build_random_moe
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
-from fmoe_cli.offload.layout import segment_forward
 from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.planning.plan import parse_budget
 from fmoe_cli.planning.presets import PlanInputs, make_settings, settings_for
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
+from fmoe_cli.profiling.model import expert_compute_s
 from fmoe_cli.run import find_timings
 
 POLICIES = ["lru", "moepic", "uniform", "lfu", "cache-only", "prefetch-only", "ondemand", "resident"]
@@ -70,19 +69,6 @@ def decode_tpot_ms(model, prompt_ids: torch.Tensor, tokens: int, engine: Engine 
     """Median decode-step time of `model` (through `engine` if given), the loop every command uses."""
     events = list(stream_generate(model, prompt_ids, engine=engine, max_new_tokens=tokens, stop_on_eos=False))
     return statistics.median(e.latency_s for e in events[1:]) * 1000
-
-
-def expert_compute_s(lm, repeats: int = 200) -> float:
-    """T_exp: one expert's forward for one token (decode), from the engine's packed layout."""
-    packed = lm.store.expert(0, 0).to(lm.device)
-    x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
-    act = torch.nn.functional.silu
-    for _ in range(10):
-        segment_forward(x, packed, act)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        segment_forward(x, packed, act)
-    return (time.perf_counter() - start) / repeats
 
 
 def spread(values: list[float], fmt: str = "{:.2f}") -> str:

@@ -123,7 +123,8 @@ def bench(
     opts = run_options(model, parse_policies(policy, compare), vram_budget=vram_budget, predictor=predictor,
                        lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
                        overwrite_trace=force, dtype=dtype, experts=experts, device=device,
-                       trust_remote_code=trust_remote_code)
+                       trust_remote_code=trust_remote_code, shape_link=True,
+                       if_fits=("resident",) if policy is None and compare is None else ())
     report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=read_prompt(prompt, prompt_file), console=err_console)
     if as_json:
         print(json.dumps(report))

@@ -201,10 +201,11 @@ class EmulatedLink:
     """One modelled copy engine of `gbps` GB/s plus `latency_s` per transfer (see the module doc)."""
 
     def __init__(self, gbps: float | None, latency_s: float = 10e-6, *, clock=None, copy: bool = False,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, note: str | None = None) -> None:
         if gbps is not None and gbps <= 0:
             raise ValueError("emulated link bandwidth must be > 0 GB/s")
         self.gbps = gbps
+        self.note = note  # what the bandwidth stands for, shown in the label
         self.latency_s = latency_s if gbps else 0.0
         self.kind = "emulated" if gbps else "host"
         self.clock = clock or MonotonicClock()
@@ -218,7 +219,7 @@ class EmulatedLink:
 
     def label(self) -> str:
         if self.gbps:
-            return f"link: emulated {self.gbps:g} GB/s"
+            return f"link: emulated {self.gbps:.3g} GB/s" + (f" ({self.note})" if self.note else "")
         return "link: none (the CPU is the device; experts are read from host memory)"
 
     def duration(self, nbytes: int) -> float:
@@ -526,14 +527,15 @@ def check_bandwidth(emulate_gbps: float) -> None:
         raise FmoeError(f"--emulate-link needs a bandwidth > 0 GB/s, got {emulate_gbps:g}")
 
 
-def make_link(device: torch.device, emulate_gbps: float | None) -> Link:
+def make_link(device: torch.device, emulate_gbps: float | None, note: str | None = None) -> Link:
     """The link every command uses: emulated if asked (throttled real copies on CUDA, no bytes
-    moved on the CPU), the copy stream on CUDA, else none (the CPU reads the host store)."""
+    moved on the CPU), the copy stream on CUDA, else none (the CPU reads the host store).
+    `note`: what an emulated bandwidth stands for (its label shows it)."""
     if emulate_gbps is not None:
         check_bandwidth(emulate_gbps)
         if device.type == "cuda":
             return CudaLink(device, throttle_gbps=emulate_gbps)
-        return EmulatedLink(emulate_gbps)
+        return EmulatedLink(emulate_gbps, note=note)
     if device.type == "cuda":
         return CudaLink(device)
     return EmulatedLink(None)  # the CPU is its own device
