@@ -27,7 +27,7 @@ from rich.console import Console
 from fmoe_cli.trace import TraceWriter, check_trace_out
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.models.identity import model_key
-from fmoe_cli.models.load import LoadedModel, check_expert_format, load_model
+from fmoe_cli.models.load import LoadedModel, check_expert_format, load_model, pick_device
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import check_bandwidth, make_link
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
@@ -89,6 +89,9 @@ class RunOptions:
             check_bandwidth(self.emulate_link)
         if self.trace_out is not None:
             check_trace_out(self.trace_out, self.overwrite_trace)
+        device = pick_device(self.device)
+        if self.profile is not None:
+            check_profile(self.profile, device)
 
 
 @dataclass

@@ -67,8 +67,8 @@ class ChatOptions:
 
     def check(self) -> None:
         """Refuse bad options in one line, before the model is loaded."""
-        if self.temperature < 0:
-            raise FmoeError(f"--temperature must be 0 or more, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise FmoeError(f"--temperature must be a number ≥ 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise FmoeError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:

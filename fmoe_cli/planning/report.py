@@ -208,7 +208,8 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
             raise FmoeError(f"--trace {trace}: {len(routing.layers)} layers × {routing.num_experts} experts, "
                             f"the model has {shape.num_layers} × {shape.num_experts}")
         sequences = tokens_of(routing)
-        with Progress(transient=True, console=Console(stderr=True)) as bar:
+        err = Console(stderr=True)
+        with Progress(transient=True, console=err, disable=not err.is_terminal) as bar:  # off a terminal: no stray line
             task = bar.add_task("simulating", total=len(TPOT_POLICIES))
 
             def step(name: str) -> None:
