@@ -84,12 +84,12 @@ class RunOptions:
         check_predictor(self.predictor)
         check_expert_format(self.experts)
         check_lcp(self.omega, self.rho)
-        check_budget_text(self.vram_budget)
         if self.emulate_link is not None:
             check_bandwidth(self.emulate_link)
         if self.trace_out is not None:
             check_trace_out(self.trace_out, self.overwrite_trace)
         device = pick_device(self.device)
+        check_budget_text(self.vram_budget, device)
         if self.profile is not None:
             check_profile(self.profile, device)
 

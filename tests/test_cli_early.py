@@ -37,6 +37,9 @@ def malformed_profile(tmp_path):
     ("chat", ("--profile", "MALFORMED"), "malformed"),
     ("chat", ("--temperature", "nan"), "--temperature"),
     ("chat", ("--temperature", "inf"), "--temperature"),
+    ("bench", ("--vram-budget", "1000TB"), "more than this machine's memory"),
+    ("chat", ("--vram-budget", "1000TiB"), "more than this machine's memory"),
+    ("bench", ("--vram-budget", "25"), "has no unit"),
 ], ids=lambda v: " ".join(v) if isinstance(v, tuple) else v)
 def test_options_are_checked_before_the_model_loads(monkeypatch, malformed_profile, command, args, fragment):
     monkeypatch.setattr(run_module, "load_model", refuse_loading)
@@ -79,3 +82,9 @@ def test_no_stray_line_on_stderr(checkpoints):
     assert result.exit_code == 0, result.output
     assert result.stderr == "", repr(result.stderr)
     assert result.stdout.splitlines()[0].strip()  # the first line of the output is not blank either
+
+
+def test_plan_vram_is_a_size_not_a_share(checkpoints):
+    result = CliRunner().invoke(app, ["plan", str(checkpoints["mixtral"]), "--vram", "25%"])
+    text = result.output.strip()
+    assert result.exit_code == 2 and len(text.splitlines()) == 1 and "--vram 25%" in text, text
