@@ -165,6 +165,8 @@ def bench(
         print(json.dumps(report))
     else:
         render(report, Console())
+    if report.get("interrupted"):  # the finished policies were printed, marked partial
+        raise typer.Exit(130)
 
 
 @app.command()

@@ -120,6 +120,14 @@ class Run:
             self.replanner.on_idle()
 
 
+def context_length(lm: LoadedModel) -> int | None:
+    """The model's context in tokens (its config's max_position_embeddings), None if it does not say."""
+    config = lm.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
 def check_profile(path: str, device) -> Profile:
     """A profile that reads and is of this device, else a one-line error."""
     profile = Profile.load(Path(path))

@@ -88,3 +88,72 @@ def test_plan_vram_is_a_size_not_a_share(checkpoints):
     result = CliRunner().invoke(app, ["plan", str(checkpoints["mixtral"]), "--vram", "25%"])
     text = result.output.strip()
     assert result.exit_code == 2 and len(text.splitlines()) == 1 and "--vram 25%" in text, text
+
+
+# --- bounded runs (item 8) and Ctrl-C mid-bench (item 6) -------------------------------------------
+
+
+def test_bench_beyond_the_model_context_is_refused(checkpoints):
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "600",
+                                      "--warmup", "0", "--device", "cpu"])
+    text = result.output.strip()
+    assert result.exit_code == 2 and len(text.splitlines()) == 1, text
+    assert "--tokens 600" in text and "context of 512 tokens" in text, text
+
+
+def test_chat_max_new_tokens_beyond_the_context_is_refused(checkpoints):
+    result = CliRunner().invoke(app, ["chat", str(checkpoints["mixtral"]), "--max-new-tokens", "100000000",
+                                      "--device", "cpu"], input="hi\n/exit\n")
+    text = result.output.strip()
+    assert result.exit_code == 2 and len(text.splitlines()) == 1 and "context of 512" in text, text
+
+
+def test_chat_drops_the_oldest_turns_to_fit_the_context(checkpoints):
+    long = "the quick brown fox jumps over the lazy dog " * 6
+    result = CliRunner().invoke(app, ["chat", str(checkpoints["mixtral"]), "--temperature", "0", "--max-new-tokens",
+                                      "200", "--device", "cpu"], input=f"{long}\n{long}\n{long}\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("tokens · TTFT") == 3
+    notices = [line for line in result.stdout.splitlines() if "oldest messages no longer fit" in line]
+    assert notices and "context of 512 tokens" in notices[0], result.stdout
+
+
+def test_ctrl_c_mid_bench_prints_the_finished_policies_as_partial(checkpoints, monkeypatch):
+    import fmoe_cli.bench.run as bench_run
+
+    real = bench_run.bench_policy
+    calls = []
+
+    def interrupted_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "bench_policy", interrupted_second)
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--policy", "lfu",
+                                      "--policy", "uniform", "--tokens", "2", "--warmup", "0", "--device", "cpu"])
+    assert result.exit_code == 130, result.output
+    rows = [line.split()[0] for line in result.stdout.splitlines() if line.split() and line.split()[0] in
+            ("lru", "lfu", "uniform")]
+    assert rows == ["lru"], result.stdout
+    assert "PARTIAL: interrupted (Ctrl-C) after 1 of 3 policies; not run: lfu, uniform" in result.stdout
+
+
+def test_bench_shows_progress_per_token(checkpoints, monkeypatch):
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from fmoe_cli.bench.run import run_bench
+    from fmoe_cli.run import RunOptions
+
+    advanced: list[str] = []
+    real = Progress.advance
+    monkeypatch.setattr(Progress, "advance", lambda self, task, n=1: (advanced.append(self._tasks[task].description),
+                                                                     real(self, task, n)))
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)  # a terminal: the bar is shown
+    run_bench(RunOptions(model=str(checkpoints["mixtral"]), policies=("lru", "lfu"), device="cpu",
+                         record_statistics=False), tokens=3, warmup=1, prompt="hello", console=console)
+    assert [d for d in advanced if ":" in d] == ["lru: 1 warm-up + 3 tokens"] * 4 + ["lfu: 1 warm-up + 3 tokens"] * 4

@@ -36,7 +36,7 @@ from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.generate import SamplingParams
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine
-from fmoe_cli.run import RunOptions, open_run
+from fmoe_cli.run import RunOptions, context_length, open_run
 
 MiB = 1024**2
 KEYS = "Enter sends · Esc+Enter new line · Ctrl-C stops an answer · Ctrl-D quits · /help"
@@ -375,6 +375,9 @@ def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int
                 pending = text
                 continue
             console.print()
+            if stats.dropped:
+                say(console, f"(the {stats.dropped} oldest messages no longer fit the model's context of "
+                             f"{context_length(session.lm)} tokens: this answer did not see them)", "yellow")
             say(console, stats.footer(), "dim")
             pending = "".join(typed)  # typed during the answer: the start of the next message
             work.start()  # re-plan while the user types the next message
@@ -409,6 +412,10 @@ def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: 
     opts.check()
     with ExitStack() as stack:
         run = stack.enter_context(open_run(opts.run, err_console))
+        limit = context_length(run.lm)
+        if limit is not None and opts.max_new_tokens >= limit:
+            raise FmoeError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a message in the model's "
+                            f"context of {limit} tokens; use --max-new-tokens {limit // 2} or less")
         recorder = RouteRecorder(run.writer) if run.writer is not None else None
         if recorder is not None:  # one trace sequence per turn
             run.engine.observers.append(recorder)
