@@ -32,11 +32,10 @@ from fmoe_cli.offload.engine import Counters, Engine
 from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.planning.presets import make_settings
 from fmoe_cli.planning.autoplan import moepic_configuration
-from fmoe_cli.run import link_fit_of
+from fmoe_cli.run import link_fit_of, measure_timings
 from fmoe_cli.planning.plan import parse_budget
 from fmoe_cli.planning.stats import RoutingStats, StatsRecorder
 from fmoe_cli.profiling.files import LinkFit
-from fmoe_cli.profiling.model import model_timings
 
 MiB = 1024**2
 LOAD_OVER_COMPUTE = 3.0  # T_load ≈ 3 · T_exp
@@ -94,10 +93,7 @@ def main() -> None:
     prompt = torch.tensor([list(range(5, 37))])
 
     # T_exp on this machine, then a link that makes T_load ≈ 3 · T_exp
-    probe = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
-    probe.install(lm.model)
-    measured = model_timings(lm, probe, prefill_len=8, quick=True)
-    probe.close()
+    measured = measure_timings(lm)  # per-layer times, on a temporary engine of their own
     t_exp = measured.timings(LinkFit("emulated", 1e9, 0.0), shape.expert_bytes).t_exp  # mean over MoE layers
     gbps = shape.expert_bytes / (LOAD_OVER_COMPUTE * t_exp) / 1e9
     link = EmulatedLink(gbps, latency_s=0.0)

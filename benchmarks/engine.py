@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,12 +45,12 @@ from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.demo import build_random_moe
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
-from fmoe_cli.offload.layout import segment_forward
 from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.planning.plan import parse_budget
 from fmoe_cli.planning.presets import PlanInputs, make_settings, settings_for
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
+from fmoe_cli.profiling.model import expert_compute_s
 from fmoe_cli.run import find_timings
 
 POLICIES = ["lru", "moepic", "uniform", "lfu", "cache-only", "prefetch-only", "ondemand", "resident"]
@@ -72,28 +71,15 @@ def decode_tpot_ms(model, prompt_ids: torch.Tensor, tokens: int, engine: Engine 
     return statistics.median(e.latency_s for e in events[1:]) * 1000
 
 
-def expert_compute_s(lm, repeats: int = 200) -> float:
-    """T_exp: one expert's forward for one token (decode), from the engine's packed layout."""
-    packed = lm.store.expert(0, 0).to(lm.device)
-    x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
-    act = torch.nn.functional.silu
-    for _ in range(10):
-        segment_forward(x, packed, act)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        segment_forward(x, packed, act)
-    return (time.perf_counter() - start) / repeats
-
-
 def spread(values: list[float], fmt: str = "{:.2f}") -> str:
     """median [min–max] of per-round values."""
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+    return f"{fmt.format(statistics.median(values))} \\[{fmt.format(min(values))}–{fmt.format(max(values))}]"
 
 
 def policy_table(title: str, runs: dict[str, list], base: str = "lru") -> Table:
     """One table of interleaved runs: policy -> RunResult per round; ratios to `base` per round."""
     table = Table(title=title)
-    for col in ("policy", "TPOT ms", f"÷ {base} [spread]", "hit", "exp ms/tok", "MiB/tok"):
+    for col in ("policy", "TPOT ms", f"÷ {base} \\[spread]", "hit", "exp ms/tok", "MiB/tok"):
         table.add_column(col, justify="right" if col != "policy" else "left")
     for name, rs in runs.items():
         ratios = [r.tpot_ms["median"] / b.tpot_ms["median"] for r, b in zip(rs, runs[base])]
@@ -163,7 +149,7 @@ def main() -> None:
         ours.append(decode_tpot_ms(lm.model, prompt_ids, args.tokens, engine))
     engine.close()
     del plain
-    t1 = Table(title=f"1. resident engine vs plain transformers (TPOT ms: median [min–max] of {args.repeats} "
+    t1 = Table(title=f"1. resident engine vs plain transformers (TPOT ms: median \\[min–max] of {args.repeats} "
                      "interleaved rounds)")
     for col in ("run", "TPOT ms", "ratio"):
         t1.add_column(col, justify="right" if col != "run" else "left")
@@ -198,7 +184,7 @@ def main() -> None:
     for ratio, link in links.items():
         console.print(policy_table(
             f"2. {link.label()} (expert load {ratio:g}× T_exp = {ratio * t_exp * 1e3:.3f} ms), budget {args.budget} = "
-            f"{budget / 2**20:.0f} MiB: median [min–max] of {args.repeats} interleaved rounds", runs[ratio]))
+            f"{budget / 2**20:.0f} MiB: median \\[min–max] of {args.repeats} interleaved rounds", runs[ratio]))
         console.print(f"moepic plan: {runs[ratio]['moepic'][-1].plan}", highlight=False)
     same = len({tuple(r.token_ids) for rr in runs.values() for rs in rr.values() for r in rs}) == 1
     console.print("token ids identical across policies and links" if same else "[red]token ids DIFFER[/red]")

@@ -5,9 +5,9 @@
    emulated link (one expert load = --load-ratio × one expert's compute) at --budget,
    policies interleaved over --rounds; each measured run's routing (with the
    prefetcher's rankings) is recorded, and the simulator replays exactly that run
-   (same settings and plan, same link figures; compute times: the configurator's own
-   measurement of this model, with the engine's per-layer host work calibrated on the
-   measured `resident` run, which loads nothing). Printed: measured vs simulated TPOT
+   (same settings and plan, same link figures; compute times: the configurator's T_exp,
+   with T_att and T_head scaled so that the simulated `resident` run, which loads
+   nothing, takes the measured resident TPOT: the engine's host work is compute too). Printed: measured vs simulated TPOT
    per policy (medians over rounds), target within ±15 %, and both hit rates.
 
 2. `mixtral`: Mixtral-8x7B's config.json (written here), the shared HumanEval routing
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -83,6 +84,7 @@ def validate(args, console: Console) -> None:
     recorder = RouteRecorder(writer)
     measured: dict[str, list[float]] = {p: [] for p in POLICIES}
     measured_hit: dict[str, float] = {}
+    measured_exposed: dict[str, list[float]] = {p: [] for p in POLICIES}
     used: dict[str, list] = {p: [] for p in POLICIES}
     for r in range(args.rounds):
         for name in POLICIES:
@@ -97,6 +99,7 @@ def validate(args, console: Console) -> None:
             engine.observers.remove(recorder)
             measured[name].append(run.tpot_ms["median"])
             measured_hit[name] = run.hit_rate
+            measured_exposed[name].append(run.exposed_load_ms_per_token)
             used[name].append(settings)
             planner()
     planner.close()
@@ -106,17 +109,20 @@ def validate(args, console: Console) -> None:
     # around the layer times the configurator measured goes into T_att; the other policies are predictions.
     from dataclasses import replace
 
-    resident_ms = statistics.median(measured["resident"])
-    compute_ms = (shape.num_layers * (timings.t_att + timings.t_moe) + timings.t_head) * 1e3
-    extra = max(0.0, (resident_ms - compute_ms) / 1e3 / shape.num_layers)
-    timings = replace(timings, t_att=timings.t_att + extra)
+    resident_s = statistics.median(measured["resident"]) / 1e3
+    experts_s = shape.num_layers * timings.t_moe  # T_exp: the expert compute the loads race against
+    rest = max(0.0, resident_s - experts_s)  # attention, head and the engine's host work, per token
+    share = timings.t_head / (timings.t_head + shape.num_layers * timings.t_att) if timings.t_head else 0.0
+    extra = rest * (1 - share) / shape.num_layers - timings.t_att
+    timings = replace(timings, t_att=rest * (1 - share) / shape.num_layers, t_head=rest * share)
     trace = read_trace(trace_path)
     by_seq = dict(zip((s.id for s in trace.sequences), tokens_of(trace)))
     prompt_len = prompt_ids.shape[1]
     table = Table(title=f"simulated vs measured TPOT: {lm.label}, link: emulated {gbps:.3g} GB/s "
                         f"(expert load {args.load_ratio:g} × T_exp), budget {args.budget}, "
                         f"median of {args.rounds} interleaved rounds")
-    for col in ("policy", "measured ms", "spread", "simulated ms", "sim ÷ meas", "hit", "sim hit", "sim exposed ms"):
+    for col in ("policy", "measured ms", "spread", "simulated ms", "sim ÷ meas", "hit", "sim hit", "exposed ms",
+                "sim exposed ms"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     rows = {}
     for name in POLICIES:
@@ -127,10 +133,11 @@ def validate(args, console: Console) -> None:
         sim = statistics.median(x.tpot_s * 1e3 for x in sims)
         rows[name] = {"measured_ms": measured[name], "simulated_ms": [x.tpot_s * 1e3 for x in sims]}
         table.add_row(name, f"{meas:.2f}", f"{min(measured[name]):.2f}–{max(measured[name]):.2f}", f"{sim:.2f}",
-                      f"{sim / meas:.2f}", f"{measured_hit[name]:.2f}", f"{sims[-1].hit_rate:.2f}", f"{sims[-1].exposed_s_per_token * 1e3:.2f}")
+                      f"{sim / meas:.2f}", f"{measured_hit[name]:.2f}", f"{sims[-1].hit_rate:.2f}",
+                      f"{statistics.median(measured_exposed[name]):.2f}", f"{sims[-1].exposed_s_per_token * 1e3:.2f}")
     console.print(table)
-    console.print(f"compute times: the configurator's, T_att + {extra * 1e3:.3f} ms per layer (calibrated on the "
-                  f"measured resident TPOT): T_att {timings.t_att * 1e3:.3f} ms, "
+    console.print(f"compute times: the configurator's T_exp; T_att and T_head scaled to the measured resident "
+                  f"TPOT (T_att {extra * 1e3:+.3f} ms per layer): T_att {timings.t_att * 1e3:.3f} ms, "
                   f"T_exp {timings.t_exp * 1e3:.3f} ms, T_head {timings.t_head * 1e3:.3f} ms; "
                   f"moepic plan: {used['moepic'][-1].plan.summary()}", highlight=False)
     if args.json:
@@ -187,7 +194,8 @@ def main() -> None:
     m.add_argument("--profile", default=str(HERE.parent / "profiles" / "rtx-a6000.json"))
     m.add_argument("--experts", type=int, default=160)
     args = p.parse_args()
-    console = Console()
+    console = Console(width=150)
+    console.print("command: python benchmarks/simulate.py " + " ".join(sys.argv[1:]), highlight=False)
     validate(args, console) if args.what == "validate" else mixtral(args, console)
 
 

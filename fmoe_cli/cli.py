@@ -14,7 +14,8 @@ from rich.console import Console
 
 from fmoe_cli import chat as chat_defaults
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO
+from fmoe_cli.bench.replay import DEFAULT_EVICTIONS, run_replay
+from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, POLICIES
 from fmoe_cli.planning.plan import DEFAULT_BUDGET
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
@@ -159,7 +160,8 @@ def bench(
     opts = run_options(model, parse_policies(policy, compare), vram_budget=vram_budget, predictor=predictor,
                        lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
                        overwrite_trace=force, dtype=dtype, experts=experts, device=device,
-                       trust_remote_code=trust_remote_code)
+                       trust_remote_code=trust_remote_code, shape_link=True,
+                       if_fits=("resident",) if policy is None and compare is None else ())
     report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=read_prompt(prompt, prompt_file), console=err_console)
     if as_json:
         print(json.dumps(report))
@@ -209,12 +211,12 @@ def chat(
 def replay(
     trace: Annotated[str, typer.Argument(help="Routing trace: fmoe JSONL, or the vLLM dumps of shared/traces.")],
     cache_sizes: Annotated[str, typer.Option("--cache-sizes", help="Experts cached per layer: 1-7, 2,4,6 or 1-3,6.")] = "1-7",
-    policies: Annotated[str, typer.Option(help="Comma-separated lru,lfu,lcp,random (belady is always added).")] = "lru,lfu,lcp,random",
+    policies: Annotated[str, typer.Option(
+        help=f"Comma-separated eviction policies: {', '.join(POLICIES)} (belady is always added).")] = ",".join(
+        DEFAULT_EVICTIONS),
     as_json: JsonOpt = False,
 ) -> None:
     """Replay a routing trace through the engine's cache policies: hit rate per policy and cache size."""
-    from fmoe_cli.bench.replay import run_replay  # numpy: only once a command runs
-
     run_replay(trace, cache_sizes, policies, as_json)
 
 
@@ -236,8 +238,8 @@ def plan(
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan  # torch and transformers: only once a command runs
 
-    run_plan(model, vram, profile, context, None if dtype == "auto" else dtype, as_json, Console(), workspace,
-             experts=experts, trace=trace)
+    run_plan(model, vram=vram, profile_path=profile, context=context, dtype=None if dtype == "auto" else dtype,
+             as_json=as_json, console=Console(), workspace=workspace, experts=experts, trace=trace)
 
 
 @app.command()

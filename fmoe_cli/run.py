@@ -5,7 +5,8 @@ model, the engine, the policies' settings, the idle re-planner and the trace wri
 from here. The order is the point:
 
 1. every option is checked before anything slow (`RunOptions.check`);
-2. the model is loaded; the budget and every fixed plan are checked;
+2. the model is loaded; once its sizes are known and before a weight is read, the
+   budget and every fixed plan are checked against the device (planning/plan.py);
 3. the routing statistics saved for this model are loaded, and — if a policy's plan
    needs them (`Preset.configured`, `moepic`) — the configurator's timings are found:
    the device profile, else a quick measurement on a temporary engine;
@@ -49,7 +50,8 @@ from fmoe_cli.planning.stats import default_stats_path, open_recorder
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
 from fmoe_cli.profiling.device import LinkPlan, device_identity, fit_link, measure_link
 from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
-from fmoe_cli.profiling.model import model_timings
+from fmoe_cli.profiling.model import expert_compute_s, model_timings
+from fmoe_cli.profiling.reference import CONSUMER_CARD
 from fmoe_cli.types import DEFAULT_EXPERTS, Timings
 
 
@@ -74,6 +76,10 @@ class RunOptions:
     stats_path: Path | None = None  # where the routing statistics are kept (default: per model)
     tau: int = DEFAULT_TAU  # τ: tokens between re-plans
     record_statistics: bool = True  # observe routing, keep the statistics, re-plan while idle
+    # Without a GPU and without emulate_link: an emulated link shaped like a consumer card
+    # (profiling/reference.py) instead of none. fmoe bench sets it.
+    shape_link: bool = False
+    if_fits: tuple[str, ...] = ()  # policies left out (with a note) when their plan does not fit the device
 
     def check(self) -> None:
         """Refuse bad options in one line, before the model is loaded."""
@@ -187,24 +193,42 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
     """Set up a run (see the module's docstring); on exit save the statistics and close everything."""
     opts.check()
     console = console or Console(stderr=True)
+    presets = [PRESETS[name] for name in opts.policies]
+    plans: dict = {}
+
+    def check_plans(shape, non_expert_bytes: int, config, device) -> None:
+        """Once the sizes are known, before a weight is read: the budget and every fixed plan
+        against the device's free memory (minus the non-expert weights still to load, the KV
+        cache and the workspace; `resident` when the model does not fit), one line each."""
+        nonlocal presets
+        kv = kv_cache_bytes(config, KV_TOKENS, shape.dtype_bytes)
+        room = device_room(device, kv, non_expert_pending=non_expert_bytes)
+        budget = resolve_budget(opts.vram_budget, shape, room)
+        inputs = PlanInputs(shape, budget, model=opts.model)
+        fixed = {p.name: settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
+                 for p in presets if not p.configured}
+        for name, fixed_settings in list(fixed.items()):
+            try:
+                check_plan_fits(fixed_settings.plan, room)  # `resident` when the model does not fit
+            except FmoeError as exc:
+                if name not in opts.if_fits or len(presets) == 1:
+                    raise
+                console.print(f"{name} left out: {exc}", highlight=False)
+                del fixed[name]
+                presets = [p for p in presets if p.name != name]
+        if any(p.configured for p in presets):
+            check_budget(shape, budget, min_staging_slots(shape))
+        plans.update(budget=budget, fixed=fixed)
+
     with ExitStack() as stack:
         lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
-                        console=console, experts=opts.experts)
+                        console=console, experts=opts.experts, before_read=check_plans)
         if opts.profile is not None:
             check_profile(opts.profile, lm.device)
         shape = lm.shape
-        # The budget against the device's free memory (the non-expert weights are loaded by now).
-        room = device_room(lm.device, kv_cache_bytes(lm.model.config, KV_TOKENS, shape.dtype_bytes))
-        budget = resolve_budget(opts.vram_budget, shape, room)
-        presets = [PRESETS[name] for name in opts.policies]
-        inputs = PlanInputs(shape, budget, model=lm.model_id)
-        fixed = {p.name: settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
-                 for p in presets if not p.configured}  # checks the budget before anything slow
-        for fixed_settings in fixed.values():
-            check_plan_fits(fixed_settings.plan, room)  # `resident` when the model does not fit
+        budget, fixed = plans["budget"], plans["fixed"]
         configured = any(p.configured for p in presets)
-        if configured:
-            check_budget(shape, budget, min_staging_slots(shape))
+        inputs = PlanInputs(shape, budget, model=lm.model_id)
         writer = TraceWriter.for_model(opts.trace_out, lm, opts.overwrite_trace) if opts.trace_out is not None else None
         if writer is not None:
             stack.callback(writer.close)
@@ -213,7 +237,10 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             stats_path = opts.stats_path or default_stats_path(lm.model_id, model_path=lm.path)
             recorder = open_recorder(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
             inputs = PlanInputs(shape, budget, stats=recorder.stats, model=lm.model_id)
-        link = make_link(lm.device, opts.emulate_link)
+        gbps, note = opts.emulate_link, None
+        if gbps is None and opts.shape_link and lm.device.type == "cpu":
+            gbps, note = CONSUMER_CARD.link_gbps(shape.expert_bytes, expert_compute_s(lm)), CONSUMER_CARD.note()
+        link = make_link(lm.device, gbps, note)
         try:
             if configured:
                 with console.status("timing the model for the configurator …"):

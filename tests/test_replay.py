@@ -17,7 +17,7 @@ from rich.console import Console
 from fmoe_cli.bench.replay import (
     belady_hits,
     parse_cache_sizes,
-    parse_policies,
+    parse_evictions,
     policy_hits,
     random_seed,
     replay,
@@ -227,13 +227,13 @@ def test_parse_cache_sizes() -> None:
             parse_cache_sizes(bad)
 
 
-def test_parse_policies() -> None:
-    assert parse_policies("lru,lfu,lcp,random") == ["lru", "lfu", "lcp", "random"]
-    assert parse_policies(" LRU, lru ,belady") == ["lru", "belady"]
+def test_parse_evictions() -> None:
+    assert parse_evictions("lru,lfu,lcp,random") == ["lru", "lfu", "lcp", "random"]
+    assert parse_evictions(" LRU, lru ,belady") == ["lru", "belady"]
     with pytest.raises(FmoeError, match="unknown policy 'fifo'"):
-        parse_policies("lru,fifo")
+        parse_evictions("lru,fifo")
     with pytest.raises(FmoeError, match="--policies"):
-        parse_policies(",")
+        parse_evictions(",")
 
 
 def test_run_replay_json_and_table(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from fmoe_cli.offload.cache import LayerCache, replay_token
 from fmoe_cli.offload.policies import POLICIES, make_policy
 
 BELADY = "belady"
-DEFAULT_POLICIES = ("lru", "lfu", "lcp", "random")
+DEFAULT_EVICTIONS = ("lru", "lfu", "lcp", "random")  # fmoe replay --policies
 Route = Sequence[int]
 
 
@@ -210,7 +210,7 @@ def parse_cache_sizes(text: str) -> list[int]:
     return sorted(sizes)
 
 
-def parse_policies(text: str) -> list[str]:
+def parse_evictions(text: str) -> list[str]:
     """'lru,lfu,lcp,random' -> the names, in order, without repeats (belady is always added)."""
     names: list[str] = []
     for raw in text.split(","):
@@ -257,7 +257,7 @@ def footer(result: ReplayResult) -> str:
 def run_replay(
     trace: str,
     cache_sizes: str = "1-7",
-    policies: str = ",".join(DEFAULT_POLICIES),
+    policies: str = ",".join(DEFAULT_EVICTIONS),
     as_json: bool = False,
     *,
     seed: int = 0,
@@ -268,7 +268,7 @@ def run_replay(
     Prints the table (or the JSON object) and returns the JSON object. Bad input
     raises FmoeError (one-line message; the CLI exits with code 2)."""
     sizes = parse_cache_sizes(cache_sizes)
-    names = parse_policies(policies)
+    names = parse_evictions(policies)
     err = Console(stderr=True)  # the bar only on a terminal (a transient bar leaves a blank line elsewhere)
     with Progress(TextColumn("replaying {task.description}"), BarColumn(), TaskProgressColumn(),
                   TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:

@@ -89,7 +89,7 @@ def device_room(device, kv_bytes: int, workspace_bytes: int = WORKSPACE_BYTES, n
     """Bytes the experts may take on `device`: its free memory now (torch.cuda.mem_get_info) minus
     the KV cache, the workspace and any non-expert weights not loaded yet. None on the CPU (no limit
     to check: the experts are read from host memory)."""
-    import torch
+    import torch  # here, not at the top: cli.py reads this module's defaults and must not import torch
 
     if getattr(device, "type", device) != "cuda":
         return None

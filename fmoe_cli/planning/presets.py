@@ -84,7 +84,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("resident", "lcp", False, "every expert on the device (reference; ignores the budget)", _resident),
 )}
 DEFAULT_POLICY = "moepic"  # fmoe chat
-DEFAULT_POLICIES = ("moepic", "lru")  # fmoe bench: the first is the base of the ratios
+# fmoe bench: the first is the base of the ratios; resident (the floor) only when it fits (RunOptions.if_fits)
+DEFAULT_POLICIES = ("moepic", "lru", "resident")
 
 
 def preset(name: str) -> Preset:

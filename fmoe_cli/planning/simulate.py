@@ -43,7 +43,10 @@ from fmoe_cli.offload.link import DEMAND, EmulatedLink, VirtualClock
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
-from fmoe_cli.prediction.base import Prediction
+from fmoe_cli.planning.presets import PlanInputs, settings_for
+from fmoe_cli.planning.stats import RoutingStats, lcp_ranking
+from fmoe_cli.prediction.base import Iteration, Prediction
+from fmoe_cli.prediction.eam import EamPredictor
 from fmoe_cli.types import EngineSettings, ExpertShape, Timings
 
 META = torch.device("meta")
@@ -260,9 +263,6 @@ class RoutingPredictor:
     name = "eam"
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int) -> None:
-        from fmoe_cli.prediction.base import Iteration
-        from fmoe_cli.prediction.eam import EamPredictor
-
         self.num_layers = num_layers
         self.eam = EamPredictor(num_layers, num_experts, top_k)
         self.iteration = Iteration(num_layers, num_experts)
@@ -347,8 +347,6 @@ def stats_from(sequences: Sequence[Sequence[Token]], shape: ExpertShape, predict
     """Routing statistics (planning/stats.py) of recorded routing, as the engine's recorder would
     have gathered them: each token ranked by LCP priority before it, with the prefetcher's
     ranking (the trace's, or the routing-only predictor's)."""
-    from fmoe_cli.planning.stats import RoutingStats, lcp_ranking
-
     stats = RoutingStats.empty("trace", shape.num_layers, shape.num_experts, shape.top_k)
     policies = [make_policy("lcp", shape.num_experts) for _ in range(shape.num_layers)]
     step = 0
@@ -385,8 +383,6 @@ def predict_policies(shape: ExpertShape, budget_bytes: int, timings: Timings, ba
     """Simulated TPOT of every policy over the same routing. Without the prefetcher's rankings
     in the routing, the routing-only `eam` predictor makes them. `moepic` gets the configurator's
     plan from statistics of this routing and these timings."""
-    from fmoe_cli.planning.presets import PlanInputs, settings_for
-
     has_rankings = any(t.predicted is not None for seq in sequences for t in seq)
 
     def predictor():

@@ -70,3 +70,23 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         )
     finally:
         engine.observers = observers
+
+
+def expert_compute_s(lm, repeats: int = 200) -> float:
+    """T_exp: one expert's forward for one token (decode) on this device, through the store's
+    own segment_forward (the engine's compute): the mean over `repeats` after a warm-up."""
+    import time
+
+    packed = lm.store.expert(0, 0).to(lm.device)
+    x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
+    act = torch.nn.functional.silu
+    for _ in range(10):
+        lm.store.segment_forward(x, packed, act)
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        lm.store.segment_forward(x, packed, act)
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
+    return (time.perf_counter() - start) / repeats

@@ -1,0 +1,61 @@
+"""`fmoe bench` without a GPU: an emulated link shaped like a consumer card (profiling/reference.py),
+labelled as such, and moepic, lru and resident side by side by default."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from fmoe_cli.cli import app
+from fmoe_cli.profiling.reference import CONSUMER_CARD
+
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def test_consumer_card_is_its_reference_profile():
+    device = json.loads((PROFILES / CONSUMER_CARD.profile).read_text())["device"]
+    assert device["link"]["bandwidth"] == CONSUMER_CARD.link_bandwidth
+    assert device["memory_bandwidth"] == CONSUMER_CARD.memory_bandwidth
+    assert 11 < CONSUMER_CARD.load_over_compute < 12  # 360 GB/s ÷ 31.5 GB/s
+    # one expert of 10 MB computed in 1 ms loads in ~11.4 ms: 10 MB / 11.4 ms
+    assert CONSUMER_CARD.link_gbps(10_000_000, 1e-3) == 10_000_000 / (CONSUMER_CARD.load_over_compute * 1e-3) / 1e9
+
+
+def test_bench_defaults_to_a_shaped_link_and_shows_resident(checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--tokens", "2", "--warmup", "1",
+                                      "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [r["policy"] for r in report["runs"]] == ["moepic", "lru", "resident"]
+    link = report["link"]
+    assert link["kind"] == "emulated" and link["gbps"] > 0
+    assert "shaped like" in link["label"] and CONSUMER_CARD.profile in link["label"]
+    # an explicit --emulate-link wins, and is not labelled as a card
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "2",
+                                      "--warmup", "1", "--device", "cpu", "--emulate-link", "7", "--json"])
+    assert result.exit_code == 0, result.output
+    label = json.loads(result.stdout)["link"]["label"]
+    assert label == "link: emulated 7 GB/s"
+
+
+def test_bench_leaves_resident_out_when_it_does_not_fit(checkpoints, tmp_path, monkeypatch):
+    """The default resident is left out with a note when every expert would not fit; asked for, it is an error."""
+    import fmoe_cli.run as run
+    from fmoe_cli.errors import FmoeError
+
+    def check_plan_fits(plan, room):  # a device too small for every expert, large enough for the rest
+        if plan.resident:
+            raise FmoeError("resident needs more than this device has (test)")
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    monkeypatch.setattr(run, "check_plan_fits", check_plan_fits)
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--tokens", "2", "--warmup", "1",
+                                      "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [r["policy"] for r in json.loads(result.stdout)["runs"]] == ["moepic", "lru"]
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--policy", "resident",
+                                      "--device", "cpu", "--tokens", "2"])
+    assert result.exit_code == 2 and "resident needs more" in result.output
