@@ -101,11 +101,26 @@ def test_bench_beyond_the_model_context_is_refused(checkpoints):
     assert "--tokens 600" in text and "context of 512 tokens" in text, text
 
 
-def test_chat_max_new_tokens_beyond_the_context_is_refused(checkpoints):
-    result = CliRunner().invoke(app, ["chat", str(checkpoints["mixtral"]), "--max-new-tokens", "100000000",
-                                      "--device", "cpu"], input="hi\n/exit\n")
-    text = result.output.strip()
-    assert result.exit_code == 2 and len(text.splitlines()) == 1 and "context of 512" in text, text
+def test_chat_answers_end_at_the_models_context(checkpoints, monkeypatch):
+    """--max-new-tokens beyond the context: every answer stops where the context ends."""
+    import io
+
+    from rich.console import Console
+
+    import fmoe_cli.chat.session as session_module
+    from fmoe_cli.chat.repl import ChatOptions, open_chat
+    from fmoe_cli.run import RunOptions
+
+    monkeypatch.setattr(session_module, "context_length", lambda lm: 40)
+    chat = open_chat(ChatOptions(RunOptions(model=str(checkpoints["mixtral"]), device="cpu"), temperature=0.0,
+                                 max_new_tokens=100_000_000), err_console=Console(file=io.StringIO()))
+    try:
+        stats = chat.session.ask("hello there")
+        prompt = len(chat.session.encode([{"role": "user", "content": "hello there"}]))
+        assert stats.finish_reason == "eos" or stats.tokens == 40 - prompt
+        assert stats.tokens <= 40 - prompt
+    finally:
+        chat.close()
 
 
 def test_chat_drops_the_oldest_turns_to_fit_the_context(checkpoints):

@@ -412,10 +412,6 @@ def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: 
     opts.check()
     with ExitStack() as stack:
         run = stack.enter_context(open_run(opts.run, err_console))
-        limit = context_length(run.lm)
-        if limit is not None and opts.max_new_tokens >= limit:
-            raise FmoeError(f"--max-new-tokens {opts.max_new_tokens} leaves no room for a message in the model's "
-                            f"context of {limit} tokens; use --max-new-tokens {limit // 2} or less")
         recorder = RouteRecorder(run.writer) if run.writer is not None else None
         if recorder is not None:  # one trace sequence per turn
             run.engine.observers.append(recorder)

@@ -107,20 +107,24 @@ class ChatSession:
     def _layer_counters(self) -> list[Counters]:
         return [state.counters for state in self.engine.layers]
 
-    def _fit(self, new: list[dict]) -> tuple[list[int], int]:
-        """The prompt ids of the conversation plus `new`, dropping the oldest turns (a user message and
-        its answer at a time) until it and `max_new_tokens` fit the model's context. Returns (ids,
-        messages dropped now). FmoeError if the new message alone does not fit."""
+    def _fit(self, new: list[dict]) -> tuple[list[int], int, int]:
+        """The prompt ids of the conversation plus `new` within the model's context: the oldest turns (a
+        user message and its answer at a time) are dropped until the answer has room for
+        min(max_new_tokens, context / 2) tokens. Returns (ids, messages dropped now, longest answer:
+        what is left of the context, at most max_new_tokens). FmoeError if the new message alone
+        leaves no such room."""
         limit = context_length(self.lm)
         dropped, start = 0, self.window_start
         while True:
             ids = self.encode(self.messages[self.window_start:] + new)
-            if limit is None or len(ids) + self.max_new_tokens <= limit:
-                return ids, dropped
+            if limit is None:
+                return ids, dropped, self.max_new_tokens
+            if len(ids) + min(self.max_new_tokens, limit // 2) <= limit:
+                return ids, dropped, min(self.max_new_tokens, limit - len(ids))
             if self.window_start >= len(self.messages):
                 self.window_start = start
-                raise FmoeError(f"the message is {len(ids)} tokens: with --max-new-tokens {self.max_new_tokens} "
-                                f"it does not fit the model's context of {limit} tokens")
+                raise FmoeError(f"the message is {len(ids)} tokens: it leaves too little of the model's context of "
+                                f"{limit} tokens for an answer; send a shorter one")
             step = min(2, len(self.messages) - self.window_start)  # a user message and its answer
             self.window_start += step
             dropped += step
@@ -128,7 +132,7 @@ class ChatSession:
     def ask(self, text: str, on_text: Callable[[str], None] = lambda _: None) -> AnswerStats:
         """Answer `text`, streaming new text to `on_text`. Raises FmoeError before anything changes
         when the conversation cannot be encoded."""
-        ids, dropped = self._fit([{"role": "user", "content": text}])
+        ids, dropped, longest = self._fit([{"role": "user", "content": text}])
         self.messages.append({"role": "user", "content": text})
         self.turns += 1
 
@@ -155,7 +159,7 @@ class ChatSession:
         events, pieces, finish = [], [], "length"
         try:
             for event in stream_generate(self.lm.model, feed, tokenizer=self.lm.tokenizer, engine=self.engine,
-                                         max_new_tokens=self.max_new_tokens, sampling=sampling,
+                                         max_new_tokens=longest, sampling=sampling,
                                          past_key_values=cache):
                 events.append(event)
                 self.last_answer_ids.append(event.token_id)
