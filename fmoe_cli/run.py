@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -248,7 +248,10 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             inputs = PlanInputs(shape, budget, stats=recorder.stats, model=lm.model_id)
         gbps, note = opts.emulate_link, None
         if gbps is None and opts.shape_link and lm.device.type == "cpu":
-            gbps, note = CONSUMER_CARD.link_gbps(shape.expert_bytes, expert_compute_s(lm)), CONSUMER_CARD.note()
+            # the card's link in this model's units, the same for every expert format: from the unquantised expert
+            unquantised = replace(shape, experts="bf16")
+            gbps = CONSUMER_CARD.link_gbps(unquantised.expert_bytes, expert_compute_s(lm, unquantised=True))
+            note = CONSUMER_CARD.note()
         link = make_link(lm.device, gbps, note)
         timing_source = None
         try:
