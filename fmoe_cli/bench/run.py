@@ -260,6 +260,7 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str, consol
                 interrupted = True
     report = bench_report(lm, engine.link, run.budget_bytes, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens,
                           warmup=warmup)
+    report["timings"] = run.timing_source  # the configurator's: "profile", "quick estimate", or None
     if interrupted:
         report["interrupted"] = {"finished": [r.policy for r in runs], "requested": list(opts.policies)}
     report["predictor"] = opts.predictor
