@@ -108,3 +108,23 @@ def test_segment_overhead_is_paid_once_per_segment():
     assert a.hit_rate == b.hit_rate == 0.75  # the first token misses, then every top is cached
     # the median token: 2 layers × 2 top hits, each two segments: 4 · c more
     assert b.tpot_s - a.tpot_s == pytest.approx(4 * 0.25, abs=1e-6)
+
+
+def test_host_work_is_paid_per_loaded_segment_and_per_prefetching_layer():
+    """h_load per loaded segment, h_pf per layer that prefetches: ondemand over a link with no
+    latency pays 2 loads × 2 layers × h_load more per token and no h_pf; resident pays neither."""
+    seq = _tokens([[[0, 1], [2, 3]], [[1, 2], [0, 3]]] * 2)
+    budget = 2 * SHAPE.top_k * SHAPE.expert_bytes
+    fast = dict(bandwidth=1e12)
+    ondemand = make_settings("ondemand", SHAPE, budget)
+    a = simulate_policy(SHAPE, ondemand, TIMES, [seq], **fast)
+    b = simulate_policy(SHAPE, ondemand, TIMES, [seq], load_host=0.5, prefetch_host=7.0, **fast)
+    assert b.tpot_s - a.tpot_s == pytest.approx(4 * 0.5, abs=1e-6)
+    resident = make_settings("resident", SHAPE, 0)
+    assert simulate_policy(SHAPE, resident, TIMES, [seq], load_host=0.5, prefetch_host=7.0, **fast).tpot_s == \
+        pytest.approx(9.0)
+    prefetching = make_settings("prefetch-only", SHAPE, budget)
+    assert prefetching.prefetch
+    c = simulate_policy(SHAPE, prefetching, TIMES, [seq], **fast)
+    d = simulate_policy(SHAPE, prefetching, TIMES, [seq], prefetch_host=0.25, **fast)
+    assert d.tpot_s - c.tpot_s == pytest.approx(2 * 0.25, abs=1e-6)  # one prefetch issue per layer

@@ -21,6 +21,8 @@ decode token; its T_load is not used: the link's bandwidth and latency time ever
     per MoE layer:  T_att, then per expert segment of n neurons c + (T_exp − c) · n / I
                     (c: a segment's fixed dispatch cost, 0 unless measured) in the engine's
                     order: whole and cached-top segments first, then each load as acquired
+                    (+ h_load of host work per loaded segment), h_pf before a prefetch is issued
+                    (h_load, h_pf: the engine's host work, 0 unless measured)
     per token:      T_head (LM head, final norm, layers before the first MoE layer)
 An acquire of a copy not yet landed sleeps the clock to its end (the exposed time).
 
@@ -107,13 +109,19 @@ class Simulator:
     """The engine's decisions for one policy's settings on a virtual clock."""
 
     def __init__(self, shape: ExpertShape, settings: EngineSettings, times: Timings, bandwidth: float,
-                 latency: float = 0.0, predictor=None, segment_overhead: float = 0.0) -> None:
+                 latency: float = 0.0, predictor=None, segment_overhead: float = 0.0,
+                 load_host: float = 0.0, prefetch_host: float = 0.0) -> None:
         self.shape = shape
         self.settings = settings
         self.times = times
         # Fixed cost of one segment's forward (dispatch; part of T_exp): a segment of n neurons takes
         # overhead + (T_exp − overhead)·n/I, so a split expert (top + bottom) costs one overhead more.
         self.segment_overhead = min(segment_overhead, times.t_exp)
+        # The engine's host work beyond compute (0 unless measured, as benchmarks/simulate.py does):
+        # h_load per loaded segment (pool slot, link submit, acquire, release: the host's, not the link's)
+        # and h_pf per layer that prefetches (the predictor's ranking and the prefetcher's bookkeeping).
+        self.load_host = load_host
+        self.prefetch_host = prefetch_host
         self.clock = VirtualClock()
         self.link = EmulatedLink(bandwidth / 1e9, latency, clock=self.clock)
         plan = settings.plan
@@ -215,7 +223,7 @@ class Simulator:
             entry = next((x for x in loading if x.transfer.ready()), loading[0])
             loading.remove(entry)
             link.acquire(entry.transfer, tag=i)
-            self.clock.advance(t_call + (shape.intermediate - max(entry.start, k if entry.expert in hits.top_hits else 0))
+            self.clock.advance(self.load_host + t_call + (shape.intermediate - max(entry.start, k if entry.expert in hits.top_hits else 0))
                                * t_neuron)
             if entry.expert not in hits.top_hits and state.top_neurons > 0:
                 state.cache.admit(entry.expert)
@@ -246,6 +254,7 @@ class Simulator:
     def _prefetch(self, i: int, token: Token, next_token: Token | None) -> None:
         if not self.settings.prefetch or self.resident:
             return
+        self.clock.advance(self.prefetch_host)
         if self.predictor is not None:
             predictions = self.predictor.after_layer(i, token.experts[i])
         else:  # the recorded ranking for the next MoE layer (the last layer: layer 0 of the next token)
@@ -313,13 +322,14 @@ def tokens_of(trace) -> list[list[Token]]:
 
 def simulate_policy(shape: ExpertShape, settings: EngineSettings, times: Timings, sequences: Sequence[Sequence[Token]], *,
                     bandwidth: float, latency: float = 0.0, prompt_tokens: int = 0, warmup: int = 0,
-                    predictor_factory=None, segment_overhead: float = 0.0) -> SimResult:
+                    predictor_factory=None, segment_overhead: float = 0.0, load_host: float = 0.0,
+                    prefetch_host: float = 0.0) -> SimResult:
     """Simulate one policy over every sequence: the first `prompt_tokens` of a sequence are its
     prefill; `warmup` decode tokens run first (as `fmoe bench` warms up on the same prompt) and
     are not measured. One Simulator for all sequences (caches carry over, as in a session)."""
     sim = Simulator(shape, settings, times, bandwidth, latency,
                     predictor=predictor_factory() if predictor_factory is not None else None,
-                    segment_overhead=segment_overhead)
+                    segment_overhead=segment_overhead, load_host=load_host, prefetch_host=prefetch_host)
     steps: list[float] = []
     before = None
     for tokens in sequences:
