@@ -5,7 +5,8 @@ model, the engine, the policies' settings, the idle re-planner and the trace wri
 from here. The order is the point:
 
 1. every option is checked before anything slow (`RunOptions.check`);
-2. the model is loaded; the budget and every fixed plan are checked;
+2. the model is loaded; once its sizes are known and before a weight is read, the
+   budget and every fixed plan are checked against the device (planning/plan.py);
 3. the routing statistics saved for this model are loaded, and — if a policy's plan
    needs them (`Preset.configured`, `moepic`) — the configurator's timings are found:
    the device profile, else a quick measurement on a temporary engine;
@@ -181,19 +182,20 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
     """Set up a run (see the module's docstring); on exit save the statistics and close everything."""
     opts.check()
     console = console or Console(stderr=True)
-    with ExitStack() as stack:
-        lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
-                        console=console, experts=opts.experts)
-        if opts.profile is not None:
-            check_profile(opts.profile, lm.device)
-        shape = lm.shape
-        # The budget against the device's free memory (the non-expert weights are loaded by now).
-        room = device_room(lm.device, kv_cache_bytes(lm.model.config, KV_TOKENS, shape.dtype_bytes))
+    presets = [PRESETS[name] for name in opts.policies]
+    plans: dict = {}
+
+    def check_plans(shape, non_expert_bytes: int, config, device) -> None:
+        """Once the sizes are known, before a weight is read: the budget and every fixed plan
+        against the device's free memory (minus the non-expert weights still to load, the KV
+        cache and the workspace; `resident` when the model does not fit), one line each."""
+        nonlocal presets
+        kv = kv_cache_bytes(config, KV_TOKENS, shape.dtype_bytes)
+        room = device_room(device, kv, non_expert_pending=non_expert_bytes)
         budget = resolve_budget(opts.vram_budget, shape, room)
-        presets = [PRESETS[name] for name in opts.policies]
-        inputs = PlanInputs(shape, budget, model=lm.model_id)
+        inputs = PlanInputs(shape, budget, model=opts.model)
         fixed = {p.name: settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
-                 for p in presets if not p.configured}  # checks the budget before anything slow
+                 for p in presets if not p.configured}
         for name, fixed_settings in list(fixed.items()):
             try:
                 check_plan_fits(fixed_settings.plan, room)  # `resident` when the model does not fit
@@ -203,9 +205,19 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
                 console.print(f"{name} left out: {exc}", highlight=False)
                 del fixed[name]
                 presets = [p for p in presets if p.name != name]
-        configured = any(p.configured for p in presets)
-        if configured:
+        if any(p.configured for p in presets):
             check_budget(shape, budget, min_staging_slots(shape))
+        plans.update(budget=budget, fixed=fixed)
+
+    with ExitStack() as stack:
+        lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
+                        console=console, experts=opts.experts, before_read=check_plans)
+        if opts.profile is not None:
+            check_profile(opts.profile, lm.device)
+        shape = lm.shape
+        budget, fixed = plans["budget"], plans["fixed"]
+        configured = any(p.configured for p in presets)
+        inputs = PlanInputs(shape, budget, model=lm.model_id)
         writer = TraceWriter.for_model(opts.trace_out, lm, opts.overwrite_trace) if opts.trace_out is not None else None
         if writer is not None:
             stack.callback(writer.close)

@@ -111,3 +111,17 @@ def test_budget_against_the_device_in_one_line_with_mib() -> None:
     with pytest.raises(FmoeError, match="cannot read the budget"):
         check_budget_text("lots")
     check_budget_text("auto")
+
+
+def test_a_budget_that_does_not_fit_is_refused_before_a_weight_is_read(checkpoints, monkeypatch) -> None:
+    from fmoe_cli.models import load
+    from fmoe_cli.run import RunOptions, open_run
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were read before the budget was checked")
+
+    monkeypatch.setattr(load, "read_checkpoint", never)
+    with pytest.raises(FmoeError, match=r"VRAM budget 0\.0 MiB is too small: the staging pool alone needs"):
+        with open_run(RunOptions(model=str(checkpoints["mixtral"]), policies=("lru",), vram_budget="1KiB",
+                                 device="cpu")):
+            pass

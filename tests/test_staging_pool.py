@@ -111,7 +111,8 @@ def test_a_prompt_longer_than_the_pool_on_an_asynchronous_link(checkpoints):
     lm = load_model(str(path), device="cpu", dtype="float32")
     shape = lm.shape
     assert prompt.shape[1] * shape.top_k > 2 * shape.top_k  # more activations than slots: waves
-    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(1.0, clock=VirtualClock(), copy=True), lm.device,
+    link = EmulatedLink(1.0, clock=VirtualClock(), copy=True, chunk_bytes=4096)  # pre-empted between small chunks
+    engine = Engine(lm.layers, lm.store, shape, link, lm.device,
                     lm.dtype)
     engine.install(lm.model)
     try:

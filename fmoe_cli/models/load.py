@@ -113,8 +113,11 @@ def load_model(
     trust_remote_code: bool = False,
     console: Console | None = None,
     experts: str = DEFAULT_EXPERTS,
+    before_read=None,
 ) -> LoadedModel:
-    """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`."""
+    """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`.
+    `before_read(shape, non_expert_bytes, config, device)`: the caller's checks once the sizes are
+    known and before a weight is read (run.py: the expert budget against the device)."""
     from transformers import AutoConfig, AutoTokenizer
 
     console = console or Console(stderr=True)
@@ -129,7 +132,10 @@ def load_model(
     check_is_moe(config, model_id)
     model, layers = build_skeleton(config, torch_dtype, model_id, trust_remote_code)
     shape = expert_shape(layers, torch_dtype, experts)
-    check_host_ram(label, shape, skeleton_non_expert_bytes(model, layers))  # before a byte is read
+    non_expert_bytes = skeleton_non_expert_bytes(model, layers)
+    check_host_ram(label, shape, non_expert_bytes)  # before a byte is read
+    if before_read is not None:
+        before_read(shape, non_expert_bytes, config, dev)
     store = make_store(shape, torch_dtype, pin=dev.type == "cuda")
     to_save = None  # (path, fingerprint) of a converted store to write after this load
     try:

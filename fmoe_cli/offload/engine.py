@@ -1,20 +1,26 @@
 """The offloading engine: transformers' experts forward, served from a split-expert cache.
 
 One decode step through MoE layer i (docs/architecture.md § One decode step):
-1. the router (run by the model) gives the activated set A_i;
-2. the engine records statistics, drops this layer's prefetches that are not in A_i,
-   and queues the missing segments of A_i as demand loads, ahead of any prefetch;
-3. it computes what is on the device first (whole experts, cached top segments),
-   then each missing segment as its transfer completes; partial results are summed
-   in a fixed order (top + bottom, then experts by id), so results are deterministic;
-4. it shows the predictor this routing and queues what it predicts (the default,
-   speculative: layer i+1; the last layer predicts layer 0 of the next token) in
-   descending priority: only the bottom when the top is cached, the whole expert
-   otherwise (offload/prefetch.py);
-5. a loaded expert's top segment is offered to the cache (LCP by default).
+0. the router (run by the model) gives the activated set A_i; the predictor computes
+   its scores on the device (`device_part`), and routing ids, weights and those scores
+   reach the host in one copy (`Routing.of`); observers (statistics, traces) see them;
+1. classify (offload/hits.py, pure): whole on the device / top hit / miss, and which
+   loads a staged prefetch of this layer already covers; drop the staged rest;
+2. submit: the missing segments as demand loads, ahead of any prefetch, into staging
+   slots (offload/pool.py), each copy ordered after the compute that last read its slot;
+3. compute what is on the device first (whole experts, cached top segments), then each
+   loaded segment as its transfer completes — `link.acquire` right before the matmul is
+   the only place the host may wait (offload/link.py); once every demand load is
+   queued, show the predictor this routing and queue what it predicts (the default,
+   speculative: layer i+1; the last layer predicts layer 0 of the next token): only the
+   bottom when the top is cached, the whole expert otherwise (offload/prefetch.py); a
+   whole loaded expert's top segment is offered to the cache (LCP by default);
+4. combine the partial results in a fixed order (top + bottom, then experts by id),
+   so results are deterministic.
 
 Prefill takes the same path with every activated expert; when the staging pool is
-smaller than the activated set it works in waves.
+smaller than the activated set it works in waves (a slot freed by this layer's
+finished load takes the next one).
 """
 
 from __future__ import annotations
