@@ -50,8 +50,24 @@ MIXTRAL_CONFIG = {  # mistralai/Mixtral-8x7B-v0.1 config.json (the figures that 
 }
 
 
+def segment_overhead_s(lm, repeats: int = 200) -> float:
+    """c: the fixed cost of one segment forward (a one-neuron segment) on this machine."""
+    import time
+
+    one = lm.store.expert(0, 0)[:1].to(lm.device)
+    x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
+    for _ in range(10):
+        lm.store.segment_forward(x, one, torch.nn.functional.silu)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        lm.store.segment_forward(x, one, torch.nn.functional.silu)
+    return (time.perf_counter() - start) / repeats
+
+
 def validate(args, console: Console) -> None:
-    from engine import PROMPT, expert_compute_s  # benchmarks/engine.py
+    from engine import PROMPT  # benchmarks/engine.py
+
+    from fmoe_cli.profiling.model import expert_compute_s
 
     from fmoe_cli.bench.run import bench_policy, encode_prompt
     from fmoe_cli.trace import RouteRecorder, TraceWriter, read_trace
@@ -70,6 +86,7 @@ def validate(args, console: Console) -> None:
     shape = lm.shape
     prompt_ids = encode_prompt(lm, PROMPT)
     t_exp = expert_compute_s(lm)
+    t_call = segment_overhead_s(lm)  # c: one segment forward's fixed cost on this machine
     gbps = shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
     budget = parse_budget(args.budget, shape.all_experts_bytes)
     link = EmulatedLink(gbps)
@@ -127,7 +144,8 @@ def validate(args, console: Console) -> None:
     rows = {}
     for name in POLICIES:
         sims = [simulate_policy(shape, s, timings, [by_seq[f"{name}#{r}"]], bandwidth=gbps * 1e9,
-                                latency=link.latency_s, prompt_tokens=prompt_len, warmup=args.warmup)
+                                latency=link.latency_s, prompt_tokens=prompt_len, warmup=args.warmup,
+                                segment_overhead=t_call)
                 for r, s in enumerate(used[name])]
         meas = statistics.median(measured[name])
         sim = statistics.median(x.tpot_s * 1e3 for x in sims)
@@ -136,12 +154,51 @@ def validate(args, console: Console) -> None:
                       f"{sim / meas:.2f}", f"{measured_hit[name]:.2f}", f"{sims[-1].hit_rate:.2f}",
                       f"{statistics.median(measured_exposed[name]):.2f}", f"{sims[-1].exposed_s_per_token * 1e3:.2f}")
     console.print(table)
+    if args.matrix:
+        simulated_matrix(console, lm, shape, timings, t_exp, t_call, by_seq[f"moepic#{args.rounds - 1}"],
+                         prompt_len, args.warmup, link.latency_s)
     console.print(f"compute times: the configurator's T_exp; T_att and T_head scaled to the measured resident "
                   f"TPOT (T_att {extra * 1e3:+.3f} ms per layer): T_att {timings.t_att * 1e3:.3f} ms, "
+                  f"segment dispatch c {t_call * 1e3:.3f} ms, "
                   f"T_exp {timings.t_exp * 1e3:.3f} ms, T_head {timings.t_head * 1e3:.3f} ms; "
                   f"moepic plan: {used['moepic'][-1].plan.summary()}", highlight=False)
     if args.json:
         print(json.dumps(rows))
+
+
+def simulated_matrix(console, lm, shape, timings, t_exp, t_call, tokens, prompt_len, warmup, latency) -> None:
+    """Issue 12's matrix, simulated: the measured moepic run's routing and rankings (the same for every
+    policy: every policy is exact), every load ratio × budget, the calibrated compute times."""
+    from dataclasses import replace
+
+    from fmoe_cli.planning.plan import parse_budget
+    from fmoe_cli.planning.presets import PlanInputs, settings_for
+    from fmoe_cli.planning.simulate import simulate_policy, stats_from
+
+    baselines = ["lru", "lfu", "uniform", "cache-only", "prefetch-only"]
+    stats = stats_from([tokens], shape)
+    table = Table(title=f"simulated matrix: {lm.label}, the measured moepic run's routing; load ratio = one expert's "
+                        f"load / its compute (T_exp {t_exp * 1e3:.3f} ms); TPOT ms")
+    for col in ("ratio", "budget", "moepic", "best baseline", "moepic ÷ best", "resident", "verdict"):
+        table.add_column(col, justify="left" if col in ("best baseline", "verdict") else "right")
+    for ratio in (1, 3, 10, 30):
+        bandwidth = shape.expert_bytes / (ratio * t_exp)
+        t = replace(timings, t_load=latency + shape.expert_bytes / bandwidth)
+        for budget_text in ("10%", "25%", "50%"):
+            budget = parse_budget(budget_text, shape.all_experts_bytes)
+            tpot = {}
+            for name in ["moepic", *baselines, "resident"]:
+                settings = settings_for(name, PlanInputs(shape, budget, t, stats, lm.model_id))
+                tpot[name] = simulate_policy(shape, settings, t, [tokens], bandwidth=bandwidth, latency=latency,
+                                             prompt_tokens=prompt_len, warmup=warmup,
+                                             segment_overhead=t_call).tpot_s * 1e3
+            best = min(baselines, key=lambda n: tpot[n])
+            quotient = tpot["moepic"] / tpot[best]
+            verdict = ("nothing to gain (best ≈ resident)" if tpot[best] <= 1.05 * tpot["resident"]
+                       else "meets ≤ 1.03" if quotient <= 1.03 else "misses 1.03")
+            table.add_row(f"{ratio:g}", budget_text, f"{tpot['moepic']:.2f}", f"{best} {tpot[best]:.2f}",
+                          f"{quotient:.2f}", f"{tpot['resident']:.2f}", verdict)
+    console.print(table)
 
 
 def mixtral(args, console: Console) -> None:
@@ -157,6 +214,13 @@ def mixtral(args, console: Console) -> None:
     profile = Profile.load(Path(args.profile))
     link = profile.device.link
     timings, source = plan_timings(facts, link.bandwidth, link.latency or 0.0, profile)
+    if args.load_ratio is not None:  # compute slower than the roofline: one expert's load = load_ratio × T_exp
+        from dataclasses import replace
+
+        scale = timings.t_load / (args.load_ratio * timings.t_exp)
+        timings = replace(timings, t_att=timings.t_att * scale, t_moe=timings.t_moe * scale,
+                          t_head=timings.t_head * scale)
+        source += f", every compute time × {scale:.1f} so that one expert's load = {args.load_ratio:g} × T_exp"
     budget = args.experts * shape.expert_bytes  # staging pool included, as every policy's budget
     trace = read_trace(args.trace)
     sequences = tokens_of(trace)
@@ -189,10 +253,13 @@ def main() -> None:
     v.add_argument("--budget", default="25%")
     v.add_argument("--load-ratio", type=float, default=3.0)
     v.add_argument("--json", action="store_true")
+    v.add_argument("--matrix", action="store_true", help="also the requirement matrix, simulated over the moepic run")
     m = sub.add_parser("mixtral")
     m.add_argument("--trace", default=str(SHARED_TRACE))
     m.add_argument("--profile", default=str(HERE.parent / "profiles" / "rtx-a6000.json"))
     m.add_argument("--experts", type=int, default=160)
+    m.add_argument("--load-ratio", type=float, default=None,
+                   help="scale compute so that one expert's load takes this many times its compute (default: roofline)")
     args = p.parse_args()
     console = Console(width=150)
     console.print("command: python benchmarks/simulate.py " + " ".join(sys.argv[1:]), highlight=False)

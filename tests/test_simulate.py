@@ -91,3 +91,20 @@ def test_predict_policies_runs_every_policy_with_a_routing_only_predictor():
     p.begin([seq[1]])
     ranking = next_ranking(p.after_layer(0, seq[1].experts[0]), 0, 4)  # the request's own EAM: token 0's layer 1
     assert set(ranking[:2]) == set(seq[0].experts[1])
+
+
+def test_segment_overhead_is_paid_once_per_segment():
+    """c per segment forward: a whole expert is one segment (T_exp in all), a top hit two (T_exp + c)."""
+    seq = _tokens([[[0, 1], [2, 3]]] * 4)
+    r0 = simulate_policy(SHAPE, make_settings("resident", SHAPE, 0), TIMES, [seq], bandwidth=1.0)
+    r1 = simulate_policy(SHAPE, make_settings("resident", SHAPE, 0), TIMES, [seq], bandwidth=1.0, segment_overhead=0.5)
+    assert r0.tpot_s == r1.tpot_s == pytest.approx(9.0)
+    budget = 2 * SHAPE.top_k * SHAPE.expert_bytes + SHAPE.all_experts_bytes  # every top cached
+    split = make_settings("cache-only", SHAPE, budget, theta=0.5)
+    assert {lp.top_neurons for lp in split.plan.layers} == {2}
+    fast = dict(bandwidth=1e12)
+    a = simulate_policy(SHAPE, split, TIMES, [seq], **fast)
+    b = simulate_policy(SHAPE, split, TIMES, [seq], segment_overhead=0.25, **fast)
+    assert a.hit_rate == b.hit_rate == 0.75  # the first token misses, then every top is cached
+    # the median token: 2 layers × 2 top hits, each two segments: 4 · c more
+    assert b.tpot_s - a.tpot_s == pytest.approx(4 * 0.25, abs=1e-6)

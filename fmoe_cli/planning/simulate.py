@@ -18,7 +18,8 @@ on a virtual clock and no tensor data (meta tensors: shapes and byte counts only
 
 Compute, on one stream, moves the clock (MoEpic's symbols, `Timings`, seconds per
 decode token; its T_load is not used: the link's bandwidth and latency time every copy):
-    per MoE layer:  T_att, then T_exp · (neurons / I) per expert segment in the engine's
+    per MoE layer:  T_att, then per expert segment of n neurons c + (T_exp − c) · n / I
+                    (c: a segment's fixed dispatch cost, 0 unless measured) in the engine's
                     order: whole and cached-top segments first, then each load as acquired
     per token:      T_head (LM head, final norm, layers before the first MoE layer)
 An acquire of a copy not yet landed sleeps the clock to its end (the exposed time).
@@ -106,10 +107,13 @@ class Simulator:
     """The engine's decisions for one policy's settings on a virtual clock."""
 
     def __init__(self, shape: ExpertShape, settings: EngineSettings, times: Timings, bandwidth: float,
-                 latency: float = 0.0, predictor=None) -> None:
+                 latency: float = 0.0, predictor=None, segment_overhead: float = 0.0) -> None:
         self.shape = shape
         self.settings = settings
         self.times = times
+        # Fixed cost of one segment's forward (dispatch; part of T_exp): a segment of n neurons takes
+        # overhead + (T_exp − overhead)·n/I, so a split expert (top + bottom) costs one overhead more.
+        self.segment_overhead = min(segment_overhead, times.t_exp)
         self.clock = VirtualClock()
         self.link = EmulatedLink(bandwidth / 1e9, latency, clock=self.clock)
         plan = settings.plan
@@ -172,7 +176,8 @@ class Simulator:
         shape, pool, link = self.shape, self.pool, self.link
         state = self.layers[i]
         c = state.counters
-        t_neuron = self.times.t_exp / shape.intermediate
+        t_call = self.segment_overhead
+        t_neuron = (self.times.t_exp - t_call) / shape.intermediate
         k = shape.intermediate if self.resident else state.top_neurons
         active = sorted(set(token.experts[i]))
         state.cache.record([token.experts[i]])
@@ -200,7 +205,8 @@ class Simulator:
         waiting = list(hits.loads)
         self._submit_demand(i, waiting, loading)
         # 3. compute what is on the device, then each load as it arrives
-        self.clock.advance((len(hits.whole) * shape.intermediate + len(hits.top_hits) * k) * t_neuron)
+        on_device = len(hits.whole) + len(hits.top_hits)
+        self.clock.advance(on_device * t_call + (len(hits.whole) * shape.intermediate + len(hits.top_hits) * k) * t_neuron)
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
@@ -209,7 +215,7 @@ class Simulator:
             entry = next((x for x in loading if x.transfer.ready()), loading[0])
             loading.remove(entry)
             link.acquire(entry.transfer, tag=i)
-            self.clock.advance((shape.intermediate - max(entry.start, k if entry.expert in hits.top_hits else 0))
+            self.clock.advance(t_call + (shape.intermediate - max(entry.start, k if entry.expert in hits.top_hits else 0))
                                * t_neuron)
             if entry.expert not in hits.top_hits and state.top_neurons > 0:
                 state.cache.admit(entry.expert)
@@ -307,12 +313,13 @@ def tokens_of(trace) -> list[list[Token]]:
 
 def simulate_policy(shape: ExpertShape, settings: EngineSettings, times: Timings, sequences: Sequence[Sequence[Token]], *,
                     bandwidth: float, latency: float = 0.0, prompt_tokens: int = 0, warmup: int = 0,
-                    predictor_factory=None) -> SimResult:
+                    predictor_factory=None, segment_overhead: float = 0.0) -> SimResult:
     """Simulate one policy over every sequence: the first `prompt_tokens` of a sequence are its
     prefill; `warmup` decode tokens run first (as `fmoe bench` warms up on the same prompt) and
     are not measured. One Simulator for all sequences (caches carry over, as in a session)."""
     sim = Simulator(shape, settings, times, bandwidth, latency,
-                    predictor=predictor_factory() if predictor_factory is not None else None)
+                    predictor=predictor_factory() if predictor_factory is not None else None,
+                    segment_overhead=segment_overhead)
     steps: list[float] = []
     before = None
     for tokens in sequences:
