@@ -134,9 +134,9 @@ def test_routing_and_predictor_scores_reach_the_host_in_one_copy(monkeypatch):
     assert torch.equal(r.ids, ids) and torch.equal(r.weights, weights) and r.weights.dtype == torch.bfloat16
     assert all(torch.equal(r.extra[key], t) for key, t in scores.items())
     assert r.flat == [3, 1, 1, 0, 7, 3] and r.active == [0, 1, 3, 7]
-    rows = r.rows(torch.device("cpu"))
-    assert rows[3][0].tolist() == [0, 2] and rows[3][1].tolist() == [0, 1]  # tokens ascending, their top-k slot
-    assert rows[1][0].tolist() == [0, 1] and rows[1][1].tolist() == [1, 0]
+    perm, tokens, spans = r.layout(torch.device("cpu"))
+    assert tokens[spans[3]].tolist() == [0, 2] and (perm[spans[3]] % 2).tolist() == [0, 1]  # tokens ascending
+    assert tokens[spans[1]].tolist() == [0, 1] and (perm[spans[1]] % 2).tolist() == [1, 0]  # their top-k slot
 
 
 def test_a_decode_step_computes_each_prediction_once_and_no_nonzero(mixtral, monkeypatch):

@@ -99,7 +99,7 @@ class Routing:
     weights: torch.Tensor  # [T, K] their routing weights (host)
     flat: list[int]  # ids flattened, token-major
     active: list[int]  # distinct activated experts, ascending
-    _rows: dict | None = None
+    _layout: tuple | None = None
 
     extra: dict = field(default_factory=dict)  # the predictor's device parts, on the host
 
@@ -124,19 +124,20 @@ class Routing:
         flat = ids.reshape(-1).tolist()
         return cls(ids, weights, flat, sorted(set(flat)), extra=extra)
 
-    def rows(self, device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """expert -> (token indices, positions in top-k) on `device`, tokens ascending; no per-expert sync."""
-        if self._rows is None:
-            k = self.ids.shape[-1]
+    def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict[int, slice]]:
+        """The routed (token, k) positions sorted by expert, tokens ascending within one: `perm`
+        [T·K] (positions t·K + k, on `device`), their tokens (perm // K) and each expert's span.
+        One host sort and one host→device copy; no per-expert sync."""
+        if self._layout is None:
             order = sorted(range(len(self.flat)), key=self.flat.__getitem__)  # stable: by expert, then position
             perm = torch.tensor(order, dtype=torch.long).to(device, non_blocking=True)
-            tokens, slots = perm // k, perm % k
-            self._rows, start = {}, 0
+            spans, start = {}, 0
             for e in self.active:
                 n = self.flat.count(e)
-                self._rows[e] = (tokens[start:start + n], slots[start:start + n])
+                spans[e] = slice(start, start + n)
                 start += n
-        return self._rows
+            self._layout = (perm, perm // self.ids.shape[-1], spans)
+        return self._layout
 
 
 @dataclass
@@ -369,13 +370,14 @@ class Engine:
         demand load is queued); returns expert -> output rows [T_e, H]."""
         state, pool, store = self.layers[i], self.pool, self.store
         k = state.top_neurons
-        rows = routing.rows(hidden_states.device)
+        _perm, tokens, spans = routing.layout(hidden_states.device)
+        xs = hidden_states[tokens]  # [T·K, H]: every expert's tokens, in one gather
         outputs: dict[int, torch.Tensor] = {}
         top_outputs: dict[int, torch.Tensor] = {}
         for e in hits.whole:
-            outputs[e] = store.segment_forward(hidden_states[rows[e][0]], state.tops[state.cache.slot(e)], act)
+            outputs[e] = store.segment_forward(xs[spans[e]], state.tops[state.cache.slot(e)], act)
         for e in hits.top_hits:
-            top_outputs[e] = store.segment_forward(hidden_states[rows[e][0]], state.tops[state.cache.slot(e)], act)
+            top_outputs[e] = store.segment_forward(xs[spans[e]], state.tops[state.cache.slot(e)], act)
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
@@ -385,7 +387,7 @@ class Engine:
             loading.remove(entry)
             segment = self.link.acquire(entry.transfer, tag=i)  # [I - start, *row]: the only place that waits
             e = entry.expert
-            x = hidden_states[rows[e][0]]
+            x = xs[spans[e]]
             if e in top_outputs:  # exact: top + bottom, always in this order
                 outputs[e] = top_outputs.pop(e) + store.segment_forward(x, segment[k - entry.start:], act)
             else:
@@ -400,12 +402,13 @@ class Engine:
     def _combine(self, hidden_states: torch.Tensor, routing: Routing, outputs: dict,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         """4. the weighted sum, in a fixed order (by expert id), so results are deterministic."""
-        rows = routing.rows(hidden_states.device)
+        perm, tokens, spans = routing.layout(hidden_states.device)
+        weights = top_k_weights.reshape(-1)[perm]  # [T·K] in the same order
         final = torch.zeros_like(hidden_states)
         for e in routing.active:
-            token_idx, k_pos = rows[e]
-            weighted = outputs[e] * top_k_weights[token_idx, k_pos, None]
-            final.index_add_(0, token_idx, weighted.to(final.dtype))
+            span = spans[e]
+            weighted = outputs[e] * weights[span, None]
+            final.index_add_(0, tokens[span], weighted.to(final.dtype))
         return final
 
     def _offer(self, i: int, e: int, segment: torch.Tensor) -> None:
