@@ -43,8 +43,10 @@ class QuantFormat:
     meta_bytes: int  # per group: scale (int8: symmetric) or scale + offset (int4: min/max)
 
     def group_size(self, hidden: int) -> int:
+        """G, halved until it divides H (int4: H/2, as the two halves of a row are packed into one byte each)."""
+        span = hidden * self.bits // 8
         g = self.group
-        while hidden % g:
+        while span % g:
             g //= 2
         return max(g, 1)
 

@@ -32,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 
 from fmoe_cli.types import ExpertShape
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: int4 rows pack code j with code j + H/2 (1 packed neighbours)
 ALIGN = 64  # data offsets of every tensor: page-friendly, and any dtype view is aligned
 
 

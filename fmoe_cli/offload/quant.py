@@ -8,7 +8,8 @@ along H:
     int4 (min / max):   s = (max w − min w) / 15,    q = round((w − m) / s) ∈ [0, 15], ŵ = q·s + m,  m = min w
 
 (s and m in float16, rounded before q is computed). A stored neuron row is, for each
-of the three projections, its H codes (int4: two per byte, low nibble first) followed
+of the three projections, its H codes (int4: byte j holds code j in its low nibble and
+code j + H/2 in its high one, so unpacking writes two contiguous halves) followed
 by its H/G groups of metadata: `row_shape` = (3, projection_bytes) bytes. Every
 neuron carries its own scales, so any top/bottom split [0, k) / [k, I) is still one
 contiguous segment with its scales, and a segment computes alone:
@@ -47,28 +48,40 @@ def quantize(block: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
         scale = ((high - low) / 15).clamp(min=1e-8).half()
         offset = low.half()
         q = torch.round((w - offset.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
-        q = q.reshape(n, three, hidden // 2, 2)
-        codes = q[..., 0] | (q[..., 1] << 4)  # two codes a byte, low nibble first
+        q = q.reshape(n, three, hidden)
+        codes = q[..., : hidden // 2] | (q[..., hidden // 2:] << 4)  # byte j: code j (low nibble), code j + H/2
         meta = torch.stack([scale, offset], dim=-1).view(torch.uint8).reshape(n, three, -1)  # (s, m) per group
     return torch.cat([codes, meta.reshape(n, three, -1)], dim=-1)
 
 
-def dequantize(segment: torch.Tensor, fmt: QuantFormat, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-    """[n, 3, projection_bytes] uint8 -> [n, 3, H] of `dtype` (ŵ computed in float32, then rounded to dtype once)."""
+def dequantize(segment: torch.Tensor, fmt: QuantFormat, hidden: int, dtype: torch.dtype,
+               workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, 3, projection_bytes] uint8 -> [n, 3, H] of `dtype` (ŵ computed in float32, then rounded to dtype once).
+
+    `workspace`: float32 memory of at least n·3·H elements to compute in (reused: no fresh pages per call)."""
     n, three, _ = segment.shape
     g = fmt.group_size(hidden)
     groups = hidden // g
     code_bytes = hidden * fmt.bits // 8
     meta = segment[..., code_bytes:].contiguous().view(torch.float16).float()  # [n, 3, groups (·2)]
-    codes = segment[..., :code_bytes]
+    codes = segment[..., :code_bytes]  # a view: rows of the segment
+    size = n * three * hidden
+    w = (torch.empty(size, dtype=torch.float32, device=segment.device) if workspace is None
+         else workspace.view(-1)[:size]).view(n, three, groups, g)
     if fmt.bits == 8:
-        q = codes.contiguous().view(torch.int8).float().reshape(n, three, groups, g)
-        w = q * meta[..., None]
+        w.copy_(codes.view(torch.int8).reshape(n, three, groups, g))
+        w.mul_(meta[..., None])
     else:
-        q = torch.stack([codes & 0xF, codes >> 4], dim=-1).float().reshape(n, three, groups, g)
+        halves = w.view(n, three, hidden)  # two contiguous halves: cheap to unpack
+        halves[..., : hidden // 2].copy_(codes & 0xF)
+        halves[..., hidden // 2:].copy_(codes >> 4)
         meta = meta.reshape(n, three, groups, 2)
-        w = q * meta[..., 0:1] + meta[..., 1:2]
-    return w.reshape(n, three, hidden).to(dtype)
+        w.mul_(meta[..., 0:1]).add_(meta[..., 1:2])
+    w = w.view(n, three, hidden)
+    return w if dtype == torch.float32 else w.to(dtype)
+
+
+QUANTIZE_ROWS = 128  # neurons quantised at once while loading (bounds the load's transient memory)
 
 
 class QuantStore(HostStore):
@@ -81,13 +94,20 @@ class QuantStore(HostStore):
         self.compute_dtype = compute_dtype
         # float32 [I, 3, H] blocks the loader assembles experts in: the codes do not depend on --dtype
         self._blocks: list[torch.Tensor] = []
+        self._workspace: torch.Tensor | None = None  # float32 [I·3·H] where segments are dequantised (one at a time)
 
     @property
     def row_shape(self) -> tuple[int, ...]:
         return (3, self.format.projection_bytes(self.shape.hidden))
 
     def segment_forward(self, x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
-        return layout.segment_forward(x, dequantize(segment, self.format, self.shape.hidden, x.dtype), act)
+        n = segment.shape[0] * 3 * self.shape.hidden
+        if self._workspace is None or self._workspace.numel() < n or self._workspace.device != segment.device:
+            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+                self._workspace = torch.empty(self.shape.intermediate * 3 * self.shape.hidden, dtype=torch.float32,
+                                              device=segment.device)
+        w = dequantize(segment, self.format, self.shape.hidden, x.dtype, self._workspace)
+        return layout.segment_forward(x, w, act)
 
     def dequantized(self, layer: int) -> torch.Tensor:
         """[N, I, 3, H] of the compute dtype: the weights this store computes with (for the reference model)."""
@@ -102,7 +122,9 @@ class QuantStore(HostStore):
         return torch.empty(self.shape.intermediate, 3, self.shape.hidden, dtype=torch.float32)
 
     def put(self, layer: int, expert: int, block: torch.Tensor) -> None:
-        self.layers[layer][expert].copy_(quantize(block, self.format))
+        target = self.layers[layer][expert]
+        for start in range(0, block.shape[0], QUANTIZE_ROWS):  # a few rows at a time: small temporaries
+            target[start:start + QUANTIZE_ROWS].copy_(quantize(block[start:start + QUANTIZE_ROWS], self.format))
         self._blocks.append(block)
 
 

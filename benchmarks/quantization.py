@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Quality and compute cost of quantised experts (issue 11).
+
+1. Quality, on the shipped demo model (its held-out KJV chapters, as benchmarks/routing_report.py;
+   needs Debian's bible-kjv-text: `apt-get install bible-kjv-text`): perplexity with bf16 (unquantised),
+   int8 and int4 experts, and per MoE layer how often the top-K routing agrees with the unquantised
+   model's (|A_q ∩ A| / K, and the share of tokens whose whole top-K set is the same). The quantised
+   models are transformers' own model with its experts replaced by the dequantised weights — by the
+   exactness contract (tests/test_quant.py), exactly what the engine computes.
+2. Compute: one expert for one token (decode) from the stored rows — dequantise then the three matmuls
+   (what fmoe does) against the unquantised matmuls and against torch's fused int8 kernel
+   (`_weight_int8pack_mm`, per-output-channel scales: a lower bound, it does not fit the grouped,
+   split layout). Median [min–max] of interleaved rounds, CPU, one thread.
+
+    python benchmarks/quantization.py
+    python benchmarks/quantization.py --tokens 20000 --rounds 5 --hidden 4096 --intermediate 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+FORMATS = ["bf16", "int8", "int4"]
+
+
+def spread(values, fmt="{:.3f}"):
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+
+
+@torch.no_grad()
+def evaluate(model, ids: torch.Tensor, seq_len: int) -> tuple[float, list[torch.Tensor]]:
+    """(perplexity, per MoE layer the top-K expert ids of every token)."""
+    from fmoe_cli.models.families import find_moe_layers
+
+    layers = find_moe_layers(model)
+    k = model.config.num_experts_per_tok
+    chosen: dict[int, list[torch.Tensor]] = {layer.index: [] for layer in layers}
+    hooks = [layer.router.register_forward_hook(
+        lambda mod, args, out, i=layer.index: chosen[i].append(
+            torch.topk(args[0].reshape(-1, args[0].shape[-1]).float() @ mod.weight.float().T, k, dim=-1).indices))
+        for layer in layers]
+    nll, count = 0.0, 0
+    for s in range(0, len(ids) - 1, seq_len):
+        chunk = ids[s: s + seq_len + 1]
+        if len(chunk) < 2:
+            break
+        logits = model(input_ids=chunk[None, :-1]).logits[0].float()
+        nll += torch.nn.functional.cross_entropy(logits, chunk[1:], reduction="sum").item()
+        count += len(chunk) - 1
+    for h in hooks:
+        h.remove()
+    return math.exp(nll / count), [torch.cat(chosen[i]) for i in sorted(chosen)]
+
+
+def quality(console, tokens: int, seq_len: int) -> None:
+    import transformers
+    from rich.table import Table
+
+    from fmoe_cli.models.demo import SHIPPED
+    from fmoe_cli.models.families import find_moe_layers
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.layout import DOWN, GATE, UP
+    from routing_report import held_out_text
+
+    text, label = held_out_text(SHIPPED)
+    tok = transformers.AutoTokenizer.from_pretrained(SHIPPED)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0][: tokens + 1]
+    model = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    original = {layer.index: (layer.experts.gate_up_proj.clone(), layer.experts.down_proj.clone())
+                for layer in find_moe_layers(model)}
+    results = {}
+    for fmt in FORMATS:
+        if fmt != "bf16":
+            lm = load_model("demo", device="cpu", dtype="float32", experts=fmt, console=console)
+            for layer in find_moe_layers(model):
+                w = lm.store.dequantized(layer.index)
+                layer.experts.gate_up_proj.data.copy_(torch.cat([w[:, :, GATE], w[:, :, UP]], dim=1))
+                layer.experts.down_proj.data.copy_(w[:, :, DOWN].transpose(1, 2))
+        else:
+            for layer in find_moe_layers(model):
+                layer.experts.gate_up_proj.data.copy_(original[layer.index][0])
+                layer.experts.down_proj.data.copy_(original[layer.index][1])
+        with console.status(f"evaluating {fmt} experts on {len(ids) - 1} tokens …"):
+            results[fmt] = evaluate(model, ids, seq_len)
+    k = model.config.num_experts_per_tok
+    table = Table(title=f"1. demo model, {len(ids) - 1} tokens of {label} (seq {seq_len}; the demo's weights are "
+                        "float32: 'bf16' = unquantised)")
+    for col in ("experts", "perplexity", "Δ vs unquantised", "top-K overlap per layer (mean)", "same top-K set"):
+        table.add_column(col, justify="right" if col != "experts" else "left")
+    base_ppl, base_sets = results["bf16"]
+    for fmt, (ppl, sets) in results.items():
+        overlaps, same = [], []
+        for a, b in zip(sets, base_sets):
+            hit = (a[:, :, None] == b[:, None, :]).any(-1).sum(-1).float()
+            overlaps.append((hit / k).mean().item())
+            same.append((hit == k).float().mean().item())
+        table.add_row(fmt, f"{ppl:.3f}", f"{100 * (ppl / base_ppl - 1):+.2f} %",
+                      " ".join(f"{o:.3f}" for o in overlaps) + f" ({statistics.mean(overlaps):.3f})",
+                      f"{statistics.mean(same):.3f}")
+    console.print(table)
+
+
+def compute_cost(console, hidden: int, intermediate: int, rounds: int, repeats: int) -> None:
+    from rich.table import Table
+
+    from fmoe_cli.offload.layout import segment_forward
+    from fmoe_cli.offload.quant import dequantize, quantize
+    from fmoe_cli.types import EXPERT_FORMATS
+
+    torch.manual_seed(0)
+    block = torch.randn(intermediate, 3, hidden) * 0.02
+    act = torch.nn.functional.silu
+    x32 = torch.randn(1, hidden)
+    workspace = torch.empty(intermediate * 3 * hidden)
+    stored = {f: quantize(block, EXPERT_FORMATS[f]) for f in ("int8", "int4")}
+    w8 = torch.randint(-127, 127, (intermediate, hidden), dtype=torch.int8)
+    w8_down = torch.randint(-127, 127, (hidden, intermediate), dtype=torch.int8)
+    s8, s8_down = torch.rand(intermediate) * 1e-3, torch.ones(hidden)
+
+    def fused_int8(x):  # gate and up: per-neuron scales; down: the neuron scale folded into the activation
+        gate = torch._weight_int8pack_mm(x, w8, s8)
+        up = torch._weight_int8pack_mm(x, w8, s8)
+        return torch._weight_int8pack_mm(act(gate) * up * s8, w8_down, s8_down)
+
+    cases = {
+        "unquantised float32": lambda: segment_forward(x32, block, act),
+        "int8: dequantise + matmuls (fmoe)": lambda: segment_forward(
+            x32, dequantize(stored["int8"], EXPERT_FORMATS["int8"], hidden, torch.float32, workspace), act),
+        "int4: dequantise + matmuls (fmoe)": lambda: segment_forward(
+            x32, dequantize(stored["int4"], EXPERT_FORMATS["int4"], hidden, torch.float32, workspace), act),
+        "int8: torch fused _weight_int8pack_mm (per-channel)": lambda: fused_int8(x32),
+    }
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, run in cases.items():
+            run()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            times[name].append((time.perf_counter() - start) / repeats * 1e3)
+    base = times["unquantised float32"]
+    table = Table(title=f"2. one expert, one token, H={hidden}, I={intermediate}, CPU 1 thread: ms, median \\[min–max] "
+                        f"of {rounds} interleaved rounds × {repeats}")
+    for col in ("computation", "ms", "÷ unquantised"):
+        table.add_column(col, justify="right" if col != "computation" else "left")
+    for name, ts in times.items():
+        table.add_row(name, spread(ts), spread([t / b for t, b in zip(ts, base)], "{:.2f}"))
+    console.print(table)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=20000, help="held-out tokens evaluated")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=1024, help="neurons of the timed expert (Mixtral: 14336)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--skip-quality", action="store_true")
+    args = p.parse_args()
+    import os
+    import tempfile
+
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fmoe-bench-quant-")  # converted stores: not the user's
+    from rich.console import Console
+
+    torch.set_num_threads(1)
+    console = Console(width=150)
+    console.print("command: python benchmarks/quantization.py " + " ".join(sys.argv[1:]), highlight=False)
+    if not args.skip_quality:
+        quality(console, args.tokens, args.seq_len)
+    compute_cost(console, args.hidden, args.intermediate, args.rounds, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
