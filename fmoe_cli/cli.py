@@ -21,7 +21,35 @@ from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
 from fmoe_cli.types import DEFAULT_EXPERTS
 
-app = typer.Typer(
+try:  # typer ≥ 0.20 carries its own copy of click
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover - older typer
+    from click.exceptions import ClickException
+
+
+class _App(typer.Typer):
+    """Typer with bad command lines (`--tokens abc`, an unknown option) in fmoe's one-line format:
+    `error: …` and exit code 2, as every other bad input (not click's boxed usage panel)."""
+
+    def __call__(self, *args, **kwargs):
+        if "standalone_mode" in kwargs:
+            return super().__call__(*args, **kwargs)
+        try:
+            code = super().__call__(*args, standalone_mode=False, **kwargs)
+        except ClickException as exc:
+            message = exc.format_message()
+            if message:  # (no message: `fmoe` alone, the help was shown)
+                where = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "fmoe"
+                err_console.print(f"[bold red]error:[/bold red] {message} (see `{where} --help`)", highlight=False,
+                                  soft_wrap=True, markup=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            err_console.print("interrupted")
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+app = _App(
     help="Chat with a Mixture-of-Experts LLM on a GPU that cannot hold it.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -30,8 +58,17 @@ app = typer.Typer(
 err_console = Console(stderr=True)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from fmoe_cli import __version__
+
+        print(f"fmoe {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
     """fmoe: split-expert cache, LCP eviction, speculative prefetch (MoEpic)."""
 
 
@@ -130,6 +167,8 @@ def bench(
         print(json.dumps(report))
     else:
         render(report, Console())
+    if report.get("interrupted"):  # the finished policies were printed, marked partial
+        raise typer.Exit(130)
 
 
 @app.command()
@@ -230,7 +269,7 @@ def profile(
 
 
 def main() -> None:
-    app()
+    app()  # exits with the command's code
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from rich.console import Console
 from fmoe_cli.trace import TraceWriter, check_trace_out
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.models.identity import model_key
-from fmoe_cli.models.load import LoadedModel, check_expert_format, load_model
+from fmoe_cli.models.load import LoadedModel, check_expert_format, load_model, pick_device
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import check_bandwidth, make_link
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
@@ -90,11 +90,14 @@ class RunOptions:
         check_predictor(self.predictor)
         check_expert_format(self.experts)
         check_lcp(self.omega, self.rho)
-        check_budget_text(self.vram_budget)
         if self.emulate_link is not None:
             check_bandwidth(self.emulate_link)
         if self.trace_out is not None:
             check_trace_out(self.trace_out, self.overwrite_trace)
+        device = pick_device(self.device)
+        check_budget_text(self.vram_budget, device)
+        if self.profile is not None:
+            check_profile(self.profile, device)
 
 
 @dataclass
@@ -121,6 +124,14 @@ class Run:
         """The device is idle (between turns or runs): statistics saved, re-planned if due."""
         if self.replanner is not None:
             self.replanner.on_idle()
+
+
+def context_length(lm: LoadedModel) -> int | None:
+    """The model's context in tokens (its config's max_position_embeddings), None if it does not say."""
+    config = lm.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def check_profile(path: str, device) -> Profile:

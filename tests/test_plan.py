@@ -17,13 +17,13 @@ MIXTRAL = ExpertShape(num_layers=32, num_experts=8, top_k=2, hidden=4096, interm
 
 @pytest.mark.parametrize("text, expected", [
     ("6GiB", 6 * 1024**3), ("512MiB", 512 * MiB), ("1.5G", int(1.5 * 1024**3)), ("2GB", 2 * 10**9),
-    ("1048576", MiB), (" 25% ", 250), ("100%", 1000),
+    ("1048576B", MiB), (" 25% ", 250), ("100%", 1000),
 ])
 def test_parse_budget(text: str, expected: int) -> None:
     assert parse_budget(text, all_experts_bytes=1000) == expected
 
 
-@pytest.mark.parametrize("text", ["", "six gigs", "0%", "120%", "-1GiB", "5 parsecs"])
+@pytest.mark.parametrize("text", ["", "six gigs", "0%", "120%", "-1GiB", "5 parsecs", "25", "1048576"])
 def test_parse_budget_refuses_with_one_line(text: str) -> None:
     with pytest.raises(FmoeError) as err:
         parse_budget(text, all_experts_bytes=1000)

@@ -269,8 +269,9 @@ def run_replay(
     raises FmoeError (one-line message; the CLI exits with code 2)."""
     sizes = parse_cache_sizes(cache_sizes)
     names = parse_evictions(policies)
+    err = Console(stderr=True)  # the bar only on a terminal (a transient bar leaves a blank line elsewhere)
     with Progress(TextColumn("replaying {task.description}"), BarColumn(), TaskProgressColumn(),
-                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+                  TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task(Path(trace).name, total=None)
         result = replay_file(trace, sizes, names, seed=seed,
                              progress=lambda done, total: bar.update(task, completed=done, total=total))

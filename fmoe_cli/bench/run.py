@@ -26,6 +26,7 @@ import psutil
 import torch
 from rich import box
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from fmoe_cli.trace import RouteRecorder
@@ -33,7 +34,7 @@ from fmoe_cli.errors import FmoeError, reading
 from fmoe_cli.generate import DEFAULT_PROMPT, SamplingParams, encode_messages, stream_generate
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
-from fmoe_cli.run import RunOptions, open_run
+from fmoe_cli.run import RunOptions, context_length, open_run
 
 MiB = 1024**2
 
@@ -82,17 +83,18 @@ def percentile(values: list[float], q: float) -> float:
 
 def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prompt_ids: torch.Tensor,
                  tokens: int, warmup: int = 0, *, before_measure: Callable[[], None] | None = None,
-                 configure: bool = True) -> RunResult:
+                 configure: bool = True, advance: Callable[[], object] = lambda: None) -> RunResult:
     """Configure the engine for one policy (unless `configure` is False: it is, and unused), warm it up
     on the prompt, then measure `tokens` tokens (greedy).
 
     `before_measure` runs after the warm-up, right before the measured generation (a trace recorder
-    starts its sequence there, so the trace holds the measured run only)."""
+    starts its sequence there, so the trace holds the measured run only). `advance` runs after every
+    token (a progress bar)."""
     if configure:
         engine.configure(settings)
     if warmup:
         for _ in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=warmup, stop_on_eos=False):
-            pass
+            advance()
     if before_measure is not None:
         before_measure()
     process = psutil.Process()
@@ -104,6 +106,7 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
                                  sampling=SamplingParams()):
         events.append(event)
         rss = max(rss, process.memory_info().rss)  # sampled once per token, outside the timed step
+        advance()
     decode = events[1:] or events
     steady = sum((e.counters for e in decode), Counters())
     tpot = [e.latency_s * 1000 for e in decode]
@@ -203,6 +206,18 @@ def render(report: dict, console: Console) -> None:
                   f"ratio = TPOT ÷ TPOT of {report['ratios_to']}.[/dim]", highlight=False)
     console.print("token ids identical across policies" if report["token_ids_identical"] else
                   "[red]token ids DIFFER across policies[/red]")
+    if report.get("interrupted"):
+        done, asked = report["interrupted"]["finished"], report["interrupted"]["requested"]
+        console.print(f"[yellow]PARTIAL: interrupted (Ctrl-C) after {len(done)} of {len(asked)} policies; "
+                      f"not run: {', '.join(p for p in asked if p not in done)}[/yellow]", highlight=False)
+
+
+def check_context(lm: LoadedModel, prompt_tokens: int, new_tokens: int, option: str) -> None:
+    """Refuse a run longer than the model's context (max_position_embeddings): prompt plus new tokens."""
+    limit = context_length(lm)
+    if limit is not None and prompt_tokens + new_tokens > limit:
+        raise FmoeError(f"{option} {new_tokens}: the prompt ({prompt_tokens} tokens) plus {new_tokens} new tokens exceed "
+                        f"the model's context of {limit} tokens; use {option} {max(limit - prompt_tokens, 0)} or less")
 
 
 def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str, console: Console | None = None) -> dict:
@@ -213,25 +228,37 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str, consol
     if warmup < 0:
         raise FmoeError("--warmup must be 0 or more")
     runs = []
+    interrupted = False
     with open_run(opts, console) as run:
         lm, engine = run.lm, run.engine
         prompt_ids = encode_prompt(lm, prompt)
+        check_context(lm, prompt_ids.shape[-1], max(tokens, warmup), "--tokens" if tokens >= warmup else "--warmup")
         recorder = RouteRecorder(run.writer) if run.writer is not None else None
-        for index in range(len(run.settings)):
-            s = run.settings_for(index)
-            start: Callable[[], None] | None = None
-            if recorder is not None:  # one trace sequence per policy: its measured run
-                def start(seq: str = s.policy) -> None:
-                    recorder.start_sequence(seq)
-                    engine.observers.append(recorder)
-            with console.status(f"{s.policy}: generating {warmup} + {tokens} tokens …"):
-                # open_run configured the engine for the first policy: that run starts from it as it is
-                runs.append(bench_policy(lm, engine, s, prompt_ids, tokens, warmup, before_measure=start,
-                                         configure=index > 0))
-            if recorder is not None:
-                engine.observers.remove(recorder)
-            run.idle()  # the device is idle between runs: statistics saved, re-planned if due
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+            try:
+                for index in range(len(run.settings)):
+                    s = run.settings_for(index)
+                    start: Callable[[], None] | None = None
+                    if recorder is not None:  # one trace sequence per policy: its measured run
+                        def start(seq: str = s.policy) -> None:
+                            recorder.start_sequence(seq)
+                            engine.observers.append(recorder)
+                    task = bar.add_task(f"{s.policy}: {warmup} warm-up + {tokens} tokens", total=warmup + tokens)
+                    # open_run configured the engine for the first policy: that run starts from it as it is
+                    runs.append(bench_policy(lm, engine, s, prompt_ids, tokens, warmup, before_measure=start,
+                                             configure=index > 0, advance=lambda task=task: bar.advance(task)))
+                    bar.remove_task(task)
+                    if recorder is not None:
+                        engine.observers.remove(recorder)
+                    run.idle()  # the device is idle between runs: statistics saved, re-planned if due
+            except KeyboardInterrupt:  # Ctrl-C: the policies that finished are reported, marked partial
+                if not runs:
+                    raise
+                interrupted = True
     report = bench_report(lm, engine.link, run.budget_bytes, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens,
                           warmup=warmup)
+    if interrupted:
+        report["interrupted"] = {"finished": [r.policy for r in runs], "requested": list(opts.policies)}
     report["predictor"] = opts.predictor
     return report

@@ -36,7 +36,7 @@ from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.generate import SamplingParams
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine
-from fmoe_cli.run import RunOptions, open_run
+from fmoe_cli.run import RunOptions, context_length, open_run
 
 MiB = 1024**2
 KEYS = "Enter sends · Esc+Enter new line · Ctrl-C stops an answer · Ctrl-D quits · /help"
@@ -67,8 +67,8 @@ class ChatOptions:
 
     def check(self) -> None:
         """Refuse bad options in one line, before the model is loaded."""
-        if self.temperature < 0:
-            raise FmoeError(f"--temperature must be 0 or more, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise FmoeError(f"--temperature must be a number ≥ 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise FmoeError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
@@ -375,6 +375,9 @@ def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int
                 pending = text
                 continue
             console.print()
+            if stats.dropped:
+                say(console, f"(the {stats.dropped} oldest messages no longer fit the model's context of "
+                             f"{context_length(session.lm)} tokens: this answer did not see them)", "yellow")
             say(console, stats.footer(), "dim")
             pending = "".join(typed)  # typed during the answer: the start of the next message
             work.start()  # re-plan while the user types the next message

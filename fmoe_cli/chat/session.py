@@ -30,6 +30,7 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import SamplingParams, encode_messages, stream_generate
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
+from fmoe_cli.run import context_length
 
 IdleHook = Callable[[], object]  # work for the idle device (re-planning); never runs during an answer
 
@@ -42,6 +43,7 @@ class AnswerStats:
     hit_rate: float  # over the whole answer (prefill and decode)
     prompt_tokens: int  # tokens pre-filled this turn (after KV-cache reuse)
     finish_reason: str  # "eos", "length" or "interrupted"
+    dropped: int = 0  # oldest messages dropped from the prompt this turn to fit the model's context
 
     def footer(self) -> str:
         stopped = "stopped (Ctrl-C) · " if self.finish_reason == "interrupted" else ""
@@ -87,6 +89,7 @@ class ChatSession:
     last_answer_ids: list[int] = field(default_factory=list)  # token ids of the latest answer (with any EOS)
     last_stats: AnswerStats | None = None
     layer_totals: list[Counters] = field(default_factory=list)  # per MoE layer, over the session
+    window_start: int = 0  # messages before this one were dropped from the prompt to fit the context
     _kv: DynamicCache | None = None
     _kv_ids: list[int] = field(default_factory=list)  # the token ids the KV cache holds
 
@@ -104,10 +107,32 @@ class ChatSession:
     def _layer_counters(self) -> list[Counters]:
         return [state.counters for state in self.engine.layers]
 
+    def _fit(self, new: list[dict]) -> tuple[list[int], int, int]:
+        """The prompt ids of the conversation plus `new` within the model's context: the oldest turns (a
+        user message and its answer at a time) are dropped until the answer has room for
+        min(max_new_tokens, context / 2) tokens. Returns (ids, messages dropped now, longest answer:
+        what is left of the context, at most max_new_tokens). FmoeError if the new message alone
+        leaves no such room."""
+        limit = context_length(self.lm)
+        dropped, start = 0, self.window_start
+        while True:
+            ids = self.encode(self.messages[self.window_start:] + new)
+            if limit is None:
+                return ids, dropped, self.max_new_tokens
+            if len(ids) + min(self.max_new_tokens, limit // 2) <= limit:
+                return ids, dropped, min(self.max_new_tokens, limit - len(ids))
+            if self.window_start >= len(self.messages):
+                self.window_start = start
+                raise FmoeError(f"the message is {len(ids)} tokens: it leaves too little of the model's context of "
+                                f"{limit} tokens for an answer; send a shorter one")
+            step = min(2, len(self.messages) - self.window_start)  # a user message and its answer
+            self.window_start += step
+            dropped += step
+
     def ask(self, text: str, on_text: Callable[[str], None] = lambda _: None) -> AnswerStats:
         """Answer `text`, streaming new text to `on_text`. Raises FmoeError before anything changes
         when the conversation cannot be encoded."""
-        ids = self.encode(self.messages + [{"role": "user", "content": text}])
+        ids, dropped, longest = self._fit([{"role": "user", "content": text}])
         self.messages.append({"role": "user", "content": text})
         self.turns += 1
 
@@ -134,7 +159,7 @@ class ChatSession:
         events, pieces, finish = [], [], "length"
         try:
             for event in stream_generate(self.lm.model, feed, tokenizer=self.lm.tokenizer, engine=self.engine,
-                                         max_new_tokens=self.max_new_tokens, sampling=sampling,
+                                         max_new_tokens=longest, sampling=sampling,
                                          past_key_values=cache):
                 events.append(event)
                 self.last_answer_ids.append(event.token_id)
@@ -157,6 +182,7 @@ class ChatSession:
             self._kv, self._kv_ids = cache, ids + self.last_answer_ids[:-1]  # the last token was never fed
         self.messages.append({"role": "assistant", "content": "".join(pieces)})
         self.last_stats = answer_stats(events, len(ids) - reuse, finish)
+        self.last_stats.dropped = dropped
         return self.last_stats
 
     def _add_layer_counters(self, before: list[Counters]) -> None:
@@ -173,6 +199,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages.clear()
+        self.window_start = 0
         self._kv, self._kv_ids = None, []
 
     def device_bytes(self) -> int:

@@ -228,7 +228,7 @@ def _read(path: Path, files: list[WeightFile], model, layers, store, dtype: torc
     pending: dict[tuple[int, int], tuple[torch.Tensor, set[int]]] = {}
     columns = [TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
                TransferSpeedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console, transient=True) as progress:
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("loading weights", total=total)
         for f, key, target in plan:
             if isinstance(target, str):

@@ -57,9 +57,9 @@ LCP_RHO = 0.25  # ρ: the decay per ω idle tokens
 
 
 def check_lcp(omega: float, rho: float) -> None:
-    """Refuse ω ≤ 0 or ρ outside (0, 1] (ρ = 1: no decay) in one line."""
-    if not omega > 0 or not 0 < rho <= 1:
-        raise FmoeError(f"LCP needs ω > 0 and 0 < ρ ≤ 1, got ω = {omega:g}, ρ = {rho:g}")
+    """Refuse ω that is not finite and > 0, or ρ outside (0, 1] (ρ = 1: no decay), in one line."""
+    if not 0 < omega < float("inf") or not 0 < rho <= 1:
+        raise FmoeError(f"LCP needs a finite ω > 0 and 0 < ρ ≤ 1, got ω = {omega:g}, ρ = {rho:g}")
 
 
 class LCP(EvictionPolicy):

@@ -140,10 +140,27 @@ def _is_auto(text: str) -> bool:
     return text.strip().lower() == "auto"
 
 
-def check_budget_text(text: str | None) -> None:
-    """Refuse a --vram-budget that does not read, before anything slow."""
-    if text is not None and not _is_auto(text):
-        parse_budget(text, 1)
+def check_budget_text(text: str | None, device=None) -> None:
+    """Refuse a --vram-budget that does not read, or a size beyond all the memory of `device`
+    (the CPU: this machine's RAM), before anything slow."""
+    if text is None or _is_auto(text):
+        return
+    budget = parse_budget(text, 1)
+    if device is not None and not text.strip().endswith("%"):
+        total, what = device_memory(device)
+        if budget > total:
+            raise FmoeError(f"--vram-budget {text.strip()} is more than {what} ({total / 1024**3:.1f} GiB)")
+
+
+def device_memory(device) -> tuple[int, str]:
+    """(bytes, what they are): a CUDA device's total memory, else this machine's RAM."""
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory, f"all the memory of {device}"
+    import psutil
+
+    return psutil.virtual_memory().total, "this machine's memory"
 
 
 def check_plan_fits(plan: Plan, room: Room | None) -> None:
@@ -163,12 +180,16 @@ _UNITS = {
 
 
 def parse_budget(text: str, all_experts_bytes: int) -> int:
-    """'6GiB', '512MiB', '1.5G', '25%' (of all routed experts' bytes) or plain bytes."""
+    """'6GiB', '512MiB', '1.5G', '25%' (of all routed experts' bytes) or bytes with their unit ('4096B').
+    A bare number is refused: '25' would be 25 bytes, never what was meant."""
     m = _SIZE.match(text)
     if not m:
         raise FmoeError(f"cannot read the budget {text!r}: use a size such as 6GiB or 512MiB, a share such as 25%, "
                         "or auto")
     value, unit = float(m.group(1)), (m.group(2) or "").lower() or None
+    if unit is None:
+        raise FmoeError(f"the budget {text.strip()!r} has no unit: write a size such as {text.strip()}GiB or "
+                        f"{text.strip()}MiB, or a share such as {text.strip()}% (plain bytes: {text.strip()}B)")
     if unit == "%":
         if not 0 < value <= 100:
             raise FmoeError(f"a budget share must be in (0, 100]%, got {text!r}")

@@ -144,6 +144,11 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
              trace: str | None = None) -> dict:
     if context < 0:
         raise FmoeError(f"--context must be ≥ 0 tokens, got {context}")
+    if vram is not None:  # the device's memory: a size, never a share (that is --vram-budget's)
+        if vram.strip().endswith("%"):
+            raise FmoeError(f"--vram {vram.strip()}: give the device's memory as a size such as 12GiB "
+                            "(a share of the experts is for --vram-budget of bench and chat)")
+        parse_budget(vram, 1)
     if trace is not None and not Path(trace).is_file():
         raise FmoeError(f"--trace: no such file: {trace}")
     profile = Profile.load(Path(profile_path)) if profile_path is not None else None
@@ -208,7 +213,8 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
             raise FmoeError(f"--trace {trace}: {len(routing.layers)} layers × {routing.num_experts} experts, "
                             f"the model has {shape.num_layers} × {shape.num_experts}")
         sequences = tokens_of(routing)
-        with Progress(transient=True, console=Console(stderr=True)) as bar:
+        err = Console(stderr=True)
+        with Progress(transient=True, console=err, disable=not err.is_terminal) as bar:  # off a terminal: no stray line
             task = bar.add_task("simulating", total=len(TPOT_POLICIES))
 
             def step(name: str) -> None:

@@ -1,0 +1,174 @@
+"""Bad options are refused in one line before the model loads; a bad command line reads like any
+other bad input; nothing stray on stderr (issue 14, items 7 and the first-run list)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import fmoe_cli.run as run_module
+from fmoe_cli.cli import app, main
+
+
+def refuse_loading(*args, **kwargs):
+    raise AssertionError("the model was loaded before the options were checked")
+
+
+@pytest.fixture
+def malformed_profile(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"kind": "fmoe-profile", "schema_version": 1, "device": {"device": {}}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("command, args, fragment", [
+    ("bench", ("--policy", "bogus"), "unknown policy"),
+    ("bench", ("--emulate-link", "0"), "--emulate-link"),
+    ("bench", ("--emulate-link", "inf"), "finite"),
+    ("bench", ("--emulate-link", "nan"), "--emulate-link"),
+    ("bench", ("--emulate-link", "1e-9"), "slower than any"),
+    ("bench", ("--lcp-rho", "0"), "ρ"),
+    ("bench", ("--lcp-omega", "inf"), "finite ω"),
+    ("chat", ("--emulate-link", "inf"), "finite"),
+    ("chat", ("--profile", "/nonexistent/profile.json"), "no profile"),
+    ("chat", ("--profile", "MALFORMED"), "malformed"),
+    ("chat", ("--temperature", "nan"), "--temperature"),
+    ("chat", ("--temperature", "inf"), "--temperature"),
+    ("bench", ("--vram-budget", "1000TB"), "more than this machine's memory"),
+    ("chat", ("--vram-budget", "1000TiB"), "more than this machine's memory"),
+    ("bench", ("--vram-budget", "25"), "has no unit"),
+], ids=lambda v: " ".join(v) if isinstance(v, tuple) else v)
+def test_options_are_checked_before_the_model_loads(monkeypatch, malformed_profile, command, args, fragment):
+    monkeypatch.setattr(run_module, "load_model", refuse_loading)
+    args = tuple(malformed_profile if a == "MALFORMED" else a for a in args)
+    result = CliRunner().invoke(app, [command, "demo", "--device", "cpu", *args], input="hi\n/exit\n")
+    text = result.output.strip()
+    assert result.exit_code == 2, text
+    assert len(text.splitlines()) == 1 and text.startswith("error: ") and fragment in text, text
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["bench", "--tokens", "abc"], "Invalid value for '--tokens'"),
+    (["bench", "--no-such-option"], "No such option: --no-such-option"),
+    (["chat", "--temperature", "warm"], "Invalid value for '--temperature'"),
+    (["nosuchcommand"], "No such command 'nosuchcommand'"),
+])
+def test_a_bad_command_line_is_one_error_line(monkeypatch, capsys, argv, fragment):
+    monkeypatch.setattr(sys, "argv", ["fmoe", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], captured.err
+
+
+def test_version(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fmoe", "--version"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    from fmoe_cli import __version__
+
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"fmoe {__version__}\n"
+
+
+def test_no_stray_line_on_stderr(checkpoints):
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "2",
+                                      "--warmup", "0", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == "", repr(result.stderr)
+    assert result.stdout.splitlines()[0].strip()  # the first line of the output is not blank either
+
+
+def test_plan_vram_is_a_size_not_a_share(checkpoints):
+    result = CliRunner().invoke(app, ["plan", str(checkpoints["mixtral"]), "--vram", "25%"])
+    text = result.output.strip()
+    assert result.exit_code == 2 and len(text.splitlines()) == 1 and "--vram 25%" in text, text
+
+
+# --- bounded runs (item 8) and Ctrl-C mid-bench (item 6) -------------------------------------------
+
+
+def test_bench_beyond_the_model_context_is_refused(checkpoints):
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "600",
+                                      "--warmup", "0", "--device", "cpu"])
+    text = result.output.strip()
+    assert result.exit_code == 2 and len(text.splitlines()) == 1, text
+    assert "--tokens 600" in text and "context of 512 tokens" in text, text
+
+
+def test_chat_answers_end_at_the_models_context(checkpoints, monkeypatch):
+    """--max-new-tokens beyond the context: every answer stops where the context ends."""
+    import io
+
+    from rich.console import Console
+
+    import fmoe_cli.chat.session as session_module
+    from fmoe_cli.chat.repl import ChatOptions, open_chat
+    from fmoe_cli.run import RunOptions
+
+    monkeypatch.setattr(session_module, "context_length", lambda lm: 40)
+    chat = open_chat(ChatOptions(RunOptions(model=str(checkpoints["mixtral"]), device="cpu"), temperature=0.0,
+                                 max_new_tokens=100_000_000), err_console=Console(file=io.StringIO()))
+    try:
+        stats = chat.session.ask("hello there")
+        prompt = len(chat.session.encode([{"role": "user", "content": "hello there"}]))
+        assert stats.finish_reason == "eos" or stats.tokens == 40 - prompt
+        assert stats.tokens <= 40 - prompt
+    finally:
+        chat.close()
+
+
+def test_chat_drops_the_oldest_turns_to_fit_the_context(checkpoints):
+    long = "the quick brown fox jumps over the lazy dog " * 6
+    result = CliRunner().invoke(app, ["chat", str(checkpoints["mixtral"]), "--temperature", "0", "--max-new-tokens",
+                                      "200", "--device", "cpu"], input=f"{long}\n{long}\n{long}\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("tokens · TTFT") == 3
+    notices = [line for line in result.stdout.splitlines() if "oldest messages no longer fit" in line]
+    assert notices and "context of 512 tokens" in notices[0], result.stdout
+
+
+def test_ctrl_c_mid_bench_prints_the_finished_policies_as_partial(checkpoints, monkeypatch):
+    import fmoe_cli.bench.run as bench_run
+
+    real = bench_run.bench_policy
+    calls = []
+
+    def interrupted_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "bench_policy", interrupted_second)
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--policy", "lfu",
+                                      "--policy", "uniform", "--tokens", "2", "--warmup", "0", "--device", "cpu"])
+    assert result.exit_code == 130, result.output
+    rows = [line.split()[0] for line in result.stdout.splitlines() if line.split() and line.split()[0] in
+            ("lru", "lfu", "uniform")]
+    assert rows == ["lru"], result.stdout
+    assert "PARTIAL: interrupted (Ctrl-C) after 1 of 3 policies; not run: lfu, uniform" in result.stdout
+
+
+def test_bench_shows_progress_per_token(checkpoints, monkeypatch):
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from fmoe_cli.bench.run import run_bench
+    from fmoe_cli.run import RunOptions
+
+    advanced: list[str] = []
+    real = Progress.advance
+    monkeypatch.setattr(Progress, "advance", lambda self, task, n=1: (advanced.append(self._tasks[task].description),
+                                                                     real(self, task, n)))
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)  # a terminal: the bar is shown
+    run_bench(RunOptions(model=str(checkpoints["mixtral"]), policies=("lru", "lfu"), device="cpu",
+                         record_statistics=False), tokens=3, warmup=1, prompt="hello", console=console)
+    assert [d for d in advanced if ":" in d] == ["lru: 1 warm-up + 3 tokens"] * 4 + ["lfu: 1 warm-up + 3 tokens"] * 4
