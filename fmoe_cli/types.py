@@ -129,6 +129,9 @@ class Plan:
     # Every expert whole on the device from the start, never loaded or evicted (the
     # reference): the engine fills the caches from the store when it is configured.
     resident: bool = False
+    # False: the plan is made to run without speculative prefetch (the configurator's cache-only
+    # candidate won); a preset that prefetches does not when its plan says so.
+    prefetch: bool = True
 
     @property
     def cache_bytes(self) -> int:

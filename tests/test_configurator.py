@@ -299,16 +299,30 @@ def _is_baseline_plan(config, theta):
 
 
 def test_whole_experts_win_where_they_should():
-    """Found by search: Algorithm 1's greedy moves end at Σ T = 4.83; whole experts at V_e/L per
-    layer price at 3.83, so the configurator returns the θ = 1 plan (lru's)."""
-    stats = _stats2(([1, 1], [1, 1], [[2, 0], [1, 1]]), ([2, 1], [0, 3], [[2, 1], [2, 1]]))
-    timings = Timings(t_att=0.0, t_moe=0.5, t_head=0.0, t_load=4.0, top_k=1)
-    config = vram_allocation(24, stats, timings, SHAPE2, zeta=0.25, max_prefetch=1)
+    """Found by search: Algorithm 1's greedy moves end at Σ T = 4.25; whole experts at V_e/L per
+    layer with prefetch price at 2.0 (cache only 5.0), so the configurator returns the θ = 1 plan (lru's)."""
+    stats = _stats2(([2, 0], [2, 0], [[0, 2], [1, 1]]), ([2, 2], [2, 2], [[4, 0], [1, 3]]))
+    timings = Timings(t_att=0.0, t_moe=2.0, t_head=1.0, t_load=4.0, top_k=1)
+    config = vram_allocation(12, stats, timings, SHAPE2, zeta=0.25, max_prefetch=1)
     prices = dict(config.candidates)
     assert config.chosen == "whole experts (θ = 1)" and _is_baseline_plan(config, 1.0)
-    assert config.total_exposed == pytest.approx(3.8333333)
-    assert config.total_exposed < prices[ALGORITHM_1] - 0.9
+    assert config.plan.prefetch
+    assert config.total_exposed == pytest.approx(2.0)
+    assert config.total_exposed < min(prices[ALGORITHM_1], prices["cache only (θ = 1, no prefetch)"]) - 2
     assert all(layer.split == 1.0 for layer in config.plan.layers)
+
+
+def test_cache_only_wins_where_prefetch_only_costs():
+    """The predictor's first choice is never activated (P(1) = 0): with Y = 1 every prefetch is link
+    time wasted before the layer's own loads. Whole experts without prefetch price at 4.67 against
+    11.67; the plan says prefetch=False and `moepic` then runs without it."""
+    stats = _stats2(([1, 1], [0, 2], [[0, 2], [0, 2]]), ([2, 1], [0, 3], [[0, 3], [0, 3]]))
+    timings = Timings(t_att=0.0, t_moe=1.0, t_head=0.0, t_load=4.0, top_k=1)
+    config = vram_allocation(12, stats, timings, SHAPE2, zeta=0.25, max_prefetch=1)
+    assert config.chosen == "cache only (θ = 1, no prefetch)" and _is_baseline_plan(config, 1.0)
+    assert not config.plan.prefetch
+    assert config.total_exposed == pytest.approx(4.6666667)
+    assert config.total_exposed < dict(config.candidates)[ALGORITHM_1] - 6
 
 
 def test_uniform_wins_where_it_should():
@@ -355,6 +369,18 @@ def test_configurator_never_predicts_worse_than_a_baseline(data):
     config = vram_allocation(budget, stats, timings, shape, zeta=0.1, max_prefetch=k)
     prices = dict(config.candidates)
     assert config.total_exposed <= min(prices.values()) + 1e-9
-    for name, theta in BASELINES.items():
+    for name, (theta, prefetch) in BASELINES.items():
         base = uniform_plan(shape, budget + 2 * k * shape.expert_bytes, theta)
-        assert prices[name] == pytest.approx(price_plan(base, stats, timings, shape, max_prefetch=k).total_exposed)
+        priced = price_plan(base, stats, timings, shape, max_prefetch=k if prefetch else 0)
+        assert prices[name] == pytest.approx(priced.total_exposed)
+
+
+def test_moepic_runs_without_prefetch_when_its_plan_says_so():
+    from fmoe_cli.planning.presets import PlanInputs, settings_for
+
+    stats = _stats2(([1, 1], [0, 2], [[0, 2], [0, 2]]), ([2, 1], [0, 3], [[0, 3], [0, 3]]))
+    timings = Timings(t_att=0.0, t_moe=1.0, t_head=0.0, t_load=4.0, top_k=1)
+    budget = 12 + 2 * SHAPE2.expert_bytes  # V_e = 12 bytes beside the 2-slot staging pool
+    settings = settings_for("moepic", PlanInputs(SHAPE2, budget, timings, stats))
+    assert not settings.plan.prefetch and not settings.prefetch
+    assert settings_for("lru", PlanInputs(SHAPE2, budget, timings, stats)).prefetch  # lru's own plan prefetches

@@ -35,9 +35,10 @@ of one expert.
 
 The search contains its baselines: after Algorithm 1, the same model prices the
 plans of the special cases it competes with at the same budget — whole experts
-(θ = 1, V_e/L per layer: `lru`, `lfu`, `cache-only`), uniform (θ = 0.5, V_e/L:
-`uniform`) and prefetch only (θ = 0: `prefetch-only`) — and the plan with the least
-predicted exposed time wins (Algorithm 1 on ties).
+(θ = 1, V_e/L per layer: `lru`, `lfu`), the same without prefetch (Y = 0:
+`cache-only`; the plan then says `prefetch=False` and moepic runs without it),
+uniform (θ = 0.5, V_e/L: `uniform`) and prefetch only (θ = 0: `prefetch-only`) — and
+the plan with the least predicted exposed time wins (Algorithm 1 on ties).
 
 VramAllocation (Algorithm 1): start uniform (V_i = V_e / L); repeat: move ζ·V_e from
 the layer whose loss of budget costs least to the layer whose gain is largest; stop,
@@ -49,7 +50,7 @@ starting θ does not change the result and is not represented here.)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -90,9 +91,15 @@ class Split:
         return Plan(layers, staging_slots, shape.expert_bytes, source)
 
 
-# The special cases the configurator competes with, as plans of the same budget: name -> θ of a
-# uniform plan (planning/plan.py: uniform_plan; the presets lru/lfu/cache-only, uniform, prefetch-only).
-BASELINES: dict[str, float] = {"whole experts (θ = 1)": 1.0, "uniform (θ = 0.5)": 0.5, "prefetch only (θ = 0)": 0.0}
+# The special cases the configurator competes with, as plans of the same budget: name -> (θ of a
+# uniform plan, whether it prefetches) (planning/plan.py: uniform_plan; the presets lru/lfu, cache-only,
+# uniform, prefetch-only).
+BASELINES: dict[str, tuple[float, bool]] = {
+    "whole experts (θ = 1)": (1.0, True),
+    "cache only (θ = 1, no prefetch)": (1.0, False),
+    "uniform (θ = 0.5)": (0.5, True),
+    "prefetch only (θ = 0)": (0.0, True),
+}
 ALGORITHM_1 = "algorithm 1"
 
 
@@ -333,9 +340,11 @@ def vram_allocation(
     chosen, candidates = ALGORITHM_1, [(ALGORITHM_1, split.total_exposed)]
     if baselines:
         best = split.total_exposed
-        for name, theta in BASELINES.items():
+        silent = _layer_models(stats, timings, shape, 0)  # no prefetch: Y = 0
+        for name, (theta, prefetch) in BASELINES.items():
             base = uniform_plan(shape, int(expert_budget) + slots * shape.expert_bytes, theta, source="configurator")
-            priced = _price(models, base, timings)
+            base = base if prefetch else replace(base, prefetch=False)
+            priced = _price(models if prefetch else silent, base, timings)
             candidates.append((name, priced.total_exposed))
             if priced.total_exposed < best * (1 - 1e-9) - 1e-15:  # strictly better: Algorithm 1 keeps ties
                 chosen, best, split, plan = name, priced.total_exposed, priced, base

@@ -111,7 +111,8 @@ def parse_policies(policy: list[str] | tuple[str, ...] | None, compare: str | No
 def settings_for(name: str, inputs: PlanInputs, *, omega: float = LCP_OMEGA, rho: float = LCP_RHO) -> EngineSettings:
     """The engine settings of a named policy: its plan made from `inputs` by the preset's function."""
     p = preset(name)
-    return EngineSettings(name, p.make_plan(inputs), p.eviction, p.prefetch, omega, rho)
+    plan = p.make_plan(inputs)
+    return EngineSettings(name, plan, p.eviction, p.prefetch and plan.prefetch, omega, rho)
 
 
 def make_settings(
@@ -131,4 +132,4 @@ def make_settings(
     settings = settings_for(name, PlanInputs(shape, budget_bytes, timings, stats, theta=theta), omega=omega,
                             rho=rho) if plan is None else EngineSettings(name, plan, "", False, omega, rho)
     p = preset(name)
-    return replace(settings, eviction=eviction or p.eviction, prefetch=p.prefetch)
+    return replace(settings, eviction=eviction or p.eviction, prefetch=p.prefetch and settings.plan.prefetch)
