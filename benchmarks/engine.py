@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.planning.plan import parse_budget
 from fmoe_cli.planning.presets import PlanInputs, make_settings, settings_for
 from fmoe_cli.planning.replan import Replanner
-from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
+from fmoe_cli.planning.stats import StatsRecorder, load_or_empty
 from fmoe_cli.profiling.model import expert_compute_s
 from fmoe_cli.run import find_timings
 
@@ -167,7 +168,7 @@ def main() -> None:
     timings = {ratio: find_timings(lm, link) for ratio, link in links.items()}
     engine = Engine(lm.layers, lm.store, shape, links[args.load_ratio[0]], lm.device, lm.dtype)
     engine.install(lm.model)
-    stats_path = default_stats_path(lm.model_id)
+    stats_path = Path(tempfile.mkdtemp(prefix="fmoe-bench-stats-")) / "routing.stats.json"  # not the user's
     stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
     planner = Replanner(engine, PlanInputs(shape, budget, timings[args.load_ratio[0]], model=lm.model_id),
                         StatsRecorder(stats, stats_path))
@@ -208,7 +209,7 @@ def matrix(args, console: Console) -> None:
     timings = {ratio: find_timings(lm, link) for ratio, link in links.items()}
     engine = Engine(lm.layers, lm.store, shape, links[ratios[0]], lm.device, lm.dtype)
     engine.install(lm.model)
-    stats_path = default_stats_path(lm.model_id)
+    stats_path = Path(tempfile.mkdtemp(prefix="fmoe-bench-stats-")) / "routing.stats.json"  # not the user's
     stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
     first = parse_budget(budgets[0], shape.all_experts_bytes)
     planner = Replanner(engine, PlanInputs(shape, first, timings[ratios[0]], model=lm.model_id),

@@ -22,6 +22,10 @@ prediction recall).
 
     python benchmarks/routing_report.py                      # shipped demo, held-out KJV chapters
     python benchmarks/routing_report.py --model DIR --text FILE --trace TRACE.jsonl
+
+Needs: the default held-out text is the KJV as Debian's ``bible`` program prints it
+(``apt-get install bible-kjv``, which pulls in ``bible-kjv-text``), split as
+tools/train_demo.py split it; without it, give any text with ``--text FILE``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,11 @@ DEFAULT_TRACE = Path("/work/shared/traces/mixtral-8x7b-humaneval.jsonl")
 # ------------------------------------------------------------------- the model
 def held_out_text(model_dir: Path) -> tuple[str, str]:
     """The validation chapters of the training run (same split as tools/train_demo.py)."""
+    import shutil
+
+    if shutil.which("bible") is None:
+        sys.exit("routing_report.py: the default held-out text needs Debian's `bible` program "
+                 "(`apt-get install bible-kjv`, which pulls in bible-kjv-text); or give a text with --text FILE")
     sys.path.insert(0, str(ROOT / "tools"))
     import train_demo
 

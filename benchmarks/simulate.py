@@ -78,7 +78,7 @@ def validate(args, console: Console) -> None:
     from fmoe_cli.planning.presets import PlanInputs, settings_for
     from fmoe_cli.planning.replan import Replanner
     from fmoe_cli.planning.simulate import simulate_policy, tokens_of
-    from fmoe_cli.planning.stats import StatsRecorder, default_stats_path, load_or_empty
+    from fmoe_cli.planning.stats import StatsRecorder, load_or_empty
     from fmoe_cli.run import find_timings
 
     torch.set_num_threads(1)
@@ -93,7 +93,7 @@ def validate(args, console: Console) -> None:
     timings = find_timings(lm, link)  # the configurator's timings (as fmoe bench finds them)
     engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
     engine.install(lm.model)
-    stats_path = default_stats_path(lm.model_id)
+    stats_path = Path(tempfile.mkdtemp(prefix="fmoe-bench-stats-")) / "routing.stats.json"  # not the user's
     stats = load_or_empty(lm.model_id, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
     planner = Replanner(engine, PlanInputs(shape, budget, timings, model=lm.model_id), StatsRecorder(stats, stats_path))
     trace_path = Path(tempfile.mkdtemp(prefix="fmoe-sim-")) / "runs.jsonl"

@@ -18,9 +18,9 @@ Closing the run saves the statistics and closes the engine and the trace writer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -111,6 +111,7 @@ class Run:
     replanner: Replanner | None = None  # the idle hook (None: statistics not recorded)
     writer: TraceWriter | None = None  # --trace-out
     profile: str | None = None
+    timing_source: str | None = None  # the configurator's timings: "profile" or "quick estimate" (None: no plan needs them)
 
     def settings_for(self, index: int) -> EngineSettings:
         """Policy `index`'s settings, planned now from the statistics so far when its plan reads them
@@ -165,12 +166,18 @@ def link_fit_of(link, device, expert_bytes: int):
     return LinkFit("measured", bandwidth, latency, tuple(samples), f"quick measurement of {link.label()}")
 
 
-def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine: Engine | None = None) -> Timings:
+def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine: Engine | None = None,
+                 on_quick: Callable[[], object] = lambda: None) -> Timings:
     """The configurator's timings: the saved profile of this device and model, else a quick
     measurement (on `engine` if given — it is left configured for on-demand loading — else on a
-    temporary one). T_load: the link the run really uses (an emulated one's own figures)."""
+    temporary one; `on_quick` is told). T_load: the link the run really uses (an emulated one's own figures)."""
     emulated = bool(getattr(link, "gbps", None))
-    path = profile_path or default_profile_path(model_key(lm.model_id, lm.path), emulated=emulated)
+    key = model_key(lm.model_id, lm.path)
+    # The layer timings do not depend on the link: an emulated run may read either profile (its own link
+    # figures are used); a real run never reads an emulated profile.
+    candidates = [profile_path] if profile_path else (
+        [default_profile_path(key, emulated=True), default_profile_path(key)] if emulated else [default_profile_path(key)])
+    path = next((c for c in candidates if c.exists()), candidates[0])
     timings, link_fit = None, None
     if path.exists():
         try:  # a profile of another device or model (or a damaged one) is not used: measure instead, and say so
@@ -183,6 +190,7 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
             timings = None
     if timings is None:
         timings = measure_timings(lm, engine)
+        on_quick()
     if emulated or link_fit is None or link_fit.kind == "emulated":  # the link the engine really uses
         link_fit = link_fit_of(link, lm.device, lm.shape.expert_bytes)
     return timings.timings(link_fit, lm.shape.expert_bytes)
@@ -223,6 +231,7 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
     with ExitStack() as stack:
         lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
                         console=console, experts=opts.experts, before_read=check_plans)
+        stack.callback(lm.store.close)  # unregisters page-locked host memory (CUDA)
         if opts.profile is not None:
             check_profile(opts.profile, lm.device)
         shape = lm.shape
@@ -239,13 +248,26 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             inputs = PlanInputs(shape, budget, stats=recorder.stats, model=lm.model_id)
         gbps, note = opts.emulate_link, None
         if gbps is None and opts.shape_link and lm.device.type == "cpu":
-            gbps, note = CONSUMER_CARD.link_gbps(shape.expert_bytes, expert_compute_s(lm)), CONSUMER_CARD.note()
+            # the card's link in this model's units, the same for every expert format: from the unquantised expert
+            unquantised = replace(shape, experts="bf16")
+            gbps = CONSUMER_CARD.link_gbps(unquantised.expert_bytes, expert_compute_s(lm, unquantised=True))
+            note = CONSUMER_CARD.note()
         link = make_link(lm.device, gbps, note)
+        timing_source = None
         try:
             if configured:
                 with console.status("timing the model for the configurator …"):
                     profile_path = None if opts.profile is None else Path(opts.profile)
-                    inputs = PlanInputs(shape, budget, find_timings(lm, link, profile_path), inputs.stats, lm.model_id)
+                    quick: list[bool] = []
+                    timings = find_timings(lm, link, profile_path, on_quick=lambda: quick.append(True))
+                    inputs = PlanInputs(shape, budget, timings, inputs.stats, lm.model_id)
+                if quick:  # say how firm the plan is, and how to make it firm
+                    timing_source = "quick estimate"
+                    console.print(f"[dim]note: the configured plan rests on a quick timing estimate, which varies "
+                                  f"from run to run on a busy machine; `fmoe profile --model {opts.model}` measures this model "
+                                  f"once and makes it firm[/dim]", highlight=False, soft_wrap=True)
+                else:
+                    timing_source = "profile"
             settings = [fixed.get(p.name) or settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
                         for p in presets]
             engine = open_engine(lm, predictor=opts.predictor, link=link)
@@ -257,4 +279,4 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
         if replanner is not None:
             stack.callback(replanner.close)  # saves the statistics (runs before engine.close)
         engine.configure(settings[0])
-        yield Run(opts, lm, engine, budget, inputs, settings, replanner, writer, opts.profile)
+        yield Run(opts, lm, engine, budget, inputs, settings, replanner, writer, opts.profile, timing_source)

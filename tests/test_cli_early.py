@@ -172,3 +172,27 @@ def test_bench_shows_progress_per_token(checkpoints, monkeypatch):
     run_bench(RunOptions(model=str(checkpoints["mixtral"]), policies=("lru", "lfu"), device="cpu",
                          record_statistics=False), tokens=3, warmup=1, prompt="hello", console=console)
     assert [d for d in advanced if ":" in d] == ["lru: 1 warm-up + 3 tokens"] * 4 + ["lfu: 1 warm-up + 3 tokens"] * 4
+
+
+def test_plan_without_vram_on_a_cpu_machine_says_why(checkpoints):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: plan defaults to its memory")
+    result = CliRunner().invoke(app, ["plan", str(checkpoints["mixtral"])])
+    text = result.output.strip()
+    assert result.exit_code == 2 and len(text.splitlines()) == 1, text
+    assert "`fmoe profile` here measures the CPU" in text and "--vram 12GiB" in text and "--profile profiles/" in text
+
+
+def test_the_shipped_demo_trace_replays():
+    import io
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from fmoe_cli.bench.replay import run_replay
+
+    trace = Path(__file__).resolve().parents[1] / "traces" / "demo.jsonl"
+    obj = run_replay(str(trace), "2,4", "lru,lcp", True, console=Console(file=io.StringIO()))
+    assert (obj["sequences"], obj["layers"], obj["experts"]) == (1, 6, 16) and obj["tokens"] > 100

@@ -151,3 +151,34 @@ def test_bad_weight_file_is_one_line(command, damage, checkpoints, tmp_path):
     args = [command[0], *command[1:], str(path)] if command[0] == "profile" else [command[0], str(path), *command[1:]]
     result, text = run(*args, input="/exit\n")
     assert_one_line_error(result, text, "model.safetensors", "truncated or corrupt")
+
+
+def test_store_is_page_locked_at_its_exact_size_and_released(checkpoints, monkeypatch):
+    """On CUDA the store's memory is registered in place (cudaHostRegister) at exactly each layer's
+    size — not pin_memory(), which rounds to a power of two — and unregistered on close. Here a
+    recording stand-in for torch.cuda.cudart() takes the calls the GPU path makes."""
+    from fmoe_cli.offload.store import HostStore
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr, nbytes, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    shape = lm.shape
+    store = HostStore(shape, torch.float32, pin=True)
+    store.allocate()
+    layer_bytes = shape.num_experts * shape.intermediate * 3 * shape.hidden * 4
+    assert [c[2] for c in calls] == [layer_bytes] * shape.num_layers  # exact, e.g. 196608 (not 262144)
+    assert [c[1] for c in calls] == [t.data_ptr() for t in store.layers]
+    store.close()
+    assert [c for c in calls if c[0] == "unregister"] == [("unregister", t.data_ptr()) for t in store.layers]
+    store.close()  # twice: nothing more
+    assert len(calls) == 2 * shape.num_layers

@@ -169,3 +169,23 @@ def test_a_model_that_does_not_fit_in_host_ram_is_refused_before_loading(checkpo
     monkeypatch.setattr(load, "read_checkpoint", lambda *a, **k: pytest.fail("read weights before refusing"))
     result, text = run("bench", str(checkpoints["mixtral"]), "--tokens", "2", "--experts", "bf16")
     assert_one_line_error(result, text, "host RAM", "--experts bf16", "free here")
+
+
+def test_bench_and_chat_run_with_int4_experts(checkpoints):
+    import json
+
+    from test_cli_errors import run
+
+    path = str(checkpoints["olmoe"])
+    result, text = run("bench", path, "--experts", "int4", "--tokens", "3", "--warmup", "0", "--policy", "lru",
+                       "--json")
+    assert result.exit_code == 0, text
+    report = json.loads(result.stdout)
+    assert report["experts"] == "int4"
+    shape = ExpertShape(4, 8, 2, 64, 64, 4, experts="int4")
+    assert report["runs"][0]["bytes_per_token"] % shape.neuron_bytes == 0  # the link moves int4 rows
+    result, text = run("chat", path, "--experts", "int8", "--temperature", "0", input="hello\n/exit\n")
+    assert result.exit_code == 0, text
+    assert "int8 experts" in text
+    result, text = run("bench", path, "--experts", "fp4", "--tokens", "2")
+    assert result.exit_code == 2 and text.startswith("error:") and "fp4" in text

@@ -3,6 +3,8 @@ emulated link is kept apart from the real one and never stands in for the real l
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -49,3 +51,20 @@ def test_an_emulated_profile_is_kept_apart(loaded, tmp_path, monkeypatch, capsys
     timings = find_timings(lm, engine.link, profile_path=emulated, engine=engine)
     assert timings.t_load != pytest.approx(lm.shape.expert_bytes / 8e9)
     assert capsys.readouterr().err.strip() == ""  # its layer timings are used: nothing to warn about
+
+
+def test_a_quick_estimate_says_so_and_a_profile_makes_it_firm(checkpoints, tmp_path, monkeypatch):
+    """Without a saved profile the configured plan rests on a quick measurement: the run says so and
+    how to make it firm; after `fmoe profile --model` it says nothing and the report names the profile."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    model = str(checkpoints["mixtral"])
+    bench = ["bench", model, "--policy", "moepic", "--tokens", "2", "--warmup", "0", "--device", "cpu", "--json"]
+    first = CliRunner().invoke(app, bench)
+    assert first.exit_code == 0, first.output
+    assert json.loads(first.stdout)["timings"] == "quick estimate"
+    assert f"`fmoe profile --model {model}` measures this model once" in first.stderr
+    profiled = CliRunner().invoke(app, ["profile", "--model", model, "--quick", "--prefill-len", "4", "--device", "cpu"])
+    assert profiled.exit_code == 0, profiled.output
+    second = CliRunner().invoke(app, bench)
+    assert second.exit_code == 0, second.output
+    assert json.loads(second.stdout)["timings"] == "profile" and "quick timing estimate" not in second.stderr

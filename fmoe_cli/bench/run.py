@@ -32,7 +32,7 @@ from rich.table import Table
 from fmoe_cli.trace import RouteRecorder
 from fmoe_cli.errors import FmoeError, reading
 from fmoe_cli.generate import DEFAULT_PROMPT, SamplingParams, encode_messages, stream_generate
-from fmoe_cli.models.load import LoadedModel
+from fmoe_cli.models.load import LoadedModel, precision_label
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
 from fmoe_cli.run import RunOptions, context_length, open_run
 
@@ -155,6 +155,7 @@ def bench_report(lm: LoadedModel, link, budget_bytes: int, runs: list[RunResult]
         "label": lm.label,
         "device": str(lm.device),
         "dtype": str(lm.dtype).removeprefix("torch."),
+        "experts": lm.shape.experts,
         "link": {"kind": link.kind, "gbps": link.gbps, "label": link.label()},
         "vram_budget_bytes": budget_bytes,
         "prompt_tokens": prompt_tokens,
@@ -194,7 +195,8 @@ def render(report: dict, console: Console) -> None:
     """Header lines (model, device, link — 'emulated' when it is), the table, the legend, the token check."""
     peak = "peak RSS of the process (CPU)" if report["device"] == "cpu" else "peak device memory"
     console.print(f"[bold]{report['label']}[/bold]", highlight=False)
-    console.print(f"device {report['device']} ({report['dtype']}) · {report['link']['label']}", highlight=False)
+    console.print(f"device {report['device']} ({precision_label(report['dtype'], report['experts'])}) · "
+                  f"{report['link']['label']}", highlight=False)
     console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
                   f"predictor {report.get('predictor', 'speculative')}", highlight=False)
     if report.get("tokens") is not None:
@@ -258,6 +260,7 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str, consol
                 interrupted = True
     report = bench_report(lm, engine.link, run.budget_bytes, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens,
                           warmup=warmup)
+    report["timings"] = run.timing_source  # the configurator's: "profile", "quick estimate", or None
     if interrupted:
         report["interrupted"] = {"finished": [r.policy for r in runs], "requested": list(opts.policies)}
     report["predictor"] = opts.predictor

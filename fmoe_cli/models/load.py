@@ -46,6 +46,11 @@ class LoadedModel:
     non_expert_bytes: int  # U_n: everything of the model on the device but the routed experts
 
 
+def precision_label(dtype: str, experts: str) -> str:
+    """What the user sees of the numbers: 'float32', or 'bfloat16, int4 experts'."""
+    return dtype if EXPERT_FORMATS[experts] is None else f"{dtype}, {experts} experts"
+
+
 def _looks_local(model_id: str) -> bool:
     return model_id.startswith((".", "/", "~")) or os.sep in model_id.strip("/").split("/", 1)[-1]
 

@@ -247,8 +247,8 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
 
 def _local_gpu_memory() -> int:
     if not torch.cuda.is_available():
-        raise FmoeError("no GPU on this machine: say how much device memory to plan for with --vram (e.g. 12GiB) "
-                        "or give a --profile")
+        raise FmoeError("no GPU on this machine, so no GPU memory to plan for (`fmoe profile` here measures the "
+                        "CPU): give --vram 12GiB, or a GPU's profile such as --profile profiles/rtx-3060-12gb.json")
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 

@@ -72,21 +72,27 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         engine.observers = observers
 
 
-def expert_compute_s(lm, repeats: int = 200) -> float:
+def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False) -> float:
     """T_exp: one expert's forward for one token (decode) on this device, through the store's
-    own segment_forward (the engine's compute): the mean over `repeats` after a warm-up."""
+    own segment_forward (the engine's compute): the mean over `repeats` after a warm-up.
+    `unquantised`: of the expert's unquantised weights instead (int8/int4 stores)."""
     import time
 
+    from fmoe_cli.offload.layout import segment_forward
+
     packed = lm.store.expert(0, 0).to(lm.device)
+    forward = lm.store.segment_forward
+    if unquantised and hasattr(lm.store, "dequantized"):
+        packed, forward = lm.store.dequantized(0)[0].to(lm.device), segment_forward
     x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
     act = torch.nn.functional.silu
     for _ in range(10):
-        lm.store.segment_forward(x, packed, act)
+        forward(x, packed, act)
     if lm.device.type == "cuda":
         torch.cuda.synchronize(lm.device)
     start = time.perf_counter()
     for _ in range(repeats):
-        lm.store.segment_forward(x, packed, act)
+        forward(x, packed, act)
     if lm.device.type == "cuda":
         torch.cuda.synchronize(lm.device)
     return (time.perf_counter() - start) / repeats
