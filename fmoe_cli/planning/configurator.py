@@ -12,22 +12,24 @@ Symbols (paper → code):
                         loading is hidden: cached top segments plus what prefetch covers
     T^i                 exposed (un-hidden) load time of layer i
 
-ExpertSplit({V_i}) (Eq. 5–11, as docs/architecture.md § Statistics, configurator, re-planning states them, with the link charged for
-every prefetch the engine issues):
+ExpertSplit({V_i}) (Eq. 5–11, as docs/architecture.md § Statistics, configurator, re-planning states them,
+with the link charged for the issued prefetch that still holds it when the layer routes):
     T_wind^1 = T_head + T_att                                                   (5)
     for i = 1..L: choose C_i ≤ N (θ_i = V_i / (C_i·S_e) ≤ 1, rounded down to whole blocks)
         m_i = K·H_i(C_i)·θ_i + Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·P_i(y)            (9)
-        Y   = the engine's prefetch width (`max_prefetch`; K by default); without one,
-              the largest count with Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·T_load ≤ T_wind^i  (10)
-        F_i = Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·T_load: link time of the issued prefetches,
-              used or not; what the window does not cover, R_i = max(0, F_i − T_wind^i),
-              still holds the link when layer i's demand loads arrive
+        Y   = the largest count with Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·T_load ≤ T_wind^i  (10)
+              (the prefetches that land by routing time), at most the engine's width W
+              (`max_prefetch`, K by default), which it issues whether they fit or not
+        R_i = when W > Y, prefetch Y+1 is on the link as layer i routes:
+              (1 − P_i(Y+1)) · (Σ_{y≤Y+1} [1 − PH_i(y,C_i)·θ_i]·T_load − T_wind^i),
+              the rest of its link time, lost when it is wrong (a copy is not pre-empted;
+              prefetches queued behind it are cancelled for free, right ones are taken
+              over as demand loads)
         C_i = argmax m_i                                                          (11)
         T^i = max(0, R_i + (K − m_i)·T_load − m_i·T_exp)                          (6)
         T_wind^{i+1} = T_moe − min(m_i·T_exp, R_i + (K − m_i)·T_load) + T_att     (7)
 
-With R_i = 0 (every prefetch fits its window, as Eq. 10 makes it) these are the
-paper's equations. Two guards the formulas leave implicit: m_i is capped at K (no
+With R_i = 0 (W = Y) these are the paper's equations. Two guards the formulas leave implicit: m_i is capped at K (no
 layer hides more than its K experts; with product-of-marginals statistics Eq. 9 can
 exceed K), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
 reported as 0) is a candidate, and the only one when V_i cannot hold one neuron block
@@ -175,14 +177,22 @@ class _LayerModel:
         t = self.timings
         top_k = t.top_k
         columns = self.sizes
+        landed = (cost <= window * (1 + 1e-12)).sum(axis=0)  # prefetches done by routing time (Eq. 10's Y)
         if self.max_prefetch is None:
-            fits = cost <= window * (1 + 1e-12)  # cost is non-decreasing in y: a prefix fits
-            prefetches = fits.sum(axis=0)  # Y per C (Eq. 10)
+            prefetches = landed
         else:  # the engine issues its prefetch width, whether the window fits them or not
             prefetches = np.full(columns.shape, min(self.max_prefetch, len(cost)))
-        last = np.maximum(prefetches - 1, 0)
-        prefetched = np.where(prefetches > 0, gain[last, columns], 0.0)
-        link = np.where(prefetches > 0, cost[last, columns], 0.0)  # F_i: every issued prefetch's link time
+            landed = np.minimum(landed, prefetches)
+        last = np.maximum(landed - 1, 0)
+        prefetched = np.where(landed > 0, gain[last, columns], 0.0)
+        # The prefetch on the link when the layer routes (the first not landed) keeps the link until it
+        # ends; when it is wrong that time is lost to the layer's demand loads (R_i). Prefetches still
+        # queued behind it are cancelled for free (offload/pool.py), right ones become demand loads.
+        straddler = np.minimum(landed, len(cost) - 1)
+        on_link = (landed < prefetches)
+        remaining = np.where(on_link, cost[straddler, columns] - window, 0.0)
+        wrong = 1.0 - self.curves.predicted_hit[straddler]
+        link = np.maximum(0.0, remaining) * wrong  # R_i per C
         hidden = np.minimum(cached + prefetched, top_k)  # m_i (Eq. 9), capped at K
         hidden = np.where(feasible, hidden, -np.inf)
         if cache_size is None:
@@ -192,7 +202,7 @@ class _LayerModel:
         else:
             c = cache_size
         m = float(hidden[c])
-        behind = max(0.0, float(link[c]) - window)  # R_i: prefetch link time the window did not cover
+        behind = float(link[c])  # R_i: a wrong prefetch's link time the window did not cover
         busy = behind + (top_k - m) * t.t_load  # the link's work once layer i has routed
         exposed = max(0.0, busy - m * t.t_exp)  # T^i (Eq. 6)
         next_window = t.t_moe - min(m * t.t_exp, busy) + t.t_att  # T_wind^{i+1} (Eq. 7)
