@@ -348,7 +348,7 @@ class CudaLink:
     kind = "cuda"
 
     def __init__(self, device: torch.device, max_in_flight: int = 2, chunk_bytes: int = CHUNK_BYTES,
-                 throttle_gbps: float | None = None) -> None:
+                 throttle_gbps: float | None = None, pump_thread: bool = True) -> None:
         self.device = device
         self.gbps = throttle_gbps
         self.stream = torch.cuda.Stream(device)
@@ -365,8 +365,10 @@ class CudaLink:
         self._lock = threading.RLock()  # the engine's thread and the pump thread
         self._wake = threading.Condition(self._lock)
         self._closed = False
-        self._pump_thread = threading.Thread(target=self._pump_loop, name="fmoe-cuda-link", daemon=True)
-        self._pump_thread.start()
+        self._pump_thread = None  # without it (tests), chunks are issued only when the link is called
+        if pump_thread:
+            self._pump_thread = threading.Thread(target=self._pump_loop, name="fmoe-cuda-link", daemon=True)
+            self._pump_thread.start()
 
     def _pump_loop(self) -> None:
         with torch.cuda.device(self.device):
@@ -517,7 +519,8 @@ class CudaLink:
                 self._issue_chunk(self._queue[0])
             self._closed = True
             self._wake.notify()
-        self._pump_thread.join(timeout=5)
+        if self._pump_thread is not None:
+            self._pump_thread.join(timeout=5)
         self.synchronize()
 
 

@@ -1,0 +1,180 @@
+"""CudaLink's logic on a fake CUDA (this machine has no GPU): chunks and priorities, at
+most `max_in_flight` chunks handed to the GPU, wait() only orders the compute stream,
+fences make the copy stream wait, completion only by polling, stalls timed by events,
+and the pump thread issuing the next chunk when one completes, without a poll.
+
+The fake records what CudaLink asks of the streams (events recorded, events waited on);
+an event completes only when the test says so. Copies of CPU tensors run at once, which
+does not matter here: what is checked is the order of what is handed to the streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+from fmoe_cli.offload.link import DEMAND, PREFETCH, CudaLink, Fence, TransferState
+
+KiB = 1024
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.done = threading.Event()
+        self.stream = None
+
+    def record(self, stream=None) -> None:
+        stream = stream or GPU.current
+        self.stream = stream
+        stream.ops.append(("record", self))
+        GPU.recorded(self, stream)
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.done.wait(timeout=10)
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return 2.5  # ms
+
+
+class FakeStream:
+    def __init__(self, device=None) -> None:
+        self.ops: list[tuple[str, FakeEvent]] = []
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.ops.append(("wait", event))
+
+    def synchronize(self) -> None:
+        for kind, event in self.ops:
+            if kind == "record":
+                event.done.set()
+
+
+class FakeGpu:
+    def __init__(self) -> None:
+        self.compute = FakeStream()
+        self.current = self.compute
+        self.cv = threading.Condition()
+        self.copy_records: list[FakeEvent] = []
+
+    def recorded(self, event: FakeEvent, stream: FakeStream) -> None:
+        if stream is not self.compute:
+            with self.cv:
+                self.copy_records.append(event)
+                self.cv.notify_all()
+
+    def complete(self, n: int = 1) -> None:
+        """The copy engine finishes the oldest `n` copies handed to it."""
+        pending = [e for e in self.copy_records if not e.done.is_set()]
+        for event in pending[:n]:
+            event.done.set()
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        previous, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = previous
+
+
+GPU = FakeGpu()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    global GPU
+    GPU = FakeGpu()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: GPU.stream(s))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: GPU.compute)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    return GPU
+
+
+def pair(kib: int):
+    n = kib * KiB // 4
+    return torch.zeros(n), torch.randn(n)
+
+
+def test_chunks_priorities_and_the_in_flight_limit(fake_cuda):
+    link = CudaLink(torch.device("cuda"), max_in_flight=2, chunk_bytes=KiB, pump_thread=False)
+    prefetch = link.submit(*pair(8), PREFETCH)  # 8 chunks
+    assert len(link._in_flight) == 2 and prefetch.state is TransferState.RUNNING
+    demand = link.submit(*pair(1), DEMAND)
+    assert demand.state is TransferState.QUEUED  # two chunks in flight: it waits for one to finish
+    fake_cuda.complete(1)
+    assert not demand.ready()  # the poll issues it next: ahead of the prefetch's third chunk
+    assert demand.state is TransferState.RUNNING and link._in_flight[-1][0] is demand
+    fake_cuda.complete(2)
+    assert demand.ready() and demand.state is TransferState.DONE
+    assert torch.equal(demand.dst, demand.src)
+    while not prefetch.ready():
+        fake_cuda.complete(2)
+    assert link.bytes_moved == 9 * KiB and torch.equal(prefetch.dst, prefetch.src)
+    link.close()
+
+
+def test_wait_orders_the_compute_stream_without_blocking_and_acquire_times_the_stall(fake_cuda):
+    link = CudaLink(torch.device("cuda"), max_in_flight=1, chunk_bytes=KiB, pump_thread=False)
+    busy = link.submit(*pair(4), PREFETCH)
+    queued = link.submit(*pair(2), PREFETCH + 1)
+    assert queued.state is TransferState.QUEUED
+    segment = link.acquire(queued, tag=3)  # the compute needs it now: issued at once, the host goes on
+    assert segment is queued.dst and queued.event is not None and not queued.event.query()
+    kinds = [(kind, event) for kind, event in fake_cuda.compute.ops]
+    assert ("wait", queued.event) in kinds  # the compute stream waits on the copy's last event
+    before, wait, after = kinds[-3:]
+    assert before[0] == "record" and wait == ("wait", queued.event) and after[0] == "record"
+    assert link.stalls() == []  # not known until the events complete
+    before[1].done.set()
+    after[1].done.set()
+    assert link.stalls() == [(3, 0.0025)]
+    for _ in range(8):
+        fake_cuda.complete(1)
+        busy.ready()
+    assert busy.state is queued.state is TransferState.DONE
+    link.close()
+
+
+def test_a_fence_makes_the_copy_stream_wait_for_the_readers(fake_cuda):
+    link = CudaLink(torch.device("cuda"), chunk_bytes=KiB, pump_thread=False)
+    reads = link.record_reads()  # after the compute that read the slot
+    assert ("record", reads.event) in fake_cuda.compute.ops and isinstance(reads, Fence)
+    refill = link.submit(*pair(2), DEMAND, after=(reads,))
+    ops = link.stream.ops
+    assert ops[0] == ("wait", reads.event)  # before the refill's first chunk
+    assert ops[1][0] == "record" and refill.state is TransferState.RUNNING
+    link.close()
+
+
+def test_a_copy_after_an_earlier_copy_is_issued_after_it(fake_cuda):
+    link = CudaLink(torch.device("cuda"), max_in_flight=1, chunk_bytes=KiB, pump_thread=False)
+    link.submit(*pair(1), PREFETCH)  # keeps the one in-flight place
+    old = link.submit(*pair(2), PREFETCH + 5)
+    new = link.submit(*pair(1), DEMAND, after=(old,))
+    fake_cuda.complete(1)
+    new.ready()
+    assert old.state is TransferState.RUNNING and new.state is TransferState.QUEUED  # not before `old` started
+    link.close()
+
+
+def test_the_pump_thread_issues_the_next_chunk_without_a_poll(fake_cuda):
+    link = CudaLink(torch.device("cuda"), max_in_flight=1, chunk_bytes=KiB)
+    t = link.submit(*pair(3), PREFETCH)
+    with fake_cuda.cv:
+        assert len(fake_cuda.copy_records) == 1
+        fake_cuda.complete(1)  # the first chunk lands; nobody polls
+        assert fake_cuda.cv.wait_for(lambda: len(fake_cuda.copy_records) == 2, timeout=10)
+        fake_cuda.complete(1)
+        assert fake_cuda.cv.wait_for(lambda: len(fake_cuda.copy_records) == 3, timeout=10)
+        fake_cuda.complete(1)
+    link.close()
+    assert t.state is TransferState.DONE and torch.equal(t.dst, t.src)
