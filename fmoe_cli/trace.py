@@ -25,9 +25,12 @@ every layer of the trace is present (a recording cut short leaves partial tokens
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -421,6 +424,22 @@ class TraceIndex:
     size: int  # characters in the file (for progress)
 
 
+@contextlib.contextmanager
+def seekable(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """`path` itself if it is a regular file (or missing, or a directory: the reader says so); a pipe
+    (`fmoe replay <(zcat t.jsonl.gz)`) is first copied to a temporary file, so that it can be read
+    twice with memory bounded, and the copy removed afterwards."""
+    p = Path(path)
+    if p.is_file() or not p.exists() or p.is_dir():
+        yield p
+        return
+    with tempfile.TemporaryDirectory(prefix="fmoe-trace-") as tmp, reading(p, "trace"):
+        copy = Path(tmp) / p.name
+        with open(p, "rb") as src, open(copy, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        yield copy
+
+
 def scan_trace(path: str | os.PathLike[str], advance: Progress | None = None) -> TraceIndex:
     """First pass: check every line (FmoeError naming the first bad one) and index the sequences."""
     p = Path(path)
@@ -478,12 +497,13 @@ def iter_sequences(index: TraceIndex, advance: Progress | None = None) -> Iterat
 def read_trace(path: str | os.PathLike[str]) -> Trace:
     """Read an fmoe or vLLM trace, keeping complete tokens only (all of it in memory: `fmoe replay`
     streams with scan_trace and iter_sequences instead)."""
-    index = scan_trace(path)
     found, skipped = [], 0
-    for pos, seq, skip in iter_sequences(index):
-        skipped += skip
-        if seq is not None:
-            found.append((pos, seq))
+    with seekable(path) as p:
+        index = scan_trace(p)
+        for pos, seq, skip in iter_sequences(index):
+            skipped += skip
+            if seq is not None:
+                found.append((pos, seq))
     found.sort(key=lambda x: x[0])
     if not found:
         raise FmoeError(f"trace {index.path} has no complete token (one with all {len(index.layers)} layers)")

@@ -314,3 +314,19 @@ def test_replay_footer_is_not_squeezed_into_the_table(tmp_path: Path) -> None:
     run_replay(str(path), "1", "lru", False, console=Console(file=buf, width=100))
     lines = buf.getvalue().splitlines()
     assert any(line.startswith("fmoe trace: 1 sequences, 2 tokens, 1 layers, 4 experts. Hit rate") for line in lines)
+
+
+def test_replay_reads_a_pipe(tmp_path: Path) -> None:
+    """`fmoe replay <(zcat t.jsonl.gz)`: a pipe is read once (copied aside), then replayed like a file."""
+    import os
+    import threading
+
+    path = _many_sequences(tmp_path / "t.jsonl", sequences=3, tokens=5, layers=2)
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(path.read_bytes()))
+    writer.start()
+    piped = run_replay(str(fifo), "1-2", "lru,lcp", True, console=Console(file=io.StringIO()))
+    writer.join()
+    plain = run_replay(str(path), "1-2", "lru,lcp", True, console=Console(file=io.StringIO()))
+    assert piped["hit_rate"] == plain["hit_rate"] and piped["tokens"] == plain["tokens"] == 15

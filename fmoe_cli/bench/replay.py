@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from fmoe_cli.trace import SequenceTrace, Trace, iter_sequences, scan_trace
+from fmoe_cli.trace import SequenceTrace, Trace, iter_sequences, scan_trace, seekable
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, replay_token
 from fmoe_cli.offload.policies import POLICIES, make_policy
@@ -164,8 +164,7 @@ def replay_file(path: str, cache_sizes: Sequence[int], policies: Sequence[str], 
     as it is complete), so memory holds the open sequences only, never the whole trace.
     `progress(done, total)`: characters read over both passes."""
     names, sizes = _check_policies(policies), sorted(set(cache_sizes))
-    size = Path(path).stat().st_size if Path(path).is_file() else 0
-    done = 0
+    done, size = 0, 0
 
     def advance(n: int) -> None:
         nonlocal done
@@ -173,13 +172,15 @@ def replay_file(path: str, cache_sizes: Sequence[int], policies: Sequence[str], 
         if progress is not None:
             progress(done, 2 * size)
 
-    index = scan_trace(path, advance)
-    hits = _Hits(names, sizes, index.num_experts, seed)
-    skipped = 0
-    for position, seq, skip in iter_sequences(index, advance):
-        skipped += skip
-        if seq is not None:
-            hits.add(position, seq)
+    with seekable(path) as p:
+        size = p.stat().st_size if p.is_file() else 0
+        index = scan_trace(p, advance)
+        hits = _Hits(names, sizes, index.num_experts, seed)
+        skipped = 0
+        for position, seq, skip in iter_sequences(index, advance):
+            skipped += skip
+            if seq is not None:
+                hits.add(position, seq)
     if not hits.sequences:
         raise FmoeError(f"trace {path} has no complete token (one with all {len(index.layers)} layers)")
     return hits.result(str(path), index.format, len(index.layers), skipped)
