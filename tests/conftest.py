@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -14,6 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="fmoe-test-config-")
 # … and converted (quantised) stores in its cache directory.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fmoe-test-cache-")
+for _directory in (os.environ["XDG_CONFIG_HOME"], os.environ["XDG_CACHE_HOME"]):  # removed when the run ends
+    atexit.register(shutil.rmtree, _directory, ignore_errors=True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)  # tiny models: threads only add noise and contention
 

@@ -182,3 +182,37 @@ def test_fmoe_bench_runs_moepic_on_the_configured_plan_and_saves_statistics(chec
     assert runs["moepic"]["token_ids"] == runs["uniform"]["token_ids"]
     saved = RoutingStats.load(default_stats_path(path))
     assert saved.tokens > 0  # both runs' tokens, recorded for the next session
+
+
+def test_a_replan_takes_the_presets_settings_again(monkeypatch):
+    """The re-planned settings are the preset's for the new plan (a plan may turn prefetch off),
+    with the run's ω and ρ; only a configured preset is re-planned, only once τ tokens have passed."""
+    from dataclasses import replace
+
+    from fmoe_cli.planning.presets import PRESETS
+
+    no_prefetch = replace(uniform_plan(SHAPE, 8 * SHAPE.expert_bytes), source="configurator", prefetch=False)
+    monkeypatch.setitem(PRESETS, "moepic", replace(PRESETS["moepic"], make_plan=lambda inputs: no_prefetch))
+
+    class Engine_:  # what the Replanner uses of an engine
+        def __init__(self):
+            self.observers, self.configured, self.settings = [], [], None
+
+        def configure(self, settings, warm=False):
+            self.settings = settings
+            self.configured.append(warm)
+
+    engine = Engine_()
+    recorder = StatsRecorder(RoutingStats.empty("m", SHAPE.num_layers, SHAPE.num_experts, SHAPE.top_k))
+    planner = Replanner(engine, PlanInputs(SHAPE, 8 * SHAPE.expert_bytes), recorder, tau=10)
+    engine.settings = make_settings("lru", SHAPE, 8 * SHAPE.expert_bytes, omega=16, rho=0.5)
+    recorder.tokens = 10
+    assert not planner.on_idle() and engine.configured == []  # lru's plan reads no statistics
+    engine.settings = make_settings("uniform", SHAPE, 8 * SHAPE.expert_bytes, omega=16, rho=0.5)
+    engine.settings = replace(engine.settings, policy="moepic")
+    recorder.tokens = 9
+    assert not planner.on_idle()  # fewer than τ tokens
+    recorder.tokens = 10
+    assert planner.on_idle() and engine.configured == [True]
+    s = engine.settings
+    assert s.plan is no_prefetch and s.prefetch is False and (s.omega, s.rho) == (16, 0.5)

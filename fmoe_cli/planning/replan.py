@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.planning.configurator import DEFAULT_TAU, replan_due
-from fmoe_cli.planning.presets import PRESETS, PlanInputs
+from fmoe_cli.planning.presets import PRESETS, PlanInputs, settings_for
 from fmoe_cli.planning.stats import StatsRecorder
 
 
@@ -52,8 +52,9 @@ class Replanner:
         current = self.engine.settings
         if current is None or not PRESETS[current.policy].configured or not self.due():
             return False
-        plan = PRESETS[current.policy].make_plan(self.plan_inputs())
-        self.engine.configure(replace(current, plan=plan), warm=True)
+        # The preset's settings again (its plan may also turn prefetch on or off), same ω and ρ.
+        self.engine.configure(settings_for(current.policy, self.plan_inputs(), omega=current.omega, rho=current.rho),
+                              warm=True)
         self.replans += 1
         return True
 

@@ -139,7 +139,7 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
     return Timings(0.0, 0.0, 0.0, t_load, shape.top_k), "none: assumes compute hides no loading (give --profile)"
 
 
-def run_plan(model: str, vram: str | None, profile_path: str | None, context: int, dtype: str | None,
+def run_plan(model: str, *, vram: str | None, profile_path: str | None, context: int, dtype: str | None,
              as_json: bool, console: Console, workspace: str = "512MiB", experts: str = DEFAULT_EXPERTS,
              trace: str | None = None) -> dict:
     if context < 0:
