@@ -33,7 +33,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, rebuild_order
-from fmoe_cli.offload.hits import Hits, classify
+from fmoe_cli.offload.hits import Hits
 from fmoe_cli.offload.link import DEMAND, Link, make_link
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
@@ -67,6 +67,16 @@ class Counters:
     needed_loads: int = 0  # activated experts that needed any load
     prefetch_covered: int = 0  # … of which a prefetch had already been issued
     exposed_s: float = 0.0  # time the compute waited on the link
+
+    def count(self, activated: int, hits: Hits) -> None:
+        """Add one layer forward's classification (offload/hits.py)."""
+        self.activations += activated
+        self.hits_full += len(hits.whole)
+        self.hits_top += len(hits.top_hits)
+        self.misses += len(hits.misses)
+        self.needed_loads += hits.needed
+        self.prefetch_used += len(hits.covered)
+        self.prefetch_covered += len(hits.covered)
 
     def __add__(self, other: Counters) -> Counters:
         return Counters(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -323,18 +333,8 @@ class Engine:
     def _classify(self, i: int, active: list[int]) -> Hits:
         """1. classify the activated experts (offload/hits.py); count; drop useless staged entries."""
         state, pool = self.layers[i], self.pool
-        staged = {entry.expert: entry.start for entry in pool.of_layer(i)}
-        hits = classify(active, state.cache.cached(), state.top_neurons, self.shape.intermediate, staged)
-        c = state.counters
-        c.activations += len(active)
-        c.hits_full += len(hits.whole)
-        c.hits_top += len(hits.top_hits)
-        c.misses += len(hits.misses)
-        c.needed_loads += hits.needed
-        c.prefetch_used += len(hits.covered)
-        c.prefetch_covered += len(hits.covered)
-        for e in hits.dropped:
-            pool.release(pool.find(i, e))
+        hits = pool.classify(i, active, state.cache.cached(), state.top_neurons, self.shape.intermediate)
+        state.counters.count(len(active), hits)
         return hits
 
     def _submit(self, i: int, hits: Hits) -> tuple[list[Staged], list[tuple[int, int]]]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fmoe_cli.offload.hits import Hits, classify
 from fmoe_cli.offload.link import Fence, Transfer, TransferState
 
 
@@ -59,6 +60,16 @@ class StagingPool:
             if entry is not None and entry.layer == layer and entry.expert == expert:
                 return entry
         return None
+
+    def classify(self, layer: int, active: list[int], cached: dict[int, int], top_neurons: int,
+                 intermediate: int) -> Hits:
+        """Classify a layer's activated experts against its cache and this pool (offload/hits.py), and
+        release the layer's staged entries that serve none of them."""
+        staged = {entry.expert: entry.start for entry in self.of_layer(layer)}
+        hits = classify(active, cached, top_neurons, intermediate, staged)
+        for e in hits.dropped:
+            self.release(self.find(layer, e))
+        return hits
 
     def of_layer(self, layer: int) -> list[Staged]:
         return [e for e in self.entries if e is not None and e.layer == layer]

@@ -7,7 +7,7 @@ on a virtual clock and no tensor data (meta tensors: shapes and byte counts only
 
 - the cache: `LayerCache` with the engine's policy objects, from the policy's own plan
   (`planning/presets.py`; the configurator's plan for `moepic`), fed token by token;
-- the hit classification: `offload/hits.py: classify`;
+- the hit classification: `offload/hits.py: classify` (through `StagingPool.classify`);
 - the link: `EmulatedLink` (one copy engine, chunked, demand before prefetch, a queued
   copy cancelled for free) on a `VirtualClock`;
 - the staging pool: `StagingPool` (slots, reclaim order, copies ordered after the
@@ -41,7 +41,6 @@ import torch
 
 from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.engine import Counters
-from fmoe_cli.offload.hits import classify
 from fmoe_cli.offload.link import DEMAND, EmulatedLink, VirtualClock
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
@@ -192,17 +191,8 @@ class Simulator:
         for e in active:
             state.cache.pin(e)
         # 1. classify
-        staged = {entry.expert: entry.start for entry in pool.of_layer(i)}
-        hits = classify(active, state.cache.cached(), k, shape.intermediate, staged)
-        c.activations += len(active)
-        c.hits_full += len(hits.whole)
-        c.hits_top += len(hits.top_hits)
-        c.misses += len(hits.misses)
-        c.needed_loads += hits.needed
-        c.prefetch_used += len(hits.covered)
-        c.prefetch_covered += len(hits.covered)
-        for e in hits.dropped:
-            pool.release(pool.find(i, e))
+        hits = pool.classify(i, active, state.cache.cached(), k, shape.intermediate)
+        c.count(len(active), hits)
         # 2. covering prefetches become demand loads; the rest is queued ahead of any prefetch
         loading: list[Staged] = []
         for e, _start in hits.covered:
