@@ -34,7 +34,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, rebuild_order
 from fmoe_cli.offload.hits import Hits
-from fmoe_cli.offload.link import DEMAND, Link, make_link
+from fmoe_cli.offload.link import Link, make_link
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
@@ -339,30 +339,14 @@ class Engine:
 
     def _submit(self, i: int, hits: Hits) -> tuple[list[Staged], list[tuple[int, int]]]:
         """2. take the covering prefetches as demand loads; queue the rest ahead of any prefetch."""
-        loading: list[Staged] = []
-        for e, _start in hits.covered:
-            entry = self.pool.find(i, e)
-            entry.in_use = True
-            self.link.reprioritise(entry.transfer, DEMAND)
-            loading.append(entry)
+        loading = self.pool.take_over(i, hits.covered, self.link)
         waiting = list(hits.loads)
         self._submit_demand(i, waiting, loading)
         return loading, waiting
 
     def _submit_demand(self, i: int, waiting: list[tuple[int, int]], loading: list[Staged]) -> None:
-        pool = self.pool
-        while waiting:
-            slot = pool.reclaim(keep_layer=i)
-            if slot is None:
-                assert loading, "every slot is in use by this layer's loads"
-                return  # the next wave gets the slot this layer's next finished load frees
-            e, start = waiting.pop(0)
-            transfer = self.link.submit(pool.buffer[slot][start:], self.store.expert(i, e)[start:], DEMAND,
-                                        after=pool.after(slot))
-            entry = Staged(i, e, start, slot, transfer, prefetched=False, in_use=True)
-            pool.put(entry)
-            loading.append(entry)
-            self.layers[i].counters.bytes_demand += transfer.nbytes
+        self.layers[i].counters.bytes_demand += self.pool.submit_demand(i, waiting, loading, self.link, self.store)
+        assert loading or not waiting, "every slot is in use by this layer's loads"
 
     def _compute(self, i: int, act, hidden_states: torch.Tensor, routing: Routing, hits: Hits,
                  loading: list[Staged], waiting: list[tuple[int, int]]) -> dict:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from fmoe_cli.offload.hits import Hits, classify
-from fmoe_cli.offload.link import Fence, Transfer, TransferState
+from fmoe_cli.offload.link import DEMAND, Fence, Transfer, TransferState
 
 
 @dataclass(eq=False)
@@ -70,6 +70,35 @@ class StagingPool:
         for e in hits.dropped:
             self.release(self.find(layer, e))
         return hits
+
+    def take_over(self, layer: int, covered, link) -> list[Staged]:
+        """The staged prefetches that cover this layer's loads ((expert, start) pairs) become its demand
+        loads: in use, and at demand priority on the link."""
+        loading = []
+        for e, _start in covered:
+            entry = self.find(layer, e)
+            entry.in_use = True
+            link.reprioritise(entry.transfer, DEMAND)
+            loading.append(entry)
+        return loading
+
+    def submit_demand(self, layer: int, waiting: list[tuple[int, int]], loading: list[Staged], link, store) -> int:
+        """Queue `waiting` loads ((expert, first neuron), in order) into free or reclaimed slots, ahead of any
+        prefetch; each submitted one moves to `loading`. A load that finds no slot stays in `waiting` for
+        the next wave (the slot this layer's next finished load frees). Returns the bytes submitted."""
+        nbytes = 0
+        while waiting:
+            slot = self.reclaim(keep_layer=layer)
+            if slot is None:
+                return nbytes
+            e, start = waiting.pop(0)
+            transfer = link.submit(self.buffer[slot][start:], store.expert(layer, e)[start:], DEMAND,
+                                   after=self.after(slot))
+            entry = Staged(layer, e, start, slot, transfer, prefetched=False, in_use=True)
+            self.put(entry)
+            loading.append(entry)
+            nbytes += transfer.nbytes
+        return nbytes
 
     def of_layer(self, layer: int) -> list[Staged]:
         return [e for e in self.entries if e is not None and e.layer == layer]

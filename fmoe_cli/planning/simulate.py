@@ -41,7 +41,7 @@ import torch
 
 from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.engine import Counters
-from fmoe_cli.offload.link import DEMAND, EmulatedLink, VirtualClock
+from fmoe_cli.offload.link import EmulatedLink, VirtualClock
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
@@ -194,12 +194,7 @@ class Simulator:
         hits = pool.classify(i, active, state.cache.cached(), k, shape.intermediate)
         c.count(len(active), hits)
         # 2. covering prefetches become demand loads; the rest is queued ahead of any prefetch
-        loading: list[Staged] = []
-        for e, _start in hits.covered:
-            entry = pool.find(i, e)
-            entry.in_use = True
-            link.reprioritise(entry.transfer, DEMAND)
-            loading.append(entry)
+        loading = pool.take_over(i, hits.covered, link)
         waiting = list(hits.loads)
         self._submit_demand(i, waiting, loading)
         # 3. compute what is on the device, then each load as it arrives
@@ -228,18 +223,7 @@ class Simulator:
         state.cache.advance()
 
     def _submit_demand(self, i: int, waiting: list[tuple[int, int]], loading: list[Staged]) -> None:
-        pool = self.pool
-        while waiting:
-            slot = pool.reclaim(keep_layer=i)
-            if slot is None:
-                return  # the next wave gets the slot this layer's next finished load frees
-            e, start = waiting.pop(0)
-            transfer = self.link.submit(pool.buffer[slot][start:], self.store.expert(i, e)[start:], DEMAND,
-                                        after=pool.after(slot))
-            entry = Staged(i, e, start, slot, transfer, prefetched=False, in_use=True)
-            pool.put(entry)
-            loading.append(entry)
-            self.layers[i].counters.bytes_demand += transfer.nbytes
+        self.layers[i].counters.bytes_demand += self.pool.submit_demand(i, waiting, loading, self.link, self.store)
 
     def _prefetch(self, i: int, token: Token, next_token: Token | None) -> None:
         if not self.settings.prefetch or self.resident:
