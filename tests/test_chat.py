@@ -246,18 +246,26 @@ def test_cli_chat_over_a_pipe_with_trace(checkpoints, tmp_path):
     assert t.layers == (0, 1, 2, 3)
 
 
-def test_ctrl_c_in_a_real_terminal(checkpoints, tmp_path):
-    """A pseudo-terminal: Ctrl-C while an answer streams stops it and the chat goes on; Ctrl-C at the
-    prompt clears the line; Ctrl-D quits with exit code 0."""
+def spawn_chat(checkpoint, tmp_path, *, max_new_tokens: int, columns: int):
+    """`fmoe chat` in a pseudo-terminal (pexpect), greedy, on a 0.5 GB/s emulated link; history under tmp_path."""
     import os
     import sys
-    import time
 
     pexpect = pytest.importorskip("pexpect")
     env = dict(os.environ, XDG_DATA_HOME=str(tmp_path), PROMPT_TOOLKIT_NO_CPR="1", HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "fmoe_cli.cli", "chat", str(checkpoints["mixtral"]), "--device", "cpu",
-                                           "--temperature", "0", "--max-new-tokens", "400", "--emulate-link", "0.5"],
-                          env=env, encoding="utf-8", timeout=120, dimensions=(24, 80))
+    return pexpect.spawn(sys.executable, ["-m", "fmoe_cli.cli", "chat", str(checkpoint), "--device", "cpu",
+                                          "--temperature", "0", "--max-new-tokens", str(max_new_tokens),
+                                          "--emulate-link", "0.5"],
+                         env=env, encoding="utf-8", timeout=120, dimensions=(24, columns))
+
+
+def test_ctrl_c_in_a_real_terminal(checkpoints, tmp_path):
+    """A pseudo-terminal: Ctrl-C while an answer streams stops it and the chat goes on; Ctrl-C at the
+    prompt clears the line; Ctrl-D quits with exit code 0."""
+    import time
+
+    pexpect = pytest.importorskip("pexpect")
+    child = spawn_chat(checkpoints["mixtral"], tmp_path, max_new_tokens=400, columns=80)
     try:
         child.expect(">>>")
         child.send("tell me everything\r")
@@ -324,15 +332,10 @@ def test_non_utf8_input_is_refused_in_one_line(checkpoints):
 def test_text_typed_during_an_answer_comes_back_at_the_prompt(checkpoints, tmp_path):
     """A pseudo-terminal: keys pressed while an answer streams are not echoed into it, and they are
     the start of the next message (with backspace applied)."""
-    import os
     import re
-    import sys
 
     pexpect = pytest.importorskip("pexpect")
-    env = dict(os.environ, XDG_DATA_HOME=str(tmp_path), PROMPT_TOOLKIT_NO_CPR="1", HF_HUB_OFFLINE="1")
-    child = pexpect.spawn(sys.executable, ["-m", "fmoe_cli.cli", "chat", str(checkpoints["mixtral"]), "--device", "cpu",
-                                           "--temperature", "0", "--max-new-tokens", "60", "--emulate-link", "0.5"],
-                          env=env, encoding="utf-8", timeout=120, dimensions=(24, 200))
+    child = spawn_chat(checkpoints["mixtral"], tmp_path, max_new_tokens=60, columns=200)
     try:
         child.expect(">>>")
         child.send("tell me everything\r")
