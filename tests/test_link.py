@@ -13,10 +13,12 @@ from fmoe_cli.offload.link import (
     PREFETCH,
     EmulatedLink,
     Fence,
+    MonotonicClock,
     TransferState,
     VirtualClock,
     make_link,
 )
+from fmoe_cli.offload import link as link_module
 
 MiB = 1024**2
 
@@ -171,3 +173,44 @@ def test_instant_host_link_and_labels():
     assert emulated.kind == "emulated" and "emulated 1 GB/s" in emulated.label()
     with pytest.raises(FmoeError):
         make_link(torch.device("cpu"), 0.0)
+
+
+class ScriptedWallTime:
+    """A fake perf_counter / time.sleep pair: each read of the time moves it by `tick`;
+    a sleep moves it by its duration plus the kernel's late wake-up."""
+
+    def __init__(self, tick: float = 1e-6, late_wake: float = 80e-6) -> None:
+        self.t, self.tick, self.late_wake = 0.0, tick, late_wake
+        self.sleeps: list[float] = []
+        self.reads = 0
+
+    def now(self) -> float:
+        self.reads += 1
+        self.t += self.tick
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.t += seconds + self.late_wake
+
+
+def test_an_emulated_wait_sleeps_then_polls_the_last_stretch_so_it_wakes_on_time():
+    """time.sleep wakes ~80 µs late; a CUDA event wait does not. The emulated link's clock sleeps
+    only up to `spin` before the deadline and polls the rest, so a stall costs what it models."""
+    wall = ScriptedWallTime()
+    clock = MonotonicClock(spin=200e-6, now=wall.now, sleep=wall.sleep)
+    clock.sleep_until(1e-3)
+    assert len(wall.sleeps) == 1 and wall.sleeps[0] == pytest.approx(1e-3 - 200e-6 - 1e-6)
+    assert 1e-3 <= wall.t < 1e-3 + 5e-6  # late by a poll, not by a wake-up
+    wall.sleeps.clear()
+    clock.sleep_until(wall.t + 50e-6)  # shorter than the spin: no sleep at all
+    assert wall.sleeps == []
+
+    plain = ScriptedWallTime()
+    MonotonicClock(spin=0.0, now=plain.now, sleep=plain.sleep).sleep_until(1e-3)
+    assert plain.t > 1e-3 + 70e-6  # what sleeping all the way costs
+
+
+def test_the_emulated_link_waits_with_a_spin():
+    link = EmulatedLink(gbps=1.0)
+    assert isinstance(link.clock, MonotonicClock) and link.clock.spin == link_module.WAKE_SPIN_S > 100e-6
