@@ -128,8 +128,10 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
     if profile is not None and profile.model is not None:
         profile.check_model(model_identity(facts.name, facts.config_path), source="the profile")
         t = profile.model.timings(profile.device.link, shape.expert_bytes)
-        return Timings(t.t_att, t.t_moe, t.t_head, link_latency + shape.expert_bytes / link_bandwidth, t.top_k), \
-            "measured per-layer times from the profile"
+        host = (f", host work {t.t_host * 1e3:.3f} ms per loaded segment" if profile.model.t_host is not None
+                else "; host work per load not in the profile (0)")
+        return replace(t, t_load=link_latency + shape.expert_bytes / link_bandwidth), \
+            f"measured per-layer times from the profile{host}"
     t_load = link_latency + shape.expert_bytes / link_bandwidth  # T_load = latency + S_e / bandwidth
     bandwidth = profile.device.memory_bandwidth if profile is not None else None
     if bandwidth:  # decode is memory bound: each weight is read once per token

@@ -192,17 +192,17 @@ def time_layers(
 
 
 def _host_per_load(block: nn.Module, x: torch.Tensor, t_resident: float, loads: Callable[[], tuple[int, float]],
-                   repeats: int, sync: Callable[[], None]) -> list[float]:
+                   repeats: int, sync: Callable[[], None], now: Callable[[], float] = time.perf_counter) -> list[float]:
     """Per run of `block` with its experts loaded on demand: (time − exposed − T_moe) / loaded segments."""
     block(x)  # warm-up
     out = []
     for _ in range(repeats):
         sync()
         segments, exposed = loads()
-        t0 = time.perf_counter()
+        t0 = now()
         block(x)
         sync()
-        elapsed = time.perf_counter() - t0
+        elapsed = now() - t0
         after, exposed_after = loads()
         if after > segments:
             out.append((elapsed - (exposed_after - exposed) - t_resident) / (after - segments))
