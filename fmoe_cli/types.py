@@ -152,6 +152,7 @@ class Plan:
         return (
             f"{self.source}: {cached} expert tops cached over {len(self.layers)} layers ({theta}), "
             f"{self.staging_slots} staging slots, {self.total_bytes / MiB:.1f} MiB"
+            + ("" if self.prefetch or self.resident else ", no prefetch")
         )
 
     def to_dict(self) -> dict:
