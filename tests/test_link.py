@@ -171,3 +171,30 @@ def test_instant_host_link_and_labels():
     assert emulated.kind == "emulated" and "emulated 1 GB/s" in emulated.label()
     with pytest.raises(FmoeError):
         make_link(torch.device("cpu"), 0.0)
+
+
+def test_the_monotonic_clock_wakes_on_time_sleeping_only_the_bulk_of_a_wait():
+    """An emulated wait ends at the modelled time, not an OS sleep's 50-100 µs later: short waits are
+    spun on the clock, long ones sleep all but the last `spin_s` (a scripted clock and sleep)."""
+    from fmoe_cli.offload.link import MonotonicClock
+
+    t = [0.0]
+    slept: list[float] = []
+
+    def now() -> float:
+        t[0] += 1e-6  # every look at the clock takes a microsecond
+        return t[0]
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        t[0] += seconds + 80e-6  # the OS oversleeps
+
+    clock = MonotonicClock(now=now, sleep=sleep, spin_s=1e-3)
+    clock.sleep_until(20e-6)  # a short stall: no OS sleep at all
+    assert slept == [] and 20e-6 <= t[0] < 22e-6
+    start = t[0]
+    clock.sleep_until(start + 10e-3)  # a long one: the OS sleeps the bulk, the last ms is spun
+    assert slept == [pytest.approx(10e-3 - 1e-3, abs=2e-6)]
+    assert start + 10e-3 <= t[0] < start + 10e-3 + 2e-6
+    clock.sleep_until(0.0)  # in the past: returns at once
+    assert len(slept) == 1
