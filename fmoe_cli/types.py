@@ -180,9 +180,13 @@ class Timings:
     t_head: float  # T_head: LM head (+ final norm, + any dense layers before the first MoE layer)
     t_load: float  # T_load: one whole expert (S_e bytes) host → device
     top_k: int  # K
+    # h_load: the host's own work per loaded segment (staging slot, copy submit, acquire, release, the
+    # extra segment forward of a split expert), beyond its compute and its link time; 0 unless measured
+    # (profiling/layers.py: time_layers).
+    t_host: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("t_att", "t_moe", "t_head", "t_load"):
+        for name in ("t_att", "t_moe", "t_head", "t_load", "t_host"):
             value = getattr(self, name)
             if not value >= 0 or not math.isfinite(value):
                 raise FmoeError(f"timing {name} must be a finite number of seconds ≥ 0, got {value}")
@@ -197,9 +201,9 @@ class Timings:
     @classmethod
     def from_link(
         cls, *, t_att: float, t_moe: float, t_head: float, top_k: int,
-        expert_bytes: int, bandwidth: float, latency: float = 0.0,
+        expert_bytes: int, bandwidth: float, latency: float = 0.0, t_host: float = 0.0,
     ) -> Timings:
         """T_load = latency + S_e / bandwidth (bandwidth in bytes/s, from the device profile's fit)."""
         if bandwidth <= 0:
             raise FmoeError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
-        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k)
+        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k, t_host)

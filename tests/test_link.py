@@ -13,10 +13,12 @@ from fmoe_cli.offload.link import (
     PREFETCH,
     EmulatedLink,
     Fence,
+    MonotonicClock,
     TransferState,
     VirtualClock,
     make_link,
 )
+from fmoe_cli.offload import link as link_module
 
 MiB = 1024**2
 
@@ -173,28 +175,42 @@ def test_instant_host_link_and_labels():
         make_link(torch.device("cpu"), 0.0)
 
 
-def test_the_monotonic_clock_wakes_on_time_sleeping_only_the_bulk_of_a_wait():
-    """An emulated wait ends at the modelled time, not an OS sleep's 50-100 µs later: short waits are
-    spun on the clock, long ones sleep all but the last `spin_s` (a scripted clock and sleep)."""
-    from fmoe_cli.offload.link import MonotonicClock
+class ScriptedWallTime:
+    """A fake perf_counter / time.sleep pair: each read of the time moves it by `tick`;
+    a sleep moves it by its duration plus the kernel's late wake-up."""
 
-    t = [0.0]
-    slept: list[float] = []
+    def __init__(self, tick: float = 1e-6, late_wake: float = 80e-6) -> None:
+        self.t, self.tick, self.late_wake = 0.0, tick, late_wake
+        self.sleeps: list[float] = []
+        self.reads = 0
 
-    def now() -> float:
-        t[0] += 1e-6  # every look at the clock takes a microsecond
-        return t[0]
+    def now(self) -> float:
+        self.reads += 1
+        self.t += self.tick
+        return self.t
 
-    def sleep(seconds: float) -> None:
-        slept.append(seconds)
-        t[0] += seconds + 80e-6  # the OS oversleeps
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.t += seconds + self.late_wake
 
-    clock = MonotonicClock(now=now, sleep=sleep, spin_s=1e-3)
-    clock.sleep_until(20e-6)  # a short stall: no OS sleep at all
-    assert slept == [] and 20e-6 <= t[0] < 22e-6
-    start = t[0]
-    clock.sleep_until(start + 10e-3)  # a long one: the OS sleeps the bulk, the last ms is spun
-    assert slept == [pytest.approx(10e-3 - 1e-3, abs=2e-6)]
-    assert start + 10e-3 <= t[0] < start + 10e-3 + 2e-6
-    clock.sleep_until(0.0)  # in the past: returns at once
-    assert len(slept) == 1
+
+def test_an_emulated_wait_sleeps_then_polls_the_last_stretch_so_it_wakes_on_time():
+    """time.sleep wakes ~80 µs late; a CUDA event wait does not. The emulated link's clock sleeps
+    only up to `spin` before the deadline and polls the rest, so a stall costs what it models."""
+    wall = ScriptedWallTime()
+    clock = MonotonicClock(spin=200e-6, now=wall.now, sleep=wall.sleep)
+    clock.sleep_until(1e-3)
+    assert len(wall.sleeps) == 1 and wall.sleeps[0] == pytest.approx(1e-3 - 200e-6 - 1e-6)
+    assert 1e-3 <= wall.t < 1e-3 + 5e-6  # late by a poll, not by a wake-up
+    wall.sleeps.clear()
+    clock.sleep_until(wall.t + 50e-6)  # shorter than the spin: no sleep at all
+    assert wall.sleeps == []
+
+    plain = ScriptedWallTime()
+    MonotonicClock(spin=0.0, now=plain.now, sleep=plain.sleep).sleep_until(1e-3)
+    assert plain.t > 1e-3 + 70e-6  # what sleeping all the way costs
+
+
+def test_the_emulated_link_waits_with_a_spin():
+    link = EmulatedLink(gbps=1.0)
+    assert isinstance(link.clock, MonotonicClock) and link.clock.spin == link_module.WAKE_SPIN_S > 100e-6

@@ -40,6 +40,7 @@ import enum
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -135,25 +136,32 @@ class Link(Protocol):
 
 
 # --- clocks ---------------------------------------------------------------------------
+WAKE_SPIN_S = 200e-6  # the last stretch of an emulated wait is polled, not slept (MonotonicClock)
+
+
 class MonotonicClock:
-    """Wall time; `sleep_until` really blocks the host, until `t` and not much later.
+    """Wall time; `sleep_until` really blocks the host.
 
-    A CUDA compute stream that waits on a copy resumes when the copy's event fires. An OS
-    sleep overshoots by 50–100 µs on Linux (timer slack), more than one expert's decode
-    compute, and that overshoot is nowhere in the stall a link reports: it would be host
-    time per exposed load that no GPU pays. So the OS sleeps for all but the last `spin_s`
-    and the rest is spun on the clock. (`now` and `sleep` are injectable for tests.)"""
+    `spin` (s): the last `spin` seconds of a wait are spent polling the clock instead of
+    sleeping. time.sleep wakes 70–90 µs late on Linux (timer slack), while a CUDA event
+    wait sees completion within microseconds; without the spin every emulated stall would
+    cost that much extra host time. The emulated link waits with a spin; CudaLink's
+    throttle, which sleeps in its pump thread, does not (a poll there would hold the GIL)."""
 
-    def __init__(self, now=time.perf_counter, sleep=time.sleep, spin_s: float = 1e-3) -> None:
-        self.now = now
+    def __init__(self, spin: float = 0.0, now: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.spin = spin
+        self._now = now
         self._sleep = sleep
-        self.spin_s = spin_s
+
+    def now(self) -> float:
+        return self._now()
 
     def sleep_until(self, t: float) -> None:
-        remaining = t - self.now()
-        if remaining > self.spin_s:
-            self._sleep(remaining - self.spin_s)
-        while self.now() < t:
+        remaining = t - self._now()
+        if remaining > self.spin:
+            self._sleep(remaining - self.spin)
+        while self._now() < t:  # the rest: poll, as a CUDA event wait does
             pass
 
 
@@ -223,7 +231,7 @@ class EmulatedLink:
         self.note = note  # what the bandwidth stands for, shown in the label
         self.latency_s = latency_s if gbps else 0.0
         self.kind = "emulated" if gbps else "host"
-        self.clock = clock or MonotonicClock()
+        self.clock = clock or MonotonicClock(spin=WAKE_SPIN_S)
         self.copy = copy
         self.chunk_bytes = chunk_bytes
         self.bytes_moved = 0

@@ -90,6 +90,9 @@ class ModelTimings:
     top_k: int  # K
     decode: PhaseTimings
     prefill: PhaseTimings | None = None
+    # h_load (Timings.t_host): host work per loaded segment in decode, from MoE layers run again with
+    # their experts loaded on demand (profiling/layers.py); None in profiles from before it was measured
+    t_host: float | None = None
 
     def timings(self, link: LinkFit, expert_bytes: int, phase: str = "decode") -> Timings:
         """The configurator's Timings: means over the MoE layers; dense layers (DeepSeek's first
@@ -109,6 +112,7 @@ class ModelTimings:
             expert_bytes=expert_bytes,
             bandwidth=link.bandwidth,
             latency=link.latency or 0.0,
+            t_host=self.t_host or 0.0,
         )
 
 
@@ -262,4 +266,5 @@ class _Reader:
             top_k=self.get(d, "top_k", int),
             decode=self.phase(self.obj(d, "decode")),
             prefill=None if prefill is None else self.phase(self.obj(d, "prefill")),
+            t_host=self.get(d, "t_host", float, optional=True),
         )

@@ -9,7 +9,14 @@ resident one) and:
 2. re-runs each MoE block alone on its kept input, one layer at a time inside
    `resident(i)` — the caller's context that makes layer i's experts resident (and
    releases them afterwards) — so T_moe never includes expert loading and the model
-   never needs to fit on the device as a whole.
+   never needs to fit on the device as a whole;
+3. given `loads` (the engine's running count of loaded segments and exposed seconds),
+   runs each MoE block's decode input once more outside `resident(i)`, its experts
+   loaded through the engine, for the host's work per loaded segment:
+       h_load = (T_block,loaded − exposed − T_moe) / loaded segments        (Timings.t_host)
+   the median over runs and layers. It is what a load costs the host beyond its link
+   time (staging slot, copy submit, acquire, release), which the configurator charges
+   every segment that is not a whole cached expert.
 
 T_att of a layer is the layer's time in the pass minus its MLP's time in the pass
 (attention, norms, residuals).
@@ -122,8 +129,10 @@ def time_layers(
     repeats: int = 3,
     resident: Callable[[int], AbstractContextManager] = _nothing,
     advance: Callable[[], None] = lambda: None,
+    loads: Callable[[], tuple[int, float]] | None = None,
 ) -> ModelTimings:
-    """Time one prefill of `input_ids` ([1, T]) and `decode_steps` decode steps, layer by layer.
+    """Time one prefill of `input_ids` ([1, T]) and `decode_steps` decode steps, layer by layer
+    (and h_load, given `loads`: the engine's cumulative loaded segments and exposed seconds).
 
     `advance` is called once per timed MoE layer and phase (for a progress bar).
     """
@@ -152,6 +161,7 @@ def time_layers(
         timer.remove()
 
     phases = {}
+    host: list[float] = []  # h_load per MoE layer (decode)
     for phase, tokens in (("prefill", int(input_ids.shape[1])), ("decode", 1)):
         layer_time, mlp_time, head = passes[phase]
         timings = []
@@ -171,10 +181,32 @@ def time_layers(
                         sync()
                         runs.append(time.perf_counter() - t0)
                     t_mlp = statistics.median(runs)
+                if loads is not None and phase == "decode":
+                    with torch.no_grad():
+                        host += _host_per_load(layer.mlp, kept[phase][i], t_mlp, loads, repeats, sync)
                 advance()
             timings.append(LayerTiming(i, moe, t_att, t_mlp))
         phases[phase] = PhaseTimings(tokens, tuple(timings), head)
-    return ModelTimings(model_identity, top_k, phases["decode"], phases["prefill"])
+    t_host = max(0.0, statistics.median(host)) if host else None
+    return ModelTimings(model_identity, top_k, phases["decode"], phases["prefill"], t_host)
+
+
+def _host_per_load(block: nn.Module, x: torch.Tensor, t_resident: float, loads: Callable[[], tuple[int, float]],
+                   repeats: int, sync: Callable[[], None]) -> list[float]:
+    """Per run of `block` with its experts loaded on demand: (time − exposed − T_moe) / loaded segments."""
+    block(x)  # warm-up
+    out = []
+    for _ in range(repeats):
+        sync()
+        segments, exposed = loads()
+        t0 = time.perf_counter()
+        block(x)
+        sync()
+        elapsed = time.perf_counter() - t0
+        after, exposed_after = loads()
+        if after > segments:
+            out.append((elapsed - (exposed_after - exposed) - t_resident) / (after - segments))
+    return out
 
 
 def _collect(timer: _PassTimer) -> tuple[dict[int, float], dict[int, float], float]:

@@ -67,9 +67,16 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
             repeats=3 if quick else 7,
             resident=lambda i: resident_layer(engine, moe_index[i]),
             advance=advance,
+            loads=lambda: _loads(engine),
         )
     finally:
         engine.observers = observers
+
+
+def _loads(engine: Engine) -> tuple[int, float]:
+    """The engine's loaded segments and exposed seconds so far (profiling/layers.py: h_load)."""
+    counters = engine.counters()
+    return counters.needed_loads, counters.exposed_s
 
 
 def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False) -> float:
