@@ -373,12 +373,14 @@ class Engine:
             e = entry.expert
             x = xs[spans[e]]
             if e in top_outputs:  # exact: top + bottom, always in this order
-                outputs[e] = top_outputs.pop(e) + store.segment_forward(x, segment[k - entry.start:], act)
+                bottom = segment[k - entry.start:] if k != entry.start else segment  # [I - k, *row]
+                outputs[e] = top_outputs.pop(e) + store.segment_forward(x, bottom, act)
             else:
                 outputs[e] = store.segment_forward(x, segment, act)
                 self._offer(i, e, segment)
             pool.release(entry, self.link.record_reads())  # the next copy into the slot waits for these reads
-            self._submit_demand(i, waiting, loading)
+            if waiting:  # a prefill wave: the freed slot takes the next load
+                self._submit_demand(i, waiting, loading)
         if not prefetched:
             self._prefetch(i, hidden_states, routing)
         return outputs

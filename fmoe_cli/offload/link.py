@@ -61,7 +61,7 @@ class TransferState(enum.Enum):
     CANCELLED = "cancelled"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Fence:
     """Compute issued up to some point has finished. `ready_at`: when (emulated time;
     inf = not yet known); `event`: the CUDA event recorded on the compute stream."""
@@ -75,7 +75,7 @@ class Fence:
         return self.ready_at != float("inf")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Transfer:
     dst: torch.Tensor
     src: torch.Tensor
@@ -193,6 +193,11 @@ def _promote(t: Transfer, priority: int) -> None:
                 _promote(dep, priority)
 
 
+def _urgency(t: Transfer) -> tuple[int, int]:
+    """Which of the copies that may start goes first: the lowest priority number, then the oldest."""
+    return t.priority, t.seq
+
+
 def _cancel_queued(t: Transfer, queue: list[Transfer]) -> bool:
     """Cancel `t` if it has not started (no byte of it is on the link); returns whether it was."""
     if t.state is not TransferState.QUEUED:
@@ -266,14 +271,22 @@ class EmulatedLink:
                         return
                 else:
                     self._queue.append(t)  # between chunks: it competes again by priority
-            if not self._queue:
+            queue = self._queue
+            if not queue:
                 return
-            start = max(self._free_at, min(_eligible_at(t) for t in self._queue))
-            if start > now or start == float("inf"):
-                return
-            ready = [t for t in self._queue if _eligible_at(t) <= start]
-            t = min(ready, key=lambda x: (x.priority, x.seq))
-            self._queue.remove(t)
+            if len(queue) == 1:  # the common case: no choice to make
+                t = queue[0]
+                start = max(self._free_at, _eligible_at(t))
+                if start > now or start == float("inf"):
+                    return
+                queue.clear()
+            else:
+                eligible = [(_eligible_at(x), x) for x in queue]
+                start = max(self._free_at, min(at for at, _ in eligible))
+                if start > now or start == float("inf"):
+                    return
+                t = min((x for at, x in eligible if at <= start), key=_urgency)
+                queue.remove(t)
             if t.state is TransferState.QUEUED:
                 t.state = TransferState.RUNNING
                 t.started_at = start
@@ -291,17 +304,18 @@ class EmulatedLink:
     def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int, after: tuple = ()) -> Transfer:
         now = self.clock.now()
         self._advance(now)
-        t = Transfer(dst, src, priority, src.numel() * src.element_size(), link=self, after=tuple(after),
-                     submitted_at=now)
+        t = Transfer(dst, src, priority, src.nbytes, link=self, after=tuple(after), submitted_at=now)
         self._queue.append(t)
         self._advance(now)
         return t
 
     def reprioritise(self, t: Transfer, priority: int) -> None:
+        self._advance(self.clock.now())  # the copies begun before now were chosen without it
         _promote(t, priority)
 
     def poll(self, t: Transfer) -> bool:
-        self._advance(self.clock.now())
+        if t.state is TransferState.QUEUED or t.state is TransferState.RUNNING:
+            self._advance(self.clock.now())
         return t.state is TransferState.DONE
 
     def wait(self, t: Transfer) -> None:
@@ -310,6 +324,8 @@ class EmulatedLink:
         self.reprioritise(t, URGENT)  # as CudaLink issues it at once; the host does not block
 
     def acquire(self, t: Transfer, tag: object = None) -> torch.Tensor:
+        if t.state is TransferState.DONE:  # seen done by a poll: nothing to order, nothing to wait for
+            return t.dst if self.copy else t.src
         self.wait(t)
         now = self.clock.now()
         self._advance(now)
@@ -329,6 +345,8 @@ class EmulatedLink:
         return out
 
     def cancel(self, t: Transfer) -> bool:
+        if t.state is not TransferState.QUEUED:  # begun, done or cancelled: it cannot be (no need to look)
+            return False
         self._advance(self.clock.now())
         return _cancel_queued(t, self._queue)
 
@@ -412,8 +430,7 @@ class CudaLink:
         return f"link: {name} (copy stream)"
 
     def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int, after: tuple = ()) -> Transfer:
-        t = Transfer(dst, src, priority, src.numel() * src.element_size(), link=self, after=tuple(after),
-                     submitted_at=time.perf_counter())
+        t = Transfer(dst, src, priority, src.nbytes, link=self, after=tuple(after), submitted_at=time.perf_counter())
         with self._lock:
             self._queue.append(t)
             self._pump()
@@ -468,7 +485,7 @@ class CudaLink:
             ready = [t for t in self._queue if self._issuable(t)]
             if not ready:
                 break
-            self._issue_chunk(min(ready, key=lambda x: (x.priority, x.seq)))
+            self._issue_chunk(min(ready, key=_urgency))
 
     def poll(self, t: Transfer) -> bool:
         with self._lock:

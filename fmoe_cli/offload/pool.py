@@ -26,7 +26,7 @@ from fmoe_cli.offload.hits import Hits, classify
 from fmoe_cli.offload.link import DEMAND, Fence, Transfer, TransferState
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Staged:
     """A segment [start, I) of one expert in a staging slot (start = 0: the whole expert)."""
 
@@ -47,9 +47,24 @@ class StagingPool:
     def __init__(self, slots: int, neurons: int, row_shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> None:
         self.buffer = torch.empty(slots, neurons, *row_shape, device=device, dtype=dtype)  # [U, I, *row]
+        self._slot_views = list(self.buffer.unbind(0))  # [I, *row] per slot, made once
+        self._sources: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, expert, start) -> store rows
         self.entries: list[Staged | None] = [None] * slots
         self._writer: list[Transfer | None] = [None] * slots  # the last copy into each slot
         self._reads: list[Fence | None] = [None] * slots  # compute that last read each slot
+
+    def destination(self, slot: int, start: int) -> torch.Tensor:
+        """Where a segment [start, I) is copied into `slot`: [I - start, *row]."""
+        view = self._slot_views[slot]
+        return view[start:] if start else view
+
+    def source(self, store, layer: int, expert: int, start: int) -> torch.Tensor:
+        """The host store's rows [start, I) of one expert (a view, made once per segment and plan)."""
+        key = (layer, expert, start)
+        rows = self._sources.get(key)
+        if rows is None:
+            rows = self._sources[key] = store.expert(layer, expert)[start:]
+        return rows
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +107,7 @@ class StagingPool:
             if slot is None:
                 return nbytes
             e, start = waiting.pop(0)
-            transfer = link.submit(self.buffer[slot][start:], store.expert(layer, e)[start:], DEMAND,
+            transfer = link.submit(self.destination(slot, start), self.source(store, layer, e, start), DEMAND,
                                    after=self.after(slot))
             entry = Staged(layer, e, start, slot, transfer, prefetched=False, in_use=True)
             self.put(entry)
@@ -151,3 +166,4 @@ class StagingPool:
     def clear(self) -> None:
         for entry in self.live():
             self.release(entry)
+        self._sources.clear()

@@ -75,7 +75,7 @@ class Prefetcher:
             if slot is None:
                 break  # the staging pool is full of more urgent work
             start = target.top_neurons if cached else 0  # only the bottom when the top is cached
-            transfer = self.link.submit(pool.buffer[slot][start:], self.store.expert(j, e)[start:],
+            transfer = self.link.submit(pool.destination(slot, start), pool.source(self.store, j, e, start),
                                         PREFETCH + position, after=pool.after(slot))
             entry = Staged(j, e, start, slot, transfer, prefetched=True)
             pool.put(entry)
