@@ -307,6 +307,11 @@ def test_host_work_per_loaded_segment_is_charged_and_can_favour_whole_experts():
     assert picked[0.0] == (2, 0.5, pytest.approx(1.5))
     assert picked[1.0] == (2, 0.5, pytest.approx(2.5))
     assert picked[8.0] == (1, 1.0, pytest.approx(8.75))
+    # c = 3 per split top hit (two segment forwards): C=2's top hits are every activation (H(2) = 1):
+    # scores C=1 1, C=2 2 − 3 = −1 → C=1, T = 0.75·4 − 0.25 = 2.75
+    timings = Timings(t_att=0.0, t_moe=1.0, t_head=0.0, t_load=4.0, top_k=1, t_segment=3.0)
+    first, _ = expert_split([12, 12], stats, timings, shape).layers
+    assert (first.cache_size, first.split, first.exposed) == (1, 1.0, pytest.approx(2.75))
 
 
 def test_admission_copies_are_charged_and_can_favour_a_split_or_no_cache():

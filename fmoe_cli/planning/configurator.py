@@ -11,8 +11,9 @@ Symbols (paper → code):
     m_i                 expected number of activated experts (in whole-expert units) whose
                         loading is hidden: cached top segments plus what prefetch covers
     T^i                 exposed (un-hidden) load time of layer i, plus the host's work of its loads
-    h_load, h_pf, a_e   Timings.t_host_load, t_host_prefetch, t_admit: the host's work per loaded
-                        segment and per prefetching layer, one expert's copy into the cache (ours)
+    h_load, h_pf, a_e, c    Timings.t_host_load, t_host_prefetch, t_admit, t_segment: the host's work per
+                        loaded segment and per prefetching layer, one expert's copy into the cache,
+                        one segment forward's fixed cost (ours)
 
 ExpertSplit({V_i}) (Eq. 5–11, as docs/architecture.md § Statistics, configurator, re-planning states them,
 with the link charged for the issued prefetch that still holds it when the layer routes):
@@ -27,11 +28,13 @@ with the link charged for the issued prefetch that still holds it when the layer
               the rest of its link time, lost when it is wrong (a copy is not pre-empted;
               prefetches queued behind it are cancelled for free, right ones are taken
               over as demand loads)
-        G_i = h_load · (K − K·H_i(C_i)·[k_i = I]) + a_e · K·(1 − H_i(C_i))·θ_i + h_pf · [Y_i > 0]
+        G_i = h_load · (K − K·H_i(C_i)·[k_i = I]) + a_e · K·(1 − H_i(C_i))·θ_i
+              + c · K·H_i(C_i)·[0 < k_i < I] + h_pf · [Y_i > 0]
               the work loads cost besides the link: per loaded segment (Timings.t_host_load;
               every activated expert but a whole cached one is loaded, a top hit's bottom
               included), per admission (t_admit: a miss's top θ_i copied into the cache, LCP
-              always replaces) and per prefetching layer (t_host_prefetch)
+              always replaces), per split top hit (t_segment: two segment forwards, not one)
+              and per prefetching layer (t_host_prefetch)
         C_i = argmax m_i·T_load − G_i (without the h_pf term, the same for every C)   (11)
         T^i = max(0, R_i + (K − m_i)·T_load − m_i·T_exp) + G_i                    (6)
         T_wind^{i+1} = T_moe + G_i − min(m_i·T_exp, R_i + (K − m_i)·T_load) + T_att     (7)
@@ -182,7 +185,9 @@ class _LayerModel:
         # tops admitted per token: every miss (nothing cached) is loaded whole and offered, K·(1 − H_i(C))
         # (LCP always replaces), each a copy of θ_i of an expert into the cache
         admitted = np.where(sizes > 0, self.shape.top_k * (1.0 - self.curves.hit) * theta, 0.0)
-        host = loaded * self.timings.t_host_load + admitted * self.timings.t_admit
+        # top hits of a split (0 < k_i < I) run two segment forwards: c more each
+        split_hits = np.where((k > 0) & (k < shape.intermediate), self.shape.top_k * self.curves.hit, 0.0)
+        host = loaded * self.timings.t_host_load + admitted * self.timings.t_admit + split_hits * self.timings.t_segment
         tables = (k, theta, feasible, cost, gain, cached, host)
         if len(self._by_budget) > 4096:
             self._by_budget.clear()
@@ -219,7 +224,7 @@ class _LayerModel:
             # argmax m_i·T_load − loaded_i·h_load (= argmax m_i when h_load = 0). Among (near-)ties keep
             # the most bytes cached (never worse in practice), then the smallest C.
             score = hidden * t.t_load - host
-            best = score >= score.max() - _TIE * max(t.t_load, t.t_host_load, t.t_admit, 1e-300)
+            best = score >= score.max() - _TIE * max(t.t_load, t.t_host_load, t.t_admit, t.t_segment, 1e-300)
             c = int(np.argmax(np.where(best, self.sizes * k, -1)))
         else:
             c = cache_size

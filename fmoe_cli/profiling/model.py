@@ -74,7 +74,8 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         )
         h_pf = prefetch_host_s(lm, engine, prompt_ids(lm, prefill_len), timings.t_host_load or 0.0,
                                rounds=5 if quick else 9, tokens=8 if quick else 16)
-        return replace(timings, t_host_prefetch=h_pf, t_admit=admission_copy_s(lm, repeats=20 if quick else 100))
+        return replace(timings, t_host_prefetch=h_pf, t_admit=admission_copy_s(lm, repeats=20 if quick else 100),
+                       t_segment=segment_call_s(lm, repeats=50 if quick else 200))
     finally:
         engine.observers = observers
 
@@ -133,6 +134,25 @@ def admission_copy_s(lm, repeats: int = 20) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def segment_call_s(lm, repeats: int = 200) -> float:
+    """c: the fixed cost of one segment forward (the store's own, on a one-block segment) on this device."""
+    import time
+
+    block = lm.shape.neuron_block if lm.shape.intermediate >= lm.shape.neuron_block else 1
+    segment = lm.store.expert(0, 0)[:block].to(lm.device)
+    x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
+    act = torch.nn.functional.silu
+    sync = (lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else (lambda: None)
+    for _ in range(10):
+        lm.store.segment_forward(x, segment, act)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        lm.store.segment_forward(x, segment, act)
+    sync()
+    return (time.perf_counter() - start) / repeats
 
 
 def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False) -> float:
