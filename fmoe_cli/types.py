@@ -152,6 +152,7 @@ class Plan:
         return (
             f"{self.source}: {cached} expert tops cached over {len(self.layers)} layers ({theta}), "
             f"{self.staging_slots} staging slots, {self.total_bytes / MiB:.1f} MiB"
+            + ("" if self.prefetch or self.resident else ", no prefetch")
         )
 
     def to_dict(self) -> dict:
@@ -183,10 +184,17 @@ class Timings:
     # h_load: the host's own work per loaded segment (staging slot, copy submit, acquire, release, the
     # extra segment forward of a split expert), beyond its compute and its link time; 0 unless measured
     # (profiling/layers.py: time_layers).
-    t_host: float = 0.0
+    t_host_load: float = 0.0
+    # h_pf: the host's work per MoE layer that prefetches (the predictor's scores and ranking, the
+    # prefetcher's submits and cancels); 0 unless measured (profiling/model.py: prefetch_host_s).
+    t_host_prefetch: float = 0.0
+    # a_e: the compute stream's copy of one whole expert into the cache (device to device; on the CPU a
+    # memcpy), which admitting a loaded expert's top segment of k_i neurons costs k_i/I of; 0 unless measured
+    # (profiling/model.py: admission_copy_s) or estimated from the device's memory bandwidth.
+    t_admit: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("t_att", "t_moe", "t_head", "t_load", "t_host"):
+        for name in ("t_att", "t_moe", "t_head", "t_load", "t_host_load", "t_host_prefetch", "t_admit"):
             value = getattr(self, name)
             if not value >= 0 or not math.isfinite(value):
                 raise FmoeError(f"timing {name} must be a finite number of seconds ≥ 0, got {value}")
@@ -201,9 +209,10 @@ class Timings:
     @classmethod
     def from_link(
         cls, *, t_att: float, t_moe: float, t_head: float, top_k: int,
-        expert_bytes: int, bandwidth: float, latency: float = 0.0, t_host: float = 0.0,
+        expert_bytes: int, bandwidth: float, latency: float = 0.0, t_host_load: float = 0.0,
+        t_host_prefetch: float = 0.0, t_admit: float = 0.0,
     ) -> Timings:
         """T_load = latency + S_e / bandwidth (bandwidth in bytes/s, from the device profile's fit)."""
         if bandwidth <= 0:
             raise FmoeError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
-        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k, t_host)
+        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k, t_host_load, t_host_prefetch, t_admit)

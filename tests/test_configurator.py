@@ -284,6 +284,64 @@ from fmoe_cli.planning.configurator import ALGORITHM_1, BASELINES, price_plan  #
 from fmoe_cli.planning.plan import uniform_plan  # noqa: E402
 
 
+def test_host_work_per_loaded_segment_is_charged_and_can_favour_whole_experts():
+    """V_i = 12 bytes (one whole expert, or two halves), no window (T_head = T_att = 0), T_load = 4,
+    T_moe = 1. Ranks [1, 3]: H(1) = 1/4, H(2) = 1.
+
+    C=1: θ = 1, m = 1/4; every activation but the whole hits is loaded: 3/4 segments.
+    C=2: θ = 1/2, m = 1/2; a top hit still loads its bottom: 1 segment.
+    h_load = 0 (Eq. 11, argmax m): C=2, T = (1 − 1/2)·4 − 1/2 = 1.5.
+    h_load = 1: score m·T_load − loaded·h: C=1 1 − 0.75 = 0.25, C=2 2 − 1 = 1 → C=2, T = 1.5 + 1 = 2.5.
+    h_load = 8: C=1 1 − 6 = −5, C=2 2 − 8 = −6 → C=1, T = 0.75·4 − 0.25 + 0.75·8 = 8.75 (C=2 would be 9.5);
+      T_wind^2 = T_moe + host − min(m·T_exp, busy) + T_att = 1 + 6 − 0.25 = 6.75.
+    """
+    stats = stats_of(layer([1, 3]), layer([1, 3]))
+    shape = ExpertShape(2, 2, 1, 1, 4, 1)
+    picked = {}
+    for h in (0.0, 1.0, 8.0):
+        timings = Timings(t_att=0.0, t_moe=1.0, t_head=0.0, t_load=4.0, top_k=1, t_host_load=h)
+        first, second = expert_split([12, 12], stats, timings, shape).layers
+        picked[h] = (first.cache_size, first.split, first.exposed)
+        if h == 8.0:
+            assert second.window == pytest.approx(6.75)
+    assert picked[0.0] == (2, 0.5, pytest.approx(1.5))
+    assert picked[1.0] == (2, 0.5, pytest.approx(2.5))
+    assert picked[8.0] == (1, 1.0, pytest.approx(8.75))
+
+
+def test_admission_copies_are_charged_and_can_favour_a_split_or_no_cache():
+    """V_i = 12 bytes, no window, T_load = 4, T_moe = 1. Ranks [3, 1]: H(1) = 3/4, H(2) = 1.
+
+    C=1 (θ = 1): m = 3/4, loads 1/4, admits 1/4 whole tops per token.
+    C=2 (θ = 1/2): m = 1/2, loads 1 (every bottom), admits nothing (H(2) = 1: no miss).
+    C=0: m = 0, loads 1.
+    a_e = 0, h_load = 0: C=1, T = 1/4·4 − 3/4 = 0.25.
+    a_e = 20: scores C=1 3 − 5 = −2, C=2 2, C=0 0 → C=2, T = 1/2·4 − 1/2 = 1.5.
+    a_e = 20, h_load = 10: C=1 3 − 2.5 − 5 = −4.5, C=2 2 − 10 = −8, C=0 −10 → C=1, T = 0.25 + 2.5 + 5 = 7.75.
+    """
+    stats = stats_of(layer([3, 1]))
+    picked = {}
+    for a_e, h in ((0.0, 0.0), (20.0, 0.0), (20.0, 10.0)):
+        timings = Timings(t_att=0.0, t_moe=1.0, t_head=0.0, t_load=4.0, top_k=1, t_host_load=h, t_admit=a_e)
+        (c,) = expert_split([12], stats, timings, TINY).layers
+        picked[(a_e, h)] = (c.cache_size, c.split, c.exposed)
+    assert picked[(0.0, 0.0)] == (1, 1.0, pytest.approx(0.25))
+    assert picked[(20.0, 0.0)] == (2, 0.5, pytest.approx(1.5))
+    assert picked[(20.0, 10.0)] == (1, 1.0, pytest.approx(7.75))
+
+
+def test_prefetch_host_work_is_charged_per_prefetching_layer():
+    """No cache, T_wind^1 = 5, T_load = 4, PREDICTABLE: one prefetch lands, m = 0.75, T = 0.25 (above).
+    h_pf = 2 is paid by a layer that prefetches, not by the same layer without prefetch
+    (width 0: T = 4 − 0 = 4)."""
+    timings = Timings(t_att=1.0, t_moe=1.0, t_head=4.0, t_load=4.0, top_k=1, t_host_prefetch=2.0)
+    stats = stats_of(layer(**PREDICTABLE))
+    (on,) = expert_split([0], stats, timings, TINY, max_prefetch=1).layers
+    (off,) = expert_split([0], stats, timings, TINY, max_prefetch=0).layers
+    assert (on.prefetches, on.exposed) == (1, pytest.approx(0.25 + 2.0))
+    assert (off.prefetches, off.exposed) == (0, pytest.approx(4.0))
+
+
 def test_a_wrong_prefetch_on_the_link_is_charged():
     """No cache (V = 0), T_wind^1 = T_head + T_att = 5, T_load = 4, PREDICTABLE statistics.
 
@@ -383,7 +441,7 @@ def test_configurator_never_predicts_worse_than_a_baseline(data):
         layers.append(LayerStats(n, k, np.array(rank), np.array(pred), np.array(ph), tokens=q, predicted_tokens=q))
     stats = RoutingStats("m", n, k, layers)
     timings = Timings(t_att=data.draw(st.floats(0, 2)), t_moe=data.draw(st.floats(0.1, 2)), t_head=data.draw(st.floats(0, 2)),
-                      t_load=data.draw(st.floats(0.1, 8)), top_k=k)
+                      t_load=data.draw(st.floats(0.1, 8)), top_k=k, t_host_load=data.draw(st.sampled_from([0.0, 0.5, 4.0])))
     budget = data.draw(st.integers(0, 3 * n * shape.expert_bytes))
     config = vram_allocation(budget, stats, timings, shape, zeta=0.1, max_prefetch=k)
     prices = dict(config.candidates)

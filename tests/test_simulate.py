@@ -128,3 +128,24 @@ def test_host_work_is_paid_per_loaded_segment_and_per_prefetching_layer():
     c = simulate_policy(SHAPE, prefetching, TIMES, [seq], **fast)
     d = simulate_policy(SHAPE, prefetching, TIMES, [seq], prefetch_host=0.25, **fast)
     assert d.tpot_s - c.tpot_s == pytest.approx(2 * 0.25, abs=1e-6)  # one prefetch issue per layer
+
+
+def test_host_figures_come_from_the_timings_and_admissions_pay_their_copy():
+    """The simulator's host work defaults to the timings' measured figures (h_load, h_pf), and a
+    miss whose top is admitted into the cache pays a_e·k/I: cache-only with one whole expert (k = I)
+    per layer over alternating routes: every activation misses; per layer the first miss replaces the
+    cached expert, the second finds only a pinned (active) one and is not admitted: 2 copies per token."""
+    from dataclasses import replace
+
+    seq = _tokens([[[0, 1], [2, 3]], [[2, 3], [0, 1]]] * 3)
+    fast = dict(bandwidth=1e12)
+    ondemand = make_settings("ondemand", SHAPE, 2 * SHAPE.top_k * SHAPE.expert_bytes)
+    given = simulate_policy(SHAPE, ondemand, TIMES, [seq], load_host=0.5, **fast)
+    assert simulate_policy(SHAPE, ondemand, replace(TIMES, t_host_load=0.5), [seq], **fast).tpot_s == given.tpot_s
+    budget = 2 * SHAPE.top_k * SHAPE.expert_bytes + 2 * SHAPE.expert_bytes  # one whole expert per layer
+    cache = make_settings("cache-only", SHAPE, budget)
+    assert {(lp.cache_size, lp.top_neurons) for lp in cache.plan.layers} == {(1, SHAPE.intermediate)}
+    a = simulate_policy(SHAPE, cache, TIMES, [seq], **fast)
+    b = simulate_policy(SHAPE, cache, replace(TIMES, t_admit=0.125), [seq], **fast)
+    assert a.hit_rate == b.hit_rate == 0.0
+    assert b.tpot_s - a.tpot_s == pytest.approx(2 * 0.125, abs=1e-6)

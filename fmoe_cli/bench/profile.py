@@ -103,9 +103,15 @@ def render(profile: Profile, path: Path | None, expert_bytes: int | None, consol
         console.print(table)
         console.print(f"T_head: decode {timings.decode.t_head * 1e3:.3f} ms, prefill {timings.prefill.t_head * 1e3:.3f} ms",
                       highlight=False)
-        if timings.t_host is not None:
+        if timings.t_host_load is not None:
             console.print(f"h_load (host work per loaded expert segment, beyond compute and link): "
-                          f"{timings.t_host * 1e3:.3f} ms", highlight=False)
+                          f"{timings.t_host_load * 1e3:.3f} ms", highlight=False)
+        if timings.t_host_prefetch is not None:
+            console.print(f"h_pf (host work per MoE layer that prefetches): {timings.t_host_prefetch * 1e3:.3f} ms",
+                          highlight=False)
+        if timings.t_admit is not None:
+            console.print(f"a_e (one expert copied into the cache on the device): {timings.t_admit * 1e3:.3f} ms",
+                          highlight=False)
         if expert_bytes is not None:
             t_load = profile.device.link.transfer_time(expert_bytes)
             console.print(f"T_load (one expert, {expert_bytes / MiB:.2f} MiB): {t_load * 1e3:.3f} ms", highlight=False)

@@ -10,7 +10,9 @@ Symbols (paper → code):
     T_wind^i            the prefetch window before layer i
     m_i                 expected number of activated experts (in whole-expert units) whose
                         loading is hidden: cached top segments plus what prefetch covers
-    T^i                 exposed (un-hidden) load time of layer i
+    T^i                 exposed (un-hidden) load time of layer i, plus the host's work of its loads
+    h_load, h_pf, a_e   Timings.t_host_load, t_host_prefetch, t_admit: the host's work per loaded
+                        segment and per prefetching layer, one expert's copy into the cache (ours)
 
 ExpertSplit({V_i}) (Eq. 5–11, as docs/architecture.md § Statistics, configurator, re-planning states them,
 with the link charged for the issued prefetch that still holds it when the layer routes):
@@ -25,11 +27,21 @@ with the link charged for the issued prefetch that still holds it when the layer
               the rest of its link time, lost when it is wrong (a copy is not pre-empted;
               prefetches queued behind it are cancelled for free, right ones are taken
               over as demand loads)
-        C_i = argmax m_i                                                          (11)
-        T^i = max(0, R_i + (K − m_i)·T_load − m_i·T_exp)                          (6)
-        T_wind^{i+1} = T_moe − min(m_i·T_exp, R_i + (K − m_i)·T_load) + T_att     (7)
+        G_i = h_load · (K − K·H_i(C_i)·[k_i = I]) + a_e · K·(1 − H_i(C_i))·θ_i + h_pf · [Y_i > 0]
+              the work loads cost besides the link: per loaded segment (Timings.t_host_load;
+              every activated expert but a whole cached one is loaded, a top hit's bottom
+              included), per admission (t_admit: a miss's top θ_i copied into the cache, LCP
+              always replaces) and per prefetching layer (t_host_prefetch)
+        C_i = argmax m_i·T_load − G_i (without the h_pf term, the same for every C)   (11)
+        T^i = max(0, R_i + (K − m_i)·T_load − m_i·T_exp) + G_i                    (6)
+        T_wind^{i+1} = T_moe + G_i − min(m_i·T_exp, R_i + (K − m_i)·T_load) + T_att     (7)
 
-With R_i = 0 (W = Y) these are the paper's equations. Two guards the formulas leave implicit: m_i is capped at K (no
+With R_i = 0 (W = Y) and G_i = 0 these are the paper's equations. G_i is ours (measured why:
+docs/planning.md § The host's work): where a load costs the host about as much as the link,
+a split expert's top hit saves link time but still pays a load's host work, which a whole
+cached expert does not, and a prefetch can cost the host more than the load it hides;
+without G_i the configurator chose split or prefetching plans that lost to whole-expert
+caching without prefetch (cache-only) at cheap loads. Two guards the formulas leave implicit: m_i is capped at K (no
 layer hides more than its K experts; with product-of-marginals statistics Eq. 9 can
 exceed K), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
 reported as 0) is a candidate, and the only one when V_i cannot hold one neuron block
@@ -101,6 +113,7 @@ BASELINES: dict[str, tuple[float, bool]] = {
     "cache only (θ = 1, no prefetch)": (1.0, False),
     "uniform (θ = 0.5)": (0.5, True),
     "prefetch only (θ = 0)": (0.0, True),
+    "on demand (no cache, no prefetch)": (0.0, False),
 }
 ALGORITHM_1 = "algorithm 1"
 
@@ -164,7 +177,13 @@ class _LayerModel:
         cost = np.cumsum(load_share * self.timings.t_load, axis=0)  # Σ_{y'≤y} (1 − PH·θ)·T_load
         gain = np.cumsum(load_share * self.curves.predicted_hit[:, None], axis=0)  # Σ_{y'≤y} (1 − PH·θ)·P(y')
         cached = self.shape.top_k * self.curves.hit * theta  # K·H_i(C)·θ_i
-        tables = (k, theta, feasible, cost, gain, cached)
+        # segments loaded per token: every activated expert but the whole cached ones, K − K·H_i(C)·[k_i = I]
+        loaded = self.shape.top_k - np.where(k == shape.intermediate, self.shape.top_k * self.curves.hit, 0.0)
+        # tops admitted per token: every miss (nothing cached) is loaded whole and offered, K·(1 − H_i(C))
+        # (LCP always replaces), each a copy of θ_i of an expert into the cache
+        admitted = np.where(sizes > 0, self.shape.top_k * (1.0 - self.curves.hit) * theta, 0.0)
+        host = loaded * self.timings.t_host_load + admitted * self.timings.t_admit
+        tables = (k, theta, feasible, cost, gain, cached, host)
         if len(self._by_budget) > 4096:
             self._by_budget.clear()
         self._by_budget[budget] = tables
@@ -173,7 +192,7 @@ class _LayerModel:
     def choose(self, budget: int, window: float, cache_size: int | None = None) -> tuple[LayerChoice, float]:
         """The best C_i for V_i = budget in window T_wind^i (or the given `cache_size`: pricing a
         fixed plan); returns it and T_wind^{i+1}."""
-        k, theta, feasible, cost, gain, cached = self._tables(budget)
+        k, theta, feasible, cost, gain, cached, host = self._tables(budget)
         t = self.timings
         top_k = t.top_k
         columns = self.sizes
@@ -196,16 +215,22 @@ class _LayerModel:
         hidden = np.minimum(cached + prefetched, top_k)  # m_i (Eq. 9), capped at K
         hidden = np.where(feasible, hidden, -np.inf)
         if cache_size is None:
-            # Eq. 11. Among (near-)ties keep the most bytes cached (never worse in practice), then the smallest C.
-            best = hidden >= hidden.max() - _TIE
+            # Eq. 11, with the host's work of the loads: the load time hidden less the host time spent,
+            # argmax m_i·T_load − loaded_i·h_load (= argmax m_i when h_load = 0). Among (near-)ties keep
+            # the most bytes cached (never worse in practice), then the smallest C.
+            score = hidden * t.t_load - host
+            best = score >= score.max() - _TIE * max(t.t_load, t.t_host_load, t.t_admit, 1e-300)
             c = int(np.argmax(np.where(best, self.sizes * k, -1)))
         else:
             c = cache_size
         m = float(hidden[c])
         behind = float(link[c])  # R_i: a wrong prefetch's link time the window did not cover
         busy = behind + (top_k - m) * t.t_load  # the link's work once layer i has routed
-        exposed = max(0.0, busy - m * t.t_exp)  # T^i (Eq. 6)
-        next_window = t.t_moe - min(m * t.t_exp, busy) + t.t_att  # T_wind^{i+1} (Eq. 7)
+        work = float(host[c])  # h_load per loaded segment (whole cached experts load nothing), a_e·θ per admission
+        if prefetches[c] > 0:
+            work += t.t_host_prefetch  # h_pf: the predictor and prefetcher's work when the layer prefetches
+        exposed = max(0.0, busy - m * t.t_exp) + work  # T^i (Eq. 6, + G_i)
+        next_window = t.t_moe + work - min(m * t.t_exp, busy) + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
         size = c if k[c] > 0 else 0
         choice = LayerChoice(
             budget=int(budget),

@@ -128,14 +128,17 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
     if profile is not None and profile.model is not None:
         profile.check_model(model_identity(facts.name, facts.config_path), source="the profile")
         t = profile.model.timings(profile.device.link, shape.expert_bytes)
-        return Timings(t.t_att, t.t_moe, t.t_head, link_latency + shape.expert_bytes / link_bandwidth, t.top_k), \
-            "measured per-layer times from the profile"
+        host = (f", host work {t.t_host_load * 1e3:.3f} ms per loaded segment" if profile.model.t_host_load is not None
+                else "; host work per load not in the profile (0)")
+        return replace(t, t_load=link_latency + shape.expert_bytes / link_bandwidth), \
+            f"measured per-layer times from the profile{host}"
     t_load = link_latency + shape.expert_bytes / link_bandwidth  # T_load = latency + S_e / bandwidth
     bandwidth = profile.device.memory_bandwidth if profile is not None else None
     if bandwidth:  # decode is memory bound: each weight is read once per token
         t_exp = shape.expert_bytes / bandwidth
         return Timings(facts.attention_bytes / bandwidth, shape.top_k * t_exp, facts.head_bytes / bandwidth, t_load,
-                       shape.top_k), f"roofline estimate at {bandwidth / 1e9:.0f} GB/s device memory"
+                       shape.top_k, t_admit=2 * t_exp), \
+            f"roofline estimate at {bandwidth / 1e9:.0f} GB/s device memory (an admission copy reads and writes: 2 × T_exp)"
     return Timings(0.0, 0.0, 0.0, t_load, shape.top_k), "none: assumes compute hides no loading (give --profile)"
 
 

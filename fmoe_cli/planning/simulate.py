@@ -22,7 +22,8 @@ decode token; its T_load is not used: the link's bandwidth and latency time ever
                     (c: a segment's fixed dispatch cost, 0 unless measured) in the engine's
                     order: whole and cached-top segments first, then each load as acquired
                     (+ h_load of host work per loaded segment), h_pf before a prefetch is issued
-                    (h_load, h_pf: the engine's host work, 0 unless measured)
+                    (h_load, h_pf: the engine's host work; h_load is Timings.t_host_load,
+                    measured with the layer timings; h_pf 0 unless given)
     per token:      T_head (LM head, final norm, layers before the first MoE layer)
 An acquire of a copy not yet landed sleeps the clock to its end (the exposed time).
 
@@ -109,18 +110,19 @@ class Simulator:
 
     def __init__(self, shape: ExpertShape, settings: EngineSettings, times: Timings, bandwidth: float,
                  latency: float = 0.0, predictor=None, segment_overhead: float = 0.0,
-                 load_host: float = 0.0, prefetch_host: float = 0.0) -> None:
+                 load_host: float | None = None, prefetch_host: float | None = None) -> None:
         self.shape = shape
         self.settings = settings
         self.times = times
         # Fixed cost of one segment's forward (dispatch; part of T_exp): a segment of n neurons takes
         # overhead + (T_exp − overhead)·n/I, so a split expert (top + bottom) costs one overhead more.
         self.segment_overhead = min(segment_overhead, times.t_exp)
-        # The engine's host work beyond compute (0 unless measured, as benchmarks/simulate.py does):
-        # h_load per loaded segment (pool slot, link submit, acquire, release: the host's, not the link's)
-        # and h_pf per layer that prefetches (the predictor's ranking and the prefetcher's bookkeeping).
-        self.load_host = load_host
-        self.prefetch_host = prefetch_host
+        # The engine's host work beyond compute: h_load per loaded segment (pool slot, link submit, acquire,
+        # release: the host's, not the link's; Timings.t_host_load, measured with the layer timings, unless given)
+        # and h_pf per layer that prefetches (the predictor's ranking and the prefetcher's bookkeeping; 0
+        # unless given: benchmarks/simulate.py calibrates both).
+        self.load_host = times.t_host_load if load_host is None else load_host
+        self.prefetch_host = times.t_host_prefetch if prefetch_host is None else prefetch_host
         self.clock = VirtualClock()
         self.link = EmulatedLink(bandwidth / 1e9, latency, clock=self.clock)
         plan = settings.plan
@@ -211,7 +213,8 @@ class Simulator:
             self.clock.advance(self.load_host + t_call + (shape.intermediate - max(entry.start, k if entry.expert in hits.top_hits else 0))
                                * t_neuron)
             if entry.expert not in hits.top_hits and state.top_neurons > 0:
-                state.cache.admit(entry.expert)
+                if state.cache.admit(entry.expert) is not None:  # the top copied into the cache: k/I of a_e
+                    self.clock.advance(self.times.t_admit * k / shape.intermediate)
             pool.release(entry, link.record_reads())
             self._submit_demand(i, waiting, loading)
         if not prefetched:
@@ -296,8 +299,8 @@ def tokens_of(trace) -> list[list[Token]]:
 
 def simulate_policy(shape: ExpertShape, settings: EngineSettings, times: Timings, sequences: Sequence[Sequence[Token]], *,
                     bandwidth: float, latency: float = 0.0, prompt_tokens: int = 0, warmup: int = 0,
-                    predictor_factory=None, segment_overhead: float = 0.0, load_host: float = 0.0,
-                    prefetch_host: float = 0.0) -> SimResult:
+                    predictor_factory=None, segment_overhead: float = 0.0, load_host: float | None = None,
+                    prefetch_host: float | None = None) -> SimResult:
     """Simulate one policy over every sequence: the first `prompt_tokens` of a sequence are its
     prefill; `warmup` decode tokens run first (as `fmoe bench` warms up on the same prompt) and
     are not measured. One Simulator for all sequences (caches carry over, as in a session)."""

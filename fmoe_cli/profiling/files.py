@@ -90,9 +90,14 @@ class ModelTimings:
     top_k: int  # K
     decode: PhaseTimings
     prefill: PhaseTimings | None = None
-    # h_load (Timings.t_host): host work per loaded segment in decode, from MoE layers run again with
+    # h_load (Timings.t_host_load): host work per loaded segment in decode, from MoE layers run again with
     # their experts loaded on demand (profiling/layers.py); None in profiles from before it was measured
-    t_host: float | None = None
+    t_host_load: float | None = None
+    # h_pf (Timings.t_host_prefetch): host work per MoE layer that prefetches, from decode tokens with
+    # and without prefetch (profiling/model.py); None when not measured
+    t_host_prefetch: float | None = None
+    # a_e (Timings.t_admit): one whole expert copied into the cache on the device; None when not measured
+    t_admit: float | None = None
 
     def timings(self, link: LinkFit, expert_bytes: int, phase: str = "decode") -> Timings:
         """The configurator's Timings: means over the MoE layers; dense layers (DeepSeek's first
@@ -112,7 +117,9 @@ class ModelTimings:
             expert_bytes=expert_bytes,
             bandwidth=link.bandwidth,
             latency=link.latency or 0.0,
-            t_host=self.t_host or 0.0,
+            t_host_load=self.t_host_load or 0.0,
+            t_host_prefetch=self.t_host_prefetch or 0.0,
+            t_admit=self.t_admit or 0.0,
         )
 
 
@@ -266,5 +273,7 @@ class _Reader:
             top_k=self.get(d, "top_k", int),
             decode=self.phase(self.obj(d, "decode")),
             prefill=None if prefill is None else self.phase(self.obj(d, "prefill")),
-            t_host=self.get(d, "t_host", float, optional=True),
+            t_host_load=self.get(d, "t_host_load", float, optional=True),
+            t_host_prefetch=self.get(d, "t_host_prefetch", float, optional=True),
+            t_admit=self.get(d, "t_admit", float, optional=True),
         )

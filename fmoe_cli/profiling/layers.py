@@ -13,7 +13,7 @@ resident one) and:
 3. given `loads` (the engine's running count of loaded segments and exposed seconds),
    runs each MoE block's decode input once more outside `resident(i)`, its experts
    loaded through the engine, for the host's work per loaded segment:
-       h_load = (T_block,loaded − exposed − T_moe) / loaded segments        (Timings.t_host)
+       h_load = (T_block,loaded − exposed − T_moe) / loaded segments        (Timings.t_host_load)
    the median over runs and layers. It is what a load costs the host beyond its link
    time (staging slot, copy submit, acquire, release), which the configurator charges
    every segment that is not a whole cached expert.
@@ -187,22 +187,22 @@ def time_layers(
                 advance()
             timings.append(LayerTiming(i, moe, t_att, t_mlp))
         phases[phase] = PhaseTimings(tokens, tuple(timings), head)
-    t_host = max(0.0, statistics.median(host)) if host else None
-    return ModelTimings(model_identity, top_k, phases["decode"], phases["prefill"], t_host)
+    t_host_load = max(0.0, statistics.median(host)) if host else None
+    return ModelTimings(model_identity, top_k, phases["decode"], phases["prefill"], t_host_load)
 
 
 def _host_per_load(block: nn.Module, x: torch.Tensor, t_resident: float, loads: Callable[[], tuple[int, float]],
-                   repeats: int, sync: Callable[[], None]) -> list[float]:
+                   repeats: int, sync: Callable[[], None], now: Callable[[], float] = time.perf_counter) -> list[float]:
     """Per run of `block` with its experts loaded on demand: (time − exposed − T_moe) / loaded segments."""
     block(x)  # warm-up
     out = []
     for _ in range(repeats):
         sync()
         segments, exposed = loads()
-        t0 = time.perf_counter()
+        t0 = now()
         block(x)
         sync()
-        elapsed = time.perf_counter() - t0
+        elapsed = now() - t0
         after, exposed_after = loads()
         if after > segments:
             out.append((elapsed - (exposed_after - exposed) - t_resident) / (after - segments))
