@@ -17,21 +17,29 @@ so what they add is host work. Per loaded segment:
 
 with loaded segments per token = (misses + top hits) / decode tokens, from the engine's
 counters, and exposed = the time the compute waited on the link (0 on an instant link).
-The ratio of each round's TPOTs is taken per round; tables give the median over rounds
-and the spread (min–max of the per-round values).
+Differences are taken per round; tables give the median over rounds and the spread
+(min–max of the per-round values). A decode step also runs attention, sampling and the
+other layers, so each run also times the engine alone (`layer_forward_us`): one MoE
+layer's experts forward for one token routed to K fixed experts, every layer in turn,
+`--layer-reps` times; per segment = (µs − resident µs) / K. (`split` includes its second,
+smaller segment_forward and the add: compute that a whole expert does not do.)
 
     python benchmarks/host_work.py [--repeats 5 --tokens 32 --warmup 4 --gbps GB/s]
     python benchmarks/host_work.py --profile ondemand     # cProfile of one run, top functions
+    python benchmarks/host_work.py --versions OLD NEW --rounds 4   # two source trees (their fmoe_cli), one
+        process per tree and round, alternating: host ms per segment of each, side by side
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
 import statistics
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 
 import torch
 from rich.console import Console
@@ -71,10 +79,33 @@ class Run:
     exposed_ms: float  # compute waiting on the link, per decode token
     segments: float  # loaded segments (misses + top hits) per decode token
     token_ids: list[int]
+    layer_us: float = 0.0  # one MoE layer's experts forward, one token, K fixed experts (`layer_forward_us`)
 
 
-def measure(lm, engine: Engine, settings, prompt_ids: torch.Tensor, tokens: int, warmup: int) -> Run:
-    """Configure, warm up on the prompt, then generate `tokens` greedy tokens; decode steps only."""
+def layer_forward_us(lm, engine: Engine, reps: int) -> float:
+    """µs per experts forward of one MoE layer for one token routed to K fixed, distinct experts, every
+    layer in turn, `reps` times after a warm-up: the engine's work without attention, sampling and
+    the model's other layers around it (less noise per segment than a decode step)."""
+    shape = lm.shape
+    ids = torch.arange(0, shape.num_experts, shape.num_experts // shape.top_k)[: shape.top_k].view(1, -1)  # [1, K]
+    weights = torch.full((1, shape.top_k), 1.0 / shape.top_k, dtype=lm.dtype)
+    x = torch.randn(1, shape.hidden, dtype=lm.dtype, generator=torch.Generator().manual_seed(0))
+    experts = [layer.experts for layer in lm.layers]
+    with torch.inference_mode():
+        for _ in range(20):
+            for module in experts:
+                engine.experts_forward(module, x, ids, weights)
+        start = time.perf_counter()
+        for _ in range(reps):
+            for module in experts:
+                engine.experts_forward(module, x, ids, weights)
+        return (time.perf_counter() - start) / (reps * len(experts)) * 1e6
+
+
+def measure(lm, engine: Engine, settings, prompt_ids: torch.Tensor, tokens: int, warmup: int,
+            layer_reps: int = 0) -> Run:
+    """Configure, warm up on the prompt, then generate `tokens` greedy tokens (decode steps only);
+    then `layer_forward_us` with `layer_reps` repetitions."""
     engine.configure(settings)
     for _ in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=warmup, stop_on_eos=False):
         pass
@@ -83,12 +114,60 @@ def measure(lm, engine: Engine, settings, prompt_ids: torch.Tensor, tokens: int,
     steady = sum((e.counters for e in decode), Counters())
     n = len(decode)
     return Run(statistics.median(e.latency_s for e in decode) * 1e3, steady.exposed_s * 1e3 / n,
-               (steady.misses + steady.hits_top) / n, [e.token_id for e in events])
+               (steady.misses + steady.hits_top) / n, [e.token_id for e in events],
+               layer_forward_us(lm, engine, layer_reps) if layer_reps else 0.0)
 
 
 def spread(values: list[float], fmt: str = "{:.3f}") -> str:
     """median [min–max] of per-round values."""
     return f"{fmt.format(statistics.median(values))} \\[{fmt.format(min(values))}–{fmt.format(max(values))}]"
+
+
+def per_segment(runs: dict[str, list[dict]], name: str) -> list[float]:
+    """Host ms per loaded segment of `name`, per round: (TPOT − resident TPOT − exposed) / segments."""
+    return [(x["tpot_ms"] - b["tpot_ms"] - x["exposed_ms"]) / x["segments"]
+            for x, b in zip(runs[name], runs["resident"])]
+
+
+def per_segment_layer(runs: dict[str, list[dict]], name: str, k: int) -> list[float]:
+    """The same from the one-layer measurement, in µs: (layer µs − resident layer µs) / K segments."""
+    return [(x["layer_us"] - b["layer_us"]) / k for x, b in zip(runs[name], runs["resident"])]
+
+
+def compare(args) -> None:
+    """Two source trees side by side: processes alternate (tree A, tree B, B, A, …), each a full run."""
+    import os
+    import subprocess
+
+    console = Console(width=170)
+    console.print("command: python benchmarks/host_work.py " + " ".join(sys.argv[1:]), highlight=False)
+    own = [a for a in sys.argv[1:] if a not in args.versions and a not in ("--versions",)]
+    own = [a for i, a in enumerate(own) if a != "--rounds" and (i == 0 or own[i - 1] != "--rounds")]
+    runs: dict[str, dict[str, list[dict]]] = {tree: {name: [] for name in RUNS} for tree in args.versions}
+    for r in range(args.rounds):
+        for tree in args.versions if r % 2 == 0 else args.versions[::-1]:
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+            with console.status(f"round {r + 1}/{args.rounds}: {tree} …"):
+                out = subprocess.run([sys.executable, __file__, *own, "--json"], env=env, check=True,
+                                     capture_output=True, text=True).stdout
+            report = json.loads(out)
+            for name, rs in report["runs"].items():
+                runs[tree][name] += rs
+            runs[tree]["k"] = report["top_k"]
+    table = Table(title=f"host ms per loaded segment: {args.rounds} processes per tree (alternating) × "
+                        f"{args.repeats} interleaved rounds each; median \\[min–max] over all rounds")
+    for col in ("tree", *(f"{n} TPOT ms" for n in RUNS), "ondemand ms/seg", "split ms/seg",
+                "1 layer: ondemand µs/seg", "1 layer: split µs/seg"):
+        table.add_column(col, justify="left" if col == "tree" else "right")
+    k = runs[args.versions[0]]["k"]
+    for tree, rr in runs.items():
+        table.add_row(tree, *(spread([x["tpot_ms"] for x in rr[n]]) for n in RUNS),
+                      spread(per_segment(rr, "ondemand")), spread(per_segment(rr, "split")),
+                      spread(per_segment_layer(rr, "ondemand", k), "{:.1f}"),
+                      spread(per_segment_layer(rr, "split", k), "{:.1f}"))
+    console.print(table)
+    ids = {tuple(x["token_ids"]) for rr in runs.values() for n in RUNS for x in rr[n]}
+    console.print("token ids identical across trees and runs" if len(ids) == 1 else "[red]token ids DIFFER[/red]")
 
 
 def main() -> None:
@@ -99,9 +178,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians and spread are reported")
     p.add_argument("--gbps", type=float, default=None, help="emulated link bandwidth (default: instant)")
     p.add_argument("--profile", choices=RUNS, help="cProfile one run of this policy instead of the table")
+    p.add_argument("--json", action="store_true", help="the per-round figures as JSON on stdout")
+    p.add_argument("--versions", nargs=2, metavar="TREE", help="compare two source trees (directories holding "
+                   "fmoe_cli): --rounds processes each, alternating, every one running --repeats rounds")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--layer-reps", type=int, default=200, help="repetitions of the one-layer measurement")
     args = p.parse_args()
+    if args.versions:
+        return compare(args)
     torch.set_num_threads(1)
-    console = Console(width=130)
+    console = Console(width=170, stderr=args.json)
     console.print("command: python benchmarks/host_work.py " + " ".join(sys.argv[1:]), highlight=False)
     lm = load_model(str(args.model or demo_path()), device="cpu", dtype="float32", console=console)
     prompt_ids = encode_prompt(lm, PROMPT)
@@ -128,13 +214,19 @@ def main() -> None:
     for r in range(args.repeats):
         for name in RUNS if r % 2 == 0 else RUNS[::-1]:
             with console.status(f"round {r + 1}/{args.repeats}: {name} …"):
-                runs[name].append(measure(lm, engine, settings(name, shape), prompt_ids, args.tokens, args.warmup))
+                runs[name].append(measure(lm, engine, settings(name, shape), prompt_ids, args.tokens, args.warmup,
+                                          args.layer_reps))
     engine.close()
 
+    if args.json:
+        print(json.dumps({"t_exp_ms": t_exp * 1e3, "link": link.label(), "tokens": args.tokens, "warmup": args.warmup,
+                          "top_k": shape.top_k,
+                          "runs": {name: [asdict(x) for x in rs] for name, rs in runs.items()}}))
+        return
     table = Table(title=f"host work per loaded segment, {lm.label}, {link.label()}: median \\[min–max] of "
                         f"{args.repeats} interleaved rounds")
     for col in ("run", "TPOT ms", "− resident ms", "exposed ms/tok", "segments/tok", "host ms/segment",
-                "÷ T_exp"):
+                "÷ T_exp", "1 layer µs", "1 layer: µs/segment"):
         table.add_column(col, justify="left" if col == "run" else "right")
     for name in RUNS:
         rs = runs[name]
@@ -142,9 +234,11 @@ def main() -> None:
         exposed = [x.exposed_ms for x in rs]
         per_token = [x.segments for x in rs]
         per_segment = [(d - e) / s if s else 0.0 for d, e, s in zip(extra, exposed, per_token)]
+        layer = [(x.layer_us - b.layer_us) / shape.top_k for x, b in zip(rs, runs["resident"])]
         table.add_row(name, spread([x.tpot_ms for x in rs]), spread(extra), spread(exposed),
                       f"{statistics.median(per_token):.1f}", spread(per_segment),
-                      spread([v / (t_exp * 1e3) for v in per_segment], "{:.2f}"))
+                      spread([v / (t_exp * 1e3) for v in per_segment], "{:.2f}"),
+                      spread([x.layer_us for x in rs], "{:.1f}"), spread(layer, "{:.1f}"))
     console.print(table)
     same = len({tuple(x.token_ids) for rs in runs.values() for x in rs}) == 1
     console.print("token ids identical across runs" if same else "[red]token ids DIFFER[/red]")

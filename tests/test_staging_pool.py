@@ -2,7 +2,7 @@
 
 A property test drives random interleavings of demand loads, prefetches, time,
 cancels and releases on the emulated link with a virtual clock: the pool stays
-consistent, a demand load always gets a slot unless the layer itself holds them all,
+consistent (`find` sees exactly the live entries), a demand load always gets a slot unless the layer itself holds them all,
 and no copy into a slot starts before the previous copy into it has finished or
 before the compute that read it has (fences). Then the crash of issue 10: a prompt of
 more tokens than the pool has slots, on a link whose wait() does not block.
@@ -43,7 +43,7 @@ def test_staging_pool_stays_consistent(slots: int, ops: list) -> None:
     lagging: list[Fence] = []  # reads the "compute stream" has not finished yet
 
     def stage(slot: int | None, layer: int, expert: int, demand: bool) -> None:
-        if slot is None:
+        if slot is None or pool.find(layer, expert) is not None:  # as the engine: an expert is staged once
             return
         assert pool.entries[slot] is None  # a slot holds one entry
         after = pool.after(slot)
@@ -90,6 +90,8 @@ def test_staging_pool_stays_consistent(slots: int, ops: list) -> None:
 
         entries = pool.live()
         assert len({e.slot for e in entries}) == len(entries) <= slots
+        live = {(e.layer, e.expert): e for e in entries}  # `find` sees exactly the live entries
+        assert all(pool.find(j, e) is live.get((j, e)) for j in range(LAYERS) for e in range(EXPERTS))
         assert all(e.transfer.state is not TransferState.CANCELLED for e in entries)
         assert pool.nbytes == slots * NEURONS * 12 * 4
         link.poll(entries[0].transfer) if entries else None

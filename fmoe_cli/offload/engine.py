@@ -367,7 +367,11 @@ class Engine:
             if not waiting and not prefetched:
                 self._prefetch(i, hidden_states, routing)  # 4. speculate once every demand load is queued
                 prefetched = True
-            entry = next((x for x in loading if x.transfer.ready()), loading[0])
+            for entry in loading:  # the first load seen done, else the oldest
+                if entry.transfer.ready():
+                    break
+            else:
+                entry = loading[0]
             loading.remove(entry)
             segment = self.link.acquire(entry.transfer, tag=i)  # [I - start, *row]: the only place that waits
             e = entry.expert

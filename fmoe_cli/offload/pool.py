@@ -50,6 +50,7 @@ class StagingPool:
         self._slot_views = list(self.buffer.unbind(0))  # [I, *row] per slot, made once
         self._sources: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, expert, start) -> store rows
         self.entries: list[Staged | None] = [None] * slots
+        self._staged: dict[tuple[int, int], Staged] = {}  # (layer, expert) -> its entry (at most one)
         self._writer: list[Transfer | None] = [None] * slots  # the last copy into each slot
         self._reads: list[Fence | None] = [None] * slots  # compute that last read each slot
 
@@ -71,10 +72,7 @@ class StagingPool:
         return self.buffer.numel() * self.buffer.element_size()
 
     def find(self, layer: int, expert: int) -> Staged | None:
-        for entry in self.entries:
-            if entry is not None and entry.layer == layer and entry.expert == expert:
-                return entry
-        return None
+        return self._staged.get((layer, expert))
 
     def classify(self, layer: int, active: list[int], cached: dict[int, int], top_neurons: int,
                  intermediate: int) -> Hits:
@@ -122,10 +120,11 @@ class StagingPool:
         return [e for e in self.entries if e is not None]
 
     def free_slot(self) -> int | None:
-        for slot, entry in enumerate(self.entries):
-            if entry is None:
-                return slot
-        return None
+        """The lowest free slot."""
+        try:
+            return self.entries.index(None)
+        except ValueError:
+            return None
 
     def after(self, slot: int) -> tuple:
         """What a new copy into `slot` must follow: the copy still writing it, the compute still reading it."""
@@ -152,12 +151,16 @@ class StagingPool:
 
     def put(self, entry: Staged) -> None:
         assert self.entries[entry.slot] is None, "a slot holds one entry"
+        key = (entry.layer, entry.expert)
+        assert key not in self._staged, "an expert of a layer is staged once"
         self.entries[entry.slot] = entry
+        self._staged[key] = entry
         self._writer[entry.slot] = entry.transfer
 
     def release(self, entry: Staged, reads: Fence | None = None) -> None:
         """Let the slot go; `reads`: the fence after the compute that read it (if it was read)."""
         self.entries[entry.slot] = None
+        del self._staged[(entry.layer, entry.expert)]
         entry.in_use = False
         entry.transfer.cancel()  # a copy not started yet is dropped; one in flight stays the slot's writer
         if reads is not None:

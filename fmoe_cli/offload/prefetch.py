@@ -52,7 +52,7 @@ class Prefetcher:
         candidates = []
         for index, p in enumerate(usable):
             scores = p.scores.tolist()
-            ranking = sorted(range(len(scores)), key=lambda e: -scores[e])  # stable: ties by expert id
+            ranking = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)  # stable: ties by expert id
             rankings[p.target] = ranking
             policy = self.layers[p.target].cache.policy
             if policy.uses_prediction:

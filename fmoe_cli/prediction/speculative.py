@@ -18,7 +18,8 @@ class SpeculativePredictor(BasePredictor):
 
     def _scores(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         target = (layer + 1) % len(self.routers)
-        return router_scores(self.routers[target], hidden).mean(dim=0)  # [N]
+        scores = router_scores(self.routers[target], hidden)  # [T, N]
+        return scores[0] if scores.shape[0] == 1 else scores.mean(dim=0)  # [N] (a decode step: its one row)
 
     def device_part(self, it: Iteration, layer: int, hidden: torch.Tensor) -> dict:
         return {("speculative", layer): self._scores(layer, hidden)}
