@@ -209,3 +209,18 @@ def test_host_work_per_load_is_time_less_exposed_less_resident_over_loaded_segme
     runs = layers._host_per_load(block, None, 1.0, lambda: (state["segments"], state["exposed"]), 3,
                                  lambda: None, now=lambda: state["t"])
     assert runs == [3.0, 3.0, 3.0]
+
+
+def test_a_measured_whole_step_scales_attention_and_head(config):
+    """Layer timings miss the work around the layers (embedding, hooks, sampling): a measured resident
+    decode step t_token scales T_att and T_head so that L·(T_att + T_moe) + T_head = t_token.
+    One MoE layer (T_att 0.15, T_moe 0.6 ms) and a dense one (0.1 + 0.2 ms) with T_head 0.3 ms:
+    timed 0.15 + 0.6 = 0.75 ms beside the experts; t_token 2.85 ms → × 3."""
+    from dataclasses import replace
+
+    profile = make_profile(DeviceIdentity("cuda", "x", 1 << 30), config)
+    plain = profile.model.timings(profile.device.link, expert_bytes=1)
+    scaled = replace(profile.model, t_token=2.85e-3).timings(profile.device.link, expert_bytes=1)
+    assert (plain.t_att, plain.t_head) == (pytest.approx(1.5e-4), pytest.approx(6e-4))
+    assert (scaled.t_att, scaled.t_head, scaled.t_moe) == (pytest.approx(4.5e-4), pytest.approx(1.8e-3), 6e-4)
+    assert replace(profile.model, t_token=2.85e-3).timings(profile.device.link, 1, phase="prefill").t_att == 1.5e-4

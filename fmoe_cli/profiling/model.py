@@ -74,10 +74,10 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         )
         t_admit = admission_copy_s(lm, repeats=20 if quick else 100)
         t_segment = segment_call_s(lm, repeats=50 if quick else 200)
-        h_load, h_pf, c = host_work_s(lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0,
+        h_load, h_pf, c, step = host_work_s(lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0,
                                       t_admit=t_admit, t_segment=t_segment, rounds=5 if quick else 9,
                                       tokens=8 if quick else 16)
-        return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c)
+        return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c, t_token=step)
     finally:
         engine.observers = observers
 
@@ -86,8 +86,8 @@ SPLIT_CACHE_BYTES = 512 * 2**20
 
 
 def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: float, t_admit: float,
-                t_segment: float, rounds: int = 5, tokens: int = 8) -> tuple[float, float, float]:
-    """(h_load, h_pf, c): the host's work per loaded segment, per MoE layer that prefetches (the
+                t_segment: float, rounds: int = 5, tokens: int = 8) -> tuple[float, float, float, float | None]:
+    """(h_load, h_pf, c, resident step): the host's work per loaded segment, per MoE layer that prefetches (the
     predictor's scores and ranking, the prefetcher's submits and cancels) and per split top hit
     (two segment forwards and their sum instead of one forward), from whole decode tokens on the
     engine's link, in interleaved rounds: every expert resident; no cache, loaded on demand; the
@@ -118,7 +118,7 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
         if half > 0 and size > 0:
             tops = LayerPlan(size * half * shape.neuron_bytes, size, half, half / shape.intermediate)
             configs["split"] = replace(settings, plan=replace(no_cache, layers=(tops,) * layers), prefetch=False)
-    h_loads, h_pfs, cs = [], [], []
+    h_loads, h_pfs, cs, steps = [], [], [], []
     try:
         for r in range(rounds):
             net, count = {}, {}
@@ -130,6 +130,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 count[name] = {key: statistics.median(getattr(e.counters, key) for e in events)
                                for key in ("needed_loads", "hits_top", "misses")}
             od = count["ondemand"]
+            if "resident" in net:
+                steps.append(net["resident"])
             h_load = (net["ondemand"] - net["resident"]) / max(1, od["needed_loads"]) if "resident" in net else block_h_load
             h_loads.append(h_load)
             h_pfs.append((net["prefetch"] - net["ondemand"]
@@ -141,7 +143,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     finally:
         engine.configure(settings)
     c = statistics.median(cs) if cs else t_segment
-    return max(0.0, statistics.median(h_loads)), max(0.0, statistics.median(h_pfs)), max(0.0, c)
+    step = statistics.median(steps) if steps else None
+    return max(0.0, statistics.median(h_loads)), max(0.0, statistics.median(h_pfs)), max(0.0, c), step
 
 
 def _loads(engine: Engine) -> tuple[int, float]:
