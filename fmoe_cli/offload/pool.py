@@ -37,6 +37,7 @@ class Staged:
     transfer: Transfer
     prefetched: bool
     in_use: bool = False
+    priority: float = float("inf")  # a prefetch: the priority it was issued with (offload/prefetch.py)
 
 
 _RECLAIM_ORDER = {TransferState.QUEUED: 0, TransferState.DONE: 1, TransferState.CANCELLED: 1,
