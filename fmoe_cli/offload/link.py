@@ -311,6 +311,8 @@ class EmulatedLink:
         return t
 
     def reprioritise(self, t: Transfer, priority: int) -> None:
+        if priority >= t.priority or t.finished:
+            return  # nothing to raise (`_promote` would change nothing)
         self._advance(self.clock.now())  # the copies begun before now were chosen without it
         _promote(t, priority)
 
