@@ -143,7 +143,7 @@ def compare(args) -> None:
     import os
     import subprocess
 
-    console = Console(width=170)
+    console = Console(width=210)
     console.print("command: python benchmarks/host_work.py " + " ".join(sys.argv[1:]), highlight=False)
     own = [a for a in sys.argv[1:] if a not in args.versions and a not in ("--versions",)]
     own = [a for i, a in enumerate(own) if a != "--rounds" and (i == 0 or own[i - 1] != "--rounds")]
