@@ -53,24 +53,10 @@ MIXTRAL_CONFIG = {  # mistralai/Mixtral-8x7B-v0.1 config.json (the figures that 
 }
 
 
-def segment_overhead_s(lm, repeats: int = 200) -> float:
-    """c: the fixed cost of one segment forward (a one-neuron segment) on this machine."""
-    import time
-
-    one = lm.store.expert(0, 0)[:1].to(lm.device)
-    x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
-    for _ in range(10):
-        lm.store.segment_forward(x, one, torch.nn.functional.silu)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        lm.store.segment_forward(x, one, torch.nn.functional.silu)
-    return (time.perf_counter() - start) / repeats
-
-
 def validate(args, console: Console) -> None:
     from engine import PROMPT  # benchmarks/engine.py
 
-    from fmoe_cli.profiling.model import expert_compute_s
+    from fmoe_cli.profiling.model import expert_compute_s, segment_call_s
 
     from fmoe_cli.bench.run import bench_policy, encode_prompt
     from fmoe_cli.trace import RouteRecorder, TraceWriter, read_trace
@@ -89,7 +75,7 @@ def validate(args, console: Console) -> None:
     shape = lm.shape
     prompt_ids = encode_prompt(lm, PROMPT)
     t_exp = expert_compute_s(lm)
-    t_call = segment_overhead_s(lm)  # c: one segment forward's fixed cost on this machine
+    t_call = segment_call_s(lm)  # c: one segment forward's fixed cost on this machine
     gbps = shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
     budget = parse_budget(args.budget, shape.all_experts_bytes)
     link = EmulatedLink(gbps)

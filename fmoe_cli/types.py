@@ -192,9 +192,12 @@ class Timings:
     # memcpy), which admitting a loaded expert's top segment of k_i neurons costs k_i/I of; 0 unless measured
     # (profiling/model.py: admission_copy_s) or estimated from the device's memory bandwidth.
     t_admit: float = 0.0
+    # c: the fixed cost of one segment forward (dispatch), part of T_exp; a split expert's top hit runs
+    # two segments (top and bottom), so it costs c more than a whole one; 0 unless measured.
+    t_segment: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("t_att", "t_moe", "t_head", "t_load", "t_host_load", "t_host_prefetch", "t_admit"):
+        for name in ("t_att", "t_moe", "t_head", "t_load", "t_host_load", "t_host_prefetch", "t_admit", "t_segment"):
             value = getattr(self, name)
             if not value >= 0 or not math.isfinite(value):
                 raise FmoeError(f"timing {name} must be a finite number of seconds ≥ 0, got {value}")
@@ -210,9 +213,9 @@ class Timings:
     def from_link(
         cls, *, t_att: float, t_moe: float, t_head: float, top_k: int,
         expert_bytes: int, bandwidth: float, latency: float = 0.0, t_host_load: float = 0.0,
-        t_host_prefetch: float = 0.0, t_admit: float = 0.0,
+        t_host_prefetch: float = 0.0, t_admit: float = 0.0, t_segment: float = 0.0,
     ) -> Timings:
         """T_load = latency + S_e / bandwidth (bandwidth in bytes/s, from the device profile's fit)."""
         if bandwidth <= 0:
             raise FmoeError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
-        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k, t_host_load, t_host_prefetch, t_admit)
+        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k, t_host_load, t_host_prefetch, t_admit, t_segment)

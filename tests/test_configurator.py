@@ -307,6 +307,11 @@ def test_host_work_per_loaded_segment_is_charged_and_can_favour_whole_experts():
     assert picked[0.0] == (2, 0.5, pytest.approx(1.5))
     assert picked[1.0] == (2, 0.5, pytest.approx(2.5))
     assert picked[8.0] == (1, 1.0, pytest.approx(8.75))
+    # c = 3 per split top hit (two segment forwards): C=2's top hits are every activation (H(2) = 1):
+    # scores C=1 1, C=2 2 − 3 = −1 → C=1, T = 0.75·4 − 0.25 = 2.75
+    timings = Timings(t_att=0.0, t_moe=1.0, t_head=0.0, t_load=4.0, top_k=1, t_segment=3.0)
+    first, _ = expert_split([12, 12], stats, timings, shape).layers
+    assert (first.cache_size, first.split, first.exposed) == (1, 1.0, pytest.approx(2.75))
 
 
 def test_admission_copies_are_charged_and_can_favour_a_split_or_no_cache():
@@ -340,6 +345,22 @@ def test_prefetch_host_work_is_charged_per_prefetching_layer():
     (off,) = expert_split([0], stats, timings, TINY, max_prefetch=0).layers
     assert (on.prefetches, on.exposed) == (1, pytest.approx(0.25 + 2.0))
     assert (off.prefetches, off.exposed) == (0, pytest.approx(4.0))
+
+
+def test_loads_after_routing_are_pipelined_with_their_compute():
+    """No cache, no prefetch, K = 2 (n = 2 loads), T_moe = 2 (T_exp = 1), T_att = 0.5.
+
+    T_load = 4: the link is the bottleneck: S = max(4, 8 − 1·1) = 7 (the paper's Eq. 6: 8): the
+    second load's transfer overlaps the first one's compute; T_wind^2 = 2 + 7 − 8 + 0.5 = 1.5.
+    T_load = 0.5: the compute is: only the first load waits, S = max(0.5, 1 − 1) = 0.5 (Eq. 6: 1)."""
+    shape = ExpertShape(2, 4, 2, 1, 4, 1)
+    stats = RoutingStats.assume_uniform("m", 2, 4, 2)
+    for t_load, exposed, window in ((4.0, 7.0, 1.5), (0.5, 0.5, 2.0 + 0.5 - 1.0 + 0.5)):
+        timings = Timings(t_att=0.5, t_moe=2.0, t_head=0.0, t_load=t_load, top_k=2)
+        first, second = expert_split([0, 0], stats, timings, shape, max_prefetch=0).layers
+        assert (first.prefetches, first.hidden) == (0, 0.0)
+        assert first.exposed == pytest.approx(exposed)
+        assert second.window == pytest.approx(window)
 
 
 def test_a_wrong_prefetch_on_the_link_is_charged():

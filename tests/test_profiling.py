@@ -34,7 +34,7 @@ def make_profile(identity: DeviceIdentity, config: Path) -> Profile:
     decode = PhaseTimings(1, layers, 3e-4)
     prefill = PhaseTimings(16, layers, 4e-4)
     timings = ModelTimings(model_identity("org/model", config), 2, decode, prefill, t_host_load=2.5e-5,
-                           t_host_prefetch=4e-5, t_admit=6e-5)
+                           t_host_prefetch=4e-5, t_admit=6e-5, t_segment=7e-6)
     device = DeviceProfile(identity, link, 10 << 30, 9e11, "2.13.0", "12.8")
     return Profile(device, timings, created="2026-11-23T11:00:00+00:00")
 
@@ -69,13 +69,13 @@ def test_round_trip_and_schema(tmp_path, config):
     assert (t.t_att, t.t_moe, t.top_k) == (1.5e-4, 6e-4, 2)
     assert t.t_head == pytest.approx(3e-4 + 1e-4 + 2e-4)
     assert t.t_load == pytest.approx(8e-6 + 1e-3)
-    assert (t.t_host_load, t.t_host_prefetch, t.t_admit) == (2.5e-5, 4e-5, 6e-5)  # h_load, h_pf, a_e
+    assert (t.t_host_load, t.t_host_prefetch, t.t_admit, t.t_segment) == (2.5e-5, 4e-5, 6e-5, 7e-6)  # h_load, h_pf, a_e, c
     older = json.loads(path.read_text())
-    for key in ("t_host_load", "t_host_prefetch", "t_admit"):  # a profile saved before they were measured
+    for key in ("t_host_load", "t_host_prefetch", "t_admit", "t_segment"):  # a profile saved before they were measured
         del older["model"][key]
     validate(older)
     t = Profile.from_dict(older).model.timings(loaded.device.link, expert_bytes=1)
-    assert (t.t_host_load, t.t_host_prefetch, t.t_admit) == (0.0, 0.0, 0.0)
+    assert (t.t_host_load, t.t_host_prefetch, t.t_admit, t.t_segment) == (0.0, 0.0, 0.0, 0.0)
 
 
 def test_wrong_device_is_refused(config):
@@ -167,8 +167,9 @@ def test_fmoe_profile_model_on_the_cpu(checkpoints, tmp_path):
     assert (decode.tokens, prefill.tokens) == (1, 8)
     assert [layer.moe for layer in decode.layers] == [False, True, True, True]
     assert all(layer.t_moe > 0 and layer.t_att >= 0 for layer in decode.layers + prefill.layers)
-    measured = (profile.model.t_host_load, profile.model.t_host_prefetch, profile.model.t_admit)
-    assert all(x is not None and x >= 0 for x in measured) and profile.model.t_admit > 0  # h_load, h_pf, a_e
+    model = profile.model
+    measured = (model.t_host_load, model.t_host_prefetch, model.t_admit, model.t_segment)
+    assert all(x is not None and x >= 0 for x in measured) and model.t_admit > 0 and model.t_segment > 0
 
 
 def test_fmoe_profile_device_says_it_profiled_the_cpu(tmp_path):

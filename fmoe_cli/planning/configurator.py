@@ -11,8 +11,9 @@ Symbols (paper → code):
     m_i                 expected number of activated experts (in whole-expert units) whose
                         loading is hidden: cached top segments plus what prefetch covers
     T^i                 exposed (un-hidden) load time of layer i, plus the host's work of its loads
-    h_load, h_pf, a_e   Timings.t_host_load, t_host_prefetch, t_admit: the host's work per loaded
-                        segment and per prefetching layer, one expert's copy into the cache (ours)
+    h_load, h_pf, a_e, c    Timings.t_host_load, t_host_prefetch, t_admit, t_segment: the host's work per
+                        loaded segment and per prefetching layer, one expert's copy into the cache,
+                        one segment forward's fixed cost (ours)
 
 ExpertSplit({V_i}) (Eq. 5–11, as docs/architecture.md § Statistics, configurator, re-planning states them,
 with the link charged for the issued prefetch that still holds it when the layer routes):
@@ -22,26 +23,39 @@ with the link charged for the issued prefetch that still holds it when the layer
         Y   = the largest count with Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·T_load ≤ T_wind^i  (10)
               (the prefetches that land by routing time), at most the engine's width W
               (`max_prefetch`, K by default), which it issues whether they fit or not
+        n_i = K − m_i   the experts loaded after routing, one after another on the link
         R_i = when W > Y, prefetch Y+1 is on the link as layer i routes:
               (1 − P_i(Y+1)) · (Σ_{y≤Y+1} [1 − PH_i(y,C_i)·θ_i]·T_load − T_wind^i),
               the rest of its link time, lost when it is wrong (a copy is not pre-empted;
               prefetches queued behind it are cancelled for free, right ones are taken
               over as demand loads)
-        G_i = h_load · (K − K·H_i(C_i)·[k_i = I]) + a_e · K·(1 − H_i(C_i))·θ_i + h_pf · [Y_i > 0]
+        G_i = h_load · (K − K·H_i(C_i)·[k_i = I]) + a_e · K·(1 − H_i(C_i))·θ_i
+              + c · K·H_i(C_i)·[0 < k_i < I] + h_pf · [Y_i > 0]
               the work loads cost besides the link: per loaded segment (Timings.t_host_load;
               every activated expert but a whole cached one is loaded, a top hit's bottom
               included), per admission (t_admit: a miss's top θ_i copied into the cache, LCP
-              always replaces) and per prefetching layer (t_host_prefetch)
+              always replaces), per split top hit (t_segment: two segment forwards, not one)
+              and per prefetching layer (t_host_prefetch)
         C_i = argmax m_i·T_load − G_i (without the h_pf term, the same for every C)   (11)
-        T^i = max(0, R_i + (K − m_i)·T_load − m_i·T_exp) + G_i                    (6)
-        T_wind^{i+1} = T_moe + G_i − min(m_i·T_exp, R_i + (K − m_i)·T_load) + T_att     (7)
+        B_i = R_i + n_i·T_load                       the link's work once layer i has routed
+        S_i = max(R_i + min(n_i, 1)·T_load, B_i − max(0, n_i − 1)·T_exp) − m_i·T_exp
+        T^i = max(0, S_i) + G_i                                                    (6)
+        T_wind^{i+1} = T_moe + G_i + max(0, S_i) − B_i + T_att                     (7)
 
-With R_i = 0 (W = Y) and G_i = 0 these are the paper's equations. G_i is ours (measured why:
-docs/planning.md § The host's work): where a load costs the host about as much as the link,
-a split expert's top hit saves link time but still pays a load's host work, which a whole
-cached expert does not, and a prefetch can cost the host more than the load it hides;
-without G_i the configurator chose split or prefetching plans that lost to whole-expert
-caching without prefetch (cache-only) at cheap loads. Two guards the formulas leave implicit: m_i is capped at K (no
+With R_i = 0 (W = Y), G_i = 0 and n_i ≤ 1 these are the paper's equations (S_i = B_i − m_i·T_exp,
+T_wind^{i+1} = T_moe − min(m_i·T_exp, B_i) + T_att). Where we deviate, and why (measured:
+docs/planning.md § Where the model deviates from the paper):
+- pipelined loads (S_i): the paper charges every un-hidden load in full; the engine computes
+  each load as it lands (offload/engine.py), so the compute of one overlaps the transfer of
+  the next. At cheap loads `ondemand` exposed 0.00 ms per token where Eq. 6 predicted
+  0.06 ms per layer, and the configurator chose prefetch where it lost.
+- the work of a load besides the link (G_i): where a load costs the host about as much as
+  the link, a split top hit saves link time but still pays a load's host work and a second
+  segment forward, an admission copies the top into the cache, and a prefetch costs the
+  predictor's and prefetcher's work; without G_i the configurator chose split or prefetching
+  plans that lost to `cache-only` and `prefetch-only` at cheap loads.
+- R_i (above): the link time of a wrong prefetch still on the link.
+Two guards the formulas leave implicit: m_i is capped at K (no
 layer hides more than its K experts; with product-of-marginals statistics Eq. 9 can
 exceed K), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
 reported as 0) is a candidate, and the only one when V_i cannot hold one neuron block
@@ -51,8 +65,8 @@ The search contains its baselines: after Algorithm 1, the same model prices the
 plans of the special cases it competes with at the same budget — whole experts
 (θ = 1, V_e/L per layer: `lru`, `lfu`), the same without prefetch (Y = 0:
 `cache-only`; the plan then says `prefetch=False` and moepic runs without it),
-uniform (θ = 0.5, V_e/L: `uniform`) and prefetch only (θ = 0: `prefetch-only`) — and
-the plan with the least predicted exposed time wins (Algorithm 1 on ties).
+uniform (θ = 0.5, V_e/L: `uniform`), prefetch only (θ = 0: `prefetch-only`) and neither
+(`ondemand`) — and the plan with the least predicted Σ T^i wins (Algorithm 1 on ties).
 
 VramAllocation (Algorithm 1): start uniform (V_i = V_e / L); repeat: move ζ·V_e from
 the layer whose loss of budget costs least to the layer whose gain is largest; stop,
@@ -182,7 +196,9 @@ class _LayerModel:
         # tops admitted per token: every miss (nothing cached) is loaded whole and offered, K·(1 − H_i(C))
         # (LCP always replaces), each a copy of θ_i of an expert into the cache
         admitted = np.where(sizes > 0, self.shape.top_k * (1.0 - self.curves.hit) * theta, 0.0)
-        host = loaded * self.timings.t_host_load + admitted * self.timings.t_admit
+        # top hits of a split (0 < k_i < I) run two segment forwards: c more each
+        split_hits = np.where((k > 0) & (k < shape.intermediate), self.shape.top_k * self.curves.hit, 0.0)
+        host = loaded * self.timings.t_host_load + admitted * self.timings.t_admit + split_hits * self.timings.t_segment
         tables = (k, theta, feasible, cost, gain, cached, host)
         if len(self._by_budget) > 4096:
             self._by_budget.clear()
@@ -219,7 +235,7 @@ class _LayerModel:
             # argmax m_i·T_load − loaded_i·h_load (= argmax m_i when h_load = 0). Among (near-)ties keep
             # the most bytes cached (never worse in practice), then the smallest C.
             score = hidden * t.t_load - host
-            best = score >= score.max() - _TIE * max(t.t_load, t.t_host_load, t.t_admit, 1e-300)
+            best = score >= score.max() - _TIE * max(t.t_load, t.t_host_load, t.t_admit, t.t_segment, 1e-300)
             c = int(np.argmax(np.where(best, self.sizes * k, -1)))
         else:
             c = cache_size
@@ -229,8 +245,12 @@ class _LayerModel:
         work = float(host[c])  # h_load per loaded segment (whole cached experts load nothing), a_e·θ per admission
         if prefetches[c] > 0:
             work += t.t_host_prefetch  # h_pf: the predictor and prefetcher's work when the layer prefetches
-        exposed = max(0.0, busy - m * t.t_exp) + work  # T^i (Eq. 6, + G_i)
-        next_window = t.t_moe + work - min(m * t.t_exp, busy) + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
+        loads = top_k - m  # n_i: the experts still to load, one after another on the link
+        # T^i (Eq. 6, pipelined, + G_i): the compute waits for the first load, then for each next one
+        # only as far as the link is slower than the compute of the one before it
+        stall = max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * t.t_exp) - m * t.t_exp
+        exposed = max(0.0, stall) + work
+        next_window = t.t_moe + work + max(0.0, stall) - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
         size = c if k[c] > 0 else 0
         choice = LayerChoice(
             budget=int(budget),

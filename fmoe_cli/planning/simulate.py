@@ -109,14 +109,14 @@ class Simulator:
     """The engine's decisions for one policy's settings on a virtual clock."""
 
     def __init__(self, shape: ExpertShape, settings: EngineSettings, times: Timings, bandwidth: float,
-                 latency: float = 0.0, predictor=None, segment_overhead: float = 0.0,
+                 latency: float = 0.0, predictor=None, segment_overhead: float | None = None,
                  load_host: float | None = None, prefetch_host: float | None = None) -> None:
         self.shape = shape
         self.settings = settings
         self.times = times
         # Fixed cost of one segment's forward (dispatch; part of T_exp): a segment of n neurons takes
         # overhead + (T_exp − overhead)·n/I, so a split expert (top + bottom) costs one overhead more.
-        self.segment_overhead = min(segment_overhead, times.t_exp)
+        self.segment_overhead = min(times.t_segment if segment_overhead is None else segment_overhead, times.t_exp)
         # The engine's host work beyond compute: h_load per loaded segment (pool slot, link submit, acquire,
         # release: the host's, not the link's; Timings.t_host_load, measured with the layer timings, unless given)
         # and h_pf per layer that prefetches (the predictor's ranking and the prefetcher's bookkeeping; 0
@@ -299,7 +299,7 @@ def tokens_of(trace) -> list[list[Token]]:
 
 def simulate_policy(shape: ExpertShape, settings: EngineSettings, times: Timings, sequences: Sequence[Sequence[Token]], *,
                     bandwidth: float, latency: float = 0.0, prompt_tokens: int = 0, warmup: int = 0,
-                    predictor_factory=None, segment_overhead: float = 0.0, load_host: float | None = None,
+                    predictor_factory=None, segment_overhead: float | None = None, load_host: float | None = None,
                     prefetch_host: float | None = None) -> SimResult:
     """Simulate one policy over every sequence: the first `prompt_tokens` of a sequence are its
     prefill; `warmup` decode tokens run first (as `fmoe bench` warms up on the same prompt) and

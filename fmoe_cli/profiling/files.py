@@ -98,6 +98,8 @@ class ModelTimings:
     t_host_prefetch: float | None = None
     # a_e (Timings.t_admit): one whole expert copied into the cache on the device; None when not measured
     t_admit: float | None = None
+    # c (Timings.t_segment): one segment forward's fixed cost; None when not measured
+    t_segment: float | None = None
 
     def timings(self, link: LinkFit, expert_bytes: int, phase: str = "decode") -> Timings:
         """The configurator's Timings: means over the MoE layers; dense layers (DeepSeek's first
@@ -120,6 +122,7 @@ class ModelTimings:
             t_host_load=self.t_host_load or 0.0,
             t_host_prefetch=self.t_host_prefetch or 0.0,
             t_admit=self.t_admit or 0.0,
+            t_segment=self.t_segment or 0.0,
         )
 
 
@@ -276,4 +279,5 @@ class _Reader:
             t_host_load=self.get(d, "t_host_load", float, optional=True),
             t_host_prefetch=self.get(d, "t_host_prefetch", float, optional=True),
             t_admit=self.get(d, "t_admit", float, optional=True),
+            t_segment=self.get(d, "t_segment", float, optional=True),
         )

@@ -72,40 +72,76 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
             advance=advance,
             loads=lambda: _loads(engine),
         )
-        h_pf = prefetch_host_s(lm, engine, prompt_ids(lm, prefill_len), timings.t_host_load or 0.0,
-                               rounds=5 if quick else 9, tokens=8 if quick else 16)
-        return replace(timings, t_host_prefetch=h_pf, t_admit=admission_copy_s(lm, repeats=20 if quick else 100))
+        t_admit = admission_copy_s(lm, repeats=20 if quick else 100)
+        t_segment = segment_call_s(lm, repeats=50 if quick else 200)
+        h_load, h_pf, c = host_work_s(lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0,
+                                      t_admit=t_admit, t_segment=t_segment, rounds=5 if quick else 9,
+                                      tokens=8 if quick else 16)
+        return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c)
     finally:
         engine.observers = observers
 
 
-def prefetch_host_s(lm, engine: Engine, input_ids: torch.Tensor, h_load: float, rounds: int = 3,
-                    tokens: int = 6) -> float:
-    """h_pf: the host's work per MoE layer that prefetches (the predictor's scores and ranking, the
-    prefetcher's submits and cancels), from decode tokens on the engine's link with no cache, with and
-    without prefetch, in interleaved rounds. Per token, the time the host spent beyond its loads:
-        net = TPOT − exposed − loaded segments · h_load
-        h_pf = median over rounds of (median net with prefetch − median net without) / L
-    (paired rounds: a machine whose load drifts shifts both sides of a pair alike).
-    The engine is put back as it was."""
-    settings = engine.settings
+SPLIT_CACHE_BYTES = 512 * 2**20
+
+
+def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: float, t_admit: float,
+                t_segment: float, rounds: int = 5, tokens: int = 8) -> tuple[float, float, float]:
+    """(h_load, h_pf, c): the host's work per loaded segment, per MoE layer that prefetches (the
+    predictor's scores and ranking, the prefetcher's submits and cancels) and per split top hit
+    (two segment forwards and their sum instead of one forward), from whole decode tokens on the
+    engine's link, in interleaved rounds: every expert resident; no cache, loaded on demand; the
+    same with prefetch; and up to 4K experts' top halves cached per layer.
+    Per configuration, the medians over tokens of net = TPOT − exposed and of its counters; then
+        h_load = (net_ondemand − net_resident) / loaded segments
+        h_pf   = (net_prefetch − net_ondemand − Δ loaded segments · h_load) / L
+        c      = (net_split − net_ondemand − misses_split · θ · a_e − Δ loaded segments · h_load) / top hits
+    each the median over rounds (paired: a machine whose load drifts shifts a round's runs alike).
+    Whole tokens, not one layer run again: a layer re-run on one input finds its experts' weights
+    warm in the CPU's caches, a decode step does not. Where the model does not fit on the device
+    (a GPU), h_load is `block_h_load` (profiling/layers.py) and c is `t_segment` (one forward of a
+    one-block segment). The engine is put back as it was."""
+    shape, settings = lm.shape, engine.settings
     plan = settings.plan
+    layers = len(plan.layers)
     no_cache = replace(plan, layers=tuple(LayerPlan(0, 0, 0, 0.0) for _ in plan.layers), resident=False,
                        prefetch=True, source="measurement")
-    differences = []
+    configs = {"ondemand": replace(settings, plan=no_cache, prefetch=False),
+               "prefetch": replace(settings, plan=no_cache, prefetch=True)}
+    half = shape.intermediate // 2 // shape.neuron_block * shape.neuron_block
+    if lm.device.type == "cpu":  # resident shares the host store, and the caches are small: they always fit
+        full = LayerPlan(shape.num_experts * shape.expert_bytes, shape.num_experts, shape.intermediate, 1.0)
+        configs["resident"] = replace(settings, plan=replace(plan, layers=(full,) * layers, staging_slots=0,
+                                                             resident=True, source="measurement"), prefetch=False)
+        # up to 4K cached tops per layer, at most SPLIT_CACHE_BYTES in all (the measurement's own memory)
+        size = min(shape.num_experts, 4 * shape.top_k, SPLIT_CACHE_BYTES // max(1, layers * half * shape.neuron_bytes))
+        if half > 0 and size > 0:
+            tops = LayerPlan(size * half * shape.neuron_bytes, size, half, half / shape.intermediate)
+            configs["split"] = replace(settings, plan=replace(no_cache, layers=(tops,) * layers), prefetch=False)
+    h_loads, h_pfs, cs = [], [], []
     try:
         for r in range(rounds):
-            net = {}
-            for prefetch in ((False, True) if r % 2 == 0 else (True, False)):
-                engine.configure(replace(settings, plan=no_cache, prefetch=prefetch))
+            net, count = {}, {}
+            for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
+                engine.configure(configs[name])
                 events = list(stream_generate(lm.model, input_ids, engine=engine, max_new_tokens=tokens + 1,
                                               stop_on_eos=False))[1:]
-                net[prefetch] = statistics.median(
-                    e.latency_s - e.counters.exposed_s - e.counters.needed_loads * h_load for e in events)
-            differences.append(net[True] - net[False])
+                net[name] = statistics.median(e.latency_s - e.counters.exposed_s for e in events)
+                count[name] = {key: statistics.median(getattr(e.counters, key) for e in events)
+                               for key in ("needed_loads", "hits_top", "misses")}
+            od = count["ondemand"]
+            h_load = (net["ondemand"] - net["resident"]) / max(1, od["needed_loads"]) if "resident" in net else block_h_load
+            h_loads.append(h_load)
+            h_pfs.append((net["prefetch"] - net["ondemand"]
+                          - (count["prefetch"]["needed_loads"] - od["needed_loads"]) * h_load) / layers)
+            if "split" in net and count["split"]["hits_top"] > 0:
+                sp = count["split"]
+                cs.append((net["split"] - net["ondemand"] - sp["misses"] * half / shape.intermediate * t_admit
+                           - (sp["needed_loads"] - od["needed_loads"]) * h_load) / sp["hits_top"])
     finally:
         engine.configure(settings)
-    return max(0.0, statistics.median(differences) / len(plan.layers))
+    c = statistics.median(cs) if cs else t_segment
+    return max(0.0, statistics.median(h_loads)), max(0.0, statistics.median(h_pfs)), max(0.0, c)
 
 
 def _loads(engine: Engine) -> tuple[int, float]:
@@ -133,6 +169,25 @@ def admission_copy_s(lm, repeats: int = 20) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def segment_call_s(lm, repeats: int = 200) -> float:
+    """c: the fixed cost of one segment forward (the store's own, on a one-block segment) on this device."""
+    import time
+
+    block = lm.shape.neuron_block if lm.shape.intermediate >= lm.shape.neuron_block else 1
+    segment = lm.store.expert(0, 0)[:block].to(lm.device)
+    x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
+    act = torch.nn.functional.silu
+    sync = (lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else (lambda: None)
+    for _ in range(10):
+        lm.store.segment_forward(x, segment, act)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        lm.store.segment_forward(x, segment, act)
+    sync()
+    return (time.perf_counter() - start) / repeats
 
 
 def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False) -> float:
