@@ -8,7 +8,11 @@ side in interleaved rounds:
 - `resident`: every expert whole on the device, nothing loaded (the floor);
 - `ondemand`: no cache, no prefetch: every activated expert is one loaded segment;
 - `split`: θ = 0.5 and every expert's top cached (no prefetch): every activation is a
-  top hit plus a loaded bottom, two segment_forwards and an add.
+  top hit plus a loaded bottom, two segment_forwards and an add;
+- `prefetch-only`: `ondemand` plus speculative prefetch into the staging pool (the same
+  loads, some of them issued one layer early): what it adds to `ondemand` is the host
+  work of the prefetch path (the predictor's scores, issuing, taking over or dropping),
+  per MoE layer: (TPOT_prefetch-only − TPOT_ondemand) / L.
 
 Both loaded policies compute the same experts as `resident` (whole or in two halves),
 so what they add is host work. Per loaded segment:
@@ -57,7 +61,7 @@ from fmoe_cli.profiling.model import expert_compute_s
 from fmoe_cli.types import Plan
 
 PROMPT = "Explain how a mixture of experts decides which experts to use for each token."
-RUNS = ("resident", "ondemand", "split")
+RUNS = ("resident", "ondemand", "split", "prefetch-only")
 
 
 def split_settings(shape):
@@ -139,7 +143,7 @@ def compare(args) -> None:
     import os
     import subprocess
 
-    console = Console(width=170)
+    console = Console(width=210)
     console.print("command: python benchmarks/host_work.py " + " ".join(sys.argv[1:]), highlight=False)
     own = [a for a in sys.argv[1:] if a not in args.versions and a not in ("--versions",)]
     own = [a for i, a in enumerate(own) if a != "--rounds" and (i == 0 or own[i - 1] != "--rounds")]
@@ -153,18 +157,23 @@ def compare(args) -> None:
             report = json.loads(out)
             for name, rs in report["runs"].items():
                 runs[tree][name] += rs
-            runs[tree]["k"] = report["top_k"]
+            runs[tree]["k"], runs[tree]["layers"] = report["top_k"], report["layers"]
     table = Table(title=f"host ms per loaded segment: {args.rounds} processes per tree (alternating) × "
                         f"{args.repeats} interleaved rounds each; median \\[min–max] over all rounds")
     for col in ("tree", *(f"{n} TPOT ms" for n in RUNS), "ondemand ms/seg", "split ms/seg",
-                "1 layer: ondemand µs/seg", "1 layer: split µs/seg"):
+                "1 layer: ondemand µs/seg", "1 layer: split µs/seg", "prefetch path ms/layer",
+                "1 layer: prefetch path µs"):
         table.add_column(col, justify="left" if col == "tree" else "right")
     k = runs[args.versions[0]]["k"]
     for tree, rr in runs.items():
         table.add_row(tree, *(spread([x["tpot_ms"] for x in rr[n]]) for n in RUNS),
                       spread(per_segment(rr, "ondemand")), spread(per_segment(rr, "split")),
                       spread(per_segment_layer(rr, "ondemand", k), "{:.1f}"),
-                      spread(per_segment_layer(rr, "split", k), "{:.1f}"))
+                      spread(per_segment_layer(rr, "split", k), "{:.1f}"),
+                      spread([(x["tpot_ms"] - o["tpot_ms"]) / runs[tree]["layers"]
+                              for x, o in zip(rr["prefetch-only"], rr["ondemand"])]),
+                      spread([x["layer_us"] - o["layer_us"] for x, o in zip(rr["prefetch-only"], rr["ondemand"])],
+                             "{:.1f}"))
     console.print(table)
     ids = {tuple(x["token_ids"]) for rr in runs.values() for n in RUNS for x in rr[n]}
     console.print("token ids identical across trees and runs" if len(ids) == 1 else "[red]token ids DIFFER[/red]")
@@ -220,7 +229,7 @@ def main() -> None:
 
     if args.json:
         print(json.dumps({"t_exp_ms": t_exp * 1e3, "link": link.label(), "tokens": args.tokens, "warmup": args.warmup,
-                          "top_k": shape.top_k,
+                          "top_k": shape.top_k, "layers": shape.num_layers,
                           "runs": {name: [asdict(x) for x in rs] for name, rs in runs.items()}}))
         return
     table = Table(title=f"host work per loaded segment, {lm.label}, {link.label()}: median \\[min–max] of "
@@ -240,6 +249,11 @@ def main() -> None:
                       spread([v / (t_exp * 1e3) for v in per_segment], "{:.2f}"),
                       spread([x.layer_us for x in rs], "{:.1f}"), spread(layer, "{:.1f}"))
     console.print(table)
+    pf, od = runs["prefetch-only"], runs["ondemand"]
+    console.print("prefetch path (prefetch-only − ondemand): "
+                  f"{spread([(x.tpot_ms - o.tpot_ms) / shape.num_layers for x, o in zip(pf, od)])} ms per MoE layer "
+                  f"in a decode step, {spread([x.layer_us - o.layer_us for x, o in zip(pf, od)], '{:.1f}')} µs per "
+                  "layer forward alone (median \\[min–max] over rounds)", highlight=False)
     same = len({tuple(x.token_ids) for rs in runs.values() for x in rs}) == 1
     console.print("token ids identical across runs" if same else "[red]token ids DIFFER[/red]")
 

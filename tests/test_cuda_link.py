@@ -178,3 +178,20 @@ def test_the_pump_thread_issues_the_next_chunk_without_a_poll(fake_cuda):
         fake_cuda.complete(1)
     link.close()
     assert t.state is TransferState.DONE and torch.equal(t.dst, t.src)
+
+
+def test_a_copy_seen_done_is_acquired_without_touching_the_compute_stream(fake_cuda):
+    """A poll saw its last event complete: the copy has landed, so acquire hands out the buffer with no
+    wait and no timing events on the compute stream (host work per loaded segment), and releasing it
+    (cancel) does not take the link's lock path either: it has begun, so it cannot be cancelled."""
+    link = CudaLink(torch.device("cuda"), max_in_flight=2, chunk_bytes=KiB, pump_thread=False)
+    t = link.submit(*pair(1), DEMAND)
+    fake_cuda.complete(1)
+    assert t.ready() and t.state is TransferState.DONE
+    ops = list(fake_cuda.compute.ops)
+    assert link.acquire(t, tag=0) is t.dst and fake_cuda.compute.ops == ops and link.stalls() == []
+    assert not t.cancel() and t.state is TransferState.DONE
+    pending = link.submit(*pair(1), DEMAND)  # not seen done yet: the compute stream waits on it
+    link.acquire(pending, tag=1)
+    assert ("wait", pending.event) in fake_cuda.compute.ops[len(ops):]
+    link.close()

@@ -193,3 +193,32 @@ def test_configure_frees_before_it_allocates_and_keeps_the_old_plan_on_oom(mixtr
     got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=4, stop_on_eos=False)]
     engine.close()
     assert got == want_tokens(lm, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combining_one_token_adds_in_place_with_the_bits_of_index_add(monkeypatch, dtype):
+    """A decode step (one token) sums the weighted expert outputs with add_ instead of index_add_ (one call
+    fewer per expert): the same adds in the same order (by expert id), so the same bits. Several tokens
+    still go through index_add_."""
+    from fmoe_cli.offload.engine import Routing
+
+    calls = []
+    real = torch.Tensor.index_add_
+    monkeypatch.setattr(torch.Tensor, "index_add_", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    g = torch.Generator().manual_seed(0)
+    for tokens in (1, 3):
+        ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(tokens)])  # [T, K] distinct per token
+        weights = torch.rand(tokens, 4, generator=g).to(dtype)
+        hidden = torch.zeros(tokens, 16, dtype=dtype)
+        routing = Routing.of(ids, weights)
+        _perm, rows, spans = routing.layout(hidden.device)
+        outputs = {e: (torch.randn(len(rows[spans[e]]), 16, generator=g) * 100).to(dtype) for e in routing.active}
+        expected = torch.zeros_like(hidden)  # transformers' order: experts by id, index_add_ of each one's rows
+        for e in routing.active:
+            token_of = [t for t in range(tokens) for k in range(4) if ids[t, k] == e]
+            w = torch.stack([weights[t, (ids[t] == e).nonzero().item()] for t in token_of]).unsqueeze(1)
+            real(expected, 0, torch.tensor(token_of), outputs[e] * w)
+        calls.clear()
+        got = Engine._combine(None, hidden, routing, outputs, weights)
+        assert torch.equal(got, expected)
+        assert (len(calls) == 0) == (tokens == 1)  # one token: no index_add_ at all

@@ -214,3 +214,52 @@ def test_an_emulated_wait_sleeps_then_polls_the_last_stretch_so_it_wakes_on_time
 def test_the_emulated_link_waits_with_a_spin():
     link = EmulatedLink(gbps=1.0)
     assert isinstance(link.clock, MonotonicClock) and link.clock.spin == link_module.WAKE_SPIN_S > 100e-6
+
+
+def test_a_promotion_changes_only_the_choices_made_after_it():
+    """As on CudaLink, where the chunks already handed to the copy stream stay where they are: raising a
+    queued copy's priority at time T does not rewrite a choice the copy engine made before T, even when
+    nobody looked at the link in between."""
+    clock = VirtualClock()
+    link = EmulatedLink(gbps=1.0, latency_s=0.0, clock=clock, chunk_bytes=1 * MiB)
+    long = link.submit(*tensors(2), PREFETCH)  # two chunks: [0, c) and [c, 2c)
+    short = link.submit(*tensors(1), PREFETCH + 1)
+    chunk = MiB / 1e9
+    clock.advance(1.5 * chunk)  # at c the engine chose the long copy's second chunk (nobody polled)
+    link.reprioritise(short, DEMAND)
+    link.acquire(short)
+    assert long.done_at == pytest.approx(2 * chunk) and short.started_at == pytest.approx(2 * chunk)
+
+
+class CountingClock(VirtualClock):
+    """A virtual clock that counts how often the link looks at it (each look plays the model forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def now(self) -> float:
+        self.reads += 1
+        return super().now()
+
+
+def test_a_transfer_seen_settled_is_polled_acquired_and_cancelled_without_playing_the_model():
+    """Once a poll has seen a copy done (or it was cancelled), the engine's further polls, its acquire and
+    the pool's release (cancel) answer from its state: no clock read, no model step. Before that, a poll
+    looks (completion is seen only by polling)."""
+    clock = CountingClock()
+    link = link_on(clock)
+    t = link.submit(*tensors(1), DEMAND)
+    clock.advance(1.0)
+    reads = clock.reads
+    assert t.state is TransferState.RUNNING and t.ready() and clock.reads > reads  # the first poll looks
+    reads = clock.reads
+    assert t.ready() and link.acquire(t) is t.src and not t.cancel() and link.stalls() == []
+    assert clock.reads == reads
+    busy = link.submit(*tensors(4), DEMAND)
+    queued = link.submit(*tensors(1), PREFETCH)  # behind `busy`
+    reads = clock.reads
+    assert queued.state is TransferState.QUEUED and queued.cancel() and clock.reads > reads  # it looks
+    assert busy.state is TransferState.RUNNING
+    reads = clock.reads
+    assert not queued.ready() and not queued.cancel() and clock.reads == reads

@@ -393,12 +393,18 @@ class Engine:
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         """4. the weighted sum, in a fixed order (by expert id), so results are deterministic."""
         perm, tokens, spans = routing.layout(hidden_states.device)
-        weights = top_k_weights.reshape(-1)[perm]  # [T·K] in the same order
+        weights = top_k_weights.reshape(-1)[perm].unsqueeze(1)  # [T·K, 1] in the same order
         final = torch.zeros_like(hidden_states)
+        one_token = hidden_states.shape[0] == 1  # a decode step: every expert's rows are that token's one row
         for e in routing.active:
             span = spans[e]
-            weighted = outputs[e] * weights[span, None]
-            final.index_add_(0, tokens[span], weighted.to(final.dtype))
+            weighted = outputs[e] * weights[span]  # [T_e, H]
+            if weighted.dtype != final.dtype:
+                weighted = weighted.to(final.dtype)
+            if one_token:
+                final.add_(weighted)  # what index_add_ does for one row (the same adds, in the same order)
+            else:
+                final.index_add_(0, tokens[span], weighted)
         return final
 
     def _offer(self, i: int, e: int, segment: torch.Tensor) -> None:

@@ -38,6 +38,7 @@ def pack_experts(experts: nn.Module) -> torch.Tensor:
 
 def segment_forward(x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
     """Partial expert output of the neurons in `segment` ([n, 3, H]) for tokens x ([T, H])."""
-    gate = F.linear(x, segment[:, GATE])
-    up = F.linear(x, segment[:, UP])
-    return (act(gate) * up) @ segment[:, DOWN]
+    rows = segment.unbind(1)  # gate, up, down: [n, H] each, views (one call instead of three slices)
+    gate = F.linear(x, rows[GATE])  # [T, n]
+    up = F.linear(x, rows[UP])
+    return (act(gate) * up) @ rows[DOWN]  # [T, H]

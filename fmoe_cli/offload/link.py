@@ -14,7 +14,8 @@ What the host sees is what a CUDA copy stream gives it, on every link:
 - `acquire(t, tag)`: the segment, readable by the compute issued next. This is where
   the data is really read: on CUDA it is `wait` plus the destination buffer (still no
   host block); an emulated link blocks the host here, and only here, until the
-  modelled transfer time has passed. The stall is reported by `stalls()`;
+  modelled transfer time has passed. The stall is reported by `stalls()`. A copy a
+  poll has already seen done is handed out as it is (no wait, no stall to time);
 - `record_reads()`: a fence after the compute issued so far. A copy submitted with
   `after=[fence]` does not start before that compute has finished reading its
   buffer (no write-after-read).
@@ -310,6 +311,8 @@ class EmulatedLink:
         return t
 
     def reprioritise(self, t: Transfer, priority: int) -> None:
+        if priority >= t.priority or t.finished:
+            return  # nothing to raise (`_promote` would change nothing)
         self._advance(self.clock.now())  # the copies begun before now were chosen without it
         _promote(t, priority)
 
@@ -488,6 +491,8 @@ class CudaLink:
             self._issue_chunk(min(ready, key=_urgency))
 
     def poll(self, t: Transfer) -> bool:
+        if t.state is TransferState.DONE or t.state is TransferState.CANCELLED:  # final: no need to look
+            return t.state is TransferState.DONE
         with self._lock:
             self._pump()
             return t.state is TransferState.DONE
@@ -511,6 +516,8 @@ class CudaLink:
         torch.cuda.current_stream(self.device).wait_event(t.event)
 
     def acquire(self, t: Transfer, tag: object = None) -> torch.Tensor:
+        if t.state is TransferState.DONE:  # its last event has completed: nothing to wait on, no stall to time
+            return t.dst
         compute = torch.cuda.current_stream(self.device)
         before = torch.cuda.Event(enable_timing=True)
         before.record(compute)
@@ -537,6 +544,8 @@ class CudaLink:
         return out
 
     def cancel(self, t: Transfer) -> bool:
+        if t.state is not TransferState.QUEUED:  # begun, done or cancelled: it cannot be (a start is final)
+            return False
         with self._lock:
             return _cancel_queued(t, self._queue)
 

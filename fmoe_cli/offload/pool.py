@@ -37,6 +37,7 @@ class Staged:
     transfer: Transfer
     prefetched: bool
     in_use: bool = False
+    priority: float = float("inf")  # a prefetch: the priority it was issued with (offload/prefetch.py)
 
 
 _RECLAIM_ORDER = {TransferState.QUEUED: 0, TransferState.DONE: 1, TransferState.CANCELLED: 1,
@@ -50,7 +51,7 @@ class StagingPool:
         self._slot_views = list(self.buffer.unbind(0))  # [I, *row] per slot, made once
         self._sources: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, expert, start) -> store rows
         self.entries: list[Staged | None] = [None] * slots
-        self._staged: dict[tuple[int, int], Staged] = {}  # (layer, expert) -> its entry (at most one)
+        self._staged: dict[int, dict[int, Staged]] = {}  # layer -> expert -> its entry (at most one)
         self._writer: list[Transfer | None] = [None] * slots  # the last copy into each slot
         self._reads: list[Fence | None] = [None] * slots  # compute that last read each slot
 
@@ -72,13 +73,14 @@ class StagingPool:
         return self.buffer.numel() * self.buffer.element_size()
 
     def find(self, layer: int, expert: int) -> Staged | None:
-        return self._staged.get((layer, expert))
+        of_layer = self._staged.get(layer)
+        return of_layer.get(expert) if of_layer else None
 
     def classify(self, layer: int, active: list[int], cached: dict[int, int], top_neurons: int,
                  intermediate: int) -> Hits:
         """Classify a layer's activated experts against its cache and this pool (offload/hits.py), and
         release the layer's staged entries that serve none of them."""
-        staged = {entry.expert: entry.start for entry in self.of_layer(layer)}
+        staged = {e: entry.start for e, entry in self._staged.get(layer, {}).items()}
         hits = classify(active, cached, top_neurons, intermediate, staged)
         for e in hits.dropped:
             self.release(self.find(layer, e))
@@ -112,9 +114,6 @@ class StagingPool:
             loading.append(entry)
             nbytes += transfer.nbytes
         return nbytes
-
-    def of_layer(self, layer: int) -> list[Staged]:
-        return [e for e in self.entries if e is not None and e.layer == layer]
 
     def live(self) -> list[Staged]:
         return [e for e in self.entries if e is not None]
@@ -151,16 +150,16 @@ class StagingPool:
 
     def put(self, entry: Staged) -> None:
         assert self.entries[entry.slot] is None, "a slot holds one entry"
-        key = (entry.layer, entry.expert)
-        assert key not in self._staged, "an expert of a layer is staged once"
+        of_layer = self._staged.setdefault(entry.layer, {})
+        assert entry.expert not in of_layer, "an expert of a layer is staged once"
         self.entries[entry.slot] = entry
-        self._staged[key] = entry
+        of_layer[entry.expert] = entry
         self._writer[entry.slot] = entry.transfer
 
     def release(self, entry: Staged, reads: Fence | None = None) -> None:
         """Let the slot go; `reads`: the fence after the compute that read it (if it was read)."""
         self.entries[entry.slot] = None
-        del self._staged[(entry.layer, entry.expert)]
+        del self._staged[entry.layer][entry.expert]
         entry.in_use = False
         entry.transfer.cancel()  # a copy not started yet is dropped; one in flight stays the slot's writer
         if reads is not None:

@@ -40,13 +40,10 @@ class Prefetcher:
         self.layers = layers  # engine LayerState per MoE layer
         self.shape = shape
         self.width = shape.top_k  # Y: the prefetch candidates of a prediction without its own count
-        self.priority: dict[Staged, float] = {}  # staged prefetch -> the priority it was issued with
 
     def issue(self, predictions: list[Prediction]) -> dict[int, list[int]]:
         """Queue the loads `predictions` call for; returns each target layer's ranking (best first)."""
         shape, pool = self.shape, self.pool
-        live = set(pool.live())
-        self.priority = {e: p for e, p in self.priority.items() if e in live}
         usable = [p for p in predictions if 1 <= p.distance < shape.num_layers]
         rankings: dict[int, list[int]] = {}
         candidates = []
@@ -77,9 +74,7 @@ class Prefetcher:
             start = target.top_neurons if cached else 0  # only the bottom when the top is cached
             transfer = self.link.submit(pool.destination(slot, start), pool.source(self.store, j, e, start),
                                         PREFETCH + position, after=pool.after(slot))
-            entry = Staged(j, e, start, slot, transfer, prefetched=True)
-            pool.put(entry)
-            self.priority[entry] = -neg_priority
+            pool.put(Staged(j, e, start, slot, transfer, prefetched=True, priority=-neg_priority))
             target.counters.prefetch_issued += 1
             target.counters.bytes_prefetch += transfer.nbytes
         return rankings
@@ -88,10 +83,9 @@ class Prefetcher:
         """Free the slot of the lowest-priority queued prefetch below `priority`, if any."""
         pool = self.pool
         victims = [e for e in pool.live() if e.prefetched and not e.in_use
-                   and e.transfer.state is TransferState.QUEUED and self.priority.get(e, float("inf")) < priority]
+                   and e.transfer.state is TransferState.QUEUED and e.priority < priority]
         if not victims:
             return None
-        victim = min(victims, key=lambda e: (self.priority[e], e.slot))
+        victim = min(victims, key=lambda e: (e.priority, e.slot))
         pool.release(victim)
-        self.priority.pop(victim, None)
         return victim.slot
