@@ -76,7 +76,7 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         t_segment = segment_call_s(lm, repeats=50 if quick else 200)
         h_load, h_pf, c, step = host_work_s(lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0,
                                       t_admit=t_admit, t_segment=t_segment, rounds=5 if quick else 9,
-                                      tokens=8 if quick else 16)
+                                      tokens=8 if quick else 16, budget_s=5.0 if quick else 60.0)
         return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c, t_token=step,
                        t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True))
     finally:
@@ -87,7 +87,8 @@ SPLIT_CACHE_BYTES = 512 * 2**20
 
 
 def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: float, t_admit: float,
-                t_segment: float, rounds: int = 5, tokens: int = 8) -> tuple[float, float, float, float | None]:
+                t_segment: float, rounds: int = 5, tokens: int = 8,
+                budget_s: float = 5.0) -> tuple[float, float, float, float | None]:
     """(h_load, h_pf, c, resident step): the host's work per loaded segment, per MoE layer that prefetches (the
     predictor's scores and ranking, the prefetcher's submits and cancels) and per split top hit
     (two segment forwards and their sum instead of one forward), from whole decode tokens on the
@@ -101,7 +102,10 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     Whole tokens, not one layer run again: a layer re-run on one input finds its experts' weights
     warm in the CPU's caches, a decode step does not. Where the model does not fit on the device
     (a GPU), h_load is `block_h_load` (profiling/layers.py) and c is `t_segment` (one forward of a
-    one-block segment). The engine is put back as it was."""
+    one-block segment). Rounds stop early once `budget_s` has passed (a model whose on-demand
+    step takes long, on a slow link, gets one round). The engine is put back as it was."""
+    import time
+
     shape, settings = lm.shape, engine.settings
     plan = settings.plan
     layers = len(plan.layers)
@@ -120,8 +124,11 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
             tops = LayerPlan(size * half * shape.neuron_bytes, size, half, half / shape.intermediate)
             configs["split"] = replace(settings, plan=replace(no_cache, layers=(tops,) * layers), prefetch=False)
     h_loads, h_pfs, cs, steps = [], [], [], []
+    start = time.perf_counter()
     try:
         for r in range(rounds):
+            if r and time.perf_counter() - start > budget_s:
+                break
             net, count = {}, {}
             for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
                 engine.configure(configs[name])
