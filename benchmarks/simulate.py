@@ -8,10 +8,11 @@
    (same settings and plan, same link figures; compute times: the configurator's T_exp,
    with T_att and T_head scaled so that the simulated `resident` run, which loads
    nothing, takes the measured resident TPOT: the engine's host work is compute too). The
-   offloading path's host work is calibrated the same way: h_load per loaded segment on the
-   measured `ondemand` run, then h_pf per prefetching layer on `prefetch-only`; the other
-   policies are predictions. Printed: measured vs simulated TPOT per policy (medians over
-   rounds), target within ±15 %, both hit rates, and sim ÷ meas without the host work.
+   offloading path's host work (h_load, h_pf, a_e, c) is the quick profile's own measurement
+   (profiling/model.py), as `fmoe plan` uses it. Printed: measured vs simulated TPOT per policy
+   (medians over rounds, and minima), target within ±15 %, both hit rates, and sim ÷ meas
+   (1) with the profile's figures alone, (2) with compute fitted to resident, (3) with the host
+   work fitted to ondemand and prefetch-only instead of measured, (4) without host work.
 
 2. `mixtral`: Mixtral-8x7B's config.json (written here), the shared HumanEval routing
    trace (vLLM format: no rankings, so the routing-only `eam` predictor), the RTX A6000 /
@@ -56,7 +57,7 @@ MIXTRAL_CONFIG = {  # mistralai/Mixtral-8x7B-v0.1 config.json (the figures that 
 def validate(args, console: Console) -> None:
     from engine import PROMPT  # benchmarks/engine.py
 
-    from fmoe_cli.profiling.model import expert_compute_s, segment_call_s
+    from fmoe_cli.profiling.model import expert_compute_s
 
     from fmoe_cli.bench.run import bench_policy, encode_prompt
     from fmoe_cli.trace import RouteRecorder, TraceWriter, read_trace
@@ -75,7 +76,6 @@ def validate(args, console: Console) -> None:
     shape = lm.shape
     prompt_ids = encode_prompt(lm, PROMPT)
     t_exp = expert_compute_s(lm)
-    t_call = segment_call_s(lm)  # c: one segment forward's fixed cost on this machine
     gbps = shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
     budget = parse_budget(args.budget, shape.all_experts_bytes)
     link = EmulatedLink(gbps)
@@ -120,13 +120,13 @@ def validate(args, console: Console) -> None:
     # beside the median (both calibrated and compared the same way, over the same runs).
     for label, stat in (("median", statistics.median), ("min", min)):
         rows[label] = compare(console, args, lm, label, stat, timings, measured, measured_hit, measured_exposed, used,
-                              by_seq, prompt_len, gbps, link.latency_s, t_exp, t_call, runs)
+                              by_seq, prompt_len, gbps, link.latency_s, t_exp, runs)
     if args.json:
         print(json.dumps(rows))
 
 
 def compare(console, args, lm, label, stat, timings, measured, measured_hit, measured_exposed, used, by_seq,
-            prompt_len, gbps, latency, t_exp, t_call, runs) -> dict:
+            prompt_len, gbps, latency, t_exp, runs) -> dict:
     """Calibrate compute on `resident` and the host work on `ondemand` / `prefetch-only` (each run's
     `stat` over rounds), simulate every policy, print simulated ÷ measured."""
     from dataclasses import replace
@@ -134,6 +134,7 @@ def compare(console, args, lm, label, stat, timings, measured, measured_hit, mea
     from fmoe_cli.planning.simulate import simulate_policy
 
     shape = lm.shape
+    profiled = timings  # the quick profile's figures, as `fmoe plan` uses them: nothing fitted to these runs
     # Compute calibrated on the measured resident run (no loads): the engine's per-layer host work
     # around the layer times the configurator measured goes into T_att; the other policies are predictions.
     resident_s = stat(measured["resident"]) / 1e3
@@ -142,18 +143,19 @@ def compare(console, args, lm, label, stat, timings, measured, measured_hit, mea
     share = timings.t_head / (timings.t_head + shape.num_layers * timings.t_att) if timings.t_head else 0.0
     extra = rest * (1 - share) / shape.num_layers - timings.t_att
     timings = replace(timings, t_att=rest * (1 - share) / shape.num_layers, t_head=rest * share)
+    bare_times = replace(timings, t_host_load=0.0, t_host_prefetch=0.0, t_admit=0.0, t_segment=0.0)
     table = Table(title=f"simulated vs measured TPOT: {lm.label}, link: emulated {gbps:.3g} GB/s "
                         f"(expert load {args.load_ratio:g} × T_exp), budget {args.budget}, "
-                        f"{label} of {args.rounds} interleaved rounds")
-    for col in ("policy", "measured ms", "spread", "simulated ms", "sim ÷ meas", "hit", "sim hit", "exposed ms",
-                "sim exposed ms"):
+                        f"{label} of {args.rounds} interleaved rounds; sim ÷ meas with the host work "
+                        f"measured by the profile (1) alone, (2) with T_att, T_head fitted to resident, "
+                        f"(3) also h_load, h_pf fitted to ondemand, prefetch-only, (4) (2) without host work")
+    for col in ("policy", "measured ms", "spread", "hit", "sim hit", "exposed ms", "sim exposed ms",
+                "simulated ms (2)", "(1) profile", "(2) + compute fit", "(3) + host fit", "(4) no host work"):
         table.add_column(col, justify="left" if col == "policy" else "right")
-    table.add_column("sim ÷ meas, no host work", justify="right")
 
-    def simulated(name, **host):  # every measured round of `name` replayed; (`stat` TPOT ms, runs)
-        sims = [simulate_policy(shape, s, timings, [by_seq[f"{name}#{r}"]], bandwidth=gbps * 1e9,
-                                latency=latency, prompt_tokens=prompt_len, warmup=args.warmup,
-                                segment_overhead=t_call, **host)
+    def simulated(name, times, **host):  # every measured round of `name` replayed; (`stat` TPOT ms, runs)
+        sims = [simulate_policy(shape, s, times, [by_seq[f"{name}#{r}"]], bandwidth=gbps * 1e9,
+                                latency=latency, prompt_tokens=prompt_len, warmup=args.warmup, **host)
                 for r, s in enumerate(used[name])]
         return stat([x.tpot_s * 1e3 for x in sims]), sims
 
@@ -162,47 +164,51 @@ def compare(console, args, lm, label, stat, timings, measured, measured_hit, mea
         token, refined by fixed point (host time can hide link time, so the relation is not linear)."""
         h = 0.0
         for _ in range(6):
-            sim, _runs = simulated(name, **host, **{key: h})
+            sim, _runs = simulated(name, timings, **host, **{key: h})
             h = max(0.0, h + (stat(measured[name]) - sim) / 1e3 / units)
         return h
 
-    # Host work of the offloading path (beyond compute): h_load per loaded segment, from ondemand (every
-    # activation one whole-expert load, no prefetch); then h_pf per prefetching layer, from prefetch-only.
-    _sim, od = simulated("ondemand")
+    # (3) Host work of the offloading path fitted to these runs: h_load per loaded segment, from ondemand
+    # (every activation one whole-expert load, no prefetch); then h_pf per prefetching layer, from prefetch-only.
+    _sim, od = simulated("ondemand", timings)
     loads_per_token = statistics.median(x.bytes_per_token for x in od) / shape.expert_bytes
     h_load = calibrate("ondemand", "load_host", loads_per_token)
     h_pf = calibrate("prefetch-only", "prefetch_host", shape.num_layers, load_host=h_load)
     host = dict(load_host=h_load, prefetch_host=h_pf)
-    calibrated = {"resident": "(calibrated: T_att)", "ondemand": "(calibrated: h_load)",
-                  "prefetch-only": "(calibrated: h_pf)"}
+    fitted = {"resident": "(fit: T_att)", "ondemand": "(fit: h_load)", "prefetch-only": "(fit: h_pf)"}
     rows = {}
     for name in runs:
-        bare, _ = simulated(name)
-        sim, sims = simulated(name, **host)
         meas = stat(measured[name])
+        alone, _ = simulated(name, profiled)
+        sim, sims = simulated(name, timings)
+        fit, _ = simulated(name, timings, **host)
+        bare, _ = simulated(name, bare_times)
         rows[name] = {"measured_ms": measured[name], "simulated_ms": [x.tpot_s * 1e3 for x in sims],
+                      "simulated_profile_only_ms": alone, "simulated_host_fitted_ms": fit,
                       "simulated_no_host_ms": bare}
-        table.add_row(name, f"{meas:.2f}", f"{min(measured[name]):.2f}–{max(measured[name]):.2f}", f"{sim:.2f}",
-                      f"{sim / meas:.2f} {calibrated.get(name, '')}", f"{measured_hit[name]:.2f}",
-                      f"{sims[-1].hit_rate:.2f}", f"{statistics.median(measured_exposed[name]):.2f}",
-                      f"{sims[-1].exposed_s_per_token * 1e3:.2f}", f"{bare / meas:.2f}")
+        table.add_row(name, f"{meas:.2f}", f"{min(measured[name]):.2f}–{max(measured[name]):.2f}",
+                      f"{measured_hit[name]:.2f}", f"{sims[-1].hit_rate:.2f}",
+                      f"{statistics.median(measured_exposed[name]):.2f}", f"{sims[-1].exposed_s_per_token * 1e3:.2f}",
+                      f"{sim:.2f}", f"{alone / meas:.2f}",
+                      f"{sim / meas:.2f}{' (fit: T_att)' if name == 'resident' else ''}",
+                      f"{fit / meas:.2f} {fitted.get(name, '')}", f"{bare / meas:.2f}")
     console.print(table)
-    console.print(f"host work of the offloading path, calibrated: h_load {h_load * 1e3:.3f} ms per loaded segment "
-                  f"(ondemand: {loads_per_token:.1f} loads per token), h_pf {h_pf * 1e3:.3f} ms per prefetching "
-                  f"layer (prefetch-only); the other offloading policies are predictions", highlight=False)
+    console.print(f"host work measured by the profile: h_load {profiled.t_host_load * 1e3:.3f} ms per loaded segment, "
+                  f"h_pf {profiled.t_host_prefetch * 1e3:.3f} ms per prefetching layer, a_e {profiled.t_admit * 1e3:.3f} "
+                  f"ms per expert admitted, c {profiled.t_segment * 1e3:.3f} ms per split top hit; fitted (3): h_load "
+                  f"{h_load * 1e3:.3f} ms (ondemand: {loads_per_token:.1f} loads per token), h_pf {h_pf * 1e3:.3f} ms",
+                  highlight=False)
     if args.matrix:
-        simulated_matrix(console, lm, shape, timings, t_exp, t_call, by_seq[f"moepic#{args.rounds - 1}"],
-                         prompt_len, args.warmup, latency, host)
+        simulated_matrix(console, lm, shape, timings, t_exp, by_seq[f"moepic#{args.rounds - 1}"],
+                         prompt_len, args.warmup, latency)
     console.print(f"compute times: the configurator's T_exp; T_att and T_head scaled to the measured resident "
                   f"TPOT (T_att {extra * 1e3:+.3f} ms per layer): T_att {timings.t_att * 1e3:.3f} ms, "
-                  f"segment dispatch c {t_call * 1e3:.3f} ms, "
                   f"T_exp {timings.t_exp * 1e3:.3f} ms, T_head {timings.t_head * 1e3:.3f} ms; "
                   f"moepic plan: {used['moepic'][-1].plan.summary()}", highlight=False)
     return rows
 
 
-def simulated_matrix(console, lm, shape, timings, t_exp, t_call, tokens, prompt_len, warmup, latency,
-                     host=None) -> None:
+def simulated_matrix(console, lm, shape, timings, t_exp, tokens, prompt_len, warmup, latency) -> None:
     """Issue 12's matrix, simulated: the measured moepic run's routing and rankings (the same for every
     policy: every policy is exact), every load ratio × budget, the calibrated compute times."""
     from dataclasses import replace
@@ -227,7 +233,7 @@ def simulated_matrix(console, lm, shape, timings, t_exp, t_call, tokens, prompt_
                 settings = settings_for(name, PlanInputs(shape, budget, t, stats, lm.model_id))
                 tpot[name] = simulate_policy(shape, settings, t, [tokens], bandwidth=bandwidth, latency=latency,
                                              prompt_tokens=prompt_len, warmup=warmup,
-                                             segment_overhead=t_call, **(host or {})).tpot_s * 1e3
+                                             ).tpot_s * 1e3
             best = min(baselines, key=lambda n: tpot[n])
             quotient = tpot["moepic"] / tpot[best]
             verdict = ("nothing to gain (best ≈ resident)" if tpot[best] <= 1.05 * tpot["resident"]

@@ -209,3 +209,31 @@ def test_host_work_per_load_is_time_less_exposed_less_resident_over_loaded_segme
     runs = layers._host_per_load(block, None, 1.0, lambda: (state["segments"], state["exposed"]), 3,
                                  lambda: None, now=lambda: state["t"])
     assert runs == [3.0, 3.0, 3.0]
+
+
+def test_a_measured_whole_step_scales_attention_and_head(config):
+    """Layer timings miss the work around the layers (embedding, hooks, sampling): a measured resident
+    decode step t_token scales T_att and T_head so that L·(T_att + T_moe) + T_head = t_token.
+    One MoE layer (T_att 0.15, T_moe 0.6 ms) and a dense one (0.1 + 0.2 ms) with T_head 0.3 ms:
+    timed 0.15 + 0.6 = 0.75 ms beside the experts; t_token 2.85 ms → × 3."""
+    from dataclasses import replace
+
+    profile = make_profile(DeviceIdentity("cuda", "x", 1 << 30), config)
+    plain = profile.model.timings(profile.device.link, expert_bytes=1)
+    scaled = replace(profile.model, t_token=2.85e-3).timings(profile.device.link, expert_bytes=1)
+    assert (plain.t_att, plain.t_head) == (pytest.approx(1.5e-4), pytest.approx(6e-4))
+    assert (scaled.t_att, scaled.t_head, scaled.t_moe) == (pytest.approx(4.5e-4), pytest.approx(1.8e-3), 6e-4)
+    assert replace(profile.model, t_token=2.85e-3).timings(profile.device.link, 1, phase="prefill").t_att == 1.5e-4
+
+
+def test_a_measured_expert_forward_is_t_exp_and_the_rest_of_t_moe_counts_with_attention(config):
+    """t_expert (one expert's forward alone) is T_exp; what else the MoE block does (router, routing
+    copy, dispatch, combine) cannot overlap the layer's loads and counts with T_att. MoE layer:
+    T_att 0.15, T_moe 0.6 ms, K = 2; t_expert 0.1 ms → T_moe 0.2, T_att 0.15 + 0.4 = 0.55 ms."""
+    from dataclasses import replace
+
+    profile = make_profile(DeviceIdentity("cuda", "x", 1 << 30), config)
+    t = replace(profile.model, t_expert=1e-4).timings(profile.device.link, expert_bytes=1)
+    assert (t.t_moe, t.t_att, t.t_exp) == (pytest.approx(2e-4), pytest.approx(5.5e-4), pytest.approx(1e-4))
+    slower = replace(profile.model, t_expert=4e-4).timings(profile.device.link, expert_bytes=1)  # K·t_expert > T_moe
+    assert (slower.t_moe, slower.t_att) == (6e-4, 1.5e-4)  # T_moe as measured

@@ -100,6 +100,13 @@ class ModelTimings:
     t_admit: float | None = None
     # c (Timings.t_segment): one segment forward's fixed cost; None when not measured
     t_segment: float | None = None
+    # a whole decode step with every expert resident (the engine's and the model's work outside the timed
+    # layers included: embedding, hooks, sampling); where measured, T_att and T_head are scaled to it
+    t_token: float | None = None
+    # one expert's forward for one token alone (profiling/model.py: expert_compute_s); where measured,
+    # T_exp is it and the rest of T_moe (router, routing copy, dispatch, combine: work the layer's loads
+    # cannot overlap) counts with T_att
+    t_expert: float | None = None
 
     def timings(self, link: LinkFit, expert_bytes: int, phase: str = "decode") -> Timings:
         """The configurator's Timings: means over the MoE layers; dense layers (DeepSeek's first
@@ -111,10 +118,20 @@ class ModelTimings:
         if not moe:
             raise FmoeError(f"the profile of {self.model.name} times no MoE layer")
         dense = sum(layer.t_att + layer.t_moe for layer in timing.layers if not layer.moe)
+        t_att = sum(layer.t_att for layer in moe) / len(moe)
+        t_moe = sum(layer.t_moe for layer in moe) / len(moe)
+        t_head = timing.t_head + dense
+        if phase == "decode" and self.t_expert and self.t_expert * self.top_k < t_moe:
+            t_att, t_moe = t_att + t_moe - self.t_expert * self.top_k, self.t_expert * self.top_k
+        timed = len(moe) * t_att + t_head
+        if phase == "decode" and self.t_token and timed > 0:
+            # what a whole step takes beyond the experts is attention, head and the work around them
+            scale = max(0.0, self.t_token - len(moe) * t_moe) / timed
+            t_att, t_head = t_att * scale, t_head * scale
         return Timings.from_link(
-            t_att=sum(layer.t_att for layer in moe) / len(moe),
-            t_moe=sum(layer.t_moe for layer in moe) / len(moe),
-            t_head=timing.t_head + dense,
+            t_att=t_att,
+            t_moe=t_moe,
+            t_head=t_head,
             top_k=self.top_k,
             expert_bytes=expert_bytes,
             bandwidth=link.bandwidth,
@@ -280,4 +297,6 @@ class _Reader:
             t_host_prefetch=self.get(d, "t_host_prefetch", float, optional=True),
             t_admit=self.get(d, "t_admit", float, optional=True),
             t_segment=self.get(d, "t_segment", float, optional=True),
+            t_token=self.get(d, "t_token", float, optional=True),
+            t_expert=self.get(d, "t_expert", float, optional=True),
         )

@@ -74,10 +74,11 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         )
         t_admit = admission_copy_s(lm, repeats=20 if quick else 100)
         t_segment = segment_call_s(lm, repeats=50 if quick else 200)
-        h_load, h_pf, c = host_work_s(lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0,
+        h_load, h_pf, c, step = host_work_s(lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0,
                                       t_admit=t_admit, t_segment=t_segment, rounds=5 if quick else 9,
-                                      tokens=8 if quick else 16)
-        return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c)
+                                      tokens=8 if quick else 16, budget_s=5.0 if quick else 60.0)
+        return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c, t_token=step,
+                       t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True))
     finally:
         engine.observers = observers
 
@@ -86,8 +87,9 @@ SPLIT_CACHE_BYTES = 512 * 2**20
 
 
 def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: float, t_admit: float,
-                t_segment: float, rounds: int = 5, tokens: int = 8) -> tuple[float, float, float]:
-    """(h_load, h_pf, c): the host's work per loaded segment, per MoE layer that prefetches (the
+                t_segment: float, rounds: int = 5, tokens: int = 8,
+                budget_s: float = 5.0) -> tuple[float, float, float, float | None]:
+    """(h_load, h_pf, c, resident step): the host's work per loaded segment, per MoE layer that prefetches (the
     predictor's scores and ranking, the prefetcher's submits and cancels) and per split top hit
     (two segment forwards and their sum instead of one forward), from whole decode tokens on the
     engine's link, in interleaved rounds: every expert resident; no cache, loaded on demand; the
@@ -100,7 +102,10 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     Whole tokens, not one layer run again: a layer re-run on one input finds its experts' weights
     warm in the CPU's caches, a decode step does not. Where the model does not fit on the device
     (a GPU), h_load is `block_h_load` (profiling/layers.py) and c is `t_segment` (one forward of a
-    one-block segment). The engine is put back as it was."""
+    one-block segment). Rounds stop early once `budget_s` has passed (a model whose on-demand
+    step takes long, on a slow link, gets one round). The engine is put back as it was."""
+    import time
+
     shape, settings = lm.shape, engine.settings
     plan = settings.plan
     layers = len(plan.layers)
@@ -118,9 +123,12 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
         if half > 0 and size > 0:
             tops = LayerPlan(size * half * shape.neuron_bytes, size, half, half / shape.intermediate)
             configs["split"] = replace(settings, plan=replace(no_cache, layers=(tops,) * layers), prefetch=False)
-    h_loads, h_pfs, cs = [], [], []
+    h_loads, h_pfs, cs, steps = [], [], [], []
+    start = time.perf_counter()
     try:
         for r in range(rounds):
+            if r and time.perf_counter() - start > budget_s:
+                break
             net, count = {}, {}
             for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
                 engine.configure(configs[name])
@@ -130,6 +138,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 count[name] = {key: statistics.median(getattr(e.counters, key) for e in events)
                                for key in ("needed_loads", "hits_top", "misses")}
             od = count["ondemand"]
+            if "resident" in net:
+                steps.append(net["resident"])
             h_load = (net["ondemand"] - net["resident"]) / max(1, od["needed_loads"]) if "resident" in net else block_h_load
             h_loads.append(h_load)
             h_pfs.append((net["prefetch"] - net["ondemand"]
@@ -141,7 +151,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     finally:
         engine.configure(settings)
     c = statistics.median(cs) if cs else t_segment
-    return max(0.0, statistics.median(h_loads)), max(0.0, statistics.median(h_pfs)), max(0.0, c)
+    step = statistics.median(steps) if steps else None
+    return max(0.0, statistics.median(h_loads)), max(0.0, statistics.median(h_pfs)), max(0.0, c), step
 
 
 def _loads(engine: Engine) -> tuple[int, float]:
@@ -190,10 +201,13 @@ def segment_call_s(lm, repeats: int = 200) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False) -> float:
+def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False, cold: bool = False) -> float:
     """T_exp: one expert's forward for one token (decode) on this device, through the store's
     own segment_forward (the engine's compute): the mean over `repeats` after a warm-up.
-    `unquantised`: of the expert's unquantised weights instead (int8/int4 stores)."""
+    `unquantised`: of the expert's unquantised weights instead (int8/int4 stores).
+    `cold`: each forward of another expert, in turn over every layer's experts, as a decode step
+    meets them (on a CPU, one expert's weights read again and again stay in its caches: up to 3 ×
+    faster than in a decode step; a GPU's L2 holds no expert of a real model either way)."""
     import time
 
     from fmoe_cli.offload.layout import segment_forward
@@ -204,13 +218,17 @@ def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False) -> float
         packed, forward = lm.store.dequantized(0)[0].to(lm.device), segment_forward
     x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
     act = torch.nn.functional.silu
-    for _ in range(10):
-        forward(x, packed, act)
+    experts = [packed]
+    if cold and not unquantised and lm.device.type == "cpu":  # every expert in turn (views of the host store)
+        shape = lm.shape
+        experts = [lm.store.expert(j, e).to(lm.device) for j in range(shape.num_layers) for e in range(shape.num_experts)]
+    for i in range(10):
+        forward(x, experts[i % len(experts)], act)
     if lm.device.type == "cuda":
         torch.cuda.synchronize(lm.device)
     start = time.perf_counter()
-    for _ in range(repeats):
-        forward(x, packed, act)
+    for i in range(repeats):
+        forward(x, experts[i % len(experts)], act)
     if lm.device.type == "cuda":
         torch.cuda.synchronize(lm.device)
     return (time.perf_counter() - start) / repeats
