@@ -216,3 +216,34 @@ def test_a_replan_takes_the_presets_settings_again(monkeypatch):
     assert planner.on_idle() and engine.configured == [True]
     s = engine.settings
     assert s.plan is no_prefetch and s.prefetch is False and (s.omega, s.rho) == (16, 0.5)
+
+
+def test_a_plan_made_without_recorded_routing_is_made_again_after_a_few_tokens():
+    """Uniform routing assumed (nothing recorded): re-planned once FIRST_PLAN_TOKENS tokens are
+    recorded, not τ; a plan made from recorded routing waits τ."""
+    from dataclasses import replace
+
+    from fmoe_cli.planning.replan import FIRST_PLAN_TOKENS
+
+    class Engine_:
+        def __init__(self):
+            self.observers, self.configured = [], []
+            self.settings = replace(make_settings("uniform", SHAPE, 8 * SHAPE.expert_bytes), policy="moepic")
+
+        def configure(self, settings, warm=False):
+            self.settings = settings
+            self.configured.append(warm)
+
+    engine = Engine_()
+    recorder = StatsRecorder(RoutingStats.empty("m", SHAPE.num_layers, SHAPE.num_experts, SHAPE.top_k))
+    timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=SHAPE.top_k)
+    planner = Replanner(engine, PlanInputs(SHAPE, 8 * SHAPE.expert_bytes, timings), recorder, tau=1000)
+    assert planner.blind
+    recorder.tokens = FIRST_PLAN_TOKENS - 1
+    assert not planner.on_idle()
+    recorder.tokens = FIRST_PLAN_TOKENS
+    assert planner.on_idle() and engine.configured == [True] and not planner.blind
+    recorder.tokens = FIRST_PLAN_TOKENS + 999
+    assert not planner.on_idle()  # from now on τ
+    recorder.tokens = FIRST_PLAN_TOKENS + 1000
+    assert planner.on_idle()

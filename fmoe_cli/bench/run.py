@@ -124,7 +124,7 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
         exposed_load_ms_per_token=steady.exposed_s * 1000 / n,
         bytes_per_token=steady.bytes_moved / n,
         peak_device_bytes=peak,
-        plan=settings.plan.summary(),
+        plan=engine.settings.plan.summary(),  # what the measured run used (a re-plan after the warm-up may change it)
         token_ids=[e.token_id for e in events],
         engine_device_bytes=engine_bytes,
     )
@@ -241,9 +241,9 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str, consol
             try:
                 for index in range(len(run.settings)):
                     s = run.settings_for(index)
-                    start: Callable[[], None] | None = None
-                    if recorder is not None:  # one trace sequence per policy: its measured run
-                        def start(seq: str = s.policy) -> None:
+                    def start(seq: str = s.policy) -> None:
+                        run.idle()  # after the warm-up: a plan made without recorded routing is made again
+                        if recorder is not None:  # one trace sequence per policy: its measured run
                             recorder.start_sequence(seq)
                             engine.observers.append(recorder)
                     task = bar.add_task(f"{s.policy}: {warmup} warm-up + {tokens} tokens", total=warmup + tokens)

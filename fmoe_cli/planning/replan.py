@@ -9,6 +9,11 @@ plan again from the statistics so far and rebuilds the cache:
 `engine.configure(settings, warm=True)` keeps the policies' history and fills each
 layer with its top-C_i experts by priority, split at θ_i. It never measures anything
 and never runs while the device is busy.
+
+A plan made without any recorded routing (a model's first session: uniform routing
+assumed) is made again as soon as FIRST_PLAN_TOKENS tokens have been recorded, not τ:
+`fmoe bench` re-plans after its warm-up, `fmoe chat` after the first answer. (Ours, not
+MoEpic's: its τ = 5,000 assumes statistics to start from.)
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from fmoe_cli.planning.configurator import DEFAULT_TAU, replan_due
 from fmoe_cli.planning.presets import PRESETS, PlanInputs, settings_for
 from fmoe_cli.planning.stats import StatsRecorder
 
+FIRST_PLAN_TOKENS = 32  # a plan made without recorded routing is made again after this many tokens
+
 
 class Replanner:
     def __init__(self, engine: Engine, inputs: PlanInputs, recorder: StatsRecorder, tau: int = DEFAULT_TAU) -> None:
@@ -28,6 +35,7 @@ class Replanner:
         self.recorder = recorder
         self.tau = tau  # τ: tokens between re-plans
         self.tokens_at_plan = recorder.tokens
+        self.blind = recorder.tokens == 0  # the plans so far were made without recorded routing
         self.replans = 0
         if recorder not in engine.observers:
             engine.observers.append(recorder)
@@ -39,10 +47,12 @@ class Replanner:
     def plan_inputs(self) -> PlanInputs:
         """The run's plan inputs with the statistics so far; a plan made from them counts as the latest."""
         self.tokens_at_plan = self.recorder.tokens
+        self.blind = self.recorder.tokens == 0
         return replace(self.inputs, stats=self.stats)
 
     def due(self) -> bool:
-        return replan_due(self.recorder.tokens - self.tokens_at_plan, device_idle=True, tau=self.tau)
+        since = self.recorder.tokens - self.tokens_at_plan
+        return replan_due(since, device_idle=True, tau=min(FIRST_PLAN_TOKENS, self.tau) if self.blind else self.tau)
 
     def on_idle(self) -> bool:
         """The device is idle: save the statistics; re-plan and rebuild the cache if τ tokens have passed.
