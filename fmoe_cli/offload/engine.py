@@ -25,6 +25,7 @@ finished load takes the next one).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -140,12 +141,14 @@ class Routing:
         One host sort and one host→device copy; no per-expert sync."""
         if self._layout is None:
             order = sorted(range(len(self.flat)), key=self.flat.__getitem__)  # stable: by expert, then position
-            perm = torch.tensor(order, dtype=torch.long).to(device, non_blocking=True)
+            perm = torch.tensor(order, dtype=torch.long)
+            if device.type != "cpu":
+                perm = perm.to(device, non_blocking=True)
+            counts = collections.Counter(self.flat)  # one pass, not one count per expert (a prefill routes T·K slots)
             spans, start = {}, 0
             for e in self.active:
-                n = self.flat.count(e)
-                spans[e] = slice(start, start + n)
-                start += n
+                spans[e] = slice(start, start + counts[e])
+                start += counts[e]
             self._layout = (perm, perm // self.ids.shape[-1], spans)
         return self._layout
 
