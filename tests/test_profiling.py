@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from fmoe_cli.cli import app
@@ -237,3 +238,52 @@ def test_a_measured_expert_forward_is_t_exp_and_the_rest_of_t_moe_counts_with_at
     assert (t.t_moe, t.t_att, t.t_exp) == (pytest.approx(2e-4), pytest.approx(5.5e-4), pytest.approx(1e-4))
     slower = replace(profile.model, t_expert=4e-4).timings(profile.device.link, expert_bytes=1)  # K·t_expert > T_moe
     assert (slower.t_moe, slower.t_att) == (6e-4, 1.5e-4)  # T_moe as measured
+
+
+def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
+    """h_load, h_pf and c from scripted decode steps (profiling/model.py: host_work_s): resident 1 s;
+    on demand 24 loads, 0.5 s exposed, 1 + 0.5 + 24 h_load; with prefetch 6 layers × h_pf more and
+    2 more loads; split tops: 16 top hits, 8 misses (θ = 1/2 admitted at a_e), 16 c more."""
+    from types import SimpleNamespace
+
+    from fmoe_cli.offload.engine import Counters
+    from fmoe_cli.planning.presets import make_settings
+    from fmoe_cli.profiling import model as profiling_model
+    from fmoe_cli.types import ExpertShape
+
+    shape = ExpertShape(num_layers=6, num_experts=16, top_k=4, hidden=8, intermediate=256, dtype_bytes=2)
+    h_load, h_pf, c, a_e = 0.01, 0.05, 0.02, 0.04
+
+    def step(settings):
+        plan = settings.plan
+        if plan.resident:
+            return 1.0, Counters()
+        if plan.layers[0].cache_size:  # split tops
+            t = 1.0 + 0.5 + 24 * h_load + 16 * c + 8 * 0.5 * a_e
+            return t, Counters(needed_loads=24, hits_top=16, misses=8, exposed_s=0.5)
+        if settings.prefetch:
+            return 1.0 + 0.5 + 26 * h_load + 6 * h_pf, Counters(needed_loads=26, misses=26, exposed_s=0.5)
+        return 1.0 + 0.5 + 24 * h_load, Counters(needed_loads=24, misses=24, exposed_s=0.5)
+
+    class FakeEngine:
+        def __init__(self):
+            self.settings = make_settings("ondemand", shape, 8 * shape.expert_bytes)
+            self.configured = []
+
+        def configure(self, settings):
+            self.settings = settings
+            self.configured.append(settings)
+
+    engine = FakeEngine()
+    original = engine.settings
+
+    def fake_generate(model, ids, *, engine, max_new_tokens, stop_on_eos):
+        t, counters = step(engine.settings)
+        return [SimpleNamespace(latency_s=t, counters=counters) for _ in range(max_new_tokens)]
+
+    monkeypatch.setattr(profiling_model, "stream_generate", fake_generate)
+    lm = SimpleNamespace(shape=shape, device=torch.device("cpu"), model=None)
+    got = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_admit=a_e, t_segment=9.0, rounds=3)
+    assert got == pytest.approx((h_load, h_pf, c, 1.0))
+    assert engine.settings is original  # put back as it was
+    assert {s.plan.layers[0].top_neurons for s in engine.configured if not s.plan.resident} == {0, 128}
