@@ -158,11 +158,18 @@ class Configuration:
         return tuple(c.exposed for c in self.split.layers)
 
 
-class _LayerModel:
-    """Eq. (9)–(11) for one layer, vectorised over every cache size C = 0..N.
+MAX_COLUMNS = 1024  # (C, k) candidates per layer and budget: ≤ this many k per C over all C
 
-    Everything that depends on V_i only (θ per C, the cumulated prefetch costs and gains)
-    is computed once per budget and kept; a window then costs one comparison.
+
+class _LayerModel:
+    """Eq. (9)–(11) for one layer, vectorised over the candidates (C, k): every cache size
+    C = 0..N, each with the largest k_i that fits V_i / C and smaller ones (whole blocks, up to
+    MAX_COLUMNS / (N + 1) per C, evenly spread): a smaller θ can hide more (a prefetch of the
+    bottom costs less link time), so more budget never forces a larger θ on a cache size.
+
+    Everything that depends on V_i only (the candidates, θ, the cumulated prefetch costs and
+    gains, the work per token) is computed once per budget and kept; a window then costs one
+    comparison.
     """
 
     def __init__(self, curves: LayerCurves, shape: ExpertShape, timings: Timings, max_prefetch: int | None) -> None:
@@ -173,45 +180,58 @@ class _LayerModel:
         self.timings = timings
         self.max_prefetch = max_prefetch
         self.sizes = np.arange(shape.num_experts + 1, dtype=np.int64)  # C
+        self.per_size = max(1, MAX_COLUMNS // (shape.num_experts + 1))  # k candidates per C at most
         self._by_budget: dict[int, tuple] = {}
+
+    def _columns(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """The candidates (C, k) for V_i = budget, ordered by C then k: C = 0 with k = 0, then for each
+        C whose k_max = V_i / C (whole blocks, ≤ I) holds a block, k_max and smaller whole blocks."""
+        shape = self.shape
+        block = shape.neuron_block
+        sizes, ks = [0], [0]
+        for c in range(1, shape.num_experts + 1):
+            k_max = min(budget // c // shape.neuron_bytes // block * block, shape.intermediate)
+            if k_max < block:
+                break  # larger C hold less
+            blocks = k_max // block
+            picks = np.unique(np.round(np.linspace(1, blocks, min(blocks, self.per_size))).astype(np.int64))
+            sizes += [c] * len(picks)
+            ks += list(picks * block)
+        return np.array(sizes, dtype=np.int64), np.array(ks, dtype=np.int64)
 
     def _tables(self, budget: int) -> tuple:
         tables = self._by_budget.get(budget)
         if tables is not None:
             return tables
-        shape, sizes = self.shape, self.sizes
-        block, nb = shape.neuron_block, shape.neuron_bytes
-        per_expert = budget // np.maximum(sizes, 1)  # V_i / C_i bytes per cached expert
-        k = np.minimum(per_expert // nb // block * block, shape.intermediate)  # k_i, whole blocks, ≤ I
-        k[0] = 0
-        feasible = (sizes == 0) | (k >= block)
-        k = np.where(feasible, k, 0)
+        shape, curves, t = self.shape, self.curves, self.timings
+        sizes, k = self._columns(budget)  # per candidate: C_i, k_i
         theta = k / shape.intermediate  # θ_i
-        load_share = 1.0 - self.curves.predicted_cached * theta[None, :]  # [y, C]: 1 − PH_i(y,C)·θ_i
-        cost = np.cumsum(load_share * self.timings.t_load, axis=0)  # Σ_{y'≤y} (1 − PH·θ)·T_load
-        gain = np.cumsum(load_share * self.curves.predicted_hit[:, None], axis=0)  # Σ_{y'≤y} (1 − PH·θ)·P(y')
-        cached = self.shape.top_k * self.curves.hit * theta  # K·H_i(C)·θ_i
+        hit = curves.hit[sizes]  # H_i(C)
+        load_share = 1.0 - curves.predicted_cached[:, sizes] * theta[None, :]  # [y, col]: 1 − PH_i(y,C)·θ_i
+        cost = np.cumsum(load_share * t.t_load, axis=0)  # Σ_{y'≤y} (1 − PH·θ)·T_load
+        gain = np.cumsum(load_share * curves.predicted_hit[:, None], axis=0)  # Σ_{y'≤y} (1 − PH·θ)·P(y')
+        cached = shape.top_k * hit * theta  # K·H_i(C)·θ_i
         # segments loaded per token: every activated expert but the whole cached ones, K − K·H_i(C)·[k_i = I]
-        loaded = self.shape.top_k - np.where(k == shape.intermediate, self.shape.top_k * self.curves.hit, 0.0)
+        loaded = shape.top_k - np.where(k == shape.intermediate, shape.top_k * hit, 0.0)
         # tops admitted per token: every miss (nothing cached) is loaded whole and offered, K·(1 − H_i(C))
         # (LCP always replaces), each a copy of θ_i of an expert into the cache
-        admitted = np.where(sizes > 0, self.shape.top_k * (1.0 - self.curves.hit) * theta, 0.0)
+        admitted = np.where(sizes > 0, shape.top_k * (1.0 - hit) * theta, 0.0)
         # top hits of a split (0 < k_i < I) run two segment forwards: c more each
-        split_hits = np.where((k > 0) & (k < shape.intermediate), self.shape.top_k * self.curves.hit, 0.0)
-        host = loaded * self.timings.t_host_load + admitted * self.timings.t_admit + split_hits * self.timings.t_segment
-        tables = (k, theta, feasible, cost, gain, cached, host)
-        if len(self._by_budget) > 4096:
+        split_hits = np.where((k > 0) & (k < shape.intermediate), shape.top_k * hit, 0.0)
+        host = loaded * t.t_host_load + admitted * t.t_admit + split_hits * t.t_segment
+        tables = (sizes, k, theta, cost, gain, cached, host)
+        if len(self._by_budget) * len(sizes) > 4_000_000:
             self._by_budget.clear()
         self._by_budget[budget] = tables
         return tables
 
     def choose(self, budget: int, window: float, cache_size: int | None = None) -> tuple[LayerChoice, float]:
-        """The best C_i for V_i = budget in window T_wind^i (or the given `cache_size`: pricing a
-        fixed plan); returns it and T_wind^{i+1}."""
-        k, theta, feasible, cost, gain, cached, host = self._tables(budget)
+        """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
+        largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}."""
+        sizes, k, theta, cost, gain, cached, host = self._tables(budget)
         t = self.timings
         top_k = t.top_k
-        columns = self.sizes
+        columns = np.arange(len(sizes))
         landed = (cost <= window * (1 + 1e-12)).sum(axis=0)  # prefetches done by routing time (Eq. 10's Y)
         if self.max_prefetch is None:
             prefetches = landed
@@ -227,18 +247,18 @@ class _LayerModel:
         on_link = (landed < prefetches)
         remaining = np.where(on_link, cost[straddler, columns] - window, 0.0)
         wrong = 1.0 - self.curves.predicted_hit[straddler]
-        link = np.maximum(0.0, remaining) * wrong  # R_i per C
+        link = np.maximum(0.0, remaining) * wrong  # R_i per candidate
         hidden = np.minimum(cached + prefetched, top_k)  # m_i (Eq. 9), capped at K
-        hidden = np.where(feasible, hidden, -np.inf)
         if cache_size is None:
-            # Eq. 11, with the host's work of the loads: the load time hidden less the host time spent,
-            # argmax m_i·T_load − loaded_i·h_load (= argmax m_i when h_load = 0). Among (near-)ties keep
-            # the most bytes cached (never worse in practice), then the smallest C.
+            # Eq. 11, with the work the loads cost besides the link: the load time hidden less that work,
+            # argmax m_i·T_load − G_i (= argmax m_i when G_i = 0). Among (near-)ties keep the most bytes
+            # cached (never worse in practice), then the smallest C, then the smallest k.
             score = hidden * t.t_load - host
             best = score >= score.max() - _TIE * max(t.t_load, t.t_host_load, t.t_admit, t.t_segment, 1e-300)
-            c = int(np.argmax(np.where(best, self.sizes * k, -1)))
+            c = int(np.argmax(np.where(best, sizes * k, -1)))
         else:
-            c = cache_size
+            fixed = np.flatnonzero(sizes == cache_size)
+            c = int(fixed[-1]) if len(fixed) else 0  # its largest k (the plan's); C = 0 when nothing fits
         m = float(hidden[c])
         behind = float(link[c])  # R_i: a wrong prefetch's link time the window did not cover
         busy = behind + (top_k - m) * t.t_load  # the link's work once layer i has routed
@@ -251,12 +271,12 @@ class _LayerModel:
         stall = max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * t.t_exp) - m * t.t_exp
         exposed = max(0.0, stall) + work
         next_window = t.t_moe + work + max(0.0, stall) - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
-        size = c if k[c] > 0 else 0
+        size = int(sizes[c])
         choice = LayerChoice(
             budget=int(budget),
             cache_size=size,
-            top_neurons=int(k[c]) if size else 0,
-            split=float(theta[c]) if size else 0.0,
+            top_neurons=int(k[c]),
+            split=float(theta[c]),
             vram_bytes=int(size * k[c] * self.shape.neuron_bytes),
             hit_rate=float(self.curves.hit[size]),
             hidden=m,
