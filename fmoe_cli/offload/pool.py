@@ -158,6 +158,7 @@ class StagingPool:
 
     def release(self, entry: Staged, reads: Fence | None = None) -> None:
         """Let the slot go; `reads`: the fence after the compute that read it (if it was read)."""
+        assert self.entries[entry.slot] is entry, "an entry is released once"
         self.entries[entry.slot] = None
         del self._staged[entry.layer][entry.expert]
         entry.in_use = False
