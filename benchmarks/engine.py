@@ -205,6 +205,7 @@ def firm_timings(lm, links: dict, prefill_len: int, console: Console) -> dict:
     measured once, on a temporary engine; each link gives its own T_load."""
     from fmoe_cli.offload.engine import open_engine
     from fmoe_cli.planning.plan import min_staging_slots
+    from fmoe_cli.planning.stats import scratch_recorder
     from fmoe_cli.profiling.model import model_timings
     from fmoe_cli.run import link_fit_of
 
@@ -213,7 +214,8 @@ def firm_timings(lm, links: dict, prefill_len: int, console: Console) -> dict:
     try:
         probe.configure(make_settings("ondemand", shape, min_staging_slots(shape) * shape.expert_bytes))
         with console.status("profiling the model (as `fmoe profile --model`) …"):
-            measured = model_timings(lm, probe, prefill_len=prefill_len, quick=False)
+            measured = model_timings(lm, probe, prefill_len=prefill_len, quick=False,
+                                     observers=[scratch_recorder(shape)])
     finally:
         probe.close()
     t = measured.timings(link_fit_of(next(iter(links.values())), lm.device, shape.expert_bytes), shape.expert_bytes)

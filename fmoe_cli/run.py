@@ -46,7 +46,7 @@ from fmoe_cli.planning.plan import (
 )
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, PlanInputs, make_settings, preset, settings_for
 from fmoe_cli.planning.replan import Replanner
-from fmoe_cli.planning.stats import default_stats_path, open_recorder
+from fmoe_cli.planning.stats import default_stats_path, open_recorder, scratch_recorder
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
 from fmoe_cli.profiling.device import LinkPlan, device_identity, fit_link, measure_link
 from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
@@ -150,7 +150,7 @@ def measure_timings(lm: LoadedModel, engine: Engine | None = None):
     engine = open_engine(lm) if own else engine
     try:
         engine.configure(make_settings("ondemand", lm.shape, min_staging_slots(lm.shape) * lm.shape.expert_bytes))
-        return model_timings(lm, engine, prefill_len=8, quick=True)
+        return model_timings(lm, engine, prefill_len=8, quick=True, observers=[scratch_recorder(lm.shape)])
     finally:
         if own:
             engine.close()

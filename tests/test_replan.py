@@ -131,6 +131,25 @@ def test_engine_timings_use_the_emulated_link(setup, tmp_path):
     assert t.t_moe > 0 and t.t_att > 0 and t.t_head > 0 and t.top_k == lm.shape.top_k
 
 
+def test_a_measurement_is_seen_by_a_scratch_recorder_not_by_the_engines_observers(setup):
+    """The engine's costs are measured as a run pays them (a statistics recorder observing), but the
+    measurement's traffic never enters the model's statistics or trace."""
+    from fmoe_cli.planning.plan import min_staging_slots
+    from fmoe_cli.planning.stats import scratch_recorder
+    from fmoe_cli.profiling.model import model_timings
+
+    lm, engine, _ = setup
+    mine = StatsRecorder(RoutingStats.empty("m", lm.shape.num_layers, lm.shape.num_experts, lm.shape.top_k))
+    engine.observers = [mine]
+    scratch = scratch_recorder(lm.shape)
+    engine.configure(make_settings("ondemand", lm.shape, min_staging_slots(lm.shape) * lm.shape.expert_bytes))
+    timings = model_timings(lm, engine, prefill_len=4, quick=True, observers=[scratch])
+    assert engine.observers == [mine] and mine.tokens == 0
+    assert scratch.tokens > 0 and scratch.stats.layers[0].predicted_tokens > 0  # it saw the prefetching runs too
+    assert timings.t_host_load is not None and timings.t_host_prefetch is not None
+    engine.observers = []
+
+
 SHAPE = ExpertShape(num_layers=4, num_experts=8, top_k=2, hidden=64, intermediate=256, dtype_bytes=2)
 
 

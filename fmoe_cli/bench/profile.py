@@ -20,6 +20,7 @@ from fmoe_cli.files import writable_dir
 from fmoe_cli.models.identity import model_key
 from fmoe_cli.models.load import pick_device
 from fmoe_cli.offload.link import check_bandwidth
+from fmoe_cli.planning.stats import scratch_recorder
 from fmoe_cli.profiling.device import link_steps, profile_device
 from fmoe_cli.profiling.files import Profile, default_profile_path, now_iso
 from fmoe_cli.profiling.model import model_timings
@@ -57,7 +58,8 @@ def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: floa
                 layers = len(run.lm.layers)
                 layer_task = progress.add_task(f"timing {layers} MoE layers (decode, prefill)", total=2 * layers)
                 timings = model_timings(run.lm, run.engine, prefill_len, quick,
-                                        advance=lambda: progress.advance(layer_task))
+                                        advance=lambda: progress.advance(layer_task),
+                                        observers=[scratch_recorder(run.lm.shape)])
         expert_bytes = None if run is None else run.lm.shape.expert_bytes
     profile = Profile(device_profile, timings, created=now_iso())
     saved: Path | None = path

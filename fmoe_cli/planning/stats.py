@@ -378,6 +378,12 @@ class StatsRecorder:
         return path
 
 
+def scratch_recorder(shape) -> StatsRecorder:
+    """A recorder that records into statistics nobody keeps: a measurement pays what recording costs
+    (every bench and chat run records) without its traffic entering the model's statistics."""
+    return StatsRecorder(RoutingStats.empty("measurement", shape.num_layers, shape.num_experts, shape.top_k))
+
+
 def default_stats_path(model: str, config_dir: Path | None = None, model_path: Path | None = None) -> Path:
     """Per model, next to its profile: <user config dir>/profiles/<model key>.stats.json (platformdirs).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -55,12 +55,14 @@ def prompt_ids(lm, length: int) -> torch.Tensor:
 
 
 def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
-                  advance: Callable[[], None] = lambda: None) -> ModelTimings:
+                  advance: Callable[[], None] = lambda: None, observers: Sequence = ()) -> ModelTimings:
     """Per-layer times of a loaded model whose experts the installed, configured engine serves
-    (on-demand loading is enough: every MoE layer is timed with its experts resident).
-    Its observers do not see the measurement."""
+    (on-demand loading is enough: every MoE layer is timed with its experts resident), and the
+    engine's own costs. The engine's observers do not see the measurement; `observers` do (a
+    scratch statistics recorder: the engine's costs include what recording costs a run)."""
     moe_index = {layer.decoder_index: layer.index for layer in lm.layers}
-    observers, engine.observers = engine.observers, []  # a measurement is not traffic: no trace, no statistics
+    # a measurement is not traffic: no trace, no statistics of the model's
+    kept, engine.observers = engine.observers, list(observers)
     try:
         timings = time_layers(
             lm.model, prompt_ids(lm, prefill_len),
@@ -80,7 +82,7 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c, t_token=step,
                        t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True))
     finally:
-        engine.observers = observers
+        engine.observers = kept
 
 
 SPLIT_CACHE_BYTES = 512 * 2**20
