@@ -195,9 +195,14 @@ class Timings:
     # c: the fixed cost of one segment forward (dispatch), part of T_exp; a split expert's top hit runs
     # two segments (top and bottom), so it costs c more than a whole one; 0 unless measured.
     t_segment: float = 0.0
+    # h_route: the host's work between submitting a layer's loads and its first compute (routing layout,
+    # token gather), part of the layer's time, during which the first load is already on the link; 0
+    # unless measured.
+    t_host_route: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("t_att", "t_moe", "t_head", "t_load", "t_host_load", "t_host_prefetch", "t_admit", "t_segment"):
+        for name in ("t_att", "t_moe", "t_head", "t_load", "t_host_load", "t_host_prefetch", "t_admit", "t_segment",
+                     "t_host_route"):
             value = getattr(self, name)
             if not value >= 0 or not math.isfinite(value):
                 raise FmoeError(f"timing {name} must be a finite number of seconds ≥ 0, got {value}")
@@ -213,9 +218,10 @@ class Timings:
     def from_link(
         cls, *, t_att: float, t_moe: float, t_head: float, top_k: int,
         expert_bytes: int, bandwidth: float, latency: float = 0.0, t_host_load: float = 0.0,
-        t_host_prefetch: float = 0.0, t_admit: float = 0.0, t_segment: float = 0.0,
+        t_host_prefetch: float = 0.0, t_admit: float = 0.0, t_segment: float = 0.0, t_host_route: float = 0.0,
     ) -> Timings:
         """T_load = latency + S_e / bandwidth (bandwidth in bytes/s, from the device profile's fit)."""
         if bandwidth <= 0:
             raise FmoeError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
-        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k, t_host_load, t_host_prefetch, t_admit, t_segment)
+        return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k, t_host_load, t_host_prefetch, t_admit, t_segment,
+                   t_host_route)

@@ -361,6 +361,12 @@ def test_loads_after_routing_are_pipelined_with_their_compute():
         assert (first.prefetches, first.hidden) == (0, 0.0)
         assert first.exposed == pytest.approx(exposed)
         assert second.window == pytest.approx(window)
+    # the host's work per load (h_load 0.5) stretches the compute between loads, and the routing layout
+    # before the first compute (h_route 0.3) overlaps the first load: S = max(4, 8 − 1·1.5) − 0.3 = 6.2,
+    # T = S + G = 6.2 + 2·0.5
+    timings = Timings(t_att=0.5, t_moe=2.0, t_head=0.0, t_load=4.0, top_k=2, t_host_load=0.5, t_host_route=0.3)
+    first, _ = expert_split([0, 0], stats, timings, shape, max_prefetch=0).layers
+    assert first.exposed == pytest.approx(7.2)
 
 
 def test_a_wrong_prefetch_on_the_link_is_charged():

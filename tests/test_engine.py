@@ -120,6 +120,24 @@ def test_exposed_time_is_the_time_the_compute_waited(mixtral):
     assert clock.slept == pytest.approx(c.bytes_demand / 1e9 + c.needed_loads * engine.link.latency_s, rel=1e-6)
 
 
+def test_the_hosts_lead_on_the_first_load_is_counted_per_forward_that_loads(mixtral):
+    """lead_s / leads (the profile's h_route): one lead per layer forward that submitted loads, none
+    where everything was on the device."""
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = mixtral
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    for policy, budget in (("ondemand", 2 * lm.shape.top_k * lm.shape.expert_bytes), ("resident", 0)):
+        engine.configure(make_settings(policy, lm.shape, budget))
+        list(stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=3, stop_on_eos=False))
+        c = engine.counters()
+        forwards = 3 * lm.shape.num_layers  # the prompt's and two decode steps'
+        assert c.leads == (forwards if policy == "ondemand" else 0)
+        assert (c.lead_s > 0) == (policy == "ondemand")
+    engine.close()
+
+
 def test_routing_and_predictor_scores_reach_the_host_in_one_copy(monkeypatch):
     from fmoe_cli.offload.engine import Routing
 

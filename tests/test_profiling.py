@@ -263,7 +263,7 @@ def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
             return t, Counters(needed_loads=24, hits_top=16, misses=8, exposed_s=0.5)
         if settings.prefetch:
             return 1.0 + 0.5 + 26 * h_load + 6 * h_pf, Counters(needed_loads=26, misses=26, exposed_s=0.5)
-        return 1.0 + 0.5 + 24 * h_load, Counters(needed_loads=24, misses=24, exposed_s=0.5)
+        return 1.0 + 0.5 + 24 * h_load, Counters(needed_loads=24, misses=24, exposed_s=0.5, lead_s=0.18, leads=6)
 
     class FakeEngine:
         def __init__(self):
@@ -284,6 +284,6 @@ def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
     monkeypatch.setattr(profiling_model, "stream_generate", fake_generate)
     lm = SimpleNamespace(shape=shape, device=torch.device("cpu"), model=None)
     got = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_admit=a_e, t_segment=9.0, rounds=3)
-    assert got == pytest.approx((h_load, h_pf, c, 1.0))
+    assert got == pytest.approx((h_load, h_pf, c, 1.0, 0.03))  # h_route: 0.18 s over 6 forwards
     assert engine.settings is original  # put back as it was
     assert {s.plan.layers[0].top_neurons for s in engine.configured if not s.plan.resident} == {0, 128}

@@ -149,3 +149,20 @@ def test_host_figures_come_from_the_timings_and_admissions_pay_their_copy():
     b = simulate_policy(SHAPE, cache, replace(TIMES, t_admit=0.125), [seq], **fast)
     assert a.hit_rate == b.hit_rate == 0.0
     assert b.tpot_s - a.tpot_s == pytest.approx(2 * 0.125, abs=1e-6)
+
+
+def test_the_routing_layout_overlaps_the_first_load():
+    """h_route of T_att is spent after the layer's loads are submitted: resident (no loads) takes as
+    long as before; ondemand waits h_route less per layer for its first load (T_load 1 s, route 0.25 s)."""
+    from dataclasses import replace
+
+    seq = _tokens([[[0, 1], [2, 3]], [[1, 2], [0, 3]]])
+    budget = 2 * SHAPE.top_k * SHAPE.expert_bytes
+    routed = replace(TIMES, t_host_route=0.25)
+    resident = make_settings("resident", SHAPE, 0)
+    assert simulate_policy(SHAPE, resident, routed, [seq], bandwidth=1.0).tpot_s == pytest.approx(9.0)
+    ondemand = make_settings("ondemand", SHAPE, budget)
+    plain = simulate_policy(SHAPE, ondemand, TIMES, [seq], bandwidth=12.0)
+    early = simulate_policy(SHAPE, ondemand, routed, [seq], bandwidth=12.0)
+    assert plain.tpot_s - early.tpot_s == pytest.approx(2 * 0.25)
+    assert plain.exposed_s_per_token - early.exposed_s_per_token == pytest.approx(2 * 0.25)

@@ -26,6 +26,7 @@ finished load takes the next one).
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -68,6 +69,8 @@ class Counters:
     needed_loads: int = 0  # activated experts that needed any load
     prefetch_covered: int = 0  # … of which a prefetch had already been issued
     exposed_s: float = 0.0  # time the compute waited on the link
+    lead_s: float = 0.0  # host time from submitting a forward's loads to its first compute (layout, gather)
+    leads: int = 0  # … forwards that submitted loads (profiling/model.py: h_route = lead_s / leads)
 
     def count(self, activated: int, hits: Hits) -> None:
         """Add one layer forward's classification (offload/hits.py)."""
@@ -356,11 +359,15 @@ class Engine:
         """3. compute what is on the device, then each load as it arrives (speculating once every
         demand load is queued); returns expert -> output rows [T_e, H]."""
         state, pool, store = self.layers[i], self.pool, self.store
+        submitted = time.perf_counter()
         k = state.top_neurons
         _perm, tokens, spans = routing.layout(hidden_states.device)
         xs = hidden_states[tokens]  # [T·K, H]: every expert's tokens, in one gather
         outputs: dict[int, torch.Tensor] = {}
         top_outputs: dict[int, torch.Tensor] = {}
+        if loading:  # the host's lead on the first load (the configurator's h_route)
+            state.counters.lead_s += time.perf_counter() - submitted
+            state.counters.leads += 1
         for e in hits.whole:
             outputs[e] = store.segment_forward(xs[spans[e]], state.tops[state.cache.slot(e)], act)
         for e in hits.top_hits:

@@ -38,7 +38,8 @@ with the link charged for the issued prefetch that still holds it when the layer
               and per prefetching layer (t_host_prefetch)
         C_i = argmax m_i·T_load − G_i (without the h_pf term, the same for every C)   (11)
         B_i = R_i + n_i·T_load                       the link's work once layer i has routed
-        S_i = max(R_i + min(n_i, 1)·T_load, B_i − max(0, n_i − 1)·T_exp) − m_i·T_exp
+        S_i = max(R_i + min(n_i, 1)·T_load, B_i − max(0, n_i − 1)·(T_exp + h_load)) − m_i·T_exp − h_route
+              (h_route: the host's work between submitting the loads and the first compute)
         T^i = max(0, S_i) + G_i                                                    (6)
         T_wind^{i+1} = T_moe + G_i + max(0, S_i) − B_i + T_att                     (7)
 
@@ -46,9 +47,10 @@ With R_i = 0 (W = Y), G_i = 0 and n_i ≤ 1 these are the paper's equations (S_i
 T_wind^{i+1} = T_moe − min(m_i·T_exp, B_i) + T_att). Where we deviate, and why (measured:
 docs/planning.md § Where the model deviates from the paper):
 - pipelined loads (S_i): the paper charges every un-hidden load in full; the engine computes
-  each load as it lands (offload/engine.py), so the compute of one overlaps the transfer of
-  the next. At cheap loads `ondemand` exposed 0.00 ms per token where Eq. 6 predicted
-  0.06 ms per layer, and the configurator chose prefetch where it lost.
+  each load as it lands (offload/engine.py), so the compute of one (and its host work)
+  overlaps the transfer of the next, and the routing layout before the first compute
+  overlaps the first. At cheap loads `ondemand` exposed 0.00 ms per token where Eq. 6
+  predicted 0.06 ms per layer, and the configurator chose prefetch where it lost.
 - the work of a load besides the link (G_i): where a load costs the host about as much as
   the link, a split top hit saves link time but still pays a load's host work and a second
   segment forward, an admission copies the top into the cache, and a prefetch costs the
@@ -268,7 +270,9 @@ class _LayerModel:
         loads = top_k - m  # n_i: the experts still to load, one after another on the link
         # T^i (Eq. 6, pipelined, + G_i): the compute waits for the first load, then for each next one
         # only as far as the link is slower than the compute of the one before it
-        stall = max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * t.t_exp) - m * t.t_exp
+        serve = t.t_exp + t.t_host_load  # the compute side's time per loaded segment
+        stall = (max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve)
+                 - m * t.t_exp - (t.t_host_route if loads > 0 else 0.0))
         exposed = max(0.0, stall) + work
         next_window = t.t_moe + work + max(0.0, stall) - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
         size = int(sizes[c])

@@ -22,8 +22,9 @@ decode token; its T_load is not used: the link's bandwidth and latency time ever
                     (c: a segment's fixed dispatch cost, 0 unless measured) in the engine's
                     order: whole and cached-top segments first, then each load as acquired
                     (+ h_load of host work per loaded segment), h_pf before a prefetch is issued
-                    (h_load, h_pf: the engine's host work; h_load is Timings.t_host_load,
-                    measured with the layer timings; h_pf 0 unless given)
+                    (h_load, h_pf: the engine's host work, Timings.t_host_load and
+                    t_host_prefetch unless given; h_route of T_att is spent after the
+                    layer's loads are submitted, as the engine lays out its routing)
     per token:      T_head (LM head, final norm, layers before the first MoE layer)
 An acquire of a copy not yet landed sleeps the clock to its end (the exposed time).
 
@@ -174,13 +175,14 @@ class Simulator:
         start = self.now
         if self.predictor is not None:
             self.predictor.begin([token])
+        route = min(self.times.t_host_route, self.times.t_att)  # part of T_att, after the layer's loads are submitted
         for i in range(len(self.layers)):
-            self.clock.advance(self.times.t_att)
-            self._moe_layer(i, token, next_token)
+            self.clock.advance(self.times.t_att - route)
+            self._moe_layer(i, token, next_token, route)
         self.clock.advance(self.times.t_head)
         return self.now - start
 
-    def _moe_layer(self, i: int, token: Token, next_token: Token | None) -> None:
+    def _moe_layer(self, i: int, token: Token, next_token: Token | None, route: float = 0.0) -> None:
         """Engine.experts_forward, step by step (offload/engine.py), compute as clock time."""
         shape, pool, link = self.shape, self.pool, self.link
         state = self.layers[i]
@@ -199,6 +201,7 @@ class Simulator:
         loading = pool.take_over(i, hits.covered, link)
         waiting = list(hits.loads)
         self._submit_demand(i, waiting, loading)
+        self.clock.advance(route)  # h_route: the routing layout and token gather, the loads already on the link
         # 3. compute what is on the device, then each load as it arrives
         on_device = len(hits.whole) + len(hits.top_hits)
         self.clock.advance(on_device * t_call + (len(hits.whole) * shape.intermediate + len(hits.top_hits) * k) * t_neuron)

@@ -107,6 +107,8 @@ class ModelTimings:
     # T_exp is it and the rest of T_moe (router, routing copy, dispatch, combine: work the layer's loads
     # cannot overlap) counts with T_att
     t_expert: float | None = None
+    # h_route (Timings.t_host_route): host work from submitting a layer's loads to its first compute
+    t_host_route: float | None = None
 
     def timings(self, link: LinkFit, expert_bytes: int, phase: str = "decode") -> Timings:
         """The configurator's Timings: means over the MoE layers; dense layers (DeepSeek's first
@@ -140,6 +142,7 @@ class ModelTimings:
             t_host_prefetch=self.t_host_prefetch or 0.0,
             t_admit=self.t_admit or 0.0,
             t_segment=self.t_segment or 0.0,
+            t_host_route=self.t_host_route or 0.0,
         )
 
 
@@ -299,4 +302,5 @@ class _Reader:
             t_segment=self.get(d, "t_segment", float, optional=True),
             t_token=self.get(d, "t_token", float, optional=True),
             t_expert=self.get(d, "t_expert", float, optional=True),
+            t_host_route=self.get(d, "t_host_route", float, optional=True),
         )

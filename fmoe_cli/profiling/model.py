@@ -76,10 +76,11 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         )
         t_admit = admission_copy_s(lm, repeats=20 if quick else 100)
         t_segment = segment_call_s(lm, repeats=50 if quick else 200)
-        h_load, h_pf, c, step = host_work_s(lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0,
+        h_load, h_pf, c, step, route = host_work_s(lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0,
                                       t_admit=t_admit, t_segment=t_segment, rounds=5 if quick else 9,
                                       tokens=8 if quick else 16, budget_s=5.0 if quick else 60.0)
         return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c, t_token=step,
+                       t_host_route=route,
                        t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True))
     finally:
         engine.observers = kept
@@ -90,8 +91,8 @@ SPLIT_CACHE_BYTES = 512 * 2**20
 
 def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: float, t_admit: float,
                 t_segment: float, rounds: int = 5, tokens: int = 8,
-                budget_s: float = 5.0) -> tuple[float, float, float, float | None]:
-    """(h_load, h_pf, c, resident step): the host's work per loaded segment, per MoE layer that prefetches (the
+                budget_s: float = 5.0) -> tuple[float, float, float, float | None, float]:
+    """(h_load, h_pf, c, resident step, h_route): the host's work per loaded segment, per MoE layer that prefetches (the
     predictor's scores and ranking, the prefetcher's submits and cancels) and per split top hit
     (two segment forwards and their sum instead of one forward), from whole decode tokens on the
     engine's link, in interleaved rounds: every expert resident; no cache, loaded on demand; the
@@ -100,7 +101,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
         h_load = (net_ondemand − net_resident) / loaded segments
         h_pf   = (net_prefetch − net_ondemand − Δ loaded segments · h_load) / L
         c      = (net_split − net_ondemand − misses_split · θ · a_e − Δ loaded segments · h_load) / top hits
-    each the median over rounds (paired: a machine whose load drifts shifts a round's runs alike).
+    each the median over rounds (paired: a machine whose load drifts shifts a round's runs alike);
+    h_route, the host's lead on a layer's first load, from the engine's counters of the on-demand runs.
     Whole tokens, not one layer run again: a layer re-run on one input finds its experts' weights
     warm in the CPU's caches, a decode step does not. Where the model does not fit on the device
     (a GPU), h_load is `block_h_load` (profiling/layers.py) and c is `t_segment` (one forward of a
@@ -125,7 +127,7 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
         if half > 0 and size > 0:
             tops = LayerPlan(size * half * shape.neuron_bytes, size, half, half / shape.intermediate)
             configs["split"] = replace(settings, plan=replace(no_cache, layers=(tops,) * layers), prefetch=False)
-    h_loads, h_pfs, cs, steps = [], [], [], []
+    h_loads, h_pfs, cs, steps, routes = [], [], [], [], []
     start = time.perf_counter()
     try:
         for r in range(rounds):
@@ -139,6 +141,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 net[name] = statistics.median(e.latency_s - e.counters.exposed_s for e in events)
                 count[name] = {key: statistics.median(getattr(e.counters, key) for e in events)
                                for key in ("needed_loads", "hits_top", "misses")}
+                if name == "ondemand":
+                    routes += [e.counters.lead_s / e.counters.leads for e in events if e.counters.leads]
             od = count["ondemand"]
             if "resident" in net:
                 steps.append(net["resident"])
@@ -154,7 +158,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
         engine.configure(settings)
     c = statistics.median(cs) if cs else t_segment
     step = statistics.median(steps) if steps else None
-    return max(0.0, statistics.median(h_loads)), max(0.0, statistics.median(h_pfs)), max(0.0, c), step
+    route = statistics.median(routes) if routes else 0.0
+    return max(0.0, statistics.median(h_loads)), max(0.0, statistics.median(h_pfs)), max(0.0, c), step, route
 
 
 def _loads(engine: Engine) -> tuple[int, float]:
