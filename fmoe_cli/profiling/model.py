@@ -115,7 +115,7 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     layers = len(plan.layers)
     no_cache = replace(plan, layers=tuple(LayerPlan(0, 0, 0, 0.0) for _ in plan.layers), resident=False,
                        prefetch=True, source="measurement")
-    configs = {"ondemand": replace(settings, plan=no_cache, prefetch=False),
+    configs = {"demand": replace(settings, plan=no_cache, prefetch=False),
                "prefetch": replace(settings, plan=no_cache, prefetch=True)}
     half = shape.intermediate // 2 // shape.neuron_block * shape.neuron_block
     if lm.device.type == "cpu":  # resident shares the host store, and the caches are small: they always fit
@@ -141,18 +141,18 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 net[name] = statistics.median(e.latency_s - e.counters.exposed_s for e in events)
                 count[name] = {key: statistics.median(getattr(e.counters, key) for e in events)
                                for key in ("needed_loads", "hits_top", "misses")}
-                if name == "ondemand":
+                if name == "demand":
                     routes += [e.counters.lead_s / e.counters.leads for e in events if e.counters.leads]
-            od = count["ondemand"]
+            od = count["demand"]
             if "resident" in net:
                 steps.append(net["resident"])
-            h_load = (net["ondemand"] - net["resident"]) / max(1, od["needed_loads"]) if "resident" in net else block_h_load
+            h_load = (net["demand"] - net["resident"]) / max(1, od["needed_loads"]) if "resident" in net else block_h_load
             h_loads.append(h_load)
-            h_pfs.append((net["prefetch"] - net["ondemand"]
+            h_pfs.append((net["prefetch"] - net["demand"]
                           - (count["prefetch"]["needed_loads"] - od["needed_loads"]) * h_load) / layers)
             if "split" in net and count["split"]["hits_top"] > 0:
                 sp = count["split"]
-                cs.append((net["split"] - net["ondemand"] - sp["misses"] * half / shape.intermediate * t_admit
+                cs.append((net["split"] - net["demand"] - sp["misses"] * half / shape.intermediate * t_admit
                            - (sp["needed_loads"] - od["needed_loads"]) * h_load) / sp["hits_top"])
     finally:
         engine.configure(settings)
