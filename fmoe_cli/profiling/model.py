@@ -171,19 +171,26 @@ def _loads(engine: Engine) -> tuple[int, float]:
 def admission_copy_s(lm, repeats: int = 20) -> float:
     """a_e: one whole expert copied into a cache slot on the device, as the engine admits a loaded expert
     (offload/engine.py: _offer; device to device on a GPU, a memcpy on the CPU): the median over `repeats`
-    copies from a staging-sized buffer, each from another expert's bytes (not one kept warm in a CPU cache)."""
+    copies. On the CPU each copy reads another expert of the host store into another of 8 slots, as
+    admissions meet them (a copy between two buffers kept warm in the CPU's caches runs faster); on a
+    GPU, whose L2 holds no real expert, between two device buffers."""
     import time
 
     shape, store = lm.shape, lm.store
-    sources = [store.expert(j % shape.num_layers, j % shape.num_experts).to(lm.device) for j in range(8)]
-    slot = torch.empty_like(sources[0])
+    if lm.device.type == "cpu":
+        sources = [store.expert(j, e) for j in range(shape.num_layers) for e in range(shape.num_experts)]
+        slots = [torch.empty_like(sources[0]) for _ in range(8)]
+    else:
+        sources = [store.expert(0, 0).to(lm.device)]
+        slots = [torch.empty_like(sources[0])]
     sync = (lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else (lambda: None)
-    slot.copy_(sources[0])  # warm-up
+    for slot in slots:
+        slot.copy_(sources[0])  # warm-up (first touch of every slot's pages)
     times = []
     for r in range(repeats):
         sync()
         start = time.perf_counter()
-        slot.copy_(sources[r % len(sources)])
+        slots[r % len(slots)].copy_(sources[r % len(sources)])
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
