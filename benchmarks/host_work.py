@@ -23,7 +23,7 @@ with loaded segments per token = (misses + top hits) / decode tokens, from the e
 counters, and exposed = the time the compute waited on the link (0 on an instant link).
 Differences are taken per round; tables give the median over rounds and the spread
 (min–max of the per-round values). A decode step also runs attention, sampling and the
-other layers, so each run also times the engine alone (`layer_forward_us`): one MoE
+other layers, so each run also times the engine alone (profiling/model.py: `layer_forward_s`): one MoE
 layer's experts forward for one token routed to K fixed experts, every layer in turn,
 `--layer-reps` times; per segment = (µs − resident µs) / K. (`split` includes its second,
 smaller segment_forward and the add: compute that a whole expert does not do.)
@@ -57,7 +57,7 @@ from fmoe_cli.offload.engine import Counters, Engine
 from fmoe_cli.offload.link import EmulatedLink
 from fmoe_cli.planning.plan import layer_plan, min_staging_slots
 from fmoe_cli.planning.presets import make_settings
-from fmoe_cli.profiling.model import expert_compute_s
+from fmoe_cli.profiling.model import expert_compute_s, layer_forward_s
 from fmoe_cli.types import Plan
 
 PROMPT = "Explain how a mixture of experts decides which experts to use for each token."
@@ -83,27 +83,7 @@ class Run:
     exposed_ms: float  # compute waiting on the link, per decode token
     segments: float  # loaded segments (misses + top hits) per decode token
     token_ids: list[int]
-    layer_us: float = 0.0  # one MoE layer's experts forward, one token, K fixed experts (`layer_forward_us`)
-
-
-def layer_forward_us(lm, engine: Engine, reps: int) -> float:
-    """µs per experts forward of one MoE layer for one token routed to K fixed, distinct experts, every
-    layer in turn, `reps` times after a warm-up: the engine's work without attention, sampling and
-    the model's other layers around it (less noise per segment than a decode step)."""
-    shape = lm.shape
-    ids = torch.arange(0, shape.num_experts, shape.num_experts // shape.top_k)[: shape.top_k].view(1, -1)  # [1, K]
-    weights = torch.full((1, shape.top_k), 1.0 / shape.top_k, dtype=lm.dtype)
-    x = torch.randn(1, shape.hidden, dtype=lm.dtype, generator=torch.Generator().manual_seed(0))
-    experts = [layer.experts for layer in lm.layers]
-    with torch.inference_mode():
-        for _ in range(20):
-            for module in experts:
-                engine.experts_forward(module, x, ids, weights)
-        start = time.perf_counter()
-        for _ in range(reps):
-            for module in experts:
-                engine.experts_forward(module, x, ids, weights)
-        return (time.perf_counter() - start) / (reps * len(experts)) * 1e6
+    layer_us: float = 0.0  # one MoE layer's experts forward, one token, K fixed experts (profiling/model.py: `layer_forward_s`)
 
 
 def measure(lm, engine: Engine, settings, prompt_ids: torch.Tensor, tokens: int, warmup: int,
@@ -119,7 +99,7 @@ def measure(lm, engine: Engine, settings, prompt_ids: torch.Tensor, tokens: int,
     n = len(decode)
     return Run(statistics.median(e.latency_s for e in decode) * 1e3, steady.exposed_s * 1e3 / n,
                (steady.misses + steady.hits_top) / n, [e.token_id for e in events],
-               layer_forward_us(lm, engine, layer_reps) if layer_reps else 0.0)
+               layer_forward_s(lm, engine, layer_reps) * 1e6 if layer_reps else 0.0)
 
 
 def spread(values: list[float], fmt: str = "{:.3f}") -> str:

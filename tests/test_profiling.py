@@ -241,9 +241,10 @@ def test_a_measured_expert_forward_is_t_exp_and_the_rest_of_t_moe_counts_with_at
 
 
 def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
-    """h_load, h_pf and c from scripted decode steps (profiling/model.py: host_work_s): resident 1 s;
-    on demand 24 loads, 0.5 s exposed, 1 + 0.5 + 24 h_load; with prefetch 6 layers × h_pf more and
-    2 more loads; split tops: 16 top hits, 8 misses (θ = 1/2 admitted at a_e), 16 c more."""
+    """h_load and c from scripted decode steps (profiling/model.py: host_work_s): resident 1 s;
+    on demand 24 loads, 0.5 s exposed, 1 + 0.5 + 24 h_load; split tops: 16 top hits, 8 misses
+    (θ = 1/2 admitted at a_e), 16 c more; h_pf from scripted one-layer forwards: what prefetch adds
+    less what it waited on the link."""
     from types import SimpleNamespace
 
     from fmoe_cli.offload.engine import Counters
@@ -273,6 +274,16 @@ def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
         def configure(self, settings):
             self.settings = settings
             self.configured.append(settings)
+            self.exposed = 0.0
+
+        def counters(self):
+            return Counters(exposed_s=self.exposed)
+
+    def fake_layer_forward(lm, engine, reps):  # 220 forwards per layer, 1 ms each; prefetch waits 2 ms in all
+        if engine.settings.prefetch:
+            engine.exposed += 2e-3
+            return 1e-3 + h_pf + 2e-3 / (220 * shape.num_layers)
+        return 1e-3
 
     engine = FakeEngine()
     original = engine.settings
@@ -282,6 +293,7 @@ def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
         return [SimpleNamespace(latency_s=t, counters=counters) for _ in range(max_new_tokens)]
 
     monkeypatch.setattr(profiling_model, "stream_generate", fake_generate)
+    monkeypatch.setattr(profiling_model, "layer_forward_s", fake_layer_forward)
     lm = SimpleNamespace(shape=shape, device=torch.device("cpu"), model=None)
     got = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_admit=a_e, t_segment=9.0, rounds=3)
     assert got == pytest.approx((h_load, h_pf, c, 1.0, 0.03))  # h_route: 0.18 s over 6 forwards

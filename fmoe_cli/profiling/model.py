@@ -99,7 +99,10 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     same with prefetch; and up to 4K experts' top halves cached per layer.
     Per configuration, the medians over tokens of net = TPOT − exposed and of its counters; then
         h_load = (net_ondemand − net_resident) / loaded segments
-        h_pf   = (net_prefetch − net_ondemand − Δ loaded segments · h_load) / L
+        h_pf   = what prefetch adds to one MoE layer's experts forward (`layer_forward_s`, less the
+                 time it waited on the link: K fixed experts, every layer in turn, 200 times: the
+                 prefetch path is the host's Python, not memory bound, and the difference of two
+                 decode steps was too noisy to take it from)
         c      = (net_split − net_ondemand − misses_split · θ · a_e − Δ loaded segments · h_load) / top hits
     each the median over rounds (paired: a machine whose load drifts shifts a round's runs alike);
     h_route, the host's lead on a layer's first load, from the engine's counters of the on-demand runs.
@@ -148,18 +151,50 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 steps.append(net["resident"])
             h_load = (net["demand"] - net["resident"]) / max(1, od["needed_loads"]) if "resident" in net else block_h_load
             h_loads.append(h_load)
-            h_pfs.append((net["prefetch"] - net["demand"]
-                          - (count["prefetch"]["needed_loads"] - od["needed_loads"]) * h_load) / layers)
             if "split" in net and count["split"]["hits_top"] > 0:
                 sp = count["split"]
                 cs.append((net["split"] - net["demand"] - sp["misses"] * half / shape.intermediate * t_admit
                            - (sp["needed_loads"] - od["needed_loads"]) * h_load) / sp["hits_top"])
+        forward = {}
+        for name in ("demand", "prefetch"):
+            engine.configure(configs[name])
+            before = engine.counters().exposed_s
+            seconds = layer_forward_s(lm, engine, 200)
+            forward[name] = seconds - (engine.counters().exposed_s - before) / (220 * layers)
+        h_pfs.append(forward["prefetch"] - forward["demand"])
     finally:
         engine.configure(settings)
     c = statistics.median(cs) if cs else t_segment
     step = statistics.median(steps) if steps else None
     route = statistics.median(routes) if routes else 0.0
     return max(0.0, statistics.median(h_loads)), max(0.0, statistics.median(h_pfs)), max(0.0, c), step, route
+
+
+def layer_forward_s(lm, engine: Engine, reps: int) -> float:
+    """Seconds per experts forward of one MoE layer for one token routed to K fixed, distinct experts,
+    every layer in turn, `reps` times after a warm-up: the engine's own work without attention,
+    sampling and the model's other layers around it (far less noise than a decode step; the same
+    experts every time, so their weights stay warm in a CPU's caches)."""
+    import time
+
+    shape = lm.shape
+    ids = torch.arange(0, shape.num_experts, shape.num_experts // shape.top_k)[: shape.top_k].view(1, -1)  # [1, K]
+    weights = torch.full((1, shape.top_k), 1.0 / shape.top_k, dtype=lm.dtype)
+    x = torch.randn(1, shape.hidden, dtype=lm.dtype, generator=torch.Generator().manual_seed(0)).to(lm.device)
+    ids, weights = ids.to(lm.device), weights.to(lm.device)
+    experts = [layer.experts for layer in lm.layers]
+    sync = (lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        for _ in range(20):
+            for module in experts:
+                engine.experts_forward(module, x, ids, weights)
+        sync()
+        start = time.perf_counter()
+        for _ in range(reps):
+            for module in experts:
+                engine.experts_forward(module, x, ids, weights)
+        sync()
+        return (time.perf_counter() - start) / (reps * len(experts))
 
 
 def _loads(engine: Engine) -> tuple[int, float]:
