@@ -25,8 +25,8 @@ tables give medians over rounds and the spread (min–max of the per-round value
    `prefetch-only` (target ≤ 1.03 ×), `resident` as the floor: where the best baseline
    is within 5 % of it there is nothing for `moepic` to gain, and the table says so.
    Round r runs every regime's every policy (order alternating) before round r + 1.
-   The configurator's timings are a full profile of the model (as `fmoe profile --model`
-   measures it, once), each link's own T_load; routing statistics are those recorded so far.
+   The configurator's timings are a full profile of the model on each link (as
+   `fmoe profile --model` measures it); routing statistics are those recorded so far.
     python benchmarks/engine.py                # mid-size random Mixtral, built in /tmp/fmoe-bench-engine
 """
 
@@ -200,9 +200,10 @@ NOTHING_TO_GAIN = 1.05  # the best baseline within 5 % of resident: nothing left
 
 
 def firm_timings(lm, links: dict, prefill_len: int, console: Console) -> dict:
-    """The configurator's timings per link, as after `fmoe profile --model` (a full measurement, not
-    the quick one a run without a profile makes): the model's times and the engine's own costs are
-    measured once, on a temporary engine; each link gives its own T_load."""
+    """The configurator's timings per link, as after `fmoe profile --model` on that link (a full
+    measurement, not the quick one a run without a profile makes): the model's times and the
+    engine's own costs, measured on a temporary engine per link (the host's work per load and per
+    prefetch grows with the copies in flight), each with the link's own T_load."""
     from fmoe_cli.offload.engine import open_engine
     from fmoe_cli.planning.plan import min_staging_slots
     from fmoe_cli.planning.stats import scratch_recorder
@@ -210,20 +211,22 @@ def firm_timings(lm, links: dict, prefill_len: int, console: Console) -> dict:
     from fmoe_cli.run import link_fit_of
 
     shape = lm.shape
-    probe = open_engine(lm, link=next(iter(links.values())))
-    try:
-        probe.configure(make_settings("ondemand", shape, min_staging_slots(shape) * shape.expert_bytes))
-        with console.status("profiling the model (as `fmoe profile --model`) …"):
-            measured = model_timings(lm, probe, prefill_len=prefill_len, quick=False,
-                                     observers=[scratch_recorder(shape)])
-    finally:
-        probe.close()
-    t = measured.timings(link_fit_of(next(iter(links.values())), lm.device, shape.expert_bytes), shape.expert_bytes)
-    console.print(f"profile: T_att {t.t_att * 1e3:.3f} ms, T_exp {t.t_exp * 1e3:.3f} ms, T_head {t.t_head * 1e3:.3f} ms; "
-                  f"h_load {t.t_host_load * 1e3:.3f}, h_pf {t.t_host_prefetch * 1e3:.3f}, a_e {t.t_admit * 1e3:.3f}, "
-                  f"c {t.t_segment * 1e3:.3f} ms", highlight=False)
-    return {ratio: measured.timings(link_fit_of(link, lm.device, shape.expert_bytes), shape.expert_bytes)
-            for ratio, link in links.items()}
+    out = {}
+    for ratio, link in links.items():
+        probe = open_engine(lm, link=link)
+        try:
+            probe.configure(make_settings("ondemand", shape, min_staging_slots(shape) * shape.expert_bytes))
+            with console.status(f"profiling the model on the ratio-{ratio:g} link (as `fmoe profile --model`) …"):
+                measured = model_timings(lm, probe, prefill_len=prefill_len, quick=False,
+                                         observers=[scratch_recorder(shape)])
+        finally:
+            probe.close()
+        t = out[ratio] = measured.timings(link_fit_of(link, lm.device, shape.expert_bytes), shape.expert_bytes)
+        console.print(f"profile, ratio {ratio:g}: T_att {t.t_att * 1e3:.3f} ms, T_exp {t.t_exp * 1e3:.3f} ms, "
+                      f"T_head {t.t_head * 1e3:.3f} ms; h_load {t.t_host_load * 1e3:.3f}, h_pf "
+                      f"{t.t_host_prefetch * 1e3:.3f}, a_e {t.t_admit * 1e3:.3f}, c {t.t_segment * 1e3:.3f}, "
+                      f"h_route {t.t_host_route * 1e3:.3f} ms", highlight=False)
+    return out
 
 
 def matrix(args, console: Console) -> None:
