@@ -192,8 +192,8 @@ class Timings:
     # memcpy), which admitting a loaded expert's top segment of k_i neurons costs k_i/I of; 0 unless measured
     # (profiling/model.py: admission_copy_s) or estimated from the device's memory bandwidth.
     t_admit: float = 0.0
-    # c: the fixed cost of one segment forward (dispatch), part of T_exp; a split expert's top hit runs
-    # two segments (top and bottom), so it costs c more than a whole one; 0 unless measured.
+    # c: what a split expert's top hit costs beyond a whole expert's forward (two segment forwards, top
+    # and bottom, and their sum; the simulator: one segment's fixed cost); 0 unless measured.
     t_segment: float = 0.0
     # h_route: the host's work between submitting a layer's loads and its first compute (routing layout,
     # token gather), part of the layer's time, during which the first load is already on the link; 0

@@ -111,8 +111,12 @@ def render(profile: Profile, path: Path | None, expert_bytes: int | None, consol
         if timings.t_host_prefetch is not None:
             console.print(f"h_pf (host work per MoE layer that prefetches): {timings.t_host_prefetch * 1e3:.3f} ms",
                           highlight=False)
+        if timings.t_host_route is not None:
+            console.print(f"h_route (host work from submitting a layer's loads to its first compute): "
+                          f"{timings.t_host_route * 1e3:.3f} ms", highlight=False)
         if timings.t_segment is not None:
-            console.print(f"c (one segment forward's fixed cost): {timings.t_segment * 1e3:.3f} ms", highlight=False)
+            console.print(f"c (a split top hit's extra: two segment forwards and their sum): {timings.t_segment * 1e3:.3f} ms",
+                          highlight=False)
         if timings.t_admit is not None:
             console.print(f"a_e (one expert copied into the cache on the device): {timings.t_admit * 1e3:.3f} ms",
                           highlight=False)

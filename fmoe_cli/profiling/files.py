@@ -98,7 +98,7 @@ class ModelTimings:
     t_host_prefetch: float | None = None
     # a_e (Timings.t_admit): one whole expert copied into the cache on the device; None when not measured
     t_admit: float | None = None
-    # c (Timings.t_segment): one segment forward's fixed cost; None when not measured
+    # c (Timings.t_segment): a split top hit's extra over a whole expert's forward; None when not measured
     t_segment: float | None = None
     # a whole decode step with every expert resident (the engine's and the model's work outside the timed
     # layers included: embedding, hooks, sampling); where measured, T_att and T_head are scaled to it
