@@ -28,6 +28,16 @@ from fmoe_cli.run import RunOptions, open_run
 
 MiB = 1024**2
 GiB = 1024**3
+# The engine's own costs in a model profile (docs/planning.md § `fmoe profile`): field, what it is.
+ENGINE_COSTS = (
+    ("t_expert", "T_exp (one expert's forward, as a decode step meets it)"),
+    ("t_host_load", "h_load (host work per loaded expert segment, beyond compute and link)"),
+    ("t_host_prefetch", "h_pf (host work per MoE layer that prefetches)"),
+    ("t_host_route", "h_route (host work from submitting a layer's loads to its first compute)"),
+    ("t_segment", "c (a split top hit's extra: two segment forwards and their sum)"),
+    ("t_admit", "a_e (one expert copied into the cache on the device)"),
+    ("t_token", "a whole decode step, every expert resident"),
+)
 
 
 def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: float | None, prefill_len: int,
@@ -105,21 +115,10 @@ def render(profile: Profile, path: Path | None, expert_bytes: int | None, consol
         console.print(table)
         console.print(f"T_head: decode {timings.decode.t_head * 1e3:.3f} ms, prefill {timings.prefill.t_head * 1e3:.3f} ms",
                       highlight=False)
-        if timings.t_host_load is not None:
-            console.print(f"h_load (host work per loaded expert segment, beyond compute and link): "
-                          f"{timings.t_host_load * 1e3:.3f} ms", highlight=False)
-        if timings.t_host_prefetch is not None:
-            console.print(f"h_pf (host work per MoE layer that prefetches): {timings.t_host_prefetch * 1e3:.3f} ms",
-                          highlight=False)
-        if timings.t_host_route is not None:
-            console.print(f"h_route (host work from submitting a layer's loads to its first compute): "
-                          f"{timings.t_host_route * 1e3:.3f} ms", highlight=False)
-        if timings.t_segment is not None:
-            console.print(f"c (a split top hit's extra: two segment forwards and their sum): {timings.t_segment * 1e3:.3f} ms",
-                          highlight=False)
-        if timings.t_admit is not None:
-            console.print(f"a_e (one expert copied into the cache on the device): {timings.t_admit * 1e3:.3f} ms",
-                          highlight=False)
+        for name, label in ENGINE_COSTS:  # measured with the layers; absent from older profiles
+            value = getattr(timings, name)
+            if value is not None:
+                console.print(f"{label}: {value * 1e3:.3f} ms", highlight=False)
         if expert_bytes is not None:
             t_load = profile.device.link.transfer_time(expert_bytes)
             console.print(f"T_load (one expert, {expert_bytes / MiB:.2f} MiB): {t_load * 1e3:.3f} ms", highlight=False)
