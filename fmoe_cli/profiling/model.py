@@ -2,8 +2,14 @@
 
 The model runs through the offloading engine (experts in the host store, loaded on
 demand), and each MoE layer is timed alone with only its own experts made resident
-(`resident_layer`). `fmoe profile --model` saves these timings; a run set-up measures
-them quickly when no profile has them (fmoe_cli/run.py, `find_timings`).
+(`resident_layer`). Then the engine's own costs, which the configurator and the simulator
+charge beside compute and link time (docs/planning.md § `fmoe profile`): one expert's
+forward as a decode step meets it (`expert_compute_s`), an admission's copy
+(`admission_copy_s`), and from decode steps and single-layer forwards the host's work per
+loaded segment, per prefetching layer and per split top hit, its lead on a layer's first
+load, and a whole resident step (`host_work_s`). `fmoe profile --model` saves these
+timings; a run set-up measures them quickly when no profile has them (fmoe_cli/run.py,
+`find_timings`).
 """
 
 from __future__ import annotations
@@ -76,12 +82,11 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         )
         t_admit = admission_copy_s(lm, repeats=20 if quick else 100)
         t_segment = segment_call_s(lm, repeats=50 if quick else 200)
-        h_load, h_pf, c, step, route = host_work_s(lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0,
-                                      t_admit=t_admit, t_segment=t_segment, rounds=5 if quick else 9,
-                                      tokens=8 if quick else 16, budget_s=5.0 if quick else 60.0)
+        h_load, h_pf, c, step, route = host_work_s(
+            lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0, t_admit=t_admit,
+            t_segment=t_segment, rounds=5 if quick else 9, tokens=8 if quick else 16, budget_s=5.0 if quick else 60.0)
         return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c, t_token=step,
-                       t_host_route=route,
-                       t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True))
+                       t_host_route=route, t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True))
     finally:
         engine.observers = kept
 
