@@ -204,23 +204,13 @@ def firm_timings(lm, links: dict, prefill_len: int, console: Console) -> dict:
     measurement, not the quick one a run without a profile makes): the model's times and the
     engine's own costs, measured on a temporary engine per link (the host's work per load and per
     prefetch grows with the copies in flight), each with the link's own T_load."""
-    from fmoe_cli.offload.engine import open_engine
-    from fmoe_cli.planning.plan import min_staging_slots
-    from fmoe_cli.planning.stats import scratch_recorder
-    from fmoe_cli.profiling.model import model_timings
-    from fmoe_cli.run import link_fit_of
+    from fmoe_cli.run import link_fit_of, measure_timings
 
     shape = lm.shape
     out = {}
     for ratio, link in links.items():
-        probe = open_engine(lm, link=link)
-        try:
-            probe.configure(make_settings("ondemand", shape, min_staging_slots(shape) * shape.expert_bytes))
-            with console.status(f"profiling the model on the ratio-{ratio:g} link (as `fmoe profile --model`) …"):
-                measured = model_timings(lm, probe, prefill_len=prefill_len, quick=False,
-                                         observers=[scratch_recorder(shape)])
-        finally:
-            probe.close()
+        with console.status(f"profiling the model on the ratio-{ratio:g} link (as `fmoe profile --model`) …"):
+            measured = measure_timings(lm, link=link, quick=False, prefill_len=prefill_len)
         t = out[ratio] = measured.timings(link_fit_of(link, lm.device, shape.expert_bytes), shape.expert_bytes)
         console.print(f"profile, ratio {ratio:g}: T_att {t.t_att * 1e3:.3f} ms, T_exp {t.t_exp * 1e3:.3f} ms, "
                       f"T_head {t.t_head * 1e3:.3f} ms; h_load {t.t_host_load * 1e3:.3f}, h_pf "

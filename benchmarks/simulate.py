@@ -153,18 +153,18 @@ def compare(console, args, lm, label, stat, timings, measured, measured_hit, mea
                 "simulated ms (2)", "(1) profile", "(2) + compute fit", "(3) + host fit", "(4) no host work"):
         table.add_column(col, justify="left" if col == "policy" else "right")
 
-    def simulated(name, times, **host):  # every measured round of `name` replayed; (`stat` TPOT ms, runs)
+    def simulated(name, times):  # every measured round of `name` replayed; (`stat` TPOT ms, runs)
         sims = [simulate_policy(shape, s, times, [by_seq[f"{name}#{r}"]], bandwidth=gbps * 1e9,
-                                latency=latency, prompt_tokens=prompt_len, warmup=args.warmup, **host)
+                                latency=latency, prompt_tokens=prompt_len, warmup=args.warmup)
                 for r, s in enumerate(used[name])]
         return stat([x.tpot_s * 1e3 for x in sims]), sims
 
-    def calibrate(name, key, units, **host):
-        """The host cost `key` (s) that makes simulated `name` = its measured figure: `units` of it per
+    def calibrate(name, key, units, times):
+        """The Timings field `key` (s) that makes simulated `name` = its measured figure: `units` of it per
         token, refined by fixed point (host time can hide link time, so the relation is not linear)."""
         h = 0.0
         for _ in range(6):
-            sim, _runs = simulated(name, timings, **host, **{key: h})
+            sim, _runs = simulated(name, replace(times, **{key: h}))
             h = max(0.0, h + (stat(measured[name]) - sim) / 1e3 / units)
         return h
 
@@ -172,16 +172,16 @@ def compare(console, args, lm, label, stat, timings, measured, measured_hit, mea
     # (every activation one whole-expert load, no prefetch); then h_pf per prefetching layer, from prefetch-only.
     _sim, od = simulated("ondemand", timings)
     loads_per_token = statistics.median(x.bytes_per_token for x in od) / shape.expert_bytes
-    h_load = calibrate("ondemand", "load_host", loads_per_token)
-    h_pf = calibrate("prefetch-only", "prefetch_host", shape.num_layers, load_host=h_load)
-    host = dict(load_host=h_load, prefetch_host=h_pf)
+    h_load = calibrate("ondemand", "t_host_load", loads_per_token, timings)
+    h_pf = calibrate("prefetch-only", "t_host_prefetch", shape.num_layers, replace(timings, t_host_load=h_load))
+    fitted_times = replace(timings, t_host_load=h_load, t_host_prefetch=h_pf)
     fitted = {"resident": "(fit: T_att)", "ondemand": "(fit: h_load)", "prefetch-only": "(fit: h_pf)"}
     rows = {}
     for name in runs:
         meas = stat(measured[name])
         alone, _ = simulated(name, profiled)
         sim, sims = simulated(name, timings)
-        fit, _ = simulated(name, timings, **host)
+        fit, _ = simulated(name, fitted_times)
         bare, _ = simulated(name, bare_times)
         rows[name] = {"measured_ms": measured[name], "simulated_ms": [x.tpot_s * 1e3 for x in sims],
                       "simulated_profile_only_ms": alone, "simulated_host_fitted_ms": fit,

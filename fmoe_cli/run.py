@@ -142,15 +142,17 @@ def check_profile(path: str, device) -> Profile:
     return profile
 
 
-def measure_timings(lm: LoadedModel, engine: Engine | None = None):
-    """A quick measurement of `lm`'s per-layer times, loading experts on demand through the smallest
-    staging pool: on `engine` (left so configured) or on a temporary engine of its own, closed after
-    (the run's engine is then not configured for it)."""
+def measure_timings(lm: LoadedModel, engine: Engine | None = None, *, link=None, quick: bool = True,
+                    prefill_len: int = 8):
+    """A measurement of `lm`'s per-layer times and the engine's costs (quick unless told), loading
+    experts on demand through the smallest staging pool: on `engine` (left so configured) or on a
+    temporary engine of its own on `link` (default: the device's own), closed after (the run's
+    engine is then not configured for it)."""
     own = engine is None
-    engine = open_engine(lm) if own else engine
+    engine = open_engine(lm, link=link) if own else engine
     try:
         engine.configure(make_settings("ondemand", lm.shape, min_staging_slots(lm.shape) * lm.shape.expert_bytes))
-        return model_timings(lm, engine, prefill_len=8, quick=True, observers=[scratch_recorder(lm.shape)])
+        return model_timings(lm, engine, prefill_len=prefill_len, quick=quick, observers=[scratch_recorder(lm.shape)])
     finally:
         if own:
             engine.close()

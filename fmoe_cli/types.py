@@ -186,7 +186,7 @@ class Timings:
     # (profiling/layers.py: time_layers).
     t_host_load: float = 0.0
     # h_pf: the host's work per MoE layer that prefetches (the predictor's scores and ranking, the
-    # prefetcher's submits and cancels); 0 unless measured (profiling/model.py: prefetch_host_s).
+    # prefetcher's submits and cancels); 0 unless measured (profiling/model.py: host_work_s).
     t_host_prefetch: float = 0.0
     # a_e: the compute stream's copy of one whole expert into the cache (device to device; on the CPU a
     # memcpy), which admitting a loaded expert's top segment of k_i neurons costs k_i/I of; 0 unless measured

@@ -4,6 +4,7 @@ load-only decode steps by hand, and the engine's cache decisions (same hits as `
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -97,14 +98,14 @@ def test_segment_overhead_is_paid_once_per_segment():
     """c per segment forward: a whole expert is one segment (T_exp in all), a top hit two (T_exp + c)."""
     seq = _tokens([[[0, 1], [2, 3]]] * 4)
     r0 = simulate_policy(SHAPE, make_settings("resident", SHAPE, 0), TIMES, [seq], bandwidth=1.0)
-    r1 = simulate_policy(SHAPE, make_settings("resident", SHAPE, 0), TIMES, [seq], bandwidth=1.0, segment_overhead=0.5)
+    r1 = simulate_policy(SHAPE, make_settings("resident", SHAPE, 0), replace(TIMES, t_segment=0.5), [seq], bandwidth=1.0)
     assert r0.tpot_s == r1.tpot_s == pytest.approx(9.0)
     budget = 2 * SHAPE.top_k * SHAPE.expert_bytes + SHAPE.all_experts_bytes  # every top cached
     split = make_settings("cache-only", SHAPE, budget, theta=0.5)
     assert {lp.top_neurons for lp in split.plan.layers} == {2}
     fast = dict(bandwidth=1e12)
     a = simulate_policy(SHAPE, split, TIMES, [seq], **fast)
-    b = simulate_policy(SHAPE, split, TIMES, [seq], segment_overhead=0.25, **fast)
+    b = simulate_policy(SHAPE, split, replace(TIMES, t_segment=0.25), [seq], **fast)
     assert a.hit_rate == b.hit_rate == 0.75  # the first token misses, then every top is cached
     # the median token: 2 layers × 2 top hits, each two segments: 4 · c more
     assert b.tpot_s - a.tpot_s == pytest.approx(4 * 0.25, abs=1e-6)
@@ -118,15 +119,15 @@ def test_host_work_is_paid_per_loaded_segment_and_per_prefetching_layer():
     fast = dict(bandwidth=1e12)
     ondemand = make_settings("ondemand", SHAPE, budget)
     a = simulate_policy(SHAPE, ondemand, TIMES, [seq], **fast)
-    b = simulate_policy(SHAPE, ondemand, TIMES, [seq], load_host=0.5, prefetch_host=7.0, **fast)
+    b = simulate_policy(SHAPE, ondemand, replace(TIMES, t_host_load=0.5, t_host_prefetch=7.0), [seq], **fast)
     assert b.tpot_s - a.tpot_s == pytest.approx(4 * 0.5, abs=1e-6)
     resident = make_settings("resident", SHAPE, 0)
-    assert simulate_policy(SHAPE, resident, TIMES, [seq], load_host=0.5, prefetch_host=7.0, **fast).tpot_s == \
+    assert simulate_policy(SHAPE, resident, replace(TIMES, t_host_load=0.5, t_host_prefetch=7.0), [seq], **fast).tpot_s == \
         pytest.approx(9.0)
     prefetching = make_settings("prefetch-only", SHAPE, budget)
     assert prefetching.prefetch
     c = simulate_policy(SHAPE, prefetching, TIMES, [seq], **fast)
-    d = simulate_policy(SHAPE, prefetching, TIMES, [seq], prefetch_host=0.25, **fast)
+    d = simulate_policy(SHAPE, prefetching, replace(TIMES, t_host_prefetch=0.25), [seq], **fast)
     assert d.tpot_s - c.tpot_s == pytest.approx(2 * 0.25, abs=1e-6)  # one prefetch issue per layer
 
 
@@ -140,8 +141,8 @@ def test_host_figures_come_from_the_timings_and_admissions_pay_their_copy():
     seq = _tokens([[[0, 1], [2, 3]], [[2, 3], [0, 1]]] * 3)
     fast = dict(bandwidth=1e12)
     ondemand = make_settings("ondemand", SHAPE, 2 * SHAPE.top_k * SHAPE.expert_bytes)
-    given = simulate_policy(SHAPE, ondemand, TIMES, [seq], load_host=0.5, **fast)
-    assert simulate_policy(SHAPE, ondemand, replace(TIMES, t_host_load=0.5), [seq], **fast).tpot_s == given.tpot_s
+    plain = simulate_policy(SHAPE, ondemand, TIMES, [seq], **fast)
+    assert simulate_policy(SHAPE, ondemand, replace(TIMES, t_host_load=0.5), [seq], **fast).tpot_s > plain.tpot_s
     budget = 2 * SHAPE.top_k * SHAPE.expert_bytes + 2 * SHAPE.expert_bytes  # one whole expert per layer
     cache = make_settings("cache-only", SHAPE, budget)
     assert {(lp.cache_size, lp.top_neurons) for lp in cache.plan.layers} == {(1, SHAPE.intermediate)}

@@ -19,12 +19,12 @@ on a virtual clock and no tensor data (meta tensors: shapes and byte counts only
 Compute, on one stream, moves the clock (MoEpic's symbols, `Timings`, seconds per
 decode token; its T_load is not used: the link's bandwidth and latency time every copy):
     per MoE layer:  T_att, then per expert segment of n neurons c + (T_exp − c) · n / I
-                    (c: a segment's fixed dispatch cost, 0 unless measured) in the engine's
+                    (c: a split top hit's extra, Timings.t_segment) in the engine's
                     order: whole and cached-top segments first, then each load as acquired
                     (+ h_load of host work per loaded segment), h_pf before a prefetch is issued
                     (h_load, h_pf: the engine's host work, Timings.t_host_load and
-                    t_host_prefetch unless given; h_route of T_att is spent after the
-                    layer's loads are submitted, as the engine lays out its routing)
+                    t_host_prefetch; h_route of T_att is spent after the layer's loads
+                    are submitted, as the engine lays out its routing)
     per token:      T_head (LM head, final norm, layers before the first MoE layer)
 An acquire of a copy not yet landed sleeps the clock to its end (the exposed time).
 
@@ -110,20 +110,18 @@ class Simulator:
     """The engine's decisions for one policy's settings on a virtual clock."""
 
     def __init__(self, shape: ExpertShape, settings: EngineSettings, times: Timings, bandwidth: float,
-                 latency: float = 0.0, predictor=None, segment_overhead: float | None = None,
-                 load_host: float | None = None, prefetch_host: float | None = None) -> None:
+                 latency: float = 0.0, predictor=None) -> None:
         self.shape = shape
         self.settings = settings
         self.times = times
-        # Fixed cost of one segment's forward (dispatch; part of T_exp): a segment of n neurons takes
-        # overhead + (T_exp − overhead)·n/I, so a split expert (top + bottom) costs one overhead more.
-        self.segment_overhead = min(times.t_segment if segment_overhead is None else segment_overhead, times.t_exp)
-        # The engine's host work beyond compute: h_load per loaded segment (pool slot, link submit, acquire,
-        # release: the host's, not the link's; Timings.t_host_load, measured with the layer timings, unless given)
-        # and h_pf per layer that prefetches (the predictor's ranking and the prefetcher's bookkeeping; 0
-        # unless given: benchmarks/simulate.py calibrates both).
-        self.load_host = times.t_host_load if load_host is None else load_host
-        self.prefetch_host = times.t_host_prefetch if prefetch_host is None else prefetch_host
+        # The engine's own costs come from the timings (profiling/model.py measures them):
+        # c, a split top hit's extra, as one segment's fixed cost: a segment of n neurons takes
+        # c + (T_exp − c)·n/I, so a split expert (top + bottom) costs c more than a whole one;
+        self.segment_overhead = min(times.t_segment, times.t_exp)
+        # h_load per loaded segment (pool slot, link submit, acquire, release: the host's, not the link's)
+        # and h_pf per layer that prefetches (the predictor's ranking and the prefetcher's bookkeeping).
+        self.load_host = times.t_host_load
+        self.prefetch_host = times.t_host_prefetch
         self.clock = VirtualClock()
         self.link = EmulatedLink(bandwidth / 1e9, latency, clock=self.clock)
         plan = settings.plan
@@ -302,14 +300,12 @@ def tokens_of(trace) -> list[list[Token]]:
 
 def simulate_policy(shape: ExpertShape, settings: EngineSettings, times: Timings, sequences: Sequence[Sequence[Token]], *,
                     bandwidth: float, latency: float = 0.0, prompt_tokens: int = 0, warmup: int = 0,
-                    predictor_factory=None, segment_overhead: float | None = None, load_host: float | None = None,
-                    prefetch_host: float | None = None) -> SimResult:
+                    predictor_factory=None) -> SimResult:
     """Simulate one policy over every sequence: the first `prompt_tokens` of a sequence are its
     prefill; `warmup` decode tokens run first (as `fmoe bench` warms up on the same prompt) and
     are not measured. One Simulator for all sequences (caches carry over, as in a session)."""
     sim = Simulator(shape, settings, times, bandwidth, latency,
-                    predictor=predictor_factory() if predictor_factory is not None else None,
-                    segment_overhead=segment_overhead, load_host=load_host, prefetch_host=prefetch_host)
+                    predictor=predictor_factory() if predictor_factory is not None else None)
     steps: list[float] = []
     before = None
     for tokens in sequences:

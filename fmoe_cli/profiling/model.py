@@ -78,7 +78,8 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
             repeats=3 if quick else 7,
             resident=lambda i: resident_layer(engine, moe_index[i]),
             advance=advance,
-            loads=lambda: _loads(engine),
+            # h_load per layer block: only where whole resident steps cannot give it (host_work_s)
+            loads=None if _resident_fits(lm) else (lambda: _loads(engine)),
         )
         t_admit = admission_copy_s(lm, repeats=20 if quick else 100)
         t_segment = segment_call_s(lm, repeats=50 if quick else 200)
@@ -126,7 +127,7 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     configs = {"demand": replace(settings, plan=no_cache, prefetch=False),
                "prefetch": replace(settings, plan=no_cache, prefetch=True)}
     half = shape.intermediate // 2 // shape.neuron_block * shape.neuron_block
-    if lm.device.type == "cpu":  # resident shares the host store, and the caches are small: they always fit
+    if _resident_fits(lm):
         full = LayerPlan(shape.num_experts * shape.expert_bytes, shape.num_experts, shape.intermediate, 1.0)
         configs["resident"] = replace(settings, plan=replace(plan, layers=(full,) * layers, staging_slots=0,
                                                              resident=True, source="measurement"), prefetch=False)
@@ -200,6 +201,12 @@ def layer_forward_s(lm, engine: Engine, reps: int) -> float:
                 engine.experts_forward(module, x, ids, weights)
         sync()
         return (time.perf_counter() - start) / (reps * len(experts))
+
+
+def _resident_fits(lm) -> bool:
+    """Whether the measurement may make every expert resident: on the CPU, resident shares the host
+    store (no copy), and the measurement's small split caches fit too; a GPU's model need not."""
+    return lm.device.type == "cpu"
 
 
 def _loads(engine: Engine) -> tuple[int, float]:
