@@ -387,8 +387,7 @@ class Engine:
             e = entry.expert
             x = xs[spans[e]]
             if e in top_outputs:  # exact: top + bottom, always in this order
-                bottom = segment[k - entry.start:] if k != entry.start else segment  # [I - k, *row]
-                outputs[e] = top_outputs.pop(e) + store.segment_forward(x, bottom, act)
+                outputs[e] = top_outputs.pop(e) + store.segment_forward(x, segment[k - entry.start:], act)
             else:
                 outputs[e] = store.segment_forward(x, segment, act)
                 self._offer(i, e, segment)

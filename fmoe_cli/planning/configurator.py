@@ -181,7 +181,6 @@ class _LayerModel:
         self.shape = shape
         self.timings = timings
         self.max_prefetch = max_prefetch
-        self.sizes = np.arange(shape.num_experts + 1, dtype=np.int64)  # C
         self.per_size = max(1, MAX_COLUMNS // (shape.num_experts + 1))  # k candidates per C at most
         self._by_budget: dict[int, tuple] = {}
 
