@@ -557,3 +557,28 @@ def test_the_predictor_sees_this_iterations_router_input(checkpoints, family):
     assert [layer for layer, *_ in seen] == list(range(layers)) * 4
     assert [tokens for _, tokens, _ in seen] == [PROMPT.shape[1]] * layers + [1] * 3 * layers
     assert all(same for *_, same in seen)
+
+
+def test_a_slow_expert_map_worker_keeps_a_bounded_backlog():
+    """Issue 20 §7: with the worker far slower than the tokens (here: stuck until released), 200 passes
+    leave a bounded queue: stale matches are cancelled, store updates beyond the newest few dropped.
+    Then the predictor still predicts from what it stored."""
+    import threading
+
+    from fmoe_cli.prediction.expert_map import STORE_BACKLOG
+
+    patterns = pattern_routing(2)
+    predictor = ExpertMapPredictor(L, N, K, distance=2)
+    gate = threading.Event()
+    match = predictor.store.match_trajectory
+    predictor.store.match_trajectory = lambda rows: gate.wait(120) and match(rows)
+    driver = Driver(predictor)
+    backlog = []
+    for p in pattern_passes(patterns, [0, 1] * 100):
+        driver.run([p])
+        backlog.append(len(predictor._pending))
+    assert max(backlog) <= 2 + 2 + STORE_BACKLOG, max(backlog)  # d matches, the semantic one, one running
+    gate.set()
+    predictor.drain()
+    assert 1 <= predictor.store.count <= 4 * STORE_BACKLOG  # of 200 updates: the older ones were dropped
+    predictor.close()
