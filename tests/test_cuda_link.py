@@ -195,3 +195,37 @@ def test_a_copy_seen_done_is_acquired_without_touching_the_compute_stream(fake_c
     link.acquire(pending, tag=1)
     assert ("wait", pending.event) in fake_cuda.compute.ops[len(ops):]
     link.close()
+
+
+def test_a_released_copy_issues_no_further_chunks(fake_cuda):
+    """Issue 20 §1: a prefetch released after its first chunk (its slot given to a demand load) must
+    not write its remaining chunks over the demand load that follows it into the same slot. It stops
+    at the chunk boundary, which also frees the link: only its first chunk is moved."""
+    link = CudaLink(torch.device("cuda"), max_in_flight=1, chunk_bytes=KiB, pump_thread=False)
+    slot = torch.zeros(2 * KiB)  # one 8 KiB slot of fp32: 8 chunks
+    old = link.submit(slot, torch.full_like(slot, 1.0), PREFETCH)
+    assert old.state is TransferState.RUNNING and old.sent == KiB
+    assert old.cancel()  # the pool releases its slot: stopped at the next chunk boundary
+    new = link.submit(slot, torch.full_like(slot, 2.0), DEMAND, after=(old,))
+    while not new.ready():
+        fake_cuda.complete(1)
+    link.close()
+    fake_cuda.complete(100)
+    link.synchronize()
+    assert int((slot == 1.0).sum()) == 0 and bool((slot == 2.0).all())
+    assert link.bytes_moved == KiB + 8 * KiB
+    assert old.state is TransferState.CANCELLED and new.state is TransferState.DONE
+
+
+def test_a_copy_after_a_running_copy_waits_for_its_last_chunk(fake_cuda):
+    """`after` a copy means after all of it: a copy into the same slot is not issued between its chunks."""
+    link = CudaLink(torch.device("cuda"), max_in_flight=1, chunk_bytes=KiB, pump_thread=False)
+    slot = torch.zeros(KiB)  # 4 chunks
+    old = link.submit(slot, torch.full_like(slot, 1.0), PREFETCH + 3)
+    new = link.submit(slot, torch.full_like(slot, 2.0), DEMAND, after=(old,))
+    order = []
+    while not new.ready():
+        order.append(link._in_flight[-1][0] if link._in_flight else None)
+        fake_cuda.complete(1)
+    assert order[:4] == [old] * 4 and bool((slot == 2.0).all())
+    link.close()

@@ -1,9 +1,14 @@
 """Offloading never changes the answer: every family × every policy × two budgets ×
 two split ratios gives transformers' own greedy tokens, and logits within fp32
-tolerance. The link is the asynchronous emulated one (CudaLink's host semantics: wait()
-does not block, completion only by polling) on a virtual clock, moving real bytes into
-the staging slots (copy=True), and the prompt activates more experts than the staging
-pool has slots, so prefill runs in waves."""
+tolerance, on two links:
+- `emulated`: the asynchronous emulated link (CudaLink's host semantics: wait() does not
+  block, completion only by polling) on a virtual clock, moving real bytes into the
+  staging slots (copy=True);
+- `cuda`: CudaLink itself, the real CUDA code path with its pump thread, over a fake GPU
+  that plays the copy stream chunk by chunk and leaves NaN in every destination until
+  its chunk has been played (tests/fake_gpu.py): a read without the right wait, or a copy
+  landing over a slot after its wait, shows up as NaN or wrong tokens.
+The prompt activates more experts than the staging pool has slots, so prefill runs in waves."""
 
 from __future__ import annotations
 
@@ -15,10 +20,11 @@ from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
-from fmoe_cli.offload.link import EmulatedLink, VirtualClock
+from fmoe_cli.offload.link import CudaLink, EmulatedLink, VirtualClock
 from fmoe_cli.planning.plan import min_staging_slots
 from fmoe_cli.planning.presets import PRESETS, make_settings
 from fmoe_cli.types import Timings
+import fake_gpu  # tests/fake_gpu.py
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 NEW_TOKENS = 32
@@ -27,9 +33,22 @@ SPLIT_POLICIES = {"uniform"}  # run at two θ; moepic's θ_i are the configurato
 TIMINGS = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=2)
 
 
-@pytest.fixture(scope="module", params=list(TINY_FAMILIES))
+LINKS = ["emulated", "cuda"]
+
+
+@pytest.fixture(scope="module", params=[(f, link) for f in TINY_FAMILIES for link in LINKS],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def family_setup(request, checkpoints):
-    path = checkpoints[request.param]
+    family, link_kind = request.param
+    if link_kind == "cuda":
+        with fake_gpu.installed() as gpu:
+            yield from _family_setup(checkpoints[family], CudaLink(torch.device("cuda"), chunk_bytes=4096))
+            assert gpu.chunks_played == gpu.chunks_issued > 0
+    else:
+        yield from _family_setup(checkpoints[family], EmulatedLink(gbps=20, clock=VirtualClock(), copy=True))
+
+
+def _family_setup(path, link):
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # No EOS for the comparison: both sides generate exactly NEW_TOKENS greedy tokens
     # (min_new_tokens would mask EOS in the reference and change the argmax).
@@ -40,7 +59,7 @@ def family_setup(request, checkpoints):
     with torch.no_grad():
         want_logits = reference(full_sequence).logits
     lm = load_model(str(path), device="cpu", dtype="float32")
-    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20, clock=VirtualClock(), copy=True), lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype)
     engine.install(lm.model)
     yield lm, engine, want, full_sequence, want_logits
     engine.close()

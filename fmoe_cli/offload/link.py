@@ -56,10 +56,11 @@ CHUNK_BYTES = 16 * 1024**2  # 16 MiB: a demand load waits at most one chunk (≈
 
 
 class TransferState(enum.Enum):
-    QUEUED = "queued"  # submitted, not started: can be cancelled
+    QUEUED = "queued"  # submitted, not started
     RUNNING = "running"  # on the link (some bytes may have landed)
     DONE = "done"
-    CANCELLED = "cancelled"
+    CANCELLED = "cancelled"  # dropped before its last chunk went on the link: no further chunk will; the
+    # destination holds whatever the chunks already on the link wrote (nobody reads it)
 
 
 @dataclass(eq=False, slots=True)
@@ -99,8 +100,16 @@ class Transfer:
         self.link.wait(self)
 
     def cancel(self) -> bool:
-        """Cancel if not started yet; returns whether it was cancelled."""
+        """Drop the copy: a queued one moves nothing, a running one stops at the next chunk boundary
+        (its chunks already on the link finish). Returns whether it was dropped; a copy whose last
+        chunk is on the link runs to the end (it may be read: DONE, then)."""
         return self.link.cancel(self)
+
+    @property
+    def issued(self) -> bool:
+        """Every chunk of it that will ever go on the link is there (CUDA: a copy issued after it on the
+        same stream lands after it)."""
+        return self.event is not None or self.state is TransferState.CANCELLED
 
     @property
     def finished(self) -> bool:
@@ -199,13 +208,11 @@ def _urgency(t: Transfer) -> tuple[int, int]:
     return t.priority, t.seq
 
 
-def _cancel_queued(t: Transfer, queue: list[Transfer]) -> bool:
-    """Cancel `t` if it has not started (no byte of it is on the link); returns whether it was."""
-    if t.state is not TransferState.QUEUED:
-        return False
+def _drop(t: Transfer, queue: list[Transfer]) -> None:
+    """No further chunk of `t` goes on the link (it is out of the queue if it was waiting there)."""
     t.state = TransferState.CANCELLED
-    queue.remove(t)
-    return True
+    if t in queue:
+        queue.remove(t)
 
 
 def _eligible_at(t: Transfer) -> float:
@@ -266,7 +273,10 @@ class EmulatedLink:
                 self._current = None
                 self._free_at = end
                 t.sent += nbytes
-                if t.sent >= t.nbytes:
+                self.bytes_moved += nbytes
+                if t.state is TransferState.CANCELLED:
+                    pass  # dropped while this chunk was on the link: it stops here
+                elif t.sent >= t.nbytes:
                     self._complete(t, end)
                     if t is until:
                         return
@@ -299,7 +309,6 @@ class EmulatedLink:
             t.dst.copy_(t.src)  # the bytes land when the copy completes
         t.done_at = at
         t.state = TransferState.DONE
-        self.bytes_moved += t.nbytes
 
     # --- the protocol ------------------------------------------------------------
     def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int, after: tuple = ()) -> Transfer:
@@ -348,10 +357,14 @@ class EmulatedLink:
         return out
 
     def cancel(self, t: Transfer) -> bool:
-        if t.state is not TransferState.QUEUED:  # begun, done or cancelled: it cannot be (no need to look)
+        if t.finished:
             return False
         self._advance(self.clock.now())
-        return _cancel_queued(t, self._queue)
+        current = self._current is not None and self._current[0] is t
+        if t.finished or (current and t.sent + self._current[2] >= t.nbytes):
+            return False  # done, or its last chunk is on the link
+        _drop(t, self._queue)
+        return True
 
     def synchronize(self) -> None:
         pass  # modelled copies hold no device memory; in copy mode the bytes land synchronously
@@ -395,7 +408,7 @@ class CudaLink:
         self.chunk_bytes = chunk_bytes
         self.clock = MonotonicClock()
         self._queue: list[Transfer] = []
-        self._in_flight: list[tuple[Transfer, object, bool]] = []  # (transfer, chunk event, last chunk)
+        self._in_flight: list[tuple[Transfer, object, int]] = []  # (transfer, chunk event, chunk bytes)
         self._next_issue = 0.0  # throttle: when the next chunk may be issued
         self._pending_stalls: list[tuple[object, object, object]] = []  # (tag, before, after) compute-stream events
         self.bytes_moved = 0
@@ -461,26 +474,28 @@ class CudaLink:
         if t.state is TransferState.QUEUED:
             t.state = TransferState.RUNNING
         t.sent += nbytes
-        done = t.sent >= t.nbytes
-        if done:
+        if t.sent >= t.nbytes:  # its last chunk: completion is this event's
             t.event = event
             self._queue.remove(t)
-        self._in_flight.append((t, event, done))
+        self._in_flight.append((t, event, nbytes))
         if self.gbps:
             self._next_issue = max(self._next_issue, time.perf_counter()) + nbytes / (self.gbps * 1e9)
 
-    def _issuable(self, t: Transfer) -> bool:
-        return all(dep.state is not TransferState.QUEUED for dep in t.after if isinstance(dep, Transfer))
+    @staticmethod
+    def _issuable(t: Transfer) -> bool:
+        """A copy `after` an earlier copy goes on the stream once every chunk of that one is on it (the
+        stream runs in order); one chunk issued is not enough (its other chunks would land later)."""
+        return all(dep.issued for dep in t.after if isinstance(dep, Transfer))
 
     def _pump(self) -> None:
         still = []
-        for t, event, last in self._in_flight:
+        for t, event, nbytes in self._in_flight:
             if event.query():
-                if last:
+                self.bytes_moved += nbytes
+                if event is t.event:
                     t.state = TransferState.DONE
-                    self.bytes_moved += t.nbytes
             else:
-                still.append((t, event, last))
+                still.append((t, event, nbytes))
         self._in_flight = still
         while len(self._in_flight) < self.max_in_flight and self._queue:
             if self.gbps and time.perf_counter() < self._next_issue:
@@ -505,15 +520,19 @@ class CudaLink:
         if t.state is TransferState.CANCELLED:
             raise RuntimeError("waiting on a cancelled transfer")
         _promote(t, URGENT)
-        while t.event is None:  # the compute needs it now: issue the rest ahead of the queue
-            if self.gbps:
-                self.clock.sleep_until(self._next_issue)
-            for dep in t.after:
-                if isinstance(dep, Transfer) and dep.state is TransferState.QUEUED:
-                    self._wait(dep)
-            self._issue_chunk(t)
+        self._issue_all(t)
         # The compute stream waits on the copy; the host does not.
         torch.cuda.current_stream(self.device).wait_event(t.event)
+
+    def _issue_all(self, t: Transfer) -> None:
+        """The compute needs `t` now: issue the rest of it, after the rest of the copies it follows."""
+        for dep in t.after:
+            if isinstance(dep, Transfer) and not dep.issued:
+                self._issue_all(dep)
+        while not t.issued:
+            if self.gbps:
+                self.clock.sleep_until(self._next_issue)
+            self._issue_chunk(t)
 
     def acquire(self, t: Transfer, tag: object = None) -> torch.Tensor:
         if t.state is TransferState.DONE:  # its last event has completed: nothing to wait on, no stall to time
@@ -544,10 +563,13 @@ class CudaLink:
         return out
 
     def cancel(self, t: Transfer) -> bool:
-        if t.state is not TransferState.QUEUED:  # begun, done or cancelled: it cannot be (a start is final)
+        if t.issued:  # done, dropped, or its last chunk is on the stream: nothing left to stop
             return False
         with self._lock:
-            return _cancel_queued(t, self._queue)
+            if t.issued:
+                return False
+            _drop(t, self._queue)
+            return True
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -558,9 +580,9 @@ class CudaLink:
         with self._lock:
             for t in list(self._queue):
                 if t.state is TransferState.QUEUED:
-                    _cancel_queued(t, self._queue)
-            while self._queue:  # a transfer begun is finished (its slot may be read)
-                self._issue_chunk(self._queue[0])
+                    _drop(t, self._queue)
+            for t in list(self._queue):  # a transfer begun is finished (its slot may be read)
+                self._issue_all(t)
             self._closed = True
             self._wake.notify()
         if self._pump_thread is not None:

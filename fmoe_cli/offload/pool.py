@@ -5,11 +5,14 @@ transfer that fills it. The pool only keeps the bookkeeping; the link orders the
 copies:
 
 - a slot is free as soon as its entry is released, even while the copy that was
-  filling it is still in flight: the next copy into the slot is submitted with
-  `after(slot)` = that copy (the link runs it afterwards: CUDA's copy stream is in
-  order; the emulated link models the same) and the fence recorded when compute last
-  read the slot (no write-after-read: the copy stream waits on the compute stream's
-  event). Nothing is given up on, and the host never waits here;
+  filling it is still in flight. Releasing drops that copy (`Transfer.cancel`): a queued
+  one moves nothing, a running one stops at its next chunk boundary (no later chunk of
+  it can land over the slot's next copy, and the link is free sooner). The next copy
+  into the slot is submitted with `after(slot)` = the slot's last copy if it still runs
+  (the link issues it after every chunk of that one: CUDA's copy stream is in order;
+  the emulated link models the same) and the fence recorded when compute last read the
+  slot (no write-after-read: the copy stream waits on the compute stream's event). The
+  host never waits here;
 - a demand load takes a free slot, else the slot of another layer's entry that is not
   in use (a queued prefetch first: cancelling it is free; then a finished one; then one
   in flight). So a layer that needs more experts than there are slots (a prefill wave)
@@ -162,7 +165,7 @@ class StagingPool:
         self.entries[entry.slot] = None
         del self._staged[entry.layer][entry.expert]
         entry.in_use = False
-        entry.transfer.cancel()  # a copy not started yet is dropped; one in flight stays the slot's writer
+        entry.transfer.cancel()  # dropped, or stopped at its next chunk; one whose last chunk is issued runs out
         if reads is not None:
             self._reads[entry.slot] = reads
 
