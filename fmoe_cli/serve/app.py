@@ -231,19 +231,19 @@ def create_app(service: Service) -> FastAPI:
     async def metrics() -> Response:
         return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+    async def generation(request: Request, kind, encode, prompt_of) -> Response:
+        req = parse(kind, await read_json(request, limit), service.model_id)
+        lm = service.session.lm
+        ids = await asyncio.to_thread(_encode, encode, lm.tokenizer, prompt_of(req), lm.model_id)
+        return await respond(service, request, req, ids, Reply(chat=kind is ChatRequest, model=service.model_id))
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse(ChatRequest, await read_json(request, limit), service.model_id)
-        lm = service.session.lm
-        ids = await asyncio.to_thread(_encode, encode_messages, lm.tokenizer, req.conversation(), lm.model_id)
-        return await respond(service, request, req, ids, Reply(chat=True, model=service.model_id))
+        return await generation(request, ChatRequest, encode_messages, ChatRequest.conversation)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse(CompletionRequest, await read_json(request, limit), service.model_id)
-        lm = service.session.lm
-        ids = await asyncio.to_thread(_encode, encode_text, lm.tokenizer, req.text(), lm.model_id)
-        return await respond(service, request, req, ids, Reply(chat=False, model=service.model_id))
+        return await generation(request, CompletionRequest, encode_text, CompletionRequest.text)
 
     return Gate(app, service)
 
