@@ -90,6 +90,11 @@ class ExpertShape:
         return 3 * fmt.projection_bytes(self.hidden)
 
     @property
+    def min_staging_slots(self) -> int:
+        """Current and next layer: K slots each (docs/architecture.md § Device memory and the link)."""
+        return min(2 * self.top_k, 2 * self.num_experts)
+
+    @property
     def all_experts_bytes(self) -> int:
         return self.num_layers * self.num_experts * self.expert_bytes
 

@@ -179,7 +179,7 @@ def test_a_decode_step_computes_each_prediction_once_and_no_nonzero(mixtral, mon
     assert got == want_tokens(lm, 3)
 
 
-def test_configure_frees_before_it_allocates_and_keeps_the_old_plan_on_oom(mixtral, monkeypatch):
+def test_configure_frees_before_it_allocates_and_runs_a_smaller_plan_on_oom(mixtral, monkeypatch):
     from fmoe_cli.errors import FmoeError
     from fmoe_cli.offload import engine as engine_module
     from fmoe_cli.planning.presets import make_settings
@@ -201,12 +201,11 @@ def test_configure_frees_before_it_allocates_and_keeps_the_old_plan_on_oom(mixtr
         return real_pool(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "StagingPool", pool_that_runs_out)
-    with pytest.raises(FmoeError, match=r"^out of device memory for the plan \(\d+ MiB\): kept the previous plan") as err:
+    with pytest.raises(FmoeError, match=r"^out of device memory for the plan \(\d+ MiB\): caching \d+ segments") as err:
         engine.configure(big)
     assert "\n" not in str(err.value)
     assert seen[0] == (None, [])  # the old buffers were let go before the new ones were allocated
-    assert engine.settings is small
-    assert [s.cache.capacity for s in engine.layers] == [lp.cache_size for lp in small.plan.layers]
+    assert [s.cache.capacity for s in engine.layers] == [lp.cache_size // 2 for lp in big.plan.layers]
     monkeypatch.undo()
     got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=4, stop_on_eos=False)]
     engine.close()
@@ -240,3 +239,89 @@ def test_combining_one_token_adds_in_place_with_the_bits_of_index_add(monkeypatc
         got = Engine._combine(None, hidden, routing, outputs, weights)
         assert torch.equal(got, expected)
         assert (len(calls) == 0) == (tokens == 1)  # one token: no index_add_ at all
+
+
+@pytest.mark.parametrize("link_kind", ["emulated", "cuda"])
+def test_configure_lets_the_old_pool_go_before_it_allocates(mixtral, link_kind):
+    """Issue 20 §2: a copy still running into the old staging pool holds a view of it; re-planning
+    stops or finishes every copy and drops every view, so the old buffer is freed before the new plan
+    is allocated (a weakref to it is dead), on the emulated link and on CudaLink (fake GPU)."""
+    import contextlib
+    import gc
+    import weakref
+
+    import fake_gpu  # tests/fake_gpu.py
+    from fmoe_cli.offload.link import PREFETCH, CudaLink
+    from fmoe_cli.planning.presets import make_settings
+
+    lm, shape = mixtral, mixtral.shape
+    with fake_gpu.installed() if link_kind == "cuda" else contextlib.nullcontext():
+        link = (CudaLink(torch.device("cuda"), chunk_bytes=1024, pump_thread=False) if link_kind == "cuda"
+                else EmulatedLink(1, clock=VirtualClock(), copy=True, chunk_bytes=1024))
+        engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
+        engine.install(lm.model)
+        pool_bytes = 2 * shape.top_k * shape.expert_bytes
+        engine.configure(make_settings("lru", shape, pool_bytes + shape.expert_bytes))
+        list(stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=2, stop_on_eos=False))
+        old = weakref.ref(engine.pool.buffer)
+        link.submit(engine.pool.destination(0, 0), lm.store.expert(0, 1), PREFETCH)  # running, not in the pool
+        staged = link.submit(engine.pool.destination(1, 0), lm.store.expert(0, 2), PREFETCH)  # queued behind it
+        assert staged.state.value == "queued"
+        del staged
+        engine.configure(make_settings("lru", shape, pool_bytes + shape.all_experts_bytes // 2))
+        gc.collect()
+        assert old() is None
+        got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=3,
+                                                   stop_on_eos=False)]
+        engine.close()
+    assert got == want_tokens(lm, 3)
+
+
+def test_out_of_memory_falls_back_to_smaller_plans_and_never_leaves_the_engine_half_built(mixtral, monkeypatch):
+    """Issue 20 §2: when the new plan and the previous one both run out of device memory, the engine builds
+    a smaller one (every cache halved), and then the staging pool alone; it says so in one line and runs
+    exactly. When not even the pool fits, one line, no plan, and a forward says so instead of IndexError."""
+    from fmoe_cli.errors import FmoeError
+    from fmoe_cli.planning.presets import make_settings
+
+    lm, shape = mixtral, mixtral.shape
+    want = want_tokens(lm, 3)
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(20, clock=VirtualClock(), copy=True), lm.device, lm.dtype)
+    engine.install(lm.model)
+    pool_bytes = 2 * shape.top_k * shape.expert_bytes
+    small = make_settings("lru", shape, pool_bytes + shape.expert_bytes)
+    big = make_settings("lru", shape, pool_bytes + shape.all_experts_bytes // 2)
+    engine.configure(small)
+    fits = {"cached": 0}  # a plan allocates when its caches hold at most this many segments
+    real_build = Engine._build
+
+    def build(self, settings, policies, steps):
+        if sum(lp.cache_size for lp in settings.plan.layers) > fits["cached"]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return real_build(self, settings, policies, steps)
+
+    monkeypatch.setattr(Engine, "_build", build)
+    big_cached = sum(lp.cache_size for lp in big.plan.layers)
+    assert sum(lp.cache_size for lp in small.plan.layers) > 0  # the previous plan does not fit either
+    with pytest.raises(FmoeError, match=r"^out of device memory for the plan \(\d+ MiB\): loading every expert on "
+                                        r"demand \(\d+ MiB\) instead") as err:
+        engine.configure(big)
+    assert "\n" not in str(err.value)
+    assert [s.cache.capacity for s in engine.layers] == [0] * shape.num_layers and engine.pool is not None
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=3, stop_on_eos=False)]
+    assert got == want
+
+    fits["cached"] = big_cached // 2  # a plan with every cache halved fits
+    with pytest.raises(FmoeError, match=r"caching \d+ segments \(\d+ MiB\) instead"):
+        engine.configure(big, warm=True)
+    assert [s.cache.capacity for s in engine.layers] == [lp.cache_size // 2 for lp in big.plan.layers]
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=3, stop_on_eos=False)]
+    assert got == want
+
+    fits["cached"] = -1  # nothing fits
+    with pytest.raises(FmoeError, match="not even the staging pool alone"):
+        engine.configure(big)
+    assert engine.settings is None and engine.layers == [] and engine.pool is None
+    with pytest.raises(FmoeError, match="no expert plan fits"):
+        lm.model(PROMPT)
+    engine.close()

@@ -223,7 +223,8 @@ class ChatSession:
     def recover(self) -> None:
         """After an interrupted or failed answer: rebuild the engine's caches warm (eviction history
         kept, docs/architecture.md), so nothing stays pinned or staged from the forward that stopped half-way."""
-        self.engine.configure(self.engine.settings, warm=True)
+        if self.engine.settings is not None:  # None: no plan fitted (the engine said so in one line)
+            self.engine.configure(self.engine.settings, warm=True)
 
     def reset(self) -> None:
         self.messages.clear()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -180,6 +180,26 @@ class RouteEvent:
 RouteObserver = Callable[[RouteEvent], None]
 
 
+def fallback_settings(settings: EngineSettings, previous: EngineSettings | None, min_slots: int) -> list:
+    """What to build when `settings` runs out of device memory, largest first ((what, settings) pairs):
+    `settings` with every cache halved, again and again down to the staging pool alone (every expert
+    loaded on demand), and the previous plan (it ran) where it is smaller."""
+    plan = settings.plan
+    out = []
+    sizes = [lp.cache_size for lp in plan.layers]
+    while any(sizes):
+        sizes = [c // 2 for c in sizes]
+        layers = tuple(replace(lp, cache_size=c, vram_bytes=lp.vram_bytes * c // lp.cache_size if c else 0)
+                       for lp, c in zip(plan.layers, sizes))
+        # A resident plan has no staging pool: the smaller ones load what they miss.
+        smaller = replace(plan, layers=layers, resident=False, staging_slots=max(plan.staging_slots, min_slots))
+        what = f"caching {sum(sizes)} segments" if any(sizes) else "loading every expert on demand"
+        out.append((what, replace(settings, plan=smaller)))
+    if previous is not None and previous.plan.total_bytes < plan.total_bytes:
+        out.append(("kept the previous plan", previous))
+    return sorted(out, key=lambda pair: -pair[1].plan.total_bytes)
+
+
 class Engine:
     def __init__(
         self,
@@ -226,9 +246,11 @@ class Engine:
         warm=False starts empty with fresh policies; warm=True keeps the policies'
         history and fills each cache with its top-C_i experts by priority (the
         rebuild after re-planning, docs/architecture.md § Statistics, configurator, re-planning).
-        The old plan's buffers are freed before the new ones are allocated; if an
-        allocation fails, the old plan is rebuilt (cold: its buffers were freed) and the
-        error is raised as one line.
+        The old plan's buffers are freed before the new ones are allocated (every copy
+        into them finished or stopped, no view of them left). If an allocation fails, the
+        engine is never left half-built: it builds the first of `fallback_settings` that
+        fits and says so in one line (FmoeError, the engine ready to run), or, when not
+        even the staging pool fits, raises one line and holds no plan.
         """
         previous = self.settings
         policies = [state.cache.policy for state in self.layers] if warm and self.layers else None
@@ -238,20 +260,32 @@ class Engine:
             self._build(settings, policies, steps)
         except torch.OutOfMemoryError as exc:
             self._release_buffers()
-            if previous is not None:
-                self._build(previous, policies, steps)
-            raise FmoeError(f"out of device memory for the plan ({settings.plan.total_bytes / MiB:.0f} MiB): "
-                            f"kept the previous plan; use a smaller --vram-budget") from exc
+            wanted = f"out of device memory for the plan ({settings.plan.total_bytes / MiB:.0f} MiB)"
+            for what, fallback in fallback_settings(settings, previous, self.shape.min_staging_slots):
+                try:
+                    self._build(fallback, policies, steps)
+                except torch.OutOfMemoryError:
+                    self._release_buffers()
+                    continue
+                self.predictor.replan()
+                raise FmoeError(f"{wanted}: {what} ({fallback.plan.total_bytes / MiB:.0f} MiB) instead; "
+                                f"use a smaller --vram-budget") from exc
+            self.settings = None
+            raise FmoeError(f"{wanted}: not even the staging pool alone "
+                            f"({settings.plan.staging_bytes / MiB:.0f} MiB) fits beside what else is on the device; "
+                            f"free device memory or use a smaller model") from exc
         self.predictor.replan()  # `auto` re-chooses its predictor per layer with every plan
 
     def _release_buffers(self) -> None:
-        """Drop the cached tops and the staging pool (after every copy into them has finished)."""
+        """Drop the cached tops and the staging pool: every copy into them stopped (released) or finished,
+        so the link holds no view of them, and they are freed before anything new is allocated."""
         self._collect_stalls()
         if self.pool is not None:
-            self.pool.clear()
+            self.pool.clear()  # releasing stops the copies still running (offload/pool.py)
         self.pool, self.prefetcher, self.layers = None, None, []
+        self.link.synchronize()  # what is still on the link finishes; the link drops its transfers
+        self._predicted = [None] * self.shape.num_layers
         if self.device.type == "cuda":
-            self.link.synchronize()  # copies still writing the old buffers finish before they are freed
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
@@ -314,6 +348,8 @@ class Engine:
     def experts_forward(self, experts, hidden_states, top_k_index, top_k_weights):
         """hidden_states [T, H], top_k_index / top_k_weights [T, K] -> [T, H]."""
         i = experts._fmoe_layer
+        if not self.layers:
+            raise FmoeError("no expert plan fits on the device (see the message above); nothing can run")
         state = self.layers[i]
         self._collect_stalls()
         extra = self.predictor.device_part(self.iteration, i, hidden_states) if self._prefetching else {}

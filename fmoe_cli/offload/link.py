@@ -140,7 +140,7 @@ class Link(Protocol):
 
     def cancel(self, t: Transfer) -> bool: ...
 
-    def synchronize(self) -> None: ...  # block the host until every copy handed to the device has finished
+    def synchronize(self) -> None: ...  # block the host until every copy not cancelled has finished
 
     def close(self) -> None: ...
 
@@ -367,7 +367,12 @@ class EmulatedLink:
         return True
 
     def synchronize(self) -> None:
-        pass  # modelled copies hold no device memory; in copy mode the bytes land synchronously
+        """The host waits (on the clock) until every copy not cancelled has finished, a stopped one's
+        last chunk included; afterwards the link holds no transfer (nor a view of its buffer)."""
+        self._advance(float("inf"))
+        if self._queue:
+            raise RuntimeError("a transfer waits on a fence that never completes")
+        self.clock.sleep_until(self._free_at)
 
     def close(self) -> None:
         for t in self._queue:
@@ -572,6 +577,11 @@ class CudaLink:
             return True
 
     def synchronize(self) -> None:
+        """Issue the rest of every copy not cancelled, and block the host until the stream has played them;
+        afterwards the link holds no transfer (nor a view of its buffer)."""
+        with self._lock:
+            for t in list(self._queue):
+                self._issue_all(t)
         self.stream.synchronize()
         with self._lock:
             self._pump()
@@ -581,13 +591,11 @@ class CudaLink:
             for t in list(self._queue):
                 if t.state is TransferState.QUEUED:
                     _drop(t, self._queue)
-            for t in list(self._queue):  # a transfer begun is finished (its slot may be read)
-                self._issue_all(t)
             self._closed = True
             self._wake.notify()
         if self._pump_thread is not None:
             self._pump_thread.join(timeout=5)
-        self.synchronize()
+        self.synchronize()  # a transfer begun is finished (its slot may be read)
 
 
 MIN_EMULATED_GBPS = 0.01  # 10 MB/s: below any real host→device link (a slower one only looks hung)

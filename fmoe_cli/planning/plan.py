@@ -25,8 +25,7 @@ def layer_plan(shape: ExpertShape, cache_size: int, theta: float) -> LayerPlan:
 
 
 def min_staging_slots(shape: ExpertShape) -> int:
-    """Current and next layer: K slots each (docs/architecture.md § Device memory and the link)."""
-    return min(2 * shape.top_k, 2 * shape.num_experts)
+    return shape.min_staging_slots
 
 
 def check_budget(shape: ExpertShape, budget_bytes: int, staging_slots: int) -> None:
