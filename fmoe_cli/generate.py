@@ -50,13 +50,26 @@ def encode_messages(tokenizer, messages: list[dict], model_id: str, *, plain: bo
         if getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         elif plain and len(messages) == 1:
-            ids = tokenizer(messages[0]["content"])["input_ids"]
+            return encode_text(tokenizer, messages[0]["content"], model_id)
         else:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             ids = tokenizer(text + "assistant:")["input_ids"]
+    except FmoeError:
+        raise
     except Exception as exc:  # a template may refuse a conversation (say, a system role it lacks)
         first = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
         raise FmoeError(f"the chat template of {model_id} refused the conversation: {first}") from None
+    if not ids:
+        raise FmoeError("the prompt encodes to no tokens")
+    return list(ids)
+
+
+def encode_text(tokenizer, text: str, model_id: str) -> list[int]:
+    """Token ids of a text as it is (a completion's prompt: no chat template), with the special
+    tokens the tokenizer adds (a BOS). One-line errors."""
+    if tokenizer is None:
+        raise FmoeError(f"{model_id} has no tokenizer; fmoe needs one to encode the prompt")
+    ids = tokenizer(text)["input_ids"]
     if not ids:
         raise FmoeError("the prompt encodes to no tokens")
     return list(ids)
