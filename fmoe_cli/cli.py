@@ -14,6 +14,7 @@ from rich.console import Console
 
 # Only modules without torch here: every option is checked before anything heavy is imported.
 from fmoe_cli import chat as chat_defaults
+from fmoe_cli import serve as serve_defaults
 from fmoe_cli.bench import check_counts, check_profile_options, read_prompt
 from fmoe_cli.chat import ChatOptions
 from fmoe_cli.errors import FmoeError
@@ -212,6 +213,44 @@ def chat(
     from fmoe_cli.chat.repl import run_chat  # torch: only once the options read
 
     run_chat(opts, err_console=err_console)
+
+
+@app.command()
+@user_errors
+def serve(
+    model: ModelArg = "demo",
+    host: Annotated[str, typer.Option(help="Address to listen on (anything but loopback: set an API key).")] = serve_defaults.HOST,
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port; the one bound is printed).")] = serve_defaults.PORT,
+    api_key: Annotated[str | None, typer.Option(
+        envvar=serve_defaults.API_KEY_ENV, show_envvar=True,
+        help="Require `Authorization: Bearer KEY` on every endpoint but /health.")] = None,
+    max_queue: Annotated[int, typer.Option(help="Requests that may wait behind the one being answered; more get a 429.")] = serve_defaults.MAX_QUEUE,
+    grace: Annotated[float, typer.Option(help="On Ctrl-C or SIGTERM: seconds the answer in progress may take to finish before it is cancelled.")] = serve_defaults.GRACE_S,
+    vram_budget: BudgetOpt = DEFAULT_BUDGET,
+    policy: Annotated[str, typer.Option(help=f"{POLICY_NAMES}.")] = DEFAULT_POLICY,
+    profile: Annotated[str | None, typer.Option(help="A device profile from `fmoe profile` (JSON).")] = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    experts: ExpertsOpt = DEFAULT_EXPERTS,
+    predictor: PredictorOpt = DEFAULT_PREDICTOR,
+    lcp_omega: OmegaOpt = LCP_OMEGA,
+    lcp_rho: RhoOpt = LCP_RHO,
+    emulate_link: LinkOpt = None,
+    trace_out: TraceOpt = None,
+    force: ForceOpt = False,
+    trust_remote_code: TrustOpt = False,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
+    options = serve_defaults.ServeOptions(host=host, port=port, api_key=api_key, max_queue=max_queue, grace_s=grace)
+    options.check()  # before anything slow
+    opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
+                       lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
+                       dtype=dtype, experts=experts, device=device, trust_remote_code=trust_remote_code,
+                       profile=profile)
+    _quiet_libraries()
+    from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the options read
+
+    run_serve(opts, options, err_console)
 
 
 @app.command()

@@ -6,9 +6,12 @@
   of token ids (cropped there), so a turn usually pre-fills only the new message.
 - Ctrl-C (KeyboardInterrupt) during an answer stops it: the partial answer, as far as
   it was shown, STAYS in the conversation as the assistant's message (what the user saw
-  is what the model will see next turn), and the answer is marked `interrupted`. The KV
-  cache is dropped (a forward may have stopped half-way) and the engine is rebuilt
-  warm (its eviction history kept), so nothing in use or in flight stays pinned.
+  is what the model will see next turn), and the answer is marked `interrupted`. If it
+  struck inside a forward, the KV cache is dropped (the forward stopped half-way) and
+  the engine is rebuilt warm (its eviction history kept), so nothing in use or in flight
+  stays pinned; between tokens, every forward has finished and the cache is kept.
+- `generate` is the answer loop itself (KV reuse, counters, recovery) on prompt token
+  ids: `fmoe serve` answers its requests through it too.
 - Any other error during an answer removes this turn's user message again (so the
   conversation stays well-formed) and re-raises: the REPL gives the text back at the
   prompt, so nothing the user typed is lost.
@@ -16,10 +19,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.generate import SamplingParams, encode_messages, stream_generate
+from fmoe_cli.generate import SamplingParams, TokenEvent, encode_messages, stream_generate
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
 from fmoe_cli.run import context_length
@@ -90,6 +94,7 @@ class ChatSession:
     last_stats: AnswerStats | None = None
     layer_totals: list[Counters] = field(default_factory=list)  # per MoE layer, over the session
     window_start: int = 0  # messages before this one were dropped from the prompt to fit the context
+    reused: int = 0  # prompt tokens of the latest answer taken from the previous answer's KV cache
     _kv: DynamicCache | None = None
     _kv_ids: list[int] = field(default_factory=list)  # the token ids the KV cache holds
 
@@ -136,6 +141,36 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         self.turns += 1
 
+        if self.recorder is not None:
+            self.recorder.start_sequence(self.turns)
+        sampling = self.sampling
+        if sampling.seed is not None:  # reproducible, yet a different stream every turn
+            sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.seed + self.turns - 1)
+        self.last_answer_ids = []
+        events, pieces, finish = [], [], "length"
+        try:
+            with contextlib.closing(self.generate(ids, longest, sampling)) as stream:
+                for event in stream:
+                    events.append(event)
+                    if event.text:
+                        pieces.append(event.text)
+                        on_text(event.text)
+                    finish = event.finish_reason or finish
+        except KeyboardInterrupt:
+            finish = "interrupted"
+        except BaseException:
+            self.messages.pop()  # the conversation as before this turn; the REPL gives the text back
+            self.turns -= 1
+            raise
+        self.messages.append({"role": "assistant", "content": "".join(pieces)})
+        self.last_stats = answer_stats(events, len(ids) - self.reused, finish)
+        self.last_stats.dropped = dropped
+        return self.last_stats
+
+    def take_cache(self, ids: list[int]) -> tuple[DynamicCache, int]:
+        """The KV cache to continue from for the prompt `ids`: the previous answer's, cropped to the
+        longest common prefix of token ids (at least one token is left to feed), else a fresh one.
+        Returns (cache, tokens reused); the session holds no cache until the answer ends (`generate`)."""
         reuse = common_prefix(self._kv_ids, ids) if self._kv is not None else 0
         reuse = min(reuse, len(ids) - 1)  # at least one token to feed
         cache = self._kv if reuse > 0 else None
@@ -147,43 +182,36 @@ class ChatSession:
         if cache is None:
             cache, reuse = DynamicCache(config=self.lm.model.config), 0
         self._kv, self._kv_ids = None, []  # until the answer completes
-        feed = torch.tensor([ids[reuse:]])
+        return cache, reuse
 
-        if self.recorder is not None:
-            self.recorder.start_sequence(self.turns)
-        sampling = self.sampling
-        if sampling.seed is not None:  # reproducible, yet a different stream every turn
-            sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.seed + self.turns - 1)
+    def generate(self, ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> Iterator[TokenEvent]:
+        """Answer the prompt `ids` (token ids of the whole conversation) through `stream_generate`,
+        continuing the KV cache of the previous answer (`take_cache`; `self.reused` tokens). The
+        per-layer counters are added to the session's totals however it ends. Ended between tokens
+        (the answer's end, or the consumer closing the generator: a stop string, a client gone),
+        every forward has finished: the cache is kept for the next prompt. Ended by an exception
+        inside a forward (Ctrl-C, a failure): the cache is dropped and the engine rebuilt (`recover`)."""
+        cache, self.reused = self.take_cache(ids)
         before = [Counters() + c for c in self._layer_counters()]
         self.last_answer_ids = []
-        events, pieces, finish = [], [], "length"
+        clean = False
         try:
-            for event in stream_generate(self.lm.model, feed, tokenizer=self.lm.tokenizer, engine=self.engine,
-                                         max_new_tokens=longest, sampling=sampling,
+            for event in stream_generate(self.lm.model, torch.tensor([ids[self.reused:]]), tokenizer=self.lm.tokenizer,
+                                         engine=self.engine, max_new_tokens=max_new_tokens, sampling=sampling,
                                          past_key_values=cache):
-                events.append(event)
                 self.last_answer_ids.append(event.token_id)
-                if event.text:
-                    pieces.append(event.text)
-                    on_text(event.text)
-                finish = event.finish_reason or finish
-        except KeyboardInterrupt:
-            finish = "interrupted"
+                try:
+                    yield event
+                except GeneratorExit:  # closed between tokens
+                    clean = True
+                    raise
+            clean = True
+        finally:
             self._add_layer_counters(before)
-            self.recover()
-        except BaseException:
-            self.messages.pop()  # the conversation as before this turn; the REPL gives the text back
-            self.turns -= 1
-            self._add_layer_counters(before)
-            self.recover()
-            raise
-        else:
-            self._add_layer_counters(before)
-            self._kv, self._kv_ids = cache, ids + self.last_answer_ids[:-1]  # the last token was never fed
-        self.messages.append({"role": "assistant", "content": "".join(pieces)})
-        self.last_stats = answer_stats(events, len(ids) - reuse, finish)
-        self.last_stats.dropped = dropped
-        return self.last_stats
+            if clean:
+                self._kv, self._kv_ids = cache, ids + self.last_answer_ids[:-1]  # the last token was never fed
+            else:
+                self.recover()
 
     def _add_layer_counters(self, before: list[Counters]) -> None:
         now = self._layer_counters()

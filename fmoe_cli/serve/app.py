@@ -1,0 +1,399 @@
+"""`fmoe serve`: the FastAPI app (routes, API key, body limit, errors in OpenAI's shape,
+Prometheus metrics) and the command (load once as chat does, serve with uvicorn, shut down
+cleanly). docs/serve.md is the user's description."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from rich.console import Console
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fmoe_cli.chat import MAX_NEW_TOKENS
+from fmoe_cli.chat.repl import ChatOptions, open_chat
+from fmoe_cli.chat.session import ChatSession
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.generate import SamplingParams, encode_messages, encode_text
+from fmoe_cli.offload.engine import Counters
+from fmoe_cli.run import RunOptions, context_length
+from fmoe_cli.serve import ServeOptions
+from fmoe_cli.serve.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    answer_budget,
+    error_body,
+    parse,
+)
+from fmoe_cli.serve.worker import Closed, Done, Failed, Job, Piece, QueueFull, Worker, answer
+
+log = logging.getLogger("fmoe.serve")
+OPEN = ("/health",)  # the paths that need no API key
+# Histogram buckets, seconds: TTFT from a prompt's arrival (queue wait included); TPOT per decode step.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    """The server's Prometheus metrics (a registry of its own). Engine figures are over the
+    server's life: hit rate, exposed load time per generated token, bytes over the link."""
+
+    def __init__(self, queue_length) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("fmoe_requests", "HTTP requests answered, by path and status code",
+                                ["path", "status"], registry=r)
+        self.prompt_tokens = Counter("fmoe_prompt_tokens", "Prompt tokens of answered requests", registry=r)
+        self.cached_tokens = Counter("fmoe_prompt_cached_tokens",
+                                     "Prompt tokens whose KV cache was reused from the previous request", registry=r)
+        self.completion_tokens = Counter("fmoe_completion_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("fmoe_time_to_first_token_seconds",
+                              "From a request's arrival (queue wait included) to its first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("fmoe_time_per_output_token_seconds", "Decode steps after the first token",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.link_bytes = Counter("fmoe_link_bytes", "Bytes of experts moved host to device", registry=r)
+        self.totals = Counters()
+        self.tokens = 0
+        Gauge("fmoe_expert_hit_rate", "Activated experts found on the device (whole or top segment)",
+              registry=r).set_function(lambda: self.totals.hit_rate)
+        Gauge("fmoe_exposed_load_ms_per_token", "Time the compute waited on the link, per generated token (ms)",
+              registry=r).set_function(lambda: self.totals.exposed_s * 1000 / self.tokens if self.tokens else 0.0)
+        Gauge("fmoe_queue_length", "Requests waiting behind the one being answered",
+              registry=r).set_function(queue_length)
+
+    def observe(self, job: Job, events: list, cached: int) -> None:
+        """One answer's figures (called by the worker thread)."""
+        self.prompt_tokens.inc(len(job.ids))
+        self.cached_tokens.inc(cached)
+        self.completion_tokens.inc(len(events))
+        if events:
+            self.ttft.observe(job.started + events[0].latency_s - job.arrived)
+        for event in events[1:]:
+            self.tpot.observe(event.latency_s)
+        counters = sum((e.counters for e in events if e.counters is not None), Counters())
+        self.totals = self.totals + counters
+        self.tokens += len(events)
+        self.link_bytes.inc(counters.bytes_moved)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass
+class Service:
+    """What the routes need: the session (model, tokenizer, engine), the queue, the limits."""
+
+    session: ChatSession
+    worker: Worker
+    model_id: str  # as given on the command line
+    options: ServeOptions = field(default_factory=ServeOptions)
+    metrics: Metrics | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def context(self) -> int | None:
+        return context_length(self.session.lm)
+
+
+def start_service(session: ChatSession, model_id: str, options: ServeOptions, idle=None) -> Service:
+    """The worker thread started on `session`, with its metrics."""
+    service = Service(session, None, model_id, options)  # type: ignore[arg-type]
+    metrics = Metrics(lambda: service.worker.queue_length)
+
+    def handle(job: Job) -> None:
+        job.started = time.perf_counter()
+        answer(session, job, metrics.observe)
+
+    service.worker = Worker(handle, options.max_queue, idle).start()
+    service.metrics = metrics
+    return service
+
+
+# --- the ASGI layer --------------------------------------------------------------
+
+
+class Gate:
+    """Pure ASGI middleware (streams pass through untouched): the API key on every path but
+    /health (`Authorization: Bearer`, compared in constant time), and requests counted by status."""
+
+    def __init__(self, app, service: Service) -> None:
+        self.app, self.service = app, service
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        status = {"code": 500}
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            key = self.service.options.api_key
+            if key is not None and path not in OPEN and not self._authorized(scope, key):
+                response = JSONResponse(error_body("a valid API key is required: Authorization: Bearer KEY",
+                                                   code="invalid_api_key"), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, counted)
+            await self.app(scope, receive, counted)
+        except Exception as exc:  # the response (a 500 in OpenAI's shape) is sent; the log gets one line, no traceback
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            log.error("%s %s failed: %s: %s", scope.get("method"), path, exc.__class__.__name__, first)
+        finally:
+            if self.service.metrics is not None:
+                known = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
+                                         "/metrics") else "other"
+                self.service.metrics.requests.labels(known, str(status["code"])).inc()
+
+    @staticmethod
+    def _authorized(scope, key: str) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, given = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), key.encode())
+
+
+async def read_json(request: Request, limit: int) -> object:
+    """The body as JSON, at most `limit` bytes (413 beyond), 400 if it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(service: Service) -> FastAPI:
+    app = FastAPI(title="fmoe", docs_url=None, redoc_url=None, openapi_url=None)
+    limit = service.options.max_body
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = "no such endpoint" if exc.status_code == 404 else str(exc.detail)
+        return JSONResponse(error_body(message), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:  # logged by Gate, in one line
+        return JSONResponse(error_body("internal error (the server log says more)", "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card(service)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        if model != service.model_id:
+            raise ApiError(404, f"the model {model!r} does not exist: this server serves {service.model_id!r}",
+                           code="model_not_found", param="model")
+        return model_card(service)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    async def generation(request: Request, kind, encode, prompt_of) -> Response:
+        req = parse(kind, await read_json(request, limit), service.model_id)
+        lm = service.session.lm
+        ids = await asyncio.to_thread(_encode, encode, lm.tokenizer, prompt_of(req), lm.model_id)
+        return await respond(service, request, req, ids, Reply(chat=kind is ChatRequest, model=service.model_id))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generation(request, ChatRequest, encode_messages, ChatRequest.conversation)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, CompletionRequest, encode_text, CompletionRequest.text)
+
+    return Gate(app, service)
+
+
+def model_card(service: Service) -> dict:
+    return {"id": service.model_id, "object": "model", "created": service.created, "owned_by": "fmoe",
+            "context_length": service.context}
+
+
+def _encode(encode, *args) -> list[int]:
+    try:
+        return encode(*args)
+    except FmoeError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+async def respond(service: Service, request: Request, req, ids: list[int], reply: Reply) -> Response:
+    """Queue the request and answer it: one JSON body, or an SSE stream."""
+    max_tokens = answer_budget(req.requested_tokens(), len(ids), service.context, MAX_NEW_TOKENS)
+    sampling = SamplingParams(1.0 if req.temperature is None else req.temperature,
+                              1.0 if req.top_p is None else req.top_p, req.seed)
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+    job = Job(ids, max_tokens, sampling, lambda message: loop.call_soon_threadsafe(inbox.put_nowait, message),
+              stops=req.stop_strings())
+    try:
+        service.worker.submit(job)
+    except QueueFull as exc:
+        raise ApiError(429, f"the server is busy: {service.worker.queue_length} requests wait; retry after "
+                            f"{exc.retry_after} s", kind="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+    except Closed:
+        raise ApiError(503, "the server is shutting down", kind="server_error") from None
+    if req.stream:
+        return StreamingResponse(stream(service, job, inbox, reply, req.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.ensure_future(until_disconnected(request))
+    finished = False
+    try:
+        pieces = []
+        while True:
+            getter = asyncio.ensure_future(inbox.get())
+            await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():  # the client has gone: nobody to answer
+                getter.cancel()
+                return Response(status_code=499)
+            message = getter.result()
+            if isinstance(message, Piece):
+                pieces.append(message.text)
+            elif isinstance(message, Failed):
+                finished = True
+                raise ApiError(message.status, message.message, kind="server_error")
+            elif isinstance(message, Done):
+                finished = True
+                return JSONResponse(reply.whole(message.text, message.finish, message.usage))
+    finally:
+        watcher.cancel()
+        if not finished:
+            service.worker.cancel(job)
+
+
+async def stream(service: Service, job: Job, inbox: asyncio.Queue, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE chunks of one answer, then `[DONE]`. If the client goes, Starlette cancels this
+    generator: the job is cancelled (within one token if it runs, dropped if it waits)."""
+    finished = False
+    try:
+        if reply.chat:
+            yield sse(reply.chunk(role=True, include_usage=include_usage))
+        while True:
+            message = await inbox.get()
+            if isinstance(message, Piece):
+                yield sse(reply.chunk(message.text, include_usage=include_usage))
+            elif isinstance(message, Failed):
+                finished = True
+                yield sse(error_body(message.message, "server_error"))
+                return
+            elif isinstance(message, Done):
+                finished = True
+                yield sse(reply.chunk(finish=message.finish, include_usage=include_usage))
+                if include_usage:
+                    yield sse(reply.chunk(usage=message.usage))
+                yield sse("[DONE]")
+                return
+    finally:
+        if not finished:
+            service.worker.cancel(job)
+
+
+# --- the command -------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but: on shutdown the queue closes first (waiting requests get a 503, the
+    answer in progress has the grace period), and a Ctrl-C or SIGTERM ends `fmoe serve` with
+    code 0 after the statistics are saved (uvicorn would re-raise the signal instead)."""
+
+    def __init__(self, config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.service.worker.close()
+        await super().shutdown(sockets)
+
+
+def serve_in(service: Service, sock, *, log_level: str = "info") -> _Server:
+    """The uvicorn server of `service` on the bound socket `sock` (not yet running)."""
+    config = uvicorn.Config(create_app(service), log_level=log_level, timeout_graceful_shutdown=service.options.grace_s,
+                            lifespan="off", access_log=log_level == "debug")
+    return _Server(config, service)
+
+
+def run_serve(run: RunOptions, options: ServeOptions, err_console: Console) -> None:
+    """`fmoe serve`: bind, load and plan as chat does, serve until Ctrl-C or SIGTERM, save the statistics."""
+    options.check()
+    sock = options.bind()  # a port in use is one line, before the model loads
+    try:
+        chat = open_chat(ChatOptions(run), err_console)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        session = chat.session
+        service = start_service(session, run.model, options, chat.idle)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        lm = session.lm
+        err_console.print(f"fmoe serve · {lm.label} · {lm.device} · {chat.link_label} · plan {session.settings.plan.summary()}",
+                          highlight=False, soft_wrap=True)
+        if (warning := options.exposure_warning()) is not None:
+            err_console.print(f"[bold yellow]warning:[/bold yellow] {warning}", highlight=False, soft_wrap=True)
+        err_console.print(f"listening on http://{shown}:{port}/v1 (model id {run.model!r}); Ctrl-C stops",
+                          highlight=False, soft_wrap=True)
+        server = serve_in(service, sock)
+        server.run(sockets=[sock])
+        service.worker.close(cancel_current=True)
+        service.worker.join()
+    finally:
+        sock.close()
+        chat.close()  # saves the statistics
+    err_console.print(f"stopped after {service.worker.answered} requests; statistics saved", highlight=False)
