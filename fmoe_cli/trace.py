@@ -29,7 +29,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -294,9 +293,20 @@ def _prob_list(obj: dict[str, Any], key: str, n: int) -> tuple[float, ...]:
     return tuple(float(p) for p in v)
 
 
+FMOE_FIELDS = ("seq", "token", "layer", "experts", "probs")  # every record has them ("predicted": optional)
+VLLM_FIELDS = ("dataset", "problem_id", "token_idx", "layer", "experts", "gating_probs")
+
+
+def _check_fields(obj: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """A record missing fields is named with all it misses (a cut-short record, a foreign file)."""
+    missing = [k for k in fields if k not in obj]
+    if missing:
+        raise _LineError(f"missing field{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))} "
+                         f"(a record has {', '.join(fields)})")
+
+
 def _parse_fmoe(obj: dict[str, Any], num_experts: int | None) -> TraceRecord:
-    if "seq" not in obj:
-        raise _LineError("missing field 'seq'")
+    _check_fields(obj, FMOE_FIELDS)
     seq = obj["seq"]
     if type(seq) not in (int, str):
         raise _LineError(f"field 'seq' must be an integer or a string, got {_show(seq)}")
@@ -310,6 +320,7 @@ def _parse_fmoe(obj: dict[str, Any], num_experts: int | None) -> TraceRecord:
 
 
 def _parse_vllm(obj: dict[str, Any]) -> TraceRecord:
+    _check_fields(obj, VLLM_FIELDS)
     dataset, problem = obj.get("dataset"), obj.get("problem_id")
     if type(dataset) is not str:
         raise _LineError(f"field 'dataset' must be a string, got {_show(dataset)}")
@@ -325,15 +336,28 @@ def _parse_vllm(obj: dict[str, Any]) -> TraceRecord:
     )
 
 
-MIN_RECORD_BYTES = 50  # the shortest record line: {"seq":0,"token":0,"layer":0,"experts":[0],"probs":[1]}
 MAX_EXPERTS = 4096  # experts per layer fmoe replays (each policy keeps per-expert counters per layer)
 Progress = Callable[[int], object]  # advance(characters read)
+
+
+MAX_LINE = 1 << 20  # characters: a record with a ranking of MAX_EXPERTS experts is far shorter
+
+
+def _bounded_lines(f: IO, path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, line) of `f`, every line read at most MAX_LINE long: a longer one (an endless
+    `/dev/zero`, a binary file) is not a record, and stops the reading there with one line."""
+    end = f.read(0)  # "" or b"": what readline returns at the end of the file
+    for lineno, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), end), 1):
+        if len(line) > MAX_LINE:
+            raise FmoeError(f"{path}:{lineno}: not a trace record: a line longer than {MAX_LINE} "
+                            f"{'characters' if isinstance(end, str) else 'bytes'} (is {path} a trace?)")
+        yield lineno, line
 
 
 def _lines(path: Path, advance: Progress | None = None) -> Iterator[tuple[int, str]]:
     with reading(path, "trace"), open(path, encoding="utf-8") as f:
         done = 0
-        for lineno, line in enumerate(f, 1):
+        for lineno, line in _bounded_lines(f, path):
             if advance is not None:
                 done += len(line)
                 if done >= 1 << 20:  # report in steps of a MiB: cheap on traces of millions of lines
@@ -354,7 +378,6 @@ class _Parser:
         self.header: dict[str, Any] = {}
         self.num_experts: int | None = None
         self.records = 0
-        self.max_records = max(1, path.stat().st_size // MIN_RECORD_BYTES) if path.is_file() else 1
 
     def line(self, lineno: int, line: str) -> TraceRecord | None:
         """The record of one line, None for a blank line or the header; FmoeError naming the line."""
@@ -364,7 +387,8 @@ class _Parser:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise _LineError(f"not valid JSON ({exc.msg})") from None
+                cut = "" if line.endswith("\n") else "; the file ends inside this record (cut short?)"
+                raise _LineError(f"not valid JSON ({exc.msg}){cut}") from None
             if not isinstance(obj, dict):
                 raise _LineError("expected a JSON object")
             if "fmoe_trace" in obj:
@@ -394,18 +418,24 @@ class _Parser:
                 raise _LineError(f"the header says {n} experts; fmoe replays at most {MAX_EXPERTS} per layer")
             self.num_experts = n
         if "num_layers" in obj:
-            n = _int(obj, "num_layers", minimum=1)
-            if n > self.max_records:
-                raise _LineError(f"the header says {n} layers, more than the file can hold (a file of "
-                                 f"{self.path.stat().st_size} bytes holds at most {self.max_records} records)")
+            _int(obj, "num_layers", minimum=1)  # (what the file can hold: `finish`, once the records are read)
         self.header = obj
         self.fmt = "fmoe"
+
+    def finish(self) -> None:
+        """After the last line: the header's layer count must fit the records read (it is allocated
+        for); checked last so that a bad record is named for what it is, not blamed on the header."""
+        n = self.header.get("num_layers")
+        if n is not None and n > max(1, self.records):
+            raise FmoeError(f"trace {self.path} has no complete token: the header says {n} layers, and the "
+                            f"trace holds only {self.records} record{'s' * (self.records != 1)}")
 
 
 def read_records(path: str | os.PathLike[str]) -> tuple[Literal["fmoe", "vllm"], dict[str, Any], list[tuple[int, TraceRecord]]]:
     """Parse every line: (format, header, [(line number, record)]). Raises FmoeError naming the bad line."""
     parser = _Parser(Path(path))
     records = [(n, rec) for n, line in _lines(Path(path)) if (rec := parser.line(n, line)) is not None]
+    parser.finish()
     return parser.fmt or "fmoe", parser.header, records
 
 
@@ -436,7 +466,8 @@ def seekable(path: str | os.PathLike[str]) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="fmoe-trace-") as tmp, reading(p, "trace"):
         copy = Path(tmp) / p.name
         with open(p, "rb") as src, open(copy, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+            for _, line in _bounded_lines(src, p):
+                dst.write(line)
         yield copy
 
 
@@ -459,6 +490,7 @@ def scan_trace(path: str | os.PathLike[str], advance: Progress | None = None) ->
         max_expert = max(max_expert, max(rec.experts), *(rec.predicted or ()))
     if not parser.records:
         raise FmoeError(f"trace {p} holds no routing records")
+    parser.finish()
     header = parser.header
     if "num_layers" in header:
         layers.update(range(header["num_layers"]))

@@ -214,7 +214,7 @@ def check_plan_options(model: str, *, vram: str | None, profile_path: str | None
     parse_budget(workspace, 0)
     check_dtype(dtype)
     check_expert_format(experts)
-    if trace is not None and not Path(trace).is_file():
+    if trace is not None and not Path(trace).exists():  # (a pipe is read: fmoe_cli/trace.py `seekable`)
         raise FmoeError(f"--trace: no such file: {trace}")
     if model != "demo":
         local_config_path(model)
