@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import local_model_dir
 from fmoe_cli.offload import check_bandwidth
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
@@ -35,9 +36,10 @@ def check_device_text(device: str) -> None:
 
 
 def check_model_text(model: str) -> None:
-    """`demo`, a hub id, or a local model directory that exists and holds a config.json."""
-    if model != "demo":
-        local_model_dir(model)
+    """`demo`, a hub id, or a local model directory that exists and holds a good config.json."""
+    local = None if model == "demo" else local_model_dir(model)
+    if local is not None:
+        check_config_file(local / "config.json")
 
 
 @dataclass(frozen=True)

@@ -67,3 +67,77 @@ def test_a_record_cut_short_at_the_end_of_the_file_says_so(tmp_path):
 def test_profile_dev_zero_is_not_read_whole(args):
     line = one_error(fmoe(*args, timeout=60))
     assert "profile /dev/zero is larger than 16 MiB: not a profile" in line, line
+
+
+# --- malformed checkpoints: checked against config.json before anything is loaded ---------------
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite_header(file: Path, edit) -> None:
+    """A safetensors file with its header edited (the data left as it is)."""
+    import struct
+
+    data = file.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    file.write_bytes(struct.pack("<Q", len(new)) + new + data[8 + n:])
+
+
+def halve_first_dim(header: dict, suffix: str) -> str:
+    key = next(k for k in header if k.endswith(suffix))
+    rows, cols = header[key]["shape"]
+    header[key]["shape"] = [rows // 2, cols * 2]  # the same bytes: only the config can tell
+    return key
+
+
+@pytest.mark.parametrize("suffix", ["layers.0.block_sparse_moe.experts.0.w1.weight", "layers.0.self_attn.o_proj.weight"])
+def test_a_tensor_shape_that_disagrees_with_the_config(checkpoints, tmp_path, suffix):
+    path = copy_checkpoint(checkpoints["mixtral"], tmp_path / "model")
+    rewrite_header(path / "model.safetensors", lambda h: halve_first_dim(h, suffix))
+    line = one_error(fmoe("bench", str(path), "--policy", "lru", "--tokens", "1", "--warmup", "0", "--device", "cpu"))
+    assert "model.safetensors" in line and suffix in line and "has shape [32, 128]" in line, line
+    assert "config.json makes it [64, 64]" in line, line
+
+
+def test_a_float8_checkpoint_is_refused(checkpoints, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = copy_checkpoint(checkpoints["mixtral"], tmp_path / "model")
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({k: v.to(torch.float8_e4m3fn) for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    line = one_error(fmoe("bench", str(path), "--policy", "lru", "--tokens", "1", "--warmup", "0", "--device", "cpu"))
+    assert "is stored as F8_E4M3" in line and "loads F32, F16, BF16, F64 weights only" in line, line
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("hidden_size", "4096", "hidden_size must be an integer, got '4096'"),
+    ("hidden_size", 1e12, "hidden_size must be an integer, got 1000000000000.0"),
+    ("hidden_size", 10**12, "hidden_size = 1000000000000 is not a size any model has"),
+    ("hidden_size", None, "has no hidden_size (a plan needs it; fmoe never assumes a default)"),
+    ("num_hidden_layers", 0, "num_hidden_layers = 0 is not a size any model has"),
+    ("num_experts_per_tok", 16, "num_experts_per_tok = 16 routes to more experts than the 8 of each layer"),
+    ("intermediate_size", -1, "intermediate_size = -1 is not a size"),
+])
+@pytest.mark.parametrize("command", ["bench", "plan"])
+def test_config_fields_are_checked_as_written(checkpoints, tmp_path, command, field, value, fragment):
+    path = copy_checkpoint(checkpoints["mixtral"], tmp_path / "model")
+    config = json.loads((path / "config.json").read_text())
+    if value is None:
+        del config[field]
+    else:
+        config[field] = value
+    (path / "config.json").write_text(json.dumps(config))
+    extra = ("--vram", "1GiB") if command == "plan" else ("--device", "cpu")
+    line = one_error(fmoe(command, str(path), *extra))
+    assert f"{path}/config.json" in line and fragment in line, line

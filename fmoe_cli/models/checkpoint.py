@@ -181,6 +181,47 @@ def classify_keys(model, layers: list[MoeLayer], keys: list[str]) -> tuple[dict[
     return plain, experts
 
 
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # what a floating-point weight may be stored as (float8: refused)
+
+
+def _expected_shape(layers: list[MoeLayer], piece: ExpertPiece) -> tuple[int, ...]:
+    """The shape of a checkpoint tensor that fills `piece`: the fused parameter's own (N, 2I, H / N, H, I,
+    or transposed), else one expert's nn.Linear weight ([I, H] for gate or up, [H, I] for down)."""
+    experts = layers[piece.layer].experts
+    fused = experts.down_proj if piece.rows == (DOWN,) else experts.gate_up_proj
+    if piece.expert is None:
+        return tuple(fused.shape)
+    n, two_i, h = experts.gate_up_proj.shape
+    if getattr(experts, "is_transposed", False):
+        n, h, two_i = experts.gate_up_proj.shape
+    return (h, two_i // 2) if piece.rows == (DOWN,) else (two_i // 2, h)
+
+
+def check_checkpoint(path: Path, model, layers: list[MoeLayer]) -> None:
+    """Every tensor's header against the model's own parameters (the skeleton built from config.json),
+    before a byte of weights is read: a shape that disagrees with the config, or a dtype fmoe cannot
+    load exactly (float8 without its scales), is one line naming the file and the tensor."""
+    meta_state = model.state_dict()
+    for file in weight_files(path):
+        weights = WeightFile(file)
+        try:
+            plain, experts = classify_keys(model, layers, weights.keys())
+            for key, target in {**plain, **experts}.items():
+                if isinstance(target, ExpertPiece):
+                    expected, floating = _expected_shape(layers, target), True
+                else:
+                    expected, floating = tuple(meta_state[target].shape), meta_state[target].is_floating_point()
+                dtype, shape = weights.entries[key]["dtype"], tuple(weights.shape(key))
+                if floating and dtype not in FLOAT_DTYPES:
+                    raise FmoeError(f"{file}: {key} is stored as {dtype}; fmoe loads {', '.join(FLOAT_DTYPES)} "
+                                    f"weights only (a float8 checkpoint needs its scales applied, which fmoe does not do)")
+                if shape != expected:
+                    raise FmoeError(f"{file}: {key} has shape {list(shape)} but the model's config.json makes it "
+                                    f"{list(expected)} (a checkpoint of another model, or a damaged file)")
+        finally:
+            weights.close()
+
+
 def _loaded_dtype(model, name: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype transformers' from_pretrained gives this parameter (some stay float32)."""
     strict = getattr(model, "_keep_in_fp32_modules_strict", None) or []

@@ -15,10 +15,8 @@ from torch import nn
 from transformers.integrations.moe import _default_apply_gate
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.config import EXPERT_COUNT_KEYS
 from fmoe_cli.types import MoeLayer
-
-# Config keys that name the number of routed experts, by family.
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def routed_expert_count(config) -> int:

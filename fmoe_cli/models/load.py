@@ -17,9 +17,10 @@ from rich.console import Console
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models import demo
+from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import download, local_model_dir
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
-from fmoe_cli.models.checkpoint import check_weight_files, read_checkpoint
+from fmoe_cli.models.checkpoint import check_checkpoint, check_weight_files, read_checkpoint
 from fmoe_cli.models.identity import checkpoint_fingerprint
 from fmoe_cli.offload.converted import converted_path, open_converted, save_converted
 from fmoe_cli.offload.quant import make_store
@@ -114,6 +115,7 @@ def load_model(
     path, label = resolve_model(model_id, trust_remote_code)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
+    check_config_file(path / "config.json")  # every field a plan needs, as written, before transformers reads it
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ValueError as exc:
@@ -122,6 +124,7 @@ def load_model(
     model, layers = build_skeleton(config, torch_dtype, model_id, trust_remote_code)
     shape = expert_shape(layers, torch_dtype, experts)
     non_expert_bytes = skeleton_non_expert_bytes(model, layers)
+    check_checkpoint(path, model, layers)  # every tensor's shape and dtype against the config, from the headers
     check_host_ram(label, shape, non_expert_bytes)  # before a byte is read
     if before_read is not None:
         before_read(shape, non_expert_bytes, config, dev)

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import local_config_path
 from fmoe_cli.profiling.files import Profile
 from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan, check_dtype, check_expert_format
@@ -216,6 +217,7 @@ def check_plan_options(model: str, *, vram: str | None, profile_path: str | None
     check_expert_format(experts)
     if trace is not None and not Path(trace).exists():  # (a pipe is read: fmoe_cli/trace.py `seekable`)
         raise FmoeError(f"--trace: no such file: {trace}")
-    if model != "demo":
-        local_config_path(model)
+    config = None if model == "demo" else local_config_path(model)
+    if config is not None:
+        check_config_file(config)
     return Profile.load(Path(profile_path)) if profile_path is not None else None

@@ -26,6 +26,7 @@ from rich.table import Table
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.demo import demo_path
 from fmoe_cli.models.families import check_is_moe, find_moe_layers
 from fmoe_cli.models.hub import download, local_config_path
@@ -85,6 +86,7 @@ def _nbytes(module) -> int:
 
 def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXPERTS) -> ModelFacts:
     path = config_path_of(model)
+    check_config_file(path)  # every field the plan needs, as written, before transformers reads it
     try:
         config = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as exc:
