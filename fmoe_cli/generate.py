@@ -6,6 +6,8 @@ first: prefill + first token) and the engine's counters for that token.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +17,24 @@ from transformers import DynamicCache
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.engine import Counters, Engine
+
+def next_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """One forward of `ids` [1, T] on the KV cache → the last position's logits [V].
+
+    `logits_to_keep=1`: a prefill computes the LM head for its last token only, never the
+    [1, T, V] logits (Qwen3's V = 151,936 at 1.8k tokens would fill the workspace)."""
+    return model(input_ids=ids, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1).logits[0, -1]
+
+
+def cache_kwarg(model) -> str:
+    """transformers ≥ 5.24 names the KV cache argument `cache` (`past_key_values` is deprecated)."""
+    return _cache_kwarg(type(model))
+
+
+@functools.cache
+def _cache_kwarg(model_class) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
 
 # What `fmoe bench` and `fmoe profile` generate from when no prompt is given.
 DEFAULT_PROMPT = "Explain in a few sentences how a mixture-of-experts model decides which experts to use."
@@ -142,7 +162,7 @@ def stream_generate(
     for index in range(max_new_tokens):
         before = engine.counters() if engine is not None else None
         start = time.perf_counter()
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = next_logits(model, ids, cache)
         token = sample_next(logits.cpu() if generator is not None else logits, sampling, generator)
         latency = time.perf_counter() - start
         counters = engine.counters() - before if engine is not None else None

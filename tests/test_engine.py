@@ -325,3 +325,25 @@ def test_out_of_memory_falls_back_to_smaller_plans_and_never_leaves_the_engine_h
     with pytest.raises(FmoeError, match="no expert plan fits"):
         lm.model(PROMPT)
     engine.close()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_prefill_computes_the_lm_head_for_the_last_token_only(checkpoints, family):
+    """Issue 20 §3: a prefill of T tokens never makes [1, T, V] logits (Qwen3's V = 151,936 would fill the
+    workspace at about 1.8k tokens): the LM head sees one position per forward, and the tokens are
+    unchanged."""
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = load_model(str(checkpoints[family]), device="cpu", dtype="float32")
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("resident", lm.shape, 0))
+    rows = []
+    hook = lm.model.get_output_embeddings().register_forward_hook(lambda m, a, out: rows.append(out.shape[-2]))
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=3, stop_on_eos=False)]
+    hook.remove()
+    assert rows == [1, 1, 1]
+    with torch.no_grad():  # the same tokens as the full logits' argmax
+        full = lm.model(torch.cat([PROMPT, torch.tensor([got[:2]])], dim=1)).logits[0, PROMPT.shape[1] - 1:]
+    engine.close()
+    assert full.argmax(-1).tolist() == got

@@ -525,3 +525,60 @@ def test_bench_runs_with_a_predictor_and_names_it(checkpoints):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["predictor"] == "expert-map" and report["runs"][0]["prefetch_precision"] >= 0
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_predictor_sees_this_iterations_router_input(checkpoints, family):
+    """Issue 20 §8: tokens cannot show a stale prediction input (only the prefetch gets worse). A spy on
+    the speculative predictor checks every `device_part` call against the router input this very
+    forward gave the same layer, for the prefill and every decode step."""
+    lm = load_model(str(checkpoints[family]), device="cpu", dtype="float32")
+    routers = [layer.router for layer in lm.layers]
+    router_input = {}
+    hooks = [r.register_forward_pre_hook(lambda m, args, i=i: router_input.__setitem__(i, args[0].detach().clone()))
+             for i, r in enumerate(routers)]
+    seen = []
+
+    class Spy(SpeculativePredictor):
+        def device_part(self, it, layer, hidden):
+            want = router_input[layer].reshape(-1, hidden.shape[-1])
+            seen.append((layer, hidden.shape[0], torch.equal(hidden, want)))
+            return super().device_part(it, layer, hidden)
+
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(20, clock=VirtualClock(), copy=True), lm.device,
+                    lm.dtype, predictor=Spy(routers))
+    engine.install(lm.model)
+    engine.configure(make_settings("prefetch-only", lm.shape, 2 * lm.shape.top_k * lm.shape.expert_bytes))
+    list(stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=4, stop_on_eos=False))
+    engine.close()
+    for h in hooks:
+        h.remove()
+    layers = lm.shape.num_layers
+    assert [layer for layer, *_ in seen] == list(range(layers)) * 4
+    assert [tokens for _, tokens, _ in seen] == [PROMPT.shape[1]] * layers + [1] * 3 * layers
+    assert all(same for *_, same in seen)
+
+
+def test_a_slow_expert_map_worker_keeps_a_bounded_backlog():
+    """Issue 20 §7: with the worker far slower than the tokens (here: stuck until released), 200 passes
+    leave a bounded queue: stale matches are cancelled, store updates beyond the newest few dropped.
+    Then the predictor still predicts from what it stored."""
+    import threading
+
+    from fmoe_cli.prediction.expert_map import STORE_BACKLOG
+
+    patterns = pattern_routing(2)
+    predictor = ExpertMapPredictor(L, N, K, distance=2)
+    gate = threading.Event()
+    match = predictor.store.match_trajectory
+    predictor.store.match_trajectory = lambda rows: gate.wait(120) and match(rows)
+    driver = Driver(predictor)
+    backlog = []
+    for p in pattern_passes(patterns, [0, 1] * 100):
+        driver.run([p])
+        backlog.append(len(predictor._pending))
+    assert max(backlog) <= 2 + 2 + STORE_BACKLOG, max(backlog)  # d matches, the semantic one, one running
+    gate.set()
+    predictor.drain()
+    assert 1 <= predictor.store.count <= 4 * STORE_BACKLOG  # of 200 updates: the older ones were dropped
+    predictor.close()

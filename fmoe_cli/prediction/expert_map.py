@@ -27,7 +27,11 @@ most redundant.
 Off the critical path: matching and store updates run on one worker thread, in
 submission order; a layer never waits. `after_layer` returns the predictions of
 every match that has finished by then (matches of earlier passes are dropped;
-a match whose target has already routed is dropped).
+a match whose target has already routed is dropped). The worker's queue is bounded:
+a match not started yet is cancelled as soon as it is stale (an earlier pass's, or
+its target has routed), and at most `STORE_BACKLOG` map-store updates wait (the
+oldest go first), so a worker slower than the tokens falls behind by a bounded amount
+instead of for good (with 1000 maps a match reads 1000·L·N floats).
 
 Choices the paper leaves open (decided here):
 - Semantic vector: mean of the embedding output over the pass's tokens (a prefill:
@@ -47,7 +51,9 @@ Choices the paper leaves open (decided here):
 from __future__ import annotations
 
 import collections
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
@@ -116,6 +122,68 @@ def prefetch_count(row: torch.Tensor, score: float, top_k: int) -> int:
     return max(top_k, min(n, row.numel()))
 
 
+STORE_BACKLOG = 4  # map-store updates that may wait for the worker; older ones are dropped
+
+
+@dataclass(eq=False, slots=True)
+class Pending:
+    """A job for the worker: the pass it belongs to, the layer a match predicts (-1: targets from the
+    first on; None: a store update), and its result."""
+
+    key: tuple[int, int] | None
+    target: int | None
+    run: object  # () -> list of matches
+    future: Future = field(default_factory=Future)
+
+
+class Worker:
+    """One thread that runs jobs in submission order. Unlike a ThreadPoolExecutor, a job dropped before it
+    starts leaves the queue at once (its arguments with it), so a bounded backlog is bounded in memory."""
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[Pending] = collections.deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="fmoe-expert-map", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Pending) -> None:
+        with self._cv:
+            self._queue.append(job)
+            self._cv.notify()
+
+    def drop(self, job: Pending) -> bool:
+        """Cancel a job that has not started; returns whether it was."""
+        with self._cv:
+            if not job.future.cancel():
+                return False
+            self._queue.remove(job)
+            return True
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+            try:
+                job.future.set_result(job.run())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the result
+                job.future.set_exception(exc)
+
+    def close(self) -> None:
+        with self._cv:
+            for job in self._queue:
+                job.future.cancel()
+            self._queue.clear()
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+
 class ExpertMapPredictor(BasePredictor):
     name = "expert-map"
 
@@ -127,8 +195,8 @@ class ExpertMapPredictor(BasePredictor):
         self.top_k = top_k
         self.distance = distance
         self.store = MapStore(capacity, num_layers, num_experts, distance)
-        self._worker = None if synchronous else ThreadPoolExecutor(1, thread_name_prefix="fmoe-expert-map")
-        self._pending: collections.deque[Future] = collections.deque()
+        self._worker = None if synchronous else Worker()
+        self._pending: collections.deque[Pending] = collections.deque()  # submitted, result not collected
         self._rows = torch.zeros(num_layers, num_experts)  # this pass's map so far
         self._semantic: torch.Tensor | None = None
         self._pass: tuple[int, int] | None = None
@@ -156,19 +224,41 @@ class ExpertMapPredictor(BasePredictor):
         self.store.add(expert_map, semantic)
         return []
 
-    def _submit(self, job, *args) -> None:
+    def _submit(self, job, *args, target: int | None = None) -> None:
+        """Queue a job; `target`: the layer a match predicts (-1: targets from the first on; None: a
+        store update)."""
+        pending = Pending(self._pass, target, lambda: job(*args))
+        self._pending.append(pending)
         if self._worker is None:
-            done: Future = Future()
-            done.set_result(job(*args))
-            self._pending.append(done)
+            pending.future.set_result(pending.run())
         else:
-            self._pending.append(self._worker.submit(job, *args))
+            self._worker.submit(pending)
+
+    def _drop_stale(self, now: int) -> None:
+        """Cancel the queued jobs whose result would be dropped: matches of an earlier pass, or for a layer
+        that has routed (≤ now); and store updates beyond the newest STORE_BACKLOG."""
+        if self._worker is None:
+            return
+        stores = sum(1 for p in self._pending if p.target is None and not p.future.done())
+        kept = collections.deque()
+        for p in self._pending:
+            if p.target is None:
+                stale = stores > STORE_BACKLOG
+            else:
+                stale = p.key != self._pass or 0 <= p.target <= now
+            if stale and self._worker.drop(p):  # not started: gone; running: it finishes, its result is dropped
+                stores -= p.target is None
+            else:
+                kept.append(p)
+        self._pending = kept
 
     def _ready(self, now: int) -> list[Prediction]:
         """Predictions of every finished job, in order; never waits."""
+        self._drop_stale(now)
         out = []
-        while self._pending and self._pending[0].done():
-            for key, target, row, score, _issued in self._pending.popleft().result():
+        while self._pending and self._pending[0].future.done():
+            future = self._pending.popleft().future
+            for key, target, row, score, _issued in future.result():
                 if key != self._pass or target <= now:
                     continue  # an earlier pass's match, or its target has already routed
                 out.append(Prediction(target, row, distance=target - now,
@@ -186,14 +276,15 @@ class ExpertMapPredictor(BasePredictor):
         self._rows.zero_()
         self._semantic = it.semantic()  # on the host, as the map store
         if self._semantic is not None:
-            self._submit(self._semantic_job, self._pass, self._semantic.clone())
+            self._submit(self._semantic_job, self._pass, self._semantic.clone(), target=-1)
         return self._ready(-1)
 
     def after_layer(self, it: Iteration, layer: int) -> list[Prediction]:
         if self._pass != (it.request, it.index):  # no `begin` seen for this pass
             self.begin(it)
         self._rows[layer] = it.distribution(layer)
-        self._submit(self._trajectory_job, self._pass, self._rows[: layer + 1].clone(), layer)
+        self._submit(self._trajectory_job, self._pass, self._rows[: layer + 1].clone(), layer,
+                     target=layer + self.distance)
         if layer == self.num_layers - 1 and self._semantic is not None:
             self._submit(self._store_job, self._rows.clone(), self._semantic.clone())
         return self._ready(layer)
@@ -201,10 +292,12 @@ class ExpertMapPredictor(BasePredictor):
     def close(self) -> None:
         """Stop the worker (after this, matching runs inline: a closed engine no longer calls it)."""
         if self._worker is not None:
-            self._worker.shutdown(wait=True, cancel_futures=True)
+            self._worker.close()
             self._worker = None
+            self._pending = collections.deque(p for p in self._pending if not p.future.cancelled())
 
     def drain(self) -> None:
         """Wait for the worker (tests, and before inspecting the store)."""
-        for future in list(self._pending):
-            future.result()
+        for p in list(self._pending):
+            if not p.future.cancelled():
+                p.future.result()

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.generate import cache_kwarg
 from fmoe_cli.profiling.files import LayerTiming, ModelIdentity, ModelTimings, PhaseTimings
 
 
@@ -154,7 +155,8 @@ def time_layers(
             timer.reset()
             for _ in range(max(1, decode_steps)):
                 next_token = out.logits[:, -1:].argmax(-1)
-                out = model(input_ids=next_token, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+                out = model(input_ids=next_token, **{cache_kwarg(model): out.past_key_values}, use_cache=True,
+                            logits_to_keep=1)
             passes["decode"] = _collect(timer)
             kept["decode"] = dict(timer.moe_inputs)
     finally:
