@@ -178,6 +178,8 @@ def bench(
         render(report, Console())
     if report.get("interrupted"):  # the finished policies were printed, marked partial
         raise typer.Exit(130)
+    if report.get("trace_error"):  # a full disk: the results are printed first
+        raise FmoeError(f"{report['trace_error']} (the results above are complete)")
 
 
 @app.command()

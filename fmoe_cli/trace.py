@@ -109,7 +109,9 @@ class TraceWriter:
         with TraceWriter(path, num_layers=32, num_experts=8, top_k=2, model=name) as w:
             w.record(seq, token, layer, experts, probs, predicted=None)
 
-    `close` flushes and is idempotent; `record` after `close` raises.
+    `close` flushes and is idempotent; `record` after `close` raises. A write that fails (a full
+    disk) never stops the run it records: the writer stops writing, keeps the reason in `error`,
+    and the command reports it after its results (nothing the user has is lost to it).
     """
 
     @classmethod
@@ -134,6 +136,7 @@ class TraceWriter:
         self._buffer: list[str] = []
         self._buffer_lines = max(1, buffer_lines)
         self.num_experts = num_experts
+        self.error: str | None = None  # the first write failure, for the command to report after its results
         check_trace_out(self.path, overwrite)
         try:  # "x": a file that appeared since the check is not overwritten either
             self._file: IO[str] | None = open(self.path, "w" if overwrite else "x", encoding="utf-8")
@@ -162,6 +165,8 @@ class TraceWriter:
         predicted: Sequence[int] | None = None,
     ) -> None:
         if self._file is None:
+            if self.error is not None:
+                return  # writing failed: the run goes on without its trace
             raise RuntimeError("trace writer is closed")
         ids = tuple(int(e) for e in experts)
         weights = tuple(float(p) for p in probs)
@@ -185,18 +190,29 @@ class TraceWriter:
     def flush(self) -> None:
         if self._file is None or not self._buffer:
             return
-        self._file.write("\n".join(self._buffer) + "\n")
+        try:
+            self._file.write("\n".join(self._buffer) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            self._failed(exc)
         self._buffer.clear()
-        self._file.flush()
 
     def close(self) -> None:
         if self._file is None:
             return
-        try:
-            self.flush()
-        finally:
-            self._file.close()
+        self.flush()
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError as exc:
+                self._failed(exc)
             self._file = None
+
+    def _failed(self, exc: OSError) -> None:
+        self.error = f"cannot write trace {self.path}: {exc.strerror or exc}"
+        with contextlib.suppress(OSError):
+            self._file.close()  # (what it still buffers is lost with the rest)
+        self._file = None
 
     def __enter__(self) -> TraceWriter:
         return self

@@ -141,3 +141,31 @@ def test_config_fields_are_checked_as_written(checkpoints, tmp_path, command, fi
     extra = ("--vram", "1GiB") if command == "plan" else ("--device", "cpu")
     line = one_error(fmoe(command, str(path), *extra))
     assert f"{path}/config.json" in line and fragment in line, line
+
+
+# --- a save that fails: the results come first ----------------------------------------------
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a disk that is always full)")
+@pytest.mark.parametrize("as_json", [False, True])
+def test_bench_trace_out_on_a_full_disk_prints_the_results_first(checkpoints, as_json):
+    result = fmoe("bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "2", "--warmup", "0",
+                  "--device", "cpu", "--trace-out", "/dev/full", "--force", *(("--json",) if as_json else ()))
+    line = one_error(result)
+    assert "cannot write trace /dev/full: No space left on device (the results above are complete)" in line, line
+    if as_json:
+        report = json.loads(result.stdout)
+        assert [r["policy"] for r in report["runs"]] == ["lru"] and "No space left" in report["trace_error"]
+    else:
+        assert any(row.split()[:1] == ["lru"] for row in result.stdout.splitlines()), result.stdout
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_trace_writer_on_a_full_disk_keeps_the_reason_and_never_raises():
+    from fmoe_cli.trace import TraceWriter
+
+    writer = TraceWriter("/dev/full", num_layers=1, overwrite=True, buffer_lines=2)
+    for token in range(5):  # the first flush fails; the records after it are dropped, not raised
+        writer.record(0, token, 0, [1], [1.0])
+    writer.close()
+    assert writer.closed and writer.error == "cannot write trace /dev/full: No space left on device"

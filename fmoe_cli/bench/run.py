@@ -248,4 +248,6 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
     if interrupted:
         report["interrupted"] = {"finished": [r.policy for r in runs], "requested": list(opts.policies)}
     report["predictor"] = opts.predictor
+    if run.writer is not None and run.writer.error is not None:  # reported after the results (fmoe_cli/cli.py)
+        report["trace_error"] = run.writer.error
     return report

@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from fmoe_cli.trace import RouteRecorder
+from fmoe_cli.trace import RouteRecorder, TraceWriter
 from fmoe_cli.chat import ChatOptions
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
 from fmoe_cli.errors import FmoeError, warn
@@ -373,6 +373,7 @@ class Chat:
     profile: str | None = None
     idle: IdleHook | None = None
     resources: ExitStack = field(default_factory=ExitStack)  # the run: statistics, engine, trace writer
+    trace: TraceWriter | None = None  # --trace-out: a failure to write it is said when the chat ends
 
     def header(self, console: Console) -> None:
         for line in header_lines(self.session, self.link_label, self.budget_bytes, self.profile):
@@ -383,6 +384,8 @@ class Chat:
 
     def close(self) -> None:
         self.resources.close()
+        if self.trace is not None and self.trace.error is not None:
+            warn(f"{self.trace.error}; the chat itself was not affected")
 
 
 def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: IdleFactory | None = None) -> Chat:
@@ -397,7 +400,7 @@ def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: 
         session = ChatSession(run.lm, run.engine, system=opts.system,
                               sampling=SamplingParams(opts.temperature, opts.top_p, opts.seed),
                               max_new_tokens=opts.max_new_tokens, recorder=recorder)
-        return Chat(session, run.budget_bytes, run.engine.link.label(), run.profile, idle, stack.pop_all())
+        return Chat(session, run.budget_bytes, run.engine.link.label(), run.profile, idle, stack.pop_all(), run.writer)
 
 
 def run_chat(opts: ChatOptions, console: Console | None = None, err_console: Console | None = None,
