@@ -169,3 +169,31 @@ def test_trace_writer_on_a_full_disk_keeps_the_reason_and_never_raises():
         writer.record(0, token, 0, [1], [1.0])
     writer.close()
     assert writer.closed and writer.error == "cannot write trace /dev/full: No space left on device"
+
+
+# --- what a prompt, a system prompt and a tokenizer need --------------------------------------
+
+
+def test_a_deleted_tokenizer_is_named(checkpoints, tmp_path):
+    path = copy_checkpoint(checkpoints["mixtral"], tmp_path / "model")
+    (path / "tokenizer.json").unlink()
+    line = one_error(fmoe("bench", str(path), "--policy", "lru", "--tokens", "1", "--warmup", "0", "--device", "cpu"))
+    assert "has no tokenizer: none of tokenizer.json" in line and str(path) in line, line
+
+
+def test_a_prompt_file_longer_than_the_context_says_so(checkpoints, tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("word " * 5000)  # ~1 token a word: 10 × the tiny model's 512
+    line = one_error(fmoe("bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "1", "--warmup", "0",
+                          "--device", "cpu", "--prompt-file", str(prompt)))
+    assert "the prompt is longer than the model's context (" in line and " tokens > 512)" in line, line
+
+
+def test_a_huge_system_prompt_is_refused_once_at_the_start(checkpoints):
+    code = "import sys; from fmoe_cli.cli import main; sys.argv = ['fmoe', *sys.argv[1:]]; main()"
+    result = subprocess.run([sys.executable, "-c", code, "chat", str(checkpoints["mixtral"]), "--device", "cpu",
+                             "--system", "word " * 1000], input="hello\nhello again\n/exit\n", capture_output=True,
+                            text=True, timeout=120)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stdout + result.stderr  # once, not per message
+    assert "the system prompt alone is" in errors[0] and "context of 512 tokens" in errors[0], errors

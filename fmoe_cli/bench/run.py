@@ -203,6 +203,9 @@ def render(report: dict, console: Console) -> None:
 def check_context(lm: LoadedModel, prompt_tokens: int, new_tokens: int, option: str) -> None:
     """Refuse a run longer than the model's context (max_position_embeddings): prompt plus new tokens."""
     limit = context_length(lm)
+    if limit is not None and prompt_tokens >= limit:
+        raise FmoeError(f"the prompt is longer than the model's context ({prompt_tokens} tokens > {limit}): "
+                        f"give a shorter prompt (fewer than {limit} tokens, and room for --tokens)")
     if limit is not None and prompt_tokens + new_tokens > limit:
         raise FmoeError(f"{option} {new_tokens}: the prompt ({prompt_tokens} tokens) plus {new_tokens} new tokens exceed "
                         f"the model's context of {limit} tokens; use {option} {max(limit - prompt_tokens, 0)} or less")

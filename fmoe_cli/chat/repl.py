@@ -278,6 +278,7 @@ def handle_command(line: str, session: ChatSession, console: Console, budget_byt
             say(console, f"system prompt: {session.system!r}" if session.system else
                 "no system prompt; set one with /system TEXT")
         else:
+            session.check_system(None if arg == "-" else arg)
             session.system = None if arg == "-" else arg
             say(console, "system prompt cleared" if session.system is None else "system prompt set", "dim")
     elif name == "/reset":
@@ -400,6 +401,7 @@ def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: 
         session = ChatSession(run.lm, run.engine, system=opts.system,
                               sampling=SamplingParams(opts.temperature, opts.top_p, opts.seed),
                               max_new_tokens=opts.max_new_tokens, recorder=recorder)
+        session.check_system(opts.system)
         return Chat(session, run.budget_bytes, run.engine.link.label(), run.profile, idle, stack.pop_all(), run.writer)
 
 

@@ -106,6 +106,17 @@ class ChatSession:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + (self.messages if messages is None else messages)
 
+    def check_system(self, text: str | None) -> None:
+        """Refuse, once, a system prompt that alone leaves no room for an answer in the model's context
+        (else every message would be blamed in turn)."""
+        limit = context_length(self.lm)
+        if limit is None or not text:
+            return
+        n = len(encode_messages(self.lm.tokenizer, [{"role": "system", "content": text}], self.lm.model_id))
+        if n + min(self.max_new_tokens, limit // 2) > limit:
+            raise FmoeError(f"the system prompt alone is {n} tokens: it leaves too little of the model's context "
+                            f"of {limit} tokens for a message and an answer; give a shorter one")
+
     def encode(self, messages: list[dict]) -> list[int]:
         return encode_messages(self.lm.tokenizer, self.conversation(messages), self.lm.model_id)
 

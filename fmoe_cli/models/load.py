@@ -108,7 +108,7 @@ def load_model(
     """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`.
     `before_read(shape, non_expert_bytes, config, device)`: the caller's checks once the sizes are
     known and before a weight is read (run.py: the expert budget against the device)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     console = console or Console(stderr=True)
     check_expert_format(experts)
@@ -125,6 +125,7 @@ def load_model(
     shape = expert_shape(layers, torch_dtype, experts)
     non_expert_bytes = skeleton_non_expert_bytes(model, layers)
     check_checkpoint(path, model, layers)  # every tensor's shape and dtype against the config, from the headers
+    tokenizer = load_tokenizer(path, model_id, trust_remote_code)  # (a missing file named before the weights load)
     check_host_ram(label, shape, non_expert_bytes)  # before a byte is read
     if before_read is not None:
         before_read(shape, non_expert_bytes, config, dev)
@@ -151,11 +152,25 @@ def load_model(
     model.eval().requires_grad_(False)
     model.to(dev)
     non_expert = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
     return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def load_tokenizer(path: Path, model_id: str, trust_remote_code: bool = False):
+    """The model's tokenizer, or one line naming what is missing (every command encodes a prompt)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        present = [name for name in TOKENIZER_FILES if (path / name).exists()]
+        if not present:
+            raise FmoeError(f"{model_id} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in {path} "
+                            f"(an incomplete download? fmoe needs it to encode the prompt)") from None
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FmoeError(f"{model_id}: its tokenizer ({', '.join(present)}) does not load: {reason}") from None
 
 
 def _save_converted(path: Path, store, fingerprint: str, shape: ExpertShape, console: Console) -> None:
