@@ -369,7 +369,7 @@ class _Server(uvicorn.Server):
 def serve_in(service: Service, sock, *, log_level: str = "info") -> _Server:
     """The uvicorn server of `service` on the bound socket `sock` (not yet running)."""
     config = uvicorn.Config(create_app(service), log_level=log_level, timeout_graceful_shutdown=service.options.grace_s,
-                            lifespan="off", access_log=log_level == "debug")
+                            lifespan="off", access_log=True)  # one line per request (uvicorn prints it at info)
     return _Server(config, service)
 
 
