@@ -1,6 +1,6 @@
 """`fmoe serve` against the engine in-process, on one loaded model (docs/serve.md has the table).
 
-Measures, in one run, on a real uvicorn on a loopback port with the openai client:
+Measures, in one run, on a real uvicorn on a loopback port, clients in processes of their own:
 
 1. TPOT through the server (SSE chunks as the client receives them) against `stream_generate`
    in-process (the session's answer loop, events as the consumer receives them), same prompt,
@@ -18,6 +18,7 @@ Measures, in one run, on a real uvicorn on a loopback port with the openai clien
 from __future__ import annotations
 
 import argparse
+import http.client
 import io
 import json
 import multiprocessing
@@ -55,17 +56,30 @@ def tpot(times: list[float]) -> float:
 
 
 def served(url: str, model: str, messages, tokens: int) -> tuple[float, list[float], dict]:
-    """(TTFT s, arrival times of the tokens with text, usage) of one streamed request (in a client process)."""
-    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+    """(TTFT s, arrival times of the tokens with text, usage) of one streamed request (in a client process).
+    A raw HTTP client that only looks for the content in each line: on a 2-core machine the client's own
+    work per chunk competes with the engine for the cores, and a parsing client (the openai one) would
+    be measured as the server's overhead."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection(host, int(port))
     start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     times, usage = [], None
-    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}):
-        if chunk.choices and chunk.choices[0].delta.content:
-            times.append(time.perf_counter())
-        if chunk.usage is not None:
-            usage = chunk.usage.model_dump()
+    for line in conn.getresponse():
+        if line.startswith(b'data: {"id"'):
+            if b'"delta": {"content": "' in line:
+                times.append(time.perf_counter())
+            elif b'"usage": {' in line:
+                usage = json.loads(line[6:])["usage"]
+    conn.close()
     return times[0] - start, times, usage
+
+
+def answer(url: str, model: str, messages, tokens: int) -> str:
+    return openai.OpenAI(base_url=url, api_key="none", max_retries=0).chat.completions.create(
+        model=model, messages=messages, max_tokens=tokens, temperature=0).choices[0].message.content
 
 
 def client_run(url: str, model: str, conversations, tokens: int) -> list[tuple[float, list[float], dict]]:
@@ -78,8 +92,9 @@ class Bench:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from rich.console import Console
 
-        from fmoe_cli.chat.repl import ChatOptions, open_chat
-        from fmoe_cli.run import RunOptions
+        from fmoe_cli.chat import ChatOptions
+        from fmoe_cli.chat.repl import open_chat
+        from fmoe_cli.options import RunOptions
         from fmoe_cli.serve import ServeOptions
         from fmoe_cli.serve.app import serve_in, start_service
 
@@ -178,11 +193,10 @@ def run(args) -> dict:
         for r in range(args.rounds):
             first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPTS[r % len(PROMPTS)]}]
             for which in (("reuse", "no_reuse") if r % 2 == 0 else ("no_reuse", "reuse")):
-                answer = openai.OpenAI(base_url=bench.url, api_key="none").chat.completions.create(
-                    model=bench.model, messages=first, max_tokens=args.short_tokens, temperature=0).choices[0].message.content
+                reply = answer(bench.url, bench.model, first, args.short_tokens)
                 if which == "no_reuse":  # another conversation between the turns
                     bench.served([{"role": "user", "content": PROMPTS[(r + 3) % len(PROMPTS)]}], 2)
-                second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Go on."}]
+                second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
                 ttft, _, usage = bench.served(second, args.short_tokens)
                 turns[which].append(ttft * 1000)
                 cached[which].append(usage["prompt_tokens_details"]["cached_tokens"])

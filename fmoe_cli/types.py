@@ -64,6 +64,21 @@ EXPERT_FORMATS: dict[str, QuantFormat | None] = {
 DEFAULT_EXPERTS = "bf16"  # --experts
 
 
+# --dtype: the names fmoe accepts, each to torch's name (auto: chosen per device, models/load.py)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype not in (None, "auto") and dtype not in DTYPES:
+        raise FmoeError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+
+
+def check_expert_format(experts: str) -> None:
+    if experts not in EXPERT_FORMATS:
+        raise FmoeError(f"unknown expert format {experts!r}; use {', '.join(EXPERT_FORMATS)}")
+
+
 @dataclass(frozen=True)
 class ExpertShape:
     """What a plan needs to know about a model's routed experts."""
