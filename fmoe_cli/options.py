@@ -53,7 +53,7 @@ class RunOptions:
     emulate_link: float | None = None  # GB/s of an emulated host→device link
     device: str = "auto"
     dtype: str | None = None  # None: auto
-    experts: str = DEFAULT_EXPERTS  # storage of the routed experts: bf16 (unquantised, in dtype), int8, int4
+    experts: str = DEFAULT_EXPERTS  # storage of the routed experts: bf16 (unquantised, in dtype), int8, int4, int2
     trust_remote_code: bool = False
     trace_out: str | None = None  # JSONL routing trace
     overwrite_trace: bool = False  # --force: trace_out may replace an existing file
