@@ -17,6 +17,7 @@ from fmoe_cli import chat as chat_defaults
 from fmoe_cli import serve as serve_defaults
 from fmoe_cli.bench import check_counts, check_profile_options, read_prompt
 from fmoe_cli.chat import ChatOptions
+from fmoe_cli.disk import run_cache
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.bench.replay import DEFAULT_EVICTIONS, run_replay
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, POLICIES
@@ -254,6 +255,17 @@ def serve(
     from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the options read
 
     run_serve(opts, options, err_console)
+
+
+@app.command()
+@user_errors
+def cache(
+    action: Annotated[str, typer.Argument(help="list (the default), or clear: remove the converted stores "
+                                               "(profiles, statistics and chat history are kept).")] = "list",
+    as_json: JsonOpt = False,
+) -> None:
+    """What fmoe keeps on disk, with sizes (orphaned temporaries of interrupted work are removed)."""
+    run_cache(action, as_json, Console())
 
 
 @app.command()

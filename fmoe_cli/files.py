@@ -68,7 +68,8 @@ def write_atomic(path: Path, text: str) -> Path:
     Raises OSError (a read-only directory, a full disk): the caller decides whether that is fatal."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # .<name>.<pid>.<random>.tmp: a temporary whose writer is gone is swept at the next start (disk.py)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

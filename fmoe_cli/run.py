@@ -26,6 +26,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from fmoe_cli.disk import sweep
 from fmoe_cli.options import RunOptions
 from fmoe_cli.trace import TraceWriter
 from fmoe_cli.errors import FmoeError, warn
@@ -163,6 +164,7 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
     """Set up a run (see the module's docstring); on exit save the statistics and close everything."""
     opts.check()
     check_device(opts)
+    sweep()  # what interrupted work left behind (a killed conversion's temporary)
     console = console or Console(stderr=True)
     presets = [PRESETS[name] for name in opts.policies]
     plans: dict = {}
