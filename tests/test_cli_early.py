@@ -196,3 +196,33 @@ def test_the_shipped_demo_trace_replays():
     trace = Path(__file__).resolve().parents[1] / "traces" / "demo.jsonl"
     obj = run_replay(str(trace), "2,4", "lru,lcp", True, console=Console(file=io.StringIO()))
     assert (obj["sequences"], obj["layers"], obj["experts"]) == (1, 6, 16) and obj["tokens"] > 100
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_during_the_first_policy_prints_its_tokens_so_far_as_partial(checkpoints, monkeypatch, as_json):
+    """Issue 22 §3: Ctrl-C during the measured tokens of the first policy (`--tokens 900` on a slow link)
+    prints the row of what was measured, marked partial (in --json too), and exits 130."""
+    import fmoe_cli.bench.run as bench_run
+
+    real = bench_run.stream_generate
+
+    def cut_after_three(*args, **kwargs):
+        for n, event in enumerate(real(*args, **kwargs)):
+            if n == 3:
+                raise KeyboardInterrupt
+            yield event
+
+    monkeypatch.setattr(bench_run, "stream_generate", cut_after_three)
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--policy", "lfu",
+                                      "--tokens", "8", "--warmup", "0", "--device", "cpu",
+                                      *(["--json"] if as_json else [])])
+    assert result.exit_code == 130, result.output
+    if as_json:
+        report = json.loads(result.stdout)
+        assert [(r["policy"], r["measured"], len(r["token_ids"])) for r in report["runs"]] == [("lru", 3, 3)]
+        assert report["interrupted"] == {"finished": [], "requested": ["lru", "lfu"]}
+    else:
+        rows = [line.split()[0] for line in result.stdout.splitlines() if line.split()[:1] in (["lru*"], ["lfu"])]
+        assert rows == ["lru*"], result.stdout
+        assert ("PARTIAL: interrupted (Ctrl-C) after 0 of 2 policies; lru* cut short after 3 of 8 measured tokens; "
+                "not run: lfu") in result.stdout.replace("\n", " ")

@@ -54,6 +54,15 @@ class RunResult:
     plan: str
     token_ids: list[int]
     engine_device_bytes: int = 0  # what the engine accounts on the device: non-expert weights + caches + staging
+    measured: int | None = None  # Ctrl-C cut the run short after this many measured tokens (None: it finished)
+
+
+class PartialRun(KeyboardInterrupt):
+    """Ctrl-C during a policy's measured tokens: what was measured so far comes with the interrupt."""
+
+    def __init__(self, result: RunResult) -> None:
+        super().__init__()
+        self.result = result
 
 
 def encode_prompt(lm: LoadedModel, prompt: str) -> torch.Tensor:
@@ -88,18 +97,24 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
         torch.cuda.reset_peak_memory_stats(lm.device)
     rss = process.memory_info().rss
     events = []
-    for event in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=tokens, stop_on_eos=False,
-                                 sampling=SamplingParams()):
-        events.append(event)
-        rss = max(rss, process.memory_info().rss)  # sampled once per token, outside the timed step
-        advance()
+    cut = False
+    try:
+        for event in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=tokens, stop_on_eos=False,
+                                     sampling=SamplingParams()):
+            events.append(event)
+            rss = max(rss, process.memory_info().rss)  # sampled once per token, outside the timed step
+            advance()
+    except KeyboardInterrupt:
+        if not events:
+            raise
+        cut = True  # the tokens measured so far are reported, marked partial
     decode = events[1:] or events
     steady = sum((e.counters for e in decode), Counters())
     tpot = [e.latency_s * 1000 for e in decode]
     engine_bytes = lm.non_expert_bytes + engine.device_bytes()
     peak = torch.cuda.max_memory_allocated(lm.device) if lm.device.type == "cuda" else rss
     n = len(decode)
-    return RunResult(
+    result = RunResult(
         policy=settings.policy,
         ttft_ms=events[0].latency_s * 1000,
         tpot_ms={"median": statistics.median(tpot), "p90": percentile(tpot, 0.9)},
@@ -113,7 +128,11 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
         plan=engine.settings.plan.summary(),  # what the measured run used (a re-plan after the warm-up may change it)
         token_ids=[e.token_id for e in events],
         engine_device_bytes=engine_bytes,
+        measured=len(events) if cut else None,
     )
+    if cut:
+        raise PartialRun(result)
+    return result
 
 
 def ratios(run: dict, base: dict) -> dict:
@@ -148,7 +167,9 @@ def bench_report(lm: LoadedModel, link, budget_bytes: int, runs: list[RunResult]
         "tokens": tokens,
         "warmup": warmup,
         "ratios_to": run_dicts[0]["policy"] if run_dicts else None,
-        "token_ids_identical": len({tuple(r["token_ids"]) for r in run_dicts}) <= 1,
+        # (a partial run is compared over the tokens it measured)
+        "token_ids_identical": len({tuple(r["token_ids"][:min(len(d["token_ids"]) for d in run_dicts)])
+                                    for r in run_dicts}) <= 1,
         "runs": run_dicts,
     }
 
@@ -168,7 +189,7 @@ def bench_table(report: dict) -> Table:
         table.add_column(name, justify=justify, no_wrap=True)
     for r in runs:
         table.add_row(
-            r["policy"], f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']['median']:.1f}", f"{r['tpot_ms']['p90']:.1f}",
+            r["policy"] + ("*" if r.get("measured") is not None else ""), f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']['median']:.1f}", f"{r['tpot_ms']['p90']:.1f}",
             f"{r['tokens_per_s']:.1f}", f"{r['hit_rate']:.2f}", f"{r['prefetch_precision']:.2f}",
             f"{r['prefetch_recall']:.2f}", f"{r['exposed_load_ms_per_token']:.2f}",
             f"{r['bytes_per_token'] / MiB:.2f}", f"{r['peak_device_bytes'] / MiB:.0f}",
@@ -196,8 +217,12 @@ def render(report: dict, console: Console) -> None:
                   "[red]token ids DIFFER across policies[/red]")
     if report.get("interrupted"):
         done, asked = report["interrupted"]["finished"], report["interrupted"]["requested"]
-        console.print(f"[yellow]PARTIAL: interrupted (Ctrl-C) after {len(done)} of {len(asked)} policies; "
-                      f"not run: {', '.join(p for p in asked if p not in done)}[/yellow]", highlight=False)
+        cut = [r for r in report["runs"] if r.get("measured") is not None]
+        during = "".join(f"; {r['policy']}* cut short after {r['measured']} of {report['tokens']} measured tokens"
+                         for r in cut)
+        skipped = [p for p in asked if p not in done and p not in {r["policy"] for r in cut}]
+        console.print(f"[yellow]PARTIAL: interrupted (Ctrl-C) after {len(done)} of {len(asked)} policies{during}"
+                      f"{'; not run: ' + ', '.join(skipped) if skipped else ''}[/yellow]", highlight=False)
 
 
 def check_context(lm: LoadedModel, prompt_tokens: int, new_tokens: int, option: str) -> None:
@@ -241,7 +266,9 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
                     if recorder is not None:
                         engine.observers.remove(recorder)
                     run.idle()  # the device is idle between runs: statistics saved, re-planned if due
-            except KeyboardInterrupt:  # Ctrl-C: the policies that finished are reported, marked partial
+            except KeyboardInterrupt as exc:  # Ctrl-C: what was measured is reported, marked partial
+                if isinstance(exc, PartialRun):
+                    runs.append(exc.result)
                 if not runs:
                     raise
                 interrupted = True
@@ -249,7 +276,8 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
                           warmup=warmup)
     report["timings"] = run.timing_source  # the configurator's: "profile", "quick estimate", or None
     if interrupted:
-        report["interrupted"] = {"finished": [r.policy for r in runs], "requested": list(opts.policies)}
+        report["interrupted"] = {"finished": [r.policy for r in runs if r.measured is None],
+                                 "requested": list(opts.policies)}
     report["predictor"] = opts.predictor
     if run.writer is not None and run.writer.error is not None:  # reported after the results (fmoe_cli/cli.py)
         report["trace_error"] = run.writer.error
