@@ -359,3 +359,14 @@ def test_text_typed_during_an_answer_comes_back_at_the_prompt(checkpoints, tmp_p
     assert "typed" not in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", answer)  # not echoed into the answer
     messages = json.loads((tmp_path / "c.json").read_text())["messages"]
     assert messages[2] == {"role": "user", "content": "typed ahead too"}
+
+
+def test_save_never_overwrites_without_save_bang(checkpoints, tmp_path):
+    """Issue 22 §3: /save over an existing file refuses in one line and keeps it; /save! replaces it."""
+    mine = tmp_path / "mine.json"
+    mine.write_text("the user's own file\n")
+    session, out, _ = chat(checkpoints["mixtral"], ["hello", f"/save {mine}"])
+    assert mine.read_text() == "the user's own file\n"
+    assert f"error: {mine} exists: nothing saved; `/save! {mine}` replaces it" in " ".join(out.split())
+    session, out, _ = chat(checkpoints["mixtral"], ["hello", f"/save! {mine}"])
+    assert json.loads(mine.read_text())["messages"][0]["content"] == "hello"

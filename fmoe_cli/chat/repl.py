@@ -46,7 +46,7 @@ COMMANDS = {
     "/plan": "the current cache plan (V_i, C_i, θ_i per layer)",
     "/system TEXT": "set the system prompt (/system alone shows it; /system - clears it)",
     "/reset": "start a new conversation (the system prompt stays)",
-    "/save FILE": "save the conversation as JSON",
+    "/save FILE": "save the conversation as JSON (an existing FILE is kept: /save! FILE replaces it)",
     "/exit": "quit (also Ctrl-D)",
 }
 Reader = Callable[[str], str]  # default text -> the user's input; raises KeyboardInterrupt / EOFError
@@ -288,11 +288,11 @@ def handle_command(line: str, session: ChatSession, console: Console, budget_byt
     elif name == "/reset":
         session.reset()
         say(console, "conversation cleared", "dim")
-    elif name == "/save":
+    elif name in ("/save", "/save!"):
         if not arg:
             say(console, "usage: /save FILE", "yellow")
         else:
-            path = session.save(arg)
+            path = session.save(arg, overwrite=name == "/save!")
             say(console, f"saved {len(session.messages)} messages to {path}", "dim")
     else:
         say(console, f"unknown command {name}; /help lists the commands", "yellow")

@@ -257,10 +257,15 @@ class ChatSession:
             "messages": self.conversation(),
         }
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """The conversation as JSON; an existing file is replaced only when `overwrite` (`/save!`)."""
         path = Path(path).expanduser()
+        text = json.dumps(self.to_json(), indent=2, ensure_ascii=False) + "\n"
         try:
-            path.write_text(json.dumps(self.to_json(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            with open(path, "w" if overwrite else "x", encoding="utf-8") as f:  # "x": never over the user's file
+                f.write(text)
+        except FileExistsError:
+            raise FmoeError(f"{path} exists: nothing saved; `/save! {path}` replaces it") from None
         except OSError as exc:
             raise FmoeError(f"cannot write {path}: {exc.strerror or exc}") from None
         return path
