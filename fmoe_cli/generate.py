@@ -40,12 +40,21 @@ def _cache_kwarg(model_class) -> str:
 DEFAULT_PROMPT = "Explain in a few sentences how a mixture-of-experts model decides which experts to use."
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def no_tokenizer(model_id: str) -> FmoeError:
+    """A model loaded without any tokenizer file (models/load.py): name the files it lacks."""
+    return FmoeError(f"{model_id} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in its directory "
+                     f"(an incomplete download?); fmoe needs one to encode the prompt")
+
+
 def encode_messages(tokenizer, messages: list[dict], model_id: str, *, plain: bool = False) -> list[int]:
     """Token ids of a conversation ({"role", "content"} dicts) ready for the assistant's answer:
     the model's chat template; without one, "role: text" lines and "assistant:" (chat), or
     with `plain` a lone message's text as it is (bench: a base model continues it). One-line errors."""
     if tokenizer is None:
-        raise FmoeError(f"{model_id} has no tokenizer; fmoe needs one to encode the prompt")
+        raise no_tokenizer(model_id)
     try:
         if getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
@@ -68,7 +77,7 @@ def encode_text(tokenizer, text: str, model_id: str) -> list[int]:
     """Token ids of a text as it is (a completion's prompt: no chat template), with the special
     tokens the tokenizer adds (a BOS). One-line errors."""
     if tokenizer is None:
-        raise FmoeError(f"{model_id} has no tokenizer; fmoe needs one to encode the prompt")
+        raise no_tokenizer(model_id)
     ids = tokenizer(text)["input_ids"]
     if not ids:
         raise FmoeError("the prompt encodes to no tokens")

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models import demo
+from fmoe_cli.generate import TOKENIZER_FILES
 from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import download, local_model_dir
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
@@ -136,7 +137,7 @@ def load_model(
     shape = expert_shape(layers, torch_dtype, experts)
     non_expert_bytes = skeleton_non_expert_bytes(model, layers)
     check_checkpoint(path, model, layers)  # every tensor's shape and dtype against the config, from the headers
-    tokenizer = load_tokenizer(path, model_id, trust_remote_code)  # (a missing file named before the weights load)
+    tokenizer = load_tokenizer(path, model_id, trust_remote_code)  # (a broken one named before the weights load)
     check_host_ram(label, shape, non_expert_bytes)  # before a byte is read
     if before_read is not None:
         before_read(shape, non_expert_bytes, config, dev)
@@ -166,11 +167,9 @@ def load_model(
     return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
-
-
 def load_tokenizer(path: Path, model_id: str, trust_remote_code: bool = False):
-    """The model's tokenizer, or one line naming what is missing (every command encodes a prompt)."""
+    """The model's tokenizer; None when it has no tokenizer file at all (the weights still load: encoding a
+    prompt then names the files it lacks, generate.no_tokenizer); a file that does not load: one line."""
     from transformers import AutoTokenizer
 
     try:
@@ -178,8 +177,7 @@ def load_tokenizer(path: Path, model_id: str, trust_remote_code: bool = False):
     except (OSError, ValueError, TypeError, KeyError) as exc:
         present = [name for name in TOKENIZER_FILES if (path / name).exists()]
         if not present:
-            raise FmoeError(f"{model_id} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in {path} "
-                            f"(an incomplete download? fmoe needs it to encode the prompt)") from None
+            return None
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise FmoeError(f"{model_id}: its tokenizer ({', '.join(present)}) does not load: {reason}") from None
 
