@@ -72,7 +72,8 @@ def resident_plan(shape: ExpertShape) -> Plan:
 
 DEFAULT_BUDGET = "auto"  # bench and chat: what fits on this device (the CPU: AUTO_SHARE of all routed experts)
 AUTO_SHARE = "25%"
-WORKSPACE_BYTES = 512 * MiB  # activations, matmul workspace and allocator slack left free on the device
+WORKSPACE_BYTES = 512 * MiB  # activations, matmul workspace, a quantised store's dequantisation (offload/quant.py:
+# DEQUANT_WORKSPACE_BYTES, 64 MiB) and allocator slack left free on the device
 KV_TOKENS = 4096  # the context the default budget leaves KV-cache room for
 
 
