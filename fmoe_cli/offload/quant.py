@@ -143,6 +143,9 @@ class QuantStore(HostStore):
                                                                                        device=device))
         return ws
 
+    def rows(self, segment: torch.Tensor) -> torch.Tensor:
+        return segment  # bytes: dequantised block by block in segment_forward
+
     def dequantized(self, layer: int) -> torch.Tensor:
         """[N, I, 3, H] of the compute dtype: the weights this store computes with (for the reference model)."""
         packed = self.layers[layer]
