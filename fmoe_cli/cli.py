@@ -12,12 +12,16 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+# Only modules without torch here: every option is checked before anything heavy is imported.
 from fmoe_cli import chat as chat_defaults
 from fmoe_cli import serve as serve_defaults
+from fmoe_cli.bench import check_counts, check_profile_options, read_prompt
+from fmoe_cli.chat import ChatOptions
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.bench.replay import DEFAULT_EVICTIONS, run_replay
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, POLICIES
-from fmoe_cli.planning.plan import DEFAULT_BUDGET
+from fmoe_cli.options import RunOptions
+from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_plan_options
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
 from fmoe_cli.types import DEFAULT_EXPERTS
@@ -116,8 +120,9 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Let --trace-out overwri
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow the repository's own Python code to run.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 ExpertsOpt = Annotated[str, typer.Option(
-    "--experts", help="How the routed experts are stored and moved: bf16 (unquantised, in --dtype), int8 or int4 "
-                      "(weight-only, group-wise: about 2× / 3.5× fewer bytes in RAM and on the link).")]
+    "--experts", help="How the routed experts are stored and moved: bf16 (unquantised, in --dtype), int8, int4 "
+                      "or int2 (weight-only, group-wise: about 2× / 3.5× / 5.3× fewer bytes in RAM and on the link; "
+                      "int2 is HQQ's 2-bit setting for Mixtral's experts).")]
 
 
 ContextOpt = Annotated[int | None, typer.Option(
@@ -126,12 +131,13 @@ ContextOpt = Annotated[int | None, typer.Option(
 
 
 def run_options(model: str, policies, *, dtype: str, lcp_omega: float = LCP_OMEGA, lcp_rho: float = LCP_RHO,
-                **fields):
-    """The RunOptions of a command line (fmoe_cli/run.py: what every option means and checks)."""
-    from fmoe_cli.run import RunOptions  # torch and transformers: only once a command runs
-
-    return RunOptions(model=model, policies=tuple(policies), omega=lcp_omega, rho=lcp_rho,
+                **fields) -> RunOptions:
+    """The RunOptions of a command line (fmoe_cli/options.py: what every option means), checked
+    without torch: a bad one is refused at once."""
+    opts = RunOptions(model=model, policies=tuple(policies), omega=lcp_omega, rho=lcp_rho,
                       dtype=None if dtype == "auto" else dtype, **fields)
+    opts.check()
+    return opts
 
 
 @app.command()
@@ -161,15 +167,17 @@ def bench(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure TTFT/TPOT, hit rate and link traffic of the offloading engine, policy by policy."""
-    _quiet_libraries()
-    from fmoe_cli.bench.run import read_prompt, render, run_bench  # torch: only once a command runs
-
     opts = run_options(model, parse_policies(policy, compare), vram_budget=vram_budget, predictor=predictor,
                        lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
                        overwrite_trace=force, dtype=dtype, experts=experts, device=device,
                        trust_remote_code=trust_remote_code, shape_link=True, context=context,
                        if_fits=("resident",) if policy is None and compare is None else ())
-    report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=read_prompt(prompt, prompt_file), console=err_console)
+    check_counts(tokens, warmup)
+    prompt_text = read_prompt(prompt, prompt_file)
+    _quiet_libraries()
+    from fmoe_cli.bench.run import render, run_bench  # torch: only once the options read
+
+    report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=prompt_text, console=err_console)
     if as_json:
         print(json.dumps(report))
     else:
@@ -203,15 +211,16 @@ def chat(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
+    opts = ChatOptions(run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
+                                   lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
+                                   overwrite_trace=force, dtype=dtype, experts=experts, device=device,
+                                   trust_remote_code=trust_remote_code, profile=profile, context=context),
+                       system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    opts.check()
     _quiet_libraries()
-    from fmoe_cli.chat.repl import ChatOptions, run_chat  # torch: only once a command runs
+    from fmoe_cli.chat.repl import run_chat  # torch: only once the options read
 
-    opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
-                       lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
-                       dtype=dtype, experts=experts, device=device, trust_remote_code=trust_remote_code,
-                       profile=profile, context=context)
-    run_chat(ChatOptions(opts, system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                         seed=seed), err_console=err_console)
+    run_chat(opts, err_console=err_console)
 
 
 @app.command()
@@ -243,13 +252,13 @@ def serve(
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
     options = serve_defaults.ServeOptions(host=host, port=port, api_key=api_key, max_queue=max_queue, grace_s=grace)
     options.check()  # before anything slow
-    _quiet_libraries()
-    from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the command runs
-
     opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
                        lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
                        dtype=dtype, experts=experts, device=device, trust_remote_code=trust_remote_code,
                        profile=profile, context=context)
+    _quiet_libraries()
+    from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the options read
+
     run_serve(opts, options, err_console)
 
 
@@ -282,8 +291,10 @@ def plan(
 ) -> None:
     """How the configurator would split the device memory for MODEL, and the TPOT each policy would get
     (from config.json alone, no weights)."""
+    check_plan_options(model, vram=vram, profile_path=profile, context=context, dtype=dtype, workspace=workspace,
+                       experts=experts, trace=trace)
     _quiet_libraries()
-    from fmoe_cli.planning.report import run_plan  # torch and transformers: only once a command runs
+    from fmoe_cli.planning.report import run_plan  # torch and transformers: only once the options read
 
     run_plan(model, vram=vram, profile_path=profile, context=context, dtype=None if dtype == "auto" else dtype,
              as_json=as_json, console=Console(), workspace=workspace, experts=experts, trace=trace)
@@ -304,13 +315,14 @@ def profile(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure the host→device link and memory (and per-layer times with --model); save a profile."""
-    _quiet_libraries()
-    from fmoe_cli.bench.profile import run_profile  # torch: only once a command runs
-
     # The model's layers are timed on the engine of a run without a cache, link emulation or statistics.
     opts = None if model is None else run_options(
         model, ["ondemand"], vram_budget=None, dtype=dtype, experts=experts, device=device,
         trust_remote_code=trust_remote_code, record_statistics=False)
+    check_profile_options(out=out, emulate_link=emulate_link, prefill_len=prefill_len, device=device)
+    _quiet_libraries()
+    from fmoe_cli.bench.profile import run_profile  # torch: only once the options read
+
     run_profile(opts, out=None if out is None else Path(out), emulate_link=emulate_link, prefill_len=prefill_len,
                 quick=quick, as_json=as_json, device=device, console=err_console if as_json else Console())
 

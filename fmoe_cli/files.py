@@ -21,22 +21,45 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, reading
 
 
-def read_json(path: Path, what: str, hint: str = "") -> object:
-    """JSON from a file, or a one-line FmoeError saying what is wrong (`hint`: what to do if it is missing)."""
+MiB = 1 << 20
+JSON_LIMIT = 16 * MiB  # a profile, a config.json: far larger is not one (`--profile /dev/zero`)
+
+
+def read_bytes(path: Path, what: str, limit: int) -> bytes:
+    """The bytes of a user's file, read only up to `limit` (+1 to tell): a larger file, or an endless
+    one (/dev/zero), is a one-line FmoeError naming it, never a process that grows until it is killed."""
+    with reading(path, what), open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise FmoeError(f"{what} {path} is larger than {limit / MiB:g} MiB: not a {what}")
+    return data
+
+
+def read_text(path: Path, what: str, limit: int) -> str:
+    """A user's UTF-8 text file of at most `limit` bytes (`read_bytes`), or a one-line FmoeError."""
+    data = read_bytes(path, what, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FmoeError(f"{what} {path} is not a text (UTF-8) file") from None
+
+
+def read_json(path: Path, what: str, hint: str = "", limit: int = JSON_LIMIT) -> object:
+    """JSON from a file of at most `limit` bytes, or a one-line FmoeError saying what is wrong (`hint`:
+    what to do if it is missing)."""
     path = Path(path)
     if path.is_dir():
         raise FmoeError(f"{what} {path} is a directory, not a file; move it away{hint}")
+    if not path.exists():
+        raise FmoeError(f"no {what} at {path}{hint}")
+    data = read_bytes(path, what, limit)
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FmoeError(f"no {what} at {path}{hint}") from None
+        return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FmoeError(f"{what} {path} is not valid JSON ({exc.__class__.__name__}: {exc})") from None
-    except OSError as exc:
-        raise FmoeError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
 
 def write_atomic(path: Path, text: str) -> Path:

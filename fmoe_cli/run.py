@@ -4,7 +4,8 @@
 model, the engine, the policies' settings, the idle re-planner and the trace writer
 from here. The order is the point:
 
-1. every option is checked before anything slow (`RunOptions.check`);
+1. every option is checked before anything slow (`RunOptions.check`, fmoe_cli/options.py:
+   the command line checks it before torch is even imported);
 2. the model is loaded; once its sizes are known and before a weight is read, the
    budget and every fixed plan are checked against the device (planning/plan.py);
 3. the routing statistics saved for this model are loaded, and — if a policy's plan
@@ -25,18 +26,16 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fmoe_cli.trace import TraceWriter, check_trace_out
+from fmoe_cli.options import RunOptions
+from fmoe_cli.trace import TraceWriter
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.models.identity import model_key
-from fmoe_cli.models.load import LoadedModel, check_expert_format, load_model, pick_device
+from fmoe_cli.models.load import LoadedModel, load_model, pick_device
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
-from fmoe_cli.offload.link import check_bandwidth, make_link
-from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
-from fmoe_cli.planning.configurator import DEFAULT_TAU
+from fmoe_cli.offload.link import make_link
 from fmoe_cli.planning.plan import (
-    DEFAULT_BUDGET,
-    check_budget,
     check_budget_text,
+    check_budget,
     check_plan_fits,
     device_room,
     kv_cache_bytes,
@@ -44,63 +43,14 @@ from fmoe_cli.planning.plan import (
     min_staging_slots,
     resolve_budget,
 )
-from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, PlanInputs, make_settings, preset, settings_for
+from fmoe_cli.planning.presets import PRESETS, PlanInputs, make_settings, settings_for
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import default_stats_path, open_recorder, scratch_recorder
-from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
 from fmoe_cli.profiling.device import LinkPlan, device_identity, fit_link, measure_link
 from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
 from fmoe_cli.profiling.model import expert_compute_s, model_timings
 from fmoe_cli.profiling.reference import CONSUMER_CARD
-from fmoe_cli.types import DEFAULT_EXPERTS, Timings
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Everything a run is set up from; the command line builds one (the defaults live here)."""
-
-    model: str = "demo"
-    policies: tuple[str, ...] = (DEFAULT_POLICY,)  # the engine starts with the first
-    vram_budget: str | None = DEFAULT_BUDGET  # None: the staging pool alone (no cache)
-    predictor: str = DEFAULT_PREDICTOR
-    omega: float = LCP_OMEGA  # LCP ω
-    rho: float = LCP_RHO  # LCP ρ
-    emulate_link: float | None = None  # GB/s of an emulated host→device link
-    device: str = "auto"
-    dtype: str | None = None  # None: auto
-    experts: str = DEFAULT_EXPERTS  # storage of the routed experts: bf16 (unquantised, in dtype), int8, int4
-    trust_remote_code: bool = False
-    trace_out: str | None = None  # JSONL routing trace
-    overwrite_trace: bool = False  # --force: trace_out may replace an existing file
-    profile: str | None = None  # a device profile (the configurator's timings), instead of the default one
-    stats_path: Path | None = None  # where the routing statistics are kept (default: per model)
-    tau: int = DEFAULT_TAU  # τ: tokens between re-plans
-    record_statistics: bool = True  # observe routing, keep the statistics, re-plan while idle
-    # Without a GPU and without emulate_link: an emulated link shaped like a consumer card
-    # (profiling/reference.py) instead of none. fmoe bench sets it.
-    shape_link: bool = False
-    if_fits: tuple[str, ...] = ()  # policies left out (with a note) when their plan does not fit the device
-    context: int | None = None  # tokens of KV cache reserved (--context); None: planning.plan.resolve_context's default
-
-    def check(self) -> None:
-        """Refuse bad options in one line, before the model is loaded."""
-        if not self.policies:
-            raise FmoeError("no policy to run")
-        for name in self.policies:
-            preset(name)
-        check_predictor(self.predictor)
-        check_expert_format(self.experts)
-        check_lcp(self.omega, self.rho)
-        if self.emulate_link is not None:
-            check_bandwidth(self.emulate_link)
-        if self.context is not None:
-            resolve_context(self.context, None, 0)
-        if self.trace_out is not None:
-            check_trace_out(self.trace_out, self.overwrite_trace)
-        device = pick_device(self.device)
-        check_budget_text(self.vram_budget, device)
-        if self.profile is not None:
-            check_profile(self.profile, device)
+from fmoe_cli.types import Timings
 
 
 @dataclass
@@ -140,6 +90,15 @@ def config_context(config) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None)
     return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_device(opts: RunOptions) -> None:
+    """What of the options depends on the device, after `opts.check()`: the device exists, the budget is
+    not beyond its memory, the profile is of it (one line each, before the model loads)."""
+    device = pick_device(opts.device)
+    check_budget_text(opts.vram_budget, device)
+    if opts.profile is not None:
+        check_profile(opts.profile, device)
 
 
 def check_profile(path: str, device) -> Profile:
@@ -209,6 +168,7 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
 def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
     """Set up a run (see the module's docstring); on exit save the statistics and close everything."""
     opts.check()
+    check_device(opts)
     console = console or Console(stderr=True)
     presets = [PRESETS[name] for name in opts.policies]
     plans: dict = {}
@@ -244,8 +204,6 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
         lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
                         console=console, experts=opts.experts, before_read=check_plans)
         stack.callback(lm.store.close)  # unregisters page-locked host memory (CUDA)
-        if opts.profile is not None:
-            check_profile(opts.profile, lm.device)
         shape = lm.shape
         budget, fixed = plans["budget"], plans["fixed"]
         configured = any(p.configured for p in presets)

@@ -36,32 +36,62 @@ class MoeLayer:
 @dataclass(frozen=True)
 class QuantFormat:
     """Weight-only, group-wise along the hidden dimension H (offload/quant.py). Each neuron row holds its
-    gate row, up row and down column quantised, then their per-group metadata (float16 scale, and offset for int4)."""
+    gate row, up row and down column quantised, then their per-group metadata (float16 scale, and offset for
+    int4; for the HQQ scheme (offload/hqq.py) 8-bit scale and zero codes, and their float16 (σ, z))."""
 
     bits: int
     group: int  # G: weights per scale (fewer when H is not a multiple)
-    meta_bytes: int  # per group: scale (int8: symmetric) or scale + offset (int4: min/max)
+    meta_bytes: int  # per group: scale (int8: symmetric), scale + offset (int4: min/max), 8-bit scale + zero (hqq)
+    scheme: str = "minmax"  # how a group is quantised: "symmetric", "minmax" or "hqq" (offload/quant.py's table)
+    meta_group: int = 0  # hqq: group scales per 8-bit scale group (its float16 σ, z); 0: scales not quantised
 
     def group_size(self, hidden: int) -> int:
-        """G, halved until it divides H (int4: H/2, as the two halves of a row are packed into one byte each)."""
+        """G, halved until it divides H (int4: H/2, int2: H/4, as a row's codes are packed in halves / quarters)."""
         span = hidden * self.bits // 8
         g = self.group
         while span % g:
             g //= 2
         return max(g, 1)
 
+    def meta_group_size(self, groups: int) -> int:
+        """M: scales per 8-bit scale group, halved until it divides the row's H/G groups."""
+        m = self.meta_group
+        while groups % m:
+            m //= 2
+        return max(m, 1)
+
     def projection_bytes(self, hidden: int) -> int:
-        """One projection's row: H codes of `bits`, then H/G groups of metadata."""
-        return hidden * self.bits // 8 + hidden // self.group_size(hidden) * self.meta_bytes
+        """One projection's row: H codes of `bits`, then H/G groups of metadata (hqq: and the float16
+        (σ, z) of each 8-bit scale group and of the row's zeros)."""
+        groups = hidden // self.group_size(hidden)
+        second_level = 4 * (groups // self.meta_group_size(groups) + 1) if self.meta_group else 0
+        return hidden * self.bits // 8 + groups * self.meta_bytes + second_level
 
 
-# --experts: "bf16" is unquantised (stored in the compute dtype, --dtype); int8 ≈ 8.1 bits, int4 ≈ 4.5 bits a weight.
+# --experts: "bf16" is unquantised (stored in the compute dtype, --dtype); int8 ≈ 8.1 bits, int4 ≈ 4.5 bits,
+# int2 ≈ 3.0 bits a weight (HQQ's 2-bit setting for Mixtral's experts: G = 16, 8-bit scales in groups of 128, 8-bit zeros).
 EXPERT_FORMATS: dict[str, QuantFormat | None] = {
     "bf16": None,
-    "int8": QuantFormat(bits=8, group=128, meta_bytes=2),
+    "int8": QuantFormat(bits=8, group=128, meta_bytes=2, scheme="symmetric"),
     "int4": QuantFormat(bits=4, group=64, meta_bytes=4),
+    "int2": QuantFormat(bits=2, group=16, meta_bytes=2, scheme="hqq", meta_group=128),
 }
 DEFAULT_EXPERTS = "bf16"  # --experts
+
+
+# --dtype: the names fmoe accepts, each to torch's name (auto: chosen per device, models/load.py)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype not in (None, "auto") and dtype not in DTYPES:
+        raise FmoeError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+
+
+def check_expert_format(experts: str) -> None:
+    if experts not in EXPERT_FORMATS:
+        raise FmoeError(f"unknown expert format {experts!r}; use {', '.join(EXPERT_FORMATS)}")
 
 
 @dataclass(frozen=True)

@@ -199,5 +199,5 @@ def test_the_default_context_fits_beside_a_useful_cache():
     assert resolve_context(30000, 32768, kib128, 100 * MiB) == 30000  # asked for: as asked
     with pytest.raises(FmoeError, match="longer than the model's context of 32768"):
         resolve_context(40000, 32768, kib128, None)
-    with pytest.raises(FmoeError, match="at least 1 token"):
-        resolve_context(0, 32768, kib128, None)
+    with pytest.raises(FmoeError, match="must be ≥ 0"):
+        resolve_context(-1, 32768, kib128, None)

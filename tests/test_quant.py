@@ -1,4 +1,4 @@
-"""int8 / int4 experts: the quantiser's layout (every neuron carries its own scales, so
+"""int8 / int4 / int2 experts: the quantiser's layout (every neuron carries its own scales, so
 any split is one segment), its error, the byte sizes plans use, and the exactness
 contract: greedy tokens equal transformers' generate on the same checkpoint with its
 experts replaced by the dequantised weights, for every family and policy."""
@@ -22,7 +22,7 @@ from fmoe_cli.types import EXPERT_FORMATS, ExpertShape, Timings
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 NEW_TOKENS = 24
-QUANT = ["int8", "int4"]
+QUANT = ["int8", "int4", "int2"]
 
 
 @pytest.mark.parametrize("name", QUANT)

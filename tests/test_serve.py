@@ -68,7 +68,7 @@ class Server:
                 data = json.loads(data)
             except json.JSONDecodeError:
                 pass
-            return response.status, dict(response.getheaders()), data
+            return response.status, response.headers, data  # headers: case-insensitive
         finally:
             conn.close()
 
@@ -166,3 +166,490 @@ def test_completions_stream_and_not(server, reference):
     chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=9, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
+
+
+# --- the queue, cancellation and concurrency (driven by a gate, never by sleeps) ------------
+
+
+class Gate:
+    """Holds the generation loop before each token until the test lets it through."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.permits = threading.Semaphore(0)
+        self.arrivals = 0  # tokens the loop has asked for (the last may be waiting)
+        self.opened = False
+        real = session_module.stream_generate
+
+        def gated(*args, **kwargs):
+            events = real(*args, **kwargs)
+            try:
+                while True:
+                    self.arrivals += 1
+                    if not self.opened:
+                        assert self.permits.acquire(timeout=WAIT_S), "the test never opened the gate"
+                    try:
+                        event = next(events)
+                    except StopIteration:
+                        return
+                    yield event
+            finally:
+                events.close()
+
+        monkeypatch.setattr(session_module, "stream_generate", gated)
+
+    def release(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.permits.release()
+
+    def open(self) -> None:
+        self.opened = True
+        self.release(1000)
+
+
+@pytest.fixture
+def gate(monkeypatch, server):
+    g = Gate(monkeypatch)
+    yield g
+    g.open()  # nothing stays held whatever the test did
+    wait_for(lambda: server.service.worker.current is None and server.service.worker.queue_length == 0,
+             "the worker to be idle")
+
+
+@pytest.fixture
+def jobs(monkeypatch, server):
+    """The jobs the worker takes, in order."""
+    taken = []
+    handle = server.service.worker.handle
+
+    def recording(job):
+        taken.append(job)
+        handle(job)
+
+    monkeypatch.setattr(server.service.worker, "handle", recording)
+    return taken
+
+
+def in_thread(fn, *args, **kwargs):
+    """Run fn in a thread; returns a function that joins it and gives its result (or raises its error)."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def result():
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "the request never finished"
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    return result
+
+
+def chat_text(server, messages, n, stream=False, **kwargs) -> str:
+    client = server.client()
+    if not stream:
+        return client.chat.completions.create(model="demo", messages=messages, max_tokens=n, temperature=0,
+                                              **kwargs).choices[0].message.content
+    chunks = client.chat.completions.create(model="demo", messages=messages, max_tokens=n, temperature=0, stream=True,
+                                            **kwargs)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def raw_stream(server, body: dict) -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    return conn
+
+
+def test_four_concurrent_clients_get_their_own_answers(server, reference, gate, jobs):
+    prompts = ["In the beginning", "The LORD is my shepherd", "Thou shalt not", "Behold, I stand at the door"]
+    conversations = [[{"role": "user", "content": p}] for p in prompts]
+    running = [in_thread(chat_text, server, c, 8, stream=i % 2 == 1) for i, c in enumerate(conversations)]
+    # all four are in: one being answered (held at the gate), three waiting in the queue
+    wait_for(lambda: server.service.worker.current is not None and server.service.worker.queue_length == 3,
+             "four requests in")
+    gate.open()
+    answers = [r() for r in running]
+    assert answers == [decode(server, reference(chat_ids(server, c), 8)) for c in conversations]
+    assert len(set(answers)) == 4  # four different answers: a mix-up would show
+    assert sorted(job.ids for job in jobs) == sorted(chat_ids(server, c) for c in conversations)  # each once
+
+
+def test_a_full_queue_gets_429_with_retry_after(server, reference, gate, jobs, monkeypatch):
+    monkeypatch.setattr(server.service.worker, "max_queue", 1)
+    first = in_thread(chat_text, server, MESSAGES, 4, stream=True)
+    wait_for(lambda: gate.arrivals == 1, "the first request to be answered")
+    second = in_thread(chat_text, server, MESSAGES[:1] + [], 5)
+    wait_for(lambda: server.service.worker.queue_length == 1, "the second request to wait")
+    status, headers, body = server.request("POST", "/v1/chat/completions",
+                                           json.dumps({"messages": MESSAGES, "max_tokens": 3}))
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    assert body["error"]["type"] == "rate_limit_error" and "busy" in body["error"]["message"]
+    with pytest.raises(openai.RateLimitError):
+        server.client().chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3)
+    gate.open()
+    expected = reference(chat_ids(server, MESSAGES), 5)
+    assert first() == decode(server, expected[:4]) and second() == decode(server, expected)
+    assert len(jobs) == 2  # the refused ones never reached the engine
+
+
+def test_a_client_gone_mid_stream_cancels_within_one_token(server, reference, gate, jobs):
+    messages = [{"role": "user", "content": "And God said"}]
+    assert len(reference(chat_ids(server, messages), 8)) == 8  # a long answer: only a cancel ends it early
+    conn = raw_stream(server, {"messages": messages, "max_tokens": 200, "temperature": 0, "stream": True})
+    gate.release(3)
+    wait_for(lambda: gate.arrivals == 4, "three tokens out, the fourth held")
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")  # the stream has begun
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    job = jobs[-1]
+    wait_for(job.cancelled.is_set, "the server to see the client gone")
+    gate.open()
+    wait_for(lambda: server.service.worker.current is None, "the engine to be free")
+    assert job.generated == job.generated_at_cancel == 4  # the token in progress, then no more
+    # the engine serves the next request, exactly
+    expected = reference(chat_ids(server, MESSAGES), 6)
+    assert chat_text(server, MESSAGES, 6) == decode(server, expected)
+
+
+def test_a_client_gone_while_waiting_is_never_answered(server, reference, gate, jobs):
+    first = in_thread(chat_text, server, MESSAGES, 3)
+    wait_for(lambda: gate.arrivals == 1, "the first request to be answered")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": MESSAGES, "max_tokens": 3}))
+    wait_for(lambda: server.service.worker.queue_length == 1, "the second request to wait")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    wait_for(lambda: server.service.worker.queue_length == 0, "the waiting request to be dropped")
+    gate.open()
+    assert first() == decode(server, reference(chat_ids(server, MESSAGES), 3))
+    assert len(jobs) == 1
+
+
+# --- stop strings, prompt reuse ---------------------------------------------------------
+
+
+def token_pieces(server, ids: list[int]) -> list[str]:
+    """The text each token adds (as the detokenizer streams it)."""
+    tok = server.service.session.lm.tokenizer
+    return [tok.decode(ids[:i + 1], skip_special_tokens=True)[len(tok.decode(ids[:i], skip_special_tokens=True)):]
+            for i in range(len(ids))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_split_across_tokens_never_shows(server, reference, stream):
+    messages = [{"role": "user", "content": "And God said"}]
+    answer = reference(chat_ids(server, messages), 16)
+    pieces = token_pieces(server, answer)
+    full = "".join(pieces)
+    # a stop string made of the end of one token and the start of the next, found first there
+    i = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2
+             and full.find(pieces[i][-2:] + pieces[i + 1][:2]) == len("".join(pieces[:i + 1])) - 2)
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    client = server.client()
+    if stream:
+        chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0,
+                                                     stream=True, stop=["never in the text", stop]))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        done = client.chat.completions.create(model="demo", messages=messages, max_tokens=16, temperature=0, stop=stop)
+        text, reason = done.choices[0].message.content, done.choices[0].finish_reason
+    assert text == full[:full.find(stop)] and reason == "stop"
+
+
+def test_completions_stop_string(server, reference):
+    prompt = "In the beginning"
+    full = decode(server, reference(encode_text(server.service.session.lm.tokenizer, prompt, "demo"), 12))
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    done = server.client().completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    assert done.choices[0].text == full[:full.find(stop)] and done.choices[0].finish_reason == "stop"
+
+
+def test_a_conversation_sent_again_reuses_the_kv_cache(server, reference):
+    from fmoe_cli.chat.session import common_prefix
+
+    tok = server.service.session.lm.tokenizer
+    client = server.client()
+    first = [{"role": "user", "content": "Blessed are the meek"}]
+    ids1 = chat_ids(server, first)
+    done = client.chat.completions.create(model="demo", messages=first, max_tokens=6, temperature=0)
+    answer = reference(ids1, 6)
+    generated = answer + ([tok.eos_token_id] if len(answer) < 6 else [])
+    second = first + [{"role": "assistant", "content": done.choices[0].message.content},
+                      {"role": "user", "content": "for they shall inherit the earth"}]
+    ids2 = chat_ids(server, second)
+    cached = min(common_prefix(ids1 + generated[:-1], ids2), len(ids2) - 1)
+    assert cached > len(ids1)  # the answer's tokens are reused too, not only the first prompt
+    again = client.chat.completions.create(model="demo", messages=second, max_tokens=6, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == cached
+    assert again.usage.prompt_tokens == len(ids2)
+    assert again.choices[0].message.content == decode(server, reference(ids2, 6))  # reuse changes no token
+
+
+# --- security and bad input --------------------------------------------------------------
+
+
+def test_api_key(server, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setattr(server.service, "options", replace(server.service.options, api_key="sekret"))
+    assert server.request("GET", "/health")[0] == 200  # open
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}, {"Authorization": "Basic sekret"}):
+        for path in ("/v1/models", "/metrics"):
+            status, got, body = server.request("GET", path, headers=headers)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", (path, headers)
+            assert got["WWW-Authenticate"] == "Bearer"
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2)
+    assert server.client(api_key="sekret").chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2)
+    assert server.request("GET", "/metrics", headers={"Authorization": "Bearer sekret"})[0] == 200
+
+
+def test_oversize_body(server, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setattr(server.service, "options", replace(server.service.options, max_body=1000))
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 1000}]})
+    status, _, reply = server.request("POST", "/v1/chat/completions", body)
+    assert status == 413 and reply["error"]["code"] == "request_too_large"
+    # without a Content-Length (chunked), the limit holds as the body arrives
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
+    conn.request("POST", "/v1/chat/completions", body=iter([body[:600].encode(), body[600:].encode()]),
+                 encode_chunked=True, headers={"Transfer-Encoding": "chunked"})
+    assert conn.getresponse().status == 413
+    conn.close()
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ("{bad json", 400, "not valid JSON"),
+    ("[1, 2]", 400, "JSON object"),
+    ('{"messages": "hello"}', 400, "messages"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}', 400, "max_tokens"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, "temperature"),
+    ('{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}', 404, "gpt-4o"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n > 1 is not supported"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', 400, "logprobs"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "only text"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400, "context is 1024 tokens"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "stop": ""}', 400, "stop string"),
+])
+def test_bad_requests_get_openai_errors(server, jobs, body, status, fragment):
+    got, _, reply = server.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    assert got == status and fragment in reply["error"]["message"] and reply["error"]["type"], reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert jobs == []  # refused before the queue
+
+
+def test_a_prompt_longer_than_the_context_and_unknown_paths(server):
+    status, _, reply = server.request("POST", "/v1/completions", json.dumps({"prompt": "and " * 1100}))
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+    status, _, reply = server.request("GET", "/v1/nothing")
+    assert status == 404 and "error" in reply
+    status, _, reply = server.request("GET", "/v1/chat/completions")
+    assert status == 405 and "error" in reply
+
+
+def test_metrics_parse_and_count(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        status, headers, text = server.request("GET", "/metrics")
+        assert status == 200 and headers["Content-Type"].startswith("text/plain")
+        return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    before = scrape()
+    client = server.client()
+    usages = [client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5, temperature=0).usage,
+              client.completions.create(model="demo", prompt="In the beginning", max_tokens=4, temperature=0).usage]
+    after = scrape()
+
+    def grew(name: str) -> float:
+        return after[name + "{}"] - before.get(name + "{}", 0.0)
+
+    assert grew("fmoe_completion_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert grew("fmoe_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert grew("fmoe_prompt_cached_tokens_total") == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert grew("fmoe_time_to_first_token_seconds_count") == 2
+    assert grew("fmoe_time_per_output_token_seconds_count") == sum(u.completion_tokens - 1 for u in usages)
+    chat_ok = 'fmoe_requests_total{"path": "/v1/chat/completions", "status": "200"}'
+    assert after[chat_ok] - before.get(chat_ok, 0) == 1
+    # the engine's figures over the server's life: every answer of the module's session went through it
+    from fmoe_cli.offload.engine import Counters
+
+    session = sum(server.service.session.layer_totals, Counters())
+    assert after["fmoe_expert_hit_rate{}"] == pytest.approx(session.hit_rate)
+    assert after["fmoe_link_bytes_total{}"] == session.bytes_moved
+    assert after["fmoe_exposed_load_ms_per_token{}"] >= 0 and after["fmoe_queue_length{}"] == 0
+    assert after["fmoe_link_bytes_total{}"] > 0  # the demo plan caches a share of the experts: misses load
+
+
+# --- shutdown -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("grace_s", [30.0, 0.0])
+def test_shutdown_finishes_or_cancels_the_answer_and_refuses_the_queue(chat_run, server, reference, gate, grace_s):
+    own = Server(start_service(chat_run.session, "demo", ServeOptions(port=0, grace_s=grace_s)))
+    try:
+        conn = raw_stream(own, {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "stream": True})
+        wait_for(lambda: gate.arrivals == 1, "the answer to begin")
+        waiting = in_thread(own.request, "POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES}))
+        wait_for(lambda: own.service.worker.queue_length == 1, "a request to wait")
+        own.server.should_exit = True  # as Ctrl-C or SIGTERM do
+        status, _, reply = waiting()
+        assert status == 503 and "shutting down" in reply["error"]["message"]
+        if grace_s:  # the answer in progress finishes
+            gate.open()
+            text = conn.getresponse().read().decode()
+            assert text.rstrip().endswith("data: [DONE]")
+            content = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+                              for line in text.splitlines() if line.startswith("data: {"))
+            assert content == decode(server, reference(chat_ids(server, MESSAGES), 6))
+        else:  # cancelled: within one token once the grace period is over
+            job = own.service.worker.current
+            wait_for(job.cancelled.is_set, "the answer to be cancelled")
+            gate.open()
+            wait_for(lambda: own.service.worker.current is None, "the engine to be free")
+            assert job.generated == job.generated_at_cancel == 1
+        own.thread.join(WAIT_S)
+        assert not own.thread.is_alive()
+    finally:
+        own.stop()
+
+
+# --- pure logic: stop strings and the queue -----------------------------------------------
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from fmoe_cli.serve.protocol import StopText  # noqa: E402
+from fmoe_cli.serve.worker import Done, Failed, Job, QueueFull, Worker  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("abc", max_size=30), stops=st.lists(st.text("abc", min_size=1, max_size=4), max_size=3),
+       cuts=st.lists(st.integers(0, 30), max_size=8))
+def test_stop_text_cuts_at_the_first_stop_however_the_text_is_split(text, stops, cuts):
+    pieces = [text[a:b] for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), len(text)])]
+    matcher, shown, hit = StopText(tuple(stops)), [], False
+    for piece in pieces:
+        out, hit = matcher.add(piece)
+        shown.append(out)
+        if hit:
+            break
+    if not hit:
+        shown.append(matcher.flush())
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    assert hit == (first is not None)
+    assert "".join(shown) == (text if first is None else text[:first])
+
+
+def test_worker_is_fifo_refuses_when_full_and_runs_idle_only_with_an_empty_queue():
+    release, order, idle_seen = threading.Event(), [], []
+    worker = None
+
+    def handle(job: Job) -> None:
+        release.wait(WAIT_S)
+        order.append(job.ids[0])
+        job.emit(Done("eos", "", None))
+
+    def idle() -> None:
+        idle_seen.append((worker.queue_length, worker.current))
+
+    worker = Worker(handle, max_queue=2, idle=idle).start()
+    got = {}
+    jobs = [Job([i], 1, None, lambda m, i=i: got.setdefault(i, m)) for i in range(4)]
+    worker.submit(jobs[0])
+    wait_for(lambda: worker.current is jobs[0], "the first job to run")
+    worker.submit(jobs[1])
+    worker.submit(jobs[2])
+    with pytest.raises(QueueFull) as full:
+        worker.submit(jobs[3])
+    assert full.value.retry_after >= 1
+    worker.cancel(jobs[1])  # its client went away while it waited
+    assert worker.queue_length == 1
+    release.set()
+    wait_for(lambda: worker.answered == 2 and idle_seen, "the jobs to finish")
+    assert order == [0, 2] and idle_seen == [(0, None)]  # idle once, after the last job, nothing waiting
+    hold = Job([5], 1, None, lambda m: got.setdefault(5, m))
+    release.clear()
+    worker.submit(Job([4], 1, None, lambda m: got.setdefault(4, m)))
+    wait_for(lambda: worker.current is not None, "a job to run")
+    worker.submit(hold)
+    worker.close()
+    assert isinstance(got[5], Failed) and got[5].status == 503  # the waiting one is refused at shutdown
+    release.set()
+    worker.join(WAIT_S)
+    assert isinstance(got[4], Done) and order == [0, 2, 4]
+
+
+# --- the command ------------------------------------------------------------------------
+
+
+def test_exposure_warning_names_the_address():
+    assert ServeOptions(host="0.0.0.0").exposure_warning().startswith("serving on 0.0.0.0 without an API key")
+    assert ServeOptions(host="0.0.0.0", api_key="k").exposure_warning() is None
+    assert ServeOptions(host="::1").exposure_warning() is None and ServeOptions(host="localhost").loopback
+
+
+def test_serve_option_errors_are_one_line_and_fast():
+    import subprocess
+    import sys
+
+    for argv, fragment in ((["--port", "70000"], "--port must be in"), (["--max-queue", "-1"], "--max-queue"),
+                           (["--grace", "-2"], "--grace")):
+        start = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "fmoe_cli.cli", "serve", "demo", *argv], capture_output=True,
+                                text=True, timeout=WAIT_S)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and fragment in result.stderr, result.stderr
+        assert "torch" not in result.stderr
+        assert time.monotonic() - start < WAIT_S
+
+
+def test_fmoe_serve_command_key_from_env_sigterm_saves_statistics(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    busy = ServeOptions(port=0).bind()  # a port in use: one line, before the model loads
+    used = busy.getsockname()[1]
+    result = subprocess.run([sys.executable, "-m", "fmoe_cli.cli", "serve", "demo", "--port", str(used)],
+                            capture_output=True, text=True, timeout=WAIT_S)
+    busy.close()
+    assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{used}" in result.stderr, result.stderr
+
+    env = dict(os.environ, FMOE_API_KEY="from-env", XDG_CONFIG_HOME=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "fmoe_cli.cli", "serve", "demo", "--port", "0", "--device", "cpu",
+                             "--host", "0.0.0.0"],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    try:
+        lines = []
+        while not any("listening on" in line for line in lines):
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        port = int(lines[-1].split("http://")[1].split("/")[0].rsplit(":", 1)[1])
+        assert not any("warning" in line for line in lines)  # a key is set: no exposure warning
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="from-env", max_retries=0)
+        assert client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="nope", max_retries=0).models.list()
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=WAIT_S)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest
+    assert "statistics saved" in rest and "Traceback" not in rest
+    assert list(tmp_path.rglob("*.stats.json"))  # the routing statistics of the answers, saved on the way out

@@ -1,0 +1,47 @@
+"""`fmoe bench` and `fmoe replay`. The bench's own options are checked here, without torch
+(the command line checks them before anything heavy is imported)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.files import read_text, writable_dir
+from fmoe_cli.offload import check_bandwidth
+from fmoe_cli.options import check_device_text
+
+PROMPT_LIMIT = 16 << 20  # bytes: a prompt file longer than any model's context by far
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str | None:
+    """The prompt text from --prompt or --prompt-file (not both); None: the default prompt."""
+    if prompt is not None and prompt_file is not None:
+        raise FmoeError("give --prompt or --prompt-file, not both")
+    if prompt_file is None and prompt is None:
+        return None
+    text = prompt if prompt_file is None else read_text(Path(prompt_file), "prompt file", PROMPT_LIMIT)
+    if not text.strip():
+        raise FmoeError("the prompt is empty")
+    return text
+
+
+def check_counts(tokens: int, warmup: int) -> None:
+    if tokens < 1:
+        raise FmoeError("--tokens must be at least 1")
+    if warmup < 0:
+        raise FmoeError("--warmup must be 0 or more")
+
+
+def check_profile_options(*, out: str | Path | None, emulate_link: float | None, prefill_len: int, device: str) -> None:
+    """`fmoe profile`'s own options (a model's are RunOptions'): the file asked for must be writable
+    before anything is measured."""
+    check_device_text(device)
+    if emulate_link is not None:
+        check_bandwidth(emulate_link)
+    if prefill_len < 1:
+        raise FmoeError(f"--prefill-len must be at least 1, got {prefill_len}")
+    if out is not None:  # the user asked for this file: refuse a place it cannot go before measuring
+        if Path(out).is_dir():
+            raise FmoeError(f"--out {out} is a directory; give a file name")
+        if (why := writable_dir(Path(out).parent)) is not None:
+            raise FmoeError(f"--out {out}: cannot write in {Path(out).parent} ({why})")

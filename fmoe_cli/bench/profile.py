@@ -15,11 +15,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fmoe_cli.errors import FmoeError, warn
-from fmoe_cli.files import writable_dir
+from fmoe_cli.errors import warn
 from fmoe_cli.models.identity import model_key
 from fmoe_cli.models.load import pick_device
-from fmoe_cli.offload.link import check_bandwidth
+from fmoe_cli.bench import check_profile_options
 from fmoe_cli.planning.stats import scratch_recorder
 from fmoe_cli.profiling.device import link_steps, profile_device
 from fmoe_cli.profiling.files import Profile, default_profile_path, now_iso
@@ -43,16 +42,8 @@ ENGINE_COSTS = (
 def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: float | None, prefill_len: int,
                 quick: bool, as_json: bool, device: str, console: Console) -> Path | None:
     """`fmoe profile`: the device's link and memory; with a model (`opts`), its per-layer timings too."""
+    check_profile_options(out=out, emulate_link=emulate_link, prefill_len=prefill_len, device=device)
     dev = pick_device(device)
-    if emulate_link is not None:
-        check_bandwidth(emulate_link)
-    if prefill_len < 1:
-        raise FmoeError(f"--prefill-len must be at least 1, got {prefill_len}")
-    if out is not None:  # the user asked for this file: refuse a place it cannot go before measuring
-        if Path(out).is_dir():
-            raise FmoeError(f"--out {out} is a directory; give a file name")
-        if (why := writable_dir(Path(out).parent)) is not None:
-            raise FmoeError(f"--out {out}: cannot write in {Path(out).parent} ({why})")
     with ExitStack() as stack:
         # The model's layers are timed resident, on demand otherwise: no link emulation, no cache.
         run = None if opts is None else stack.enter_context(open_run(opts, console))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import psutil
 import torch
@@ -29,8 +28,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from fmoe_cli.bench import check_counts, read_prompt  # noqa: F401 (read_prompt: re-exported)
 from fmoe_cli.trace import RouteRecorder
-from fmoe_cli.errors import FmoeError, reading
+from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import DEFAULT_PROMPT, SamplingParams, encode_messages, stream_generate
 from fmoe_cli.models.load import LoadedModel, precision_label
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
@@ -60,20 +60,6 @@ def encode_prompt(lm: LoadedModel, prompt: str) -> torch.Tensor:
     """[1, T]: one user message with the chat template (the plain text without one)."""
     return torch.tensor([encode_messages(lm.tokenizer, [{"role": "user", "content": prompt}], lm.model_id,
                                          plain=True)])
-
-
-def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
-    """The prompt text from --prompt or --prompt-file (not both), else the default."""
-    if prompt is not None and prompt_file is not None:
-        raise FmoeError("give --prompt or --prompt-file, not both")
-    if prompt_file is None:
-        text = DEFAULT_PROMPT if prompt is None else prompt
-    else:
-        with reading(prompt_file, "prompt file"):
-            text = Path(prompt_file).read_text(encoding="utf-8")
-    if not text.strip():
-        raise FmoeError("the prompt is empty")
-    return text
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -221,13 +207,11 @@ def check_context(limit: int | None, prompt_tokens: int, new_tokens: int, option
                         f"the context of {limit} tokens (--context); use {option} {max(limit - prompt_tokens, 0)} or less")
 
 
-def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str, console: Console | None = None) -> dict:
+def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None = None, console: Console | None = None) -> dict:
     """`fmoe bench`: set up the run, run every policy on the same prompt, return the report (the --json object)."""
     console = console or Console(stderr=True)
-    if tokens < 1:
-        raise FmoeError("--tokens must be at least 1")
-    if warmup < 0:
-        raise FmoeError("--warmup must be 0 or more")
+    check_counts(tokens, warmup)
+    prompt = DEFAULT_PROMPT if prompt is None else prompt
     runs = []
     interrupted = False
     with open_run(opts, console) as run:

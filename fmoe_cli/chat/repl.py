@@ -30,13 +30,13 @@ from rich.table import Table
 from rich.text import Text
 
 from fmoe_cli.trace import RouteRecorder
-from fmoe_cli.chat import MAX_NEW_TOKENS, TEMPERATURE, TOP_P
+from fmoe_cli.chat import ChatOptions
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.generate import SamplingParams
 from fmoe_cli.models.load import LoadedModel, precision_label
 from fmoe_cli.offload.engine import Counters, Engine
-from fmoe_cli.run import RunOptions, open_run
+from fmoe_cli.run import open_run
 
 MiB = 1024**2
 KEYS = "Enter sends · Esc+Enter new line · Ctrl-C stops an answer · Ctrl-D quits · /help"
@@ -52,28 +52,6 @@ COMMANDS = {
 Reader = Callable[[str], str]  # default text -> the user's input; raises KeyboardInterrupt / EOFError
 # Makes the idle hook instead of the run's re-planner (tests): (model, engine, expert budget bytes) -> hook.
 IdleFactory = Callable[[LoadedModel, Engine, int], IdleHook | None]
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """The run (model, policy, budget, …) and what only a chat has: the defaults live here."""
-
-    run: RunOptions = field(default_factory=RunOptions)
-    system: str | None = None
-    temperature: float = TEMPERATURE
-    top_p: float = TOP_P
-    max_new_tokens: int = MAX_NEW_TOKENS
-    seed: int | None = None
-
-    def check(self) -> None:
-        """Refuse bad options in one line, before the model is loaded."""
-        if not 0 <= self.temperature < float("inf"):
-            raise FmoeError(f"--temperature must be a number ≥ 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise FmoeError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise FmoeError("--max-new-tokens must be at least 1")
-        self.run.check()
 
 
 # --- input -------------------------------------------------------------------

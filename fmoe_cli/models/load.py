@@ -9,7 +9,6 @@ code runs only with `trust_remote_code=True`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,14 +17,14 @@ from rich.console import Console
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models import demo
-from fmoe_cli.models.hub import download
+from fmoe_cli.models.hub import download, local_model_dir
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.models.checkpoint import check_weight_files, read_checkpoint
 from fmoe_cli.models.identity import checkpoint_fingerprint
 from fmoe_cli.offload.converted import converted_path, open_converted, save_converted
 from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import DEFAULT_EXPERTS, EXPERT_FORMATS, ExpertShape
+from fmoe_cli.types import DEFAULT_EXPERTS, DTYPES, EXPERT_FORMATS, ExpertShape, check_dtype, check_expert_format
 
 GiB = 1024**3
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]
@@ -51,24 +50,12 @@ def precision_label(dtype: str, experts: str) -> str:
     return dtype if EXPERT_FORMATS[experts] is None else f"{dtype}, {experts} experts"
 
 
-def _looks_local(model_id: str) -> bool:
-    return model_id.startswith((".", "/", "~")) or os.sep in model_id.strip("/").split("/", 1)[-1]
-
-
 def resolve_model(model_id: str, trust_remote_code: bool = False) -> tuple[Path, str]:
     """A local directory, `demo`, or a hub id (downloaded with a progress bar)."""
     if model_id == "demo":
         path = demo.demo_path()
         return path, demo.demo_label(path)
-    local = Path(model_id).expanduser()
-    if local.exists():
-        if not local.is_dir() or not (local / "config.json").exists():
-            raise FmoeError(f"{model_id} is not a model directory (no config.json in it)")
-        path = local
-    elif _looks_local(model_id) or model_id.count("/") > 1:
-        raise FmoeError(f"no such model directory: {model_id}")
-    else:
-        path = _download(model_id, trust_remote_code)
+    path = local_model_dir(model_id) or _download(model_id, trust_remote_code)
     _check_weights(path, model_id)
     return path, model_id
 
@@ -104,11 +91,8 @@ def pick_device(device: str) -> torch.device:
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype in (None, "auto"):
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in table:
-        raise FmoeError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    return table[dtype]
+    check_dtype(dtype)
+    return getattr(torch, DTYPES[dtype])
 
 
 def load_model(
@@ -238,11 +222,6 @@ def check_host_ram(label: str, shape: ExpertShape, non_expert_bytes: int) -> Non
     raise FmoeError(f"{label} needs {need / GiB:.1f} GiB of host RAM with --experts {shape.experts} (experts "
                     f"{shape.all_experts_bytes / GiB:.1f} + other weights {non_expert_bytes / GiB:.1f} GiB) but "
                     f"{free / GiB:.1f} GiB is free here{hint}")
-
-
-def check_expert_format(experts: str) -> None:
-    if experts not in EXPERT_FORMATS:
-        raise FmoeError(f"unknown expert format {experts!r}; use {', '.join(EXPERT_FORMATS)}")
 
 
 def expert_shape(layers: list[MoeLayer], dtype: torch.dtype, experts: str = DEFAULT_EXPERTS) -> ExpertShape:

@@ -1,6 +1,6 @@
 """The converted store on disk: a quantised host store, saved once, memory-mapped after.
 
-The first int8/int4 load of a checkpoint quantises every expert (minutes for a large
+The first quantised (int8/int4/int2) load of a checkpoint quantises every expert (minutes for a large
 model); it then writes the packed store to the user cache as one safetensors file,
 
     <cache>/converted/<checkpoint fingerprint[:20]>-<format>-v<FORMAT_VERSION>.safetensors

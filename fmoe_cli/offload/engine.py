@@ -161,8 +161,12 @@ class LayerState:
     cache: LayerCache
     tops: torch.Tensor  # [C_i, k_i, *row_shape] on the device (for resident: all experts, whole)
     top_neurons: int  # k_i
-    top_rows: list = field(default_factory=list)  # store.rows(tops[slot]) per cache slot, made once
+    top_rows: list  # store.rows(tops[slot]) per cache slot, made once (what segment_forward takes)
     counters: Counters = field(default_factory=Counters)
+
+    @classmethod
+    def of(cls, cache: LayerCache, tops: torch.Tensor, top_neurons: int, store: HostStore) -> LayerState:
+        return cls(cache, tops, top_neurons, [store.rows(t) for t in tops.unbind(0)])
 
 
 @dataclass
@@ -314,7 +318,7 @@ class Engine:
                     ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]  # ever activated
                     for e in rebuild_order(ranked, lp):
                         tops[cache.insert(e)].copy_(store.expert(i, e)[: lp.top_neurons])
-            layers.append(LayerState(cache, tops, lp.top_neurons, top_rows=[store.rows(t) for t in tops.unbind(0)]))
+            layers.append(LayerState.of(cache, tops, lp.top_neurons, store))
         pool = StagingPool(plan.staging_slots, shape.intermediate, store.row_shape, store.dtype, self.device)
         self.layers, self.pool = layers, pool
         self.prefetcher = Prefetcher(pool, self.link, store, layers, shape)

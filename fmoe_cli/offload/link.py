@@ -47,7 +47,7 @@ from typing import Protocol
 
 import torch
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.offload import check_bandwidth
 
 DEMAND = 0  # priority of a load the current layer is waiting for
 PREFETCH = 1  # prefetches: PREFETCH + rank, so higher-scored experts go first
@@ -596,18 +596,6 @@ class CudaLink:
         if self._pump_thread is not None:
             self._pump_thread.join(timeout=5)
         self.synchronize()  # a transfer begun is finished (its slot may be read)
-
-
-MIN_EMULATED_GBPS = 0.01  # 10 MB/s: below any real host→device link (a slower one only looks hung)
-
-
-def check_bandwidth(emulate_gbps: float) -> None:
-    """Refuse an emulated link (--emulate-link) that is not a finite bandwidth ≥ MIN_EMULATED_GBPS, in one line."""
-    if not emulate_gbps > 0 or emulate_gbps == float("inf"):
-        raise FmoeError(f"--emulate-link needs a finite bandwidth > 0 GB/s, got {emulate_gbps:g}")
-    if emulate_gbps < MIN_EMULATED_GBPS:
-        raise FmoeError(f"--emulate-link {emulate_gbps:g} GB/s is slower than any host→device link "
-                        f"(at least {MIN_EMULATED_GBPS:g} GB/s): one expert would take hours")
 
 
 def make_link(device: torch.device, emulate_gbps: float | None, note: str | None = None) -> Link:

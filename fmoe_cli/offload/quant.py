@@ -1,4 +1,4 @@
-"""int8 / int4 experts: weight-only, group-wise along the hidden dimension, neuron-major.
+"""int8 / int4 / int2 experts: weight-only, group-wise along the hidden dimension, neuron-major.
 
 Neuron n of an expert is the row (gate row n, up row n, down column n), three vectors
 of length H (offload/layout.py). Each is quantised in groups of G consecutive weights
@@ -7,10 +7,14 @@ along H:
     int8 (symmetric):   s = max|w| / 127,            q = round(w / s) ∈ [-127, 127],  ŵ = q·s
     int4 (min / max):   s = (max w − min w) / 15,    q = round((w − m) / s) ∈ [0, 15], ŵ = q·s + m,  m = min w
 
-(s and m in float16, rounded before q is computed). A stored neuron row is, for each
-of the three projections, its H codes (int4: byte j holds code j in its low nibble and
-code j + H/2 in its high one, so unpacking writes two contiguous halves) followed
-by its H/G groups of metadata: `row_shape` = (3, projection_bytes) bytes. Every
+(s and m in float16, rounded before q is computed), and
+
+    int2 (HQQ):         ŵ = (q − z)·s, q ∈ [0, 3], G = 16, z from HQQ's half-quadratic solver,
+                        s and z themselves stored as 8-bit codes (offload/hqq.py).
+
+A stored neuron row is, for each of the three projections, its H codes (int4: byte j holds
+code j in its low nibble and code j + H/2 in its high one, so unpacking writes two contiguous
+halves; int2: four quarters) followed by its H/G groups of metadata: `row_shape` = (3, projection_bytes) bytes. Every
 neuron carries its own scales, so any top/bottom split [0, k) / [k, I) is still one
 contiguous segment with its scales, and a segment computes alone:
 
@@ -33,13 +37,15 @@ from __future__ import annotations
 
 import torch
 
-from fmoe_cli.offload import layout
+from fmoe_cli.offload import hqq, layout
 from fmoe_cli.offload.store import HostStore
 from fmoe_cli.types import EXPERT_FORMATS, MiB, ExpertShape, QuantFormat
 
 
 def quantize(block: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """[n, 3, H] float -> [n, 3, projection_bytes] uint8."""
+    if fmt.scheme == "hqq":
+        return hqq.quantize(block, fmt)
     n, three, hidden = block.shape
     g = fmt.group_size(hidden)
     w = block.float().reshape(n, three, hidden // g, g)
@@ -66,12 +72,17 @@ def dequantize(segment: torch.Tensor, fmt: QuantFormat, hidden: int, dtype: torc
     `workspace`: float32 memory of at least n·3·H elements to compute in, and `out`: `dtype` memory of as
     many for the result (both reused: no fresh pages per call)."""
     n, three, _ = segment.shape
+    size = n * three * hidden
+    if fmt.scheme == "hqq":
+        w = (torch.empty(size, dtype=torch.float32, device=segment.device) if workspace is None
+             else workspace.view(-1)[:size]).view(n, three, hidden)
+        w = hqq.dequantize_into(segment, fmt, hidden, w)
+        return w if dtype == torch.float32 else w.to(dtype)
     g = fmt.group_size(hidden)
     groups = hidden // g
     code_bytes = hidden * fmt.bits // 8
     meta = segment[..., code_bytes:].contiguous().view(torch.float16).float()  # [n, 3, groups (·2)]
     codes = segment[..., :code_bytes]  # a view: rows of the segment
-    size = n * three * hidden
     w = (torch.empty(size, dtype=torch.float32, device=segment.device) if workspace is None
          else workspace.view(-1)[:size]).view(n, three, groups, g)
     if fmt.bits == 8:
@@ -166,5 +177,5 @@ class QuantStore(HostStore):
 
 
 def make_store(shape: ExpertShape, dtype: torch.dtype, pin: bool) -> HostStore:
-    """The host store for `shape.experts`: unquantised rows of `dtype`, or int8/int4 rows."""
+    """The host store for `shape.experts`: unquantised rows of `dtype`, or quantised rows."""
     return HostStore(shape, dtype, pin) if EXPERT_FORMATS[shape.experts] is None else QuantStore(shape, dtype, pin)

@@ -13,8 +13,12 @@ configurator (planning/configurator.py) makes the tuned one.
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan
+from fmoe_cli.models.hub import local_config_path
+from fmoe_cli.profiling.files import Profile
+from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan, check_dtype, check_expert_format
 
 
 
@@ -89,8 +93,8 @@ def resolve_context(requested: int | None, model_context: int | None, kv_per_tok
     and the workspace; None on the CPU), so that a useful expert cache fits beside it: Mixtral's
     128 KiB per token makes 8k tokens 1 GiB."""
     if requested is not None:
-        if requested < 1:
-            raise FmoeError(f"--context must be at least 1 token, got {requested}")
+        if requested < 0:
+            raise FmoeError(f"--context must be ≥ 0 tokens, got {requested}")  # 0: no KV cache reserved (plan)
         if model_context is not None and requested > model_context:
             raise FmoeError(f"--context {requested} is longer than the model's context of {model_context} tokens")
         return requested
@@ -166,11 +170,11 @@ def _is_auto(text: str) -> bool:
 
 def check_budget_text(text: str | None, device=None) -> None:
     """Refuse a --vram-budget that does not read, or a size beyond all the memory of `device`
-    (the CPU: this machine's RAM), before anything slow."""
+    (the CPU, or None: this machine's RAM, which holds every expert), before anything slow."""
     if text is None or _is_auto(text):
         return
     budget = parse_budget(text, 1)
-    if device is not None and not text.strip().endswith("%"):
+    if not text.strip().endswith("%"):
         total, what = device_memory(device)
         if budget > total:
             raise FmoeError(f"--vram-budget {text.strip()} is more than {what} ({total / 1024**3:.1f} GiB)")
@@ -219,3 +223,24 @@ def parse_budget(text: str, all_experts_bytes: int) -> int:
             raise FmoeError(f"a budget share must be in (0, 100]%, got {text!r}")
         return int(all_experts_bytes * value / 100)
     return int(value * _UNITS[unit])
+
+
+def check_plan_options(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,
+                       workspace: str, experts: str, trace: str | None) -> Profile | None:
+    """`fmoe plan`'s options, without torch (the command line checks them before anything heavy is
+    imported): one line for the first bad one. Returns the profile read (None without one)."""
+    if context is not None:
+        resolve_context(context, None, 0)  # a bad number: refused before anything is read
+    if vram is not None:  # the device's memory: a size, never a share (that is --vram-budget's)
+        if vram.strip().endswith("%"):
+            raise FmoeError(f"--vram {vram.strip()}: give the device's memory as a size such as 12GiB "
+                            "(a share of the experts is for --vram-budget of bench and chat)")
+        parse_budget(vram, 1)
+    parse_budget(workspace, 0)
+    check_dtype(dtype)
+    check_expert_format(experts)
+    if trace is not None and not Path(trace).is_file():
+        raise FmoeError(f"--trace: no such file: {trace}")
+    if model != "demo":
+        local_config_path(model)
+    return Profile.load(Path(profile_path)) if profile_path is not None else None

@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models.demo import demo_path
 from fmoe_cli.models.families import check_is_moe, find_moe_layers
-from fmoe_cli.models.hub import download
+from fmoe_cli.models.hub import download, local_config_path
 from fmoe_cli.models.load import (
     check_expert_format,
     expert_shape,
@@ -41,10 +41,10 @@ from fmoe_cli.planning.autoplan import moepic_configuration
 from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings, price_plan
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of
-from fmoe_cli.planning.plan import min_staging_slots, parse_budget, resolve_context
+from fmoe_cli.planning.plan import check_plan_options, min_staging_slots, parse_budget, resolve_context
 from fmoe_cli.types import DEFAULT_EXPERTS, EXPERT_FORMATS, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
-from fmoe_cli.profiling.files import Profile, model_identity
+from fmoe_cli.profiling.files import model_identity
 from fmoe_cli.profiling.layers import decoder_layers
 from fmoe_cli.trace import read_trace
 
@@ -71,15 +71,9 @@ def config_path_of(model: str) -> Path:
     """A local config.json, a model directory holding one, `demo`, or config.json alone from the hub."""
     if model == "demo":
         return demo_path() / "config.json"
-    local = Path(model).expanduser()
-    if local.is_file():
+    local = local_config_path(model)
+    if local is not None:
         return local
-    if local.is_dir():
-        if not (local / "config.json").exists():
-            raise FmoeError(f"{model} has no config.json")
-        return local / "config.json"
-    if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise FmoeError(f"no such file or model directory: {model}")
     path = download(model, ["config.json"], f"{model}'s config.json", progress=False) / "config.json"
     if not path.exists():
         raise FmoeError(f"{model} has no config.json on the hub")
@@ -148,16 +142,8 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
 def run_plan(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,
              as_json: bool, console: Console, workspace: str = "512MiB", experts: str = DEFAULT_EXPERTS,
              trace: str | None = None) -> dict:
-    if context is not None:
-        resolve_context(context, None, 0)  # a bad number: refused before anything is read
-    if vram is not None:  # the device's memory: a size, never a share (that is --vram-budget's)
-        if vram.strip().endswith("%"):
-            raise FmoeError(f"--vram {vram.strip()}: give the device's memory as a size such as 12GiB "
-                            "(a share of the experts is for --vram-budget of bench and chat)")
-        parse_budget(vram, 1)
-    if trace is not None and not Path(trace).is_file():
-        raise FmoeError(f"--trace: no such file: {trace}")
-    profile = Profile.load(Path(profile_path)) if profile_path is not None else None
+    profile = check_plan_options(model, vram=vram, profile_path=profile_path, context=context, dtype=dtype,
+                                 workspace=workspace, experts=experts, trace=trace)
     routing = None
     if trace is not None:  # a malformed trace is refused before the model is built
         routing = read_trace(trace)

@@ -40,6 +40,7 @@ from fmoe_cli.models.identity import model_key
 from fmoe_cli.offload.policies import LCP, LCP_OMEGA, LCP_RHO, EvictionPolicy
 
 STATS_SCHEMA_VERSION = 1
+STATS_LIMIT = 256 << 20  # bytes: statistics of a model with thousands of experts stay far below
 _COUNT_DTYPE = np.int64
 MAX_EXPERTS = 4096  # per layer; the N×N histogram of one layer is then 128 MiB
 
@@ -311,7 +312,7 @@ class RoutingStats:
 
     @classmethod
     def load(cls, path: Path, expect: tuple[int, int, int] | None = None) -> RoutingStats:
-        return cls.from_dict(read_json(path, "routing statistics"), source=f"routing statistics {path}", expect=expect)
+        return cls.from_dict(read_json(path, "routing statistics", limit=STATS_LIMIT), source=f"routing statistics {path}", expect=expect)
 
 
 class StatsRecorder:

@@ -40,7 +40,7 @@ def resident_layer(engine: Engine, moe_index: int) -> Iterator[None]:
     for e in range(n):
         cache.insert(e)
     tops = engine.store.layers[moe_index].to(engine.device, engine.store.dtype)
-    engine.layers[moe_index] = LayerState(cache, tops, engine.shape.intermediate)
+    engine.layers[moe_index] = LayerState.of(cache, tops, engine.shape.intermediate, engine.store)
     try:
         yield
     finally:
@@ -265,7 +265,7 @@ def segment_call_s(lm, repeats: int = 200) -> float:
 def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False, cold: bool = False) -> float:
     """T_exp: one expert's forward for one token (decode) on this device, through the store's
     own segment_forward (the engine's compute): the mean over `repeats` after a warm-up.
-    `unquantised`: of the expert's unquantised weights instead (int8/int4 stores).
+    `unquantised`: of the expert's unquantised weights instead (quantised stores).
     `cold`: each forward of another expert, in turn over every layer's experts, as a decode step
     meets them (on a CPU, one expert's weights read again and again stay in its caches: up to 3 ×
     faster than in a decode step; a GPU's L2 holds no expert of a real model either way)."""

@@ -197,7 +197,6 @@ async def until_disconnected(request: Request) -> None:
 
 def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="fmoe", docs_url=None, redoc_url=None, openapi_url=None)
-    limit = service.options.max_body
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -232,7 +231,7 @@ def create_app(service: Service) -> FastAPI:
         return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     async def generation(request: Request, kind, encode, prompt_of) -> Response:
-        req = parse(kind, await read_json(request, limit), service.model_id)
+        req = parse(kind, await read_json(request, service.options.max_body), service.model_id)
         lm = service.session.lm
         ids = await asyncio.to_thread(_encode, encode, lm.tokenizer, prompt_of(req), lm.model_id)
         return await respond(service, request, req, ids, Reply(chat=kind is ChatRequest, model=service.model_id))
@@ -267,8 +266,14 @@ async def respond(service: Service, request: Request, req, ids: list[int], reply
                               1.0 if req.top_p is None else req.top_p, req.seed)
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
-    job = Job(ids, max_tokens, sampling, lambda message: loop.call_soon_threadsafe(inbox.put_nowait, message),
-              stops=req.stop_strings())
+
+    def emit(message) -> None:  # from the worker thread
+        try:
+            loop.call_soon_threadsafe(inbox.put_nowait, message)
+        except RuntimeError:  # the event loop has closed (the server stopped): nobody is listening
+            job.cancelled.set()
+
+    job = Job(ids, max_tokens, sampling, emit, stops=req.stop_strings())
     try:
         service.worker.submit(job)
     except QueueFull as exc:

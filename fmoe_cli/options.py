@@ -1,0 +1,91 @@
+"""`RunOptions`: everything a run is set up from, and their checks (docs/architecture.md).
+
+This module imports no torch, transformers or hub client: a command line is checked here in a
+fraction of a second, before anything heavy is imported (`fmoe bench demo --policy bogus` answers
+at once). `RunOptions.check` checks what needs no device (names, numbers, paths, files); what
+depends on the device (a budget beyond a GPU's memory, a profile of another device) is checked by
+`open_run` (run.py) before the model loads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.hub import local_model_dir
+from fmoe_cli.offload import check_bandwidth
+from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
+from fmoe_cli.planning.configurator import DEFAULT_TAU
+from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_budget_text, resolve_context
+from fmoe_cli.planning.presets import DEFAULT_POLICY, preset
+from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
+from fmoe_cli.profiling.files import Profile
+from fmoe_cli.trace import check_trace_out
+from fmoe_cli.types import DEFAULT_EXPERTS, check_dtype, check_expert_format
+
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device_text(device: str) -> None:
+    """auto, cpu or cuda[:N] (whether that device exists is torch's to say, later)."""
+    if not DEVICE.fullmatch(device):
+        raise FmoeError(f"unknown device {device!r}; use auto, cpu or cuda[:N]")
+
+
+def check_model_text(model: str) -> None:
+    """`demo`, a hub id, or a local model directory that exists and holds a config.json."""
+    if model != "demo":
+        local_model_dir(model)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything a run is set up from; the command line builds one (the defaults live here)."""
+
+    model: str = "demo"
+    policies: tuple[str, ...] = (DEFAULT_POLICY,)  # the engine starts with the first
+    vram_budget: str | None = DEFAULT_BUDGET  # None: the staging pool alone (no cache)
+    predictor: str = DEFAULT_PREDICTOR
+    omega: float = LCP_OMEGA  # LCP ω
+    rho: float = LCP_RHO  # LCP ρ
+    emulate_link: float | None = None  # GB/s of an emulated host→device link
+    device: str = "auto"
+    dtype: str | None = None  # None: auto
+    experts: str = DEFAULT_EXPERTS  # storage of the routed experts: bf16 (unquantised, in dtype), int8, int4, int2
+    trust_remote_code: bool = False
+    trace_out: str | None = None  # JSONL routing trace
+    overwrite_trace: bool = False  # --force: trace_out may replace an existing file
+    profile: str | None = None  # a device profile (the configurator's timings), instead of the default one
+    stats_path: Path | None = None  # where the routing statistics are kept (default: per model)
+    tau: int = DEFAULT_TAU  # τ: tokens between re-plans
+    record_statistics: bool = True  # observe routing, keep the statistics, re-plan while idle
+    # Without a GPU and without emulate_link: an emulated link shaped like a consumer card
+    # (profiling/reference.py) instead of none. fmoe bench sets it.
+    shape_link: bool = False
+    if_fits: tuple[str, ...] = ()  # policies left out (with a note) when their plan does not fit the device
+    context: int | None = None  # tokens of KV cache reserved (--context); None: planning.plan.resolve_context's default
+
+    def check(self) -> None:
+        """Refuse bad options in one line without importing torch: names, numbers, paths and files
+        (what depends on the device is run.py's `check_device`, once torch is imported)."""
+        if not self.policies:
+            raise FmoeError("no policy to run")
+        for name in self.policies:
+            preset(name)
+        check_predictor(self.predictor)
+        check_dtype(self.dtype)
+        check_expert_format(self.experts)
+        check_lcp(self.omega, self.rho)
+        if self.emulate_link is not None:
+            check_bandwidth(self.emulate_link)
+        if self.context is not None:
+            resolve_context(self.context, None, 0)
+        check_device_text(self.device)
+        check_budget_text(self.vram_budget)  # (and not beyond this machine's memory)
+        if self.trace_out is not None:
+            check_trace_out(self.trace_out, self.overwrite_trace)
+        if self.profile is not None:
+            Profile.load(Path(self.profile))
+        check_model_text(self.model)
