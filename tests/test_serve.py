@@ -20,10 +20,11 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM
 
 import fmoe_cli.chat.session as session_module
-from fmoe_cli.chat.repl import ChatOptions, open_chat
+from fmoe_cli.chat import ChatOptions
+from fmoe_cli.chat.repl import open_chat
 from fmoe_cli.generate import encode_messages, encode_text
 from fmoe_cli.models.demo import SHIPPED
-from fmoe_cli.run import RunOptions
+from fmoe_cli.options import RunOptions
 from fmoe_cli.serve import ServeOptions
 from fmoe_cli.serve.app import serve_in, start_service
 

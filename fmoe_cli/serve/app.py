@@ -23,13 +23,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from rich.console import Console
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fmoe_cli.chat import MAX_NEW_TOKENS
-from fmoe_cli.chat.repl import ChatOptions, open_chat
+from fmoe_cli.chat import MAX_NEW_TOKENS, ChatOptions
+from fmoe_cli.chat.repl import open_chat
 from fmoe_cli.chat.session import ChatSession
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import SamplingParams, encode_messages, encode_text
 from fmoe_cli.offload.engine import Counters
-from fmoe_cli.run import RunOptions
+from fmoe_cli.options import RunOptions
 from fmoe_cli.serve import ServeOptions
 from fmoe_cli.serve.protocol import (
     ApiError,
@@ -369,7 +369,7 @@ class _Server(uvicorn.Server):
 def serve_in(service: Service, sock, *, log_level: str = "info") -> _Server:
     """The uvicorn server of `service` on the bound socket `sock` (not yet running)."""
     config = uvicorn.Config(create_app(service), log_level=log_level, timeout_graceful_shutdown=service.options.grace_s,
-                            lifespan="off", access_log=log_level == "debug")
+                            lifespan="off", access_log=True)  # one line per request (uvicorn prints it at info)
     return _Server(config, service)
 
 
