@@ -106,7 +106,7 @@ def user_errors(command):
 POLICY_NAMES = ", ".join(PRESETS)
 ModelArg = Annotated[str, typer.Argument(help="Hugging Face model id, a local model directory, or 'demo'.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
-DtypeOpt = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")]
+DtypeOpt = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float16 on cards below sm_80, float32 on CPU), float32, bfloat16, float16.")]
 BudgetOpt = Annotated[str, typer.Option(
     "--vram-budget", help="Device memory for experts: auto (what fits on this device; CPU: 25%), 6GiB, 512MiB, or a share of all routed experts such as 25%.")]
 LinkOpt = Annotated[float | None, typer.Option(

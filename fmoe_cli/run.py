@@ -46,7 +46,7 @@ from fmoe_cli.planning.plan import (
 from fmoe_cli.planning.presets import PRESETS, PlanInputs, make_settings, settings_for
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import default_stats_path, open_recorder, scratch_recorder
-from fmoe_cli.profiling.device import LinkPlan, device_identity, fit_link, measure_link
+from fmoe_cli.profiling.device import device_identity, device_link
 from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
 from fmoe_cli.profiling.model import expert_compute_s, model_timings
 from fmoe_cli.profiling.reference import CONSUMER_CARD
@@ -124,14 +124,12 @@ def measure_timings(lm: LoadedModel, engine: Engine | None = None, *, link=None,
             engine.close()
 
 
-def link_fit_of(link, device, expert_bytes: int):
-    """(LinkFit, what it is) for the engine's link: an emulated link's own figures, else a quick measurement."""
+def link_fit_of(link, device) -> LinkFit:
+    """The engine's link: an emulated link's own figures, else the device's, measured once and reused
+    (profiling/device.py: `device_link`)."""
     if getattr(link, "gbps", None):
         return LinkFit("emulated", link.gbps * 1e9, getattr(link, "latency_s", 0.0), (), link.label())
-    sizes = (expert_bytes, 4 * expert_bytes, 16 * expert_bytes)
-    samples = measure_link(device, LinkPlan(sizes, repeats=5, warmup=1))
-    latency, bandwidth = fit_link(samples)
-    return LinkFit("measured", bandwidth, latency, tuple(samples), f"quick measurement of {link.label()}")
+    return device_link(device)
 
 
 def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine: Engine | None = None,
@@ -160,7 +158,7 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
         timings = measure_timings(lm, engine)
         on_quick()
     if emulated or link_fit is None or link_fit.kind == "emulated":  # the link the engine really uses
-        link_fit = link_fit_of(link, lm.device, lm.shape.expert_bytes)
+        link_fit = link_fit_of(link, lm.device)
     return timings.timings(link_fit, lm.shape.expert_bytes)
 
 

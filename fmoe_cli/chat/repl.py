@@ -34,7 +34,7 @@ from fmoe_cli.chat import ChatOptions
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.generate import SamplingParams
-from fmoe_cli.models.load import LoadedModel, precision_label
+from fmoe_cli.models.load import LoadedModel, native_bf16, precision_label
 from fmoe_cli.offload.engine import Counters, Engine
 from fmoe_cli.run import open_run
 
@@ -194,9 +194,13 @@ def header_lines(session: ChatSession, link_label: str, budget_bytes: int, profi
     label = lm.label
     if lm.model_id == "demo" and "tiny" not in label.lower():
         label = f"tiny demo model: {label}"
+    dtype = str(lm.dtype).removeprefix("torch.")
+    precision = precision_label(dtype, lm.shape.experts)
+    if lm.device.type == "cuda" and dtype == "float16" and not native_bf16(lm.device):
+        precision += ": this card has no native bfloat16"
     lines = [
         f"[bold]fmoe chat[/bold] · {escape(label)}",
-        f"device {lm.device} ({precision_label(str(lm.dtype).removeprefix('torch.'), lm.shape.experts)}) · {link_label} · "
+        f"device {lm.device} ({precision}) · {link_label} · "
         f"VRAM budget {budget_bytes / MiB:.1f} MiB for experts",
         f"plan {session.settings.plan.summary()}",
     ]
