@@ -34,12 +34,12 @@ from fmoe_cli.models.load import LoadedModel, load_model, pick_device
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import make_link
 from fmoe_cli.planning.plan import (
-    KV_TOKENS,
     check_budget_text,
     check_budget,
     check_plan_fits,
     device_room,
     kv_cache_bytes,
+    resolve_context,
     min_staging_slots,
     resolve_budget,
 )
@@ -65,6 +65,7 @@ class Run:
     writer: TraceWriter | None = None  # --trace-out
     profile: str | None = None
     timing_source: str | None = None  # the configurator's timings: "profile" or "quick estimate" (None: no plan needs them)
+    context: int | None = None  # tokens the KV cache is reserved for (--context): chat keeps its window inside
 
     def settings_for(self, index: int) -> EngineSettings:
         """Policy `index`'s settings, planned now from the statistics so far when its plan reads them
@@ -82,7 +83,10 @@ class Run:
 
 def context_length(lm: LoadedModel) -> int | None:
     """The model's context in tokens (its config's max_position_embeddings), None if it does not say."""
-    config = lm.model.config
+    return config_context(lm.model.config)
+
+
+def config_context(config) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None)
     return limit if isinstance(limit, int) and limit > 0 else None
@@ -172,7 +176,10 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
         against the device's free memory (minus the non-expert weights still to load, the KV
         cache and the workspace; `resident` when the model does not fit), one line each."""
         nonlocal presets
-        kv = kv_cache_bytes(config, KV_TOKENS, shape.dtype_bytes)
+        beside = device_room(device, 0, non_expert_pending=non_expert_bytes)  # the room before the KV cache
+        context = resolve_context(opts.context, config_context(config), kv_cache_bytes(config, 1, shape.dtype_bytes),
+                                  None if beside is None else beside.bytes)
+        kv = kv_cache_bytes(config, context, shape.dtype_bytes)
         room = device_room(device, kv, non_expert_pending=non_expert_bytes)
         budget = resolve_budget(opts.vram_budget, shape, room)
         inputs = PlanInputs(shape, budget, model=opts.model)
@@ -189,7 +196,7 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
                 presets = [p for p in presets if p.name != name]
         if any(p.configured for p in presets):
             check_budget(shape, budget, min_staging_slots(shape))
-        plans.update(budget=budget, fixed=fixed)
+        plans.update(budget=budget, fixed=fixed, context=context)
 
     with ExitStack() as stack:
         lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
@@ -240,4 +247,5 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
         if replanner is not None:
             stack.callback(replanner.close)  # saves the statistics (runs before engine.close)
         engine.configure(settings[0])
-        yield Run(opts, lm, engine, budget, inputs, settings, replanner, writer, opts.profile, timing_source)
+        yield Run(opts, lm, engine, budget, inputs, settings, replanner, writer, opts.profile, timing_source,
+                  context=plans["context"])

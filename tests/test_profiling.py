@@ -170,7 +170,8 @@ def test_fmoe_profile_model_on_the_cpu(checkpoints, tmp_path):
     assert all(layer.t_moe > 0 and layer.t_att >= 0 for layer in decode.layers + prefill.layers)
     model = profile.model
     measured = (model.t_host_load, model.t_host_prefetch, model.t_admit, model.t_segment)
-    assert all(x is not None and x >= 0 for x in measured) and model.t_admit > 0 and model.t_segment > 0
+    # c (t_segment) is a difference of two timings, clamped at 0: on a busy machine it can be 0 (measured, not None).
+    assert all(x is not None and x >= 0 for x in measured) and model.t_admit > 0
 
 
 def test_fmoe_profile_device_says_it_profiled_the_cpu(tmp_path):

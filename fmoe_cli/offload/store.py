@@ -84,9 +84,14 @@ class HostStore:
     def row_shape(self) -> tuple[int, ...]:
         return (3, self.shape.hidden)
 
-    def segment_forward(self, x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
-        """Partial expert output of the neurons in `segment` ([n, *row_shape]) for tokens x ([T, H])."""
+    def segment_forward(self, x: torch.Tensor, segment, act) -> torch.Tensor:
+        """Partial expert output of the neurons in `segment` ([n, *row_shape], or its `rows`) for tokens x ([T, H])."""
         return layout.segment_forward(x, segment, act)
+
+    def rows(self, segment: torch.Tensor):
+        """What `segment_forward` takes for `segment`, prepared once for a buffer that is computed from many
+        times (a cached top, a staging slot): its gate, up and down rows as views."""
+        return layout.split_rows(segment)
 
     @property
     def layer_bytes(self) -> int:

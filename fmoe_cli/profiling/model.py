@@ -60,7 +60,7 @@ class WholeLayers:
         for e in range(n):
             cache.insert(e)
         tops = self._standin if self._standin is not None else engine.store.layers[i].to(engine.device, engine.store.dtype)
-        return LayerState(cache, tops, engine.shape.intermediate)
+        return LayerState.of(cache, tops, engine.shape.intermediate, engine.store)
 
     def serve(self, keep: int | None = None) -> None:
         self._planned = {}
