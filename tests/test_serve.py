@@ -534,7 +534,7 @@ def test_shutdown_finishes_or_cancels_the_answer_and_refuses_the_queue(chat_run,
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from fmoe_cli.serve.protocol import StopText  # noqa: E402
+from fmoe_cli.serve.protocol import StopText, first_stop  # noqa: E402
 from fmoe_cli.serve.worker import Done, Failed, Job, QueueFull, Worker  # noqa: E402
 
 
@@ -551,7 +551,13 @@ def test_stop_text_cuts_at_the_first_stop_however_the_text_is_split(text, stops,
             break
     if not hit:
         shown.append(matcher.flush())
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    first = None  # where generation stops, one character at a time: the first prefix holding a stop string
+    for end in range(1, len(text) + 1):
+        found = [i for i in (text[:end].find(s) for s in stops) if i >= 0]
+        if found:
+            first = min(found)
+            break
+    assert first == first_stop(text, stops)
     assert hit == (first is not None)
     assert "".join(shown) == (text if first is None else text[:first])
 
