@@ -654,3 +654,46 @@ def test_fmoe_serve_command_key_from_env_sigterm_saves_statistics(tmp_path):
     assert proc.returncode == 0, rest
     assert "statistics saved" in rest and "Traceback" not in rest
     assert list(tmp_path.rglob("*.stats.json"))  # the routing statistics of the answers, saved on the way out
+
+
+def test_failures_are_one_log_line_and_openai_errors_and_the_engine_recovers(server, reference, monkeypatch, caplog):
+    import logging
+
+    import fmoe_cli.serve.app as app_module
+
+    def broken_encode(*args):
+        raise RuntimeError("template on fire\nsecond line")
+
+    monkeypatch.setattr(app_module, "encode_messages", broken_encode)
+    with caplog.at_level(logging.ERROR):
+        status, _, reply = server.request("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES}))
+        assert status == 500 and reply["error"]["type"] == "server_error" and "fire" not in reply["error"]["message"]
+        # the line is written once the response has gone (the error passes the 500 on its way out)
+        wait_for(lambda: any(r.levelno >= logging.ERROR for r in caplog.records), "the log line")
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "template on fire" in errors[0].getMessage() and errors[0].exc_info is None
+    assert "second line" not in errors[0].getMessage()
+    monkeypatch.undo()
+
+    real = session_module.stream_generate
+
+    def failing(*args, **kwargs):
+        for i, event in enumerate(real(*args, **kwargs)):
+            if i == 2:
+                raise RuntimeError("device on fire")
+            yield event
+
+    monkeypatch.setattr(session_module, "stream_generate", failing)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        status, _, reply = server.request("POST", "/v1/chat/completions",
+                                          json.dumps({"messages": MESSAGES, "max_tokens": 6}))
+        assert status == 500 and "device on fire" in reply["error"]["message"]
+        conn = raw_stream(server, {"messages": MESSAGES, "max_tokens": 6, "stream": True})
+        lines = [line for line in conn.getresponse().read().decode().splitlines() if line.startswith("data: ")]
+        assert json.loads(lines[-1][6:])["error"]["message"].endswith("device on fire")  # an error event ends it
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 2
+    monkeypatch.undo()
+    assert server.service.session._kv is None  # dropped: the forward stopped half-way
+    expected = reference(chat_ids(server, MESSAGES), 6)
+    assert chat_text(server, MESSAGES, 6) == decode(server, expected)  # the engine was rebuilt and answers exactly
