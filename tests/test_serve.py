@@ -633,7 +633,7 @@ def test_fmoe_serve_command_key_from_env_sigterm_saves_statistics(tmp_path):
 
     env = dict(os.environ, FMOE_API_KEY="from-env", XDG_CONFIG_HOME=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "fmoe_cli.cli", "serve", "demo", "--port", "0", "--device", "cpu",
-                             "--host", "0.0.0.0"],
+                             "--host", "0.0.0.0", "--policy", "lru"],  # a fixed plan: no timing at start-up
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
         lines = []
