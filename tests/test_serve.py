@@ -697,3 +697,15 @@ def test_failures_are_one_log_line_and_openai_errors_and_the_engine_recovers(ser
     assert server.service.session._kv is None  # dropped: the forward stopped half-way
     expected = reference(chat_ids(server, MESSAGES), 6)
     assert chat_text(server, MESSAGES, 6) == decode(server, expected)  # the engine was rebuilt and answers exactly
+
+
+def test_a_seed_makes_a_sampled_answer_reproducible(server):
+    client = server.client()
+
+    def sample(seed: int) -> str:
+        return client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=12, temperature=1.5,
+                                              seed=seed).choices[0].message.content
+
+    first = sample(7)
+    assert sample(7) == first  # the KV cache of the previous request in between changes nothing
+    assert len({first, sample(8), sample(9)}) > 1  # and the seed is what decides
