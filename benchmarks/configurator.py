@@ -99,7 +99,7 @@ def main() -> None:
     link = EmulatedLink(gbps, latency_s=0.0)
     engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
     engine.install(lm.model)
-    timings = measured.timings(link_fit_of(link, lm.device, shape.expert_bytes), shape.expert_bytes)
+    timings = measured.timings(link_fit_of(link, lm.device), shape.expert_bytes)
 
     # learn the routing (any policy: the recorder ranks by LCP priority), then configure
     recorder = StatsRecorder(RoutingStats.empty(str(path), shape.num_layers, shape.num_experts, shape.top_k))

@@ -211,7 +211,7 @@ def firm_timings(lm, links: dict, prefill_len: int, console: Console) -> dict:
     for ratio, link in links.items():
         with console.status(f"profiling the model on the ratio-{ratio:g} link (as `fmoe profile --model`) …"):
             measured = measure_timings(lm, link=link, quick=False, prefill_len=prefill_len)
-        t = out[ratio] = measured.timings(link_fit_of(link, lm.device, shape.expert_bytes), shape.expert_bytes)
+        t = out[ratio] = measured.timings(link_fit_of(link, lm.device), shape.expert_bytes)
         console.print(f"profile, ratio {ratio:g}: T_att {t.t_att * 1e3:.3f} ms, T_exp {t.t_exp * 1e3:.3f} ms, "
                       f"T_head {t.t_head * 1e3:.3f} ms; h_load {t.t_host_load * 1e3:.3f}, h_pf "
                       f"{t.t_host_prefetch * 1e3:.3f}, a_e {t.t_admit * 1e3:.3f}, c {t.t_segment * 1e3:.3f}, "

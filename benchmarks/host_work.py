@@ -32,6 +32,14 @@ smaller segment_forward and the add: compute that a whole expert does not do.)
     python benchmarks/host_work.py --profile ondemand     # cProfile of one run, top functions
     python benchmarks/host_work.py --versions OLD NEW --rounds 4   # two source trees (their fmoe_cli), one
         process per tree and round, alternating: host ms per segment of each, side by side
+    python benchmarks/host_work.py --ops   # aten ops per decode step (profiling/ops.py), no timing
+
+`--ops` counts what the host dispatches instead of timing it (a count does not depend on
+how busy the machine is): one decode step of tiny random checkpoints shaped like
+Mixtral (8 experts, top-2), Qwen3-30B-A3B (128 experts, top-8) and DeepSeek-V3 (shared
+expert, a dense first layer), under `resident`, `ondemand` and `uniform` (θ = 0.5, every
+expert's top cached: split), on an instant link: ops per segment forward, per MoE layer
+besides its segments, and per activated expert.
 """
 
 from __future__ import annotations
@@ -159,6 +167,59 @@ def compare(args) -> None:
     console.print("token ids identical across trees and runs" if len(ids) == 1 else "[red]token ids DIFFER[/red]")
 
 
+OPS_SHAPES = {  # family, overrides of models/demo.py's tiny config
+    "mixtral-shaped": ("mixtral", {}),
+    "qwen3-30b-a3b-shaped": ("qwen3_moe", {"num_experts": 128, "num_experts_per_tok": 8}),
+    "deepseek-v3-shaped": ("deepseek_v3", {}),
+}
+
+
+def count_ops(console: Console, as_json: bool) -> None:
+    """Aten ops per decode step (fmoe_cli/profiling/ops.py) for the OPS_SHAPES under three plans."""
+    import tempfile
+    from pathlib import Path
+
+    from fmoe_cli.models.demo import build_random_moe
+    from fmoe_cli.profiling.ops import count_decode_ops
+
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for name, (family, overrides) in OPS_SHAPES.items():
+            path = build_random_moe(Path(root) / name, family=family, seed=1, **overrides)
+            lm = load_model(str(path), device="cpu", dtype="float32", console=console)
+            shape = lm.shape
+            for policy in ("resident", "ondemand", "uniform"):
+                engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+                engine.install(lm.model)
+                budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes
+                engine.configure(make_settings(policy, shape, budget, theta=0.5 if policy == "uniform" else None))
+                steps = stream_generate(lm.model, torch.tensor([[5, 17, 42, 99, 7, 3]]), engine=engine,
+                                        max_new_tokens=4, stop_on_eos=False)
+                next(steps), next(steps)
+                ops = count_decode_ops(lambda: next(steps))
+                engine.close()
+                activated = ops["layers"] * shape.top_k
+                layer_ops = ops["ops_per_layer_besides_segments"] * ops["layers"]
+                rows.append({"shape": name, "policy": policy, "top_k": shape.top_k,
+                             "segments_per_layer": ops["segments"] / ops["layers"],
+                             "ops_per_segment": ops["ops_per_segment"],
+                             "ops_per_layer_besides_segments": ops["ops_per_layer_besides_segments"],
+                             "ops_per_activated_expert": (ops["segments"] * ops["ops_per_segment"] + layer_ops)
+                             / activated})
+    if as_json:
+        print(json.dumps(rows))
+        return
+    table = Table(title="aten ops per decode step (TorchDispatchMode; no timing)")
+    for column in ("shape", "policy", "K", "segments / layer", "ops / segment", "ops / layer besides segments",
+                   "ops / activated expert (all)"):
+        table.add_column(column, justify="left" if column in ("shape", "policy") else "right")
+    for r in rows:
+        table.add_row(r["shape"], r["policy"], str(r["top_k"]), f"{r['segments_per_layer']:.1f}",
+                      f"{r['ops_per_segment']:.1f}", f"{r['ops_per_layer_besides_segments']:.1f}",
+                      f"{r['ops_per_activated_expert']:.1f}")
+    Console().print(table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the demo model")
@@ -172,7 +233,10 @@ def main() -> None:
                    "fmoe_cli): --rounds processes each, alternating, every one running --repeats rounds")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--layer-reps", type=int, default=200, help="repetitions of the one-layer measurement")
+    p.add_argument("--ops", action="store_true", help="count aten ops per decode step instead of timing")
     args = p.parse_args()
+    if args.ops:
+        return count_ops(Console(stderr=True), args.json)
     if args.versions:
         return compare(args)
     torch.set_num_threads(1)

@@ -106,7 +106,7 @@ def user_errors(command):
 POLICY_NAMES = ", ".join(PRESETS)
 ModelArg = Annotated[str, typer.Argument(help="Hugging Face model id, a local model directory, or 'demo'.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
-DtypeOpt = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16.")]
+DtypeOpt = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float16 on cards below sm_80, float32 on CPU), float32, bfloat16, float16.")]
 BudgetOpt = Annotated[str, typer.Option(
     "--vram-budget", help="Device memory for experts: auto (what fits on this device; CPU: 25%), 6GiB, 512MiB, or a share of all routed experts such as 25%.")]
 LinkOpt = Annotated[float | None, typer.Option(
@@ -123,6 +123,11 @@ ExpertsOpt = Annotated[str, typer.Option(
     "--experts", help="How the routed experts are stored and moved: bf16 (unquantised, in --dtype), int8, int4 "
                       "or int2 (weight-only, group-wise: about 2× / 3.5× / 5.3× fewer bytes in RAM and on the link; "
                       "int2 is HQQ's 2-bit setting for Mixtral's experts).")]
+
+
+ContextOpt = Annotated[int | None, typer.Option(
+    "--context", metavar="TOKENS", help="Tokens of KV cache to reserve on the device; chat keeps its window inside "
+                                        "(default: 8192, at most the model's, less on a small GPU).")]
 
 
 def run_options(model: str, policies, *, dtype: str, lcp_omega: float = LCP_OMEGA, lcp_rho: float = LCP_RHO,
@@ -157,6 +162,7 @@ def bench(
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
     device: DeviceOpt = "auto",
+    context: ContextOpt = None,
     trust_remote_code: TrustOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -164,7 +170,7 @@ def bench(
     opts = run_options(model, parse_policies(policy, compare), vram_budget=vram_budget, predictor=predictor,
                        lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
                        overwrite_trace=force, dtype=dtype, experts=experts, device=device,
-                       trust_remote_code=trust_remote_code, shape_link=True,
+                       trust_remote_code=trust_remote_code, shape_link=True, context=context,
                        if_fits=("resident",) if policy is None and compare is None else ())
     check_counts(tokens, warmup)
     prompt_text = read_prompt(prompt, prompt_file)
@@ -201,13 +207,14 @@ def chat(
     emulate_link: LinkOpt = None,
     trace_out: TraceOpt = None,
     force: ForceOpt = False,
+    context: ContextOpt = None,
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
     opts = ChatOptions(run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
                                    lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
                                    overwrite_trace=force, dtype=dtype, experts=experts, device=device,
-                                   trust_remote_code=trust_remote_code, profile=profile),
+                                   trust_remote_code=trust_remote_code, profile=profile, context=context),
                        system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     opts.check()
     _quiet_libraries()
@@ -239,6 +246,7 @@ def serve(
     emulate_link: LinkOpt = None,
     trace_out: TraceOpt = None,
     force: ForceOpt = False,
+    context: ContextOpt = None,
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
@@ -247,7 +255,7 @@ def serve(
     opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
                        lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
                        dtype=dtype, experts=experts, device=device, trust_remote_code=trust_remote_code,
-                       profile=profile)
+                       profile=profile, context=context)
     _quiet_libraries()
     from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the options read
 
@@ -274,7 +282,7 @@ def plan(
     model: Annotated[str, typer.Argument(help="Hugging Face model id (only config.json is fetched), a model directory, or a config.json.")],
     vram: Annotated[str | None, typer.Option(help="Device memory to plan for, e.g. 12GiB (default: the profile's device, else this GPU).")] = None,
     profile: Annotated[str | None, typer.Option(help="A profile from `fmoe profile` (or profiles/*.json): link, memory, timings.")] = None,
-    context: Annotated[int, typer.Option(help="Tokens of KV cache to reserve.")] = 4096,
+    context: ContextOpt = None,
     workspace: Annotated[str, typer.Option(help="Reserve for activations, the allocator and the CUDA context.")] = "512MiB",
     dtype: Annotated[str, typer.Option(help="auto (the config's, else bfloat16), bfloat16, float16, float32.")] = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,

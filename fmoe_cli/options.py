@@ -18,7 +18,7 @@ from fmoe_cli.models.hub import local_model_dir
 from fmoe_cli.offload import check_bandwidth
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
 from fmoe_cli.planning.configurator import DEFAULT_TAU
-from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_budget_text
+from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_budget_text, resolve_context
 from fmoe_cli.planning.presets import DEFAULT_POLICY, preset
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
 from fmoe_cli.profiling.files import Profile
@@ -65,6 +65,7 @@ class RunOptions:
     # (profiling/reference.py) instead of none. fmoe bench sets it.
     shape_link: bool = False
     if_fits: tuple[str, ...] = ()  # policies left out (with a note) when their plan does not fit the device
+    context: int | None = None  # tokens of KV cache reserved (--context); None: planning.plan.resolve_context's default
 
     def check(self) -> None:
         """Refuse bad options in one line without importing torch: names, numbers, paths and files
@@ -79,6 +80,8 @@ class RunOptions:
         check_lcp(self.omega, self.rho)
         if self.emulate_link is not None:
             check_bandwidth(self.emulate_link)
+        if self.context is not None:
+            resolve_context(self.context, None, 0)
         check_device_text(self.device)
         check_budget_text(self.vram_budget)  # (and not beyond this machine's memory)
         if self.trace_out is not None:

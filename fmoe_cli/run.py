@@ -34,19 +34,19 @@ from fmoe_cli.models.load import LoadedModel, load_model, pick_device
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import make_link
 from fmoe_cli.planning.plan import (
-    KV_TOKENS,
     check_budget_text,
     check_budget,
     check_plan_fits,
     device_room,
     kv_cache_bytes,
+    resolve_context,
     min_staging_slots,
     resolve_budget,
 )
 from fmoe_cli.planning.presets import PRESETS, PlanInputs, make_settings, settings_for
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import default_stats_path, open_recorder, scratch_recorder
-from fmoe_cli.profiling.device import LinkPlan, device_identity, fit_link, measure_link
+from fmoe_cli.profiling.device import device_identity, device_link
 from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
 from fmoe_cli.profiling.model import expert_compute_s, model_timings
 from fmoe_cli.profiling.reference import CONSUMER_CARD
@@ -65,6 +65,7 @@ class Run:
     writer: TraceWriter | None = None  # --trace-out
     profile: str | None = None
     timing_source: str | None = None  # the configurator's timings: "profile" or "quick estimate" (None: no plan needs them)
+    context: int | None = None  # tokens the KV cache is reserved for (--context): chat keeps its window inside
 
     def settings_for(self, index: int) -> EngineSettings:
         """Policy `index`'s settings, planned now from the statistics so far when its plan reads them
@@ -82,7 +83,10 @@ class Run:
 
 def context_length(lm: LoadedModel) -> int | None:
     """The model's context in tokens (its config's max_position_embeddings), None if it does not say."""
-    config = lm.model.config
+    return config_context(lm.model.config)
+
+
+def config_context(config) -> int | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None)
     return limit if isinstance(limit, int) and limit > 0 else None
@@ -120,14 +124,12 @@ def measure_timings(lm: LoadedModel, engine: Engine | None = None, *, link=None,
             engine.close()
 
 
-def link_fit_of(link, device, expert_bytes: int):
-    """(LinkFit, what it is) for the engine's link: an emulated link's own figures, else a quick measurement."""
+def link_fit_of(link, device) -> LinkFit:
+    """The engine's link: an emulated link's own figures, else the device's, measured once and reused
+    (profiling/device.py: `device_link`)."""
     if getattr(link, "gbps", None):
         return LinkFit("emulated", link.gbps * 1e9, getattr(link, "latency_s", 0.0), (), link.label())
-    sizes = (expert_bytes, 4 * expert_bytes, 16 * expert_bytes)
-    samples = measure_link(device, LinkPlan(sizes, repeats=5, warmup=1))
-    latency, bandwidth = fit_link(samples)
-    return LinkFit("measured", bandwidth, latency, tuple(samples), f"quick measurement of {link.label()}")
+    return device_link(device)
 
 
 def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine: Engine | None = None,
@@ -156,7 +158,7 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
         timings = measure_timings(lm, engine)
         on_quick()
     if emulated or link_fit is None or link_fit.kind == "emulated":  # the link the engine really uses
-        link_fit = link_fit_of(link, lm.device, lm.shape.expert_bytes)
+        link_fit = link_fit_of(link, lm.device)
     return timings.timings(link_fit, lm.shape.expert_bytes)
 
 
@@ -174,7 +176,10 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
         against the device's free memory (minus the non-expert weights still to load, the KV
         cache and the workspace; `resident` when the model does not fit), one line each."""
         nonlocal presets
-        kv = kv_cache_bytes(config, KV_TOKENS, shape.dtype_bytes)
+        beside = device_room(device, 0, non_expert_pending=non_expert_bytes)  # the room before the KV cache
+        context = resolve_context(opts.context, config_context(config), kv_cache_bytes(config, 1, shape.dtype_bytes),
+                                  None if beside is None else beside.bytes)
+        kv = kv_cache_bytes(config, context, shape.dtype_bytes)
         room = device_room(device, kv, non_expert_pending=non_expert_bytes)
         budget = resolve_budget(opts.vram_budget, shape, room)
         inputs = PlanInputs(shape, budget, model=opts.model)
@@ -191,7 +196,7 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
                 presets = [p for p in presets if p.name != name]
         if any(p.configured for p in presets):
             check_budget(shape, budget, min_staging_slots(shape))
-        plans.update(budget=budget, fixed=fixed)
+        plans.update(budget=budget, fixed=fixed, context=context)
 
     with ExitStack() as stack:
         lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
@@ -242,4 +247,5 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
         if replanner is not None:
             stack.callback(replanner.close)  # saves the statistics (runs before engine.close)
         engine.configure(settings[0])
-        yield Run(opts, lm, engine, budget, inputs, settings, replanner, writer, opts.profile, timing_source)
+        yield Run(opts, lm, engine, budget, inputs, settings, replanner, writer, opts.profile, timing_source,
+                  context=plans["context"])

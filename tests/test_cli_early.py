@@ -101,24 +101,25 @@ def test_bench_beyond_the_model_context_is_refused(checkpoints):
     assert "--tokens 600" in text and "context of 512 tokens" in text, text
 
 
-def test_chat_answers_end_at_the_models_context(checkpoints, monkeypatch):
-    """--max-new-tokens beyond the context: every answer stops where the context ends."""
+def test_chat_answers_end_at_the_context(checkpoints):
+    """--max-new-tokens beyond the context (--context 40): every answer stops where the context ends, and the
+    footer shows how much of it the conversation uses."""
     import io
 
     from rich.console import Console
 
-    import fmoe_cli.chat.session as session_module
     from fmoe_cli.chat.repl import ChatOptions, open_chat
     from fmoe_cli.run import RunOptions
 
-    monkeypatch.setattr(session_module, "context_length", lambda lm: 40)
-    chat = open_chat(ChatOptions(RunOptions(model=str(checkpoints["mixtral"]), device="cpu"), temperature=0.0,
-                                 max_new_tokens=100_000_000), err_console=Console(file=io.StringIO()))
+    chat = open_chat(ChatOptions(RunOptions(model=str(checkpoints["mixtral"]), device="cpu", context=40),
+                                 temperature=0.0, max_new_tokens=100_000_000), err_console=Console(file=io.StringIO()))
     try:
         stats = chat.session.ask("hello there")
         prompt = len(chat.session.encode([{"role": "user", "content": "hello there"}]))
         assert stats.finish_reason == "eos" or stats.tokens == 40 - prompt
         assert stats.tokens <= 40 - prompt
+        assert stats.context == 40 and stats.context_used == prompt + stats.tokens
+        assert stats.footer().endswith(f"context {prompt + stats.tokens}/40")
     finally:
         chat.close()
 

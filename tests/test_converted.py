@@ -108,3 +108,50 @@ def test_interrupted_write_leaves_nothing_behind(model, monkeypatch):
     monkeypatch.setattr(converted_module, "converted_dir", lambda: directory)
     load(model)
     assert converted_path(checkpoint_fingerprint(model), "int4").exists()
+
+
+class RecordingCudart:
+    """torch.cuda.cudart() as the GPU path calls it: records registrations; `refuse` flags fail."""
+
+    def __init__(self, refuse: int = 0) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+        self.refuse = refuse
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append((ptr, nbytes, flags))
+        return 801 if flags & self.refuse else 0  # cudaErrorNotSupported
+
+    def cudaHostUnregister(self, ptr):
+        return 0
+
+
+def test_a_mapped_store_is_page_locked_read_only_and_portable(model, monkeypatch):
+    """Issue 20 §5: the converted store is a private writable mapping; registering it for writing would
+    copy every page into RAM. It is registered read-only (8) and portable (1: a run on cuda:1 copies from
+    it in another context than the current device's); a store in ordinary memory is portable only."""
+    from fmoe_cli.offload.converted import open_converted
+    from fmoe_cli.offload.store import HostStore
+
+    HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY = 0x01, 0x08  # cuda_runtime_api.h
+
+    lm, _ = load(model)
+    fingerprint = checkpoint_fingerprint(model)
+    mapped = open_converted(converted_path(fingerprint, "int4"), fingerprint, lm.shape, Console(file=io.StringIO()))
+    cudart = RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    store = QuantStore(lm.shape, torch.float32, pin=True)
+    store.allocate(mapped)
+    assert [c[0] for c in cudart.calls] == [t.data_ptr() for t in mapped]
+    assert {c[2] for c in cudart.calls} == {HOST_REGISTER_PORTABLE | HOST_REGISTER_READ_ONLY}
+    cudart.calls.clear()
+    plain = HostStore(load(model, "bf16")[0].shape, torch.float32, pin=True)
+    plain.allocate()
+    assert {c[2] for c in cudart.calls} == {HOST_REGISTER_PORTABLE}
+    # a card that cannot register read-only: registered writable (copied into RAM), with one warning
+    cudart = RecordingCudart(refuse=HOST_REGISTER_READ_ONLY)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    again = QuantStore(lm.shape, torch.float32, pin=True)
+    again.allocate(mapped)
+    assert [c[2] for c in cudart.calls] == [HOST_REGISTER_PORTABLE | HOST_REGISTER_READ_ONLY,
+                                            HOST_REGISTER_PORTABLE] * lm.shape.num_layers
+    assert all(buffer.registered for buffer in again._buffers)

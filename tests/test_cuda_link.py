@@ -1,5 +1,5 @@
 """CudaLink's logic on a fake CUDA (this machine has no GPU): chunks and priorities, at
-most `max_in_flight` chunks handed to the GPU, wait() only orders the compute stream,
+most `max_in_flight_bytes` handed to the GPU (blocking events), wait() only orders the compute stream,
 fences make the copy stream wait, completion only by polling, stalls timed by events,
 and the pump thread issuing the next chunk when one completes, without a poll.
 
@@ -22,9 +22,10 @@ KiB = 1024
 
 
 class FakeEvent:
-    def __init__(self, enable_timing: bool = False) -> None:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
         self.done = threading.Event()
         self.stream = None
+        self.blocking = blocking
 
     def record(self, stream=None) -> None:
         stream = stream or GPU.current
@@ -105,7 +106,7 @@ def pair(kib: int):
 
 
 def test_chunks_priorities_and_the_in_flight_limit(fake_cuda):
-    link = CudaLink(torch.device("cuda"), max_in_flight=2, chunk_bytes=KiB, pump_thread=False)
+    link = CudaLink(torch.device("cuda"), max_in_flight_bytes=2 * KiB, chunk_bytes=KiB, pump_thread=False)
     prefetch = link.submit(*pair(8), PREFETCH)  # 8 chunks
     assert len(link._in_flight) == 2 and prefetch.state is TransferState.RUNNING
     demand = link.submit(*pair(1), DEMAND)
@@ -123,7 +124,7 @@ def test_chunks_priorities_and_the_in_flight_limit(fake_cuda):
 
 
 def test_wait_orders_the_compute_stream_without_blocking_and_acquire_times_the_stall(fake_cuda):
-    link = CudaLink(torch.device("cuda"), max_in_flight=1, chunk_bytes=KiB, pump_thread=False)
+    link = CudaLink(torch.device("cuda"), max_in_flight_bytes=KiB, chunk_bytes=KiB, pump_thread=False)
     busy = link.submit(*pair(4), PREFETCH)
     queued = link.submit(*pair(2), PREFETCH + 1)
     assert queued.state is TransferState.QUEUED
@@ -156,7 +157,7 @@ def test_a_fence_makes_the_copy_stream_wait_for_the_readers(fake_cuda):
 
 
 def test_a_copy_after_an_earlier_copy_is_issued_after_it(fake_cuda):
-    link = CudaLink(torch.device("cuda"), max_in_flight=1, chunk_bytes=KiB, pump_thread=False)
+    link = CudaLink(torch.device("cuda"), max_in_flight_bytes=KiB, chunk_bytes=KiB, pump_thread=False)
     link.submit(*pair(1), PREFETCH)  # keeps the one in-flight place
     old = link.submit(*pair(2), PREFETCH + 5)
     new = link.submit(*pair(1), DEMAND, after=(old,))
@@ -167,7 +168,7 @@ def test_a_copy_after_an_earlier_copy_is_issued_after_it(fake_cuda):
 
 
 def test_the_pump_thread_issues_the_next_chunk_without_a_poll(fake_cuda):
-    link = CudaLink(torch.device("cuda"), max_in_flight=1, chunk_bytes=KiB)
+    link = CudaLink(torch.device("cuda"), max_in_flight_bytes=KiB, chunk_bytes=KiB)
     t = link.submit(*pair(3), PREFETCH)
     with fake_cuda.cv:
         assert len(fake_cuda.copy_records) == 1
@@ -184,7 +185,7 @@ def test_a_copy_seen_done_is_acquired_without_touching_the_compute_stream(fake_c
     """A poll saw its last event complete: the copy has landed, so acquire hands out the buffer with no
     wait and no timing events on the compute stream (host work per loaded segment), and releasing it
     (cancel) does not take the link's lock path either: it has begun, so it cannot be cancelled."""
-    link = CudaLink(torch.device("cuda"), max_in_flight=2, chunk_bytes=KiB, pump_thread=False)
+    link = CudaLink(torch.device("cuda"), max_in_flight_bytes=2 * KiB, chunk_bytes=KiB, pump_thread=False)
     t = link.submit(*pair(1), DEMAND)
     fake_cuda.complete(1)
     assert t.ready() and t.state is TransferState.DONE
@@ -201,7 +202,7 @@ def test_a_released_copy_issues_no_further_chunks(fake_cuda):
     """Issue 20 §1: a prefetch released after its first chunk (its slot given to a demand load) must
     not write its remaining chunks over the demand load that follows it into the same slot. It stops
     at the chunk boundary, which also frees the link: only its first chunk is moved."""
-    link = CudaLink(torch.device("cuda"), max_in_flight=1, chunk_bytes=KiB, pump_thread=False)
+    link = CudaLink(torch.device("cuda"), max_in_flight_bytes=KiB, chunk_bytes=KiB, pump_thread=False)
     slot = torch.zeros(2 * KiB)  # one 8 KiB slot of fp32: 8 chunks
     old = link.submit(slot, torch.full_like(slot, 1.0), PREFETCH)
     assert old.state is TransferState.RUNNING and old.sent == KiB
@@ -219,7 +220,7 @@ def test_a_released_copy_issues_no_further_chunks(fake_cuda):
 
 def test_a_copy_after_a_running_copy_waits_for_its_last_chunk(fake_cuda):
     """`after` a copy means after all of it: a copy into the same slot is not issued between its chunks."""
-    link = CudaLink(torch.device("cuda"), max_in_flight=1, chunk_bytes=KiB, pump_thread=False)
+    link = CudaLink(torch.device("cuda"), max_in_flight_bytes=KiB, chunk_bytes=KiB, pump_thread=False)
     slot = torch.zeros(KiB)  # 4 chunks
     old = link.submit(slot, torch.full_like(slot, 1.0), PREFETCH + 3)
     new = link.submit(slot, torch.full_like(slot, 2.0), DEMAND, after=(old,))
@@ -228,4 +229,28 @@ def test_a_copy_after_a_running_copy_waits_for_its_last_chunk(fake_cuda):
         order.append(link._in_flight[-1][0] if link._in_flight else None)
         fake_cuda.complete(1)
     assert order[:4] == [old] * 4 and bool((slot == 2.0).all())
+    link.close()
+
+
+def test_in_flight_is_counted_in_bytes_and_chunk_events_block(fake_cuda):
+    """Issue 20 §5: small copies (Qwen3-30B-A3B's 2.6 MiB int4 experts, one chunk each) fill the byte
+    budget, not a count of 2 copies: the copy engine has work queued while the pump waits. A demand
+    load still waits behind at most that many bytes, and goes ahead of the prefetches queued before it.
+    The pump thread waits on chunk events: created blocking, so the wait sleeps instead of spinning."""
+    link = CudaLink(torch.device("cuda"), max_in_flight_bytes=2 * KiB, chunk_bytes=KiB, pump_thread=False)
+    small = [link.submit(torch.zeros(64), torch.randn(64), PREFETCH + i) for i in range(10)]  # 256 B each
+    assert [t.state for t in small] == [TransferState.RUNNING] * 8 + [TransferState.QUEUED] * 2
+    assert sum(n for _, _, n in link._in_flight) == 2 * KiB
+    demand = link.submit(*pair(1), DEMAND)
+    assert demand.state is TransferState.QUEUED  # the budget is full
+    fake_cuda.complete(3)
+    assert not demand.ready() and demand.state is TransferState.QUEUED  # 768 B free: not room for 1 KiB
+    fake_cuda.complete(1)
+    assert not demand.ready() and demand.state is TransferState.RUNNING  # ahead of the two prefetches left
+    assert small[8].state is TransferState.QUEUED and sum(n for _, _, n in link._in_flight) == 2 * KiB
+    while not all(t.ready() for t in [*small, demand]):
+        assert sum(n for _, _, n in link._in_flight) <= 2 * KiB
+        fake_cuda.complete(1)
+    assert link.bytes_moved == 10 * 256 + KiB
+    assert fake_cuda.copy_records and all(e.blocking for e in fake_cuda.copy_records)
     link.close()

@@ -347,3 +347,56 @@ def test_prefill_computes_the_lm_head_for_the_last_token_only(checkpoints, famil
         full = lm.model(torch.cat([PROMPT, torch.tensor([got[:2]])], dim=1)).logits[0, PROMPT.shape[1] - 1:]
     engine.close()
     assert full.argmax(-1).tolist() == got
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("policy", ["resident", "ondemand", "uniform"])
+def test_host_work_per_decode_step_in_ops(checkpoints, family, policy):
+    """Issue 20 §6: every op the host dispatches costs it microseconds on a GPU. Counted on the CPU with a
+    TorchDispatchMode over one decode step: a segment's forward is 5 ops (two linears, the activation, the
+    product, the down matmul: its rows split once per buffer), and an MoE layer besides its segments is at
+    most 6 ops plus 2 per activated expert (the weighted sum, bit-identical to index_add_) on a plan that
+    does not split; a split plan (uniform θ = 0.5) adds the top + bottom add and the predictor's scores."""
+    from fmoe_cli.planning.presets import make_settings
+    from fmoe_cli.profiling.ops import count_decode_ops
+
+    lm = load_model(str(checkpoints[family]), device="cpu", dtype="float32")
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes,
+                                   theta=0.5 if policy == "uniform" else None))
+    steps = stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=4, stop_on_eos=False)
+    next(steps), next(steps)  # prefill and a first decode step: every buffer's rows split already
+    ops = count_decode_ops(lambda: next(steps))
+    engine.close()
+    assert ops["layers"] == shape.num_layers and ops["segments"] >= shape.num_layers * shape.top_k
+    assert ops["ops_per_segment"] == 5, ops["by_op"]
+    bound = 6 + 2 * shape.top_k  # routing to the host, the weighted sum
+    if policy == "ondemand":
+        bound += 1  # a staging slot's view split the first time it holds this segment
+    if policy == "uniform":
+        bound += shape.top_k + 13  # top + bottom adds; the predictor's scores and ranking, the prefetches
+    assert ops["ops_per_layer_besides_segments"] <= bound, ops["by_op"]
+
+
+def test_each_load_is_polled_once_per_pass(mixtral, monkeypatch):
+    """Issue 20 §6: the compute loop polls every loading transfer once per pass and then computes the done
+    ones and the rest in order, not one load per pass with a poll of every other one (O(n²) polls)."""
+    from fmoe_cli.planning.presets import make_settings
+
+    lm, shape = mixtral, mixtral.shape
+    clock = VirtualClock()
+    link = EmulatedLink(1, clock=clock)  # slow: no load is done when the layer first looks
+    engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("ondemand", shape, 2 * shape.top_k * shape.expert_bytes))
+    polls = []
+    real = EmulatedLink.poll
+    monkeypatch.setattr(EmulatedLink, "poll", lambda self, t: polls.append(t) or real(self, t))
+    steps = stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=3, stop_on_eos=False)
+    next(steps)
+    polls.clear()
+    next(steps)  # a decode step: K loads per layer
+    engine.close()
+    assert len(polls) == shape.num_layers * shape.top_k

@@ -182,3 +182,27 @@ def test_store_is_page_locked_at_its_exact_size_and_released(checkpoints, monkey
     assert [c for c in calls if c[0] == "unregister"] == [("unregister", t.data_ptr()) for t in store.layers]
     store.close()  # twice: nothing more
     assert len(calls) == 2 * shape.num_layers
+
+
+@pytest.mark.parametrize(("capability", "want"), [((7, 5), torch.float16), ((6, 1), torch.float16),
+                                                   ((8, 0), torch.bfloat16), ((8, 9), torch.bfloat16)])
+def test_auto_dtype_is_float16_on_a_card_without_native_bfloat16(capability, want, monkeypatch):
+    """Issue 20 §5: below sm_80 (T4, RTX 20-series) bfloat16 is emulated: auto picks float16 there, asking
+    the run's own device; an explicit dtype is kept; the chat header says why it is float16."""
+    from types import SimpleNamespace
+
+    from fmoe_cli.chat.repl import header_lines
+    from fmoe_cli.models.load import pick_dtype
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+    device = torch.device("cuda", 1)
+    assert pick_dtype(None, device) is want and pick_dtype("auto", device) is want
+    assert asked == [device, device]
+    assert pick_dtype("bfloat16", device) is torch.bfloat16 and pick_dtype(None, torch.device("cpu")) is torch.float32
+    lm = SimpleNamespace(label="m", model_id="m", device=device, dtype=want, shape=SimpleNamespace(experts="bf16"))
+    session = SimpleNamespace(lm=lm, settings=SimpleNamespace(plan=SimpleNamespace(summary=lambda: "p")))
+    device_line = header_lines(session, "link: x", 2**20, None)[1]
+    name = str(want).removeprefix("torch.")
+    assert device_line.startswith(f"device cuda:1 ({name}")
+    assert ("no native bfloat16" in device_line) == (want is torch.float16)

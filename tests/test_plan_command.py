@@ -86,7 +86,8 @@ def test_plan_uses_recorded_statistics(checkpoints):
 
 def test_mixtral_8x7b_from_its_config(tmp_path):
     """Hand check: one expert = 3·4096·14336·2 B = 336 MiB; KV per token = 32 layers · 8 KV heads ·
-    (128 + 128) · 2 B = 128 KiB, so 4096 tokens = 512 MiB; the staging pool holds 2K = 4 experts."""
+    (128 + 128) · 2 B = 128 KiB, so the default 8192 tokens = 1 GiB (--context 4096: 512 MiB); the staging
+    pool holds 2K = 4 experts."""
     config = transformers.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
                                         num_local_experts=8, num_experts_per_tok=2)
@@ -94,7 +95,8 @@ def test_mixtral_8x7b_from_its_config(tmp_path):
     config.save_pretrained(tmp_path / "mixtral")
     report = plan_json(str(tmp_path / "mixtral"), "--vram", "24GiB")
     assert report["shape"]["expert_bytes"] == 336 * MiB
-    assert report["memory"]["kv_cache"] == 512 * MiB
+    assert report["memory"]["kv_cache"] == 1024 * MiB and report["memory"]["context_tokens"] == 8192
+    assert plan_json(str(tmp_path / "mixtral"), "--vram", "24GiB", "--context", "4096")["memory"]["kv_cache"] == 512 * MiB
     assert report["memory"]["staging"] == 4 * 336 * MiB
     assert not report["memory"]["whole_model_fits"]
     assert sum(layer["vram_bytes"] for layer in report["layers"]) <= report["memory"]["expert_budget"]
@@ -127,7 +129,8 @@ def test_too_small_a_budget_says_how_much_is_needed(checkpoints):
     path = str(checkpoints["mixtral"])
     memory = plan_json(path, "--vram", "64MiB", "--workspace", "8MiB")["memory"]
     need = memory["device"] - memory["expert_budget"]  # U_n + U_b + KV + workspace
-    assert 12 * MiB < need < 13 * MiB  # workspace 8 + KV 4 (4096 tokens · 4 layers · 2 heads · 32 · 4 B) + weights
+    # workspace 8 + KV 0.5 (the model's own context, 512 tokens · 4 layers · 2 heads · (32 + 32) · 4 B) + weights
+    assert 8.5 * MiB < need < 9.5 * MiB
     result = runner.invoke(app, ["plan", path, "--vram", "1MiB", "--workspace", "8MiB"])
     one_line_error(result, f"needs at least {need / MiB:.0f} MiB")
 
@@ -179,3 +182,22 @@ def test_plan_predicts_tpot_per_policy(checkpoints, tmp_path):
                    "layers")
     one_line_error(runner.invoke(app, ["plan", path, "--vram", "64MiB", "--trace", str(tmp_path / "nope")]),
                    "no such file")
+
+
+def test_the_default_context_fits_beside_a_useful_cache():
+    """--context N: what is asked, within the model's own context; by default 8192 tokens, at most the model's,
+    halved (down to 2048) while its KV cache would take more than a quarter of the room beside the weights."""
+    from fmoe_cli.errors import FmoeError
+    from fmoe_cli.planning.plan import resolve_context
+
+    kib128 = 128 * 1024  # Mixtral's KV bytes per token
+    assert resolve_context(None, 32768, kib128, None) == 8192  # the CPU: no device room to share
+    assert resolve_context(None, 4096, kib128, None) == 4096  # the model's own context is shorter
+    assert resolve_context(None, 32768, kib128, 20 * 1024 * MiB) == 8192  # 1 GiB of 20: fits
+    assert resolve_context(None, 32768, kib128, 3 * 1024 * MiB) == 4096  # 1 GiB > 3/4 GiB: halved once
+    assert resolve_context(None, 32768, kib128, 100 * MiB) == 2048  # never below 2048
+    assert resolve_context(30000, 32768, kib128, 100 * MiB) == 30000  # asked for: as asked
+    with pytest.raises(FmoeError, match="longer than the model's context of 32768"):
+        resolve_context(40000, 32768, kib128, None)
+    with pytest.raises(FmoeError, match="must be ≥ 0"):
+        resolve_context(-1, 32768, kib128, None)

@@ -145,7 +145,7 @@ def test_a_measurement_is_seen_by_a_scratch_recorder_not_by_the_engines_observer
     engine.configure(make_settings("ondemand", lm.shape, min_staging_slots(lm.shape) * lm.shape.expert_bytes))
     timings = model_timings(lm, engine, prefill_len=4, quick=True, observers=[scratch])
     assert engine.observers == [mine] and mine.tokens == 0
-    assert scratch.tokens > 0 and scratch.stats.layers[0].predicted_tokens > 0  # it saw the prefetching runs too
+    assert scratch.tokens > 0 and any(layer.predicted_tokens > 0 for layer in scratch.stats.layers)  # prefetching too
     assert timings.t_host_load is not None and timings.t_host_prefetch is not None
     engine.observers = []
 

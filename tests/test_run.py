@@ -67,3 +67,21 @@ def test_no_behaviour_keyed_on_a_policy_name():
     offenders = [f"{path.relative_to(root)}:{n}: {line.strip()}" for path in sorted(root.rglob("*.py"))
                  for n, line in enumerate(path.read_text().splitlines(), 1) if compare.search(line)]
     assert offenders == []
+
+
+def test_context_sizes_the_kv_reserve_and_the_run_keeps_it(checkpoints, monkeypatch):
+    """--context N: the device room left for experts is computed with N tokens of KV cache (and the run
+    carries N for chat's window); by default the model's own 512 tokens here (below 8192)."""
+    import fmoe_cli.run as run_module
+    from fmoe_cli.planning.plan import kv_cache_bytes
+    from fmoe_cli.run import RunOptions, open_run
+
+    asked = []
+    real = run_module.device_room
+    monkeypatch.setattr(run_module, "device_room", lambda device, kv, **kw: asked.append(kv) or real(device, kv, **kw))
+    for context, want in ((100, 100), (200, 200), (None, 512)):
+        asked.clear()
+        with open_run(RunOptions(model=str(checkpoints["mixtral"]), device="cpu", context=context,
+                                 record_statistics=False)) as run:
+            assert run.context == want
+            assert asked[-1] == kv_cache_bytes(run.lm.model.config, want, run.lm.shape.dtype_bytes) > 0

@@ -200,12 +200,11 @@ def render(report: dict, console: Console) -> None:
                       f"not run: {', '.join(p for p in asked if p not in done)}[/yellow]", highlight=False)
 
 
-def check_context(lm: LoadedModel, prompt_tokens: int, new_tokens: int, option: str) -> None:
-    """Refuse a run longer than the model's context (max_position_embeddings): prompt plus new tokens."""
-    limit = context_length(lm)
+def check_context(limit: int | None, prompt_tokens: int, new_tokens: int, option: str) -> None:
+    """Refuse a run longer than the context (--context, at most the model's): prompt plus new tokens."""
     if limit is not None and prompt_tokens + new_tokens > limit:
         raise FmoeError(f"{option} {new_tokens}: the prompt ({prompt_tokens} tokens) plus {new_tokens} new tokens exceed "
-                        f"the model's context of {limit} tokens; use {option} {max(limit - prompt_tokens, 0)} or less")
+                        f"the context of {limit} tokens (--context); use {option} {max(limit - prompt_tokens, 0)} or less")
 
 
 def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None = None, console: Console | None = None) -> dict:
@@ -218,7 +217,7 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
     with open_run(opts, console) as run:
         lm, engine = run.lm, run.engine
         prompt_ids = encode_prompt(lm, prompt)
-        check_context(lm, prompt_ids.shape[-1], max(tokens, warmup), "--tokens" if tokens >= warmup else "--warmup")
+        check_context(run.context or context_length(lm), prompt_ids.shape[-1], max(tokens, warmup), "--tokens" if tokens >= warmup else "--warmup")
         recorder = RouteRecorder(run.writer) if run.writer is not None else None
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:

@@ -34,9 +34,9 @@ from fmoe_cli.chat import ChatOptions
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.generate import SamplingParams
-from fmoe_cli.models.load import LoadedModel, precision_label
+from fmoe_cli.models.load import LoadedModel, native_bf16, precision_label
 from fmoe_cli.offload.engine import Counters, Engine
-from fmoe_cli.run import context_length, open_run
+from fmoe_cli.run import open_run
 
 MiB = 1024**2
 KEYS = "Enter sends · Esc+Enter new line · Ctrl-C stops an answer · Ctrl-D quits · /help"
@@ -194,12 +194,18 @@ def header_lines(session: ChatSession, link_label: str, budget_bytes: int, profi
     label = lm.label
     if lm.model_id == "demo" and "tiny" not in label.lower():
         label = f"tiny demo model: {label}"
+    dtype = str(lm.dtype).removeprefix("torch.")
+    precision = precision_label(dtype, lm.shape.experts)
+    if lm.device.type == "cuda" and dtype == "float16" and not native_bf16(lm.device):
+        precision += ": this card has no native bfloat16"
     lines = [
         f"[bold]fmoe chat[/bold] · {escape(label)}",
-        f"device {lm.device} ({precision_label(str(lm.dtype).removeprefix('torch.'), lm.shape.experts)}) · {link_label} · "
+        f"device {lm.device} ({precision}) · {link_label} · "
         f"VRAM budget {budget_bytes / MiB:.1f} MiB for experts",
         f"plan {session.settings.plan.summary()}",
     ]
+    if session.context_limit:
+        lines.append(f"context {session.context_limit} tokens (--context: the KV cache reserved, the window kept)")
     if profile:
         lines.append(f"profile {profile}")
     lines.append(f"[dim]{KEYS}[/dim]")
@@ -355,7 +361,7 @@ def repl(session: ChatSession, read: Reader, console: Console, budget_bytes: int
             console.print()
             if stats.dropped:
                 say(console, f"(the {stats.dropped} oldest messages no longer fit the model's context of "
-                             f"{context_length(session.lm)} tokens: this answer did not see them)", "yellow")
+                             f"{session.context_limit} tokens: this answer did not see them)", "yellow")
             say(console, stats.footer(), "dim")
             pending = "".join(typed)  # typed during the answer: the start of the next message
             work.start()  # re-plan while the user types the next message
@@ -396,7 +402,7 @@ def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: 
         idle = make_idle(run.lm, run.engine, run.budget_bytes) if make_idle is not None else run.idle
         session = ChatSession(run.lm, run.engine, system=opts.system,
                               sampling=SamplingParams(opts.temperature, opts.top_p, opts.seed),
-                              max_new_tokens=opts.max_new_tokens, recorder=recorder)
+                              max_new_tokens=opts.max_new_tokens, recorder=recorder, context=run.context)
         return Chat(session, run.budget_bytes, run.engine.link.label(), run.profile, idle, stack.pop_all())
 
 

@@ -48,11 +48,14 @@ class AnswerStats:
     prompt_tokens: int  # tokens pre-filled this turn (after KV-cache reuse)
     finish_reason: str  # "eos", "length" or "interrupted"
     dropped: int = 0  # oldest messages dropped from the prompt this turn to fit the model's context
+    context_used: int = 0  # tokens of the conversation in the KV cache after this answer
+    context: int | None = None  # the window it is kept inside (--context)
 
     def footer(self) -> str:
         stopped = "stopped (Ctrl-C) · " if self.finish_reason == "interrupted" else ""
+        window = f" · context {self.context_used}/{self.context}" if self.context else ""
         return (f"{stopped}{self.tokens} tokens · TTFT {self.ttft_ms:.0f} ms · TPOT {self.tpot_ms:.1f} ms · "
-                f"{self.tokens_per_s:.1f} tok/s · hit rate {self.hit_rate:.2f}")
+                f"{self.tokens_per_s:.1f} tok/s · hit rate {self.hit_rate:.2f}{window}")
 
 
 def answer_stats(events: list, prompt_tokens: int, finish_reason: str) -> AnswerStats:
@@ -95,6 +98,7 @@ class ChatSession:
     layer_totals: list[Counters] = field(default_factory=list)  # per MoE layer, over the session
     window_start: int = 0  # messages before this one were dropped from the prompt to fit the context
     reused: int = 0  # prompt tokens of the latest answer taken from the previous answer's KV cache
+    context: int | None = None  # the window (--context: what the KV cache is reserved for); None: the model's
     _kv: DynamicCache | None = None
     _kv_ids: list[int] = field(default_factory=list)  # the token ids the KV cache holds
 
@@ -112,13 +116,18 @@ class ChatSession:
     def _layer_counters(self) -> list[Counters]:
         return [state.counters for state in self.engine.layers]
 
+    @property
+    def context_limit(self) -> int | None:
+        """Tokens the conversation is kept inside: --context (the KV cache reserved for it), else the model's."""
+        return self.context if self.context is not None else context_length(self.lm)
+
     def _fit(self, new: list[dict]) -> tuple[list[int], int, int]:
         """The prompt ids of the conversation plus `new` within the model's context: the oldest turns (a
         user message and its answer at a time) are dropped until the answer has room for
         min(max_new_tokens, context / 2) tokens. Returns (ids, messages dropped now, longest answer:
         what is left of the context, at most max_new_tokens). FmoeError if the new message alone
         leaves no such room."""
-        limit = context_length(self.lm)
+        limit = self.context_limit
         dropped, start = 0, self.window_start
         while True:
             ids = self.encode(self.messages[self.window_start:] + new)
@@ -128,7 +137,7 @@ class ChatSession:
                 return ids, dropped, min(self.max_new_tokens, limit - len(ids))
             if self.window_start >= len(self.messages):
                 self.window_start = start
-                raise FmoeError(f"the message is {len(ids)} tokens: it leaves too little of the model's context of "
+                raise FmoeError(f"the message is {len(ids)} tokens: it leaves too little of the context of "
                                 f"{limit} tokens for an answer; send a shorter one")
             step = min(2, len(self.messages) - self.window_start)  # a user message and its answer
             self.window_start += step
@@ -165,6 +174,7 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": "".join(pieces)})
         self.last_stats = answer_stats(events, len(ids) - self.reused, finish)
         self.last_stats.dropped = dropped
+        self.last_stats.context_used, self.last_stats.context = len(ids) + len(events), self.context_limit
         return self.last_stats
 
     def take_cache(self, ids: list[int]) -> tuple[DynamicCache, int]:

@@ -88,9 +88,20 @@ def pick_device(device: str) -> torch.device:
     return dev
 
 
+BF16_CAPABILITY = (8, 0)  # Ampere on: native bfloat16 matmuls; below (T4, RTX 20-series) bfloat16 is emulated
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether the CUDA card computes bfloat16 natively (compute capability ≥ 8.0)."""
+    return tuple(torch.cuda.get_device_capability(device)) >= BF16_CAPABILITY
+
+
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """auto: float32 on the CPU; on CUDA bfloat16, or float16 on a card without native bfloat16."""
     if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if native_bf16(device) else torch.float16
     check_dtype(dtype)
     return getattr(torch, DTYPES[dtype])
 

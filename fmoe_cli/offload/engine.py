@@ -161,7 +161,12 @@ class LayerState:
     cache: LayerCache
     tops: torch.Tensor  # [C_i, k_i, *row_shape] on the device (for resident: all experts, whole)
     top_neurons: int  # k_i
+    top_rows: list  # store.rows(tops[slot]) per cache slot, made once (what segment_forward takes)
     counters: Counters = field(default_factory=Counters)
+
+    @classmethod
+    def of(cls, cache: LayerCache, tops: torch.Tensor, top_neurons: int, store: HostStore) -> LayerState:
+        return cls(cache, tops, top_neurons, [store.rows(t) for t in tops.unbind(0)])
 
 
 @dataclass
@@ -313,7 +318,7 @@ class Engine:
                     ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]  # ever activated
                     for e in rebuild_order(ranked, lp):
                         tops[cache.insert(e)].copy_(store.expert(i, e)[: lp.top_neurons])
-            layers.append(LayerState(cache, tops, lp.top_neurons))
+            layers.append(LayerState.of(cache, tops, lp.top_neurons, store))
         pool = StagingPool(plan.staging_slots, shape.intermediate, store.row_shape, store.dtype, self.device)
         self.layers, self.pool = layers, pool
         self.prefetcher = Prefetcher(pool, self.link, store, layers, shape)
@@ -359,7 +364,9 @@ class Engine:
             for observe in self.observers:
                 observe(event)
         self._predicted[i] = None  # a prediction is for one routing
-        state.cache.record(routing.ids.tolist())  # token by token: ν counts prompt tokens too
+        k = routing.ids.shape[-1]
+        state.cache.record([routing.flat[t:t + k] for t in range(0, len(routing.flat), k)])  # token by token: ν
+        # counts prompt tokens too (from the host list: no op)
         for e in routing.active:
             state.cache.pin(e)
         try:
@@ -397,39 +404,45 @@ class Engine:
         state, pool, store = self.layers[i], self.pool, self.store
         submitted = time.perf_counter()
         k = state.top_neurons
-        _perm, tokens, spans = routing.layout(hidden_states.device)
-        xs = hidden_states[tokens]  # [T·K, H]: every expert's tokens, in one gather
+        if hidden_states.shape[0] == 1:  # a decode step: every expert's one token is that row (no gather)
+            def x_of(e: int) -> torch.Tensor:
+                return hidden_states
+        else:
+            _perm, tokens, spans = routing.layout(hidden_states.device)
+            xs = hidden_states[tokens]  # [T·K, H]: every expert's tokens, in one gather
+
+            def x_of(e: int) -> torch.Tensor:
+                return xs[spans[e]]
         outputs: dict[int, torch.Tensor] = {}
         top_outputs: dict[int, torch.Tensor] = {}
         if loading:  # the host's lead on the first load (the configurator's h_route)
             state.counters.lead_s += time.perf_counter() - submitted
             state.counters.leads += 1
         for e in hits.whole:
-            outputs[e] = store.segment_forward(xs[spans[e]], state.tops[state.cache.slot(e)], act)
+            outputs[e] = store.segment_forward(x_of(e), state.top_rows[state.cache.slot(e)], act)
         for e in hits.top_hits:
-            top_outputs[e] = store.segment_forward(xs[spans[e]], state.tops[state.cache.slot(e)], act)
+            top_outputs[e] = store.segment_forward(x_of(e), state.top_rows[state.cache.slot(e)], act)
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
                 self._prefetch(i, hidden_states, routing)  # 4. speculate once every demand load is queued
                 prefetched = True
-            for entry in loading:  # the first load seen done, else the oldest
-                if entry.transfer.ready():
-                    break
-            else:
-                entry = loading[0]
-            loading.remove(entry)
-            segment = self.link.acquire(entry.transfer, tag=i)  # [I - start, *row]: the only place that waits
-            e = entry.expert
-            x = xs[spans[e]]
-            if e in top_outputs:  # exact: top + bottom, always in this order
-                outputs[e] = top_outputs.pop(e) + store.segment_forward(x, segment[k - entry.start:], act)
-            else:
-                outputs[e] = store.segment_forward(x, segment, act)
-                self._offer(i, e, segment)
-            pool.release(entry, self.link.record_reads())  # the next copy into the slot waits for these reads
-            if waiting:  # a prefill wave: the freed slot takes the next load
-                self._submit_demand(i, waiting, loading)
+            # Each load is polled once per pass: those seen done are computed first, then the rest in order
+            # (on a GPU, acquire only makes the compute stream wait; a prefill wave's next loads: next pass).
+            batch, loading[:] = loading[:], []
+            done = [entry for entry in batch if entry.transfer.ready()]
+            for entry in done + [entry for entry in batch if entry not in done]:
+                segment = self.link.acquire(entry.transfer, tag=i)  # [I - start, *row]: the only place that waits
+                e = entry.expert
+                if e in top_outputs:  # exact: top + bottom, always in this order
+                    bottom = pool.rows(store, segment) if k == entry.start else segment[k - entry.start:]
+                    outputs[e] = top_outputs.pop(e) + store.segment_forward(x_of(e), bottom, act)
+                else:
+                    outputs[e] = store.segment_forward(x_of(e), pool.rows(store, segment), act)
+                    self._offer(i, e, segment)
+                pool.release(entry, self.link.record_reads())  # the next copy into the slot waits for these reads
+                if waiting:  # a prefill wave: the freed slot takes the next load
+                    self._submit_demand(i, waiting, loading)
         if not prefetched:
             self._prefetch(i, hidden_states, routing)
         return outputs
@@ -437,19 +450,21 @@ class Engine:
     def _combine(self, hidden_states: torch.Tensor, routing: Routing, outputs: dict,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         """4. the weighted sum, in a fixed order (by expert id), so results are deterministic."""
-        perm, tokens, spans = routing.layout(hidden_states.device)
-        weights = top_k_weights.reshape(-1)[perm].unsqueeze(1)  # [T·K, 1] in the same order
         final = torch.zeros_like(hidden_states)
         one_token = hidden_states.shape[0] == 1  # a decode step: every expert's rows are that token's one row
+        if one_token:  # no layout: expert e's weight is the one at its place in the routing ([1] each, one op)
+            weight_at = top_k_weights.reshape(-1).unbind(0)
+        else:
+            perm, tokens, spans = routing.layout(hidden_states.device)
+            weights = top_k_weights.reshape(-1)[perm].unsqueeze(1)  # [T·K, 1] in the same order
         for e in routing.active:
-            span = spans[e]
-            weighted = outputs[e] * weights[span]  # [T_e, H]
+            weighted = outputs[e] * (weight_at[routing.flat.index(e)] if one_token else weights[spans[e]])  # [T_e, H]
             if weighted.dtype != final.dtype:
                 weighted = weighted.to(final.dtype)
             if one_token:
                 final.add_(weighted)  # what index_add_ does for one row (the same adds, in the same order)
             else:
-                final.index_add_(0, tokens[span], weighted)
+                final.index_add_(0, tokens[spans[e]], weighted)
         return final
 
     def _offer(self, i: int, e: int, segment: torch.Tensor) -> None:

@@ -36,9 +36,17 @@ def pack_experts(experts: nn.Module) -> torch.Tensor:
     return torch.stack([gate, up, down.transpose(1, 2)], dim=2).contiguous()
 
 
-def segment_forward(x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
-    """Partial expert output of the neurons in `segment` ([n, 3, H]) for tokens x ([T, H])."""
-    rows = segment.unbind(1)  # gate, up, down: [n, H] each, views (one call instead of three slices)
+def segment_forward(x: torch.Tensor, segment, act) -> torch.Tensor:
+    """Partial expert output of the neurons in `segment` ([n, 3, H], or its `split_rows`) for tokens x ([T, H]).
+
+    Five ops for a segment whose rows were split once (a cached top, a staging slot): every op the host
+    dispatches costs it microseconds on a GPU (docs/architecture.md § Host work per token)."""
+    rows = segment if isinstance(segment, tuple) else segment.unbind(1)
     gate = F.linear(x, rows[GATE])  # [T, n]
     up = F.linear(x, rows[UP])
     return (act(gate) * up) @ rows[DOWN]  # [T, H]
+
+
+def split_rows(segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[n, 3, H] -> (gate [n, H], up [n, H], down [n, H]): views, made once per buffer instead of per forward."""
+    return tuple(segment.unbind(1))

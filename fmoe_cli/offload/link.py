@@ -31,8 +31,9 @@ Links:
   path; CUDA `--emulate-link`) the bytes land in `dst` when the copy completes.
   `gbps=None` is an instant link (the CPU without emulation).
 - `CudaLink`: a dedicated copy stream, non-blocking copies from pinned memory in
-  chunks, one event per transfer, at most `max_in_flight` chunks handed to the GPU
-  (so a demand load is never stuck behind a long tail of issued prefetches).
+  chunks, one event per chunk, at most `max_in_flight_bytes` (2 chunks' worth) handed
+  to the GPU: enough small copies queued to keep the copy engine busy, and a demand
+  load never stuck behind a long tail of issued prefetches.
 """
 
 from __future__ import annotations
@@ -383,11 +384,14 @@ class EmulatedLink:
 
 
 class CudaLink:
-    """Host→GPU copies on a dedicated stream in chunks, at most `max_in_flight` chunks issued at once.
+    """Host→GPU copies on a dedicated stream in chunks, at most `max_in_flight_bytes` issued at once.
 
     A transfer is issued chunk by chunk; between chunks the most urgent queued
-    transfer goes next, so a demand load is never behind more than `max_in_flight`
-    chunks. `after` fences make the copy stream wait on events recorded on the
+    transfer goes next, so a demand load is never behind more than `max_in_flight_bytes`
+    (default 2 × CHUNK_BYTES). Bytes, not chunks: with small experts (Qwen3-30B-A3B:
+    9 MiB bf16, 2.6 MiB int4, one chunk each) a count of 2 chunks would leave the copy
+    engine idle between copies while the pump waits for the GIL; a byte budget queues
+    as many small copies as one long one. `after` fences make the copy stream wait on events recorded on the
     compute stream (no write-after-read); an `after` transfer is on the same stream,
     so issuing after it is enough. `wait` makes the compute stream wait on the
     transfer's last event; the host never blocks. With `throttle_gbps` (CUDA
@@ -395,22 +399,24 @@ class CudaLink:
 
     The link is kept busy by a pump thread: it waits for the oldest chunk in flight
     (`Event.synchronize` releases the GIL, so the compute thread runs meanwhile) and
-    issues the next chunk at once, instead of at the engine's next poll. Only
-    `max_in_flight` chunks are ever handed to the GPU, so a demand load that arrives
-    later waits for at most that many chunks (2 × 16 MiB ≈ 2.6 ms at 12 GB/s) — the
+    issues the next chunk at once, instead of at the engine's next poll. Chunk events
+    are blocking (cudaEventBlockingSync): that wait sleeps instead of spinning a core.
+    Only `max_in_flight_bytes` are ever handed to the GPU, so a demand load that arrives
+    later waits for at most that many bytes (32 MiB ≈ 2.6 ms at 12 GB/s) — the
     alternative, every copy on the stream at submit, would put a demand load behind
     every prefetch already queued. (docs/bench.md, "The link".)
     """
 
     kind = "cuda"
 
-    def __init__(self, device: torch.device, max_in_flight: int = 2, chunk_bytes: int = CHUNK_BYTES,
+    def __init__(self, device: torch.device, max_in_flight_bytes: int | None = None, chunk_bytes: int = CHUNK_BYTES,
                  throttle_gbps: float | None = None, pump_thread: bool = True) -> None:
         self.device = device
         self.gbps = throttle_gbps
         self.stream = torch.cuda.Stream(device)
-        self.max_in_flight = max_in_flight
+        self.max_in_flight_bytes = max_in_flight_bytes or 2 * chunk_bytes
         self.chunk_bytes = chunk_bytes
+        self._in_flight_bytes = 0
         self.clock = MonotonicClock()
         self._queue: list[Transfer] = []
         self._in_flight: list[tuple[Transfer, object, int]] = []  # (transfer, chunk event, chunk bytes)
@@ -462,18 +468,22 @@ class CudaLink:
         with self._lock:
             _promote(t, priority)
 
-    def _issue_chunk(self, t: Transfer) -> None:
-        flat_dst, flat_src = t.dst.reshape(-1), t.src.reshape(-1)
+    def _chunk(self, t: Transfer) -> tuple[int, int]:
+        """The elements [first, last) of `t`'s next chunk."""
         per = max(1, self.chunk_bytes // max(1, t.src.element_size()))
         first = t.sent // t.src.element_size()
-        last = min(flat_src.numel(), first + per)
+        return first, min(t.src.numel(), first + per)
+
+    def _issue_chunk(self, t: Transfer) -> None:
+        flat_dst, flat_src = t.dst.reshape(-1), t.src.reshape(-1)
+        first, last = self._chunk(t)
         with torch.cuda.stream(self.stream):
             if t.sent == 0:
                 for dep in t.after:
                     if isinstance(dep, Fence) and dep.event is not None:
                         self.stream.wait_event(dep.event)  # compute that still reads dst finishes first
             flat_dst[first:last].copy_(flat_src[first:last], non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # the pump's wait on it sleeps, not spins
             event.record(self.stream)
         nbytes = (last - first) * t.src.element_size()
         if t.state is TransferState.QUEUED:
@@ -483,6 +493,7 @@ class CudaLink:
             t.event = event
             self._queue.remove(t)
         self._in_flight.append((t, event, nbytes))
+        self._in_flight_bytes += nbytes
         if self.gbps:
             self._next_issue = max(self._next_issue, time.perf_counter()) + nbytes / (self.gbps * 1e9)
 
@@ -497,18 +508,23 @@ class CudaLink:
         for t, event, nbytes in self._in_flight:
             if event.query():
                 self.bytes_moved += nbytes
+                self._in_flight_bytes -= nbytes
                 if event is t.event:
                     t.state = TransferState.DONE
             else:
                 still.append((t, event, nbytes))
         self._in_flight = still
-        while len(self._in_flight) < self.max_in_flight and self._queue:
+        while self._queue:
             if self.gbps and time.perf_counter() < self._next_issue:
                 break
             ready = [t for t in self._queue if self._issuable(t)]
             if not ready:
                 break
-            self._issue_chunk(min(ready, key=_urgency))
+            t = min(ready, key=_urgency)
+            first, last = self._chunk(t)
+            if self._in_flight and self._in_flight_bytes + (last - first) * t.src.element_size() > self.max_in_flight_bytes:
+                break  # the most urgent waits for room (a smaller, less urgent copy does not go ahead of it)
+            self._issue_chunk(t)
 
     def poll(self, t: Transfer) -> bool:
         if t.state is TransferState.DONE or t.state is TransferState.CANCELLED:  # final: no need to look

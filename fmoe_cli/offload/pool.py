@@ -53,6 +53,8 @@ class StagingPool:
         self.buffer = torch.empty(slots, neurons, *row_shape, device=device, dtype=dtype)  # [U, I, *row]
         self._slot_views = list(self.buffer.unbind(0))  # [I, *row] per slot, made once
         self._sources: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, expert, start) -> store rows
+        self._destinations: dict[tuple[int, int], torch.Tensor] = {}  # (slot, start) -> its view, made once
+        self._rows: dict[int, tuple[torch.Tensor, object]] = {}  # id(view) -> (view, store.rows(view))
         self.entries: list[Staged | None] = [None] * slots
         self._staged: dict[int, dict[int, Staged]] = {}  # layer -> expert -> its entry (at most one)
         self._writer: list[Transfer | None] = [None] * slots  # the last copy into each slot
@@ -60,8 +62,12 @@ class StagingPool:
 
     def destination(self, slot: int, start: int) -> torch.Tensor:
         """Where a segment [start, I) is copied into `slot`: [I - start, *row]."""
-        view = self._slot_views[slot]
-        return view[start:] if start else view
+        if not start:
+            return self._slot_views[slot]
+        view = self._destinations.get((slot, start))
+        if view is None:
+            view = self._destinations[(slot, start)] = self._slot_views[slot][start:]
+        return view
 
     def source(self, store, layer: int, expert: int, start: int) -> torch.Tensor:
         """The host store's rows [start, I) of one expert (a view, made once per segment and plan)."""
@@ -70,6 +76,14 @@ class StagingPool:
         if rows is None:
             rows = self._sources[key] = store.expert(layer, expert)[start:]
         return rows
+
+    def rows(self, store, segment: torch.Tensor):
+        """`store.rows(segment)` for a segment the link handed out (a slot's view, or the store's rows it was
+        copied from), made once per view: a loaded segment's forward then dispatches no op to split it."""
+        cached = self._rows.get(id(segment))
+        if cached is None or cached[0] is not segment:
+            cached = self._rows[id(segment)] = (segment, store.rows(segment))
+        return cached[1]
 
     @property
     def nbytes(self) -> int:
@@ -173,3 +187,4 @@ class StagingPool:
         for entry in self.live():
             self.release(entry)
         self._sources.clear()
+        self._rows.clear()

@@ -18,11 +18,16 @@ halves; int2: four quarters) followed by its H/G groups of metadata: `row_shape`
 neuron carries its own scales, so any top/bottom split [0, k) / [k, I) is still one
 contiguous segment with its scales, and a segment computes alone:
 
-    segment_forward(x, seg) = layout.segment_forward(x, dequantize(seg), act)
+    segment_forward(x, seg) = Σ_blocks layout.segment_forward(x, dequantize(seg[block]), act)
 
 dequantising on the device (the fused int8/int4 matmuls torch ships take per-output-
 channel scales or their own tiled layouts, neither of which splits by neuron: see
-docs/quantization.md for the measurement).
+docs/quantization.md for the measurement). A segment is dequantised in blocks of
+neurons (`block_rows`), each straight into a compute-dtype workspace, so the memory
+a quantised forward needs is bounded by DEQUANT_WORKSPACE_BYTES (counted in the
+device budget's workspace), not by the expert (a Mixtral expert dequantised whole
+would take 672 MiB of float32 and 336 MiB of bf16). Like the split into top and
+bottom, the blocks are a partition of the neurons: exact partial sums.
 
 Exactness contract: the engine's tokens equal transformers' generate on the same
 checkpoint with its experts replaced by `dequantize` of the stored rows.
@@ -34,7 +39,7 @@ import torch
 
 from fmoe_cli.offload import hqq, layout
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import EXPERT_FORMATS, ExpertShape, QuantFormat
+from fmoe_cli.types import EXPERT_FORMATS, MiB, ExpertShape, QuantFormat
 
 
 def quantize(block: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -61,10 +66,11 @@ def quantize(block: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
 
 
 def dequantize(segment: torch.Tensor, fmt: QuantFormat, hidden: int, dtype: torch.dtype,
-               workspace: torch.Tensor | None = None) -> torch.Tensor:
+               workspace: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """[n, 3, projection_bytes] uint8 -> [n, 3, H] of `dtype` (ŵ computed in float32, then rounded to dtype once).
 
-    `workspace`: float32 memory of at least n·3·H elements to compute in (reused: no fresh pages per call)."""
+    `workspace`: float32 memory of at least n·3·H elements to compute in, and `out`: `dtype` memory of as
+    many for the result (both reused: no fresh pages per call)."""
     n, three, _ = segment.shape
     size = n * three * hidden
     if fmt.scheme == "hqq":
@@ -89,10 +95,24 @@ def dequantize(segment: torch.Tensor, fmt: QuantFormat, hidden: int, dtype: torc
         meta = meta.reshape(n, three, groups, 2)
         w.mul_(meta[..., 0:1]).add_(meta[..., 1:2])
     w = w.view(n, three, hidden)
-    return w if dtype == torch.float32 else w.to(dtype)
+    if dtype == torch.float32:
+        return w
+    if out is None:
+        return w.to(dtype)
+    result = out.view(-1)[:size].view(n, three, hidden)
+    result.copy_(w)
+    return result
 
 
 QUANTIZE_ROWS = 128  # neurons quantised at once while loading (bounds the load's transient memory)
+DEQUANT_WORKSPACE_BYTES = 64 * MiB  # a quantised forward's dequantisation memory (part of plan.WORKSPACE_BYTES)
+
+
+def block_rows(hidden: int, dtype: torch.dtype, budget: int = DEQUANT_WORKSPACE_BYTES) -> int:
+    """Neurons dequantised at once: a row costs 3·H elements of float32 (ŵ), of `dtype` (the result, unless
+    float32) and at most one byte of unpacking temporaries."""
+    per_element = 4 + (0 if dtype == torch.float32 else dtype.itemsize) + 1
+    return max(1, budget // (3 * hidden * per_element))
 
 
 class QuantStore(HostStore):
@@ -105,20 +125,37 @@ class QuantStore(HostStore):
         self.compute_dtype = compute_dtype
         # float32 [I, 3, H] blocks the loader assembles experts in: the codes do not depend on --dtype
         self._blocks: list[torch.Tensor] = []
-        self._workspace: torch.Tensor | None = None  # float32 [I·3·H] where segments are dequantised (one at a time)
+        # Where a block of a segment is dequantised: float32 ŵ, and the compute dtype's copy ([block_rows·3·H] each).
+        self._workspace: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def row_shape(self) -> tuple[int, ...]:
         return (3, self.format.projection_bytes(self.shape.hidden))
 
     def segment_forward(self, x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
-        n = segment.shape[0] * 3 * self.shape.hidden
-        if self._workspace is None or self._workspace.numel() < n or self._workspace.device != segment.device:
-            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
-                self._workspace = torch.empty(self.shape.intermediate * 3 * self.shape.hidden, dtype=torch.float32,
-                                              device=segment.device)
-        w = dequantize(segment, self.format, self.shape.hidden, x.dtype, self._workspace)
-        return layout.segment_forward(x, w, act)
+        hidden = self.shape.hidden
+        rows = block_rows(hidden, x.dtype)
+        ws, out = self._workspaces(segment.device, x.dtype, min(rows, segment.shape[0]) * 3 * hidden)
+        result = None
+        for start in range(0, segment.shape[0], rows):  # Σ over neuron blocks: exact partial sums
+            w = dequantize(segment[start:start + rows], self.format, hidden, x.dtype, ws, out)
+            part = layout.segment_forward(x, w, act)  # [T, H]
+            result = part if result is None else result.add_(part)
+        return result
+
+    def _workspaces(self, device: torch.device, dtype: torch.dtype, elements: int):
+        """The float32 workspace and the compute dtype's (None for float32), grown to `elements` if needed."""
+        ws = self._workspace
+        if ws is None or ws[0].numel() < elements or ws[0].device != device or (ws[1] is None) != (dtype == torch.float32) \
+                or (ws[1] is not None and ws[1].dtype != dtype):
+            with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
+                self._workspace = ws = (torch.empty(elements, dtype=torch.float32, device=device),
+                                        None if dtype == torch.float32 else torch.empty(elements, dtype=dtype,
+                                                                                       device=device))
+        return ws
+
+    def rows(self, segment: torch.Tensor) -> torch.Tensor:
+        return segment  # bytes: dequantised block by block in segment_forward
 
     def dequantized(self, layer: int) -> torch.Tensor:
         """[N, I, 3, H] of the compute dtype: the weights this store computes with (for the reference model)."""

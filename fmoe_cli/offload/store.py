@@ -4,7 +4,10 @@ One [N, I, *row_shape] tensor of `dtype` per MoE layer, each in one allocation o
 exactly its size. When a GPU reads the store, that memory is page-locked in place
 with cudaHostRegister (as MoE-Infinity does) instead of `pin_memory()`, whose
 caching allocator rounds every block up to a power of two (Mixtral's 2.625 GiB
-layers would take 4 GiB each). The CPU path is the same minus the registration.
+layers would take 4 GiB each); portable (any device's context may copy from it), and
+read-only where it is a mapped converted store (registering a private mapping for
+writing would copy every page into RAM first). The CPU path is the same minus the
+registration.
 
 The engine reads the store through three members only (agreed with offload/engine):
 `row_shape` (one neuron's row), `dtype` (the rows' storage dtype) and
@@ -14,24 +17,48 @@ and compute with layout.segment_forward; quantised rows (offload/quant.py) are b
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload import layout
 from fmoe_cli.types import ExpertShape
+
+
+# cudaHostRegister flags (cuda_runtime_api.h)
+HOST_REGISTER_PORTABLE = 0x01  # page-locked for every CUDA context, not only the current device's (cuda:1)
+HOST_REGISTER_READ_ONLY = 0x08  # the GPU only reads it: no write access is asked for
+
+
+def register_flags(mapped: bool) -> int:
+    """Portable always (the run's device need not be the current one); read-only for a mapped file: a
+    private writable mapping registered for writing has every page copied on write into RAM first."""
+    return HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if mapped else 0)
+
+
+@functools.cache
+def _warn_not_read_only() -> None:
+    warn("this GPU cannot page-lock memory read-only: the converted store's pages are copied into RAM")
 
 
 class HostBuffer:
     """`nbytes` of ordinary host memory, page-locked for the GPU when `pin` (exact size, no rounding)."""
 
     def __init__(self, nbytes: int, pin: bool, memory: torch.Tensor | None = None) -> None:
-        """`memory`: existing uint8 host memory of `nbytes` to register instead (a memory-mapped file)."""
+        """`memory`: existing uint8 host memory of `nbytes` to register instead (a memory-mapped file),
+        registered read-only."""
         self.tensor = torch.empty(nbytes, dtype=torch.uint8) if memory is None else memory
         self.registered = False
         if pin and nbytes > 0:
             cudart = torch.cuda.cudart()
-            # flags 0 = cudaHostRegisterDefault: page-locked, usable by copies on any stream
-            status = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            flags = register_flags(mapped=memory is not None)
+            status = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, flags)
+            if int(status) != 0 and flags & HOST_REGISTER_READ_ONLY:
+                # a driver or card without read-only registration: page-locked writable, which copies the
+                # mapped pages into RAM (the store's size, as an unconverted store takes)
+                _warn_not_read_only()
+                status = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, flags & ~HOST_REGISTER_READ_ONLY)
             if int(status) != 0:
                 raise FmoeError(f"cannot page-lock {nbytes / 2**30:.2f} GiB of host memory for the GPU "
                                 f"(cudaHostRegister error {int(status)}); lower the memory limit (ulimit -l)?")
@@ -57,9 +84,14 @@ class HostStore:
     def row_shape(self) -> tuple[int, ...]:
         return (3, self.shape.hidden)
 
-    def segment_forward(self, x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
-        """Partial expert output of the neurons in `segment` ([n, *row_shape]) for tokens x ([T, H])."""
+    def segment_forward(self, x: torch.Tensor, segment, act) -> torch.Tensor:
+        """Partial expert output of the neurons in `segment` ([n, *row_shape], or its `rows`) for tokens x ([T, H])."""
         return layout.segment_forward(x, segment, act)
+
+    def rows(self, segment: torch.Tensor):
+        """What `segment_forward` takes for `segment`, prepared once for a buffer that is computed from many
+        times (a cached top, a staging slot): its gate, up and down rows as views."""
+        return layout.split_rows(segment)
 
     @property
     def layer_bytes(self) -> int:

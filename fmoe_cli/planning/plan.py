@@ -76,8 +76,33 @@ def resident_plan(shape: ExpertShape) -> Plan:
 
 DEFAULT_BUDGET = "auto"  # bench and chat: what fits on this device (the CPU: AUTO_SHARE of all routed experts)
 AUTO_SHARE = "25%"
-WORKSPACE_BYTES = 512 * MiB  # activations, matmul workspace and allocator slack left free on the device
-KV_TOKENS = 4096  # the context the default budget leaves KV-cache room for
+WORKSPACE_BYTES = 512 * MiB  # activations, matmul workspace, a quantised store's dequantisation (offload/quant.py:
+# DEQUANT_WORKSPACE_BYTES, 64 MiB) and allocator slack left free on the device
+DEFAULT_CONTEXT = 8192  # tokens of KV cache reserved unless --context says (capped by the model's own context)
+MIN_DEFAULT_CONTEXT = 2048  # … halved on a small device down to this (resolve_context)
+KV_SHARE = 4  # the default context's KV cache takes at most 1/KV_SHARE of the device room beside the weights
+
+
+def resolve_context(requested: int | None, model_context: int | None, kv_per_token: int,
+                    room_bytes: int | None = None) -> int:
+    """The context the KV cache is reserved for (`--context N`), and that chat keeps its window inside.
+
+    Asked for: N, if the model's own context allows it (else one line). By default: DEFAULT_CONTEXT
+    tokens, at most the model's context, halved (not below MIN_DEFAULT_CONTEXT) while its KV cache
+    would take more than 1/KV_SHARE of `room_bytes` (the device memory beside the non-expert weights
+    and the workspace; None on the CPU), so that a useful expert cache fits beside it: Mixtral's
+    128 KiB per token makes 8k tokens 1 GiB."""
+    if requested is not None:
+        if requested < 0:
+            raise FmoeError(f"--context must be ≥ 0 tokens, got {requested}")  # 0: no KV cache reserved (plan)
+        if model_context is not None and requested > model_context:
+            raise FmoeError(f"--context {requested} is longer than the model's context of {model_context} tokens")
+        return requested
+    tokens = DEFAULT_CONTEXT if model_context is None else min(DEFAULT_CONTEXT, model_context)
+    if room_bytes is not None:
+        while tokens > MIN_DEFAULT_CONTEXT and tokens * kv_per_token * KV_SHARE > room_bytes:
+            tokens //= 2
+    return tokens
 
 
 def kv_cache_bytes(config, tokens: int, dtype_bytes: int) -> int:
@@ -200,12 +225,12 @@ def parse_budget(text: str, all_experts_bytes: int) -> int:
     return int(value * _UNITS[unit])
 
 
-def check_plan_options(model: str, *, vram: str | None, profile_path: str | None, context: int, dtype: str | None,
+def check_plan_options(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,
                        workspace: str, experts: str, trace: str | None) -> Profile | None:
     """`fmoe plan`'s options, without torch (the command line checks them before anything heavy is
     imported): one line for the first bad one. Returns the profile read (None without one)."""
-    if context < 0:
-        raise FmoeError(f"--context must be ≥ 0 tokens, got {context}")
+    if context is not None:
+        resolve_context(context, None, 0)  # a bad number: refused before anything is read
     if vram is not None:  # the device's memory: a size, never a share (that is --vram-budget's)
         if vram.strip().endswith("%"):
             raise FmoeError(f"--vram {vram.strip()}: give the device's memory as a size such as 12GiB "

@@ -41,7 +41,7 @@ from fmoe_cli.planning.autoplan import moepic_configuration
 from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings, price_plan
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of
-from fmoe_cli.planning.plan import check_plan_options, min_staging_slots, parse_budget
+from fmoe_cli.planning.plan import check_plan_options, min_staging_slots, parse_budget, resolve_context
 from fmoe_cli.types import DEFAULT_EXPERTS, EXPERT_FORMATS, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
 from fmoe_cli.profiling.files import model_identity
@@ -64,6 +64,7 @@ class ModelFacts:
     attention_bytes: int  # one MoE layer's weights without its routed experts (for the roofline)
     head_bytes: int  # LM head + final norm
     kv_bytes_per_token: int
+    context_tokens: int | None = None  # the model's own context (max_position_embeddings), if it says
 
 
 def config_path_of(model: str) -> Path:
@@ -113,7 +114,9 @@ def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXP
     k_dim = (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0) or head_dim
     v_dim = getattr(text, "v_head_dim", None) or head_dim
     kv_per_token = len(decoders) * heads * (k_dim + v_dim) * shape.dtype_bytes  # K and V of every layer
-    return ModelFacts(model, path, shape, non_expert, attention, head_bytes, kv_per_token)
+    context = getattr(text, "max_position_embeddings", None)
+    return ModelFacts(model, path, shape, non_expert, attention, head_bytes, kv_per_token,
+                      context if isinstance(context, int) and context > 0 else None)
 
 
 def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, profile) -> tuple[Timings, str]:
@@ -136,7 +139,7 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
     return Timings(0.0, 0.0, 0.0, t_load, shape.top_k), "none: assumes compute hides no loading (give --profile)"
 
 
-def run_plan(model: str, *, vram: str | None, profile_path: str | None, context: int, dtype: str | None,
+def run_plan(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,
              as_json: bool, console: Console, workspace: str = "512MiB", experts: str = DEFAULT_EXPERTS,
              trace: str | None = None) -> dict:
     profile = check_plan_options(model, vram=vram, profile_path=profile_path, context=context, dtype=dtype,
@@ -163,8 +166,11 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
     timings, timing_source = plan_timings(facts, bandwidth, latency, profile)
 
     slots = min_staging_slots(shape)
+    reserve = parse_budget(workspace, 0)
+    context = resolve_context(context, facts.context_tokens, facts.kv_bytes_per_token,
+                              total - facts.non_expert_bytes - reserve if total else None)
     device = DeviceBudget(total, facts.non_expert_bytes, slots * shape.expert_bytes,
-                          facts.kv_bytes_per_token * context, parse_budget(workspace, 0))
+                          facts.kv_bytes_per_token * context, reserve)
     device.check()
     stats_path = default_stats_path(model, model_path=facts.config_path)
     stats = load_or_empty(model, shape.num_layers, shape.num_experts, shape.top_k, stats_path)

@@ -10,20 +10,22 @@ link the link figures are the emulated ones, labelled as such.
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import psutil
 import torch
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload.link import check_bandwidth
 from fmoe_cli.offload.store import HostBuffer
-from fmoe_cli.profiling.files import DeviceIdentity, DeviceProfile, LinkFit
+from fmoe_cli.profiling.files import DeviceIdentity, DeviceProfile, LinkFit, Profile, default_profile_path, now_iso
 
 MiB = 1024**2
 GPU_SIZES = tuple(MiB << i for i in range(10))  # 1 MiB … 512 MiB
@@ -178,3 +180,39 @@ def link_steps(device: torch.device | None = None, quick: bool = False, emulated
         return 0
     plan = link_plan(device or local_device(), quick)
     return len(plan.sizes) * plan.repeats
+
+
+def link_profile_path(identity: DeviceIdentity, config_dir: Path | None = None) -> Path:
+    """Where a run keeps the link it measured, per device (kind, name and memory: two cards differ)."""
+    digest = hashlib.sha256(f"{identity.kind}\0{identity.name}\0{identity.total_memory}".encode()).hexdigest()[:16]
+    return default_profile_path(f"link-{identity.kind}-{digest}", config_dir)
+
+
+def device_link(device: torch.device, config_dir: Path | None = None) -> LinkFit:
+    """This device's host→device link, measured once and reused: `fmoe profile`'s (profiles/device.json)
+    if it is of this device, else the one an earlier run saved for it (`link_profile_path`), else a quick
+    measurement now (`link_plan(quick=True)`: copies of 1–32 MiB on a GPU, never more pinned at once),
+    saved for the next run (a failed save is a warning). A profile of another device, an emulated or a
+    damaged one is not used."""
+    identity = device_identity(device)
+    for path in (default_profile_path(None, config_dir), link_profile_path(identity, config_dir)):
+        if not path.exists():
+            continue
+        try:
+            profile = Profile.load(path)
+            profile.check_device(identity)
+        except FmoeError:
+            continue
+        if profile.device.link.kind == "measured":
+            return profile.device.link
+    samples = measure_link(device, link_plan(device, quick=True))
+    latency, bandwidth = fit_link(samples)
+    where = "CPU memcpy (no GPU: the CPU is the device)" if device.type == "cpu" else f"pinned host → {device} ({identity.name})"
+    link = LinkFit("measured", bandwidth, latency, tuple(samples), f"quick measurement: {where}")
+    path = link_profile_path(identity, config_dir)
+    try:
+        Profile(DeviceProfile(identity, link, torch_version=torch.__version__, cuda_version=torch.version.cuda),
+                created=now_iso()).save(path)
+    except OSError as exc:
+        warn(f"cannot save the link's measurement to {path} ({exc.strerror or exc}); the next run measures it again")
+    return link

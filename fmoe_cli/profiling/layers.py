@@ -66,6 +66,11 @@ def _nothing(_: int) -> Iterator[None]:
     yield
 
 
+@contextlib.contextmanager
+def _as_planned(_: int) -> Iterator[bool]:
+    yield True
+
+
 class _PassTimer:
     """Forward hooks: wall time of every layer, its MLP, and the head, per pass."""
 
@@ -131,9 +136,11 @@ def time_layers(
     resident: Callable[[int], AbstractContextManager] = _nothing,
     advance: Callable[[], None] = lambda: None,
     loads: Callable[[], tuple[int, float]] | None = None,
+    loaded: Callable[[int], AbstractContextManager[bool]] = _as_planned,
 ) -> ModelTimings:
     """Time one prefill of `input_ids` ([1, T]) and `decode_steps` decode steps, layer by layer
-    (and h_load, given `loads`: the engine's cumulative loaded segments and exposed seconds).
+    (and h_load, given `loads`: the engine's cumulative loaded segments and exposed seconds, on the
+    layers i where `loaded(i)` — a context that serves layer i through the link — yields True).
 
     `advance` is called once per timed MoE layer and phase (for a progress bar).
     """
@@ -184,8 +191,9 @@ def time_layers(
                         runs.append(time.perf_counter() - t0)
                     t_mlp = statistics.median(runs)
                 if loads is not None and phase == "decode":
-                    with torch.no_grad():
-                        host += _host_per_load(layer.mlp, kept[phase][i], t_mlp, loads, repeats, sync)
+                    with torch.no_grad(), loaded(i) as through_link:
+                        if through_link:
+                            host += _host_per_load(layer.mlp, kept[phase][i], t_mlp, loads, repeats, sync)
                 advance()
             timings.append(LayerTiming(i, moe, t_att, t_mlp))
         phases[phase] = PhaseTimings(tokens, tuple(timings), head)

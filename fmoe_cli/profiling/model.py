@@ -1,13 +1,16 @@
 """Per-layer timings of a loaded model that need not fit on the device.
 
-The model runs through the offloading engine (experts in the host store, loaded on
-demand), and each MoE layer is timed alone with only its own experts made resident
-(`resident_layer`). Then the engine's own costs, which the configurator and the simulator
+The model runs through the offloading engine with every MoE layer served whole
+(`WholeLayers`: on the CPU from the host store itself; on a GPU, where the model need not
+fit, one layer's experts stand in for all), so the passes and each MoE layer timed alone
+move nothing over the link. Then the engine's own costs, which the configurator and the simulator
 charge beside compute and link time (docs/planning.md § `fmoe profile`): one expert's
 forward as a decode step meets it (`expert_compute_s`), an admission's copy
 (`admission_copy_s`), and from decode steps and single-layer forwards the host's work per
 loaded segment, per prefetching layer and per split top hit, its lead on a layer's first
-load, and a whole resident step (`host_work_s`). `fmoe profile --model` saves these
+load, and a whole resident step (`host_work_s`), with loads on one layer only: the quick
+measurement moves at most LINK_LAYERS_BUDGET layers' experts (Mixtral bf16 on PCIe 4.0:
+a few seconds, where loading every layer took minutes). `fmoe profile --model` saves these
 timings; a run set-up measures them quickly when no profile has them (fmoe_cli/run.py,
 `find_timings`).
 """
@@ -31,21 +34,54 @@ from fmoe_cli.profiling.layers import time_layers
 from fmoe_cli.types import LayerPlan
 
 
-@contextlib.contextmanager
-def resident_layer(engine: Engine, moe_index: int) -> Iterator[None]:
-    """Make every expert of one MoE layer whole on the device, and put the layer's cache back after."""
-    old = engine.layers[moe_index]
-    n = engine.shape.num_experts
-    cache = LayerCache(n, make_policy("lcp", n))
-    for e in range(n):
-        cache.insert(e)
-    tops = engine.store.layers[moe_index].to(engine.device, engine.store.dtype)
-    engine.layers[moe_index] = LayerState(cache, tops, engine.shape.intermediate)
-    try:
-        yield
-    finally:
-        engine.layers[moe_index] = old
-        del tops
+LINK_LAYERS_BUDGET = 20  # the quick measurement moves at most 20 MoE layers' experts over the link (issue 20 §4)
+
+
+class WholeLayers:
+    """MoE layers served whole from the device without the link, so that a measurement moves bytes only
+    for the one layer it measures loads on (`link_layer`): on the CPU every layer from the host store
+    itself (no copy, the exact model); on a GPU, where the model need not fit, one layer's experts stand
+    in for every layer's (the same shapes, so the same compute; the tokens are the measurement's own,
+    never shown). `serve(keep)` after each `engine.configure`: every layer but `keep` whole; `loading(i)`
+    gives layer i back to the engine's plan for a while (yields whether it did)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        store = engine.store
+        on_cpu = engine.device.type == "cpu"
+        self._standin = None if on_cpu else store.layers[0].to(engine.device, store.dtype)
+        self._planned: dict[int, LayerState] = {}
+        # the layer whose loads are measured: one a layer before it predicts (prefetch), away from the ends
+        self.link_layer = min(engine.shape.num_layers - 1, engine.shape.num_layers // 2)
+
+    def _whole(self, i: int) -> LayerState:
+        engine, n = self.engine, self.engine.shape.num_experts
+        cache = LayerCache(n, make_policy("lcp", n))
+        for e in range(n):
+            cache.insert(e)
+        tops = self._standin if self._standin is not None else engine.store.layers[i].to(engine.device, engine.store.dtype)
+        return LayerState.of(cache, tops, engine.shape.intermediate, engine.store)
+
+    def serve(self, keep: int | None = None) -> None:
+        self._planned = {}
+        for i in range(len(self.engine.layers)):
+            if i != keep:
+                self._planned[i] = self.engine.layers[i]
+                self.engine.layers[i] = self._whole(i)
+
+    @contextlib.contextmanager
+    def loading(self, i: int) -> Iterator[bool]:
+        if i != self.link_layer or i not in self._planned:
+            yield False
+            return
+        whole, self.engine.layers[i] = self.engine.layers[i], self._planned[i]
+        try:
+            yield True
+        finally:
+            self.engine.layers[i] = whole
+
+    def close(self) -> None:
+        self._standin, self._planned = None, {}
 
 
 def prompt_ids(lm, length: int) -> torch.Tensor:
@@ -69,54 +105,70 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
     moe_index = {layer.decoder_index: layer.index for layer in lm.layers}
     # a measurement is not traffic: no trace, no statistics of the model's
     kept, engine.observers = engine.observers, list(observers)
+    settings = engine.settings
+    whole = WholeLayers(engine)
+    start_bytes = engine.link.bytes_moved
     try:
+        whole.serve()  # the passes and every T_moe: each layer whole, nothing over the link
         timings = time_layers(
             lm.model, prompt_ids(lm, prefill_len),
             model_identity=model_identity(lm.model_id, lm.path / "config.json"),
             top_k=lm.shape.top_k,
             decode_steps=2 if quick else 4,
             repeats=3 if quick else 7,
-            resident=lambda i: resident_layer(engine, moe_index[i]),
             advance=advance,
-            # h_load per layer block: only where whole resident steps cannot give it (host_work_s)
+            # h_load per layer block, on the link layer: only where whole resident steps cannot give it (host_work_s)
             loads=None if _resident_fits(lm) else (lambda: _loads(engine)),
+            loaded=lambda i: whole.loading(moe_index[i]),
         )
         t_admit = admission_copy_s(lm, repeats=20 if quick else 100)
         t_segment = segment_call_s(lm, repeats=50 if quick else 200)
         h_load, h_pf, c, step, route = host_work_s(
-            lm, engine, prompt_ids(lm, prefill_len), block_h_load=timings.t_host_load or 0.0, t_admit=t_admit,
-            t_segment=t_segment, rounds=5 if quick else 9, tokens=8 if quick else 16, budget_s=5.0 if quick else 60.0)
+            lm, engine, prompt_ids(lm, 2), block_h_load=timings.t_host_load or 0.0, t_admit=t_admit,
+            t_segment=t_segment, rounds=5 if quick else 9, tokens=4 if quick else 16, budget_s=5.0 if quick else 60.0,
+            whole=whole, layer_reps=10 if quick else 100,
+            link_bytes=(LINK_LAYERS_BUDGET * lm.shape.num_experts * lm.shape.expert_bytes
+                        - (engine.link.bytes_moved - start_bytes)) if quick else None)
         return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c, t_token=step,
                        t_host_route=route, t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True))
     finally:
         engine.observers = kept
+        whole.close()
+        if settings is not None:
+            engine.configure(settings)  # the engine's own plan back (no layer left whole)
 
 
 SPLIT_CACHE_BYTES = 512 * 2**20
 
 
 def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: float, t_admit: float,
-                t_segment: float, rounds: int = 5, tokens: int = 8,
-                budget_s: float = 5.0) -> tuple[float, float, float, float | None, float]:
+                t_segment: float, rounds: int = 5, tokens: int = 8, budget_s: float = 5.0,
+                whole: WholeLayers | None = None, link_bytes: int | None = None,
+                layer_reps: int = 100) -> tuple[float, float, float, float | None, float]:
     """(h_load, h_pf, c, resident step, h_route): the host's work per loaded segment, per MoE layer that prefetches (the
     predictor's scores and ranking, the prefetcher's submits and cancels) and per split top hit
     (two segment forwards and their sum instead of one forward), from whole decode tokens on the
-    engine's link, in interleaved rounds: every expert resident; no cache, loaded on demand; the
-    same with prefetch; and up to 4K experts' top halves cached per layer.
+    engine's link, in interleaved rounds: every expert resident; no cache, loaded on demand; and up
+    to 4K experts' top halves cached per layer.
     Per configuration, the medians over tokens of net = TPOT − exposed and of its counters; then
         h_load = (net_ondemand − net_resident) / loaded segments
         h_pf   = what prefetch adds to one MoE layer's experts forward (`layer_forward_s`, less the
-                 time it waited on the link: K fixed experts, every layer in turn, 200 times: the
-                 prefetch path is the host's Python, not memory bound, and the difference of two
-                 decode steps was too noisy to take it from)
-        c      = (net_split − net_ondemand − misses_split · θ · a_e − Δ loaded segments · h_load) / top hits
+                 time it waited on the link: K fixed experts, `layer_reps` times: the prefetch path
+                 is the host's Python, not memory bound, and the difference of two decode steps
+                 was too noisy to take it from)
+        c      = (net_split − net_ondemand − misses_split · θ · a_e − Δ loaded segments · h_load) / top hits,
+                 at least `t_segment` (one more segment forward)
     each the median over rounds (paired: a machine whose load drifts shifts a round's runs alike);
     h_route, the host's lead on a layer's first load, from the engine's counters of the on-demand runs.
     Whole tokens, not one layer run again: a layer re-run on one input finds its experts' weights
     warm in the CPU's caches, a decode step does not. Where the model does not fit on the device
     (a GPU), h_load is `block_h_load` (profiling/layers.py) and c is `t_segment` (one forward of a
-    one-block segment). Rounds stop early once `budget_s` has passed (a model whose on-demand
-    step takes long, on a slow link, gets one round). The engine is put back as it was."""
+    one-block segment). With `whole` only its link layer loads (every other layer whole, served
+    without the link: each formula is per loaded segment, per top hit or per prefetching layer, so
+    one layer gives it), and h_pf is from that layer and the one before it, which prefetches for it.
+    Rounds stop early once `budget_s` has passed (a model whose on-demand step takes long, on a slow
+    link, gets one round) or before a round would take the link past `link_bytes` (less what the
+    h_pf forwards will move). The engine is put back as it was."""
     import time
 
     shape, settings = lm.shape, engine.settings
@@ -124,8 +176,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     layers = len(plan.layers)
     no_cache = replace(plan, layers=tuple(LayerPlan(0, 0, 0, 0.0) for _ in plan.layers), resident=False,
                        prefetch=True, source="measurement")
-    configs = {"demand": replace(settings, plan=no_cache, prefetch=False),
-               "prefetch": replace(settings, plan=no_cache, prefetch=True)}
+    configs = {"demand": replace(settings, plan=no_cache, prefetch=False)}
+    prefetch = replace(settings, plan=no_cache, prefetch=True)
     half = shape.intermediate // 2 // shape.neuron_block * shape.neuron_block
     if _resident_fits(lm):
         full = LayerPlan(shape.num_experts * shape.expert_bytes, shape.num_experts, shape.intermediate, 1.0)
@@ -136,15 +188,30 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
         if half > 0 and size > 0:
             tops = LayerPlan(size * half * shape.neuron_bytes, size, half, half / shape.intermediate)
             configs["split"] = replace(settings, plan=replace(no_cache, layers=(tops,) * layers), prefetch=False)
+    keep = None if whole is None else whole.link_layer
+    forwarded = None if whole is None else sorted({max(0, keep - 1), keep})  # MoE layers layer_forward_s runs
+    warm = max(2, layer_reps // 10)
+
+    def configure(s) -> None:
+        engine.configure(s)
+        if whole is not None and not s.plan.resident:
+            whole.serve(keep)
+
+    link = getattr(engine, "link", None)
+    moved = (lambda: link.bytes_moved) if link is not None else (lambda: 0)
+    if link_bytes is not None:  # what the h_pf forwards will move: K whole experts per forward of the link layer
+        link_bytes -= 2 * (warm + layer_reps) * shape.top_k * shape.expert_bytes * (1 if whole else layers)
     h_loads, h_pfs, cs, steps, routes = [], [], [], [], []
-    start = time.perf_counter()
+    start, start_bytes, round_bytes = time.perf_counter(), moved(), 0
     try:
         for r in range(rounds):
-            if r and time.perf_counter() - start > budget_s:
+            used = moved() - start_bytes
+            if r and (time.perf_counter() - start > budget_s
+                      or link_bytes is not None and used + round_bytes > link_bytes):
                 break
             net, count = {}, {}
             for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
-                engine.configure(configs[name])
+                configure(configs[name])
                 events = list(stream_generate(lm.model, input_ids, engine=engine, max_new_tokens=tokens + 1,
                                               stop_on_eos=False))[1:]
                 net[name] = statistics.median(e.latency_s - e.counters.exposed_s for e in events)
@@ -152,6 +219,7 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                                for key in ("needed_loads", "hits_top", "misses")}
                 if name == "demand":
                     routes += [e.counters.lead_s / e.counters.leads for e in events if e.counters.leads]
+            round_bytes = max(round_bytes, moved() - start_bytes - used)
             od = count["demand"]
             if "resident" in net:
                 steps.append(net["resident"])
@@ -162,25 +230,28 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 cs.append((net["split"] - net["demand"] - sp["misses"] * half / shape.intermediate * t_admit
                            - (sp["needed_loads"] - od["needed_loads"]) * h_load) / sp["hits_top"])
         forward = {}
-        for name in ("demand", "prefetch"):
-            engine.configure(configs[name])
+        for name, s in (("demand", configs["demand"]), ("prefetch", prefetch)):
+            configure(s)
             before = engine.counters().exposed_s
-            seconds = layer_forward_s(lm, engine, 200)
-            forward[name] = seconds - (engine.counters().exposed_s - before) / (220 * layers)
-        h_pfs.append(forward["prefetch"] - forward["demand"])
+            seconds = layer_forward_s(lm, engine, layer_reps, layers=forwarded, warmup=warm)
+            calls = (warm + layer_reps) * (len(forwarded) if forwarded else layers)
+            forward[name] = seconds - (engine.counters().exposed_s - before) / calls
+        # per prefetching layer: with `whole`, of the two layers forwarded one prefetches for real
+        h_pfs.append((forward["prefetch"] - forward["demand"]) * (len(forwarded) if forwarded else 1))
     finally:
         engine.configure(settings)
-    c = statistics.median(cs) if cs else t_segment
+    # a split top hit costs at least one more segment forward: a smaller c is the noise of a busy machine
+    c = max(statistics.median(cs), t_segment) if cs else t_segment
     step = statistics.median(steps) if steps else None
     route = statistics.median(routes) if routes else 0.0
     return max(0.0, statistics.median(h_loads)), max(0.0, statistics.median(h_pfs)), max(0.0, c), step, route
 
 
-def layer_forward_s(lm, engine: Engine, reps: int) -> float:
+def layer_forward_s(lm, engine: Engine, reps: int, layers: Sequence[int] | None = None, warmup: int = 20) -> float:
     """Seconds per experts forward of one MoE layer for one token routed to K fixed, distinct experts,
-    every layer in turn, `reps` times after a warm-up: the engine's own work without attention,
-    sampling and the model's other layers around it (far less noise than a decode step; the same
-    experts every time, so their weights stay warm in a CPU's caches)."""
+    every layer (or the MoE layers `layers`) in turn, `reps` times after `warmup`: the engine's own work
+    without attention, sampling and the model's other layers around it (far less noise than a decode
+    step; the same experts every time, so their weights stay warm in a CPU's caches)."""
     import time
 
     shape = lm.shape
@@ -189,9 +260,11 @@ def layer_forward_s(lm, engine: Engine, reps: int) -> float:
     x = torch.randn(1, shape.hidden, dtype=lm.dtype, generator=torch.Generator().manual_seed(0)).to(lm.device)
     ids, weights = ids.to(lm.device), weights.to(lm.device)
     experts = [layer.experts for layer in lm.layers]
+    if layers is not None:
+        experts = [experts[i] for i in layers]
     sync = (lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
-        for _ in range(20):
+        for _ in range(warmup):
             for module in experts:
                 engine.experts_forward(module, x, ids, weights)
         sync()

@@ -30,7 +30,6 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import SamplingParams, encode_messages, encode_text
 from fmoe_cli.offload.engine import Counters
 from fmoe_cli.options import RunOptions
-from fmoe_cli.run import context_length
 from fmoe_cli.serve import ServeOptions
 from fmoe_cli.serve.protocol import (
     ApiError,
@@ -108,7 +107,7 @@ class Service:
 
     @property
     def context(self) -> int | None:
-        return context_length(self.session.lm)
+        return self.session.context_limit
 
 
 def start_service(session: ChatSession, model_id: str, options: ServeOptions, idle=None) -> Service:
