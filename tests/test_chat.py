@@ -359,3 +359,36 @@ def test_text_typed_during_an_answer_comes_back_at_the_prompt(checkpoints, tmp_p
     assert "typed" not in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", answer)  # not echoed into the answer
     messages = json.loads((tmp_path / "c.json").read_text())["messages"]
     assert messages[2] == {"role": "user", "content": "typed ahead too"}
+
+
+def test_a_replan_that_runs_out_of_device_memory_says_so_and_the_chat_goes_on(checkpoints, monkeypatch):
+    """Issue 20 §2: the idle re-plan runs out of device memory for its plan (and for the plan before): the
+    engine builds the staging pool alone, the chat says so in one line, and the next answers run on it."""
+    from fmoe_cli.offload.engine import Engine
+
+    real_build = Engine._build
+    state = {"oom": False}
+
+    def build(self, settings, policies, steps):
+        if state["oom"] and any(lp.cache_size for lp in settings.plan.layers):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return real_build(self, settings, policies, steps)
+
+    def make_idle(lm, engine, budget):
+        def hook():
+            state["oom"] = True
+            engine.configure(engine.settings, warm=True)  # a re-plan to the same plan: it no longer fits
+
+        return hook
+
+    monkeypatch.setattr(Engine, "_build", build)
+    opts = ChatOptions(RunOptions(model=str(checkpoints["mixtral"]), device="cpu", policies=("lru",)),
+                       temperature=0.0, max_new_tokens=3)
+    c = open_chat(opts, err_console=Console(file=io.StringIO()), make_idle=make_idle)
+    session = c.session
+    out, _ = talk(c, ["one", "two", "three"])
+    flat = " ".join(out.split())  # (the console wraps at 80 columns)
+    assert flat.count("re-planning failed: FmoeError: out of device memory") == 1, out
+    assert "loading every expert on demand" in flat
+    assert session.turns == 3 and sum(1 for m in session.messages if m["role"] == "assistant") == 3
+    assert all(lp.cache_size == 0 for lp in session.engine.settings.plan.layers)

@@ -534,7 +534,7 @@ def test_shutdown_finishes_or_cancels_the_answer_and_refuses_the_queue(chat_run,
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from fmoe_cli.serve.protocol import StopText  # noqa: E402
+from fmoe_cli.serve.protocol import StopText, first_stop  # noqa: E402
 from fmoe_cli.serve.worker import Done, Failed, Job, QueueFull, Worker  # noqa: E402
 
 
@@ -551,13 +551,15 @@ def test_stop_text_cuts_at_the_first_stop_however_the_text_is_split(text, stops,
             break
     if not hit:
         shown.append(matcher.flush())
-    # As the answer grows piece by piece, the first prefix that holds a stop string ends it, cut where the
-    # earliest stop string in that prefix begins ('ba' + 'a' with stops 'a', 'baa': 'a' is complete first → 'b')
-    ends = [len("".join(pieces[:k + 1])) for k in range(len(pieces))]
-    prefix = next((text[:e] for e in ends if any(s in text[:e] for s in stops)), None)
-    assert hit == (prefix is not None)
-    expected = text if prefix is None else prefix[:min(prefix.find(s) for s in stops if s in prefix)]
-    assert "".join(shown) == expected
+    first = None  # where generation stops, one character at a time: the first prefix holding a stop string
+    for end in range(1, len(text) + 1):
+        found = [i for i in (text[:end].find(s) for s in stops) if i >= 0]
+        if found:
+            first = min(found)
+            break
+    assert first == first_stop(text, stops)
+    assert hit == (first is not None)
+    assert "".join(shown) == (text if first is None else text[:first])
     assert not any(s in "".join(shown) for s in stops)  # no stop string is ever shown
 
 
@@ -714,3 +716,14 @@ def test_a_seed_makes_a_sampled_answer_reproducible(server):
     first = sample(7)
     assert sample(7) == first  # the KV cache of the previous request in between changes nothing
     assert len({first, sample(8), sample(9)}) > 1  # and the seed is what decides
+
+
+def test_context_bounds_the_answer_and_is_reported(server, monkeypatch):
+    monkeypatch.setattr(server.service.session, "context", 40)  # as --context 40
+    assert server.client().models.retrieve("demo").model_extra["context_length"] == 40
+    status, _, reply = server.request("POST", "/v1/chat/completions",
+                                      json.dumps({"messages": MESSAGES, "max_tokens": 39}))
+    assert status == 400 and "context is 40 tokens" in reply["error"]["message"]
+    room = 40 - len(chat_ids(server, MESSAGES))
+    done = server.client().chat.completions.create(model="demo", messages=MESSAGES, max_tokens=room, temperature=0)
+    assert done.usage.prompt_tokens + done.usage.completion_tokens <= 40

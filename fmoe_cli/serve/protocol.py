@@ -206,6 +206,17 @@ def answer_budget(requested: int | None, prompt_tokens: int, context: int | None
 # --- stop strings ---------------------------------------------------------------
 
 
+def first_stop(text: str, stops) -> int | None:
+    """Where generation would have stopped in `text`, read a character at a time: at the first point where a
+    stop string is complete, the text is cut where the earliest stop string within it begins (with stops
+    'a' and 'baa', 'baa' stops after 'ba', at 'a': 'b'). None if no stop string is in `text`."""
+    ends = [i + len(s) for s in stops for i in (text.find(s),) if i >= 0]
+    if not ends:
+        return None
+    head = text[:min(ends)]
+    return min(i for i in (head.find(s) for s in stops) if i >= 0)
+
+
 class StopText:
     """The answer's text with stop strings cut off: `add` returns what may be shown now and whether
     a stop string was found. Text that could be the start of a stop string is held back until the
@@ -217,9 +228,9 @@ class StopText:
 
     def add(self, text: str) -> tuple[str, bool]:
         self.pending += text
-        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if found:
-            out, self.pending = self.pending[:min(found)], ""
+        cut = first_stop(self.pending, self.stops)
+        if cut is not None:
+            out, self.pending = self.pending[:cut], ""
             return out, True
         hold = max((n for s in self.stops for n in range(min(len(s) - 1, len(self.pending)), 0, -1)
                     if self.pending.endswith(s[:n])), default=0)
