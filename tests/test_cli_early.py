@@ -119,7 +119,7 @@ def test_chat_answers_end_at_the_context(checkpoints):
         assert stats.finish_reason == "eos" or stats.tokens == 40 - prompt
         assert stats.tokens <= 40 - prompt
         assert stats.context == 40 and stats.context_used == prompt + stats.tokens
-        assert stats.footer().endswith(f"context {prompt + stats.tokens}/40")
+        assert stats.footer().endswith(f"context {prompt + stats.tokens}/40 · float32")  # and the compute dtype
     finally:
         chat.close()
 

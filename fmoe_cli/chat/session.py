@@ -50,10 +50,12 @@ class AnswerStats:
     dropped: int = 0  # oldest messages dropped from the prompt this turn to fit the model's context
     context_used: int = 0  # tokens of the conversation in the KV cache after this answer
     context: int | None = None  # the window it is kept inside (--context)
+    dtype: str = ""  # what the device computes in (float16 on a card without native bfloat16)
 
     def footer(self) -> str:
         stopped = "stopped (Ctrl-C) · " if self.finish_reason == "interrupted" else ""
         window = f" · context {self.context_used}/{self.context}" if self.context else ""
+        window += f" · {self.dtype}" if self.dtype else ""
         return (f"{stopped}{self.tokens} tokens · TTFT {self.ttft_ms:.0f} ms · TPOT {self.tpot_ms:.1f} ms · "
                 f"{self.tokens_per_s:.1f} tok/s · hit rate {self.hit_rate:.2f}{window}")
 
@@ -175,6 +177,7 @@ class ChatSession:
         self.last_stats = answer_stats(events, len(ids) - self.reused, finish)
         self.last_stats.dropped = dropped
         self.last_stats.context_used, self.last_stats.context = len(ids) + len(events), self.context_limit
+        self.last_stats.dtype = str(self.lm.dtype).removeprefix("torch.")
         return self.last_stats
 
     def take_cache(self, ids: list[int]) -> tuple[DynamicCache, int]:
