@@ -538,7 +538,7 @@ from fmoe_cli.serve.protocol import StopText, first_stop  # noqa: E402
 from fmoe_cli.serve.worker import Done, Failed, Job, QueueFull, Worker  # noqa: E402
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(text=st.text("abc", max_size=30), stops=st.lists(st.text("abc", min_size=1, max_size=4), max_size=3),
        cuts=st.lists(st.integers(0, 30), max_size=8))
 def test_stop_text_cuts_at_the_first_stop_however_the_text_is_split(text, stops, cuts):
@@ -560,6 +560,7 @@ def test_stop_text_cuts_at_the_first_stop_however_the_text_is_split(text, stops,
     assert first == first_stop(text, stops)
     assert hit == (first is not None)
     assert "".join(shown) == (text if first is None else text[:first])
+    assert not any(s in "".join(shown) for s in stops)  # no stop string is ever shown
 
 
 def test_worker_is_fifo_refuses_when_full_and_runs_idle_only_with_an_empty_queue():
@@ -639,7 +640,7 @@ def test_fmoe_serve_command_key_from_env_sigterm_saves_statistics(tmp_path):
 
     env = dict(os.environ, FMOE_API_KEY="from-env", XDG_CONFIG_HOME=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "fmoe_cli.cli", "serve", "demo", "--port", "0", "--device", "cpu",
-                             "--host", "0.0.0.0"],
+                             "--host", "0.0.0.0", "--policy", "lru"],  # a fixed plan: no timing at start-up
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     try:
         lines = []
@@ -660,3 +661,69 @@ def test_fmoe_serve_command_key_from_env_sigterm_saves_statistics(tmp_path):
     assert proc.returncode == 0, rest
     assert "statistics saved" in rest and "Traceback" not in rest
     assert list(tmp_path.rglob("*.stats.json"))  # the routing statistics of the answers, saved on the way out
+
+
+def test_failures_are_one_log_line_and_openai_errors_and_the_engine_recovers(server, reference, monkeypatch, caplog):
+    import logging
+
+    import fmoe_cli.serve.app as app_module
+
+    def broken_encode(*args):
+        raise RuntimeError("template on fire\nsecond line")
+
+    monkeypatch.setattr(app_module, "encode_messages", broken_encode)
+    with caplog.at_level(logging.ERROR):
+        status, _, reply = server.request("POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES}))
+        assert status == 500 and reply["error"]["type"] == "server_error" and "fire" not in reply["error"]["message"]
+        # the line is written once the response has gone (the error passes the 500 on its way out)
+        wait_for(lambda: any(r.levelno >= logging.ERROR for r in caplog.records), "the log line")
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "template on fire" in errors[0].getMessage() and errors[0].exc_info is None
+    assert "second line" not in errors[0].getMessage()
+    monkeypatch.undo()
+
+    real = session_module.stream_generate
+
+    def failing(*args, **kwargs):
+        for i, event in enumerate(real(*args, **kwargs)):
+            if i == 2:
+                raise RuntimeError("device on fire")
+            yield event
+
+    monkeypatch.setattr(session_module, "stream_generate", failing)
+    caplog.clear()
+    with caplog.at_level(logging.ERROR):
+        status, _, reply = server.request("POST", "/v1/chat/completions",
+                                          json.dumps({"messages": MESSAGES, "max_tokens": 6}))
+        assert status == 500 and "device on fire" in reply["error"]["message"]
+        conn = raw_stream(server, {"messages": MESSAGES, "max_tokens": 6, "stream": True})
+        lines = [line for line in conn.getresponse().read().decode().splitlines() if line.startswith("data: ")]
+        assert json.loads(lines[-1][6:])["error"]["message"].endswith("device on fire")  # an error event ends it
+    assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 2
+    monkeypatch.undo()
+    assert server.service.session._kv is None  # dropped: the forward stopped half-way
+    expected = reference(chat_ids(server, MESSAGES), 6)
+    assert chat_text(server, MESSAGES, 6) == decode(server, expected)  # the engine was rebuilt and answers exactly
+
+
+def test_a_seed_makes_a_sampled_answer_reproducible(server):
+    client = server.client()
+
+    def sample(seed: int) -> str:
+        return client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=12, temperature=1.5,
+                                              seed=seed).choices[0].message.content
+
+    first = sample(7)
+    assert sample(7) == first  # the KV cache of the previous request in between changes nothing
+    assert len({first, sample(8), sample(9)}) > 1  # and the seed is what decides
+
+
+def test_context_bounds_the_answer_and_is_reported(server, monkeypatch):
+    monkeypatch.setattr(server.service.session, "context", 40)  # as --context 40
+    assert server.client().models.retrieve("demo").model_extra["context_length"] == 40
+    status, _, reply = server.request("POST", "/v1/chat/completions",
+                                      json.dumps({"messages": MESSAGES, "max_tokens": 39}))
+    assert status == 400 and "context is 40 tokens" in reply["error"]["message"]
+    room = 40 - len(chat_ids(server, MESSAGES))
+    done = server.client().chat.completions.create(model="demo", messages=MESSAGES, max_tokens=room, temperature=0)
+    assert done.usage.prompt_tokens + done.usage.completion_tokens <= 40
