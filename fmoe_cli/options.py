@@ -18,8 +18,7 @@ from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import local_model_dir
 from fmoe_cli.offload import check_bandwidth
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
-from fmoe_cli.planning.configurator import DEFAULT_TAU
-from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_budget_text, resolve_context
+from fmoe_cli.planning.plan import DEFAULT_BUDGET, DEFAULT_TAU, check_budget_text, resolve_context
 from fmoe_cli.planning.presets import DEFAULT_POLICY, preset
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
 from fmoe_cli.profiling.files import Profile

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "transformers", "huggingface_hub", "safetensors")
+HEAVY = ("torch", "transformers", "huggingface_hub", "safetensors", "numpy")
 # main() exits; the modules loaded at that moment are printed on stdout, after the command's own output.
 PROBE = ("import sys\nfrom fmoe_cli.cli import main\nsys.argv = ['fmoe', *sys.argv[1:]]\n"
          "try:\n    main()\nexcept SystemExit as exc:\n"

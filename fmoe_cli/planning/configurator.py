@@ -85,12 +85,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.planning.plan import min_staging_slots, uniform_plan
+from fmoe_cli.planning.plan import DEFAULT_TAU, min_staging_slots, uniform_plan
 from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan, Timings
 from fmoe_cli.planning.stats import LayerCurves, RoutingStats
 
 DEFAULT_ZETA = 0.01  # ζ: share of V_e moved per iteration (MoEpic)
-DEFAULT_TAU = 5000  # τ: tokens between re-plans (MoEpic)
 _TIE = 1e-12  # m_i within this of the best count as ties
 
 

@@ -226,6 +226,9 @@ def parse_budget(text: str, all_experts_bytes: int) -> int:
     return int(value * _UNITS[unit])
 
 
+DEFAULT_TAU = 5000  # τ: tokens between re-plans (MoEpic; planning/configurator.py)
+
+
 def check_plan_options(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,
                        workspace: str, experts: str, trace: str | None) -> Profile | None:
     """`fmoe plan`'s options, without torch (the command line checks them before anything heavy is

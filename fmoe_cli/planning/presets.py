@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO
-from fmoe_cli.planning.autoplan import moepic_plan
 from fmoe_cli.planning.plan import resident_plan, uniform_plan
-from fmoe_cli.planning.stats import RoutingStats
 from fmoe_cli.types import EngineSettings, ExpertShape, Plan, Timings
+
+if TYPE_CHECKING:
+    from fmoe_cli.planning.stats import RoutingStats
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ def _configurator(inputs: PlanInputs) -> Plan:
     """MoEpic's configurator (Algorithm 1) on the timings and statistics."""
     if inputs.timings is None:
         raise ValueError("the configurator needs timings: PlanInputs.timings (run.find_timings finds them)")
+    # The configurator (numpy) is imported when a plan is made, not with the table: the command line
+    # reads the table for its help and checks, and answers a bad option before numpy is loaded.
+    from fmoe_cli.planning.autoplan import moepic_plan
+
     return moepic_plan(inputs.shape, inputs.budget_bytes, inputs.timings, inputs.stats, model=inputs.model)
 
 
