@@ -68,7 +68,13 @@ plans of the special cases it competes with at the same budget — whole experts
 (θ = 1, V_e/L per layer: `lru`, `lfu`), the same without prefetch (Y = 0:
 `cache-only`; the plan then says `prefetch=False` and moepic runs without it),
 uniform (θ = 0.5, V_e/L: `uniform`), prefetch only (θ = 0: `prefetch-only`) and neither
-(`ondemand`) — and the plan with the least predicted Σ T^i wins (Algorithm 1 on ties).
+(`ondemand`) — then Algorithm 1 again, with and without prefetch, from the per-layer optimum
+(`per_layer_optimum`: the budgets that minimise Σ T^i with the windows held, a knapsack solved by
+dynamic programming), and the plan with the least predicted Σ T^i wins (the earlier on ties).
+Algorithm 1's ζ-moves from the uniform start only see a marginal gain; where a cache pays only from
+several experts of a layer on (every miss's admission costing more than the loads a small cache
+saves), every move gains nothing and the search stops at no cache although caching a few layers whole
+would pay.
 
 VramAllocation (Algorithm 1): start uniform (V_i = V_e / L); repeat: move ζ·V_e from
 the layer whose loss of budget costs least to the layer whose gain is largest; stop,
@@ -131,6 +137,8 @@ BASELINES: dict[str, tuple[float, bool]] = {
     "on demand (no cache, no prefetch)": (0.0, False),
 }
 ALGORITHM_1 = "algorithm 1"
+FROM_OPTIMUM = "algorithm 1 from the per-layer optimum"
+FROM_OPTIMUM_SILENT = "the same without prefetch"
 
 
 @dataclass(frozen=True)
@@ -225,12 +233,11 @@ class _LayerModel:
         self._by_budget[budget] = tables
         return tables
 
-    def choose(self, budget: int, window: float, cache_size: int | None = None) -> tuple[LayerChoice, float]:
-        """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
-        largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}."""
+    def _priced(self, budget: int, window: float) -> tuple:
+        """Per candidate (C, k) for V_i = budget in window T_wind^i: C_i, k_i, θ_i, m_i, R_i, Y and the
+        loads' host work (G_i without h_pf)."""
         sizes, k, theta, cost, gain, cached, host = self._tables(budget)
-        t = self.timings
-        top_k = t.top_k
+        top_k = self.timings.top_k
         columns = np.arange(len(sizes))
         landed = (cost <= window * (1 + 1e-12)).sum(axis=0)  # prefetches done by routing time (Eq. 10's Y)
         if self.max_prefetch is None:
@@ -249,6 +256,30 @@ class _LayerModel:
         wrong = 1.0 - self.curves.predicted_hit[straddler]
         link = np.maximum(0.0, remaining) * wrong  # R_i per candidate
         hidden = np.minimum(cached + prefetched, top_k)  # m_i (Eq. 9), capped at K
+        return sizes, k, theta, hidden, link, prefetches, host
+
+    def _exposure(self, hidden, behind, prefetches, host):
+        """T^i (Eq. 6, pipelined, + G_i) and what of the layer's time follows routing, for m_i = hidden,
+        R_i = behind (scalars or arrays): (T^i, T_moe + G_i + max(0, S_i) − B_i, G_i)."""
+        t = self.timings
+        busy = behind + (t.top_k - hidden) * t.t_load  # B_i: the link's work once layer i has routed
+        # G_i: h_load per loaded segment (whole cached experts load nothing), a_e·θ per admission, and
+        # h_pf, the predictor and prefetcher's work when the layer prefetches
+        work = host + np.where(prefetches > 0, t.t_host_prefetch, 0.0)
+        loads = t.top_k - hidden  # n_i: the experts still to load, one after another on the link
+        # the compute waits for the first load, then for each next one only as far as the link is slower
+        # than the compute of the one before it
+        serve = t.t_exp + t.t_host_load  # the compute side's time per loaded segment
+        stall = (np.maximum(behind + np.minimum(loads, 1.0) * t.t_load, busy - np.maximum(0.0, loads - 1.0) * serve)
+                 - hidden * t.t_exp - np.where(loads > 0, t.t_host_route, 0.0))  # S_i
+        exposed = np.maximum(0.0, stall) + work
+        return exposed, t.t_moe + work + np.maximum(0.0, stall) - busy, work
+
+    def choose(self, budget: int, window: float, cache_size: int | None = None) -> tuple[LayerChoice, float]:
+        """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
+        largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}."""
+        sizes, k, theta, hidden, link, prefetches, host = self._priced(budget, window)
+        t = self.timings
         if cache_size is None:
             # Eq. 11, with the work the loads cost besides the link: the load time hidden less that work,
             # argmax m_i·T_load − G_i (= argmax m_i when G_i = 0). Among (near-)ties keep the most bytes
@@ -260,19 +291,8 @@ class _LayerModel:
             fixed = np.flatnonzero(sizes == cache_size)
             c = int(fixed[-1]) if len(fixed) else 0  # its largest k (the plan's); C = 0 when nothing fits
         m = float(hidden[c])
-        behind = float(link[c])  # R_i: a wrong prefetch's link time the window did not cover
-        busy = behind + (top_k - m) * t.t_load  # the link's work once layer i has routed
-        work = float(host[c])  # h_load per loaded segment (whole cached experts load nothing), a_e·θ per admission
-        if prefetches[c] > 0:
-            work += t.t_host_prefetch  # h_pf: the predictor and prefetcher's work when the layer prefetches
-        loads = top_k - m  # n_i: the experts still to load, one after another on the link
-        # T^i (Eq. 6, pipelined, + G_i): the compute waits for the first load, then for each next one
-        # only as far as the link is slower than the compute of the one before it
-        serve = t.t_exp + t.t_host_load  # the compute side's time per loaded segment
-        stall = (max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve)
-                 - m * t.t_exp - (t.t_host_route if loads > 0 else 0.0))
-        exposed = max(0.0, stall) + work
-        next_window = t.t_moe + work + max(0.0, stall) - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
+        exposed, after, _ = self._exposure(m, float(link[c]), int(prefetches[c]), float(host[c]))
+        next_window = float(after) + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
         size = int(sizes[c])
         choice = LayerChoice(
             budget=int(budget),
@@ -286,7 +306,17 @@ class _LayerModel:
             window=float(window),
             exposed=float(exposed),
         )
-        return choice, float(next_window)
+        return choice, next_window
+
+    def least_exposed(self, budgets: np.ndarray, window: float) -> np.ndarray:
+        """For each V_i in `budgets` (ascending), the least T^i of any candidate (C, k) that fits it, in
+        window T_wind^i: every candidate of the largest budget priced once, the cheapest that fits taken."""
+        sizes, k, theta, hidden, link, prefetches, host = self._priced(int(budgets[-1]), window)
+        exposed, _, _ = self._exposure(hidden, link, prefetches, host)
+        vram = sizes * k * self.shape.neuron_bytes
+        order = np.argsort(vram, kind="stable")
+        cheapest = np.minimum.accumulate(exposed[order])  # least T^i among the candidates up to each size
+        return cheapest[np.searchsorted(vram[order], budgets, side="right") - 1]
 
 
 def _layer_models(stats: RoutingStats, timings: Timings, shape: ExpertShape, max_prefetch: int | None) -> list[_LayerModel]:
@@ -363,6 +393,67 @@ def _price(models: Sequence[_LayerModel], plan: Plan, timings: Timings) -> Split
     return Split(tuple(choices))
 
 
+def _fixed_point(models: Sequence[_LayerModel], budgets: list[int], step: int, timings: Timings,
+                 max_iterations: int) -> tuple[_Search, list[float], int]:
+    """Algorithm 1's loop from `budgets`: move ζ·V_e (`step`) from the layer that loses least to the one
+    that gains most while Σ T^i falls; returns the search at the fixed point, Σ T^i after each accepted
+    move (the start first) and the number of moves."""
+    layers = len(models)
+    search = _Search(models, budgets, timings)
+    history = [search.total]
+    iterations = 0
+    while step > 0 and iterations < max_iterations and layers > 1:
+        # The layer that loses least by giving ζ·V_e away, and the one that gains most by taking it.
+        losses = [(search.total_with(j, budgets[j] - step) - search.total, j) for j in range(layers) if budgets[j] >= step]
+        gains = [(search.total - search.total_with(j, budgets[j] + step), j) for j in range(layers)]
+        if not losses:
+            break
+        loss, donor = min(losses)
+        gain, recipient = max((g, -j) for g, j in gains if j != donor)
+        recipient = -recipient
+        trial = list(budgets)
+        trial[donor] -= step
+        trial[recipient] += step
+        candidate = _Search(models, trial, timings)
+        if not candidate.total < search.total * (1 - 1e-12):  # no longer falls: roll back, stop
+            break
+        budgets, search = trial, candidate
+        history.append(search.total)
+        iterations += 1
+    return search, history, iterations
+
+
+def per_layer_optimum(models: Sequence[_LayerModel], expert_budget: int, step: int,
+                      windows: Sequence[float]) -> list[int]:
+    """The budgets {V_i} (whole units of ζ·V_e, Σ V_i ≤ V_e) that minimise Σ_i T^i(V_i) with every layer's
+    window T_wind^i held at `windows` (those of a plan already priced): a knapsack over the layers, solved
+    exactly by dynamic programming. Without prefetch T^i does not depend on the window, so this is the
+    optimum; with prefetch the windows move with the plan, and Algorithm 1 goes on from here."""
+    if step <= 0:
+        return [expert_budget // len(models)] * len(models)
+    units = expert_budget // step
+    grid = np.arange(units + 1) * step
+    exposed = np.array([model.least_exposed(grid, window) for model, window in zip(models, windows)])  # [i, u]: T^i
+    best = exposed[0].copy()  # best[t]: least Σ T^i over the layers so far with t units spent
+    picks = []  # per later layer: [t] -> its units in that optimum
+    used = np.arange(units + 1)
+    for row in exposed[1:]:
+        # total[t, u] = best[t − u] + T^i(u) for u ≤ t
+        total = np.where(used[None, :] <= used[:, None], best[np.maximum(used[:, None] - used[None, :], 0)] + row[None, :],
+                         np.inf)
+        choice = np.argmin(total, axis=1)
+        picks.append(choice)
+        best = total[used, choice]
+    t = int(np.argmin(best))
+    budgets = []
+    for choice in reversed(picks):
+        u = int(choice[t])
+        budgets.append(u * step)
+        t -= u
+    budgets.append(t * step)
+    return list(reversed(budgets))
+
+
 def vram_allocation(
     expert_budget: int,
     stats: RoutingStats,
@@ -391,27 +482,7 @@ def vram_allocation(
     layers = shape.num_layers
     budgets = [int(expert_budget) // layers] * layers  # uniform start: V_i = V_e / L
     step = int(zeta * expert_budget)  # ζ·V_e
-    search = _Search(models, budgets, timings)
-    history = [search.total]
-    iterations = 0
-    while step > 0 and iterations < max_iterations and layers > 1:
-        # The layer that loses least by giving ζ·V_e away, and the one that gains most by taking it.
-        losses = [(search.total_with(j, budgets[j] - step) - search.total, j) for j in range(layers) if budgets[j] >= step]
-        gains = [(search.total - search.total_with(j, budgets[j] + step), j) for j in range(layers)]
-        if not losses:
-            break
-        loss, donor = min(losses)
-        gain, recipient = max((g, -j) for g, j in gains if j != donor)
-        recipient = -recipient
-        trial = list(budgets)
-        trial[donor] -= step
-        trial[recipient] += step
-        candidate = _Search(models, trial, timings)
-        if not candidate.total < search.total * (1 - 1e-12):  # no longer falls: roll back, stop
-            break
-        budgets, search = trial, candidate
-        history.append(search.total)
-        iterations += 1
+    search, history, iterations = _fixed_point(models, budgets, step, timings, max_iterations)
     split = Split(tuple(search.choices))
     plan = split.to_plan(shape, slots)
     chosen, candidates = ALGORITHM_1, [(ALGORITHM_1, split.total_exposed)]
@@ -425,6 +496,19 @@ def vram_allocation(
             candidates.append((name, priced.total_exposed))
             if priced.total_exposed < best * (1 - 1e-9) - 1e-15:  # strictly better: Algorithm 1 keeps ties
                 chosen, best, split, plan = name, priced.total_exposed, priced, base
+        # Algorithm 1 again from the per-layer optimum (with and without prefetch): where a cache pays only
+        # from a few experts per layer on (an admission per miss costs more than the loads a small cache
+        # saves), every ζ-move from the uniform start changes nothing, and the search stops at no cache
+        # (Mixtral-8x7B bf16 at 12 GiB on an RTX 3060's figures, tests/test_plan_command.py).
+        for name, layer_models in ((FROM_OPTIMUM, models), (FROM_OPTIMUM_SILENT, silent)):
+            start = per_layer_optimum(layer_models, int(expert_budget), step, search.windows)
+            found, _, _ = _fixed_point(layer_models, start, step, timings, max_iterations)
+            total = found.total
+            candidates.append((name, total))
+            if total < best * (1 - 1e-9) - 1e-15:  # strictly better: the earlier candidates keep ties
+                chosen, best, split = name, total, Split(tuple(found.choices))
+                plan = split.to_plan(shape, slots)
+                plan = plan if layer_models is models else replace(plan, prefetch=False)
     return Configuration(plan, split, int(expert_budget), iterations, tuple(history), stats.uniform, chosen,
                          tuple(candidates))
 
