@@ -138,7 +138,7 @@ BASELINES: dict[str, tuple[float, bool]] = {
 }
 ALGORITHM_1 = "algorithm 1"
 FROM_OPTIMUM = "algorithm 1 from the per-layer optimum"
-FROM_OPTIMUM_SILENT = "the same without prefetch"
+FROM_OPTIMUM_SILENT = "algorithm 1 from the per-layer optimum, no prefetch"
 
 
 @dataclass(frozen=True)
