@@ -19,6 +19,7 @@ Closing the run saves the statistics and closes the engine and the trace writer.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -48,7 +49,7 @@ from fmoe_cli.planning.presets import PRESETS, PlanInputs, make_settings, settin
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import default_stats_path, open_recorder, scratch_recorder
 from fmoe_cli.profiling.device import device_identity, device_link
-from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
+from fmoe_cli.profiling.files import DeviceProfile, LinkFit, Profile, default_profile_path, model_identity, now_iso
 from fmoe_cli.profiling.model import expert_compute_s, model_timings
 from fmoe_cli.profiling.reference import CONSUMER_CARD
 from fmoe_cli.types import Timings
@@ -134,10 +135,11 @@ def link_fit_of(link, device) -> LinkFit:
 
 
 def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine: Engine | None = None,
-                 on_quick: Callable[[], object] = lambda: None) -> Timings:
-    """The configurator's timings: the saved profile of this device and model, else a quick
-    measurement (on `engine` if given — it is left configured for on-demand loading — else on a
-    temporary one; `on_quick` is told). T_load: the link the run really uses (an emulated one's own figures)."""
+                 on_quick: Callable[[str], object] = lambda how: None) -> Timings:
+    """The configurator's timings: the saved profile of this device and model, else the quick estimate an
+    earlier run saved (`on_quick("saved")`), else a quick measurement (on `engine` if given — it is left
+    configured for on-demand loading — else on a temporary one; `on_quick("measured")`), saved for the next
+    run when no profile was named. T_load: the link the run really uses (an emulated one's own figures)."""
     emulated = bool(getattr(link, "gbps", None))
     key = model_key(lm.model_id, lm.path)
     # The layer timings do not depend on the link: an emulated run may read either profile (its own link
@@ -148,19 +150,38 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
     timings, link_fit = None, None
     if path.exists():
         try:  # a profile of another device or model (or a damaged one) is not used: measure instead, and say so
-            profile = Profile.load(path)
-            profile.check_device(device_identity(lm.device))
-            profile.check_model(model_identity(lm.model_id, lm.path / "config.json"))
-            timings, link_fit = profile.model, profile.device.link
+            timings, link_fit = _saved_timings(path, lm)
         except FmoeError as exc:
             warn(f"not using the saved profile: {exc}; timing the layers quickly instead")
             timings = None
+    quick = default_profile_path(key, quick=True)
+    if timings is None and profile_path is None and quick.exists():
+        try:  # the quick estimate of an earlier run: no warning when it is not usable, it is measured again
+            timings, link_fit = _saved_timings(quick, lm)
+            on_quick("saved")
+        except FmoeError:
+            timings = None
     if timings is None:
         timings = measure_timings(lm, engine)
-        on_quick()
+        link_fit = None
+        on_quick("measured")
+        if profile_path is None:  # kept for the next run; a cache: a failed save is not worth a warning
+            try:
+                Profile(DeviceProfile(device_identity(lm.device), link_fit_of(link, lm.device)), timings,
+                        created=now_iso()).save(quick)
+            except OSError:
+                pass
     if emulated or link_fit is None or link_fit.kind == "emulated":  # the link the engine really uses
         link_fit = link_fit_of(link, lm.device)
     return timings.timings(link_fit, lm.shape.expert_bytes)
+
+
+def _saved_timings(path: Path, lm: LoadedModel):
+    """(model timings, link) of a saved profile of this device and model, else FmoeError."""
+    profile = Profile.load(path)
+    profile.check_device(device_identity(lm.device))
+    profile.check_model(model_identity(lm.model_id, lm.path / "config.json"))
+    return profile.model, profile.device.link
 
 
 @contextmanager
@@ -200,6 +221,12 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             check_budget(shape, budget, min_staging_slots(shape))
         plans.update(budget=budget, fixed=fixed, context=context)
 
+    def step(what: str, since: float) -> None:
+        """One step of the set-up and its time, on a terminal (what a first start spends its time on)."""
+        if console.is_terminal:
+            console.print(f"[dim]{what}: {time.perf_counter() - since:.1f} s[/dim]", highlight=False)
+
+    started = time.perf_counter()
     with ExitStack() as stack:
         lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
                         console=console, experts=opts.experts, before_read=check_plans)
@@ -223,23 +250,30 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             gbps = CONSUMER_CARD.link_gbps(unquantised.expert_bytes, expert_compute_s(lm, unquantised=True))
             note = CONSUMER_CARD.note()
         link = make_link(lm.device, gbps, note)
+        step("loaded the model", started)
         timing_source = None
         try:
             if configured:
+                started = time.perf_counter()
                 with console.status("timing the model for the configurator …"):
                     profile_path = None if opts.profile is None else Path(opts.profile)
-                    quick: list[bool] = []
-                    timings = find_timings(lm, link, profile_path, on_quick=lambda: quick.append(True))
+                    quick: list[str] = []
+                    timings = find_timings(lm, link, profile_path, on_quick=quick.append)
                     inputs = PlanInputs(shape, budget, timings, inputs.stats, lm.model_id)
                 if quick:  # say how firm the plan is, and how to make it firm
                     timing_source = "quick estimate"
+                    step("timed the model for the configurator (a quick estimate, kept for the next run)"
+                         if quick[0] == "measured" else "read the quick estimate an earlier run kept", started)
                     console.print(f"[dim]note: the configured plan rests on a quick timing estimate, which varies "
                                   f"from run to run on a busy machine; `fmoe profile --model {opts.model}` measures this model "
                                   f"once and makes it firm[/dim]", highlight=False, soft_wrap=True)
                 else:
                     timing_source = "profile"
+                    step("read the model's profile", started)
+            started = time.perf_counter()
             settings = [fixed.get(p.name) or settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
                         for p in presets]
+            step("planned " + ", ".join(p.name for p in presets), started)
             engine = open_engine(lm, predictor=opts.predictor, link=link)
         except BaseException:
             link.close()

@@ -68,3 +68,41 @@ def test_a_quick_estimate_says_so_and_a_profile_makes_it_firm(checkpoints, tmp_p
     second = CliRunner().invoke(app, bench)
     assert second.exit_code == 0, second.output
     assert json.loads(second.stdout)["timings"] == "profile" and "quick timing estimate" not in second.stderr
+
+
+def test_a_first_start_shows_each_step_and_keeps_the_quick_estimate(checkpoints, tmp_path, monkeypatch):
+    """Issue 22 §4: a first chat was silent for ~40 s. On a terminal each step of the set-up is shown with its
+    time (load, the configurator's timing, the plan); the quick estimate is kept, so the next start reads it
+    instead of timing the model again (`fmoe profile --model` still makes it firm)."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    import fmoe_cli.run as run_module
+    from fmoe_cli.options import RunOptions
+    from fmoe_cli.run import open_run
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    opts = RunOptions(model=str(checkpoints["mixtral"]), device="cpu", policies=("moepic",), emulate_link=20.0)
+
+    def start() -> tuple[str, str | None]:
+        out = io.StringIO()
+        with open_run(opts, Console(file=out, force_terminal=True, width=300)) as run:
+            source = run.timing_source
+        return re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()), source
+
+    first, source = start()
+    assert source == "quick estimate"
+    for step in ("loaded the model: ", "timed the model for the configurator (a quick estimate, kept for the next "
+                 "run): ", "planned moepic: "):
+        assert re.search(re.escape(step) + r"\d+\.\d s", first), first
+    lm_key = next((tmp_path / "fmoe" / "profiles").glob("*.quick.json"))
+    assert Profile.load(lm_key).model is not None
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the kept quick estimate should be read, not measured again")
+
+    monkeypatch.setattr(run_module, "measure_timings", no_measuring)
+    second, source = start()
+    assert source == "quick estimate" and "read the quick estimate an earlier run kept: " in second, second
