@@ -19,6 +19,8 @@ Closing the run saves the statistics and closes the engine and the trace writer.
 
 from __future__ import annotations
 
+import math
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -135,17 +137,20 @@ def link_fit_of(link, device) -> LinkFit:
 
 
 def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine: Engine | None = None,
-                 on_quick: Callable[[str], object] = lambda how: None) -> Timings:
+                 on_quick: Callable[[str], object] = lambda how: None, note: Callable[[str], object] = warn) -> Timings:
     """The configurator's timings: the saved profile of this device and model, else the quick estimate an
     earlier run saved (`on_quick("saved")`), else a quick measurement (on `engine` if given — it is left
     configured for on-demand loading — else on a temporary one; `on_quick("measured")`), saved for the next
-    run when no profile was named. T_load: the link the run really uses (an emulated one's own figures)."""
-    emulated = bool(getattr(link, "gbps", None))
+    run when no profile was named. T_load: the link the run really uses (an emulated one's own figures;
+    a profile of a link more than 20 % away is said so through `note`, and the run's link is used)."""
+    gbps = getattr(link, "gbps", None)
+    emulated = bool(gbps)
     key = model_key(lm.model_id, lm.path)
-    # The layer timings do not depend on the link: an emulated run may read either profile (its own link
-    # figures are used); a real run never reads an emulated profile.
+    # The layer timings do not depend on the link: an emulated run reads the profile of its own link first,
+    # else another emulated one or the real one (its own link figures are used); a real run never reads an
+    # emulated profile.
     candidates = [profile_path] if profile_path else (
-        [default_profile_path(key, emulated=True), default_profile_path(key)] if emulated else [default_profile_path(key)])
+        [*emulated_profiles(key, gbps), default_profile_path(key)] if emulated else [default_profile_path(key)])
     path = next((c for c in candidates if c.exists()), candidates[0])
     timings, link_fit = None, None
     if path.exists():
@@ -154,6 +159,15 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
         except FmoeError as exc:
             warn(f"not using the saved profile: {exc}; timing the layers quickly instead")
             timings = None
+    if timings is not None and (emulated or lm.device.type != "cpu"):  # (the CPU's own "link" moves nothing)
+        run_link = link_fit_of(link, lm.device)
+        if link_apart(link_fit, run_link):
+            profiled = f"--emulate-link {run_link.bandwidth / 1e9:g} " if emulated else ""
+            note(f"the profile {path} was measured on a link of {link_fit.bandwidth / 1e9:.3g} GB/s, this run's is "
+                 f"{run_link.bandwidth / 1e9:.3g} GB/s (more than {LINK_TOLERANCE:.0%} apart): the plan is made for "
+                 f"this run's link (T_load), with the profile's compute and host costs; `fmoe profile --model "
+                 f"{lm.model_id} {profiled}`profiles this link")
+            link_fit = run_link
     quick = default_profile_path(key, quick=True)
     if timings is None and profile_path is None and quick.exists():
         try:  # the quick estimate of an earlier run: no warning when it is not usable, it is measured again
@@ -174,6 +188,31 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
     if emulated or link_fit is None or link_fit.kind == "emulated":  # the link the engine really uses
         link_fit = link_fit_of(link, lm.device)
     return timings.timings(link_fit, lm.shape.expert_bytes)
+
+
+def emulated_profiles(key: str, gbps: float) -> list[Path]:
+    """The saved profiles of emulated links of the model `key`, the nearest bandwidth to `gbps` first (one of
+    unknown bandwidth, saved before they were kept per link, last)."""
+    own = default_profile_path(key, emulated=gbps)
+    pattern = re.compile(re.escape(default_profile_path(key, emulated=True).stem) + r"-([0-9.e+]+)gbps\.json$")
+
+    def distance(path: Path) -> float:
+        match = pattern.match(path.name)
+        try:
+            return abs(math.log(float(match.group(1)) / gbps)) if match else math.inf
+        except (ValueError, ZeroDivisionError):
+            return math.inf
+
+    saved = sorted(own.parent.glob(default_profile_path(key, emulated=True).stem + "*.json"), key=distance)
+    return [own, *(path for path in saved if path != own)]
+
+
+LINK_TOLERANCE = 0.2  # a profile's link this far from the run's (relative bandwidth) is another link
+
+
+def link_apart(profiled: LinkFit, measured: LinkFit) -> bool:
+    """Whether the run's link differs from the profile's by more than LINK_TOLERANCE of its bandwidth."""
+    return abs(measured.bandwidth - profiled.bandwidth) > LINK_TOLERANCE * profiled.bandwidth
 
 
 def _saved_timings(path: Path, lm: LoadedModel):

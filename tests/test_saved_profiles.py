@@ -44,7 +44,7 @@ def test_an_emulated_profile_is_kept_apart(loaded, tmp_path, monkeypatch, capsys
                                       "--prefill-len", "4", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     real = default_profile_path(model_key(lm.model_id, lm.path))
-    emulated = default_profile_path(model_key(lm.model_id, lm.path), emulated=True)
+    emulated = default_profile_path(model_key(lm.model_id, lm.path), emulated=8.0)  # one per link
     assert emulated.exists() and not real.exists()
     assert Profile.load(emulated).device.link.kind == "emulated"
     # even when named explicitly, an emulated profile's link is not taken for the real one
@@ -106,3 +106,27 @@ def test_a_first_start_shows_each_step_and_keeps_the_quick_estimate(checkpoints,
     monkeypatch.setattr(run_module, "measure_timings", no_measuring)
     second, source = start()
     assert source == "quick estimate" and "read the quick estimate an earlier run kept: " in second, second
+
+
+def test_a_profile_of_another_link_is_said_and_the_runs_link_planned_for(loaded, tmp_path, monkeypatch):
+    """Issue 22 §5: a profile per link (device and bandwidth). An emulated run reads its own link's profile; a
+    profile whose link is more than 20 % away is said so, and T_load is the run's link."""
+    from fmoe_cli.offload.link import EmulatedLink
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    lm, engine = loaded
+    key = model_key(lm.model_id, lm.path)
+    for gbps in ("8", "2"):
+        result = CliRunner().invoke(app, ["profile", "--model", lm.model_id, "--emulate-link", gbps, "--quick",
+                                          "--prefill-len", "4", "--device", "cpu"])
+        assert result.exit_code == 0, result.output
+        assert default_profile_path(key, emulated=float(gbps)).exists()  # one file per link
+    notes = []
+    near = EmulatedLink(8.5)  # within 20 % of the 8 GB/s profile: its own, nothing said
+    timings = find_timings(lm, near, note=notes.append)
+    assert notes == [] and timings.t_load == pytest.approx(lm.shape.expert_bytes / 8.5e9 + near.latency_s)
+    far = EmulatedLink(16.0)  # no profile of this link: another link's, 100 % away, said so
+    timings = find_timings(lm, far, profile_path=default_profile_path(key, emulated=2.0), note=notes.append)
+    assert len(notes) == 1 and "2 GB/s, this run's is 16 GB/s (more than 20% apart)" in notes[0], notes
+    assert "--emulate-link 16" in notes[0]
+    assert timings.t_load == pytest.approx(lm.shape.expert_bytes / 16e9 + far.latency_s)

@@ -54,7 +54,7 @@ def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: floa
         run = None if opts is None else stack.enter_context(open_run(opts, console))
         # An emulated link's profile is kept apart: it never stands in for the real link.
         path = Path(out) if out is not None else default_profile_path(
-            None if run is None else model_key(opts.model, run.lm.path), emulated=emulate_link is not None)
+            None if run is None else model_key(opts.model, run.lm.path), emulated=emulate_link or False)
         with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
             link_task = progress.add_task("host → device link", total=link_steps(dev, quick, emulate_link is not None))
             device_profile = profile_device(emulate_link, quick=quick, device=dev,
