@@ -374,9 +374,11 @@ def render(report: dict, console: Console) -> None:
     console.print(HIT_LEGEND, highlight=False)
     console.print(
         f"device {m['device'] / MiB:.0f} MiB = non-expert weights {m['non_expert'] / MiB:.0f} + staging pool "
-        f"{m['staging'] / MiB:.0f} ({m['staging_slots']} experts) + KV cache {m['kv_cache'] / MiB:.0f} "
+        f"{m['staging'] / MiB:.0f} ({m['staging'] // s['expert_bytes']} experts) + KV cache {m['kv_cache'] / MiB:.0f} "
         f"({m['context_tokens']} tokens) + workspace {m['workspace'] / MiB:.0f} + expert cache budget "
-        f"{m['expert_budget'] / MiB:.0f} MiB", highlight=False)
+        f"{m['expert_budget'] / MiB:.0f} MiB"
+        + (f" (the plan caches nothing: it uses the budget as {m['staging_slots']} staging slots)"
+           if m["staging_slots"] * s["expert_bytes"] > m["staging"] else ""), highlight=False)
     tpot = report.get("tpot")
     if tpot:
         table = Table(title=f"predicted TPOT per policy at this budget ({tpot['how']})")
