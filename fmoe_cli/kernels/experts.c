@@ -1,0 +1,478 @@
+/* One pass over a neuron-major expert segment, every format (fmoe_cli/kernels/__init__.py).
+
+   A segment is n neuron rows; row i holds (gate row i, up row i, down column i), each a
+   "projection" of proj_bytes: H floats (f32), H bf16, or codes then per-group metadata
+   (int8, int4, int2: fmoe_cli/offload/quant.py and hqq.py). For tokens x [T, H]:
+
+     phase 1 (threads over neurons):   g = x·ŵ_gate,i   u = x·ŵ_up,i   a[t, i] = silu(g)·u
+     phase 2 (threads over columns j): acc[t, j] = acc[t, j] + a[t, i]·ŵ_down,i[j]   for i = 0, 1, …, n−1 in order
+
+   Every byte of the segment is read once, in memory order per thread. Phase 2 adds the
+   neurons one at a time in their order, so a segment split at any neuron k gives the same
+   bits as the whole: forward([k, n), acc = forward([0, k))) == forward([0, n)). Nothing depends
+   on the number of threads. bf16 compute (x in bf16) rounds g, u, silu(g) and a to bf16 as
+   torch's bf16 ops do; acc stays float32 (the caller rounds the finished sum once).
+
+   ŵ per format (q the code, per group of G along H):
+     f32, bf16: ŵ = w                      int8: ŵ = q·s
+     int4:      ŵ = q·s + m               int2 (HQQ): ŵ = (q − z)·s, s and z decoded from 8-bit codes
+   so for a group  x·ŵ = s·Σ q·x + m·X_g  (X_g = Σ_g x; int2: m = −z·s), and a·ŵ = fma(q, a·s, a·m).
+*/
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FMOE_AVX2 1
+#else
+#define FMOE_AVX2 0
+#endif
+
+#ifndef FMOE_PHASES
+#define FMOE_PHASES 3 /* a benchmark build may time one phase alone */
+#endif
+
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT2 = 4 };
+
+typedef struct {
+    int fmt;
+    int64_t hidden;     /* H */
+    int64_t proj_bytes; /* bytes of one projection row */
+    int64_t group;      /* G (quantised formats) */
+    int64_t meta_group; /* int2: scales per 8-bit scale group (M) */
+} Format;
+
+int fmoe_simd(void) { return FMOE_AVX2; }
+
+/* ---- scalar helpers ---------------------------------------------------------------- */
+
+static inline float half_to_float(uint16_t h) {
+#if FMOE_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+#if FMOE_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __m256 load_u8(const uint8_t *p) { /* 8 bytes -> 8 int32 */
+    return (__m256)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#endif
+
+/* int2 metadata of one projection row: group g's scale s_g and zero z_g (offload/hqq.py's layout). */
+static inline void int2_meta(const uint8_t *row, const Format *f, int64_t g, float *scale, float *zero) {
+    int64_t quarter = f->hidden / 4, groups = f->hidden / f->group, m = f->meta_group;
+    const uint8_t *scale_q = row + quarter, *zero_q = row + quarter + groups;
+    const uint16_t *meta = (const uint16_t *)(row + quarter + 2 * groups); /* (σ, z) pairs: scales' groups, zeros' */
+    int64_t mg = g / m, meta_groups = groups / m;
+    *scale = ((float)scale_q[g] - half_to_float(meta[2 * mg + 1])) * half_to_float(meta[2 * mg]);
+    *zero = ((float)zero_q[g] - half_to_float(meta[2 * meta_groups + 1])) * half_to_float(meta[2 * meta_groups]);
+}
+
+/* ŵ_j of one projection row (the scalar reference every vector path matches in value, not in bits). */
+static inline float weight_at(const uint8_t *row, const Format *f, int64_t j) {
+    int64_t h = f->hidden, g = j / f->group;
+    switch (f->fmt) {
+    case FMT_F32: return ((const float *)row)[j];
+    case FMT_BF16: return bf16_to_float(((const uint16_t *)row)[j]);
+    case FMT_INT8: {
+        const uint16_t *meta = (const uint16_t *)(row + h);
+        return (float)(int8_t)row[j] * half_to_float(meta[g]);
+    }
+    case FMT_INT4: {
+        int64_t half = h / 2;
+        int q = j < half ? row[j] & 15 : row[j - half] >> 4;
+        const uint16_t *meta = (const uint16_t *)(row + half);
+        return fmaf((float)q, half_to_float(meta[2 * g]), half_to_float(meta[2 * g + 1]));
+    }
+    default: { /* FMT_INT2 */
+        int64_t quarter = h / 4;
+        int q = (row[j % quarter] >> (6 - 2 * (j / quarter))) & 3;
+        float s, z;
+        int2_meta(row, f, g, &s, &z);
+        return ((float)q - z) * s;
+    }
+    }
+}
+
+/* ---- phase 1: x·ŵ for one projection row ------------------------------------------------ */
+
+/* x: one token [H] float32; xg: its per-group sums X_g (quantised formats). */
+static float row_dot(const uint8_t *row, const Format *f, const float *x, const float *xg, int vector) {
+    int64_t h = f->hidden, G = f->group;
+#if FMOE_AVX2
+    if (vector) {
+        switch (f->fmt) {
+        case FMT_F32: {
+            const float *w = (const float *)row;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < h; j += 32) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 16), _mm256_loadu_ps(x + j + 16), a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 24), _mm256_loadu_ps(x + j + 24), a3);
+            }
+            return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        }
+        case FMT_BF16: { /* x is given de-interleaved per 16: x[0,2,..,14], x[1,3,..,15] (see prepare_x) */
+            const __m256i *w = (const __m256i *)row;
+            const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < h; j += 32) {
+                __m256i v = _mm256_loadu_si256(w + j / 16), u = _mm256_loadu_si256(w + j / 16 + 1);
+                a0 = _mm256_fmadd_ps((__m256)_mm256_slli_epi32(v, 16), _mm256_loadu_ps(x + j), a0);
+                a1 = _mm256_fmadd_ps((__m256)_mm256_and_si256(v, high), _mm256_loadu_ps(x + j + 8), a1);
+                a2 = _mm256_fmadd_ps((__m256)_mm256_slli_epi32(u, 16), _mm256_loadu_ps(x + j + 16), a2);
+                a3 = _mm256_fmadd_ps((__m256)_mm256_and_si256(u, high), _mm256_loadu_ps(x + j + 24), a3);
+            }
+            return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        }
+        case FMT_INT8: {
+            const uint16_t *meta = (const uint16_t *)(row + h);
+            __m256 total = _mm256_setzero_ps();
+            for (int64_t g = 0; g < h / G; g++) {
+                const int8_t *c = (const int8_t *)row + g * G;
+                const float *xs = x + g * G;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+                for (int64_t j = 0; j < G; j += 16) {
+                    __m256i q0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + j)));
+                    __m256i q1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + j + 8)));
+                    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_loadu_ps(xs + j), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(xs + j + 8), a1);
+                }
+                total = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(meta[g])), _mm256_add_ps(a0, a1), total);
+            }
+            return hsum8(total);
+        }
+        case FMT_INT4: { /* byte j: code j (low nibble), code j + H/2 (high): groups g and g + H/2G together */
+            int64_t half = h / 2, paired = half / G;
+            const uint16_t *meta = (const uint16_t *)(row + half);
+            const __m256i low = _mm256_set1_epi32(15);
+            __m256 total = _mm256_setzero_ps();
+            float offsets = 0.0f;
+            for (int64_t g = 0; g < paired; g++) {
+                const uint8_t *c = row + g * G;
+                const float *xl = x + g * G, *xh = x + half + g * G;
+                __m256 l0 = _mm256_setzero_ps(), l1 = l0, h0 = l0, h1 = l0;
+                for (int64_t j = 0; j < G; j += 16) {
+                    __m256i b0 = (__m256i)load_u8(c + j), b1 = (__m256i)load_u8(c + j + 8);
+                    l0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), _mm256_loadu_ps(xl + j), l0);
+                    h0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_loadu_ps(xh + j), h0);
+                    l1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), _mm256_loadu_ps(xl + j + 8), l1);
+                    h1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), _mm256_loadu_ps(xh + j + 8), h1);
+                }
+                int64_t gh = g + paired;
+                total = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(meta[2 * g])), _mm256_add_ps(l0, l1), total);
+                total = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(meta[2 * gh])), _mm256_add_ps(h0, h1), total);
+                offsets = fmaf(half_to_float(meta[2 * g + 1]), xg[g], offsets);
+                offsets = fmaf(half_to_float(meta[2 * gh + 1]), xg[gh], offsets);
+            }
+            return hsum8(total) + offsets;
+        }
+        default: { /* FMT_INT2: byte j holds codes j, j + H/4, j + H/2, j + 3H/4 (high bits first) */
+            int64_t quarter = h / 4, per = quarter / G;
+            const __m256i three = _mm256_set1_epi32(3);
+            __m256 total = _mm256_setzero_ps();
+            float offsets = 0.0f;
+            for (int64_t g = 0; g < per; g++) {
+                const uint8_t *c = row + g * G;
+                __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int64_t j = 0; j < G; j += 8) {
+                    __m256i b = (__m256i)load_u8(c + j);
+                    for (int k = 0; k < 4; k++) {
+                        __m256i q = _mm256_and_si256(_mm256_srli_epi32(b, 6 - 2 * k), three);
+                        a[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(x + k * quarter + g * G + j), a[k]);
+                    }
+                }
+                for (int k = 0; k < 4; k++) {
+                    float s, z;
+                    int64_t gk = g + k * per;
+                    int2_meta(row, f, gk, &s, &z);
+                    total = _mm256_fmadd_ps(_mm256_set1_ps(s), a[k], total);
+                    offsets = fmaf(-z * s, xg[gk], offsets);
+                }
+            }
+            return hsum8(total) + offsets;
+        }
+        }
+    }
+#endif
+    (void)G;
+    (void)xg;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < h; j++) sum = fmaf(weight_at(row, f, j), x[j], sum);
+    return sum;
+}
+
+/* ---- down: c[t, :] (+)= a[t]·ŵ over one row ----------------------------------------------- */
+
+/* c [T, H]: a chunk's partial sum. init: the chunk's first neuron writes c (no add). For int4/int2 a
+   neuron's contribution is fma(q, a·s, a·m), then added; for int8 q·(a·s) is fused into the add. */
+static void row_axpy(const uint8_t *restrict row, const Format *f, const float *restrict a, int64_t tokens,
+                     float *restrict c, int init,
+                     int vector) {
+    int64_t h = f->hidden, G = f->group;
+#if FMOE_AVX2
+    if (vector) {
+        switch (f->fmt) {
+        case FMT_F32:
+        case FMT_BF16: {
+            for (int64_t j = 0; j < h; j += 8) {
+                __m256 v = f->fmt == FMT_F32 ? _mm256_loadu_ps((const float *)row + j)
+                    : (__m256)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + j))), 16);
+                for (int64_t t = 0; t < tokens; t++) {
+                    float *o = c + t * h + j;
+                    __m256 at = _mm256_set1_ps(a[t]);
+                    _mm256_storeu_ps(o, init ? _mm256_mul_ps(at, v) : _mm256_fmadd_ps(at, v, _mm256_loadu_ps(o)));
+                }
+            }
+            return;
+        }
+        case FMT_INT8: {
+            const uint16_t *meta = (const uint16_t *)(row + h);
+            for (int64_t g = 0; g < h / G; g++) {
+                float s = half_to_float(meta[g]);
+                for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                    __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j))));
+                    for (int64_t t = 0; t < tokens; t++) {
+                        float *o = c + t * h + j;
+                        __m256 as = _mm256_set1_ps(a[t] * s);
+                        _mm256_storeu_ps(o, init ? _mm256_mul_ps(q, as) : _mm256_fmadd_ps(q, as, _mm256_loadu_ps(o)));
+                    }
+                }
+            }
+            return;
+        }
+        case FMT_INT4: {
+            int64_t half = h / 2, paired = half / G;
+            const uint16_t *meta = (const uint16_t *)(row + half);
+            const __m256i low = _mm256_set1_epi32(15);
+            for (int64_t g = 0; g < paired; g++) {
+                int64_t gh = g + paired;
+                float sl = half_to_float(meta[2 * g]), ml = half_to_float(meta[2 * g + 1]);
+                float sh = half_to_float(meta[2 * gh]), mh = half_to_float(meta[2 * gh + 1]);
+                for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                    __m256i b = (__m256i)load_u8(row + j);
+                    __m256 ql = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+                    __m256 qh = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                    for (int64_t t = 0; t < tokens; t++) {
+                        float *o = c + t * h + j, *p = o + half;
+                        __m256 cl = _mm256_fmadd_ps(ql, _mm256_set1_ps(a[t] * sl), _mm256_set1_ps(a[t] * ml));
+                        __m256 ch = _mm256_fmadd_ps(qh, _mm256_set1_ps(a[t] * sh), _mm256_set1_ps(a[t] * mh));
+                        _mm256_storeu_ps(o, init ? cl : _mm256_add_ps(_mm256_loadu_ps(o), cl));
+                        _mm256_storeu_ps(p, init ? ch : _mm256_add_ps(_mm256_loadu_ps(p), ch));
+                    }
+                }
+            }
+            return;
+        }
+        default: { /* FMT_INT2 */
+            int64_t quarter = h / 4, per = quarter / G;
+            const __m256i three = _mm256_set1_epi32(3);
+            for (int64_t g = 0; g < per; g++) {
+                float s[4], z[4];
+                for (int k = 0; k < 4; k++) int2_meta(row, f, g + k * per, &s[k], &z[k]);
+                for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                    __m256i b = (__m256i)load_u8(row + j);
+                    for (int k = 0; k < 4; k++) {
+                        __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 6 - 2 * k), three));
+                        for (int64_t t = 0; t < tokens; t++) {
+                            float *o = c + t * h + k * quarter + j;
+                            float as = a[t] * s[k];
+                            __m256 v = _mm256_fmadd_ps(q, _mm256_set1_ps(as), _mm256_set1_ps(-as * z[k]));
+                            _mm256_storeu_ps(o, init ? v : _mm256_add_ps(_mm256_loadu_ps(o), v));
+                        }
+                    }
+                }
+            }
+            return;
+        }
+        }
+    }
+#endif
+    (void)G;
+    for (int64_t j = 0; j < h; j++) {
+        float w = weight_at(row, f, j);
+        for (int64_t t = 0; t < tokens; t++) c[t * h + j] = init ? a[t] * w : fmaf(a[t], w, c[t * h + j]);
+    }
+}
+
+/* ---- the pass ------------------------------------------------------------------------ */
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* Whether the vector paths cover this shape (else the scalar paths run: same values, other roundings). */
+static int vector_shape(const Format *f) {
+    int64_t h = f->hidden, G = f->group;
+    if (!FMOE_AVX2 || h % 32) return 0;
+    switch (f->fmt) {
+    case FMT_INT8: return G % 16 == 0 && h % G == 0;
+    case FMT_INT4: return G % 16 == 0 && (h / 2) % G == 0;
+    case FMT_INT2: return G % 8 == 0 && (h / 4) % G == 0;
+    default: return 1;
+    }
+}
+
+/* x [T, H] (float32, or bf16 when x_bf16) -> float32 in the layout row_dot reads (bf16 format: each 16
+   de-interleaved), and the per-group sums X_g. */
+static void prepare_x(const void *x, int x_bf16, int64_t tokens, const Format *f, int vector, float *xf, float *xg) {
+    int64_t h = f->hidden;
+    for (int64_t t = 0; t < tokens; t++) {
+        float *out = xf + t * h;
+        for (int64_t j = 0; j < h; j++)
+            out[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[t * h + j]) : ((const float *)x)[t * h + j];
+        if (f->fmt == FMT_BF16 && vector) {
+            float block[16];
+            for (int64_t j = 0; j < h; j += 16) {
+                for (int k = 0; k < 8; k++) {
+                    block[k] = out[j + 2 * k];
+                    block[8 + k] = out[j + 2 * k + 1];
+                }
+                memcpy(out + j, block, sizeof block);
+            }
+        }
+        if (f->fmt >= FMT_INT8) {
+            int64_t groups = h / f->group;
+            for (int64_t g = 0; g < groups; g++) {
+                float s = 0.0f;
+                for (int64_t j = g * f->group; j < (g + 1) * f->group; j++) s += out[j];
+                xg[t * groups + g] = s;
+            }
+        }
+    }
+}
+
+/* The calling thread's workspace, kept between calls (no fresh pages per call; a host lane calling from
+   another thread has its own). */
+static float *workspace(int64_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread int64_t size = 0;
+    if (floats > size) {
+        free(buffer);
+        buffer = malloc(sizeof(float) * floats);
+        size = buffer ? floats : 0;
+    }
+    return buffer;
+}
+
+/* Chunk partials held at once: at most this many floats (bounds the workspace of a long prefill). */
+#define PARTIAL_FLOATS (4 << 20)
+
+/* acc [T, H] float32 (+)= the segment's partial output; out_bf16 (optional): acc rounded to bf16.
+   The neurons go in chunks of `chunk` (C) from the segment's start: each chunk's partial sum c_k starts
+   from zero and adds its neurons in order, then acc = ((acc + c_0) + c_1) + …, so a split at a multiple
+   of C, the second part continuing the first's acc, gives the whole's bits. A thread takes whole chunks
+   and streams each chunk's rows in memory order (gate, up, down of each neuron in turn).
+   Returns 0, or -1 when memory runs out. */
+int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64_t hidden, int64_t proj_bytes,
+                         int64_t group, int64_t meta_group, int64_t chunk, const void *x, int x_bf16,
+                         int64_t tokens, float *acc, int accumulate, uint16_t *out_bf16, int threads) {
+    Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
+    int vector = vector_shape(&f);
+    int64_t groups = hidden / f.group, row_bytes = 3 * proj_bytes;
+    if (chunk < 1) chunk = 1;
+    int64_t chunks = (neurons + chunk - 1) / chunk;
+    if (threads < 1 || neurons * hidden * tokens < (1 << 16)) threads = 1; /* small: threads cost more than they save */
+    int64_t batch = PARTIAL_FLOATS / (tokens * hidden); /* chunks computed before they are added into acc */
+    if (batch < threads) batch = threads;
+    if (batch > chunks) batch = chunks;
+    int64_t stride = (tokens + 15) / 16 * 16; /* each thread's a[t] on cache lines of its own */
+    int64_t need = tokens * hidden + tokens * (groups > 0 ? groups : 1) + (batch > 0 ? batch : 1) * tokens * hidden
+        + threads * stride + 16;
+    float *xf = workspace(need);
+    if (!xf) return -1;
+    float *xg = xf + tokens * hidden, *part = xg + tokens * (groups > 0 ? groups : 1);
+    float *a = part + (batch > 0 ? batch : 1) * tokens * hidden;
+    a += (16 - ((uintptr_t)a / sizeof(float)) % 16) % 16; /* 64-byte aligned */
+    if (!accumulate) memset(acc, 0, sizeof(float) * tokens * hidden);
+    prepare_x(x, x_bf16, tokens, &f, vector, xf, xg);
+    for (int64_t first = 0; first < chunks; first += batch) {
+        int64_t count = first + batch > chunks ? chunks - first : batch;
+#pragma omp parallel num_threads(threads)
+        {
+#ifdef _OPENMP
+            float *at = a + omp_get_thread_num() * stride;
+#else
+            float *at = a;
+#endif
+#pragma omp for schedule(dynamic, 1) /* a thread the OS pauses holds up one chunk, not half the work */
+            for (int64_t k = 0; k < count; k++) {
+                float *c = part + k * tokens * hidden;
+                int64_t i0 = (first + k) * chunk, i1 = i0 + chunk > neurons ? neurons : i0 + chunk;
+                for (int64_t i = i0; i < (FMOE_PHASES & 1 ? i1 : i0); i++) {
+                    const uint8_t *row = segment + i * row_bytes;
+                    for (int64_t t = 0; t < tokens; t++) {
+                        const float *xt = xf + t * hidden, *xgt = xg + t * groups;
+                        float g = row_dot(row, &f, xt, xgt, vector), u = row_dot(row + proj_bytes, &f, xt, xgt, vector);
+                        if (x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
+                            g = round_bf16(g), u = round_bf16(u);
+                            at[t] = round_bf16(round_bf16(silu(g)) * u);
+                        } else {
+                            at[t] = silu(g) * u;
+                        }
+                    }
+                    if (FMOE_PHASES & 2) row_axpy(row + 2 * proj_bytes, &f, at, tokens, c, i == i0, vector);
+                }
+                if (!(FMOE_PHASES & 1) || !(FMOE_PHASES & 2)) memset(c, 0, sizeof(float) * tokens * hidden);
+            }
+            /* implicit barrier; then acc = ((acc + c_0) + c_1) + … column by column */
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t j0 = 0; j0 < hidden; j0 += 64) {
+                int64_t j1 = j0 + 64 > hidden ? hidden : j0 + 64;
+                for (int64_t t = 0; t < tokens; t++)
+                    for (int64_t k = 0; k < count; k++) {
+                        const float *c = part + (k * tokens + t) * hidden;
+                        float *o = acc + t * hidden;
+                        for (int64_t j = j0; j < j1; j++) o[j] += c[j];
+                    }
+            }
+        }
+    }
+    if (out_bf16)
+        for (int64_t j = 0; j < tokens * hidden; j++) out_bf16[j] = float_to_bf16(acc[j]);
+    return 0;
+}
