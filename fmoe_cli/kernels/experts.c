@@ -248,6 +248,113 @@ static float row_dot(const uint8_t *row, const Format *f, const float *x, const 
     return sum;
 }
 
+/* ---- several tokens: ŵ once per row, then float32 dots ------------------------------------ */
+
+/* One projection row -> ŵ [H] float32, in the order row_dot's x is in (bf16 format: de-interleaved per 16). */
+static void decode_row(const uint8_t *row, const Format *f, float *w, int vector) {
+    int64_t h = f->hidden, G = f->group;
+#if FMOE_AVX2
+    if (vector) {
+        switch (f->fmt) {
+        case FMT_F32: memcpy(w, row, sizeof(float) * h); return;
+        case FMT_BF16: {
+            const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+            for (int64_t j = 0; j < h; j += 16) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(row + 2 * j));
+                _mm256_storeu_ps(w + j, (__m256)_mm256_slli_epi32(v, 16));
+                _mm256_storeu_ps(w + j + 8, (__m256)_mm256_and_si256(v, high));
+            }
+            return;
+        }
+        case FMT_INT8: {
+            const uint16_t *meta = (const uint16_t *)(row + h);
+            for (int64_t g = 0; g < h / G; g++) {
+                __m256 s = _mm256_set1_ps(half_to_float(meta[g]));
+                for (int64_t j = g * G; j < (g + 1) * G; j += 8)
+                    _mm256_storeu_ps(w + j, _mm256_mul_ps(_mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j)))), s));
+            }
+            return;
+        }
+        case FMT_INT4: {
+            int64_t half = h / 2, paired = half / G;
+            const uint16_t *meta = (const uint16_t *)(row + half);
+            const __m256i low = _mm256_set1_epi32(15);
+            for (int64_t g = 0; g < paired; g++) {
+                int64_t gh = g + paired;
+                __m256 sl = _mm256_set1_ps(half_to_float(meta[2 * g])), ml = _mm256_set1_ps(half_to_float(meta[2 * g + 1]));
+                __m256 sh = _mm256_set1_ps(half_to_float(meta[2 * gh])), mh = _mm256_set1_ps(half_to_float(meta[2 * gh + 1]));
+                for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                    __m256i b = (__m256i)load_u8(row + j);
+                    _mm256_storeu_ps(w + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), sl, ml));
+                    _mm256_storeu_ps(w + half + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sh, mh));
+                }
+            }
+            return;
+        }
+        default: { /* FMT_INT2 */
+            int64_t quarter = h / 4, per = quarter / G;
+            const __m256i three = _mm256_set1_epi32(3);
+            for (int64_t g = 0; g < per; g++)
+                for (int k = 0; k < 4; k++) {
+                    float sc, z;
+                    int2_meta(row, f, g + k * per, &sc, &z);
+                    __m256 s = _mm256_set1_ps(sc), m = _mm256_set1_ps(-z * sc);
+                    for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                        __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((__m256i)load_u8(row + j), 6 - 2 * k), three));
+                        _mm256_storeu_ps(w + k * quarter + j, _mm256_fmadd_ps(q, s, m));
+                    }
+                }
+            return;
+        }
+        }
+    }
+#endif
+    (void)G;
+    for (int64_t j = 0; j < h; j++) w[j] = weight_at(row, f, j);
+}
+
+/* out[t] = ŵ·x_t for every token: four tokens at a time share each load of ŵ. */
+static void dot_tokens(const float *w, const float *x, int64_t tokens, int64_t h, float *out, int vector) {
+    int64_t t = 0;
+#if FMOE_AVX2
+    if (vector) {
+        for (; t + 4 <= tokens; t += 4) {
+            const float *x0 = x + t * h, *x1 = x0 + h, *x2 = x1 + h, *x3 = x2 + h;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int64_t j = 0; j < h; j += 16) {
+                __m256 v = _mm256_loadu_ps(w + j), u = _mm256_loadu_ps(w + j + 8);
+                a0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x0 + j), a0);
+                a1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x1 + j), a1);
+                a2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x2 + j), a2);
+                a3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x3 + j), a3);
+                b0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(x0 + j + 8), b0);
+                b1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(x1 + j + 8), b1);
+                b2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(x2 + j + 8), b2);
+                b3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(x3 + j + 8), b3);
+            }
+            out[t] = hsum8(_mm256_add_ps(a0, b0)), out[t + 1] = hsum8(_mm256_add_ps(a1, b1));
+            out[t + 2] = hsum8(_mm256_add_ps(a2, b2)), out[t + 3] = hsum8(_mm256_add_ps(a3, b3));
+        }
+        for (; t < tokens; t++) { /* the same sums, one token */
+            const float *x0 = x + t * h;
+            __m256 a0 = _mm256_setzero_ps(), b0 = a0;
+            for (int64_t j = 0; j < h; j += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x0 + j), a0);
+                b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x0 + j + 8), b0);
+            }
+            out[t] = hsum8(_mm256_add_ps(a0, b0));
+        }
+        return;
+    }
+#endif
+    for (; t < tokens; t++) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < h; j++) sum = fmaf(w[j], x[t * h + j], sum);
+        out[t] = sum;
+    }
+}
+
 /* ---- down: c[t, :] (+)= a[t]·ŵ over one row ----------------------------------------------- */
 
 /* c [T, H]: a chunk's partial sum. init: the chunk's first neuron writes c (no add). For int4/int2 a
@@ -420,7 +527,8 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
     int64_t batch = PARTIAL_FLOATS / (tokens * hidden); /* chunks computed before they are added into acc */
     if (batch < threads) batch = threads;
     if (batch > chunks) batch = chunks;
-    int64_t stride = (tokens + 15) / 16 * 16; /* each thread's a[t] on cache lines of its own */
+    /* each thread's a[t], u[t] (several tokens: and one decoded row ŵ) on cache lines of its own */
+    int64_t stride = ((tokens + 15) / 16 * 16) * 2 + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
     int64_t need = tokens * hidden + tokens * (groups > 0 ? groups : 1) + (batch > 0 ? batch : 1) * tokens * hidden
         + threads * stride + 16;
     float *xf = workspace(need);
@@ -439,15 +547,27 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
 #else
             float *at = a;
 #endif
+            float *ut = at + (tokens + 15) / 16 * 16, *wt = ut + (tokens + 15) / 16 * 16;
 #pragma omp for schedule(dynamic, 1) /* a thread the OS pauses holds up one chunk, not half the work */
             for (int64_t k = 0; k < count; k++) {
                 float *c = part + k * tokens * hidden;
                 int64_t i0 = (first + k) * chunk, i1 = i0 + chunk > neurons ? neurons : i0 + chunk;
                 for (int64_t i = i0; i < (FMOE_PHASES & 1 ? i1 : i0); i++) {
                     const uint8_t *row = segment + i * row_bytes;
+                    if (tokens > 1) { /* ŵ of the gate and up rows once, then every token's dots */
+                        decode_row(row, &f, wt, vector);
+                        dot_tokens(wt, xf, tokens, hidden, at, vector);
+                        decode_row(row + proj_bytes, &f, wt, vector);
+                        dot_tokens(wt, xf, tokens, hidden, ut, vector);
+                    }
                     for (int64_t t = 0; t < tokens; t++) {
                         const float *xt = xf + t * hidden, *xgt = xg + t * groups;
-                        float g = row_dot(row, &f, xt, xgt, vector), u = row_dot(row + proj_bytes, &f, xt, xgt, vector);
+                        float g, u;
+                        if (tokens > 1) {
+                            g = at[t], u = ut[t];
+                        } else {
+                            g = row_dot(row, &f, xt, xgt, vector), u = row_dot(row + proj_bytes, &f, xt, xgt, vector);
+                        }
                         if (x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
                             g = round_bf16(g), u = round_bf16(u);
                             at[t] = round_bf16(round_bf16(silu(g)) * u);
