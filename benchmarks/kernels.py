@@ -9,8 +9,14 @@ Time per call in µs and GB/s of the segment's stored bytes (what the call must 
 expert is 7–28 MB, far beyond the caches, and a rotation of `--copies` experts keeps it from staying
 in them: `--pool-mb` of copies, beyond the last-level cache), median [min–max] of interleaved rounds. Threads: torch.get_num_threads() unless --threads.
 
+With --tolerance N: the engine's logits with int8 / int4 experts (float32 and bf16 compute) against
+the reference — transformers' model with its experts replaced by the dequantised weights — over N
+tokens of the shipped demo's held-out text (needs Debian's bible-kjv-text, as benchmarks/routing_report.py):
+max abs logit error and top-1 agreement (docs/quantization.md § Exactness contract).
+
     python benchmarks/kernels.py
     python benchmarks/kernels.py --tokens 1 4 16 64 --rounds 7 --threads 2
+    python benchmarks/kernels.py --tolerance 2048
 """
 
 from __future__ import annotations
@@ -77,6 +83,46 @@ def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens
     return nbytes, {"kernel": rotate(lambda seg: kernels.segment_forward(x, seg, spec)), "torch": rotate(torch_path)}
 
 
+@torch.no_grad()
+def tolerance(console, tokens: int, seq_len: int = 256) -> None:
+    import transformers
+
+    from fmoe_cli.models.demo import SHIPPED
+    from fmoe_cli.models.families import find_moe_layers
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.layout import DOWN, GATE, UP
+    from fmoe_cli.offload.link import EmulatedLink
+    from fmoe_cli.planning.presets import make_settings
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from routing_report import held_out_text
+
+    text, label = held_out_text(SHIPPED)
+    ids = transformers.AutoTokenizer.from_pretrained(SHIPPED)(text, add_special_tokens=False,
+                                                             return_tensors="pt")["input_ids"][0][:tokens]
+    for dtype in ("float32", "bfloat16"):
+        for fmt in ("int8", "int4"):
+            lm = load_model("demo", device="cpu", dtype=dtype, experts=fmt)
+            reference = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=getattr(torch, dtype)).eval()
+            for layer in find_moe_layers(reference):
+                w = lm.store.dequantized(layer.index)
+                layer.experts.gate_up_proj.data.copy_(torch.cat([w[:, :, GATE], w[:, :, UP]], dim=1))
+                layer.experts.down_proj.data.copy_(w[:, :, DOWN].transpose(1, 2))
+            engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
+            engine.install(lm.model)
+            engine.configure(make_settings("resident", lm.shape, 0))
+            error, agree = 0.0, 0
+            for start in range(0, len(ids), seq_len):
+                chunk = ids[start:start + seq_len][None]
+                got, want = lm.model(chunk).logits.float(), reference(chunk).logits.float()
+                error = max(error, (got - want).abs().max().item())
+                agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
+            engine.close()
+            console.print(f"{dtype} compute, {fmt} experts, {len(ids)} tokens of {label}: max abs logit error "
+                          f"{error:.3g}, top-1 agreement {100 * agree / len(ids):.2f} %", highlight=False)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=2048)
@@ -88,6 +134,8 @@ def main() -> None:
     p.add_argument("--pool-mb", type=float, default=256, help="experts rotated through: this many MB of them "
                    "(more than the last-level cache holds)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tolerance", type=int, default=0, metavar="N",
+                   help="instead: logits against the dequantised reference over N held-out tokens of the demo")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -98,6 +146,9 @@ def main() -> None:
 
     console = Console(width=150)
     console.print("command: python benchmarks/kernels.py " + " ".join(sys.argv[1:]), highlight=False)
+    if args.tolerance:
+        tolerance(console, args.tolerance)
+        return
     if kernels.library() is None:
         console.print("the kernels are not available here: nothing to compare")
         return

@@ -35,12 +35,18 @@ def expert(name: str, hidden: int, intermediate: int, seed: int = 0, chunk: int 
     return stored, quant.dequantize(stored, fmt, hidden, torch.float32), spec, dtype or torch.float32
 
 
+WITH_DTYPES = [("f32", None), ("bf16", None), *[(q, d) for q in ("int8", "int4", "int2")
+                                                for d in (torch.float32, torch.bfloat16)]]
+
+
 @needs_kernels
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name, dtype", WITH_DTYPES)
 @pytest.mark.parametrize("hidden, intermediate", [(64, 64), (2048, 48), (96, 40)])  # 96: the scalar paths
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_the_kernel_computes_what_torch_computes(name, hidden, intermediate, tokens):
-    stored, w, spec, dtype = expert(name, hidden, intermediate)
+@pytest.mark.parametrize("tokens", [1, 3, 6])  # one token; several (ŵ decoded once, four tokens at a time)
+def test_the_kernel_computes_what_torch_computes(name, dtype, hidden, intermediate, tokens):
+    """float32: the dequantised weights' result to rounding. bf16 activations: torch's bf16 ops on the
+    weights rounded to bf16 (the kernels keep ŵ in float32: a bf16 rounding apart)."""
+    stored, w, spec, dtype = expert(name, hidden, intermediate, dtype=dtype)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
     got = kernels.segment_forward(x, stored, spec)
     assert got.dtype == dtype and got.shape == (tokens, hidden)
@@ -55,8 +61,7 @@ def test_the_kernel_computes_what_torch_computes(name, hidden, intermediate, tok
 
 
 @needs_kernels
-@pytest.mark.parametrize("name, dtype", [("f32", None), ("bf16", None), *[(q, d) for q in ("int8", "int4", "int2")
-                                                                        for d in (torch.float32, torch.bfloat16)]])
+@pytest.mark.parametrize("name, dtype", WITH_DTYPES)
 def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype):
     """At every multiple of the chunk, and with 1 or 2 threads: what makes every policy's tokens the resident run's."""
     hidden, intermediate, chunk = 128, 96, 16
