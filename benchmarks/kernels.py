@@ -5,7 +5,9 @@ One `a3b` expert by default (Qwen3-30B-A3B's layer: H 2048, I 768), random weigh
 - `kernel`: fmoe_cli.kernels.segment_forward on the stored rows (one pass, no dequantised weight);
 - `torch`: what the stores computed with before (and still do without the kernels): three matmuls on
   the rows (f32, bf16), or the rows dequantised in blocks then the three matmuls (int8, int4, int2).
-Time per call in µs and GB/s of the segment's stored bytes (what the call must read from RAM; the
+Time per call in µs (and the CPU time it took, every thread: on a machine shared with other work the
+wall time measures the share of the CPU the call got, the CPU time what the call costs) and GB/s of the
+segment's stored bytes (what the call must read from RAM; the
 expert is 7–28 MB, far beyond the caches, and a rotation of `--copies` experts keeps it from staying
 in them: `--pool-mb` of copies, beyond the last-level cache), median [min–max] of interleaved rounds. Threads: torch.get_num_threads() unless --threads.
 
@@ -144,7 +146,7 @@ def main() -> None:
 
     from fmoe_cli import kernels
 
-    console = Console(width=150)
+    console = Console(width=200)
     console.print("command: python benchmarks/kernels.py " + " ".join(sys.argv[1:]), highlight=False)
     if args.tolerance:
         tolerance(console, args.tolerance)
@@ -160,25 +162,29 @@ def main() -> None:
             for path, call in calls.items():
                 cases[(name, tokens, path)] = call
     times = {key: [] for key in cases}
+    cpu = {key: [] for key in cases}  # CPU time of the process (every thread): what the call costs the CPU
     with torch.inference_mode():
         for _ in range(args.rounds):  # interleaved: every case once per round
             for key, run in cases.items():
                 run()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 for _ in range(args.repeats):
                     run()
                 times[key].append((time.perf_counter() - start) / args.repeats * 1e6)
+                cpu[key].append((time.process_time() - start_cpu) / args.repeats * 1e6)
     table = Table(title=f"one expert (H={args.hidden}, I={args.intermediate}), {torch.get_num_threads()} threads: "
                         f"median \\[min–max] of {args.rounds} interleaved rounds × {args.repeats} calls")
-    for col in ("format", "T", "MB", "kernel µs", "kernel GB/s", "torch µs", "torch GB/s", "torch ÷ kernel"):
+    for col in ("format", "T", "MB", "kernel µs", "kernel GB/s", "kernel CPU µs", "torch µs", "torch GB/s",
+                "torch CPU µs", "torch ÷ kernel"):
         table.add_column(col, justify="left" if col == "format" else "right")
     for name in args.formats:
         for tokens in args.tokens:
             k, t = times[(name, tokens, "kernel")], times[(name, tokens, "torch")]
             gbps = [sizes[name] / (us * 1e3) for us in k]
             tgbps = [sizes[name] / (us * 1e3) for us in t]
-            table.add_row(name, str(tokens), f"{sizes[name] / 1e6:.2f}", spread(k), spread(gbps, "{:.1f}"), spread(t),
-                          spread(tgbps, "{:.1f}"), spread([b / a for a, b in zip(k, t)], "{:.2f}"))
+            table.add_row(name, str(tokens), f"{sizes[name] / 1e6:.2f}", spread(k), spread(gbps, "{:.1f}"),
+                          spread(cpu[(name, tokens, "kernel")]), spread(t), spread(tgbps, "{:.1f}"),
+                          spread(cpu[(name, tokens, "torch")]), spread([b / a for a, b in zip(k, t)], "{:.2f}"))
     console.print(table)
 
 

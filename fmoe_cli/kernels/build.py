@@ -19,8 +19,8 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("experts.c")
 # -O3 and the CPU's own instruction set (AVX2/FMA/F16C here); no -ffast-math: the sums' order is the contract.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-PORTABLE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]  # a compiler without -march=native
+FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11"]
+PORTABLE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c11"]  # a compiler without -march=native
 COMPILE_TIMEOUT_S = 120
 
 

@@ -4,14 +4,13 @@
    "projection" of proj_bytes: H floats (f32), H bf16, or codes then per-group metadata
    (int8, int4, int2: fmoe_cli/offload/quant.py and hqq.py). For tokens x [T, H]:
 
-     phase 1 (threads over neurons):   g = x·ŵ_gate,i   u = x·ŵ_up,i   a[t, i] = silu(g)·u
-     phase 2 (threads over columns j): acc[t, j] = acc[t, j] + a[t, i]·ŵ_down,i[j]   for i = 0, 1, …, n−1 in order
+     for each neuron i:  g = x·ŵ_gate,i   u = x·ŵ_up,i   a[t] = silu(g)·u   c[t, :] += a[t]·ŵ_down,i
 
-   Every byte of the segment is read once, in memory order per thread. Phase 2 adds the
-   neurons one at a time in their order, so a segment split at any neuron k gives the same
-   bits as the whole: forward([k, n), acc = forward([0, k))) == forward([0, n)). Nothing depends
-   on the number of threads. bf16 compute (x in bf16) rounds g, u, silu(g) and a to bf16 as
-   torch's bf16 ops do; acc stays float32 (the caller rounds the finished sum once).
+   Every byte of the segment is read once, in memory order per thread (fmoe_segment_forward says how
+   the neurons are summed: in chunks of C, so that a split at a multiple of C gives the whole's bits,
+   forward([k, n), acc = forward([0, k))) == forward([0, n)); nothing depends on the number of
+   threads). bf16 compute (x in bf16) rounds g, u, silu(g) and a to bf16 as torch's bf16 ops do;
+   acc stays float32 (the caller rounds the finished sum once).
 
    ŵ per format (q the code, per group of G along H):
      f32, bf16: ŵ = w                      int8: ŵ = q·s
@@ -22,9 +21,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define FMOE_AVX2 1
@@ -448,8 +447,6 @@ static void row_axpy(const uint8_t *restrict row, const Format *f, const float *
     }
 }
 
-/* ---- the pass ------------------------------------------------------------------------ */
-
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* Whether the vector paths cover this shape (else the scalar paths run: same values, other roundings). */
@@ -506,8 +503,129 @@ static float *workspace(int64_t floats) {
     return buffer;
 }
 
+/* ---- threads: a pool that never makes the caller wait for a thread the OS has not run ---------
+
+   The caller publishes a job of `total` chunks and computes chunks itself; helper threads, woken,
+   claim the chunks left. The caller waits only for chunks a helper has claimed and not finished, never
+   for a helper to wake up: on a machine busy with other work a job costs at most what one thread
+   alone would, plus one chunk. Helpers sleep on a condition variable between jobs (no spinning that
+   would take the CPU from the caller). One job at a time: a second caller (a host lane's thread
+   beside the main one) computes its chunks alone. */
+
+typedef void (*ChunkFn)(void *job, int64_t chunk, int64_t worker);
+
+static struct {
+    pthread_mutex_t busy, lock;
+    pthread_cond_t wake;
+    _Atomic uint64_t ticket; /* generation << 32 | next chunk */
+    _Atomic int64_t done;    /* chunks finished in this generation */
+    int64_t total, limit; /* chunks; helpers with an id below limit take part */
+    ChunkFn fn;
+    void *job;
+    uint32_t generation; /* under lock */
+    int64_t helpers;     /* threads started (they live as long as the process) */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static void claim_chunks(uint32_t generation, int64_t worker) {
+    for (;;) {
+        if (worker >= pool.limit) return; /* the caller's scratch has no room for it (limit is the job's) */
+        uint64_t ticket = atomic_load(&pool.ticket);
+        if ((uint32_t)(ticket >> 32) != generation || (int64_t)(ticket & 0xffffffffu) >= pool.total) return;
+        if (!atomic_compare_exchange_weak(&pool.ticket, &ticket, ticket + 1)) continue;
+        pool.fn(pool.job, (int64_t)(ticket & 0xffffffffu), worker); /* the job stays until every chunk is done */
+        atomic_fetch_add(&pool.done, 1);
+    }
+}
+
+static void *helper_main(void *arg) {
+    int64_t worker = (int64_t)(intptr_t)arg;
+    uint32_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool.lock);
+        while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+        seen = pool.generation;
+        pthread_mutex_unlock(&pool.lock);
+        claim_chunks(seen, worker);
+    }
+    return NULL;
+}
+
+/* Run fn(job, k, worker) for k in [0, total) on up to `threads` threads; worker < `threads` always. */
+static void parallel_chunks(int64_t total, ChunkFn fn, void *job, int64_t threads) {
+    if (threads <= 1 || total <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+        for (int64_t k = 0; k < total; k++) fn(job, k, 0);
+        return;
+    }
+    while (pool.helpers < threads - 1) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attr, helper_main, (void *)(intptr_t)(pool.helpers + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.helpers++;
+    }
+    pool.fn = fn, pool.job = job, pool.total = total, pool.limit = threads;
+    atomic_store(&pool.done, 0);
+    pthread_mutex_lock(&pool.lock);
+    uint32_t generation = ++pool.generation;
+    atomic_store(&pool.ticket, (uint64_t)generation << 32);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    claim_chunks(generation, 0);
+    while (atomic_load(&pool.done) < total) sched_yield(); /* chunks a helper holds */
+    pthread_mutex_unlock(&pool.busy);
+}
+
+/* ---- the pass ------------------------------------------------------------------------------ */
+
 /* Chunk partials held at once: at most this many floats (bounds the workspace of a long prefill). */
 #define PARTIAL_FLOATS (4 << 20)
+
+typedef struct {
+    const Format *f;
+    const uint8_t *segment;
+    int64_t neurons, chunk, first, tokens, stride, row_bytes, groups;
+    int vector, x_bf16;
+    const float *xf, *xg;
+    float *part, *scratch;
+} Pass;
+
+/* Chunk first + k: its partial sum c = Σ over its neurons, in order, of a[t]·ŵ_down (from zero). */
+static void pass_chunk(void *job, int64_t k, int64_t worker) {
+    const Pass *p = job;
+    const Format *f = p->f;
+    int64_t tokens = p->tokens, hidden = f->hidden, proj_bytes = f->proj_bytes;
+    float *at = p->scratch + worker * p->stride, *ut = at + (tokens + 15) / 16 * 16, *wt = ut + (tokens + 15) / 16 * 16;
+    float *c = p->part + k * tokens * hidden;
+    int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
+    for (int64_t i = i0; i < (FMOE_PHASES & 1 ? i1 : i0); i++) {
+        const uint8_t *row = p->segment + i * p->row_bytes;
+        if (tokens > 1) { /* ŵ of the gate and up rows once, then every token's dots */
+            decode_row(row, f, wt, p->vector);
+            dot_tokens(wt, p->xf, tokens, hidden, at, p->vector);
+            decode_row(row + proj_bytes, f, wt, p->vector);
+            dot_tokens(wt, p->xf, tokens, hidden, ut, p->vector);
+        }
+        for (int64_t t = 0; t < tokens; t++) {
+            float g, u;
+            if (tokens > 1) {
+                g = at[t], u = ut[t];
+            } else {
+                g = row_dot(row, f, p->xf, p->xg, p->vector), u = row_dot(row + proj_bytes, f, p->xf, p->xg, p->vector);
+            }
+            if (p->x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
+                g = round_bf16(g), u = round_bf16(u);
+                at[t] = round_bf16(round_bf16(silu(g)) * u);
+            } else {
+                at[t] = silu(g) * u;
+            }
+        }
+        if (FMOE_PHASES & 2) row_axpy(row + 2 * proj_bytes, f, at, tokens, c, i == i0, p->vector);
+    }
+    if (!(FMOE_PHASES & 1) || !(FMOE_PHASES & 2)) memset(c, 0, sizeof(float) * tokens * hidden);
+}
 
 /* acc [T, H] float32 (+)= the segment's partial output; out_bf16 (optional): acc rounded to bf16.
    The neurons go in chunks of `chunk` (C) from the segment's start: each chunk's partial sum c_k starts
@@ -520,77 +638,37 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
                          int64_t tokens, float *acc, int accumulate, uint16_t *out_bf16, int threads) {
     Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
     int vector = vector_shape(&f);
-    int64_t groups = hidden / f.group, row_bytes = 3 * proj_bytes;
+    int64_t groups = hidden / f.group;
     if (chunk < 1) chunk = 1;
     int64_t chunks = (neurons + chunk - 1) / chunk;
     if (threads < 1 || neurons * hidden * tokens < (1 << 16)) threads = 1; /* small: threads cost more than they save */
+    int64_t width = threads; /* threads taking part: the per-thread scratch */
     int64_t batch = PARTIAL_FLOATS / (tokens * hidden); /* chunks computed before they are added into acc */
-    if (batch < threads) batch = threads;
+    if (batch < width) batch = width;
     if (batch > chunks) batch = chunks;
+    if (batch < 1) batch = 1;
     /* each thread's a[t], u[t] (several tokens: and one decoded row ŵ) on cache lines of its own */
     int64_t stride = ((tokens + 15) / 16 * 16) * 2 + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
-    int64_t need = tokens * hidden + tokens * (groups > 0 ? groups : 1) + (batch > 0 ? batch : 1) * tokens * hidden
-        + threads * stride + 16;
+    int64_t need = tokens * hidden + tokens * (groups > 0 ? groups : 1) + batch * tokens * hidden + width * stride + 16;
     float *xf = workspace(need);
     if (!xf) return -1;
     float *xg = xf + tokens * hidden, *part = xg + tokens * (groups > 0 ? groups : 1);
-    float *a = part + (batch > 0 ? batch : 1) * tokens * hidden;
-    a += (16 - ((uintptr_t)a / sizeof(float)) % 16) % 16; /* 64-byte aligned */
+    float *scratch = part + batch * tokens * hidden;
+    scratch += (16 - ((uintptr_t)scratch / sizeof(float)) % 16) % 16; /* 64-byte aligned */
     if (!accumulate) memset(acc, 0, sizeof(float) * tokens * hidden);
     prepare_x(x, x_bf16, tokens, &f, vector, xf, xg);
+    Pass pass = {&f, segment, neurons, chunk, 0, tokens, stride, 3 * proj_bytes, groups, vector, x_bf16, xf, xg,
+                 part, scratch};
     for (int64_t first = 0; first < chunks; first += batch) {
         int64_t count = first + batch > chunks ? chunks - first : batch;
-#pragma omp parallel num_threads(threads)
-        {
-#ifdef _OPENMP
-            float *at = a + omp_get_thread_num() * stride;
-#else
-            float *at = a;
-#endif
-            float *ut = at + (tokens + 15) / 16 * 16, *wt = ut + (tokens + 15) / 16 * 16;
-#pragma omp for schedule(dynamic, 1) /* a thread the OS pauses holds up one chunk, not half the work */
+        pass.first = first;
+        parallel_chunks(count, pass_chunk, &pass, threads);
+        for (int64_t t = 0; t < tokens; t++) /* acc = ((acc + c_0) + c_1) + … */
             for (int64_t k = 0; k < count; k++) {
-                float *c = part + k * tokens * hidden;
-                int64_t i0 = (first + k) * chunk, i1 = i0 + chunk > neurons ? neurons : i0 + chunk;
-                for (int64_t i = i0; i < (FMOE_PHASES & 1 ? i1 : i0); i++) {
-                    const uint8_t *row = segment + i * row_bytes;
-                    if (tokens > 1) { /* ŵ of the gate and up rows once, then every token's dots */
-                        decode_row(row, &f, wt, vector);
-                        dot_tokens(wt, xf, tokens, hidden, at, vector);
-                        decode_row(row + proj_bytes, &f, wt, vector);
-                        dot_tokens(wt, xf, tokens, hidden, ut, vector);
-                    }
-                    for (int64_t t = 0; t < tokens; t++) {
-                        const float *xt = xf + t * hidden, *xgt = xg + t * groups;
-                        float g, u;
-                        if (tokens > 1) {
-                            g = at[t], u = ut[t];
-                        } else {
-                            g = row_dot(row, &f, xt, xgt, vector), u = row_dot(row + proj_bytes, &f, xt, xgt, vector);
-                        }
-                        if (x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
-                            g = round_bf16(g), u = round_bf16(u);
-                            at[t] = round_bf16(round_bf16(silu(g)) * u);
-                        } else {
-                            at[t] = silu(g) * u;
-                        }
-                    }
-                    if (FMOE_PHASES & 2) row_axpy(row + 2 * proj_bytes, &f, at, tokens, c, i == i0, vector);
-                }
-                if (!(FMOE_PHASES & 1) || !(FMOE_PHASES & 2)) memset(c, 0, sizeof(float) * tokens * hidden);
+                const float *c = part + (k * tokens + t) * hidden;
+                float *o = acc + t * hidden;
+                for (int64_t j = 0; j < hidden; j++) o[j] += c[j];
             }
-            /* implicit barrier; then acc = ((acc + c_0) + c_1) + … column by column */
-#pragma omp for schedule(dynamic, 4)
-            for (int64_t j0 = 0; j0 < hidden; j0 += 64) {
-                int64_t j1 = j0 + 64 > hidden ? hidden : j0 + 64;
-                for (int64_t t = 0; t < tokens; t++)
-                    for (int64_t k = 0; k < count; k++) {
-                        const float *c = part + (k * tokens + t) * hidden;
-                        float *o = acc + t * hidden;
-                        for (int64_t j = j0; j < j1; j++) o[j] += c[j];
-                    }
-            }
-        }
     }
     if (out_bf16)
         for (int64_t j = 0; j < tokens * hidden; j++) out_bf16[j] = float_to_bf16(acc[j]);
