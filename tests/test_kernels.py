@@ -204,3 +204,23 @@ def test_the_gil_is_released_while_a_kernel_runs():
     quarter = (end - start) / 4
     # holding the GIL (ctypes.PyDLL) would give the main thread no turn in the middle of the call
     assert sum(start + quarter < t < end - quarter for t in stamps) >= 3, (end - start, len(stamps))
+
+
+@needs_kernels
+def test_many_tokens_of_one_expert_go_to_torchs_matmuls(monkeypatch):
+    """Above MAX_TOKENS (a long prefill's expert) torch's matmuls cost less: the store takes them, for every
+    policy alike (the choice depends on the tokens only), with the same values to rounding."""
+    from fmoe_cli.offload.store import HostStore
+
+    shape = ExpertShape(1, 2, 1, 64, 32, 4)
+    store = HostStore(shape, torch.float32, pin=False)
+    stored, w, spec, _ = expert("f32", 64, 32)
+    few, many = torch.randn(kernels.MAX_TOKENS, 64), torch.randn(kernels.MAX_TOKENS + 1, 64)
+    assert kernels.runs(few, F.silu) and not kernels.runs(many, F.silu)
+    calls = []
+    monkeypatch.setattr(store, "torch_forward", lambda *a: calls.append(1) or HostStore.torch_forward(store, *a))
+    store.segment_forward(few, stored, F.silu)
+    assert calls == []
+    out = store.segment_forward(many, stored, F.silu)
+    assert calls == [1]
+    torch.testing.assert_close(out, kernels.segment_forward(many, stored, spec), rtol=1e-5, atol=1e-6)

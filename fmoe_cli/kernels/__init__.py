@@ -33,6 +33,9 @@ from fmoe_cli.types import EXPERT_FORMATS
 
 FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, "int8": 2, "int4": 3, "int2": 4}  # experts.c's enum
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # what x may be (experts.c: float32 or bf16 activations)
+# Tokens of one expert above which torch's matmuls (on dequantised blocks) cost less CPU than the kernels'
+# dot products (benchmarks/kernels.py --tokens 16 64, docs/bench.md § CPU expert kernels): long prefills.
+MAX_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -84,8 +87,11 @@ def is_silu(act) -> bool:
 
 
 def runs(x: torch.Tensor, act) -> bool:
-    """Whether segment_forward computes for these tokens and this activation (else: torch)."""
-    return x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES and is_silu(act) and library() is not None
+    """Whether segment_forward computes for these tokens and this activation (else: torch). The same for
+    every policy (it depends on the expert's tokens, not on where its rows are), so a policy's split
+    experts take the same path as the resident run's whole ones."""
+    return (x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES and x.shape[0] <= MAX_TOKENS and is_silu(act)
+            and library() is not None)
 
 
 def segment_forward(x: torch.Tensor, segment: torch.Tensor, spec: Spec, acc: torch.Tensor | None = None,
