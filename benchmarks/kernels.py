@@ -7,9 +7,9 @@ One `a3b` expert by default (Qwen3-30B-A3B's layer: H 2048, I 768), random weigh
   the rows (f32, bf16), or the rows dequantised in blocks then the three matmuls (int8, int4, int2).
 Time per call in µs (and the CPU time it took, every thread: on a machine shared with other work the
 wall time measures the share of the CPU the call got, the CPU time what the call costs) and GB/s of the
-segment's stored bytes (what the call must read from RAM; the
-expert is 7–28 MB, far beyond the caches, and a rotation of `--copies` experts keeps it from staying
-in them: `--pool-mb` of copies, beyond the last-level cache), median [min–max] of interleaved rounds. Threads: torch.get_num_threads() unless --threads.
+segment's stored bytes (what the call must read from RAM: the calls rotate through `--pool-mb` of
+copies of the expert, beyond the last-level cache), median [min–max] of interleaved rounds.
+Threads: torch.get_num_threads() unless --threads.
 
 With --tolerance N: the engine's logits with int8 / int4 experts (float32 and bf16 compute) against
 the reference — transformers' model with its experts replaced by the dequantised weights — over N

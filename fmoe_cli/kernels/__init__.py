@@ -112,8 +112,8 @@ def segment_forward(x: torch.Tensor, segment: torch.Tensor, spec: Spec, acc: tor
     rounded = None if partial or x.dtype == torch.float32 else torch.empty(tokens, hidden, dtype=x.dtype)
     status = lib.fmoe_segment_forward(
         spec.code, segment.data_ptr(), segment.shape[0], hidden, spec.projection_bytes, spec.group,
-        spec.meta_group, spec.chunk, x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, acc.data_ptr(), int(accumulate),
-        None if rounded is None else rounded.data_ptr(), torch.get_num_threads())
+        spec.meta_group, spec.chunk, x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, acc.data_ptr(),
+        int(accumulate), None if rounded is None else rounded.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise MemoryError("the expert kernel could not allocate its workspace")
     return acc if rounded is None else rounded
