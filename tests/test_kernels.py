@@ -224,3 +224,18 @@ def test_many_tokens_of_one_expert_go_to_torchs_matmuls(monkeypatch):
     out = store.segment_forward(many, stored, F.silu)
     assert calls == [1]
     torch.testing.assert_close(out, kernels.segment_forward(many, stored, spec), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_the_benchmark_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "kernels.py"), "--hidden", "64",
+                             "--intermediate", "64", "--rounds", "1", "--repeats", "1", "--pool-mb", "0.1",
+                             "--tokens", "1", "2"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for name in FORMATS:
+        assert f"│ {name} " in result.stdout
