@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fmoe_cli.bench import check_counts, read_prompt  # noqa: F401 (read_prompt: re-exported)
+from fmoe_cli.profiling.host import host_format, host_line, saved_host_profile
 from fmoe_cli.trace import RouteRecorder
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import DEFAULT_PROMPT, SamplingParams, encode_messages, stream_generate
@@ -206,6 +207,8 @@ def render(report: dict, console: Console) -> None:
                   f"{report['link']['label']}", highlight=False)
     console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
                   f"predictor {report.get('predictor', 'speculative')}", highlight=False)
+    if report.get("host_profile"):
+        console.print(report["host_profile"]["line"], highlight=False)
     if report.get("tokens") is not None:
         console.print(f"{report['prompt_tokens']} prompt tokens, {report['tokens']} measured after "
                       f"{report['warmup']} warm-up tokens, greedy", highlight=False)
@@ -274,6 +277,10 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
     report = bench_report(lm, engine.link, run.budget_bytes, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens,
                           warmup=warmup)
     report["timings"] = run.timing_source  # the configurator's: "profile", "quick estimate", or None
+    host = saved_host_profile()  # this machine's host profile (`fmoe profile`), for the host lane's figures
+    fit = None if host is None else host.fit(host_format(lm.shape))
+    report["host_profile"] = {"line": host_line(host, host_format(lm.shape)),
+                              "fit": None if fit is None else asdict(fit)}
     if interrupted:
         report["interrupted"] = {"finished": [r.policy for r in runs if r.measured is None],
                                  "requested": list(opts.policies)}

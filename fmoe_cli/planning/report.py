@@ -16,7 +16,7 @@ and the plan assumes compute hides no loading.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -45,7 +45,8 @@ from fmoe_cli.planning.simulate import predict_policies, tokens_of
 from fmoe_cli.planning.plan import check_plan_options, min_staging_slots, parse_budget, resolve_context
 from fmoe_cli.types import DEFAULT_EXPERTS, EXPERT_FORMATS, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
-from fmoe_cli.profiling.files import model_identity
+from fmoe_cli.profiling.files import HostProfile, model_identity
+from fmoe_cli.profiling.host import host_format, host_line, saved_host_profile
 from fmoe_cli.profiling.layers import decoder_layers
 from fmoe_cli.trace import read_trace
 
@@ -141,6 +142,17 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
     return Timings(0.0, 0.0, 0.0, t_load, shape.top_k), "none: assumes compute hides no loading (give --profile)"
 
 
+def plan_host(profile) -> tuple[HostProfile | None, str]:
+    """The host lane's figures: the profile's own host part (its machine's), else this machine's saved host
+    profile (`fmoe profile`), else none."""
+    if profile is not None and profile.device.host is not None:
+        return profile.device.host, f"{profile.device.host.kind}, from the profile"
+    saved = saved_host_profile()
+    if saved is not None:
+        return saved, "measured on this machine (fmoe profile)"
+    return None, "none: not profiled (run `fmoe profile`)"
+
+
 def run_plan(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,
              as_json: bool, console: Console, workspace: str = "512MiB", experts: str = DEFAULT_EXPERTS,
              trace: str | None = None) -> dict:
@@ -166,6 +178,7 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
         bandwidth, latency = ASSUMED_LINK, 0.0
         link_source = f"assumed PCIe 4.0 x16, {bandwidth / 1e9:.1f} GB/s (no profile)"
     timings, timing_source = plan_timings(facts, bandwidth, latency, profile)
+    host, host_source = plan_host(profile)
 
     slots = min_staging_slots(shape)
     reserve = parse_budget(workspace, 0)
@@ -185,6 +198,8 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
                          sources={"vram": vram_source, "link": link_source, "timings": timing_source,
                                   "statistics": "uniform routing (none recorded)" if stats.uniform
                                   else f"{stats.tokens} recorded tokens ({stats_path})"})
+    report["host_compute"] = {"source": host_source, "line": host_line(host, host_format(shape)),
+                              "profile": None if host is None else asdict(host)}
     report["tpot"] = predicted_tpot(shape, budget, timings, bandwidth, latency, stats, routing, model)
     if as_json:
         print(json.dumps(report))
@@ -311,6 +326,8 @@ def render(report: dict, console: Console) -> None:
         if key == "vram":
             value = f"{m['device'] / MiB:,.0f} MiB (from {value})"
         console.print(f"{key}: {value}", highlight=False)
+    if report.get("host_compute"):
+        console.print(report["host_compute"]["line"] + f" [{report['host_compute']['source']}]", highlight=False)
     if report["uniform_routing"]:
         console.print("assumes uniform routing: no statistics recorded for this model yet "
                       "(chat with it and plan again)", highlight=False)
