@@ -84,7 +84,8 @@ def test_host_format_names_the_rows_the_host_reads():
     assert "not profiled" in host_line(None)
 
 
-def test_fmoe_profile_measures_the_host_and_plan_shows_it(tmp_path):
+def test_fmoe_profile_measures_the_host_and_plan_shows_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # this machine's host profile: this test's only
     out = tmp_path / "device.json"
     result = runner.invoke(app, ["profile", "--quick", "--prefill-len", "4", "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -97,3 +98,10 @@ def test_fmoe_profile_measures_the_host_and_plan_shows_it(tmp_path):
     report = json.loads(planned.stdout)
     assert report["host_compute"]["source"].startswith("measured on this machine")
     assert "host expert compute" in report["host_compute"]["line"]
+    # the per-layer plan is hybrid's, each layer's misses and bottoms on the link or the host, TPOT predicted for
+    # hybrid and llama.cpp's pattern (every routed expert on the host) beside the policies
+    assert report["configured_policy"] == "hybrid"
+    assert {layer["misses_and_bottoms"] for layer in report["layers"]} <= {"host", "link"}
+    assert {"hybrid", "llama.cpp pattern", "moepic", "lru"} <= set(report["tpot"]["policies"])
+    shown = runner.invoke(app, ["plan", "demo", "--vram", "1GiB"])
+    assert shown.exit_code == 0 and "per-layer plan of hybrid" in shown.output and "llama.cpp" in shown.output

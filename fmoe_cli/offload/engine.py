@@ -71,6 +71,8 @@ class Counters:
     exposed_s: float = 0.0  # time the compute waited on the link
     lead_s: float = 0.0  # host time from submitting a forward's loads to its first compute (layout, gather)
     leads: int = 0  # … forwards that submitted loads (profiling/model.py: h_route = lead_s / leads)
+    host_s: float = 0.0  # the host lane's compute (offload/host.py): misses and bottoms computed on the host
+    host_segments: int = 0  # … segments it computed
 
     def count(self, activated: int, hits: Hits) -> None:
         """Add one layer forward's classification (offload/hits.py)."""
@@ -163,6 +165,7 @@ class LayerState:
     top_neurons: int  # k_i
     top_rows: list  # store.rows(tops[slot]) per cache slot, made once (what segment_forward takes)
     counters: Counters = field(default_factory=Counters)
+    host: bool = False  # the host lane: misses and bottoms computed on the host in decode (LayerPlan.host)
 
     @classmethod
     def of(cls, cache: LayerCache, tops: torch.Tensor, top_neurons: int, store: HostStore) -> LayerState:

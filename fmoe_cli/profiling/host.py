@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
+from dataclasses import replace
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
 from fmoe_cli.profiling.device import _cpu_name, fit_link
 from fmoe_cli.profiling.files import HostFit, HostProfile, Profile, default_profile_path
-from fmoe_cli.types import MiB, ExpertShape
+from fmoe_cli.types import MiB, ExpertShape, Timings
 
 # The formats the host lane computes in: unquantised rows of float32 or bfloat16, or quantised rows
 # (offload/quant.py) computed with float32 activations.
@@ -183,3 +184,20 @@ def host_line(host: HostProfile | None, fmt: str | None = None) -> str:
              f"{f.t_expert * 1e3:.2f} ms, top-{host.top_k} {f.t_layer * 1e3:.2f} ms, prefill {host.prefill_tokens} "
              f"tokens {f.t_prefill * 1e3:.2f} ms)" for f in fits]
     return (f"host expert compute ({where}; expert {host.hidden}×{host.intermediate}): " + " · ".join(parts))
+
+
+# s_host: the host lane's round trip per layer (the hidden rows to the host, the partial sums back, the threads'
+# hand-over): an estimate, not measured: two small PCIe copies at ~10 µs latency each and one synchronisation.
+HOST_ROUND_TRIP_S = 30e-6
+
+
+def host_timings(timings: Timings, host: HostProfile | None, shape: ExpertShape,
+                 round_trip: float = HOST_ROUND_TRIP_S) -> Timings:
+    """`timings` with the host lane's figures for the model's format (Timings.t_host_*), from the host profile:
+    t_host(I) = latency + S_e / bandwidth (the fit, scaled to this model's expert), per call the fit's latency.
+    Unchanged without a host profile or without figures for the format (then there is no host lane)."""
+    fit = None if host is None else host.fit(host_format(shape))
+    if fit is None:
+        return timings
+    return replace(timings, t_host_expert=fit.segment_time(shape.expert_bytes), t_host_call=fit.latency,
+                   t_host_sync=round_trip)
