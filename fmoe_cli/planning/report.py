@@ -202,6 +202,7 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
                                   else f"{stats.tokens} recorded tokens ({stats_path})"})
     report["host_compute"] = {"source": host_source, "line": host_line(host, host_format(shape)),
                               "profile": None if host is None else asdict(host)}
+    report["host_lane"] = timings.has_host  # the per-layer plan chose each layer's path (hybrid's plan)
     report["configured_policy"] = "hybrid" if timings.has_host else "moepic"
     report["tpot"] = predicted_tpot(shape, budget, timings, bandwidth, latency, stats, routing, model)
     if as_json:
@@ -351,7 +352,7 @@ def render(report: dict, console: Console) -> None:
     if report["uniform_routing"]:
         console.print("assumes uniform routing: no statistics recorded for this model yet "
                       "(chat with it and plan again)", highlight=False)
-    hybrid = report.get("configured_policy") == "hybrid"
+    hybrid = bool(report.get("host_lane"))
     table = Table(title=f"per-layer plan of {report.get('configured_policy', 'moepic')} (predicted)")
     columns = ("layer", "V_i MiB", "C_i", "θ_i", "hit rate", "exposed load ms") + (
         ("misses, bottoms", "host ms") if hybrid else ())
