@@ -116,7 +116,7 @@ def test_moepic_uses_the_host_only_where_it_computes_an_expert_faster_than_the_l
     assert not settings_for("moepic", PlanInputs(SHAPE, 4 * S_E, slow_host, stats)).plan.host_lane
     fast_host = timings(host_expert=0.1 * timings().t_load)
     assert settings_for("moepic", PlanInputs(SHAPE, 4 * S_E, fast_host, stats)).plan.host_lane
-    assert settings_for("hybrid", PlanInputs(SHAPE, 4 * S_E, fast_host, stats)).plan.source == "hybrid"
+    assert settings_for("hybrid", PlanInputs(SHAPE, 4 * S_E, fast_host, stats)).plan.host_lane
 
 
 def test_split_work_and_one_fill_in_flight_per_layer():

@@ -78,9 +78,8 @@ def _hybrid(inputs: PlanInputs) -> Plan:
         raise ValueError("the configurator needs timings: PlanInputs.timings (run.find_timings finds them)")
     from fmoe_cli.planning.autoplan import moepic_plan  # numpy: when a plan is made (see _configurator)
 
-    plan = moepic_plan(inputs.shape, inputs.budget_bytes, inputs.timings, inputs.stats, model=inputs.model,
+    return moepic_plan(inputs.shape, inputs.budget_bytes, inputs.timings, inputs.stats, model=inputs.model,
                        host_lane=True)
-    return replace(plan, source="hybrid")
 
 
 def _resident(inputs: PlanInputs) -> Plan:
