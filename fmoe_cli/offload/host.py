@@ -87,3 +87,98 @@ class Fills:
             if fill is not None:
                 link.cancel(fill.transfer)
         self.pending = [None] * len(self.pending)
+
+
+class HostLane:
+    """The engine's host lane (offload/engine.py calls `forward` for a host-lane layer's decode step).
+
+    The hidden row goes to the host once; the host's segments (bottoms of split hits, whole misses) are
+    computed from the host store by `threads` worker threads (torch releases the GIL) while the calling
+    thread computes the device's segments; the host's partial results come back to the device in one copy;
+    a split expert's output is top + bottom, in that order, as on the fetch path (offload/engine.py), so the
+    result does not depend on the lane or on the thread count."""
+
+    def __init__(self, layers: int, threads: int = 1) -> None:
+        if threads < 1:
+            raise ValueError("the host lane needs at least one thread")
+        self.threads = threads
+        self.fills = Fills(layers)
+        self._pool = None
+
+    def _executor(self):
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="fmoe-host")
+        return self._pool
+
+    def forward(self, engine, i: int, act, hidden_states, routing, hits: Hits) -> dict:
+        """One host-lane layer's decode step (hidden_states [1, H]); returns expert -> output [1, H] on the device."""
+        import time
+
+        import torch
+
+        state, store, link = engine.layers[i], engine.store, engine.link
+        width, k = engine.shape.intermediate, state.top_neurons
+        self.settle(engine, i, wait=False)
+        work = split_work(hits, self.fills.in_flight(i))
+        jobs = [(e, k) for e in work.split] + [(e, 0) for e in work.host_whole]  # (expert, first neuron)
+        x_host = hidden_states.to("cpu") if hidden_states.device.type != "cpu" else hidden_states  # once per layer
+
+        def run(part: list[tuple[int, int]]) -> tuple[list, float]:
+            start = time.perf_counter()
+            out = [store.segment_forward(x_host, store.rows(store.expert(i, e)[first:]), act) for e, first in part]
+            return out, time.perf_counter() - start
+
+        parts = [jobs[n::self.threads] for n in range(self.threads)] if jobs else []
+        futures = [self._executor().submit(run, part) for part in parts if part]
+        outputs: dict = {}
+        top_outputs: dict = {}
+        for e in work.device_whole:  # the device's work meanwhile
+            outputs[e] = store.segment_forward(hidden_states, state.top_rows[state.cache.slot(e)], act)
+        for e in work.split:
+            top_outputs[e] = store.segment_forward(hidden_states, state.top_rows[state.cache.slot(e)], act)
+        host_parts: dict = {}
+        busy = 0.0
+        for n, future in enumerate(f for f in futures):
+            out, seconds = future.result()
+            busy += seconds
+            for (e, _first), part in zip(jobs[n::self.threads], out):
+                host_parts[e] = part
+        if host_parts:
+            order = sorted(host_parts)
+            back = torch.cat([host_parts[e] for e in order]).to(hidden_states.device)  # the partial sums, once
+            host_parts = dict(zip(order, back.split(1)))
+        for e in work.split:  # exact: top + bottom, always in this order
+            outputs[e] = top_outputs.pop(e) + host_parts[e]
+        for e in work.host_whole:
+            outputs[e] = host_parts[e]
+        counters = state.counters
+        counters.host_s += busy
+        counters.host_segments += len(jobs)
+        if k > 0:  # the cache learns: a miss's top copied into its slot off the critical path
+            for e in hits.misses:
+                counters.bytes_prefetch += self.fills.offer(
+                    i, e, state.cache, link, lambda slot: state.tops[slot], store.expert(i, e)[:k],
+                    after=(link.record_reads(),))
+        return outputs
+
+    def settle(self, engine, i: int, wait: bool) -> None:
+        """Finish layer i's fill if it has landed (`wait`: wait for it, before anything else may write the cache:
+        a prefill through the device path): its top in its slot (an emulated link hands out the source)."""
+        fill = self.fills.pending[i]
+        if fill is None or not (wait or fill.transfer.ready()):
+            return
+        self.fills.pending[i] = None
+        got = engine.link.acquire(fill.transfer, tag=i)
+        slot = engine.layers[i].tops[fill.slot]
+        if got.data_ptr() != slot.data_ptr():
+            slot.copy_(got)
+
+    def clear(self, link: Link) -> None:
+        self.fills.clear(link)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
