@@ -110,6 +110,9 @@ def main() -> None:
     p.add_argument("--host-profile", default=None, help="this machine's host profile (default: `fmoe profile`'s)")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--measured-llama-only", action="store_true",
+                   help="with this machine's host profile simulate llama.cpp's pattern only (hybrid, moepic, lru: the "
+                        "estimate's rows); for time on a busy machine")
     p.add_argument("--json", default=None, help="also write every row to this file")
     args = p.parse_args()
     console = Console(width=200)
@@ -166,15 +169,26 @@ def main() -> None:
                         key = (model, fmt, card, trace_name)
                         names = ["hybrid"] + [p for p in ("moepic", "lru") if (key, p) not in shared
                                               or (p == "moepic" and timings.t_host_expert < timings.t_load)]
+                        if args.measured_llama_only and host.kind == "measured":
+                            names = []
                         results = predict_policies(shape, budget, timings, link.bandwidth, link.latency or 0.0,
                                                    sequences=sequences, policies=names,
                                                    plans={LLAMA_CPP: host_baselines(shape, budget)[LLAMA_CPP]})
                         for p in ("moepic", "lru"):
                             if p in results and not (p == "moepic" and timings.t_host_expert < timings.t_load):
                                 shared[(key, p)] = results[p]
-                            results.setdefault(p, shared.get((key, p)))
+                            if shared.get((key, p)) is not None:
+                                results.setdefault(p, shared[(key, p)])
                         r = {name: res for name, res in results.items()}
                         llama = r[LLAMA_CPP].tpot_s
+                        if not names:
+                            rows.append({"model": model, "format": fmt, "card_gib": card, "host": host_name,
+                                         "trace": trace_name, "llama_cpp_ms": llama * 1e3,
+                                         "t_host_expert_s": timings.t_host_expert, "t_load_s": timings.t_load,
+                                         "note": "llama.cpp pattern only"})
+                            console.print(f"  {card} GiB, {host_name}, {trace_name}: llama.cpp pattern "
+                                          f"{llama * 1e3:.1f} ms", highlight=False)
+                            continue
                         row = {"model": model, "format": fmt, "card_gib": card, "host": host_name, "trace": trace_name,
                                "budget_bytes": budget, "t_host_expert_s": timings.t_host_expert,
                                "t_load_s": timings.t_load, "t_exp_s": timings.t_exp,
@@ -196,7 +210,8 @@ def main() -> None:
         table.add_column(col, justify="left" if col in ("model", "experts", "host", "trace") else "right")
     for row in rows:
         if "note" in row:
-            table.add_row(row["model"], row["format"], f"{row['card_gib']} GiB", "", "", row["note"], "", "", "", "", "", "")
+            table.add_row(row["model"], row["format"], f"{row['card_gib']} GiB", row.get("host", ""), row.get("trace", ""),
+                          row["note"], "", "", f"{row['llama_cpp_ms']:.1f}" if "llama_cpp_ms" in row else "", "", "", "")
             continue
         mark = "" if row["card_gib"] == 24 or row["hybrid_vs_llama"] <= TARGET else " ✗"
         table.add_row(row["model"], row["format"], f"{row['card_gib']} GiB", row["host"], row["trace"],
