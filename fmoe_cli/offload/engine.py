@@ -439,7 +439,7 @@ class Engine:
         for e in hits.whole:
             outputs[e] = store.segment_forward(x_of(e), state.top_rows[state.cache.slot(e)], act)
         for e in hits.top_hits:
-            top_outputs[e] = store.segment_forward(x_of(e), state.top_rows[state.cache.slot(e)], act)
+            top_outputs[e] = store.segment_forward(x_of(e), state.top_rows[state.cache.slot(e)], act, partial=True)
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
@@ -452,9 +452,9 @@ class Engine:
             for entry in done + [entry for entry in batch if entry not in done]:
                 segment = self.link.acquire(entry.transfer, tag=i)  # [I - start, *row]: the only place that waits
                 e = entry.expert
-                if e in top_outputs:  # exact: top + bottom, always in this order
+                if e in top_outputs:  # exact: the bottom continues the top's sum (the whole's bits on the CPU)
                     bottom = pool.rows(store, segment) if k == entry.start else segment[k - entry.start:]
-                    outputs[e] = top_outputs.pop(e) + store.segment_forward(x_of(e), bottom, act)
+                    outputs[e] = store.segment_forward(x_of(e), bottom, act, acc=top_outputs.pop(e))
                 else:
                     outputs[e] = store.segment_forward(x_of(e), pool.rows(store, segment), act)
                     self._offer(i, e, segment)
