@@ -110,7 +110,9 @@ class LayerChoice:
     hidden: float  # m_i
     prefetches: int  # Y
     window: float  # T_wind^i (s)
-    exposed: float  # T^i (s)
+    exposed: float  # T^i (s); a host-lane layer: its experts' time beyond T_moe (may be < 0)
+    host: bool = False  # the host lane: misses and bottoms computed on the host (LayerPlan.host)
+    host_s: float = 0.0  # T_host^i: the host lane's work per token in this layer (s)
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ class Split:
         return float(sum(layer.exposed for layer in self.layers))
 
     def to_plan(self, shape: ExpertShape, staging_slots: int, source: str = "configurator") -> Plan:
-        layers = tuple(LayerPlan(c.vram_bytes, c.cache_size, c.top_neurons, c.split) for c in self.layers)
+        layers = tuple(LayerPlan(c.vram_bytes, c.cache_size, c.top_neurons, c.split, c.host) for c in self.layers)
         return Plan(layers, staging_slots, shape.expert_bytes, source)
 
 
@@ -139,6 +141,18 @@ BASELINES: dict[str, tuple[float, bool]] = {
 ALGORITHM_1 = "algorithm 1"
 FROM_OPTIMUM = "algorithm 1 from the per-layer optimum"
 FROM_OPTIMUM_SILENT = "algorithm 1 from the per-layer optimum, no prefetch"
+LLAMA_CPP = "llama.cpp pattern (every routed expert on the host)"
+
+
+def host_baselines(shape: ExpertShape, budget_bytes: int) -> dict[str, Plan]:
+    """The host lane's special cases at the same budget (staging pool + caches): every routed expert computed on
+    the host (llama.cpp's --cpu-moe: nothing cached), and whole experts cached V_e/L per layer with every miss on
+    the host (θ = 1). Neither prefetches."""
+    nothing = Plan(tuple(LayerPlan(0, 0, 0, 0.0, True) for _ in range(shape.num_layers)), min_staging_slots(shape),
+                   shape.expert_bytes, "configurator", prefetch=False)
+    whole = uniform_plan(shape, budget_bytes, 1.0, source="configurator")
+    whole = replace(whole, layers=tuple(replace(layer, host=True) for layer in whole.layers), prefetch=False)
+    return {LLAMA_CPP: nothing, "whole experts cached, misses on the host (θ = 1)": whole}
 
 
 @dataclass(frozen=True)
@@ -181,13 +195,15 @@ class _LayerModel:
     comparison.
     """
 
-    def __init__(self, curves: LayerCurves, shape: ExpertShape, timings: Timings, max_prefetch: int | None) -> None:
+    def __init__(self, curves: LayerCurves, shape: ExpertShape, timings: Timings, max_prefetch: int | None,
+                 host_lane: bool = False) -> None:
         if curves.num_experts != shape.num_experts:
             raise FmoeError(f"statistics have {curves.num_experts} experts per layer, the model {shape.num_experts}")
         self.curves = curves
         self.shape = shape
         self.timings = timings
         self.max_prefetch = max_prefetch
+        self.host_lane = host_lane and timings.has_host  # the host path is a candidate (needs the host's figures)
         self.per_size = max(1, MAX_COLUMNS // (shape.num_experts + 1))  # k candidates per C at most
         self._by_budget: dict[int, tuple] = {}
 
@@ -227,17 +243,71 @@ class _LayerModel:
         # top hits of a split (0 < k_i < I) run two segment forwards: c more each
         split_hits = np.where((k > 0) & (k < shape.intermediate), shape.top_k * hit, 0.0)
         host = loaded * t.t_host_load + admitted * t.t_admit + split_hits * t.t_segment
-        tables = (sizes, k, theta, cost, gain, cached, host)
+        tables = (sizes, k, theta, cost, gain, cached, host, self._host_lane(sizes, k, theta, hit))
         if len(self._by_budget) * len(sizes) > 4_000_000:
             self._by_budget.clear()
         self._by_budget[budget] = tables
         return tables
 
-    def _priced(self, budget: int, window: float) -> tuple:
-        """Per candidate (C, k) for V_i = budget in window T_wind^i: C_i, k_i, θ_i, m_i, R_i, Y and the
-        loads' host work (G_i without h_pf)."""
-        sizes, k, theta, cost, gain, cached, host = self._tables(budget)
-        top_k = self.timings.top_k
+    def _host_lane(self, sizes: np.ndarray, k: np.ndarray, theta: np.ndarray, hit: np.ndarray) -> tuple:
+        """Per candidate (C, k), a host-lane layer (docs/architecture.md § The host lane): its experts' time
+        max(D_i, T_host^i) and T_host^i, where, per decode token,
+            D_i      = K·H_i(C)·(c + (T_exp − c)·θ_i)                       the device: whole or top hits
+            T_host^i = K·H_i(C)·[0 < k_i < I]·t_host(I − k_i)               the host: the top hits' bottoms
+                       + K·(1 − H_i(C))·t_host(I) + s_host                  and the misses, from RAM
+        (t_host(n) = a + (t_host(I) − a)·n/I from the host profile; s_host the lane's round trip per layer;
+        c the segment's fixed cost, as the simulator charges it). Nothing crosses the link in decode (the
+        cache's fills after a miss go at prefetch priority, off the critical path: not charged)."""
+        shape, t = self.shape, self.timings
+        if not t.has_host:
+            zero = np.zeros(len(sizes))
+            return zero, zero
+        top_k, width = shape.top_k, shape.intermediate
+        call = min(t.t_segment, t.t_exp)
+        device = top_k * hit * np.where(k > 0, call + (t.t_exp - call) * theta, 0.0)
+        host_call = min(t.t_host_call, t.t_host_expert)
+        per_neuron = (t.t_host_expert - host_call) / width
+        bottoms = top_k * hit * np.where((k > 0) & (k < width), host_call + per_neuron * (width - k), 0.0)
+        misses = top_k * (1.0 - hit) * t.t_host_expert
+        lane = bottoms + misses
+        lane = lane + np.where(lane > 0, t.t_host_sync, 0.0)
+        return np.maximum(device, lane), lane
+
+    def _host_choice(self, budget: int, window: float, sizes, k, theta, lane_time, lane_host,
+                     cache_size: int | None) -> tuple[LayerChoice, float]:
+        """The host-lane candidate of least time (ties: the most bytes cached), or the given cache size's;
+        T^i = max(D_i, T_host^i) − T_moe, T_wind^{i+1} = max(D_i, T_host^i) + T_att (the link idle in this layer)."""
+        t = self.timings
+        if cache_size is None:
+            best = lane_time <= lane_time.min() + _TIE * max(t.t_host_expert, 1e-300)
+            c = int(np.argmax(np.where(best, sizes * k, -1)))
+        else:
+            fixed = np.flatnonzero(sizes == cache_size)
+            c = int(fixed[-1]) if len(fixed) else 0
+        size = int(sizes[c])
+        hit = float(self.curves.hit[size])
+        choice = LayerChoice(
+            budget=int(budget), cache_size=size, top_neurons=int(k[c]), split=float(theta[c]),
+            vram_bytes=int(size * k[c] * self.shape.neuron_bytes), hit_rate=hit,
+            hidden=float(t.top_k * hit * theta[c]), prefetches=0, window=float(window),
+            exposed=float(lane_time[c] - t.t_moe), host=True, host_s=float(lane_host[c]))
+        return choice, float(lane_time[c] + t.t_att)
+
+    def choose(self, budget: int, window: float, cache_size: int | None = None,
+               host_path: bool = False) -> tuple[LayerChoice, float]:
+        """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
+        largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}. With the host lane
+        (`host_lane`), the host path is a candidate too and the layer takes the path of the least T^i;
+        `host_path` prices the host path alone."""
+        sizes, k, theta, cost, gain, cached, host, (lane_time, lane_host) = self._tables(budget)
+        t = self.timings
+        if host_path and not t.has_host:
+            raise FmoeError("a plan with the host lane needs the host's timings (`fmoe profile` measures them)")
+        if self.host_lane and cache_size is None or host_path:
+            lane, lane_next = self._host_choice(budget, window, sizes, k, theta, lane_time, lane_host, cache_size)
+            if host_path:
+                return lane, lane_next
+        top_k = t.top_k
         columns = np.arange(len(sizes))
         landed = (cost <= window * (1 + 1e-12)).sum(axis=0)  # prefetches done by routing time (Eq. 10's Y)
         if self.max_prefetch is None:
@@ -256,30 +326,6 @@ class _LayerModel:
         wrong = 1.0 - self.curves.predicted_hit[straddler]
         link = np.maximum(0.0, remaining) * wrong  # R_i per candidate
         hidden = np.minimum(cached + prefetched, top_k)  # m_i (Eq. 9), capped at K
-        return sizes, k, theta, hidden, link, prefetches, host
-
-    def _exposure(self, hidden, behind, prefetches, host):
-        """T^i (Eq. 6, pipelined, + G_i) and what of the layer's time follows routing, for m_i = hidden,
-        R_i = behind (scalars or arrays): (T^i, T_moe + G_i + max(0, S_i) − B_i, G_i)."""
-        t = self.timings
-        busy = behind + (t.top_k - hidden) * t.t_load  # B_i: the link's work once layer i has routed
-        # G_i: h_load per loaded segment (whole cached experts load nothing), a_e·θ per admission, and
-        # h_pf, the predictor and prefetcher's work when the layer prefetches
-        work = host + np.where(prefetches > 0, t.t_host_prefetch, 0.0)
-        loads = t.top_k - hidden  # n_i: the experts still to load, one after another on the link
-        # the compute waits for the first load, then for each next one only as far as the link is slower
-        # than the compute of the one before it
-        serve = t.t_exp + t.t_host_load  # the compute side's time per loaded segment
-        stall = (np.maximum(behind + np.minimum(loads, 1.0) * t.t_load, busy - np.maximum(0.0, loads - 1.0) * serve)
-                 - hidden * t.t_exp - np.where(loads > 0, t.t_host_route, 0.0))  # S_i
-        exposed = np.maximum(0.0, stall) + work
-        return exposed, t.t_moe + work + np.maximum(0.0, stall) - busy, work
-
-    def choose(self, budget: int, window: float, cache_size: int | None = None) -> tuple[LayerChoice, float]:
-        """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
-        largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}."""
-        sizes, k, theta, hidden, link, prefetches, host = self._priced(budget, window)
-        t = self.timings
         if cache_size is None:
             # Eq. 11, with the work the loads cost besides the link: the load time hidden less that work,
             # argmax m_i·T_load − G_i (= argmax m_i when G_i = 0). Among (near-)ties keep the most bytes
@@ -291,8 +337,19 @@ class _LayerModel:
             fixed = np.flatnonzero(sizes == cache_size)
             c = int(fixed[-1]) if len(fixed) else 0  # its largest k (the plan's); C = 0 when nothing fits
         m = float(hidden[c])
-        exposed, after, _ = self._exposure(m, float(link[c]), int(prefetches[c]), float(host[c]))
-        next_window = float(after) + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
+        behind = float(link[c])  # R_i: a wrong prefetch's link time the window did not cover
+        busy = behind + (top_k - m) * t.t_load  # the link's work once layer i has routed
+        work = float(host[c])  # h_load per loaded segment (whole cached experts load nothing), a_e·θ per admission
+        if prefetches[c] > 0:
+            work += t.t_host_prefetch  # h_pf: the predictor and prefetcher's work when the layer prefetches
+        loads = top_k - m  # n_i: the experts still to load, one after another on the link
+        # T^i (Eq. 6, pipelined, + G_i): the compute waits for the first load, then for each next one
+        # only as far as the link is slower than the compute of the one before it
+        serve = t.t_exp + t.t_host_load  # the compute side's time per loaded segment
+        stall = (max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve)
+                 - m * t.t_exp - (t.t_host_route if loads > 0 else 0.0))
+        exposed = max(0.0, stall) + work
+        next_window = t.t_moe + work + max(0.0, stall) - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
         size = int(sizes[c])
         choice = LayerChoice(
             budget=int(budget),
@@ -306,25 +363,18 @@ class _LayerModel:
             window=float(window),
             exposed=float(exposed),
         )
-        return choice, next_window
-
-    def least_exposed(self, budgets: np.ndarray, window: float) -> np.ndarray:
-        """For each V_i in `budgets` (ascending), the least T^i of any candidate (C, k) that fits it, in
-        window T_wind^i: every candidate of the largest budget priced once, the cheapest that fits taken."""
-        sizes, k, theta, hidden, link, prefetches, host = self._priced(int(budgets[-1]), window)
-        exposed, _, _ = self._exposure(hidden, link, prefetches, host)
-        vram = sizes * k * self.shape.neuron_bytes
-        order = np.argsort(vram, kind="stable")
-        cheapest = np.minimum.accumulate(exposed[order])  # least T^i among the candidates up to each size
-        return cheapest[np.searchsorted(vram[order], budgets, side="right") - 1]
+        if self.host_lane and cache_size is None and lane.exposed < choice.exposed:
+            return lane, lane_next
+        return choice, float(next_window)
 
 
-def _layer_models(stats: RoutingStats, timings: Timings, shape: ExpertShape, max_prefetch: int | None) -> list[_LayerModel]:
+def _layer_models(stats: RoutingStats, timings: Timings, shape: ExpertShape, max_prefetch: int | None,
+                  host_lane: bool = False) -> list[_LayerModel]:
     if stats.num_layers != shape.num_layers:
         raise FmoeError(f"statistics cover {stats.num_layers} MoE layers, the model has {shape.num_layers}")
     if timings.top_k != shape.top_k:
         raise FmoeError(f"timings are for top-{timings.top_k} routing, the model routes to {shape.top_k}")
-    return [_LayerModel(stats.curves(i), shape, timings, max_prefetch) for i in range(shape.num_layers)]
+    return [_LayerModel(stats.curves(i), shape, timings, max_prefetch, host_lane) for i in range(shape.num_layers)]
 
 
 def _run(models: Sequence[_LayerModel], budgets: Sequence[int], start: int, window: float) -> list[LayerChoice]:
@@ -388,7 +438,8 @@ def _price(models: Sequence[_LayerModel], plan: Plan, timings: Timings) -> Split
     choices = []
     for model, layer in zip(models, plan.layers):
         size = layer.cache_size if layer.top_neurons > 0 else 0
-        choice, window = model.choose(size * layer.top_neurons * model.shape.neuron_bytes, window, cache_size=size)
+        choice, window = model.choose(size * layer.top_neurons * model.shape.neuron_bytes, window, cache_size=size,
+                                      host_path=layer.host)
         choices.append(choice)
     return Split(tuple(choices))
 
@@ -415,7 +466,8 @@ def _fixed_point(models: Sequence[_LayerModel], budgets: list[int], step: int, t
         trial[donor] -= step
         trial[recipient] += step
         candidate = _Search(models, trial, timings)
-        if not candidate.total < search.total * (1 - 1e-12):  # no longer falls: roll back, stop
+        if not candidate.total < search.total - abs(search.total) * 1e-12:  # no longer falls: roll back, stop
+            # (|·|: a host-lane layer's T^i can be < 0, and so can the total)
             break
         budgets, search = trial, candidate
         history.append(search.total)
@@ -423,17 +475,21 @@ def _fixed_point(models: Sequence[_LayerModel], budgets: list[int], step: int, t
     return search, history, iterations
 
 
-def per_layer_optimum(models: Sequence[_LayerModel], expert_budget: int, step: int,
-                      windows: Sequence[float]) -> list[int]:
-    """The budgets {V_i} (whole units of ζ·V_e, Σ V_i ≤ V_e) that minimise Σ_i T^i(V_i) with every layer's
-    window T_wind^i held at `windows` (those of a plan already priced): a knapsack over the layers, solved
-    exactly by dynamic programming. Without prefetch T^i does not depend on the window, so this is the
-    optimum; with prefetch the windows move with the plan, and Algorithm 1 goes on from here."""
-    if step <= 0:
+OPTIMUM_UNITS = 32  # the per-layer optimum spends V_e in this many equal units
+
+
+def per_layer_optimum(models: Sequence[_LayerModel], expert_budget: int, windows: Sequence[float]) -> list[int]:
+    """The budgets {V_i} (whole units of V_e / OPTIMUM_UNITS, Σ V_i ≤ V_e) that minimise Σ_i T^i(V_i) with every
+    layer's window T_wind^i held at `windows` (those of a plan already priced) and each layer's (C_i, k_i) chosen
+    as ExpertSplit chooses it: a knapsack over the layers, solved exactly by dynamic programming. Without
+    prefetch T^i does not depend on the window; with prefetch the windows move with the plan, and Algorithm 1
+    goes on from here."""
+    units = OPTIMUM_UNITS
+    unit = expert_budget // units
+    if unit <= 0:
         return [expert_budget // len(models)] * len(models)
-    units = expert_budget // step
-    grid = np.arange(units + 1) * step
-    exposed = np.array([model.least_exposed(grid, window) for model, window in zip(models, windows)])  # [i, u]: T^i
+    exposed = np.array([[model.choose(u * unit, window)[0].exposed for u in range(units + 1)]
+                        for model, window in zip(models, windows)])  # [i, u]: T^i with V_i = u units
     best = exposed[0].copy()  # best[t]: least Σ T^i over the layers so far with t units spent
     picks = []  # per later layer: [t] -> its units in that optimum
     used = np.arange(units + 1)
@@ -448,9 +504,9 @@ def per_layer_optimum(models: Sequence[_LayerModel], expert_budget: int, step: i
     budgets = []
     for choice in reversed(picks):
         u = int(choice[t])
-        budgets.append(u * step)
+        budgets.append(u * unit)
         t -= u
-    budgets.append(t * step)
+    budgets.append(t * unit)
     return list(reversed(budgets))
 
 
@@ -465,6 +521,7 @@ def vram_allocation(
     max_prefetch: int | None = None,
     max_iterations: int = 100_000,
     baselines: bool = True,
+    host_lane: bool = False,
 ) -> Configuration:
     """Algorithm 1: how to spend V_e (bytes for the caches, Σ_i V_i ≤ V_e) over the layers,
     then (`baselines`) the same model prices the BASELINES' uniform plans at the same total
@@ -478,7 +535,8 @@ def vram_allocation(
     if expert_budget < 0:
         raise FmoeError(f"the expert budget V_e must be ≥ 0 bytes, got {expert_budget}")
     slots = min_staging_slots(shape) if staging_slots is None else staging_slots
-    models = _layer_models(stats, timings, shape, max_prefetch)
+    host_lane = host_lane and timings.has_host
+    models = _layer_models(stats, timings, shape, max_prefetch, host_lane)
     layers = shape.num_layers
     budgets = [int(expert_budget) // layers] * layers  # uniform start: V_i = V_e / L
     step = int(zeta * expert_budget)  # ζ·V_e
@@ -494,18 +552,24 @@ def vram_allocation(
             base = base if prefetch else replace(base, prefetch=False)
             priced = _price(models if prefetch else silent, base, timings)
             candidates.append((name, priced.total_exposed))
-            if priced.total_exposed < best * (1 - 1e-9) - 1e-15:  # strictly better: Algorithm 1 keeps ties
+            if priced.total_exposed < best - abs(best) * 1e-9 - 1e-15:  # strictly better: Algorithm 1 keeps ties
+                chosen, best, split, plan = name, priced.total_exposed, priced, base
+        for name, base in (host_baselines(shape, int(expert_budget) + slots * shape.expert_bytes) if host_lane
+                           else {}).items():
+            priced = _price(models, base, timings)
+            candidates.append((name, priced.total_exposed))
+            if priced.total_exposed < best - abs(best) * 1e-9 - 1e-15:
                 chosen, best, split, plan = name, priced.total_exposed, priced, base
         # Algorithm 1 again from the per-layer optimum (with and without prefetch): where a cache pays only
-        # from a few experts per layer on (an admission per miss costs more than the loads a small cache
+        # from several experts per layer on (an admission per miss costs more than the loads a small cache
         # saves), every ζ-move from the uniform start changes nothing, and the search stops at no cache
         # (Mixtral-8x7B bf16 at 12 GiB on an RTX 3060's figures, tests/test_plan_command.py).
         for name, layer_models in ((FROM_OPTIMUM, models), (FROM_OPTIMUM_SILENT, silent)):
-            start = per_layer_optimum(layer_models, int(expert_budget), step, search.windows)
+            start = per_layer_optimum(layer_models, int(expert_budget), search.windows)
             found, _, _ = _fixed_point(layer_models, start, step, timings, max_iterations)
             total = found.total
             candidates.append((name, total))
-            if total < best * (1 - 1e-9) - 1e-15:  # strictly better: the earlier candidates keep ties
+            if total < best - abs(best) * 1e-9 - 1e-15:  # strictly better: the earlier candidates keep ties
                 chosen, best, split = name, total, Split(tuple(found.choices))
                 plan = split.to_plan(shape, slots)
                 plan = plan if layer_models is models else replace(plan, prefetch=False)
