@@ -267,8 +267,7 @@ def test_more_budget_can_predict_more_with_several_layers():
     Layer 1 with more budget maximises its own m_1 (Eq. 11) and so shrinks T_wind^2 (Eq. 7):
     layer 2 loses its one prefetch. And Algorithm 1's 1-byte moves (ζ·V_e) cannot cross a
     neuron (6 bytes), so the search stays at the uniform start. 24 bytes: [11, 13] →
-    0.5875 s; 30 bytes: [15, 15] → 0.675 s. From the per-layer optimum (the knapsack over the
-    layers' budgets) the larger budget is no longer worse.
+    0.5875 s; 30 bytes: [15, 15] → 0.675 s.
     """
     case = {"seed": 0, "layers": 2, "n": 2, "k_frac": 0.0, "intermediate": 4, "budget_experts": 0.25,
             "zeta": 0.05, "t_load": 1.0, "t_moe": 1.0, "t_att": 0.0, "t_head": 0.0}
@@ -280,7 +279,7 @@ def test_more_budget_can_predict_more_with_several_layers():
     assert large.total_exposed == pytest.approx(0.675)
     assert large.split.layers[1].window < small.split.layers[1].window  # the shrunken window
     searched = vram_allocation(budget + 6, stats, timings, shape, zeta=0.05)
-    assert searched.total_exposed <= vram_allocation(budget, stats, timings, shape, zeta=0.05).total_exposed
+    assert searched.total_exposed <= large.total_exposed  # the full search is never worse than Algorithm 1's
 
 
 # --- the link is charged for every issued prefetch; the search contains its baselines ----------
