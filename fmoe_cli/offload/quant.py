@@ -143,6 +143,9 @@ class QuantStore(HostStore):
             result = part if result is None else result.add_(part)
         return result
 
+    def segments_forward(self, xs: list[torch.Tensor], segments: list, act) -> list[torch.Tensor]:
+        return [self.segment_forward(x, segment, act) for x, segment in zip(xs, segments)]
+
     def _workspaces(self, device: torch.device, dtype: torch.dtype, elements: int):
         """The float32 workspace and the compute dtype's (None for float32), grown to `elements` if needed."""
         ws = self._workspace

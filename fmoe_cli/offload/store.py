@@ -11,8 +11,9 @@ registration.
 
 The engine reads the store through three members only (agreed with offload/engine):
 `row_shape` (one neuron's row), `dtype` (the rows' storage dtype) and
-`segment_forward(x, segment, act)`: unquantised rows are (3, H) of the compute dtype
-and compute with layout.segment_forward; quantised rows (offload/quant.py) are bytes.
+`segment_forward(x, segment, act)` (with `segments_forward`, several at once): unquantised
+rows are (3, H) of the compute dtype and compute with layout.segment_forward; quantised
+rows (offload/quant.py) are bytes.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class HostStore:
         self.dtype = dtype
         self.pin = pin
         self.layers: list[torch.Tensor] = []  # [N, I, *row_shape] per MoE layer
+        self._experts: list[tuple[torch.Tensor, ...]] = []  # each layer's [I, *row_shape] per expert, made once
         self._buffers: list[HostBuffer] = []
 
     @property
@@ -87,6 +89,10 @@ class HostStore:
     def segment_forward(self, x: torch.Tensor, segment, act) -> torch.Tensor:
         """Partial expert output of the neurons in `segment` ([n, *row_shape], or its `rows`) for tokens x ([T, H])."""
         return layout.segment_forward(x, segment, act)
+
+    def segments_forward(self, xs: list[torch.Tensor], segments: list, act) -> list[torch.Tensor]:
+        """`segment_forward` of each (x, segment) pair, in one call (layout.segments_forward)."""
+        return layout.segments_forward(xs, segments, act)
 
     def rows(self, segment: torch.Tensor):
         """What `segment_forward` takes for `segment`, prepared once for a buffer that is computed from many
@@ -106,6 +112,7 @@ class HostStore:
             buffer = HostBuffer(self.layer_bytes, self.pin, None if memory is None else memory[i])
             self._buffers.append(buffer)
             self.layers.append(buffer.tensor.view(self.dtype).view(s.num_experts, s.intermediate, *self.row_shape))
+            self._experts.append(self.layers[-1].unbind(0))  # one op per layer, not one per load
 
     def block(self, layer: int, expert: int) -> torch.Tensor:
         """Where the loader assembles an expert's packed [I, 3, H] block: here, its place in the store."""
@@ -118,7 +125,8 @@ class HostStore:
             target.copy_(block)
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
-        return self.layers[layer][expert]
+        """Expert `expert` of MoE layer `layer`: [I, *row_shape], a view made at allocation."""
+        return self._experts[layer][expert]
 
     @property
     def nbytes(self) -> int:
