@@ -414,3 +414,45 @@ def test_each_load_is_polled_once_per_pass(mixtral, monkeypatch):
     next(steps)  # a decode step: K loads per layer
     engine.close()
     assert len(polls) == shape.num_layers * shape.top_k
+
+
+@pytest.mark.parametrize("experts", ["bf16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("policy", ["resident", "ondemand"])
+def test_prefill_computes_each_activated_expert_once_over_all_its_tokens(checkpoints, experts, policy, monkeypatch):
+    """Issue 21 §1: a prefill groups tokens by expert, in every format: one segment forward per activated
+    expert of a layer over all the tokens routed to it (not one per token), whether the expert is on the
+    device (resident) or loaded in waves through a staging pool smaller than the activated set (ondemand)."""
+    from fmoe_cli.offload.store import HostStore
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32", experts=experts)
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes))
+    if policy == "ondemand":
+        assert engine.settings.plan.staging_slots < shape.num_experts  # waves
+    routed = []  # per MoE layer forward: (token, expert) pairs
+    engine.observers.append(lambda event: routed.append(
+        {(t, e) for t, row in enumerate(event.top_k_index.tolist()) for e in row}))
+    rows_per_call = []  # tokens of each segment the engine asks the store for (one call, or one of a grouped call)
+    store_class, inside = type(lm.store), []
+    assert store_class is HostStore or experts != "bf16"
+    for name, xs_of in (("segment_forward", lambda args: [args[0]]), ("segments_forward", lambda args: args[0])):
+        def spy(self, *args, _real=getattr(store_class, name), _xs_of=xs_of):
+            if not inside:  # the engine's call, not one the store makes for itself
+                rows_per_call.extend(x.shape[0] for x in _xs_of(args))
+            inside.append(1)
+            try:
+                return _real(self, *args)
+            finally:
+                inside.pop()
+        monkeypatch.setattr(store_class, name, spy)
+    with torch.no_grad():
+        lm.model(PROMPT)
+    engine.close()
+    assert len(routed) == shape.num_layers
+    want = sorted(sum(1 for _t, e in pairs if e == expert)  # each activated expert: its token count
+                  for pairs in routed for expert in {e for _t, e in pairs})
+    assert sorted(rows_per_call) == want
+    assert max(want) > 1  # some expert really has several tokens
