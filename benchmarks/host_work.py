@@ -164,6 +164,16 @@ def compare(args) -> None:
                       spread([x["layer_us"] - o["layer_us"] for x, o in zip(rr["prefetch-only"], rr["ondemand"])],
                              "{:.1f}"))
     console.print(table)
+    table = Table(title="as measured: TPOT ms of a decode step, and µs of one MoE layer's experts forward alone "
+                        "(one token, K fixed experts); median \\[min–max] over all rounds")
+    table.add_column("tree")
+    for n in RUNS:
+        table.add_column(f"{n} TPOT ms", justify="right")
+        table.add_column(f"{n} 1 layer µs", justify="right")
+    for tree, rr in runs.items():
+        table.add_row(tree, *(cell for n in RUNS for cell in (spread([x["tpot_ms"] for x in rr[n]]),
+                                                                spread([x["layer_us"] for x in rr[n]], "{:.1f}"))))
+    console.print(table)
     ids = {tuple(x["token_ids"]) for rr in runs.values() for n in RUNS for x in rr[n]}
     console.print("token ids identical across trees and runs" if len(ids) == 1 else "[red]token ids DIFFER[/red]")
 
@@ -270,7 +280,7 @@ def time_alternatives(repeats: int) -> None:
         offsets = torch.zeros(n_experts, dtype=torch.int32)
         offsets[active] = 1
         offsets = torch.cumsum(offsets, 0, dtype=torch.int32)
-        xs = x.expand(len(active), hidden)
+        xs = x.expand(len(active), hidden).contiguous()  # one row per activated expert
         views = [layer[:, :, j].transpose(1, 2) for j in range(2)]  # gate, up: [N, H, I]
         down = layer[:, :, 2]  # [N, I, H]
 

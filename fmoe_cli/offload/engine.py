@@ -138,7 +138,7 @@ class Routing:
 
     @classmethod
     def _make(cls, ids: torch.Tensor, weights: torch.Tensor, extra: dict) -> Routing:
-        flat = ids.reshape(-1).tolist()
+        flat = [e for row in ids.tolist() for e in row]  # token-major ([T, K]: no reshape op)
         return cls(ids, weights, flat, sorted(set(flat)), extra=extra)
 
     def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict[int, slice]]:
@@ -469,12 +469,11 @@ class Engine:
         order, out_t = Σ_k w_tk · y_tk ([T, K, H].sum(1)). One fixed order and no atomics, so the same bits on
         every run and every policy; a handful of ops whatever K (docs/architecture.md § Host work per token)."""
         tokens, k = routing.ids.shape
-        if tokens == 1:  # a decode step: the experts' one rows, concatenated in routing order
-            rows = torch.cat([outputs[e] for e in routing.flat])  # [K, H]
-        else:  # every expert's rows (tokens ascending), in expert order, then put back in routing order
+        if tokens == 1:  # a decode step: the experts' one rows in routing order, [K, H] · [K, 1] summed over K
+            final = (torch.cat([outputs[e] for e in routing.flat]) * top_k_weights.t()).sum(0, keepdim=True)
+        else:  # every expert's rows (tokens ascending), in expert order, put back in routing order: [T, K, H]
             rows = torch.cat([outputs.pop(e) for e in routing.active])[routing.routing_order(hidden_states.device)]
-        weighted = rows.view(tokens, k, -1) * top_k_weights.unsqueeze(-1)  # [T, K, H]
-        final = weighted.sum(1)
+            final = (rows.view(tokens, k, -1) * top_k_weights.unsqueeze(-1)).sum(1)
         return final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)
 
     def _offer(self, i: int, e: int, segment: torch.Tensor) -> None:
