@@ -456,3 +456,28 @@ def test_prefill_computes_each_activated_expert_once_over_all_its_tokens(checkpo
                   for pairs in routed for expert in {e for _t, e in pairs})
     assert sorted(rows_per_call) == want
     assert max(want) > 1  # some expert really has several tokens
+
+
+def test_whole_expert_policies_give_the_same_bits(mixtral):
+    """Every policy that computes each expert whole gives the same logits bit for bit, decode steps
+    included: where an expert's weights come from (the resident buffer, a staging slot, a prefetch) and
+    how many are grouped in one call never changes the arithmetic, and the weighted sum runs in one
+    fixed order (issue 20 §6)."""
+    from fmoe_cli.generate import next_logits
+    from fmoe_cli.planning.presets import make_settings
+    from transformers import DynamicCache
+
+    lm, shape = mixtral, mixtral.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    logits = {}
+    for policy in ("resident", "ondemand", "prefetch-only"):
+        engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes))
+        cache = DynamicCache(config=lm.model.config)
+        with torch.no_grad():
+            steps = [next_logits(lm.model, PROMPT, cache)]  # a prefill, then decode steps
+            steps += [next_logits(lm.model, torch.tensor([[t]]), cache) for t in (9, 33, 71, 5)]
+        logits[policy] = torch.stack(steps)
+    engine.close()
+    assert torch.equal(logits["resident"], logits["ondemand"]) and torch.equal(logits["resident"],
+                                                                              logits["prefetch-only"])
