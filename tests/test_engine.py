@@ -372,7 +372,9 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy):
     product, the down matmul: its rows split once per buffer), and an MoE layer besides its segments is at
     most 12 ops whatever K (routing to the host; the weighted sum in one concatenation, one multiply and one
     sum, where it was a multiply and an add per expert: 6 + 2K, 22 at K = 8) on a plan that does not split;
-    a split plan (uniform θ = 0.5) adds its top + bottom adds (one per split expert) and the predictor."""
+    a split plan (uniform θ = 0.5) adds its top + bottom adds (one per split expert) and the predictor.
+    On the CPU with the expert kernels a segment is one call, whose result is its one op."""
+    from fmoe_cli import kernels
     from fmoe_cli.planning.presets import make_settings
     from fmoe_cli.profiling.ops import count_decode_ops
 
@@ -387,7 +389,10 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy):
     ops = count_decode_ops(lambda: next(steps))
     engine.close()
     assert ops["layers"] == shape.num_layers and ops["segments"] >= shape.num_layers * shape.top_k
-    assert ops["ops_per_segment"] == 5, ops["by_op"]
+    if kernels.library() is not None:  # the CPU kernels: one call, whose result is the one op (a bottom: none)
+        assert 0 < ops["ops_per_segment"] <= 1, ops["by_op"]
+    else:  # torch's path
+        assert ops["ops_per_segment"] == 5, ops["by_op"]
     bound = 12
     if policy == "uniform":
         bound += shape.top_k + 16  # top + bottom adds; the predictor's scores and ranking, the prefetches

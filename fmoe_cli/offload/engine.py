@@ -432,11 +432,12 @@ class Engine:
         if loading:  # the host's lead on the first load (the configurator's h_route)
             state.counters.lead_s += time.perf_counter() - submitted
             state.counters.leads += 1
-        on_device = hits.whole + hits.top_hits  # what the cache holds: one call for them all (layout.segments_forward)
-        results = store.segments_forward([x_of(e) for e in on_device],
-                                         [state.top_rows[state.cache.slot(e)] for e in on_device], act)
-        outputs: dict[int, torch.Tensor] = dict(zip(hits.whole, results))  # expert -> its output [T_e, H]
-        top_outputs = dict(zip(hits.top_hits, results[len(hits.whole):]))  # expert -> its top's partial output
+        # what the cache holds, one call each for the whole experts and for the tops (store.segments_forward)
+        outputs: dict[int, torch.Tensor] = dict(zip(hits.whole, store.segments_forward(
+            [x_of(e) for e in hits.whole], [state.top_rows[state.cache.slot(e)] for e in hits.whole], act)))
+        top_outputs = dict(zip(hits.top_hits, store.segments_forward(  # partial: the bottom continues them
+            [x_of(e) for e in hits.top_hits], [state.top_rows[state.cache.slot(e)] for e in hits.top_hits], act,
+            partial=True)))
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
@@ -449,9 +450,9 @@ class Engine:
             for entry in done + [entry for entry in batch if entry not in done]:
                 segment = self.link.acquire(entry.transfer, tag=i)  # [I - start, *row]: the only place that waits
                 e = entry.expert
-                if e in top_outputs:  # exact: top + bottom, always in this order
+                if e in top_outputs:  # exact: the bottom continues the top's sum (the whole's bits on the CPU)
                     bottom = pool.rows(store, segment) if k == entry.start else segment[k - entry.start:]
-                    outputs[e] = top_outputs.pop(e) + store.segment_forward(x_of(e), bottom, act)
+                    outputs[e] = store.segment_forward(x_of(e), bottom, act, acc=top_outputs.pop(e))
                 else:
                     outputs[e] = store.segment_forward(x_of(e), pool.rows(store, segment), act)
                     self._offer(i, e, segment)

@@ -47,15 +47,6 @@ def segment_forward(x: torch.Tensor, segment, act) -> torch.Tensor:
     return (act(gate) * up) @ rows[DOWN]  # [T, H]
 
 
-def segments_forward(xs: list[torch.Tensor], segments: list, act) -> list[torch.Tensor]:
-    """Several segments at once: segment i ([n_i, 3, H], or its `split_rows`) for tokens xs[i] ([T_i, H]) ->
-    its partial output [T_i, H]. The engine hands a layer's experts on the device (whole and cached tops) to
-    one call, so that a kernel able to group them (one launch for all) can; in a decode step every xs[i] is
-    the same tensor. Here: one `segment_forward` each (no torch kernel groups them cheaply: torch's CPU
-    `_grouped_mm` costs ~30× the loop on a 128-expert layer, docs/bench.md § Host work in ops)."""
-    return [segment_forward(x, segment, act) for x, segment in zip(xs, segments)]
-
-
 def split_rows(segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[n, 3, H] -> (gate [n, H], up [n, H], down [n, H]): views, made once per buffer instead of per forward."""
     return tuple(segment.unbind(1))
