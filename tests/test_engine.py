@@ -444,12 +444,12 @@ def test_prefill_computes_each_activated_expert_once_over_all_its_tokens(checkpo
     store_class, inside = type(lm.store), []
     assert store_class is HostStore or experts != "bf16"
     for name, xs_of in (("segment_forward", lambda args: [args[0]]), ("segments_forward", lambda args: args[0])):
-        def spy(self, *args, _real=getattr(store_class, name), _xs_of=xs_of):
+        def spy(self, *args, _real=getattr(store_class, name), _xs_of=xs_of, **kwargs):
             if not inside:  # the engine's call, not one the store makes for itself
                 rows_per_call.extend(x.shape[0] for x in _xs_of(args))
             inside.append(1)
             try:
-                return _real(self, *args)
+                return _real(self, *args, **kwargs)
             finally:
                 inside.pop()
         monkeypatch.setattr(store_class, name, spy)
