@@ -145,7 +145,10 @@ def test_plan_and_bench_show_the_formats(checkpoints):
         assert report["shape"]["expert_format"] == "int2" and report["shape"]["dense_format"] == dense
         sizes[dense] = report["memory"]["non_expert"]
         assert report["dense"]["non_expert_bytes"] == sizes[dense]
-        assert report["host"]["formats"]["int2"]["non_expert"] == sizes[dense]  # host RAM counts them as stored
+        host = report["host"]["formats"]["int2"]
+        assert host["non_expert"] == sizes[dense]  # host RAM once loaded counts them as stored …
+        assert host["needed"] == host["experts"] + host["non_expert_loading"]  # … the load's peak unquantised
+        assert host["non_expert_loading"] == report["dense"]["unquantised_bytes"]
     assert max(sizes["int4"], sizes["int8"]) < sizes["bf16"]  # (int8 quantises the head as well: here the smaller)
     result, text = run("plan", path, "--vram", "1700KiB", "--workspace", "1MiB", "--context", "0", "--experts", "int2",
                        "--dense", "int4")
@@ -159,3 +162,40 @@ def test_plan_and_bench_show_the_formats(checkpoints):
     result, text = run("bench", path, "--experts", "int2", "--dense", "int4", "--tokens", "3", "--warmup", "0",
                        "--policy", "lru")
     assert "int2 experts, int4 dense" in text and "formats: experts int2" in text
+
+
+KJV = """The LORD is my shepherd; I shall not want.
+He maketh me to lie down in green pastures: he leadeth me beside the still waters.
+He restoreth my soul: he leadeth me in the paths of righteousness for his name's sake.
+Yea, though I walk through the valley of the shadow of death, I will fear no evil: for thou art with me; thy rod and thy staff they comfort me.
+Thou preparest a table before me in the presence of mine enemies: thou anointest my head with oil; my cup runneth over.
+Surely goodness and mercy shall follow me all the days of my life: and I will dwell in the house of the LORD for ever.
+The words of the Preacher, the son of David, king in Jerusalem.
+To every thing there is a season, and a time to every purpose under the heaven:
+A time to be born, and a time to die; a time to plant, and a time to pluck up that which is planted;
+A time to kill, and a time to heal; a time to break down, and a time to build up;
+A time to weep, and a time to laugh; a time to mourn, and a time to dance;
+A time to cast away stones, and a time to gather stones together; a time to embrace, and a time to refrain from embracing;
+A time to get, and a time to lose; a time to keep, and a time to cast away;
+A time to rend, and a time to sew; a time to keep silence, and a time to speak;
+A time to love, and a time to hate; a time of war, and a time of peace."""  # Psalm 23, Ecclesiastes 3:1-8 (public domain): the demo model's kind of text
+
+
+@pytest.mark.parametrize("dense, max_logit_error, min_top1", [("int8", 1.0, 0.99), ("int4", 2.5, 0.95)])
+def test_demo_model_tolerance(dense, max_logit_error, min_top1):
+    """The published tolerance (docs/quantization.md): against the unquantised demo model on a KJV passage, the
+    largest logit error and the top-1 agreement of the dequantised reference (what the engine computes)."""
+    from fmoe_cli.models.demo import SHIPPED
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(SHIPPED)
+    ids = tokenizer(KJV, return_tensors="pt")["input_ids"]
+    assert ids.shape[1] > 250
+    base = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    lm = load_model("demo", device="cpu", dtype="float32", dense=dense)
+    assert dense_reference(reference, lm.model) == 6 * 4  # q, k, v, o of the 6 layers (the head is tied)
+    with torch.no_grad():
+        want, got = base(ids).logits[0], reference(ids).logits[0]
+    error = (got - want).abs().max().item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert 0 < error <= max_logit_error and top1 >= min_top1, (error, top1)

@@ -155,7 +155,8 @@ def load_model(
     non_expert_bytes = skeleton_non_expert_bytes(model, layers, dense)
     check_checkpoint(path, model, layers)  # every tensor's shape and dtype against the config, from the headers
     tokenizer = load_tokenizer(path, model_id, trust_remote_code)  # (a broken one named before the weights load)
-    check_host_ram(label, shape, non_expert_bytes)  # before a byte is read
+    # before a byte is read; the load's peak holds the dense weights unquantised until each is quantised
+    check_host_ram(label, shape, skeleton_non_expert_bytes(model, layers))
     if before_read is not None:
         before_read(shape, non_expert_bytes, config, dev)
     store = make_store(shape, torch_dtype, pin=dev.type == "cuda")

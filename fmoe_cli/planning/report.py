@@ -256,14 +256,16 @@ def _local_gpu_memory() -> int:
 
 
 def host_ram_report(facts: ModelFacts, free: int) -> dict:
-    """Host RAM a load of the model needs in each expert format (from config.json alone), and what is free."""
+    """Host RAM a load of the model needs in each expert format (from config.json alone), and what is free.
+    `needed` is the load's peak: with --dense int8/int4 each dense weight is read in the compute dtype, then
+    quantised (`non_expert_loading`); the loaded model keeps `non_expert`."""
 
     formats = {}
     for name in EXPERT_FORMATS:
         shape = replace(facts.shape, experts=name)
-        need = host_ram_needed(shape, facts.non_expert_bytes)
-        formats[name] = {"experts": shape.all_experts_bytes, "non_expert": facts.non_expert_bytes, "needed": need,
-                         "fits": need <= free}
+        need = host_ram_needed(shape, facts.dense_unquantised_bytes)
+        formats[name] = {"experts": shape.all_experts_bytes, "non_expert": facts.non_expert_bytes,
+                         "non_expert_loading": facts.dense_unquantised_bytes, "needed": need, "fits": need <= free}
     return {"free": free, "chosen": facts.shape.experts, "formats": formats}
 
 
