@@ -88,6 +88,19 @@ class FakeConfig:
     num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 32, 32, 8, 4096
 
 
+class MlaConfig:  # DeepSeek-V3's attention: K of 128 + 64 dims and V of 128 per head, 128 heads, 61 layers
+    num_hidden_layers, num_attention_heads, num_key_value_heads, hidden_size = 61, 128, 128, 7168
+    qk_nope_head_dim, qk_rope_head_dim, v_head_dim = 128, 64, 128
+
+
+def test_kv_cache_counts_mla_key_and_value_dims() -> None:
+    """One formula for the run and the plan: MLA's K (nope + rope) and V dims, not hidden / heads twice."""
+    from fmoe_cli.planning.plan import kv_cache_bytes
+
+    assert kv_cache_bytes(MlaConfig(), 1, 2) == 61 * 128 * (128 + 64 + 128) * 2  # 4.8 MiB a token
+    assert kv_cache_bytes(MlaConfig(), 10, 2) == 10 * kv_cache_bytes(MlaConfig(), 1, 2)
+
+
 def test_budget_against_the_device_in_one_line_with_mib() -> None:
     from fmoe_cli.planning.plan import Room, check_budget_text, check_plan_fits, kv_cache_bytes, resolve_budget
 

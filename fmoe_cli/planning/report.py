@@ -43,7 +43,7 @@ from fmoe_cli.planning.autoplan import moepic_configuration
 from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings, price_plan
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of
-from fmoe_cli.planning.plan import check_plan_options, min_staging_slots, parse_budget, resolve_context
+from fmoe_cli.planning.plan import check_plan_options, kv_cache_bytes, min_staging_slots, parse_budget, resolve_context
 from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS, EXPERT_FORMATS, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
 from fmoe_cli.profiling.files import model_identity
@@ -117,11 +117,7 @@ def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXP
     norm = getattr(getattr(meta, "model", None), "norm", None)
     head_bytes = _nbytes(head) + (_nbytes(norm) if norm is not None else 0)
     text = config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    k_dim = (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0) or head_dim
-    v_dim = getattr(text, "v_head_dim", None) or head_dim
-    kv_per_token = len(decoders) * heads * (k_dim + v_dim) * shape.dtype_bytes  # K and V of every layer
+    kv_per_token = kv_cache_bytes(config, 1, shape.dtype_bytes)  # K and V of every layer
     context = getattr(text, "max_position_embeddings", None)
     return ModelFacts(model, path, shape, non_expert, attention, head_bytes, kv_per_token,
                       context if isinstance(context, int) and context > 0 else None, dense, unquantised)
