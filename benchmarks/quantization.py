@@ -9,6 +9,7 @@
    exactness contract (tests/test_quant.py), exactly what the engine computes.
 1b. `--dense int8 / int4` on the demo model: perplexity, the largest logit error and top-1 agreement
    against the unquantised model on the same held-out tokens (the tolerance tests/test_dense.py checks).
+3. `--dense`: one projection (4096 × 2048, Qwen3-30B-A3B's q_proj) for one token, float32 against QuantLinear.
 2. Compute: one expert for one token (decode) from the stored rows — dequantise then the three matmuls
    (what fmoe does) against the unquantised matmuls and against torch's fused int8 kernel
    (`_weight_int8pack_mm`, per-output-channel scales: a lower bound, it does not fit the grouped,
@@ -216,6 +217,37 @@ def compute_cost(console, hidden: int, intermediate: int, rounds: int, repeats: 
     console.print(table)
 
 
+def dense_cost(console, out_features: int, in_features: int, rounds: int, repeats: int) -> None:
+    """--dense: one decode token through one projection [out, in], float32 against QuantLinear int8 / int4."""
+    from rich.table import Table
+
+    from fmoe_cli.models.dense import QuantLinear
+    from fmoe_cli.types import DENSE_FORMATS
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
+    cases = {"float32 matmul": linear, **{f"{name}: QuantLinear (dequantise + matmul)": QuantLinear(
+        linear, DENSE_FORMATS[name].quant) for name in ("int8", "int4")}}
+    x = torch.randn(1, in_features)
+    times = {name: [] for name in cases}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, module in cases.items():
+                module(x)
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    module(x)
+                times[name].append((time.perf_counter() - start) / repeats * 1e3)
+    base = times["float32 matmul"]
+    table = Table(title=f"3. --dense: one projection {out_features} × {in_features}, one token, CPU "
+                        f"{torch.get_num_threads()} thread(s): ms, median \\[min–max] of {rounds} interleaved rounds × {repeats}")
+    for col in ("computation", "ms", "÷ float32"):
+        table.add_column(col, justify="right" if col != "computation" else "left")
+    for name, ts in times.items():
+        table.add_row(name, spread(ts), spread([t / b for t, b in zip(ts, base)], "{:.2f}"))
+    console.print(table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=20000, help="held-out tokens evaluated")
@@ -239,6 +271,7 @@ def main() -> None:
         quality(console, args.tokens, args.seq_len)
         dense_quality(console, args.tokens, args.seq_len)
     compute_cost(console, args.hidden, args.intermediate, args.rounds, args.repeats)
+    dense_cost(console, 4096, 2048, args.rounds, args.repeats)
 
 
 if __name__ == "__main__":
