@@ -428,7 +428,7 @@ def paper_run(shape, budget_bytes: int, timings, bandwidth: float, latency: floa
     """Per policy: the simulated TPOT over every sequence's decode tokens (prefill = the first `prompt_tokens`), and
     the TTFT estimate of each sequence after the first (a warm cache), median; hit rate and plan."""
     from fmoe_cli.planning.presets import PlanInputs, settings_for
-    from fmoe_cli.planning.simulate import RoutingPredictor, Simulator, simulate_policy, stats_from
+    from fmoe_cli.planning.simulate import RoutingPredictor, simulate_policy, stats_from
 
     has_rankings = any(t.predicted is not None for seq in sequences for t in seq)
 
@@ -439,19 +439,14 @@ def paper_run(shape, budget_bytes: int, timings, bandwidth: float, latency: floa
     out = {}
     for name in policies:
         settings = settings_for(name, PlanInputs(shape, budget_bytes, timings, stats))
-        result = simulate_policy(shape, settings, timings, sequences, bandwidth=bandwidth, latency=latency,
-                                 prompt_tokens=prompt_tokens, predictor_factory=predictor)
-        sim = Simulator(shape, settings, timings, bandwidth, latency, predictor=predictor())
         ttfts = []
-        for n, seq in enumerate(sequences):  # the same order of prefill and decode as simulate_policy
-            prompt, rest = seq[:prompt_tokens], seq[prompt_tokens:]
+
+        def ttft(sim, prompt, n):  # with the cache the previous sequence left (the first starts cold: not counted)
             if n:
                 ttfts.append(prefill_estimate(sim, prompt, timings, bandwidth, latency))
-            if sim.predictor is not None:
-                sim.predictor.start_sequence()
-            sim.prefill(prompt)
-            for m, token in enumerate(rest):
-                sim.decode(token, rest[m + 1] if m + 1 < len(rest) else None)
+
+        result = simulate_policy(shape, settings, timings, sequences, bandwidth=bandwidth, latency=latency,
+                                 prompt_tokens=prompt_tokens, predictor_factory=predictor, before_prefill=ttft)
         out[name] = {"tpot_ms": result.tpot_s * 1e3, "ttft_ms": statistics.median(ttfts) * 1e3,
                      "hit_rate": result.hit_rate, "plan": result.plan}
     return out
@@ -477,7 +472,7 @@ def paper(args, console: Console) -> None:
     mixtral_times = scaled(mixtral_roofline, factor)
     # 2. Routing: the real Mixtral trace; for Qwen1.5-MoE (no trace of it here) routing of the Mixtral trace's shape.
     trace = read_trace(args.trace)
-    mixtral_routing = tokens_of(trace)
+    mixtral_routing = [seq[:args.limit] for seq in tokens_of(trace)] if args.limit else tokens_of(trace)
     real = routing_shape(trace)
     zipf, stick = fit_synthetic(real, qwen.shape.num_experts, qwen.shape.top_k)
     qwen_routing = synthetic_routing(qwen.shape.num_layers, qwen.shape.num_experts, qwen.shape.top_k, args.sequences,
@@ -530,7 +525,7 @@ def paper(args, console: Console) -> None:
                   f"{latency * 1e6:.0f} µs; compute: {source}, × {factor:.2f} so that Qwen1.5-MoE bf16 resident = the "
                   f"paper's GPU-rich {GPU_RICH_TPOT_S * 1e3:.0f} ms (calibrated once, the same factor for Mixtral)",
                   highlight=False)
-    console.print(f"routing: Mixtral: {args.trace} ({trace.num_tokens} tokens, {len(mixtral_routing)} sequences; "
+    console.print(f"routing: Mixtral: {args.trace} ({sum(map(len, mixtral_routing))} tokens, {len(mixtral_routing)} sequences; "
                   f"predictor eam, no rankings in a vLLM trace); Qwen1.5-MoE: synthetic (no trace of it exists here), "
                   f"{args.sequences} sequences × {args.tokens} tokens, seed {args.seed}, with the Mixtral trace's shape: "
                   f"top-expert share {real['top_share']:.3f} of the activations at N = {real['experts']} (× uniform "
@@ -573,6 +568,7 @@ def main() -> None:
     q.add_argument("--sequences", type=int, default=4, help="synthetic Qwen1.5-MoE sequences")
     q.add_argument("--tokens", type=int, default=160, help="tokens per synthetic sequence")
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--limit", type=int, default=0, help="at most this many tokens of each Mixtral sequence (0: all)")
     q.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.what == "validate":
