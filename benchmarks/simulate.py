@@ -499,8 +499,8 @@ def paper(args, console: Console) -> None:
         table = Table(title=f"{key}: simulated TPOT, estimated TTFT (prompt {args.prompt} tokens); one expert "
                             f"{shape.expert_bytes / 2**20:.1f} MiB ({shape.experts}), dense {facts.dense}; budget = "
                             f"(V_e + K) experts")
-        for col in ("policy", *[f"V_e={b}: TPOT ms" for b in budgets], *[f"TTFT ms" for b in budgets],
-                    *[f"hit" for b in budgets], *paper_cols):
+        for col in ("policy", *[f"V_e={b}: TPOT ms" for b in budgets], *[f"{b}: TTFT ms" for b in budgets],
+                    *[f"{b}: hit" for b in budgets], *paper_cols):
             table.add_column(col, justify="left" if col in ("policy", "paper system") else "right")
         for name in PAPER_POLICIES:
             rows = [result[key][str(b)][name] for b in budgets]
