@@ -48,6 +48,7 @@ from fmoe_cli.planning.presets import PRESETS, PlanInputs, make_settings, settin
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import default_stats_path, open_recorder, scratch_recorder
 from fmoe_cli.profiling.device import device_identity, device_link
+from fmoe_cli.profiling.host import host_timings, saved_host_profile
 from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
 from fmoe_cli.profiling.model import expert_compute_s, model_timings
 from fmoe_cli.profiling.reference import CONSUMER_CARD
@@ -160,7 +161,9 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
         on_quick()
     if emulated or link_fit is None or link_fit.kind == "emulated":  # the link the engine really uses
         link_fit = link_fit_of(link, lm.device)
-    return timings.timings(link_fit, lm.shape.expert_bytes)
+    times = timings.timings(link_fit, lm.shape.expert_bytes)
+    # the host lane's figures (this machine's host profile), with a GPU only: without one the host is the device
+    return host_timings(times, saved_host_profile(), lm.shape) if lm.device.type == "cuda" else times
 
 
 @contextmanager

@@ -179,6 +179,9 @@ class LayerPlan:
     cache_size: int  # C_i
     top_neurons: int  # k_i
     split: float  # θ_i = k_i / I
+    # The host lane (docs/architecture.md § The host lane): in decode, this layer's misses and the bottoms of its
+    # top hits are computed on the host from RAM instead of fetched (False: fetched over the link).
+    host: bool = False
 
 
 @dataclass(frozen=True)
@@ -210,11 +213,18 @@ class Plan:
         cached = sum(layer.cache_size for layer in self.layers)
         thetas = sorted({round(layer.split, 3) for layer in self.layers})
         theta = f"θ={thetas[0]}" if len(thetas) == 1 else f"θ={thetas[0]}…{thetas[-1]}"
+        host = sum(layer.host for layer in self.layers)
         return (
             f"{self.source}: {cached} expert tops cached over {len(self.layers)} layers ({theta}), "
             f"{self.staging_slots} staging slots, {self.total_bytes / MiB:.1f} MiB"
             + ("" if self.prefetch or self.resident else ", no prefetch")
+            + (f", host lane in {host} layers" if host and not self.resident else "")
         )
+
+    @property
+    def host_lane(self) -> bool:
+        """Some layer computes misses and bottoms on the host (never a resident plan)."""
+        return not self.resident and any(layer.host for layer in self.layers)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -260,10 +270,17 @@ class Timings:
     # token gather), part of the layer's time, during which the first load is already on the link; 0
     # unless measured.
     t_host_route: float = 0.0
+    # The host lane (docs/architecture.md § The host lane), from the host profile (profiling/host.py) for the
+    # model's format: t_host(n) = t_host_call + (t_host_expert − t_host_call) · n / I for a segment of n neurons, one
+    # decode token; t_host_sync per layer that uses the lane (hidden rows to the host, partial sums back, the
+    # threads' hand-over). t_host_expert = 0: no host profile, no host lane.
+    t_host_expert: float = 0.0
+    t_host_call: float = 0.0
+    t_host_sync: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("t_att", "t_moe", "t_head", "t_load", "t_host_load", "t_host_prefetch", "t_admit", "t_segment",
-                     "t_host_route"):
+                     "t_host_route", "t_host_expert", "t_host_call", "t_host_sync"):
             value = getattr(self, name)
             if not value >= 0 or not math.isfinite(value):
                 raise FmoeError(f"timing {name} must be a finite number of seconds ≥ 0, got {value}")
@@ -274,6 +291,17 @@ class Timings:
     def t_exp(self) -> float:
         """T_exp = T_moe / K: one expert's compute."""
         return self.t_moe / self.top_k
+
+    @property
+    def has_host(self) -> bool:
+        return self.t_host_expert > 0
+
+    def t_host(self, neurons: float, intermediate: int) -> float:
+        """t_host(n): n neurons of one expert computed on the host for one decode token (0 for n = 0)."""
+        if neurons <= 0:
+            return 0.0
+        call = min(self.t_host_call, self.t_host_expert)
+        return call + (self.t_host_expert - call) * neurons / intermediate
 
     @classmethod
     def from_link(

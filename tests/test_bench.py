@@ -116,7 +116,7 @@ def test_table_fits_80_columns(compare_all):
     assert [row.split()[0] for row in rows] == list(PRESETS)
     for row in rows:  # one line per policy, every cell whole (no wrapping, no ellipsis)
         cells = row.split()
-        assert len(cells) == 12 and "…" not in row
+        assert len(cells) == 13 and "…" not in row  # … the host lane's ms per token among them
         assert all(re.fullmatch(r"[0-9.]+|–", c) for c in cells[1:])
     assert rows[0].split()[-1] == "1.00"
 

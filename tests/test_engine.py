@@ -357,6 +357,7 @@ def test_host_work_per_decode_step_in_ops(checkpoints, family, policy):
     product, the down matmul: its rows split once per buffer), and an MoE layer besides its segments is at
     most 6 ops plus 2 per activated expert (the weighted sum, bit-identical to index_add_) on a plan that
     does not split; a split plan (uniform θ = 0.5) adds the top + bottom add and the predictor's scores."""
+    from fmoe_cli import kernels
     from fmoe_cli.planning.presets import make_settings
     from fmoe_cli.profiling.ops import count_decode_ops
 
@@ -371,7 +372,10 @@ def test_host_work_per_decode_step_in_ops(checkpoints, family, policy):
     ops = count_decode_ops(lambda: next(steps))
     engine.close()
     assert ops["layers"] == shape.num_layers and ops["segments"] >= shape.num_layers * shape.top_k
-    assert ops["ops_per_segment"] == 5, ops["by_op"]
+    if kernels.library() is not None:  # the CPU kernels: one call, whose result is the one op (a bottom: none)
+        assert 0 < ops["ops_per_segment"] <= 1, ops["by_op"]
+    else:  # torch's path
+        assert ops["ops_per_segment"] == 5, ops["by_op"]
     bound = 6 + 2 * shape.top_k  # routing to the host, the weighted sum
     if policy == "ondemand":
         bound += 1  # a staging slot's view split the first time it holds this segment

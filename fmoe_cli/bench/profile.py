@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -22,6 +23,7 @@ from fmoe_cli.bench import check_profile_options
 from fmoe_cli.planning.stats import scratch_recorder
 from fmoe_cli.profiling.device import link_steps, profile_device
 from fmoe_cli.profiling.files import Profile, default_profile_path, now_iso
+from fmoe_cli.profiling.host import HOST_FORMATS, host_format, host_line, host_profile_path, measure_host
 from fmoe_cli.profiling.model import model_timings
 from fmoe_cli.run import RunOptions, open_run
 
@@ -54,6 +56,13 @@ def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: floa
             link_task = progress.add_task("host → device link", total=link_steps(dev, quick, emulate_link is not None))
             device_profile = profile_device(emulate_link, quick=quick, device=dev,
                                             advance=lambda: progress.advance(link_task))
+            # the host's expert compute per format (--quick: f32 and the model's format only)
+            formats = HOST_FORMATS if not quick else tuple(dict.fromkeys(
+                ("f32",) + (() if run is None else (host_format(run.lm.shape),))))
+            host_task = progress.add_task("host expert compute", total=len(formats))
+            host = measure_host(formats, quick=quick, prefill_tokens=prefill_len,
+                                advance=lambda: progress.advance(host_task))
+            device_profile = replace(device_profile, host=host)
             timings = None
             if run is not None:
                 layers = len(run.lm.layers)
@@ -68,6 +77,11 @@ def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: floa
         profile.save(path)
     except OSError as exc:  # the figures are printed all the same; saving is skipped with one warning
         saved, problem = None, f"cannot save the profile to {path} ({exc.strerror or exc}); the figures are not kept"
+    try:  # this machine's host profile, where `fmoe bench` and `fmoe plan` find it
+        Profile(replace(device_profile, link=replace(device_profile.link, samples=())), None,
+                created=profile.created).save(host_profile_path())
+    except OSError as exc:
+        warn(f"cannot save the host profile to {host_profile_path()} ({exc.strerror or exc}); the host lane is not planned")
     if as_json:
         print(json.dumps({"path": None if saved is None else str(saved), "profile": profile.to_dict()}))
     else:
@@ -92,6 +106,7 @@ def link_line(profile: Profile) -> str:
 def render(profile: Profile, path: Path | None, expert_bytes: int | None, console: Console) -> None:
     console.print(device_line(profile), highlight=False)
     console.print(link_line(profile), highlight=False)
+    console.print(host_line(profile.device.host), highlight=False)
     if profile.device.free_memory is not None:
         console.print(f"free memory: {profile.device.free_memory / GiB:.1f} GiB", highlight=False)
     timings = profile.model

@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fmoe_cli.bench import check_counts, read_prompt  # noqa: F401 (read_prompt: re-exported)
+from fmoe_cli.profiling.host import host_format, host_line, saved_host_profile
 from fmoe_cli.trace import RouteRecorder
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import DEFAULT_PROMPT, SamplingParams, encode_messages, stream_generate
@@ -55,6 +56,7 @@ class RunResult:
     token_ids: list[int]
     engine_device_bytes: int = 0  # what the engine accounts on the device: non-expert weights + caches + staging
     measured: int | None = None  # Ctrl-C cut the run short after this many measured tokens (None: it finished)
+    host_ms_per_token: float = 0.0  # the host lane's compute (offload/host.py), beside the exposed load
 
 
 class PartialRun(KeyboardInterrupt):
@@ -129,6 +131,7 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
         token_ids=[e.token_id for e in events],
         engine_device_bytes=engine_bytes,
         measured=len(events) if cut else None,
+        host_ms_per_token=steady.host_s * 1000 / n,
     )
     if cut:
         raise PartialRun(result)
@@ -186,7 +189,7 @@ def bench_table(report: dict) -> Table:
     runs = report["runs"]
     table = Table(box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)  # one space between columns
     columns = [("policy", "left"), ("TTFT", "right"), ("TPOT", "right"), ("p90", "right"), ("tok/s", "right"),
-               ("hit", "right"), ("prec", "right"), ("rec", "right"), ("exp", "right"), ("MiB/t", "right"),
+               ("hit", "right"), ("prec", "right"), ("rec", "right"), ("exp", "right"), ("host", "right"), ("MiB/t", "right"),
                ("peak", "right"), ("ratio", "right")]
     for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)
@@ -194,7 +197,7 @@ def bench_table(report: dict) -> Table:
         table.add_row(
             r["policy"] + ("*" if r.get("measured") is not None else ""), f"{r['ttft_ms']:.1f}", f"{r['tpot_ms']['median']:.1f}", f"{r['tpot_ms']['p90']:.1f}",
             f"{r['tokens_per_s']:.1f}", f"{r['hit_rate']:.2f}", f"{r['prefetch_precision']:.2f}",
-            f"{r['prefetch_recall']:.2f}", f"{r['exposed_load_ms_per_token']:.2f}",
+            f"{r['prefetch_recall']:.2f}", f"{r['exposed_load_ms_per_token']:.2f}", f"{r.get('host_ms_per_token', 0.0):.2f}",
             f"{r['bytes_per_token'] / MiB:.2f}", f"{r['peak_device_bytes'] / MiB:.0f}",
             _fmt(r.get("ratios", {}).get("tpot_median")),
         )
@@ -213,11 +216,13 @@ def render(report: dict, console: Console) -> None:
                   f"device)", highlight=False)
     console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
                   f"predictor {report.get('predictor', 'speculative')}", highlight=False)
+    if report.get("host_profile"):
+        console.print(report["host_profile"]["line"], highlight=False)
     if report.get("tokens") is not None:
         console.print(f"{report['prompt_tokens']} prompt tokens, {report['tokens']} measured after "
                       f"{report['warmup']} warm-up tokens, greedy", highlight=False)
     console.print(bench_table(report))
-    console.print(f"[dim]ms: TTFT, TPOT median, p90, exp = exposed load per token. hit = hit rate; prec/rec = "
+    console.print(f"[dim]ms: TTFT, TPOT median, p90, exp = exposed load per token, host = the host lane's compute per token. hit = hit rate; prec/rec = "
                   f"prefetch precision/recall; MiB/t = moved per token; peak = {peak}, MiB; "
                   f"ratio = TPOT ÷ TPOT of {report['ratios_to']}.[/dim]", highlight=False)
     console.print("token ids identical across policies" if report["token_ids_identical"] else
@@ -281,6 +286,10 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
     report = bench_report(lm, engine.link, run.budget_bytes, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens,
                           warmup=warmup)
     report["timings"] = run.timing_source  # the configurator's: "profile", "quick estimate", or None
+    host = saved_host_profile()  # this machine's host profile (`fmoe profile`), for the host lane's figures
+    fit = None if host is None else host.fit(host_format(lm.shape))
+    report["host_profile"] = {"line": host_line(host, host_format(lm.shape)),
+                              "fit": None if fit is None else asdict(fit)}
     if interrupted:
         report["interrupted"] = {"finished": [r.policy for r in runs if r.measured is None],
                                  "requested": list(opts.policies)}

@@ -36,6 +36,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, rebuild_order
 from fmoe_cli.offload.hits import Hits
+from fmoe_cli.offload.host import HostLane
 from fmoe_cli.offload.link import Link, make_link
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
@@ -71,6 +72,8 @@ class Counters:
     exposed_s: float = 0.0  # time the compute waited on the link
     lead_s: float = 0.0  # host time from submitting a forward's loads to its first compute (layout, gather)
     leads: int = 0  # … forwards that submitted loads (profiling/model.py: h_route = lead_s / leads)
+    host_s: float = 0.0  # the host lane's compute (offload/host.py): misses and bottoms computed on the host
+    host_segments: int = 0  # … segments it computed
 
     def count(self, activated: int, hits: Hits) -> None:
         """Add one layer forward's classification (offload/hits.py)."""
@@ -163,6 +166,7 @@ class LayerState:
     top_neurons: int  # k_i
     top_rows: list  # store.rows(tops[slot]) per cache slot, made once (what segment_forward takes)
     counters: Counters = field(default_factory=Counters)
+    host: bool = False  # the host lane: misses and bottoms computed on the host in decode (LayerPlan.host)
 
     @classmethod
     def of(cls, cache: LayerCache, tops: torch.Tensor, top_neurons: int, store: HostStore) -> LayerState:
@@ -215,6 +219,7 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         predictor: Predictor | None = None,
+        host_threads: int = 1,
     ) -> None:
         self.moe_layers = layers
         self.store = store
@@ -232,6 +237,8 @@ class Engine:
         self.layers: list[LayerState] = []
         self.pool: StagingPool | None = None
         self._predicted: list[list[int] | None] = [None] * shape.num_layers
+        # the host lane (offload/host.py): used by the layers whose plan computes misses and bottoms on the host
+        self.host_lane = HostLane(shape.num_layers, host_threads)
 
     # --- set-up --------------------------------------------------------------
     def install(self, model) -> None:
@@ -285,6 +292,7 @@ class Engine:
         """Drop the cached tops and the staging pool: every copy into them stopped (released) or finished,
         so the link holds no view of them, and they are freed before anything new is allocated."""
         self._collect_stalls()
+        self.host_lane.clear(self.link)  # the cache fills in flight stop (they write into the tops)
         if self.pool is not None:
             self.pool.clear()  # releasing stops the copies still running (offload/pool.py)
         self.pool, self.prefetcher, self.layers = None, None, []
@@ -318,7 +326,9 @@ class Engine:
                     ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]  # ever activated
                     for e in rebuild_order(ranked, lp):
                         tops[cache.insert(e)].copy_(store.expert(i, e)[: lp.top_neurons])
-            layers.append(LayerState.of(cache, tops, lp.top_neurons, store))
+            state = LayerState.of(cache, tops, lp.top_neurons, store)
+            state.host = lp.host and not plan.resident
+            layers.append(state)
         pool = StagingPool(plan.staging_slots, shape.intermediate, store.row_shape, store.dtype, self.device)
         self.layers, self.pool = layers, pool
         self.prefetcher = Prefetcher(pool, self.link, store, layers, shape)
@@ -344,6 +354,8 @@ class Engine:
             self._embedding_hook.remove()
             self._embedding_hook = None
         self.predictor.close()
+        self.host_lane.clear(self.link)
+        self.host_lane.close()
         if self.pool is not None:
             self.pool.clear()
         self.link.close()
@@ -371,8 +383,14 @@ class Engine:
             state.cache.pin(e)
         try:
             hits = self._classify(i, routing.active)
-            loading, waiting = self._submit(i, hits)
-            outputs = self._compute(i, experts.act_fn, hidden_states, routing, hits, loading, waiting)
+            if state.host and hidden_states.shape[0] == 1:  # decode on a host-lane layer (prefill: the device)
+                outputs = self.host_lane.forward(self, i, experts.act_fn, hidden_states, routing, hits)
+                self._prefetch(i, hidden_states, routing)
+            else:
+                if state.host:  # a prefill admits into the cache: the layer's fill lands first
+                    self.host_lane.settle(self, i, wait=True)
+                loading, waiting = self._submit(i, hits)
+                outputs = self._compute(i, experts.act_fn, hidden_states, routing, hits, loading, waiting)
             return self._combine(hidden_states, routing, outputs, top_k_weights)
         finally:
             for e in routing.active:
@@ -421,7 +439,7 @@ class Engine:
         for e in hits.whole:
             outputs[e] = store.segment_forward(x_of(e), state.top_rows[state.cache.slot(e)], act)
         for e in hits.top_hits:
-            top_outputs[e] = store.segment_forward(x_of(e), state.top_rows[state.cache.slot(e)], act)
+            top_outputs[e] = store.segment_forward(x_of(e), state.top_rows[state.cache.slot(e)], act, partial=True)
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
@@ -434,9 +452,9 @@ class Engine:
             for entry in done + [entry for entry in batch if entry not in done]:
                 segment = self.link.acquire(entry.transfer, tag=i)  # [I - start, *row]: the only place that waits
                 e = entry.expert
-                if e in top_outputs:  # exact: top + bottom, always in this order
+                if e in top_outputs:  # exact: the bottom continues the top's sum (the whole's bits on the CPU)
                     bottom = pool.rows(store, segment) if k == entry.start else segment[k - entry.start:]
-                    outputs[e] = top_outputs.pop(e) + store.segment_forward(x_of(e), bottom, act)
+                    outputs[e] = store.segment_forward(x_of(e), bottom, act, acc=top_outputs.pop(e))
                 else:
                     outputs[e] = store.segment_forward(x_of(e), pool.rows(store, segment), act)
                     self._offer(i, e, segment)

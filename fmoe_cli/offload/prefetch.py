@@ -60,8 +60,8 @@ class Prefetcher:
         candidates.sort()
         for position, (neg_priority, index, _rank, e) in enumerate(candidates):
             j = usable[index].target
-            if pool.find(j, e) is not None:
-                continue
+            if pool.find(j, e) is not None or self.layers[j].host:
+                continue  # staged already, or a host-lane layer (it loads nothing in decode: offload/host.py)
             target = self.layers[j]
             cached = target.cache.slot(e) is not None
             if cached and target.top_neurons == shape.intermediate:

@@ -16,18 +16,21 @@ A stored neuron row is, for each of the three projections, its H codes (int4: by
 code j in its low nibble and code j + H/2 in its high one, so unpacking writes two contiguous
 halves; int2: four quarters) followed by its H/G groups of metadata: `row_shape` = (3, projection_bytes) bytes. Every
 neuron carries its own scales, so any top/bottom split [0, k) / [k, I) is still one
-contiguous segment with its scales, and a segment computes alone:
+contiguous segment with its scales, and a segment computes alone.
+
+This module keeps the storage. On the CPU the expert kernels (fmoe_cli/kernels) compute from these
+rows in one pass, unpacking in registers. On a GPU (and on a CPU without the kernels) `torch_forward`
+dequantises:
 
     segment_forward(x, seg) = Σ_blocks layout.segment_forward(x, dequantize(seg[block]), act)
 
-dequantising on the device (the fused int8/int4 matmuls torch ships take per-output-
-channel scales or their own tiled layouts, neither of which splits by neuron: see
-docs/quantization.md for the measurement). A segment is dequantised in blocks of
-neurons (`block_rows`), each straight into a compute-dtype workspace, so the memory
-a quantised forward needs is bounded by DEQUANT_WORKSPACE_BYTES (counted in the
-device budget's workspace), not by the expert (a Mixtral expert dequantised whole
-would take 672 MiB of float32 and 336 MiB of bf16). Like the split into top and
-bottom, the blocks are a partition of the neurons: exact partial sums.
+(the fused int8/int4 matmuls torch ships take per-output-channel scales or their own tiled layouts,
+neither of which splits by neuron: see docs/quantization.md for the measurement). A segment is
+dequantised in blocks of neurons (`block_rows`), each straight into a compute-dtype workspace, so the
+memory a quantised forward needs is bounded by DEQUANT_WORKSPACE_BYTES (counted in the device budget's
+workspace), not by the expert (a Mixtral expert dequantised whole would take 672 MiB of float32 and
+336 MiB of bf16). Like the split into top and bottom, the blocks are a partition of the neurons:
+exact partial sums.
 
 Exactness contract: the engine's tokens equal transformers' generate on the same
 checkpoint with its experts replaced by `dequantize` of the stored rows.
@@ -132,7 +135,8 @@ class QuantStore(HostStore):
     def row_shape(self) -> tuple[int, ...]:
         return (3, self.format.projection_bytes(self.shape.hidden))
 
-    def segment_forward(self, x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
+    def torch_forward(self, x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
+        """Dequantise `segment` block by block into the workspace, then torch's matmuls (a GPU; no kernels)."""
         hidden = self.shape.hidden
         rows = block_rows(hidden, x.dtype)
         ws, out = self._workspaces(segment.device, x.dtype, min(rows, segment.shape[0]) * 3 * hidden)
@@ -155,7 +159,7 @@ class QuantStore(HostStore):
         return ws
 
     def rows(self, segment: torch.Tensor) -> torch.Tensor:
-        return segment  # bytes: dequantised block by block in segment_forward
+        return segment  # bytes: read by the kernels, or dequantised block by block in torch_forward
 
     def dequantized(self, layer: int) -> torch.Tensor:
         """[N, I, 3, H] of the compute dtype: the weights this store computes with (for the reference model)."""

@@ -11,8 +11,11 @@ registration.
 
 The engine reads the store through three members only (agreed with offload/engine):
 `row_shape` (one neuron's row), `dtype` (the rows' storage dtype) and
-`segment_forward(x, segment, act)`: unquantised rows are (3, H) of the compute dtype
-and compute with layout.segment_forward; quantised rows (offload/quant.py) are bytes.
+`segment_forward(x, segment, act, acc=None, partial=False)`: unquantised rows are (3, H) of the
+compute dtype, quantised rows (offload/quant.py) are bytes. On the CPU both compute with the expert
+kernels (fmoe_cli/kernels: one pass, split-exact: `acc`, the first part's `partial` result, continued by
+the second part gives the whole's bits); on a GPU, or without the kernels, with torch
+(layout.segment_forward; the parts' sum then equals the whole's to float rounding).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import functools
 
 import torch
 
+from fmoe_cli import kernels
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload import layout
 from fmoe_cli.types import ExpertShape
@@ -79,18 +83,34 @@ class HostStore:
         self.pin = pin
         self.layers: list[torch.Tensor] = []  # [N, I, *row_shape] per MoE layer
         self._buffers: list[HostBuffer] = []
+        self.kernel = kernels.spec_of(shape.experts, dtype, shape.hidden, shape.neuron_block)  # the kernels' view
 
     @property
     def row_shape(self) -> tuple[int, ...]:
         return (3, self.shape.hidden)
 
-    def segment_forward(self, x: torch.Tensor, segment, act) -> torch.Tensor:
-        """Partial expert output of the neurons in `segment` ([n, *row_shape], or its `rows`) for tokens x ([T, H])."""
+    def segment_forward(self, x: torch.Tensor, segment, act, acc: torch.Tensor | None = None,
+                        partial: bool = False, kernel: bool = True) -> torch.Tensor:
+        """Partial expert output of the neurons in `segment` ([n, *row_shape], or its `rows`) for tokens x ([T, H]).
+
+        acc: the `partial` result of the neurons before `segment` (a top), continued (-> the whole's output).
+        partial: a result to continue (the kernels' float32 accumulator); else x's dtype.
+        kernel=False: torch's path even where the kernels run (benchmarks/kernels.py compares them)."""
+        if kernel and self.kernel is not None and isinstance(segment, torch.Tensor) and kernels.runs(x, act):
+            return kernels.segment_forward(x, segment, self.kernel, acc, partial)
+        out = self.torch_forward(x, segment, act)
+        return out if acc is None else acc + out
+
+    def torch_forward(self, x: torch.Tensor, segment, act) -> torch.Tensor:
+        """segment_forward with torch's ops (a GPU; a CPU without the kernels)."""
         return layout.segment_forward(x, segment, act)
 
     def rows(self, segment: torch.Tensor):
         """What `segment_forward` takes for `segment`, prepared once for a buffer that is computed from many
-        times (a cached top, a staging slot): its gate, up and down rows as views."""
+        times (a cached top, a staging slot): on the CPU with the kernels the rows themselves, else its gate,
+        up and down rows as views (torch's matmuls)."""
+        if segment.device.type == "cpu" and self.kernel is not None and kernels.library() is not None:
+            return segment
         return layout.split_rows(segment)
 
     @property

@@ -104,7 +104,9 @@ class LayerChoice:
     hidden: float  # m_i
     prefetches: int  # Y
     window: float  # T_wind^i (s)
-    exposed: float  # T^i (s)
+    exposed: float  # T^i (s); a host-lane layer: its experts' time beyond T_moe (may be < 0)
+    host: bool = False  # the host lane: misses and bottoms computed on the host (LayerPlan.host)
+    host_s: float = 0.0  # T_host^i: the host lane's work per token in this layer (s)
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class Split:
         return float(sum(layer.exposed for layer in self.layers))
 
     def to_plan(self, shape: ExpertShape, staging_slots: int, source: str = "configurator") -> Plan:
-        layers = tuple(LayerPlan(c.vram_bytes, c.cache_size, c.top_neurons, c.split) for c in self.layers)
+        layers = tuple(LayerPlan(c.vram_bytes, c.cache_size, c.top_neurons, c.split, c.host) for c in self.layers)
         return Plan(layers, staging_slots, shape.expert_bytes, source)
 
 
@@ -131,6 +133,18 @@ BASELINES: dict[str, tuple[float, bool]] = {
     "on demand (no cache, no prefetch)": (0.0, False),
 }
 ALGORITHM_1 = "algorithm 1"
+LLAMA_CPP = "llama.cpp pattern (every routed expert on the host)"
+
+
+def host_baselines(shape: ExpertShape, budget_bytes: int) -> dict[str, Plan]:
+    """The host lane's special cases at the same budget (staging pool + caches): every routed expert computed on
+    the host (llama.cpp's --cpu-moe: nothing cached), and whole experts cached V_e/L per layer with every miss on
+    the host (θ = 1). Neither prefetches."""
+    nothing = Plan(tuple(LayerPlan(0, 0, 0, 0.0, True) for _ in range(shape.num_layers)), min_staging_slots(shape),
+                   shape.expert_bytes, "configurator", prefetch=False)
+    whole = uniform_plan(shape, budget_bytes, 1.0, source="configurator")
+    whole = replace(whole, layers=tuple(replace(layer, host=True) for layer in whole.layers), prefetch=False)
+    return {LLAMA_CPP: nothing, "whole experts cached, misses on the host (θ = 1)": whole}
 
 
 @dataclass(frozen=True)
@@ -173,13 +187,15 @@ class _LayerModel:
     comparison.
     """
 
-    def __init__(self, curves: LayerCurves, shape: ExpertShape, timings: Timings, max_prefetch: int | None) -> None:
+    def __init__(self, curves: LayerCurves, shape: ExpertShape, timings: Timings, max_prefetch: int | None,
+                 host_lane: bool = False) -> None:
         if curves.num_experts != shape.num_experts:
             raise FmoeError(f"statistics have {curves.num_experts} experts per layer, the model {shape.num_experts}")
         self.curves = curves
         self.shape = shape
         self.timings = timings
         self.max_prefetch = max_prefetch
+        self.host_lane = host_lane and timings.has_host  # the host path is a candidate (needs the host's figures)
         self.per_size = max(1, MAX_COLUMNS // (shape.num_experts + 1))  # k candidates per C at most
         self._by_budget: dict[int, tuple] = {}
 
@@ -219,17 +235,70 @@ class _LayerModel:
         # top hits of a split (0 < k_i < I) run two segment forwards: c more each
         split_hits = np.where((k > 0) & (k < shape.intermediate), shape.top_k * hit, 0.0)
         host = loaded * t.t_host_load + admitted * t.t_admit + split_hits * t.t_segment
-        tables = (sizes, k, theta, cost, gain, cached, host)
+        tables = (sizes, k, theta, cost, gain, cached, host, self._host_lane(sizes, k, theta, hit))
         if len(self._by_budget) * len(sizes) > 4_000_000:
             self._by_budget.clear()
         self._by_budget[budget] = tables
         return tables
 
-    def choose(self, budget: int, window: float, cache_size: int | None = None) -> tuple[LayerChoice, float]:
-        """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
-        largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}."""
-        sizes, k, theta, cost, gain, cached, host = self._tables(budget)
+    def _host_lane(self, sizes: np.ndarray, k: np.ndarray, theta: np.ndarray, hit: np.ndarray) -> tuple:
+        """Per candidate (C, k), a host-lane layer (docs/architecture.md § The host lane): its experts' time
+        max(D_i, T_host^i) and T_host^i, where, per decode token,
+            D_i      = K·H_i(C)·(c + (T_exp − c)·θ_i)                       the device: whole or top hits
+            T_host^i = K·H_i(C)·[0 < k_i < I]·t_host(I − k_i)               the host: the top hits' bottoms
+                       + K·(1 − H_i(C))·t_host(I) + s_host                  and the misses, from RAM
+        (t_host(n) = a + (t_host(I) − a)·n/I from the host profile; s_host the lane's round trip per layer;
+        c the segment's fixed cost, as the simulator charges it). Nothing crosses the link in decode (the
+        cache's fills after a miss go at prefetch priority, off the critical path: not charged)."""
+        shape, t = self.shape, self.timings
+        if not t.has_host:
+            zero = np.zeros(len(sizes))
+            return zero, zero
+        top_k, width = shape.top_k, shape.intermediate
+        call = min(t.t_segment, t.t_exp)
+        device = top_k * hit * np.where(k > 0, call + (t.t_exp - call) * theta, 0.0)
+        host_call = min(t.t_host_call, t.t_host_expert)
+        per_neuron = (t.t_host_expert - host_call) / width
+        bottoms = top_k * hit * np.where((k > 0) & (k < width), host_call + per_neuron * (width - k), 0.0)
+        misses = top_k * (1.0 - hit) * t.t_host_expert
+        lane = bottoms + misses
+        lane = lane + np.where(lane > 0, t.t_host_sync, 0.0)
+        return np.maximum(device, lane), lane
+
+    def _host_choice(self, budget: int, window: float, sizes, k, theta, lane_time, lane_host,
+                     cache_size: int | None) -> tuple[LayerChoice, float]:
+        """The host-lane candidate of least time (ties: the most bytes cached), or the given cache size's;
+        T^i = max(D_i, T_host^i) − T_moe, T_wind^{i+1} = max(D_i, T_host^i) + T_att (the link idle in this layer)."""
         t = self.timings
+        if cache_size is None:
+            best = lane_time <= lane_time.min() + _TIE * max(t.t_host_expert, 1e-300)
+            c = int(np.argmax(np.where(best, sizes * k, -1)))
+        else:
+            fixed = np.flatnonzero(sizes == cache_size)
+            c = int(fixed[-1]) if len(fixed) else 0
+        size = int(sizes[c])
+        hit = float(self.curves.hit[size])
+        choice = LayerChoice(
+            budget=int(budget), cache_size=size, top_neurons=int(k[c]), split=float(theta[c]),
+            vram_bytes=int(size * k[c] * self.shape.neuron_bytes), hit_rate=hit,
+            hidden=float(t.top_k * hit * theta[c]), prefetches=0, window=float(window),
+            exposed=float(lane_time[c] - t.t_moe), host=True, host_s=float(lane_host[c]))
+        return choice, float(lane_time[c] + t.t_att)
+
+    def choose(self, budget: int, window: float, cache_size: int | None = None,
+               host_path: bool = False) -> tuple[LayerChoice, float]:
+        """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
+        largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}. With the host lane
+        (`host_lane`), the host path is a candidate too and the layer takes the path of the least T^i;
+        `host_path` prices the host path alone."""
+        sizes, k, theta, cost, gain, cached, host, (lane_time, lane_host) = self._tables(budget)
+        t = self.timings
+        if host_path and not t.has_host:
+            raise FmoeError("a plan with the host lane needs the host's timings (`fmoe profile` measures them)")
+        if self.host_lane and cache_size is None or host_path:
+            lane, lane_next = self._host_choice(budget, window, sizes, k, theta, lane_time, lane_host, cache_size)
+            if host_path:
+                return lane, lane_next
         top_k = t.top_k
         columns = np.arange(len(sizes))
         landed = (cost <= window * (1 + 1e-12)).sum(axis=0)  # prefetches done by routing time (Eq. 10's Y)
@@ -286,15 +355,18 @@ class _LayerModel:
             window=float(window),
             exposed=float(exposed),
         )
+        if self.host_lane and cache_size is None and lane.exposed < choice.exposed:
+            return lane, lane_next
         return choice, float(next_window)
 
 
-def _layer_models(stats: RoutingStats, timings: Timings, shape: ExpertShape, max_prefetch: int | None) -> list[_LayerModel]:
+def _layer_models(stats: RoutingStats, timings: Timings, shape: ExpertShape, max_prefetch: int | None,
+                  host_lane: bool = False) -> list[_LayerModel]:
     if stats.num_layers != shape.num_layers:
         raise FmoeError(f"statistics cover {stats.num_layers} MoE layers, the model has {shape.num_layers}")
     if timings.top_k != shape.top_k:
         raise FmoeError(f"timings are for top-{timings.top_k} routing, the model routes to {shape.top_k}")
-    return [_LayerModel(stats.curves(i), shape, timings, max_prefetch) for i in range(shape.num_layers)]
+    return [_LayerModel(stats.curves(i), shape, timings, max_prefetch, host_lane) for i in range(shape.num_layers)]
 
 
 def _run(models: Sequence[_LayerModel], budgets: Sequence[int], start: int, window: float) -> list[LayerChoice]:
@@ -358,7 +430,8 @@ def _price(models: Sequence[_LayerModel], plan: Plan, timings: Timings) -> Split
     choices = []
     for model, layer in zip(models, plan.layers):
         size = layer.cache_size if layer.top_neurons > 0 else 0
-        choice, window = model.choose(size * layer.top_neurons * model.shape.neuron_bytes, window, cache_size=size)
+        choice, window = model.choose(size * layer.top_neurons * model.shape.neuron_bytes, window, cache_size=size,
+                                      host_path=layer.host)
         choices.append(choice)
     return Split(tuple(choices))
 
@@ -374,6 +447,7 @@ def vram_allocation(
     max_prefetch: int | None = None,
     max_iterations: int = 100_000,
     baselines: bool = True,
+    host_lane: bool = False,
 ) -> Configuration:
     """Algorithm 1: how to spend V_e (bytes for the caches, Σ_i V_i ≤ V_e) over the layers,
     then (`baselines`) the same model prices the BASELINES' uniform plans at the same total
@@ -387,7 +461,8 @@ def vram_allocation(
     if expert_budget < 0:
         raise FmoeError(f"the expert budget V_e must be ≥ 0 bytes, got {expert_budget}")
     slots = min_staging_slots(shape) if staging_slots is None else staging_slots
-    models = _layer_models(stats, timings, shape, max_prefetch)
+    host_lane = host_lane and timings.has_host
+    models = _layer_models(stats, timings, shape, max_prefetch, host_lane)
     layers = shape.num_layers
     budgets = [int(expert_budget) // layers] * layers  # uniform start: V_i = V_e / L
     step = int(zeta * expert_budget)  # ζ·V_e
@@ -407,7 +482,8 @@ def vram_allocation(
         trial[donor] -= step
         trial[recipient] += step
         candidate = _Search(models, trial, timings)
-        if not candidate.total < search.total * (1 - 1e-12):  # no longer falls: roll back, stop
+        if not candidate.total < search.total - abs(search.total) * 1e-12:  # no longer falls: roll back, stop
+            # (|·|: a host-lane layer's T^i can be < 0, and so can the total)
             break
         budgets, search = trial, candidate
         history.append(search.total)
@@ -423,7 +499,13 @@ def vram_allocation(
             base = base if prefetch else replace(base, prefetch=False)
             priced = _price(models if prefetch else silent, base, timings)
             candidates.append((name, priced.total_exposed))
-            if priced.total_exposed < best * (1 - 1e-9) - 1e-15:  # strictly better: Algorithm 1 keeps ties
+            if priced.total_exposed < best - abs(best) * 1e-9 - 1e-15:  # strictly better: Algorithm 1 keeps ties
+                chosen, best, split, plan = name, priced.total_exposed, priced, base
+        for name, base in (host_baselines(shape, int(expert_budget) + slots * shape.expert_bytes) if host_lane
+                           else {}).items():
+            priced = _price(models, base, timings)
+            candidates.append((name, priced.total_exposed))
+            if priced.total_exposed < best - abs(best) * 1e-9 - 1e-15:
                 chosen, best, split, plan = name, priced.total_exposed, priced, base
     return Configuration(plan, split, int(expert_budget), iterations, tuple(history), stats.uniform, chosen,
                          tuple(candidates))

@@ -66,7 +66,20 @@ def _configurator(inputs: PlanInputs) -> Plan:
     # reads the table for its help and checks, and answers a bad option before numpy is loaded.
     from fmoe_cli.planning.autoplan import moepic_plan
 
-    return moepic_plan(inputs.shape, inputs.budget_bytes, inputs.timings, inputs.stats, model=inputs.model)
+    t = inputs.timings
+    # moepic may use the host lane where the host computes a whole expert faster than the link loads it
+    return moepic_plan(inputs.shape, inputs.budget_bytes, t, inputs.stats, model=inputs.model,
+                       host_lane=t.has_host and t.t_host_expert < t.t_load)
+
+
+def _hybrid(inputs: PlanInputs) -> Plan:
+    """The configurator with the host lane a candidate in every layer (docs/architecture.md § The host lane)."""
+    if inputs.timings is None:
+        raise ValueError("the configurator needs timings: PlanInputs.timings (run.find_timings finds them)")
+    from fmoe_cli.planning.autoplan import moepic_plan  # numpy: when a plan is made (see _configurator)
+
+    return moepic_plan(inputs.shape, inputs.budget_bytes, inputs.timings, inputs.stats, model=inputs.model,
+                       host_lane=True)
 
 
 def _resident(inputs: PlanInputs) -> Plan:
@@ -76,6 +89,8 @@ def _resident(inputs: PlanInputs) -> Plan:
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("moepic", "lcp", True, "MoEpic: split experts, LCP, speculative prefetch, configured plan",
            _configurator, configured=True),
+    Preset("hybrid", "lcp", True, "per layer, misses and bottoms fetched or computed on the host from RAM, "
+           "whichever the configurator predicts faster (needs `fmoe profile`'s host figures)", _hybrid, configured=True),
     Preset("uniform", "lcp", True, "MoEpic without the configurator: V_e/L per layer, θ = 0.5",
            _uniform("uniform", 0.5)),
     Preset("lru", "lru", True, "whole experts, LRU, speculative prefetch (as Mixtral-offloading)",

@@ -16,7 +16,7 @@ and the plan assumes compute hides no loading.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -40,13 +40,14 @@ from fmoe_cli.models.load import (
     skeleton_non_expert_bytes,
 )
 from fmoe_cli.planning.autoplan import moepic_configuration
-from fmoe_cli.planning.configurator import Configuration, DeviceBudget, Timings, price_plan
+from fmoe_cli.planning.configurator import LLAMA_CPP, Configuration, DeviceBudget, Timings, host_baselines, price_plan
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of
 from fmoe_cli.planning.plan import check_plan_options, kv_cache_bytes, min_staging_slots, parse_budget, resolve_context
-from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS, EXPERT_FORMATS, MiB, ExpertShape
+from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS, EXPERT_FORMATS, EngineSettings, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
-from fmoe_cli.profiling.files import model_identity
+from fmoe_cli.profiling.files import HostProfile, model_identity
+from fmoe_cli.profiling.host import host_format, host_line, host_timings, saved_host_profile
 from fmoe_cli.profiling.layers import decoder_layers
 from fmoe_cli.trace import read_trace
 
@@ -143,6 +144,17 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
     return Timings(0.0, 0.0, 0.0, t_load, shape.top_k), "none: assumes compute hides no loading (give --profile)"
 
 
+def plan_host(profile) -> tuple[HostProfile | None, str]:
+    """The host lane's figures: the profile's own host part (its machine's), else this machine's saved host
+    profile (`fmoe profile`), else none."""
+    if profile is not None and profile.device.host is not None:
+        return profile.device.host, f"{profile.device.host.kind}, from the profile"
+    saved = saved_host_profile()
+    if saved is not None:
+        return saved, "measured on this machine (fmoe profile)"
+    return None, "none: not profiled (run `fmoe profile`)"
+
+
 def run_plan(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,
              as_json: bool, console: Console, workspace: str = "512MiB", experts: str = DEFAULT_EXPERTS,
              trace: str | None = None, dense: str = DEFAULT_DENSE) -> dict:
@@ -168,6 +180,8 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
         bandwidth, latency = ASSUMED_LINK, 0.0
         link_source = f"assumed PCIe 4.0 x16, {bandwidth / 1e9:.1f} GB/s (no profile)"
     timings, timing_source = plan_timings(facts, bandwidth, latency, profile)
+    host, host_source = plan_host(profile)
+    timings = host_timings(timings, host, shape)  # the host lane's figures for this model's format, if profiled
 
     slots = min_staging_slots(shape)
     reserve = parse_budget(workspace, 0)
@@ -181,12 +195,17 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
     if stats.tokens == 0:
         stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)
     budget = device.expert_budget + device.staging
-    config = moepic_configuration(shape, budget, timings, stats, model=model)
+    # with the host's figures the per-layer plan is `hybrid`'s: each layer's misses and bottoms fetched or on the host
+    config = moepic_configuration(shape, budget, timings, stats, model=model, host_lane=timings.has_host)
 
     report = plan_report(facts, device, config, timings, stats, context, host_free=host_ram_free(),
                          sources={"vram": vram_source, "link": link_source, "timings": timing_source,
                                   "statistics": "uniform routing (none recorded)" if stats.uniform
                                   else f"{stats.tokens} recorded tokens ({stats_path})"})
+    report["host_compute"] = {"source": host_source, "line": host_line(host, host_format(shape)),
+                              "profile": None if host is None else asdict(host)}
+    report["host_lane"] = timings.has_host  # the per-layer plan chose each layer's path (hybrid's plan)
+    report["configured_policy"] = "hybrid" if timings.has_host else "moepic"
     report["tpot"] = predicted_tpot(shape, budget, timings, bandwidth, latency, stats, routing, model)
     if as_json:
         print(json.dumps(report))
@@ -196,6 +215,7 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
 
 
 TPOT_POLICIES = ("moepic", "lru", "lfu", "uniform", "cache-only", "prefetch-only", "ondemand", "resident")
+HOST_POLICIES = ("hybrid",)  # with the host's figures (the host lane), beside llama.cpp's pattern (LLAMA_CPP)
 
 
 def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth: float, latency: float,
@@ -212,36 +232,52 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
             raise FmoeError(f"--trace {trace}: {len(routing.layers)} layers × {routing.num_experts} experts, "
                             f"the model has {shape.num_layers} × {shape.num_experts}")
         sequences = tokens_of(routing)
+        policies = tpot_policies(timings)
+        extra = {LLAMA_CPP_ROW: host_baselines(shape, budget)[LLAMA_CPP]} if timings.has_host else {}
         err = Console(stderr=True)
         with Progress(transient=True, console=err, disable=not err.is_terminal) as bar:  # off a terminal: no stray line
-            task = bar.add_task("simulating", total=len(TPOT_POLICIES))
+            task = bar.add_task("simulating", total=len(policies))
 
             def step(name: str) -> None:
-                bar.update(task, description=f"simulating {name}", completed=TPOT_POLICIES.index(name))
+                bar.update(task, description=f"simulating {name}", completed=policies.index(name))
 
             results = predict_policies(shape, budget, timings, bandwidth, latency, sequences=sequences,
-                                       policies=TPOT_POLICIES, progress=step)
+                                       policies=policies, progress=step, plans=extra)
         ranked = any(t.predicted is not None for seq in sequences for t in seq)
         how = (f"simulated: the engine's decisions over {routing.num_tokens} tokens of {trace} "
                f"({'the trace’s prefetch rankings' if ranked else 'routing-only predictor eam'})")
         return {"how": how, "policies": {name: {
             "tpot_s": r.tpot_s, "hit_rate": r.hit_rate, "exposed_s": r.exposed_s_per_token,
-            "bytes_per_token": r.bytes_per_token, "plan": r.plan} for name, r in results.items()}}
+            "bytes_per_token": r.bytes_per_token, "host_s": r.host_s_per_token, "plan": r.plan}
+            for name, r in results.items()}}
     compute = shape.num_layers * (timings.t_att + timings.t_moe) + timings.t_head
     out = {}
-    for name in TPOT_POLICIES:
-        settings = settings_for(name, PlanInputs(shape, budget, timings, stats, model))
+    plans = {name: settings_for(name, PlanInputs(shape, budget, timings, stats, model)) for name in tpot_policies(timings)}
+    if timings.has_host:
+        plans[LLAMA_CPP_ROW] = EngineSettings(LLAMA_CPP_ROW, host_baselines(shape, budget)[LLAMA_CPP], "lcp", False,
+                                              0.0, 0.0)
+    for name, settings in plans.items():
         if settings.plan.resident:
-            out[name] = {"tpot_s": compute, "hit_rate": 1.0, "exposed_s": 0.0, "plan": settings.plan.summary()}
+            out[name] = {"tpot_s": compute, "hit_rate": 1.0, "exposed_s": 0.0, "host_s": 0.0,
+                         "plan": settings.plan.summary()}
             continue
         split = price_plan(settings.plan, stats, timings, shape, max_prefetch=shape.top_k if settings.prefetch else 0)
         hit = sum(c.hit_rate for c in split.layers) / len(split.layers)
-        out[name] = {"tpot_s": compute + split.total_exposed, "hit_rate": hit, "exposed_s": split.total_exposed,
-                     "plan": settings.plan.summary()}
+        out[name] = {"tpot_s": compute + split.total_exposed, "hit_rate": hit,
+                     "exposed_s": sum(0.0 if c.host else c.exposed for c in split.layers),
+                     "host_s": sum(c.host_s for c in split.layers), "plan": settings.plan.summary()}
     how = ("model: the configurator's Eq. 5–11 for each policy's plan over "
            + ("uniform routing (no statistics recorded; give --trace for a simulation)" if stats.uniform
               else f"{stats.tokens} recorded tokens of statistics"))
     return {"how": how, "policies": out}
+
+
+LLAMA_CPP_ROW = "llama.cpp pattern"  # every routed expert on the host, the rest on the device (--cpu-moe)
+
+
+def tpot_policies(timings: Timings) -> tuple[str, ...]:
+    """The policies whose TPOT `fmoe plan` predicts: with the host's figures, `hybrid` too."""
+    return TPOT_POLICIES[:1] + (HOST_POLICIES if timings.has_host else ()) + TPOT_POLICIES[1:]
 
 
 def _local_gpu_memory() -> int:
@@ -271,7 +307,7 @@ def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, 
     layers = [{
         "layer": i, "vram_bytes": c.vram_bytes, "cache_size": c.cache_size, "split": c.split,
         "top_neurons": c.top_neurons, "hit_rate": c.hit_rate, "hidden": c.hidden, "prefetches": c.prefetches,
-        "exposed_s": c.exposed,
+        "exposed_s": c.exposed, "misses_and_bottoms": "host" if c.host else "link", "host_s": c.host_s,
     } for i, c in enumerate(config.split.layers)]
     everything = facts.non_expert_bytes + shape.all_experts_bytes + device.kv_cache + device.workspace
     return {
@@ -326,15 +362,24 @@ def render(report: dict, console: Console) -> None:
         if key == "vram":
             value = f"{m['device'] / MiB:,.0f} MiB (from {value})"
         console.print(f"{key}: {value}", highlight=False)
+    if report.get("host_compute"):
+        console.print(report["host_compute"]["line"] + f" [{report['host_compute']['source']}]", highlight=False)
     if report["uniform_routing"]:
         console.print("assumes uniform routing: no statistics recorded for this model yet "
                       "(chat with it and plan again)", highlight=False)
-    table = Table(title="per-layer plan (predicted)")
-    for col in ("layer", "V_i MiB", "C_i", "θ_i", "hit rate", "exposed load ms"):
+    hybrid = bool(report.get("host_lane"))
+    table = Table(title=f"per-layer plan of {report.get('configured_policy', 'moepic')} (predicted)")
+    columns = ("layer", "V_i MiB", "C_i", "θ_i", "hit rate", "exposed load ms") + (
+        ("misses, bottoms", "host ms") if hybrid else ())
+    for col in columns:
         table.add_column(col, justify="right")
     for layer in report["layers"]:
-        table.add_row(str(layer["layer"]), f"{layer['vram_bytes'] / MiB:.1f}", str(layer["cache_size"]),
-                      f"{layer['split']:.3f}", f"{layer['hit_rate']:.2f}", f"{layer['exposed_s'] * 1e3:.3f}")
+        host = layer["misses_and_bottoms"] == "host"
+        row = [str(layer["layer"]), f"{layer['vram_bytes'] / MiB:.1f}", str(layer["cache_size"]),
+               f"{layer['split']:.3f}", f"{layer['hit_rate']:.2f}", "–" if host else f"{layer['exposed_s'] * 1e3:.3f}"]
+        if hybrid:
+            row += ["host" if host else "link", f"{layer['host_s'] * 1e3:.3f}"]
+        table.add_row(*row)
     console.print(table)
     console.print(
         f"device {m['device'] / MiB:.0f} MiB = non-expert weights {m['non_expert'] / MiB:.0f} + staging pool "
@@ -344,10 +389,11 @@ def render(report: dict, console: Console) -> None:
     tpot = report.get("tpot")
     if tpot:
         table = Table(title=f"predicted TPOT per policy at this budget ({tpot['how']})")
-        for col in ("policy", "TPOT ms", "hit rate", "exposed load ms"):
+        for col in ("policy", "TPOT ms", "hit rate", "exposed load ms", "host ms"):
             table.add_column(col, justify="left" if col == "policy" else "right")
         for name, r in tpot["policies"].items():
-            table.add_row(name, f"{r['tpot_s'] * 1e3:.1f}", f"{r['hit_rate']:.2f}", f"{r['exposed_s'] * 1e3:.1f}")
+            table.add_row(name, f"{r['tpot_s'] * 1e3:.1f}", f"{r['hit_rate']:.2f}", f"{r['exposed_s'] * 1e3:.1f}",
+                          f"{r.get('host_s', 0.0) * 1e3:.1f}")
         console.print(table)
     console.print(
         f"fits: {t['cached_experts']} expert tops cached, {m['cached'] / MiB:.0f} MiB = {100 * t['cached_fraction']:.1f}% "

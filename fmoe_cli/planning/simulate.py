@@ -43,8 +43,9 @@ import torch
 
 from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.engine import Counters
+from fmoe_cli.offload.host import Fills, split_work
 from fmoe_cli.offload.link import EmulatedLink, VirtualClock
-from fmoe_cli.offload.policies import make_policy
+from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.planning.presets import PlanInputs, settings_for
@@ -74,6 +75,7 @@ class SimResult:
     hit_rate: float
     exposed_s_per_token: float
     bytes_per_token: float
+    host_s_per_token: float  # the host lane's compute (0 without it)
     prefetch_precision: float
     plan: str
 
@@ -83,6 +85,7 @@ class _Layer:  # what the prefetcher reads of the engine's LayerState (no tops: 
     cache: LayerCache
     top_neurons: int
     counters: Counters = field(default_factory=Counters)
+    host: bool = False  # the host lane (offload/host.py)
 
 
 class _MetaStore:
@@ -134,8 +137,9 @@ class Simulator:
             if plan.resident:
                 for e in range(shape.num_experts):
                     cache.insert(e)
-            self.layers.append(_Layer(cache, lp.top_neurons))
+            self.layers.append(_Layer(cache, lp.top_neurons, host=lp.host and not plan.resident))
         self.store = _MetaStore(shape)
+        self.fills = Fills(len(plan.layers))
         self.pool = StagingPool(plan.staging_slots, shape.intermediate, self.store.row_shape, self.store.dtype, META)
         self.prefetcher = Prefetcher(self.pool, self.link, self.store, self.layers, shape)
         self.predictor = predictor  # a RoutingPredictor, or None: the tokens' own rankings
@@ -182,6 +186,8 @@ class Simulator:
 
     def _moe_layer(self, i: int, token: Token, next_token: Token | None, route: float = 0.0) -> None:
         """Engine.experts_forward, step by step (offload/engine.py), compute as clock time."""
+        if self.layers[i].host:
+            return self._host_layer(i, token, next_token, route)
         shape, pool, link = self.shape, self.pool, self.link
         state = self.layers[i]
         c = state.counters
@@ -225,6 +231,46 @@ class Simulator:
         for e in active:
             state.cache.unpin(e)
         state.cache.advance()
+
+    def _host_layer(self, i: int, token: Token, next_token: Token | None, route: float) -> None:
+        """A host-lane layer (offload/host.py, the engine's HostLane): whole and top hits on the device, bottoms
+        and misses on the host at the same time; the layer takes the longer of the two, plus the lane's round
+        trip t_host_sync; a host-computed miss's top is offered to the cache and filled over the link."""
+        shape, times, link = self.shape, self.times, self.link
+        state = self.layers[i]
+        c = state.counters
+        width, k = shape.intermediate, state.top_neurons
+        t_call = self.segment_overhead
+        t_neuron = (times.t_exp - t_call) / width
+        active = sorted(set(token.experts[i]))
+        state.cache.record([token.experts[i]])
+        for e in active:
+            state.cache.pin(e)
+        self.fills.landed(i)
+        hits = self.pool.classify(i, active, state.cache.cached(), k, width)
+        c.count(len(active), hits)
+        work = split_work(hits, self.fills.in_flight(i))
+        self.clock.advance(route)
+        device = (len(work.device_whole) * (t_call + width * t_neuron) + len(work.split) * (t_call + k * t_neuron))
+        host = len(work.split) * times.t_host(width - k, width) + len(work.host_whole) * times.t_host(width, width)
+        if work.split or work.host_whole:
+            host += times.t_host_sync
+        self.clock.advance(max(device, host))
+        c.host_s += host
+        c.host_segments += len(work.split) + len(work.host_whole)
+        if k > 0:
+            for e in hits.misses:
+                c.bytes_prefetch += self.fills.offer(i, e, state.cache, link, lambda slot: self._fill_rows(k),
+                                                     self.store.expert(i, e)[:k], after=(link.record_reads(),))
+        self._prefetch(i, token, next_token)
+        for tag, seconds in link.stalls():
+            self.layers[tag].counters.exposed_s += seconds
+        for e in active:
+            state.cache.unpin(e)
+        state.cache.advance()
+
+    def _fill_rows(self, k: int) -> torch.Tensor:
+        return torch.empty(k, *self.store.row_shape, dtype=self.store.dtype, device=META)
 
     def _submit_demand(self, i: int, waiting: list[tuple[int, int]], loading: list[Staged]) -> None:
         self.layers[i].counters.bytes_demand += self.pool.submit_demand(i, waiting, loading, self.link, self.store)
@@ -334,6 +380,7 @@ def simulate_policy(shape: ExpertShape, settings: EngineSettings, times: Timings
         hit_rate=measured.hit_rate,
         exposed_s_per_token=measured.exposed_s / n,
         bytes_per_token=(measured.bytes_demand + measured.bytes_prefetch) / n,
+        host_s_per_token=measured.host_s / n,
         prefetch_precision=measured.prefetch_precision,
         plan=settings.plan.summary(),
     )
@@ -375,10 +422,11 @@ def stats_from(sequences: Sequence[Sequence[Token]], shape: ExpertShape, predict
 
 def predict_policies(shape: ExpertShape, budget_bytes: int, timings: Timings, bandwidth: float, latency: float,
                      *, sequences: Sequence[Sequence[Token]], policies: Sequence[str], prompt_tokens: int = 0,
-                     progress: Callable[[str], None] | None = None) -> dict[str, SimResult]:
+                     progress: Callable[[str], None] | None = None, plans: dict | None = None) -> dict[str, SimResult]:
     """Simulated TPOT of every policy over the same routing. Without the prefetcher's rankings
     in the routing, the routing-only `eam` predictor makes them. `moepic` gets the configurator's
-    plan from statistics of this routing and these timings."""
+    plan from statistics of this routing and these timings. `plans`: more plans by name (e.g. llama.cpp's
+    pattern, configurator.host_baselines), simulated after the policies with LCP and no prefetch."""
     has_rankings = any(t.predicted is not None for seq in sequences for t in seq)
 
     def predictor():
@@ -390,6 +438,10 @@ def predict_policies(shape: ExpertShape, budget_bytes: int, timings: Timings, ba
         if progress is not None:
             progress(name)  # called before each policy
         settings = settings_for(name, PlanInputs(shape, budget_bytes, timings, stats))
+        out[name] = simulate_policy(shape, settings, timings, sequences, bandwidth=bandwidth, latency=latency,
+                                    prompt_tokens=prompt_tokens, predictor_factory=predictor)
+    for name, plan in (plans or {}).items():
+        settings = EngineSettings(name, plan, "lcp", plan.prefetch, LCP_OMEGA, LCP_RHO)
         out[name] = simulate_policy(shape, settings, timings, sequences, bandwidth=bandwidth, latency=latency,
                                     prompt_tokens=prompt_tokens, predictor_factory=predictor)
     return out

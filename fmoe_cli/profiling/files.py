@@ -50,6 +50,45 @@ class LinkFit:
 
 
 @dataclass(frozen=True)
+class HostFit:
+    """The host's (CPU's) expert compute for one storage format, from RAM (issue 21 §2; profiling/host.py):
+    a segment of n neurons takes  t_host(n) ≈ latency + n · neuron_bytes / bandwidth  for one decode token."""
+
+    format: str  # "f32", "bf16" (unquantised rows of that dtype), "int8", "int4" (offload/quant.py)
+    bandwidth: float  # bytes/s of the format's weight bytes read by a decode GEMV (the fit's slope⁻¹)
+    latency: float  # s per segment call (the fit's intercept)
+    expert_bytes: int  # one expert of the measured shape, in this format
+    t_expert: float  # decode: one expert, one token (median, s)
+    t_layer: float  # decode: one layer's top-K experts one after another, one token (median, s)
+    t_prefill: float  # prefill: one expert over a chunk of `HostProfile.prefill_tokens` tokens (median, s)
+    samples: tuple[tuple[int, float], ...] = ()  # (segment bytes, median s) behind the fit
+
+    def segment_time(self, nbytes: float) -> float:
+        """t_host for a segment of `nbytes` weight bytes in this format (one decode token)."""
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """The host's expert throughput per format (`fmoe profile`), per machine: what the host lane costs."""
+
+    kind: str  # "measured" or "estimate" (a documented estimate of another machine, profiles/*.json)
+    cpu: str  # the CPU's name (profiling/device.py: device_identity of the CPU)
+    total_memory: int  # host RAM, bytes (with the name: which machine)
+    threads: int  # torch's intra-op threads the figures were measured with
+    capability: str  # torch.backends.cpu.get_cpu_capability(): "AVX2", "AVX512", …
+    hidden: int  # H of the measured expert (default: Qwen3-30B-A3B's, 2048)
+    intermediate: int  # I of the measured expert (768)
+    top_k: int  # K of the measured layer (8)
+    prefill_tokens: int  # T of the prefill chunk
+    formats: tuple[HostFit, ...]
+    note: str = ""
+
+    def fit(self, fmt: str) -> HostFit | None:
+        return next((f for f in self.formats if f.format == fmt), None)
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
     device: DeviceIdentity
     link: LinkFit
@@ -58,6 +97,7 @@ class DeviceProfile:
     torch_version: str | None = None
     cuda_version: str | None = None
     sources: dict[str, str] = field(default_factory=dict)  # figure -> where it comes from (reference profiles)
+    host: HostProfile | None = None  # the host's expert compute per format (None: not profiled)
 
 
 @dataclass(frozen=True)
@@ -172,6 +212,9 @@ class Profile:
         data = asdict(self)
         data["kind"] = "fmoe-profile"
         data["device"]["link"]["samples"] = [list(s) for s in self.device.link.samples]
+        if self.device.host is not None:
+            host = data["device"]["host"]
+            host["formats"] = [{**fit, "samples": [list(s) for s in fit["samples"]]} for fit in host["formats"]]
         if self.model is not None:  # T_exp = T_moe / K, for the reader (recomputed on load)
             for phase in ("decode", "prefill"):
                 if data["model"][phase] is not None:
@@ -275,6 +318,31 @@ class _Reader:
             torch_version=self.get(d, "torch_version", str, optional=True),
             cuda_version=self.get(d, "cuda_version", str, optional=True),
             sources={str(k): str(v) for k, v in sources.items()},
+            host=None if d.get("host") is None else self.host(self.obj(d, "host")),
+        )
+
+    def host(self, d: dict) -> HostProfile:
+        fits = []
+        for f in self.get(d, "formats", list):
+            if not isinstance(f, dict):
+                raise self.fail("'host.formats'", "should hold objects")
+            samples = self.get(f, "samples", list, optional=True) or []
+            if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(x, (int, float)) for x in s) for s in samples):
+                raise self.fail("'host.formats.samples'", "should be [bytes, seconds] pairs")
+            bandwidth = self.get(f, "bandwidth", float)
+            if bandwidth <= 0:
+                raise self.fail("'host.formats.bandwidth'", "must be > 0")
+            fits.append(HostFit(
+                self.get(f, "format", str), bandwidth, self.get(f, "latency", float), self.get(f, "expert_bytes", int),
+                self.get(f, "t_expert", float), self.get(f, "t_layer", float), self.get(f, "t_prefill", float),
+                tuple((int(b), float(t)) for b, t in samples),
+            ))
+        return HostProfile(
+            kind=self.get(d, "kind", str), cpu=self.get(d, "cpu", str), total_memory=self.get(d, "total_memory", int),
+            threads=self.get(d, "threads", int), capability=self.get(d, "capability", str),
+            hidden=self.get(d, "hidden", int), intermediate=self.get(d, "intermediate", int),
+            top_k=self.get(d, "top_k", int), prefill_tokens=self.get(d, "prefill_tokens", int),
+            formats=tuple(fits), note=self.get(d, "note", str, optional=True) or "",
         )
 
     def phase(self, d: dict) -> PhaseTimings:

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""One expert through the CPU expert kernels (fmoe_cli/kernels) against torch, every format (issue 21 §1).
+
+One `a3b` expert by default (Qwen3-30B-A3B's layer: H 2048, I 768), random weights, for T tokens:
+- `kernel`: fmoe_cli.kernels.segment_forward on the stored rows (one pass, no dequantised weight);
+- `torch`: what the stores computed with before (and still do without the kernels): three matmuls on
+  the rows (f32, bf16), or the rows dequantised in blocks then the three matmuls (int8, int4, int2).
+Time per call in µs (and the CPU time it took, every thread: on a machine shared with other work the
+wall time measures the share of the CPU the call got, the CPU time what the call costs) and GB/s of the
+segment's stored bytes (what the call must read from RAM: the calls rotate through `--pool-mb` of
+copies of the expert, beyond the last-level cache), median [min–max] of interleaved rounds.
+Threads: torch.get_num_threads() unless --threads.
+
+With --tolerance N: the engine's logits with int8 / int4 experts (float32 and bf16 compute) against
+the reference — transformers' model with its experts replaced by the dequantised weights — over N
+tokens of the shipped demo's held-out text (needs Debian's bible-kjv-text, as benchmarks/routing_report.py):
+max abs logit error and top-1 agreement (docs/quantization.md § Exactness contract).
+
+    python benchmarks/kernels.py
+    python benchmarks/kernels.py --tokens 1 4 16 64 --rounds 7 --threads 2
+    python benchmarks/kernels.py --tolerance 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FORMATS = ["f32", "bf16", "int8", "int4", "int2"]
+
+
+def spread(values, fmt="{:.0f}"):
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+
+
+def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens: int):
+    """(stored bytes of one expert, {path: call}) for format `name`; each call takes the next copy."""
+    from fmoe_cli import kernels
+    from fmoe_cli.offload import layout
+    from fmoe_cli.offload.quant import QuantStore, quantize
+    from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
+
+    torch.manual_seed(0)
+    chunk = ExpertShape(1, 1, 1, hidden, intermediate, 4).neuron_block  # the engine's split granularity
+    dtype = torch.bfloat16 if name == "bf16" else torch.float32
+    x = torch.randn(tokens, hidden).to(dtype)
+    fmt = EXPERT_FORMATS.get(name)
+    nbytes = intermediate * 3 * (fmt.projection_bytes(hidden) if fmt else hidden * dtype.itemsize)
+    copies = max(2, math.ceil(pool_mb * 1e6 / nbytes))
+    blocks = [torch.randn(intermediate, 3, hidden) * 0.02 for _ in range(2)]  # two experts, copied
+    if fmt is None:
+        stored = [blocks[i % 2].to(dtype) for i in range(copies)]
+        spec = kernels.spec_of("bf16", dtype, hidden, chunk)
+
+        def torch_path(seg):
+            return layout.segment_forward(x, seg, F.silu)
+    else:
+        packed = [quantize(b, fmt) for b in blocks]
+        stored = [packed[i % 2].clone() for i in range(copies)]
+        spec = kernels.spec_of(name, dtype, hidden, chunk)
+        store = QuantStore(ExpertShape(1, copies, 1, hidden, intermediate, 4, name), dtype, pin=False)
+
+        def torch_path(seg):
+            return QuantStore.segment_forward(store, x, seg, F.silu, kernel=False)
+    del blocks
+    assert stored[0].numel() * stored[0].element_size() == nbytes
+    turn = [0]
+
+    def rotate(call):
+        def run():
+            turn[0] = (turn[0] + 1) % copies
+            return call(stored[turn[0]])
+        return run
+
+    return nbytes, {"kernel": rotate(lambda seg: kernels.segment_forward(x, seg, spec)), "torch": rotate(torch_path)}
+
+
+@torch.no_grad()
+def tolerance(console, tokens: int, seq_len: int = 256) -> None:
+    import transformers
+
+    from fmoe_cli.models.demo import SHIPPED
+    from fmoe_cli.models.families import find_moe_layers
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.layout import DOWN, GATE, UP
+    from fmoe_cli.offload.link import EmulatedLink
+    from fmoe_cli.planning.presets import make_settings
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from routing_report import held_out_text
+
+    text, label = held_out_text(SHIPPED)
+    ids = transformers.AutoTokenizer.from_pretrained(SHIPPED)(text, add_special_tokens=False,
+                                                             return_tensors="pt")["input_ids"][0][:tokens]
+    for dtype in ("float32", "bfloat16"):
+        for fmt in ("int8", "int4"):
+            lm = load_model("demo", device="cpu", dtype=dtype, experts=fmt)
+            reference = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=getattr(torch, dtype)).eval()
+            for layer in find_moe_layers(reference):
+                w = lm.store.dequantized(layer.index)
+                layer.experts.gate_up_proj.data.copy_(torch.cat([w[:, :, GATE], w[:, :, UP]], dim=1))
+                layer.experts.down_proj.data.copy_(w[:, :, DOWN].transpose(1, 2))
+            engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
+            engine.install(lm.model)
+            engine.configure(make_settings("resident", lm.shape, 0))
+            error, agree = 0.0, 0
+            for start in range(0, len(ids), seq_len):
+                chunk = ids[start:start + seq_len][None]
+                got, want = lm.model(chunk).logits.float(), reference(chunk).logits.float()
+                error = max(error, (got - want).abs().max().item())
+                agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
+            engine.close()
+            console.print(f"{dtype} compute, {fmt} experts, {len(ids)} tokens of {label}: max abs logit error "
+                          f"{error:.3g}, top-1 agreement {100 * agree / len(ids):.2f} %", highlight=False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--formats", nargs="+", default=FORMATS, choices=FORMATS)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20, help="calls per round and case")
+    p.add_argument("--pool-mb", type=float, default=256, help="experts rotated through: this many MB of them "
+                   "(more than the last-level cache holds)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tolerance", type=int, default=0, metavar="N",
+                   help="instead: logits against the dequantised reference over N held-out tokens of the demo")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from rich.console import Console
+    from rich.table import Table
+
+    from fmoe_cli import kernels
+
+    console = Console(width=200)
+    console.print("command: python benchmarks/kernels.py " + " ".join(sys.argv[1:]), highlight=False)
+    if args.tolerance:
+        tolerance(console, args.tolerance)
+        return
+    if kernels.library() is None:
+        console.print("the kernels are not available here: nothing to compare")
+        return
+    cases, sizes = {}, {}
+    for name in args.formats:
+        for tokens in args.tokens:
+            nbytes, calls = make_cases(name, args.hidden, args.intermediate, args.pool_mb, tokens)
+            sizes[name] = nbytes
+            for path, call in calls.items():
+                cases[(name, tokens, path)] = call
+    times = {key: [] for key in cases}
+    cpu = {key: [] for key in cases}  # CPU time of the process (every thread): what the call costs the CPU
+    with torch.inference_mode():
+        for _ in range(args.rounds):  # interleaved: every case once per round
+            for key, run in cases.items():
+                run()
+                start, start_cpu = time.perf_counter(), time.process_time()
+                for _ in range(args.repeats):
+                    run()
+                times[key].append((time.perf_counter() - start) / args.repeats * 1e6)
+                cpu[key].append((time.process_time() - start_cpu) / args.repeats * 1e6)
+    table = Table(title=f"one expert (H={args.hidden}, I={args.intermediate}), {torch.get_num_threads()} threads: "
+                        f"median \\[min–max] of {args.rounds} interleaved rounds × {args.repeats} calls")
+    for col in ("format", "T", "MB", "kernel µs", "kernel GB/s", "kernel CPU µs", "torch µs", "torch GB/s",
+                "torch CPU µs", "torch ÷ kernel"):
+        table.add_column(col, justify="left" if col == "format" else "right")
+    for name in args.formats:
+        for tokens in args.tokens:
+            k, t = times[(name, tokens, "kernel")], times[(name, tokens, "torch")]
+            gbps = [sizes[name] / (us * 1e3) for us in k]
+            tgbps = [sizes[name] / (us * 1e3) for us in t]
+            table.add_row(name, str(tokens), f"{sizes[name] / 1e6:.2f}", spread(k), spread(gbps, "{:.1f}"),
+                          spread(cpu[(name, tokens, "kernel")]), spread(t), spread(tgbps, "{:.1f}"),
+                          spread(cpu[(name, tokens, "torch")]), spread([b / a for a, b in zip(k, t)], "{:.2f}"))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""CPU expert kernels: one pass over a neuron-major segment, every storage format (issue 21 §1).
+
+A segment is n neuron rows, each (gate row, up row, down column) of H weights (offload/layout.py),
+stored as float32, bf16 or quantised bytes (offload/quant.py). `segment_forward` computes its partial
+expert output for tokens x [T, H] without materialising a dequantised weight: experts.c widens or
+unpacks each weight in registers as it streams the segment once (its docstring has the formulas).
+
+Exactness: the neurons go in chunks of C (the model's neuron block, the granularity of every split
+point): each chunk's partial sum starts from zero and adds its neurons in order, and the chunks are
+added into a float32 accumulator in order. So a segment split at a multiple of C sums to the same bits
+as the whole when the second part continues the first one's accumulator (`acc`): the engine's top +
+bottom equals its whole expert, and every policy gives the resident run's tokens. Nothing depends on
+the thread count.
+
+The device path (torch on a GPU) and the CPU path call the stores' segment_forward, which comes here on
+the CPU (x on the CPU, float32 or bf16, a SiLU-gated expert) and otherwise computes with torch. The
+kernels compile on first use (kernels/build.py, a few seconds); without a C compiler, or with
+FMOE_KERNELS=torch, experts compute with torch and one line says so. ctypes releases the GIL for the
+call, so a host lane in another Python thread runs while the kernel does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fmoe_cli.errors import warn
+from fmoe_cli.types import EXPERT_FORMATS
+
+FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, "int8": 2, "int4": 3, "int2": 4}  # experts.c's enum
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # what x may be (experts.c: float32 or bf16 activations)
+# Tokens of one expert above which torch's matmuls (on dequantised blocks) cost less CPU than the kernels'
+# dot products (benchmarks/kernels.py --tokens 16 64, docs/bench.md § CPU expert kernels): long prefills.
+MAX_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What experts.c needs to know about one store's rows."""
+
+    code: int  # FORMAT_CODES
+    hidden: int  # H
+    projection_bytes: int  # one projection row: H·itemsize, or the quantised codes + metadata
+    group: int = 0  # G (quantised)
+    meta_group: int = 0  # M (int2: scales per 8-bit scale group)
+    chunk: int = 1  # C: neurons summed apart, then added in order (every split point is a multiple of C)
+
+
+def spec_of(experts: str, dtype: torch.dtype, hidden: int, chunk: int = 1) -> Spec | None:
+    """The Spec for rows of `dtype` (unquantised) or of the quantised format `experts`; None: not served here.
+    chunk: the granularity of the splits the segments will see (ExpertShape.neuron_block)."""
+    fmt = EXPERT_FORMATS.get(experts)
+    if fmt is None:
+        code = FORMAT_CODES.get(dtype)
+        return None if code is None else Spec(code, hidden, hidden * dtype.itemsize, chunk=chunk)
+    groups = hidden // fmt.group_size(hidden)
+    return Spec(FORMAT_CODES[experts], hidden, fmt.projection_bytes(hidden), fmt.group_size(hidden),
+                fmt.meta_group_size(groups) if fmt.meta_group else 0, chunk)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (FMOE_KERNELS=torch, or they cannot be built: said once)."""
+    if os.environ.get("FMOE_KERNELS", "").strip().lower() == "torch":
+        return None
+    from fmoe_cli.kernels.build import build
+
+    try:
+        lib = build()
+    except Exception as exc:  # no compiler, a failed compile, a library that does not load: torch computes
+        warn(f"the CPU expert kernels are not available ({exc}); experts compute with torch (slower)")
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.fmoe_segment_forward.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int, i64, ptr,
+                                         ctypes.c_int, ptr, ctypes.c_int]
+    lib.fmoe_segment_forward.restype = ctypes.c_int
+    lib.fmoe_simd.restype = ctypes.c_int
+    return lib
+
+
+def is_silu(act) -> bool:
+    return act is torch.nn.functional.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
+
+
+def runs(x: torch.Tensor, act) -> bool:
+    """Whether segment_forward computes for these tokens and this activation (else: torch). The same for
+    every policy (it depends on the expert's tokens, not on where its rows are), so a policy's split
+    experts take the same path as the resident run's whole ones."""
+    return (x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES and x.shape[0] <= MAX_TOKENS and is_silu(act)
+            and library() is not None)
+
+
+def segment_forward(x: torch.Tensor, segment: torch.Tensor, spec: Spec, acc: torch.Tensor | None = None,
+                    partial: bool = False) -> torch.Tensor:
+    """Partial output of the neurons of `segment` ([n, 3, row] contiguous, on the CPU) for x [T, H].
+
+    acc: a float32 [T, H] partial result of the neurons before this segment, continued in place (the
+    split-exact sum). partial: return the float32 accumulator (to continue); else the result in x's
+    dtype (bf16: the float32 sum rounded once)."""
+    lib = library()
+    x = x.contiguous()
+    tokens, hidden = x.shape
+    assert hidden == spec.hidden and segment.is_contiguous() and segment.device.type == "cpu"
+    accumulate = acc is not None
+    if acc is None:
+        acc = torch.empty(tokens, hidden, dtype=torch.float32)
+    assert acc.dtype == torch.float32 and acc.is_contiguous() and acc.shape == (tokens, hidden)
+    rounded = None if partial or x.dtype == torch.float32 else torch.empty(tokens, hidden, dtype=x.dtype)
+    status = lib.fmoe_segment_forward(
+        spec.code, segment.data_ptr(), segment.shape[0], hidden, spec.projection_bytes, spec.group,
+        spec.meta_group, spec.chunk, x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, acc.data_ptr(),
+        int(accumulate), None if rounded is None else rounded.data_ptr(), torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("the expert kernel could not allocate its workspace")
+    return acc if rounded is None else rounded

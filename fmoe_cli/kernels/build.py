@@ -1,0 +1,85 @@
+"""Compile experts.c once per machine and load it (ctypes: no torch headers, a compile of seconds).
+
+The shared library is cached under the user cache directory, named by a hash of the source, the
+compiler command and the CPU's flags, so a changed source or another CPU builds its own. Concurrent
+first uses take a file lock (one compiles, the others wait and load its result); the library is
+written under a unique temporary name and renamed into place, so no process loads a half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("experts.c")
+# -O3 and the CPU's own instruction set (AVX2/FMA/F16C here); no -ffast-math: the sums' order is the contract.
+FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11"]
+PORTABLE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c11"]  # a compiler without -march=native
+COMPILE_TIMEOUT_S = 120
+
+
+def cache_dir() -> Path:
+    import platformdirs
+
+    return Path(os.environ.get("FMOE_KERNEL_CACHE") or Path(platformdirs.user_cache_dir("fmoe")) / "kernels")
+
+
+def cpu_flags() -> str:
+    """What the compiled code depends on: the CPU's feature flags (Linux), else the machine's name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def library_path(cc: str) -> Path:
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, " ".join(FLAGS), cpu_flags()]).encode()).hexdigest()[:16]
+    return cache_dir() / f"experts-{key}.so"
+
+
+def build() -> ctypes.CDLL:
+    """The compiled kernels, compiled first if this machine has not yet; raises RuntimeError saying why not."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    target = library_path(cc)
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        import fcntl
+
+        with open(target.parent / "build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one process compiles; the others wait for its result
+            if not target.exists():
+                _compile(cc, target)
+    return ctypes.CDLL(str(target))
+
+
+def _compile(cc: str, target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        errors = ""
+        for flags in (FLAGS, PORTABLE_FLAGS):
+            result = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                    timeout=COMPILE_TIMEOUT_S)
+            if result.returncode == 0:
+                os.replace(tmp, target)  # atomic: a reader sees no library or the whole one
+                return
+            errors = result.stderr.strip().splitlines()
+        raise RuntimeError(f"{cc} failed: {errors[-1] if errors else 'no message'}")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,676 @@
+/* One pass over a neuron-major expert segment, every format (fmoe_cli/kernels/__init__.py).
+
+   A segment is n neuron rows; row i holds (gate row i, up row i, down column i), each a
+   "projection" of proj_bytes: H floats (f32), H bf16, or codes then per-group metadata
+   (int8, int4, int2: fmoe_cli/offload/quant.py and hqq.py). For tokens x [T, H]:
+
+     for each neuron i:  g = x·ŵ_gate,i   u = x·ŵ_up,i   a[t] = silu(g)·u   c[t, :] += a[t]·ŵ_down,i
+
+   Every byte of the segment is read once, in memory order per thread (fmoe_segment_forward says how
+   the neurons are summed: in chunks of C, so that a split at a multiple of C gives the whole's bits,
+   forward([k, n), acc = forward([0, k))) == forward([0, n)); nothing depends on the number of
+   threads). bf16 compute (x in bf16) rounds g, u, silu(g) and a to bf16 as torch's bf16 ops do;
+   acc stays float32 (the caller rounds the finished sum once).
+
+   ŵ per format (q the code, per group of G along H):
+     f32, bf16: ŵ = w                      int8: ŵ = q·s
+     int4:      ŵ = q·s + m               int2 (HQQ): ŵ = (q − z)·s, s and z decoded from 8-bit codes
+   so for a group  x·ŵ = s·Σ q·x + m·X_g  (X_g = Σ_g x; int2: m = −z·s), and a·ŵ = fma(q, a·s, a·m).
+*/
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FMOE_AVX2 1
+#else
+#define FMOE_AVX2 0
+#endif
+
+#ifndef FMOE_PHASES
+#define FMOE_PHASES 3 /* a benchmark build may time one phase alone */
+#endif
+
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT2 = 4 };
+
+typedef struct {
+    int fmt;
+    int64_t hidden;     /* H */
+    int64_t proj_bytes; /* bytes of one projection row */
+    int64_t group;      /* G (quantised formats) */
+    int64_t meta_group; /* int2: scales per 8-bit scale group (M) */
+} Format;
+
+int fmoe_simd(void) { return FMOE_AVX2; }
+
+/* ---- scalar helpers ---------------------------------------------------------------- */
+
+static inline float half_to_float(uint16_t h) {
+#if FMOE_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+#if FMOE_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __m256 load_u8(const uint8_t *p) { /* 8 bytes -> 8 int32 */
+    return (__m256)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#endif
+
+/* int2 metadata of one projection row: group g's scale s_g and zero z_g (offload/hqq.py's layout). */
+static inline void int2_meta(const uint8_t *row, const Format *f, int64_t g, float *scale, float *zero) {
+    int64_t quarter = f->hidden / 4, groups = f->hidden / f->group, m = f->meta_group;
+    const uint8_t *scale_q = row + quarter, *zero_q = row + quarter + groups;
+    const uint16_t *meta = (const uint16_t *)(row + quarter + 2 * groups); /* (σ, z) pairs: scales' groups, zeros' */
+    int64_t mg = g / m, meta_groups = groups / m;
+    *scale = ((float)scale_q[g] - half_to_float(meta[2 * mg + 1])) * half_to_float(meta[2 * mg]);
+    *zero = ((float)zero_q[g] - half_to_float(meta[2 * meta_groups + 1])) * half_to_float(meta[2 * meta_groups]);
+}
+
+/* ŵ_j of one projection row (the scalar reference every vector path matches in value, not in bits). */
+static inline float weight_at(const uint8_t *row, const Format *f, int64_t j) {
+    int64_t h = f->hidden, g = j / f->group;
+    switch (f->fmt) {
+    case FMT_F32: return ((const float *)row)[j];
+    case FMT_BF16: return bf16_to_float(((const uint16_t *)row)[j]);
+    case FMT_INT8: {
+        const uint16_t *meta = (const uint16_t *)(row + h);
+        return (float)(int8_t)row[j] * half_to_float(meta[g]);
+    }
+    case FMT_INT4: {
+        int64_t half = h / 2;
+        int q = j < half ? row[j] & 15 : row[j - half] >> 4;
+        const uint16_t *meta = (const uint16_t *)(row + half);
+        return fmaf((float)q, half_to_float(meta[2 * g]), half_to_float(meta[2 * g + 1]));
+    }
+    default: { /* FMT_INT2 */
+        int64_t quarter = h / 4;
+        int q = (row[j % quarter] >> (6 - 2 * (j / quarter))) & 3;
+        float s, z;
+        int2_meta(row, f, g, &s, &z);
+        return ((float)q - z) * s;
+    }
+    }
+}
+
+/* ---- phase 1: x·ŵ for one projection row ------------------------------------------------ */
+
+/* x: one token [H] float32; xg: its per-group sums X_g (quantised formats). */
+static float row_dot(const uint8_t *row, const Format *f, const float *x, const float *xg, int vector) {
+    int64_t h = f->hidden, G = f->group;
+#if FMOE_AVX2
+    if (vector) {
+        switch (f->fmt) {
+        case FMT_F32: {
+            const float *w = (const float *)row;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < h; j += 32) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 16), _mm256_loadu_ps(x + j + 16), a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 24), _mm256_loadu_ps(x + j + 24), a3);
+            }
+            return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        }
+        case FMT_BF16: { /* x is given de-interleaved per 16: x[0,2,..,14], x[1,3,..,15] (see prepare_x) */
+            const __m256i *w = (const __m256i *)row;
+            const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < h; j += 32) {
+                __m256i v = _mm256_loadu_si256(w + j / 16), u = _mm256_loadu_si256(w + j / 16 + 1);
+                a0 = _mm256_fmadd_ps((__m256)_mm256_slli_epi32(v, 16), _mm256_loadu_ps(x + j), a0);
+                a1 = _mm256_fmadd_ps((__m256)_mm256_and_si256(v, high), _mm256_loadu_ps(x + j + 8), a1);
+                a2 = _mm256_fmadd_ps((__m256)_mm256_slli_epi32(u, 16), _mm256_loadu_ps(x + j + 16), a2);
+                a3 = _mm256_fmadd_ps((__m256)_mm256_and_si256(u, high), _mm256_loadu_ps(x + j + 24), a3);
+            }
+            return hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        }
+        case FMT_INT8: {
+            const uint16_t *meta = (const uint16_t *)(row + h);
+            __m256 total = _mm256_setzero_ps();
+            for (int64_t g = 0; g < h / G; g++) {
+                const int8_t *c = (const int8_t *)row + g * G;
+                const float *xs = x + g * G;
+                __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+                for (int64_t j = 0; j < G; j += 16) {
+                    __m256i q0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + j)));
+                    __m256i q1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + j + 8)));
+                    a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q0), _mm256_loadu_ps(xs + j), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q1), _mm256_loadu_ps(xs + j + 8), a1);
+                }
+                total = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(meta[g])), _mm256_add_ps(a0, a1), total);
+            }
+            return hsum8(total);
+        }
+        case FMT_INT4: { /* byte j: code j (low nibble), code j + H/2 (high): groups g and g + H/2G together */
+            int64_t half = h / 2, paired = half / G;
+            const uint16_t *meta = (const uint16_t *)(row + half);
+            const __m256i low = _mm256_set1_epi32(15);
+            __m256 total = _mm256_setzero_ps();
+            float offsets = 0.0f;
+            for (int64_t g = 0; g < paired; g++) {
+                const uint8_t *c = row + g * G;
+                const float *xl = x + g * G, *xh = x + half + g * G;
+                __m256 l0 = _mm256_setzero_ps(), l1 = l0, h0 = l0, h1 = l0;
+                for (int64_t j = 0; j < G; j += 16) {
+                    __m256i b0 = (__m256i)load_u8(c + j), b1 = (__m256i)load_u8(c + j + 8);
+                    l0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b0, low)), _mm256_loadu_ps(xl + j), l0);
+                    h0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_loadu_ps(xh + j), h0);
+                    l1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b1, low)), _mm256_loadu_ps(xl + j + 8), l1);
+                    h1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), _mm256_loadu_ps(xh + j + 8), h1);
+                }
+                int64_t gh = g + paired;
+                total = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(meta[2 * g])), _mm256_add_ps(l0, l1), total);
+                total = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(meta[2 * gh])), _mm256_add_ps(h0, h1), total);
+                offsets = fmaf(half_to_float(meta[2 * g + 1]), xg[g], offsets);
+                offsets = fmaf(half_to_float(meta[2 * gh + 1]), xg[gh], offsets);
+            }
+            return hsum8(total) + offsets;
+        }
+        default: { /* FMT_INT2: byte j holds codes j, j + H/4, j + H/2, j + 3H/4 (high bits first) */
+            int64_t quarter = h / 4, per = quarter / G;
+            const __m256i three = _mm256_set1_epi32(3);
+            __m256 total = _mm256_setzero_ps();
+            float offsets = 0.0f;
+            for (int64_t g = 0; g < per; g++) {
+                const uint8_t *c = row + g * G;
+                __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int64_t j = 0; j < G; j += 8) {
+                    __m256i b = (__m256i)load_u8(c + j);
+                    for (int k = 0; k < 4; k++) {
+                        __m256i q = _mm256_and_si256(_mm256_srli_epi32(b, 6 - 2 * k), three);
+                        a[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(x + k * quarter + g * G + j), a[k]);
+                    }
+                }
+                for (int k = 0; k < 4; k++) {
+                    float s, z;
+                    int64_t gk = g + k * per;
+                    int2_meta(row, f, gk, &s, &z);
+                    total = _mm256_fmadd_ps(_mm256_set1_ps(s), a[k], total);
+                    offsets = fmaf(-z * s, xg[gk], offsets);
+                }
+            }
+            return hsum8(total) + offsets;
+        }
+        }
+    }
+#endif
+    (void)G;
+    (void)xg;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < h; j++) sum = fmaf(weight_at(row, f, j), x[j], sum);
+    return sum;
+}
+
+/* ---- several tokens: ŵ once per row, then float32 dots ------------------------------------ */
+
+/* One projection row -> ŵ [H] float32, in the order row_dot's x is in (bf16 format: de-interleaved per 16). */
+static void decode_row(const uint8_t *row, const Format *f, float *w, int vector) {
+    int64_t h = f->hidden, G = f->group;
+#if FMOE_AVX2
+    if (vector) {
+        switch (f->fmt) {
+        case FMT_F32: memcpy(w, row, sizeof(float) * h); return;
+        case FMT_BF16: {
+            const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+            for (int64_t j = 0; j < h; j += 16) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(row + 2 * j));
+                _mm256_storeu_ps(w + j, (__m256)_mm256_slli_epi32(v, 16));
+                _mm256_storeu_ps(w + j + 8, (__m256)_mm256_and_si256(v, high));
+            }
+            return;
+        }
+        case FMT_INT8: {
+            const uint16_t *meta = (const uint16_t *)(row + h);
+            for (int64_t g = 0; g < h / G; g++) {
+                __m256 s = _mm256_set1_ps(half_to_float(meta[g]));
+                for (int64_t j = g * G; j < (g + 1) * G; j += 8)
+                    _mm256_storeu_ps(w + j, _mm256_mul_ps(_mm256_cvtepi32_ps(
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j)))), s));
+            }
+            return;
+        }
+        case FMT_INT4: {
+            int64_t half = h / 2, paired = half / G;
+            const uint16_t *meta = (const uint16_t *)(row + half);
+            const __m256i low = _mm256_set1_epi32(15);
+            for (int64_t g = 0; g < paired; g++) {
+                int64_t gh = g + paired;
+                __m256 sl = _mm256_set1_ps(half_to_float(meta[2 * g])), ml = _mm256_set1_ps(half_to_float(meta[2 * g + 1]));
+                __m256 sh = _mm256_set1_ps(half_to_float(meta[2 * gh])), mh = _mm256_set1_ps(half_to_float(meta[2 * gh + 1]));
+                for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                    __m256i b = (__m256i)load_u8(row + j);
+                    _mm256_storeu_ps(w + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), sl, ml));
+                    _mm256_storeu_ps(w + half + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sh, mh));
+                }
+            }
+            return;
+        }
+        default: { /* FMT_INT2 */
+            int64_t quarter = h / 4, per = quarter / G;
+            const __m256i three = _mm256_set1_epi32(3);
+            for (int64_t g = 0; g < per; g++)
+                for (int k = 0; k < 4; k++) {
+                    float sc, z;
+                    int2_meta(row, f, g + k * per, &sc, &z);
+                    __m256 s = _mm256_set1_ps(sc), m = _mm256_set1_ps(-z * sc);
+                    for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                        __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((__m256i)load_u8(row + j), 6 - 2 * k), three));
+                        _mm256_storeu_ps(w + k * quarter + j, _mm256_fmadd_ps(q, s, m));
+                    }
+                }
+            return;
+        }
+        }
+    }
+#endif
+    (void)G;
+    for (int64_t j = 0; j < h; j++) w[j] = weight_at(row, f, j);
+}
+
+/* out[t] = ŵ·x_t for every token: four tokens at a time share each load of ŵ. */
+static void dot_tokens(const float *w, const float *x, int64_t tokens, int64_t h, float *out, int vector) {
+    int64_t t = 0;
+#if FMOE_AVX2
+    if (vector) {
+        for (; t + 4 <= tokens; t += 4) {
+            const float *x0 = x + t * h, *x1 = x0 + h, *x2 = x1 + h, *x3 = x2 + h;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (int64_t j = 0; j < h; j += 16) {
+                __m256 v = _mm256_loadu_ps(w + j), u = _mm256_loadu_ps(w + j + 8);
+                a0 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x0 + j), a0);
+                a1 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x1 + j), a1);
+                a2 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x2 + j), a2);
+                a3 = _mm256_fmadd_ps(v, _mm256_loadu_ps(x3 + j), a3);
+                b0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(x0 + j + 8), b0);
+                b1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(x1 + j + 8), b1);
+                b2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(x2 + j + 8), b2);
+                b3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(x3 + j + 8), b3);
+            }
+            out[t] = hsum8(_mm256_add_ps(a0, b0)), out[t + 1] = hsum8(_mm256_add_ps(a1, b1));
+            out[t + 2] = hsum8(_mm256_add_ps(a2, b2)), out[t + 3] = hsum8(_mm256_add_ps(a3, b3));
+        }
+        for (; t < tokens; t++) { /* the same sums, one token */
+            const float *x0 = x + t * h;
+            __m256 a0 = _mm256_setzero_ps(), b0 = a0;
+            for (int64_t j = 0; j < h; j += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x0 + j), a0);
+                b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x0 + j + 8), b0);
+            }
+            out[t] = hsum8(_mm256_add_ps(a0, b0));
+        }
+        return;
+    }
+#endif
+    for (; t < tokens; t++) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < h; j++) sum = fmaf(w[j], x[t * h + j], sum);
+        out[t] = sum;
+    }
+}
+
+/* ---- down: c[t, :] (+)= a[t]·ŵ over one row ----------------------------------------------- */
+
+/* c [T, H]: a chunk's partial sum. init: the chunk's first neuron writes c (no add). For int4/int2 a
+   neuron's contribution is fma(q, a·s, a·m), then added; for int8 q·(a·s) is fused into the add. */
+static void row_axpy(const uint8_t *restrict row, const Format *f, const float *restrict a, int64_t tokens,
+                     float *restrict c, int init,
+                     int vector) {
+    int64_t h = f->hidden, G = f->group;
+#if FMOE_AVX2
+    if (vector) {
+        switch (f->fmt) {
+        case FMT_F32:
+        case FMT_BF16: {
+            for (int64_t j = 0; j < h; j += 8) {
+                __m256 v = f->fmt == FMT_F32 ? _mm256_loadu_ps((const float *)row + j)
+                    : (__m256)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + j))), 16);
+                for (int64_t t = 0; t < tokens; t++) {
+                    float *o = c + t * h + j;
+                    __m256 at = _mm256_set1_ps(a[t]);
+                    _mm256_storeu_ps(o, init ? _mm256_mul_ps(at, v) : _mm256_fmadd_ps(at, v, _mm256_loadu_ps(o)));
+                }
+            }
+            return;
+        }
+        case FMT_INT8: {
+            const uint16_t *meta = (const uint16_t *)(row + h);
+            for (int64_t g = 0; g < h / G; g++) {
+                float s = half_to_float(meta[g]);
+                for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                    __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j))));
+                    for (int64_t t = 0; t < tokens; t++) {
+                        float *o = c + t * h + j;
+                        __m256 as = _mm256_set1_ps(a[t] * s);
+                        _mm256_storeu_ps(o, init ? _mm256_mul_ps(q, as) : _mm256_fmadd_ps(q, as, _mm256_loadu_ps(o)));
+                    }
+                }
+            }
+            return;
+        }
+        case FMT_INT4: {
+            int64_t half = h / 2, paired = half / G;
+            const uint16_t *meta = (const uint16_t *)(row + half);
+            const __m256i low = _mm256_set1_epi32(15);
+            for (int64_t g = 0; g < paired; g++) {
+                int64_t gh = g + paired;
+                float sl = half_to_float(meta[2 * g]), ml = half_to_float(meta[2 * g + 1]);
+                float sh = half_to_float(meta[2 * gh]), mh = half_to_float(meta[2 * gh + 1]);
+                for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                    __m256i b = (__m256i)load_u8(row + j);
+                    __m256 ql = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
+                    __m256 qh = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                    for (int64_t t = 0; t < tokens; t++) {
+                        float *o = c + t * h + j, *p = o + half;
+                        __m256 cl = _mm256_fmadd_ps(ql, _mm256_set1_ps(a[t] * sl), _mm256_set1_ps(a[t] * ml));
+                        __m256 ch = _mm256_fmadd_ps(qh, _mm256_set1_ps(a[t] * sh), _mm256_set1_ps(a[t] * mh));
+                        _mm256_storeu_ps(o, init ? cl : _mm256_add_ps(_mm256_loadu_ps(o), cl));
+                        _mm256_storeu_ps(p, init ? ch : _mm256_add_ps(_mm256_loadu_ps(p), ch));
+                    }
+                }
+            }
+            return;
+        }
+        default: { /* FMT_INT2 */
+            int64_t quarter = h / 4, per = quarter / G;
+            const __m256i three = _mm256_set1_epi32(3);
+            for (int64_t g = 0; g < per; g++) {
+                float s[4], z[4];
+                for (int k = 0; k < 4; k++) int2_meta(row, f, g + k * per, &s[k], &z[k]);
+                for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                    __m256i b = (__m256i)load_u8(row + j);
+                    for (int k = 0; k < 4; k++) {
+                        __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 6 - 2 * k), three));
+                        for (int64_t t = 0; t < tokens; t++) {
+                            float *o = c + t * h + k * quarter + j;
+                            float as = a[t] * s[k];
+                            __m256 v = _mm256_fmadd_ps(q, _mm256_set1_ps(as), _mm256_set1_ps(-as * z[k]));
+                            _mm256_storeu_ps(o, init ? v : _mm256_add_ps(_mm256_loadu_ps(o), v));
+                        }
+                    }
+                }
+            }
+            return;
+        }
+        }
+    }
+#endif
+    (void)G;
+    for (int64_t j = 0; j < h; j++) {
+        float w = weight_at(row, f, j);
+        for (int64_t t = 0; t < tokens; t++) c[t * h + j] = init ? a[t] * w : fmaf(a[t], w, c[t * h + j]);
+    }
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* Whether the vector paths cover this shape (else the scalar paths run: same values, other roundings). */
+static int vector_shape(const Format *f) {
+    int64_t h = f->hidden, G = f->group;
+    if (!FMOE_AVX2 || h % 32) return 0;
+    switch (f->fmt) {
+    case FMT_INT8: return G % 16 == 0 && h % G == 0;
+    case FMT_INT4: return G % 16 == 0 && (h / 2) % G == 0;
+    case FMT_INT2: return G % 8 == 0 && (h / 4) % G == 0;
+    default: return 1;
+    }
+}
+
+/* x [T, H] (float32, or bf16 when x_bf16) -> float32 in the layout row_dot reads (bf16 format: each 16
+   de-interleaved), and the per-group sums X_g. */
+static void prepare_x(const void *x, int x_bf16, int64_t tokens, const Format *f, int vector, float *xf, float *xg) {
+    int64_t h = f->hidden;
+    for (int64_t t = 0; t < tokens; t++) {
+        float *out = xf + t * h;
+        for (int64_t j = 0; j < h; j++)
+            out[j] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[t * h + j]) : ((const float *)x)[t * h + j];
+        if (f->fmt == FMT_BF16 && vector) {
+            float block[16];
+            for (int64_t j = 0; j < h; j += 16) {
+                for (int k = 0; k < 8; k++) {
+                    block[k] = out[j + 2 * k];
+                    block[8 + k] = out[j + 2 * k + 1];
+                }
+                memcpy(out + j, block, sizeof block);
+            }
+        }
+        if (f->fmt >= FMT_INT8) {
+            int64_t groups = h / f->group;
+            for (int64_t g = 0; g < groups; g++) {
+                float s = 0.0f;
+                for (int64_t j = g * f->group; j < (g + 1) * f->group; j++) s += out[j];
+                xg[t * groups + g] = s;
+            }
+        }
+    }
+}
+
+/* The calling thread's workspace, kept between calls (no fresh pages per call; a host lane calling from
+   another thread has its own). */
+static float *workspace(int64_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread int64_t size = 0;
+    if (floats > size) {
+        free(buffer);
+        buffer = malloc(sizeof(float) * floats);
+        size = buffer ? floats : 0;
+    }
+    return buffer;
+}
+
+/* ---- threads: a pool that never makes the caller wait for a thread the OS has not run ---------
+
+   The caller publishes a job of `total` chunks and computes chunks itself; helper threads, woken,
+   claim the chunks left. The caller waits only for chunks a helper has claimed and not finished, never
+   for a helper to wake up: on a machine busy with other work a job costs at most what one thread
+   alone would, plus one chunk. Helpers sleep on a condition variable between jobs (no spinning that
+   would take the CPU from the caller). One job at a time: a second caller (a host lane's thread
+   beside the main one) computes its chunks alone. */
+
+typedef void (*ChunkFn)(void *job, int64_t chunk, int64_t worker);
+
+static struct {
+    pthread_mutex_t busy, lock;
+    pthread_cond_t wake;
+    _Atomic uint64_t ticket; /* generation << 32 | next chunk */
+    _Atomic int64_t done;    /* chunks finished in this generation */
+    int64_t total, limit; /* chunks; helpers with an id below limit take part */
+    ChunkFn fn;
+    void *job;
+    uint32_t generation; /* under lock */
+    int64_t helpers;     /* threads started (they live as long as the process) */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static void claim_chunks(uint32_t generation, int64_t worker) {
+    for (;;) {
+        if (worker >= pool.limit) return; /* the caller's scratch has no room for it (limit is the job's) */
+        uint64_t ticket = atomic_load(&pool.ticket);
+        if ((uint32_t)(ticket >> 32) != generation || (int64_t)(ticket & 0xffffffffu) >= pool.total) return;
+        if (!atomic_compare_exchange_weak(&pool.ticket, &ticket, ticket + 1)) continue;
+        pool.fn(pool.job, (int64_t)(ticket & 0xffffffffu), worker); /* the job stays until every chunk is done */
+        atomic_fetch_add(&pool.done, 1);
+    }
+}
+
+static void *helper_main(void *arg) {
+    int64_t worker = (int64_t)(intptr_t)arg;
+    uint32_t seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool.lock);
+        while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+        seen = pool.generation;
+        pthread_mutex_unlock(&pool.lock);
+        claim_chunks(seen, worker);
+    }
+    return NULL;
+}
+
+/* Run fn(job, k, worker) for k in [0, total) on up to `threads` threads; worker < `threads` always. */
+static void parallel_chunks(int64_t total, ChunkFn fn, void *job, int64_t threads) {
+    if (threads <= 1 || total <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+        for (int64_t k = 0; k < total; k++) fn(job, k, 0);
+        return;
+    }
+    while (pool.helpers < threads - 1) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attr, helper_main, (void *)(intptr_t)(pool.helpers + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.helpers++;
+    }
+    pool.fn = fn, pool.job = job, pool.total = total, pool.limit = threads;
+    atomic_store(&pool.done, 0);
+    pthread_mutex_lock(&pool.lock);
+    uint32_t generation = ++pool.generation;
+    atomic_store(&pool.ticket, (uint64_t)generation << 32);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    claim_chunks(generation, 0);
+    while (atomic_load(&pool.done) < total) sched_yield(); /* chunks a helper holds */
+    pthread_mutex_unlock(&pool.busy);
+}
+
+/* ---- the pass ------------------------------------------------------------------------------ */
+
+/* Chunk partials held at once: at most this many floats (bounds the workspace of a long prefill). */
+#define PARTIAL_FLOATS (4 << 20)
+
+typedef struct {
+    const Format *f;
+    const uint8_t *segment;
+    int64_t neurons, chunk, first, tokens, stride, row_bytes, groups;
+    int vector, x_bf16;
+    const float *xf, *xg;
+    float *part, *scratch;
+} Pass;
+
+/* Chunk first + k: its partial sum c = Σ over its neurons, in order, of a[t]·ŵ_down (from zero). */
+static void pass_chunk(void *job, int64_t k, int64_t worker) {
+    const Pass *p = job;
+    const Format *f = p->f;
+    int64_t tokens = p->tokens, hidden = f->hidden, proj_bytes = f->proj_bytes;
+    float *at = p->scratch + worker * p->stride, *ut = at + (tokens + 15) / 16 * 16, *wt = ut + (tokens + 15) / 16 * 16;
+    float *c = p->part + k * tokens * hidden;
+    int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
+    for (int64_t i = i0; i < (FMOE_PHASES & 1 ? i1 : i0); i++) {
+        const uint8_t *row = p->segment + i * p->row_bytes;
+        if (tokens > 1) { /* ŵ of the gate and up rows once, then every token's dots */
+            decode_row(row, f, wt, p->vector);
+            dot_tokens(wt, p->xf, tokens, hidden, at, p->vector);
+            decode_row(row + proj_bytes, f, wt, p->vector);
+            dot_tokens(wt, p->xf, tokens, hidden, ut, p->vector);
+        }
+        for (int64_t t = 0; t < tokens; t++) {
+            float g, u;
+            if (tokens > 1) {
+                g = at[t], u = ut[t];
+            } else {
+                g = row_dot(row, f, p->xf, p->xg, p->vector), u = row_dot(row + proj_bytes, f, p->xf, p->xg, p->vector);
+            }
+            if (p->x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
+                g = round_bf16(g), u = round_bf16(u);
+                at[t] = round_bf16(round_bf16(silu(g)) * u);
+            } else {
+                at[t] = silu(g) * u;
+            }
+        }
+        if (FMOE_PHASES & 2) row_axpy(row + 2 * proj_bytes, f, at, tokens, c, i == i0, p->vector);
+    }
+    if (!(FMOE_PHASES & 1) || !(FMOE_PHASES & 2)) memset(c, 0, sizeof(float) * tokens * hidden);
+}
+
+/* acc [T, H] float32 (+)= the segment's partial output; out_bf16 (optional): acc rounded to bf16.
+   The neurons go in chunks of `chunk` (C) from the segment's start: each chunk's partial sum c_k starts
+   from zero and adds its neurons in order, then acc = ((acc + c_0) + c_1) + …, so a split at a multiple
+   of C, the second part continuing the first's acc, gives the whole's bits. A thread takes whole chunks
+   and streams each chunk's rows in memory order (gate, up, down of each neuron in turn).
+   Returns 0, or -1 when memory runs out. */
+int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64_t hidden, int64_t proj_bytes,
+                         int64_t group, int64_t meta_group, int64_t chunk, const void *x, int x_bf16,
+                         int64_t tokens, float *acc, int accumulate, uint16_t *out_bf16, int threads) {
+    Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
+    int vector = vector_shape(&f);
+    int64_t groups = hidden / f.group;
+    if (chunk < 1) chunk = 1;
+    int64_t chunks = (neurons + chunk - 1) / chunk;
+    if (threads < 1 || neurons * hidden * tokens < (1 << 16)) threads = 1; /* small: threads cost more than they save */
+    int64_t width = threads; /* threads taking part: the per-thread scratch */
+    int64_t batch = PARTIAL_FLOATS / (tokens * hidden); /* chunks computed before they are added into acc */
+    if (batch < width) batch = width;
+    if (batch > chunks) batch = chunks;
+    if (batch < 1) batch = 1;
+    /* each thread's a[t], u[t] (several tokens: and one decoded row ŵ) on cache lines of its own */
+    int64_t stride = ((tokens + 15) / 16 * 16) * 2 + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
+    int64_t need = tokens * hidden + tokens * (groups > 0 ? groups : 1) + batch * tokens * hidden + width * stride + 16;
+    float *xf = workspace(need);
+    if (!xf) return -1;
+    float *xg = xf + tokens * hidden, *part = xg + tokens * (groups > 0 ? groups : 1);
+    float *scratch = part + batch * tokens * hidden;
+    scratch += (16 - ((uintptr_t)scratch / sizeof(float)) % 16) % 16; /* 64-byte aligned */
+    if (!accumulate) memset(acc, 0, sizeof(float) * tokens * hidden);
+    prepare_x(x, x_bf16, tokens, &f, vector, xf, xg);
+    Pass pass = {&f, segment, neurons, chunk, 0, tokens, stride, 3 * proj_bytes, groups, vector, x_bf16, xf, xg,
+                 part, scratch};
+    for (int64_t first = 0; first < chunks; first += batch) {
+        int64_t count = first + batch > chunks ? chunks - first : batch;
+        pass.first = first;
+        parallel_chunks(count, pass_chunk, &pass, threads);
+        for (int64_t t = 0; t < tokens; t++) /* acc = ((acc + c_0) + c_1) + … */
+            for (int64_t k = 0; k < count; k++) {
+                const float *c = part + (k * tokens + t) * hidden;
+                float *o = acc + t * hidden;
+                for (int64_t j = 0; j < hidden; j++) o[j] += c[j];
+            }
+    }
+    if (out_bf16)
+        for (int64_t j = 0; j < tokens * hidden; j++) out_bf16[j] = float_to_bf16(acc[j]);
+    return 0;
+}

@@ -1,0 +1,241 @@
+"""The CPU expert kernels (fmoe_cli/kernels): the values of torch's path for every format, the split-exact
+sum (a top continued by its bottom gives the whole's bits, whatever the thread count), the engine's
+policies giving the resident run's logits bit for bit, the fallback to torch, the compile cache, and the
+GIL released while a kernel runs (a host lane computes beside the main thread)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fmoe_cli import kernels
+from fmoe_cli.offload import layout, quant
+from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
+
+FORMATS = ["f32", "bf16", "int8", "int4", "int2"]
+
+needs_kernels = pytest.mark.skipif(kernels.library() is None, reason="no C compiler: the torch path only")
+
+
+def expert(name: str, hidden: int, intermediate: int, seed: int = 0, chunk: int = 1, dtype=None):
+    """(stored rows, the weights they stand for [n, 3, H] float32, Spec, compute dtype); dtype: the compute
+    dtype of quantised rows (default float32)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(intermediate, 3, hidden, generator=g) * 0.05
+    fmt = EXPERT_FORMATS.get(name)
+    if fmt is None:
+        dtype = torch.bfloat16 if name == "bf16" else torch.float32
+        stored = w.to(dtype)
+        return stored, stored.float(), kernels.spec_of("bf16", dtype, hidden, chunk), dtype
+    stored = quant.quantize(w, fmt)
+    spec = kernels.spec_of(name, None, hidden, chunk)
+    return stored, quant.dequantize(stored, fmt, hidden, torch.float32), spec, dtype or torch.float32
+
+
+WITH_DTYPES = [("f32", None), ("bf16", None), *[(q, d) for q in ("int8", "int4", "int2")
+                                                for d in (torch.float32, torch.bfloat16)]]
+
+
+@needs_kernels
+@pytest.mark.parametrize("name, dtype", WITH_DTYPES)
+@pytest.mark.parametrize("hidden, intermediate", [(64, 64), (2048, 48), (96, 40)])  # 96: the scalar paths
+@pytest.mark.parametrize("tokens", [1, 3, 6])  # one token; several (ŵ decoded once, four tokens at a time)
+def test_the_kernel_computes_what_torch_computes(name, dtype, hidden, intermediate, tokens):
+    """float32: the dequantised weights' result to rounding. bf16 activations: torch's bf16 ops on the
+    weights rounded to bf16 (the kernels keep ŵ in float32: a bf16 rounding apart)."""
+    stored, w, spec, dtype = expert(name, hidden, intermediate, dtype=dtype)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = kernels.segment_forward(x, stored, spec)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    if dtype == torch.float32:
+        want = layout.segment_forward(x, w, F.silu)  # the dequantised weights in float32: rounding apart
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:  # torch's bf16 ops on the same weights, each op rounded to bf16
+        want = layout.segment_forward(x, w.to(dtype), F.silu)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+        if name == "bf16":  # the same weights and roundings: at most a unit in the last place apart
+            assert (got.float() - want.float()).abs().max() <= want.abs().max() * 2**-7
+
+
+@needs_kernels
+@pytest.mark.parametrize("name, dtype", WITH_DTYPES)
+def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype):
+    """At every multiple of the chunk, and with 1 or 2 threads: what makes every policy's tokens the resident run's."""
+    hidden, intermediate, chunk = 128, 96, 16
+    stored, _, spec, dtype = expert(name, hidden, intermediate, chunk=chunk, dtype=dtype)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
+    whole = kernels.segment_forward(x, stored, spec)
+    for k in range(chunk, intermediate, chunk):
+        top = kernels.segment_forward(x, stored[:k], spec, partial=True)
+        assert top.dtype == torch.float32
+        split = kernels.segment_forward(x, stored[k:], spec, acc=top)
+        assert torch.equal(split, whole), f"split at {k}"
+    stored, _, spec, dtype = expert(name, 2048, 256, chunk=64, dtype=dtype)  # big enough for threads
+    x = torch.randn(2, 2048).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = kernels.segment_forward(x, stored, spec)
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.segment_forward(x, stored, spec), two)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("experts, dtype", [("bf16", "float32"), ("bf16", "bfloat16"), ("int4", "float32"),
+                                            ("int8", "bfloat16")])
+def test_every_policy_gives_the_resident_logits_bit_for_bit(checkpoints, experts, dtype):
+    """The engine on the CPU: a split policy's top hits (top + bottom) and misses (loaded whole) give the
+    resident run's logits exactly, not only to rounding."""
+    from fmoe_cli.generate import stream_generate
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.link import EmulatedLink, VirtualClock
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype=dtype, experts=experts)
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20, clock=VirtualClock(), copy=True),
+                    lm.device, lm.dtype)
+    engine.install(lm.model)
+    shape = lm.shape
+    prompt = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]])
+    results = {}
+    try:
+        for policy, theta in [("resident", None), ("uniform", 0.5), ("lru", None)]:
+            budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 2
+            engine.configure(make_settings(policy, shape, budget, theta=theta))
+            tokens = [e.token_id for e in stream_generate(lm.model, prompt, engine=engine, max_new_tokens=6,
+                                                          stop_on_eos=False)]
+            with torch.no_grad():
+                logits = lm.model(torch.cat([prompt, torch.tensor([tokens])], 1)).logits
+            results[policy] = tokens, logits
+            if policy == "uniform":
+                assert engine.counters().hits_top > 0  # top + bottom really ran
+    finally:
+        engine.close()
+    tokens, logits = results.pop("resident")
+    for policy, (got_tokens, got_logits) in results.items():
+        assert got_tokens == tokens and torch.equal(got_logits, logits), policy
+
+
+def test_without_the_kernels_the_stores_compute_with_torch(monkeypatch):
+    """FMOE_KERNELS=torch (or no compiler): the torch path, the same values to rounding."""
+    shape = ExpertShape(1, 2, 1, 64, 32, 4, "int4")
+    store = quant.QuantStore(shape, torch.float32, pin=False)
+    stored, w, _, _ = expert("int4", 64, 32)
+    x = torch.randn(2, 64)
+    with_kernels = store.segment_forward(x, stored, F.silu)
+    monkeypatch.setenv("FMOE_KERNELS", "torch")
+    kernels.library.cache_clear()
+    try:
+        assert kernels.library() is None and not kernels.runs(x, F.silu)
+        calls = []
+        real = quant.dequantize
+        monkeypatch.setattr(quant, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+        torch_path = store.segment_forward(x, stored, F.silu)
+        assert calls, "the torch path dequantises"
+        torch.testing.assert_close(torch_path, with_kernels, rtol=1e-5, atol=1e-6)
+    finally:
+        monkeypatch.delenv("FMOE_KERNELS")
+        kernels.library.cache_clear()
+
+
+def test_a_failed_compile_falls_back_to_torch_in_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("FMOE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    kernels.library.cache_clear()
+    try:
+        assert kernels.library() is None
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("warning:") and "torch" in err[0], err
+        assert kernels.library() is None and capsys.readouterr().err == ""  # said once
+    finally:
+        kernels.library.cache_clear()
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob("*.so"))  # nothing half-written left
+
+
+@needs_kernels
+def test_the_library_is_compiled_once_and_cached(monkeypatch, tmp_path):
+    from fmoe_cli.kernels import build
+
+    monkeypatch.setenv("FMOE_KERNEL_CACHE", str(tmp_path))
+    compiles = []
+    real = build._compile
+    monkeypatch.setattr(build, "_compile", lambda *a: compiles.append(1) or real(*a))
+    results = []
+    workers = [threading.Thread(target=lambda: results.append(build.build())) for _ in range(3)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert len(results) == 3 and compiles == [1]  # concurrent first uses: one compile (the lock)
+    build.build()
+    assert compiles == [1] and len(list(tmp_path.glob("experts-*.so"))) == 1
+
+
+@needs_kernels
+def test_the_gil_is_released_while_a_kernel_runs():
+    """A host lane (another Python thread) computes experts while the main thread runs Python."""
+    import time
+
+    stored, _, spec, dtype = expert("f32", 2048, 768)
+    x = torch.randn(64, 2048)  # one call of ~0.1 s or more
+    call = []
+    done = threading.Event()
+
+    def lane():
+        start = time.perf_counter()
+        kernels.segment_forward(x, stored, spec)
+        call.extend([start, time.perf_counter()])
+        done.set()
+
+    stamps = []
+    worker = threading.Thread(target=lane)
+    worker.start()
+    while not done.is_set():
+        stamps.append(time.perf_counter())  # the main thread's turns
+        time.sleep(0.001)
+    worker.join()
+    start, end = call
+    quarter = (end - start) / 4
+    # holding the GIL (ctypes.PyDLL) would give the main thread no turn in the middle of the call
+    assert sum(start + quarter < t < end - quarter for t in stamps) >= 3, (end - start, len(stamps))
+
+
+@needs_kernels
+def test_many_tokens_of_one_expert_go_to_torchs_matmuls(monkeypatch):
+    """Above MAX_TOKENS (a long prefill's expert) torch's matmuls cost less: the store takes them, for every
+    policy alike (the choice depends on the tokens only), with the same values to rounding."""
+    from fmoe_cli.offload.store import HostStore
+
+    shape = ExpertShape(1, 2, 1, 64, 32, 4)
+    store = HostStore(shape, torch.float32, pin=False)
+    stored, w, spec, _ = expert("f32", 64, 32)
+    few, many = torch.randn(kernels.MAX_TOKENS, 64), torch.randn(kernels.MAX_TOKENS + 1, 64)
+    assert kernels.runs(few, F.silu) and not kernels.runs(many, F.silu)
+    calls = []
+    monkeypatch.setattr(store, "torch_forward", lambda *a: calls.append(1) or HostStore.torch_forward(store, *a))
+    store.segment_forward(few, stored, F.silu)
+    assert calls == []
+    out = store.segment_forward(many, stored, F.silu)
+    assert calls == [1]
+    torch.testing.assert_close(out, kernels.segment_forward(many, stored, spec), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_the_benchmark_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(root / "benchmarks" / "kernels.py"), "--hidden", "64",
+                             "--intermediate", "64", "--rounds", "1", "--repeats", "1", "--pool-mb", "0.1",
+                             "--tokens", "1", "2"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for name in FORMATS:
+        assert f"│ {name} " in result.stdout
