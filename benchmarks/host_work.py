@@ -33,6 +33,7 @@ smaller segment_forward and the add: compute that a whole expert does not do.)
     python benchmarks/host_work.py --versions OLD NEW --rounds 4   # two source trees (their fmoe_cli), one
         process per tree and round, alternating: host ms per segment of each, side by side
     python benchmarks/host_work.py --ops   # aten ops per decode step (profiling/ops.py), no timing
+    python benchmarks/host_work.py --alternatives [--repeats 7]   # fewer ops, timed: what they cost on this CPU
 
 `--ops` counts what the host dispatches instead of timing it (a count does not depend on
 how busy the machine is): one decode step of tiny random checkpoints shaped like
@@ -163,6 +164,16 @@ def compare(args) -> None:
                       spread([x["layer_us"] - o["layer_us"] for x, o in zip(rr["prefetch-only"], rr["ondemand"])],
                              "{:.1f}"))
     console.print(table)
+    table = Table(title="as measured: TPOT ms of a decode step, and µs of one MoE layer's experts forward alone "
+                        "(one token, K fixed experts); median \\[min–max] over all rounds")
+    table.add_column("tree")
+    for n in RUNS:
+        table.add_column(f"{n} TPOT ms", justify="right")
+        table.add_column(f"{n} 1 layer µs", justify="right")
+    for tree, rr in runs.items():
+        table.add_row(tree, *(cell for n in RUNS for cell in (spread([x["tpot_ms"] for x in rr[n]]),
+                                                                spread([x["layer_us"] for x in rr[n]], "{:.1f}"))))
+    console.print(table)
     ids = {tuple(x["token_ids"]) for rr in runs.values() for n in RUNS for x in rr[n]}
     console.print("token ids identical across trees and runs" if len(ids) == 1 else "[red]token ids DIFFER[/red]")
 
@@ -220,6 +231,80 @@ def count_ops(console: Console, as_json: bool) -> None:
     Console().print(table)
 
 
+ALTERNATIVE_SHAPES = {  # name: (experts N, neurons I, hidden H); K = 8 activated
+    "tiny (tests)": (128, 64, 64),
+    "demo": (16, 192, 256),
+    "a3b (Qwen3-30B-A3B)": (128, 768, 2048),
+}
+
+
+def time_alternatives(repeats: int) -> None:
+    """Two ways to dispatch fewer ops, each timed against what the engine does (interleaved rounds, median
+    [min–max] µs per call, one thread) and its bits compared:
+    - gate and up in one batched matmul over the [2, H, n] view of the neuron-major rows, written into a
+      buffer whose gate and up halves are views made once (4 ops a segment instead of 5);
+    - a layer's K = 8 experts from one buffer in torch's `_grouped_mm` (offsets give the activated
+      experts their token, the others none: 5 ops for the K experts instead of 5·K)."""
+    import torch.nn.functional as F
+
+    from fmoe_cli.offload import layout
+
+    torch.set_num_threads(1)
+    console = Console(width=170)
+    console.print("command: python benchmarks/host_work.py " + " ".join(sys.argv[1:]), highlight=False)
+    table = Table(title=f"host µs per call, median \\[min–max] of {repeats} interleaved rounds (float32, 1 thread, "
+                        "decode: one token)")
+    for column in ("shape", "what", "as the engine does it", "with fewer ops", "same bits"):
+        table.add_column(column, justify="left" if column in ("shape", "what") else "right")
+    g = torch.Generator().manual_seed(0)
+    act = F.silu
+    for name, (n_experts, neurons, hidden) in ALTERNATIVE_SHAPES.items():
+        layer = torch.randn(n_experts, neurons, 3, hidden, generator=g) * 0.05  # [N, I, 3, H]
+        x = torch.randn(1, hidden, generator=g)
+        active = list(range(0, n_experts, n_experts // 8))[:8]
+        rows = [layout.split_rows(layer[e]) for e in active]
+        gate_up = [layer[e][:, :2].permute(1, 2, 0) for e in active]  # [2, H, I] views
+        buffer = torch.empty(2, 1, neurons)
+        gate, up = buffer.unbind(0)
+
+        def two_linears():
+            return [layout.segment_forward(x, r, act) for r in rows]
+
+        def one_batched_matmul():
+            out = []
+            for w, r in zip(gate_up, rows):
+                torch.matmul(x, w, out=buffer)
+                out.append(torch.mul(act(gate), up) @ r[2])
+            return out
+
+        offsets = torch.zeros(n_experts, dtype=torch.int32)
+        offsets[active] = 1
+        offsets = torch.cumsum(offsets, 0, dtype=torch.int32)
+        xs = x.expand(len(active), hidden).contiguous()  # one row per activated expert
+        views = [layer[:, :, j].transpose(1, 2) for j in range(2)]  # gate, up: [N, H, I]
+        down = layer[:, :, 2]  # [N, I, H]
+
+        def grouped():
+            h = act(torch._grouped_mm(xs, views[0], offs=offsets)) * torch._grouped_mm(xs, views[1], offs=offsets)
+            return list(torch._grouped_mm(h, down, offs=offsets).unbind(0))
+
+        for what, mine, other in (("a segment: gate and up", two_linears, one_batched_matmul),
+                                  ("K = 8 experts of one buffer", two_linears, grouped)):
+            same = all(torch.equal(a, b.view_as(a)) for a, b in zip(mine(), other()))
+            times: dict[str, list[float]] = {"mine": [], "other": []}
+            for r in range(repeats):
+                for key, fn in (("mine", mine), ("other", other)) if r % 2 == 0 else (("other", other), ("mine", mine)):
+                    reps = 20
+                    start = time.perf_counter()
+                    for _ in range(reps):
+                        fn()
+                    times[key].append((time.perf_counter() - start) / reps * 1e6 / (len(active) if
+                                                                                      "segment" in what else 1))
+            table.add_row(name, what + (" (µs per segment)" if "segment" in what else " (µs per layer)"),
+                          spread(times["mine"], "{:.1f}"), spread(times["other"], "{:.1f}"), "yes" if same else "NO")
+    console.print(table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the demo model")
@@ -234,9 +319,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--layer-reps", type=int, default=200, help="repetitions of the one-layer measurement")
     p.add_argument("--ops", action="store_true", help="count aten ops per decode step instead of timing")
+    p.add_argument("--alternatives", action="store_true", help="time the ways to dispatch fewer ops on this CPU")
     args = p.parse_args()
     if args.ops:
         return count_ops(Console(stderr=True), args.json)
+    if args.alternatives:
+        return time_alternatives(args.repeats)
     if args.versions:
         return compare(args)
     torch.set_num_threads(1)

@@ -213,32 +213,31 @@ def test_configure_frees_before_it_allocates_and_runs_a_smaller_plan_on_oom(mixt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_combining_one_token_adds_in_place_with_the_bits_of_index_add(monkeypatch, dtype):
-    """A decode step (one token) sums the weighted expert outputs with add_ instead of index_add_ (one call
-    fewer per expert): the same adds in the same order (by expert id), so the same bits. Several tokens
-    still go through index_add_."""
+def test_combining_sums_each_tokens_experts_as_transformers_grouped_mm_does(dtype):
+    """The weighted sum is transformers' default experts forward's (`grouped_mm`): every routed (token, k)
+    row's output times its weight, [T, K, H] summed over K in routing order, converted to the hidden dtype
+    once. One token or several, the same bits (the old per-expert `add_`/`index_add_` in expert order, with a
+    rounding to the hidden dtype per expert, gives others here: the test fails on it)."""
     from fmoe_cli.offload.engine import Routing
 
-    calls = []
-    real = torch.Tensor.index_add_
-    monkeypatch.setattr(torch.Tensor, "index_add_", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
     g = torch.Generator().manual_seed(0)
+    k, hidden = 8, 4099  # K = 8 and a hidden size with a tail: where a sequential add rounds differently
     for tokens in (1, 3):
-        ids = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(tokens)])  # [T, K] distinct per token
-        weights = torch.rand(tokens, 4, generator=g).to(dtype)
-        hidden = torch.zeros(tokens, 16, dtype=dtype)
+        ids = torch.stack([torch.randperm(16, generator=g)[:k] for _ in range(tokens)])  # [T, K] distinct per token
+        weights = torch.rand(tokens, k, generator=g)  # the router's float32, as in a bf16 model
+        state = torch.zeros(tokens, hidden, dtype=dtype)
         routing = Routing.of(ids, weights)
-        _perm, rows, spans = routing.layout(hidden.device)
-        outputs = {e: (torch.randn(len(rows[spans[e]]), 16, generator=g) * 100).to(dtype) for e in routing.active}
-        expected = torch.zeros_like(hidden)  # transformers' order: experts by id, index_add_ of each one's rows
-        for e in routing.active:
-            token_of = [t for t in range(tokens) for k in range(4) if ids[t, k] == e]
-            w = torch.stack([weights[t, (ids[t] == e).nonzero().item()] for t in token_of]).unsqueeze(1)
-            real(expected, 0, torch.tensor(token_of), outputs[e] * w)
-        calls.clear()
-        got = Engine._combine(None, hidden, routing, outputs, weights)
-        assert torch.equal(got, expected)
-        assert (len(calls) == 0) == (tokens == 1)  # one token: no index_add_ at all
+        _perm, rows, spans = routing.layout(state.device)
+        scale = torch.logspace(-3, 3, k)
+        per_slot = {(t, j): (torch.randn(hidden, generator=g) * scale[j]).to(dtype)
+                    for t in range(tokens) for j in range(k)}  # the output of token t's k-th expert
+        outputs = {e: torch.stack([per_slot[t, j] for t in range(tokens) for j in range(k) if ids[t, j] == e])
+                   for e in routing.active}  # [T_e, H], tokens ascending
+        proj = torch.stack([per_slot[t, j] for t in range(tokens) for j in range(k)])  # [T·K, H], routing order
+        # transformers.integrations.moe.grouped_mm_experts_forward, after its down projection:
+        expected = (proj * weights.reshape(-1).unsqueeze(-1)).view(tokens, k, hidden).sum(dim=1).to(dtype)
+        got = Engine._combine(None, state, routing, outputs, weights)
+        assert got.dtype == dtype and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("link_kind", ["emulated", "cuda"])
@@ -349,19 +348,37 @@ def test_prefill_computes_the_lm_head_for_the_last_token_only(checkpoints, famil
     assert full.argmax(-1).tolist() == got
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+OPS_SHAPES = {  # family, overrides of the tiny config: K = 2, K = 2 with a shared expert and a dense layer, K = 8
+    "mixtral": ("mixtral", {}),
+    "deepseek_v3": ("deepseek_v3", {}),
+    "qwen3-a3b-top8": ("qwen3_moe", {"num_experts": 16, "num_experts_per_tok": 8}),
+}
+
+
+@pytest.fixture(scope="module")
+def ops_checkpoints(tmp_path_factory):
+    from fmoe_cli.models.demo import build_random_moe
+
+    root = tmp_path_factory.mktemp("ops")
+    return {name: build_random_moe(root / name, family=family, seed=1, **overrides)
+            for name, (family, overrides) in OPS_SHAPES.items()}
+
+
+@pytest.mark.parametrize("shape_name", list(OPS_SHAPES))
 @pytest.mark.parametrize("policy", ["resident", "ondemand", "uniform"])
-def test_host_work_per_decode_step_in_ops(checkpoints, family, policy):
+def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy):
     """Issue 20 §6: every op the host dispatches costs it microseconds on a GPU. Counted on the CPU with a
     TorchDispatchMode over one decode step: a segment's forward is 5 ops (two linears, the activation, the
     product, the down matmul: its rows split once per buffer), and an MoE layer besides its segments is at
-    most 6 ops plus 2 per activated expert (the weighted sum, bit-identical to index_add_) on a plan that
-    does not split; a split plan (uniform θ = 0.5) adds the top + bottom add and the predictor's scores."""
+    most 12 ops whatever K (routing to the host; the weighted sum in one concatenation, one multiply and one
+    sum, where it was a multiply and an add per expert: 6 + 2K, 22 at K = 8) on a plan that does not split;
+    a split plan (uniform θ = 0.5) adds its top + bottom adds (one per split expert) and the predictor.
+    On the CPU with the expert kernels a segment is one call, whose result is its one op."""
     from fmoe_cli import kernels
     from fmoe_cli.planning.presets import make_settings
     from fmoe_cli.profiling.ops import count_decode_ops
 
-    lm = load_model(str(checkpoints[family]), device="cpu", dtype="float32")
+    lm = load_model(str(ops_checkpoints[shape_name]), device="cpu", dtype="float32")
     shape = lm.shape
     engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
     engine.install(lm.model)
@@ -376,11 +393,9 @@ def test_host_work_per_decode_step_in_ops(checkpoints, family, policy):
         assert 0 < ops["ops_per_segment"] <= 1, ops["by_op"]
     else:  # torch's path
         assert ops["ops_per_segment"] == 5, ops["by_op"]
-    bound = 6 + 2 * shape.top_k  # routing to the host, the weighted sum
-    if policy == "ondemand":
-        bound += 1  # a staging slot's view split the first time it holds this segment
+    bound = 12
     if policy == "uniform":
-        bound += shape.top_k + 13  # top + bottom adds; the predictor's scores and ranking, the prefetches
+        bound += shape.top_k + 16  # top + bottom adds; the predictor's scores and ranking, the prefetches
     assert ops["ops_per_layer_besides_segments"] <= bound, ops["by_op"]
 
 
@@ -404,3 +419,70 @@ def test_each_load_is_polled_once_per_pass(mixtral, monkeypatch):
     next(steps)  # a decode step: K loads per layer
     engine.close()
     assert len(polls) == shape.num_layers * shape.top_k
+
+
+@pytest.mark.parametrize("experts", ["bf16", "int8", "int4", "int2"])
+@pytest.mark.parametrize("policy", ["resident", "ondemand"])
+def test_prefill_computes_each_activated_expert_once_over_all_its_tokens(checkpoints, experts, policy, monkeypatch):
+    """Issue 21 §1: a prefill groups tokens by expert, in every format: one segment forward per activated
+    expert of a layer over all the tokens routed to it (not one per token), whether the expert is on the
+    device (resident) or loaded in waves through a staging pool smaller than the activated set (ondemand)."""
+    from fmoe_cli.offload.store import HostStore
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32", experts=experts)
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes))
+    if policy == "ondemand":
+        assert engine.settings.plan.staging_slots < shape.num_experts  # waves
+    routed = []  # per MoE layer forward: (token, expert) pairs
+    engine.observers.append(lambda event: routed.append(
+        {(t, e) for t, row in enumerate(event.top_k_index.tolist()) for e in row}))
+    rows_per_call = []  # tokens of each segment the engine asks the store for (one call, or one of a grouped call)
+    store_class, inside = type(lm.store), []
+    assert store_class is HostStore or experts != "bf16"
+    for name, xs_of in (("segment_forward", lambda args: [args[0]]), ("segments_forward", lambda args: args[0])):
+        def spy(self, *args, _real=getattr(store_class, name), _xs_of=xs_of, **kwargs):
+            if not inside:  # the engine's call, not one the store makes for itself
+                rows_per_call.extend(x.shape[0] for x in _xs_of(args))
+            inside.append(1)
+            try:
+                return _real(self, *args, **kwargs)
+            finally:
+                inside.pop()
+        monkeypatch.setattr(store_class, name, spy)
+    with torch.no_grad():
+        lm.model(PROMPT)
+    engine.close()
+    assert len(routed) == shape.num_layers
+    want = sorted(sum(1 for _t, e in pairs if e == expert)  # each activated expert: its token count
+                  for pairs in routed for expert in {e for _t, e in pairs})
+    assert sorted(rows_per_call) == want
+    assert max(want) > 1  # some expert really has several tokens
+
+
+def test_whole_expert_policies_give_the_same_bits(mixtral):
+    """Every policy that computes each expert whole gives the same logits bit for bit, decode steps
+    included: where an expert's weights come from (the resident buffer, a staging slot, a prefetch) and
+    how many are grouped in one call never changes the arithmetic, and the weighted sum runs in one
+    fixed order (issue 20 §6)."""
+    from fmoe_cli.generate import next_logits
+    from fmoe_cli.planning.presets import make_settings
+    from transformers import DynamicCache
+
+    lm, shape = mixtral, mixtral.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    logits = {}
+    for policy in ("resident", "ondemand", "prefetch-only"):
+        engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes))
+        cache = DynamicCache(config=lm.model.config)
+        with torch.no_grad():
+            steps = [next_logits(lm.model, PROMPT, cache)]  # a prefill, then decode steps
+            steps += [next_logits(lm.model, torch.tensor([[t]]), cache) for t in (9, 33, 71, 5)]
+        logits[policy] = torch.stack(steps)
+    engine.close()
+    assert torch.equal(logits["resident"], logits["ondemand"]) and torch.equal(logits["resident"],
+                                                                              logits["prefetch-only"])

@@ -15,7 +15,8 @@ One decode step through MoE layer i (docs/architecture.md § One decode step):
    speculative: layer i+1; the last layer predicts layer 0 of the next token): only the
    bottom when the top is cached, the whole expert otherwise (offload/prefetch.py); a
    whole loaded expert's top segment is offered to the cache (LCP by default);
-4. combine the partial results in a fixed order (top + bottom, then experts by id),
+4. combine the partial results in a fixed order (top + bottom, then each token's experts
+   in routing order, as transformers' default `grouped_mm` experts forward sums them),
    so results are deterministic.
 
 Prefill takes the same path with every activated expert; when the staging pool is
@@ -117,6 +118,8 @@ class Routing:
     flat: list[int]  # ids flattened, token-major
     active: list[int]  # distinct activated experts, ascending
     _layout: tuple | None = None
+    _order: list[int] | None = None
+    _routing_order: torch.Tensor | None = None
 
     extra: dict = field(default_factory=dict)  # the predictor's device parts, on the host
 
@@ -138,7 +141,7 @@ class Routing:
 
     @classmethod
     def _make(cls, ids: torch.Tensor, weights: torch.Tensor, extra: dict) -> Routing:
-        flat = ids.reshape(-1).tolist()
+        flat = [e for row in ids.tolist() for e in row]  # token-major ([T, K]: no reshape op)
         return cls(ids, weights, flat, sorted(set(flat)), extra=extra)
 
     def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict[int, slice]]:
@@ -156,7 +159,20 @@ class Routing:
                 spans[e] = slice(start, start + counts[e])
                 start += counts[e]
             self._layout = (perm, perm // self.ids.shape[-1], spans)
+            self._order = order
         return self._layout
+
+    def routing_order(self, device: torch.device) -> torch.Tensor:
+        """[T·K]: for each routed position t·K + k, its row in `layout`'s expert-sorted order (perm's inverse),
+        which puts rows sorted by expert back in routing order. One host→device copy."""
+        if self._routing_order is None:
+            self.layout(device)
+            rows = [0] * len(self._order)
+            for row, position in enumerate(self._order):
+                rows[position] = row
+            inverse = torch.tensor(rows, dtype=torch.long)
+            self._routing_order = inverse.to(device, non_blocking=True) if device.type != "cpu" else inverse
+        return self._routing_order
 
 
 @dataclass
@@ -431,15 +447,15 @@ class Engine:
 
             def x_of(e: int) -> torch.Tensor:
                 return xs[spans[e]]
-        outputs: dict[int, torch.Tensor] = {}
-        top_outputs: dict[int, torch.Tensor] = {}
         if loading:  # the host's lead on the first load (the configurator's h_route)
             state.counters.lead_s += time.perf_counter() - submitted
             state.counters.leads += 1
-        for e in hits.whole:
-            outputs[e] = store.segment_forward(x_of(e), state.top_rows[state.cache.slot(e)], act)
-        for e in hits.top_hits:
-            top_outputs[e] = store.segment_forward(x_of(e), state.top_rows[state.cache.slot(e)], act, partial=True)
+        # what the cache holds, one call each for the whole experts and for the tops (store.segments_forward)
+        outputs: dict[int, torch.Tensor] = dict(zip(hits.whole, store.segments_forward(
+            [x_of(e) for e in hits.whole], [state.top_rows[state.cache.slot(e)] for e in hits.whole], act)))
+        top_outputs = dict(zip(hits.top_hits, store.segments_forward(  # partial: the bottom continues them
+            [x_of(e) for e in hits.top_hits], [state.top_rows[state.cache.slot(e)] for e in hits.top_hits], act,
+            partial=True)))
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
@@ -467,23 +483,17 @@ class Engine:
 
     def _combine(self, hidden_states: torch.Tensor, routing: Routing, outputs: dict,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
-        """4. the weighted sum, in a fixed order (by expert id), so results are deterministic."""
-        final = torch.zeros_like(hidden_states)
-        one_token = hidden_states.shape[0] == 1  # a decode step: every expert's rows are that token's one row
-        if one_token:  # no layout: expert e's weight is the one at its place in the routing ([1] each, one op)
-            weight_at = top_k_weights.reshape(-1).unbind(0)
-        else:
-            perm, tokens, spans = routing.layout(hidden_states.device)
-            weights = top_k_weights.reshape(-1)[perm].unsqueeze(1)  # [T·K, 1] in the same order
-        for e in routing.active:
-            weighted = outputs[e] * (weight_at[routing.flat.index(e)] if one_token else weights[spans[e]])  # [T_e, H]
-            if weighted.dtype != final.dtype:
-                weighted = weighted.to(final.dtype)
-            if one_token:
-                final.add_(weighted)  # what index_add_ does for one row (the same adds, in the same order)
-            else:
-                final.index_add_(0, tokens[spans[e]], weighted)
-        return final
+        """4. the weighted sum as transformers' default experts forward (`grouped_mm`) makes it: each routed
+        (token t, slot k) row's output y_tk times its weight w_tk, summed over the token's K slots in routing
+        order, out_t = Σ_k w_tk · y_tk ([T, K, H].sum(1)). One fixed order and no atomics, so the same bits on
+        every run and every policy; a handful of ops whatever K (docs/architecture.md § Host work per token)."""
+        tokens, k = routing.ids.shape
+        if tokens == 1:  # a decode step: the experts' one rows in routing order, [K, H] · [K, 1] summed over K
+            final = (torch.cat([outputs[e] for e in routing.flat]) * top_k_weights.t()).sum(0, keepdim=True)
+        else:  # every expert's rows (tokens ascending), in expert order, put back in routing order: [T, K, H]
+            rows = torch.cat([outputs.pop(e) for e in routing.active])[routing.routing_order(hidden_states.device)]
+            final = (rows.view(tokens, k, -1) * top_k_weights.unsqueeze(-1)).sum(1)
+        return final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)
 
     def _offer(self, i: int, e: int, segment: torch.Tensor) -> None:
         """Offer a whole loaded expert's top segment to layer i's cache (LCP decides).

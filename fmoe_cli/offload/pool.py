@@ -74,7 +74,8 @@ class StagingPool:
         key = (layer, expert, start)
         rows = self._sources.get(key)
         if rows is None:
-            rows = self._sources[key] = store.expert(layer, expert)[start:]
+            rows = store.expert(layer, expert)
+            rows = self._sources[key] = rows[start:] if start else rows
         return rows
 
     def rows(self, store, segment: torch.Tensor):

@@ -11,7 +11,8 @@ registration.
 
 The engine reads the store through three members only (agreed with offload/engine):
 `row_shape` (one neuron's row), `dtype` (the rows' storage dtype) and
-`segment_forward(x, segment, act, acc=None, partial=False)`: unquantised rows are (3, H) of the
+`segment_forward(x, segment, act, acc=None, partial=False)` (with `segments_forward`, several at
+once): unquantised rows are (3, H) of the
 compute dtype, quantised rows (offload/quant.py) are bytes. On the CPU both compute with the expert
 kernels (fmoe_cli/kernels: one pass, split-exact: `acc`, the first part's `partial` result, continued by
 the second part gives the whole's bits); on a GPU, or without the kernels, with torch
@@ -82,6 +83,7 @@ class HostStore:
         self.dtype = dtype
         self.pin = pin
         self.layers: list[torch.Tensor] = []  # [N, I, *row_shape] per MoE layer
+        self._experts: list[tuple[torch.Tensor, ...]] = []  # each layer's [I, *row_shape] per expert, made once
         self._buffers: list[HostBuffer] = []
         self.kernel = kernels.spec_of(shape.experts, dtype, shape.hidden, shape.neuron_block)  # the kernels' view
 
@@ -105,6 +107,13 @@ class HostStore:
         """segment_forward with torch's ops (a GPU; a CPU without the kernels)."""
         return layout.segment_forward(x, segment, act)
 
+    def segments_forward(self, xs: list[torch.Tensor], segments: list, act, partial: bool = False) -> list:
+        """`segment_forward` of each (x, segment) pair, in one call: a layer's experts on the device (whole, or
+        the tops of top hits). A kernel that computes several experts in one launch does it here; in a decode
+        step every xs[i] is the same tensor. Today one segment_forward each (torch's own grouped matmul costs
+        the CPU more than the loop: docs/bench.md § Host work in ops)."""
+        return [self.segment_forward(x, segment, act, partial=partial) for x, segment in zip(xs, segments)]
+
     def rows(self, segment: torch.Tensor):
         """What `segment_forward` takes for `segment`, prepared once for a buffer that is computed from many
         times (a cached top, a staging slot): on the CPU with the kernels the rows themselves, else its gate,
@@ -126,6 +135,7 @@ class HostStore:
             buffer = HostBuffer(self.layer_bytes, self.pin, None if memory is None else memory[i])
             self._buffers.append(buffer)
             self.layers.append(buffer.tensor.view(self.dtype).view(s.num_experts, s.intermediate, *self.row_shape))
+            self._experts.append(self.layers[-1].unbind(0))  # one op per layer, not one per load
 
     def block(self, layer: int, expert: int) -> torch.Tensor:
         """Where the loader assembles an expert's packed [I, 3, H] block: here, its place in the store."""
@@ -138,7 +148,8 @@ class HostStore:
             target.copy_(block)
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
-        return self.layers[layer][expert]
+        """Expert `expert` of MoE layer `layer`: [I, *row_shape], a view made at allocation."""
+        return self._experts[layer][expert]
 
     @property
     def nbytes(self) -> int:

@@ -9,7 +9,7 @@ path is the same) and, unlike a time, does not depend on how busy the machine is
 `count_decode_ops` runs one decode step and attributes each op to where it was
 dispatched from:
 - `segment`: inside the store's `segment_forward` (one whole expert, or one of a split
-  expert's two segments);
+  expert's two segments) or `segments_forward` (several of them, counted one by one);
 - `layer`: the rest of the engine's experts forward (routing to the host, the gather,
   slots, polls, the weighted sum);
 - `other`: attention, norms, the LM head, sampling.
@@ -43,13 +43,17 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _attributed(counter: OpCounter, owner, name: str, place: str, calls: list):
-    """While it runs, ops dispatched from `owner.name` count under `place`; `calls` gets one entry per call."""
+def _attributed(counter: OpCounter, owner, name: str, place: str, calls: list, count=lambda args: 1):
+    """While it runs, ops dispatched from `owner.name` count under `place`; `calls` gets `count(args)` entries
+    per call (the segments it computes), none for a call made inside `place` already (a grouped call's own
+    segment_forwards)."""
     real = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
+        if counter.place == place:
+            return real(*args, **kwargs)
         previous, counter.place = counter.place, place
-        calls.append(place)
+        calls.extend([place] * count(args))
         try:
             return real(*args, **kwargs)
         finally:
@@ -71,6 +75,9 @@ def count_decode_ops(step) -> dict:
         for cls in stores:
             if "segment_forward" in cls.__dict__:
                 stack.enter_context(_attributed(counter, cls, "segment_forward", "segment", calls))
+            if "segments_forward" in cls.__dict__:  # (self, xs, segments, act): one segment per entry
+                stack.enter_context(_attributed(counter, cls, "segments_forward", "segment", calls,
+                                                count=lambda args: len(args[2])))
         stack.enter_context(_attributed(counter, Engine, "experts_forward", "layer", calls))
         with counter:
             step()
