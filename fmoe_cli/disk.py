@@ -5,7 +5,9 @@ directory (converted quantised stores; the random demo when the trained one is n
 the data directory (chat history). Writes are atomic through temporaries named
 `.<file>.<pid>.<random>.tmp`; a process killed mid-write (SIGKILL during an int4 conversion)
 leaves one behind. `sweep` removes a temporary whose writer is gone (its pid is not running) or
-that is older than a day (another machine's pid, or a name without one), at every run's start.
+that is older than a day (another machine's pid, or a name without one), at every run's start; and a
+lock file (`.<file>.lock`, holding its last owner's pid) whose owner is gone or that was last taken
+over a day ago, when nobody holds it (fmoe_cli/files.py: `remove_unheld_lock`).
 """
 
 from __future__ import annotations
@@ -52,8 +54,26 @@ def orphaned(path: Path, now: float | None = None) -> bool:
     return age > STALE_S or (pid is not None and int(pid) != os.getpid() and not _alive(int(pid)))
 
 
+def stale_lock(path: Path, now: float | None = None) -> bool:
+    """A lock file of fmoe's (`.<name>.lock`, files.locked) whose last owner is gone (its pid is not running)
+    or that was last taken over a day ago. (Whether someone holds it now is checked when it is removed.)"""
+    from fmoe_cli.files import lock_owner
+
+    if not (path.name.startswith(".") and path.name.endswith(".lock")):
+        return False
+    try:
+        age = (time.time() if now is None else now) - path.stat().st_mtime
+    except OSError:
+        return False
+    pid = lock_owner(path)
+    return age > STALE_S or (pid is not None and pid != os.getpid() and not _alive(pid))
+
+
 def sweep(roots: list[Path] | None = None) -> list[Path]:
-    """Remove the orphaned temporaries under `roots` (default: every place); returns what was removed."""
+    """Remove the orphaned temporaries and the stale lock files nobody holds under `roots` (default: every
+    place); returns what was removed."""
+    from fmoe_cli.files import remove_unheld_lock
+
     removed = []
     for root in roots if roots is not None else list(places().values()):
         if not root.is_dir():
@@ -65,6 +85,9 @@ def sweep(roots: list[Path] | None = None) -> list[Path]:
                     removed.append(path)
                 except OSError:
                     pass  # (a read-only place, or gone meanwhile: nothing to do)
+        for path in root.rglob(".*.lock"):
+            if path.is_file() and stale_lock(path) and remove_unheld_lock(path):
+                removed.append(path)
     return removed
 
 
@@ -121,7 +144,7 @@ def run_cache(action: str, as_json: bool, console) -> dict:
         for entry in place["entries"]:
             console.print(f"  {_size(entry['bytes']):>10}  {Path(entry['path']).name}", highlight=False)
     for path in swept:
-        console.print(f"removed an orphaned temporary file: {path}", highlight=False)
+        console.print(f"removed {'a stale lock file' if path.name.endswith('.lock') else 'an orphaned temporary file'}: {path}", highlight=False)
     if freed is not None:
         console.print(f"cleared the converted stores: {_size(freed)} freed (profiles, statistics and history kept)",
                       highlight=False)

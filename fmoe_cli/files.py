@@ -4,9 +4,10 @@ Profiling and planning both use these; this module imports nothing of fmoe excep
 
 - `write_atomic`: a unique temporary file in the same directory, fsync, then rename: a reader
   sees the old file or the new one, never half of one; two writers never share a temporary.
-- `locked(path)`: an exclusive lock (`.<name>.lock` beside the file) around read-merge-write,
-  so two sessions saving the same file both count. Where no lock can be taken (a read-only
-  directory, a system without `fcntl`), it goes on unlocked: the write itself then fails or wins.
+- `locked(path)`: an exclusive lock (`.<name>.lock` beside the file, holding its last owner's pid)
+  around read-merge-write, so two sessions saving the same file both count. Where no lock can be
+  taken (a read-only directory, a system without `fcntl`), it goes on unlocked: the write itself
+  then fails or wins. A lock file nobody holds can be removed (`remove_unheld_lock`: the sweep).
 - `set_aside(path)`: a damaged file is renamed `<name>.corrupt-<time>`, never deleted.
 """
 
@@ -89,26 +90,83 @@ def write_atomic(path: Path, text: str) -> Path:
     return path
 
 
+def lock_path(path: Path) -> Path:
+    """The lock file of `path`: `.<name>.lock` beside it."""
+    return path.parent / f".{path.name}.lock"
+
+
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[bool]:
-    """Hold an exclusive lock for `path` (blocks until other holders are done). Yields whether it is held."""
+    """Hold an exclusive lock for `path` (blocks until other holders are done). Yields whether it is held.
+
+    The lock file holds its last owner's pid. A lock taken on a file that was removed meanwhile (the sweep
+    removes a stale one: `remove_unheld_lock`) is let go and taken again on the file now at the path, so
+    two holders never lock two different files."""
     path = Path(path)
     try:
         import fcntl
     except ImportError:  # Windows: no advisory locks here; writes stay atomic
         yield False
         return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path.parent / f".{path.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield False
-        return
-    try:
+    where = lock_path(path)
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(where, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield False
+            return
         fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            current = os.stat(where).st_ino
+        except OSError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # removed (or replaced) while we waited: lock the file at the path now
+    try:
+        with contextlib.suppress(OSError):  # the owner, for the sweep (a read-only lock file: no pid)
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
         yield True
     finally:
         os.close(fd)  # releases the lock
+
+
+def lock_owner(where: Path) -> int | None:
+    """The pid a lock file names (its last holder), None when it names none."""
+    try:
+        text = where.read_text()[:32].strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def remove_unheld_lock(where: Path) -> bool:
+    """Remove the lock file `where` if nobody holds it (taken without waiting, removed while held: `locked`
+    then never locks it again). Returns whether it was removed."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        fd = os.open(where, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: in use
+        os.close(fd)
+        return False
+    try:
+        if os.stat(where).st_ino != os.fstat(fd).st_ino:
+            return False
+        where.unlink()
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def set_aside(path: Path) -> Path:

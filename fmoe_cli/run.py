@@ -19,6 +19,9 @@ Closing the run saves the statistics and closes the engine and the trace writer.
 
 from __future__ import annotations
 
+import math
+import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -49,7 +52,7 @@ from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import default_stats_path, open_recorder, scratch_recorder
 from fmoe_cli.profiling.device import device_identity, device_link
 from fmoe_cli.profiling.host import host_timings, saved_host_profile
-from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, model_identity
+from fmoe_cli.profiling.files import DeviceProfile, LinkFit, Profile, default_profile_path, model_identity, now_iso
 from fmoe_cli.profiling.model import expert_compute_s, model_timings
 from fmoe_cli.profiling.reference import CONSUMER_CARD
 from fmoe_cli.types import Timings
@@ -135,35 +138,92 @@ def link_fit_of(link, device) -> LinkFit:
 
 
 def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine: Engine | None = None,
-                 on_quick: Callable[[], object] = lambda: None) -> Timings:
-    """The configurator's timings: the saved profile of this device and model, else a quick
-    measurement (on `engine` if given — it is left configured for on-demand loading — else on a
-    temporary one; `on_quick` is told). T_load: the link the run really uses (an emulated one's own figures)."""
-    emulated = bool(getattr(link, "gbps", None))
+                 on_quick: Callable[[str], object] = lambda how: None, note: Callable[[str], object] = warn) -> Timings:
+    """The configurator's timings: the saved profile of this device and model, else the quick estimate an
+    earlier run saved (`on_quick("saved")`), else a quick measurement (on `engine` if given — it is left
+    configured for on-demand loading — else on a temporary one; `on_quick("measured")`), saved for the next
+    run when no profile was named. T_load: the link the run really uses (an emulated one's own figures;
+    a profile of a link more than 20 % away is said so through `note`, and the run's link is used)."""
+    gbps = getattr(link, "gbps", None)
+    emulated = bool(gbps)
     key = model_key(lm.model_id, lm.path)
-    # The layer timings do not depend on the link: an emulated run may read either profile (its own link
-    # figures are used); a real run never reads an emulated profile.
+    # The layer timings do not depend on the link: an emulated run reads the profile of its own link first,
+    # else another emulated one or the real one (its own link figures are used); a real run never reads an
+    # emulated profile.
     candidates = [profile_path] if profile_path else (
-        [default_profile_path(key, emulated=True), default_profile_path(key)] if emulated else [default_profile_path(key)])
+        [*emulated_profiles(key, gbps), default_profile_path(key)] if emulated else [default_profile_path(key)])
     path = next((c for c in candidates if c.exists()), candidates[0])
     timings, link_fit = None, None
     if path.exists():
         try:  # a profile of another device or model (or a damaged one) is not used: measure instead, and say so
-            profile = Profile.load(path)
-            profile.check_device(device_identity(lm.device))
-            profile.check_model(model_identity(lm.model_id, lm.path / "config.json"))
-            timings, link_fit = profile.model, profile.device.link
+            timings, link_fit = _saved_timings(path, lm)
         except FmoeError as exc:
             warn(f"not using the saved profile: {exc}; timing the layers quickly instead")
             timings = None
+    if timings is not None and (emulated or lm.device.type != "cpu"):  # (the CPU's own "link" moves nothing)
+        run_link = link_fit_of(link, lm.device)
+        if link_apart(link_fit, run_link):
+            profiled = f"--emulate-link {run_link.bandwidth / 1e9:g} " if emulated else ""
+            note(f"the profile {path} was measured on a link of {link_fit.bandwidth / 1e9:.3g} GB/s, this run's is "
+                 f"{run_link.bandwidth / 1e9:.3g} GB/s (more than {LINK_TOLERANCE:.0%} apart): the plan is made for "
+                 f"this run's link (T_load), with the profile's compute and host costs; `fmoe profile --model "
+                 f"{lm.model_id} {profiled}`profiles this link")
+            link_fit = run_link
+    quick = default_profile_path(key, quick=True)
+    if timings is None and profile_path is None and quick.exists():
+        try:  # the quick estimate of an earlier run: no warning when it is not usable, it is measured again
+            timings, link_fit = _saved_timings(quick, lm)
+            on_quick("saved")
+        except FmoeError:
+            timings = None
     if timings is None:
         timings = measure_timings(lm, engine)
-        on_quick()
+        link_fit = None
+        on_quick("measured")
+        if profile_path is None:  # kept for the next run; a cache: a failed save is not worth a warning
+            try:
+                Profile(DeviceProfile(device_identity(lm.device), link_fit_of(link, lm.device)), timings,
+                        created=now_iso()).save(quick)
+            except OSError:
+                pass
     if emulated or link_fit is None or link_fit.kind == "emulated":  # the link the engine really uses
         link_fit = link_fit_of(link, lm.device)
     times = timings.timings(link_fit, lm.shape.expert_bytes)
     # the host lane's figures (this machine's host profile), with a GPU only: without one the host is the device
     return host_timings(times, saved_host_profile(), lm.shape) if lm.device.type == "cuda" else times
+
+
+def emulated_profiles(key: str, gbps: float) -> list[Path]:
+    """The saved profiles of emulated links of the model `key`, the nearest bandwidth to `gbps` first (one of
+    unknown bandwidth, saved before they were kept per link, last)."""
+    own = default_profile_path(key, emulated=gbps)
+    pattern = re.compile(re.escape(default_profile_path(key, emulated=True).stem) + r"-([0-9.e+]+)gbps\.json$")
+
+    def distance(path: Path) -> float:
+        match = pattern.match(path.name)
+        try:
+            return abs(math.log(float(match.group(1)) / gbps)) if match else math.inf
+        except (ValueError, ZeroDivisionError):
+            return math.inf
+
+    saved = sorted(own.parent.glob(default_profile_path(key, emulated=True).stem + "*.json"), key=distance)
+    return [own, *(path for path in saved if path != own)]
+
+
+LINK_TOLERANCE = 0.2  # a profile's link this far from the run's (relative bandwidth) is another link
+
+
+def link_apart(profiled: LinkFit, measured: LinkFit) -> bool:
+    """Whether the run's link differs from the profile's by more than LINK_TOLERANCE of its bandwidth."""
+    return abs(measured.bandwidth - profiled.bandwidth) > LINK_TOLERANCE * profiled.bandwidth
+
+
+def _saved_timings(path: Path, lm: LoadedModel):
+    """(model timings, link) of a saved profile of this device and model, else FmoeError."""
+    profile = Profile.load(path)
+    profile.check_device(device_identity(lm.device))
+    profile.check_model(model_identity(lm.model_id, lm.path / "config.json"))
+    return profile.model, profile.device.link
 
 
 @contextmanager
@@ -203,6 +263,12 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             check_budget(shape, budget, min_staging_slots(shape))
         plans.update(budget=budget, fixed=fixed, context=context)
 
+    def step(what: str, since: float) -> None:
+        """One step of the set-up and its time, on a terminal (what a first start spends its time on)."""
+        if console.is_terminal:
+            console.print(f"[dim]{what}: {time.perf_counter() - since:.1f} s[/dim]", highlight=False)
+
+    started = time.perf_counter()
     with ExitStack() as stack:
         lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
                         console=console, experts=opts.experts, before_read=check_plans)
@@ -226,23 +292,30 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             gbps = CONSUMER_CARD.link_gbps(unquantised.expert_bytes, expert_compute_s(lm, unquantised=True))
             note = CONSUMER_CARD.note()
         link = make_link(lm.device, gbps, note)
+        step("loaded the model", started)
         timing_source = None
         try:
             if configured:
+                started = time.perf_counter()
                 with console.status("timing the model for the configurator …"):
                     profile_path = None if opts.profile is None else Path(opts.profile)
-                    quick: list[bool] = []
-                    timings = find_timings(lm, link, profile_path, on_quick=lambda: quick.append(True))
+                    quick: list[str] = []
+                    timings = find_timings(lm, link, profile_path, on_quick=quick.append)
                     inputs = PlanInputs(shape, budget, timings, inputs.stats, lm.model_id)
                 if quick:  # say how firm the plan is, and how to make it firm
                     timing_source = "quick estimate"
+                    step("timed the model for the configurator (a quick estimate, kept for the next run)"
+                         if quick[0] == "measured" else "read the quick estimate an earlier run kept", started)
                     console.print(f"[dim]note: the configured plan rests on a quick timing estimate, which varies "
                                   f"from run to run on a busy machine; `fmoe profile --model {opts.model}` measures this model "
                                   f"once and makes it firm[/dim]", highlight=False, soft_wrap=True)
                 else:
                     timing_source = "profile"
+                    step("read the model's profile", started)
+            started = time.perf_counter()
             settings = [fixed.get(p.name) or settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
                         for p in presets]
+            step("planned " + ", ".join(p.name for p in presets), started)
             engine = open_engine(lm, predictor=opts.predictor, link=link)
         except BaseException:
             link.close()

@@ -77,3 +77,45 @@ def test_fmoe_cache_lists_with_sizes_and_clears_the_converted_stores_only():
     assert not store.exists() and profile.exists()
     bad = CliRunner().invoke(app, ["cache", "bogus"])
     assert bad.exit_code == 2 and bad.output.startswith("error: unknown action 'bogus'")
+
+
+HELD_LOCK = """
+import sys, time
+from pathlib import Path
+from fmoe_cli.files import locked
+with locked(Path(sys.argv[1]) / "stats.json"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_stale_lock_files_are_swept_and_a_held_or_live_one_is_kept(tmp_path):
+    """Issue 22 §3: a killed session leaves `.<file>.lock` beside its statistics forever. The lock file names
+    its owner's pid; the sweep removes one whose owner is gone, or last taken over a day ago, unless someone
+    holds it now; a lock taken after the sweep works on a fresh file."""
+    from fmoe_cli.files import lock_owner, locked
+
+    child = subprocess.Popen([sys.executable, "-c", HELD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        held = tmp_path / ".stats.json.lock"
+        assert lock_owner(held) == child.pid
+        stale = time.time() - STALE_S - 60
+        os.utime(held, (stale, stale))
+        assert sweep([tmp_path]) == [] and held.exists()  # old, but held right now: kept
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    os.utime(held, None)  # fresh, but its owner is dead
+    live = tmp_path / ".profile.json.lock"
+    live.write_text(str(os.getppid()))  # a running process, released: kept
+    old = tmp_path / ".history.lock"
+    old.write_text("")  # no pid, last taken over a day ago
+    os.utime(old, (stale, stale))
+    other = tmp_path / "notes.lock"  # not fmoe's
+    other.write_text("1")
+    assert sorted(sweep([tmp_path])) == sorted([held, old])
+    assert live.exists() and other.exists() and not held.exists()
+    with locked(tmp_path / "stats.json") as ok:
+        assert ok and lock_owner(held) == os.getpid()

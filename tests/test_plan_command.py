@@ -102,6 +102,72 @@ def test_mixtral_8x7b_from_its_config(tmp_path):
     assert sum(layer["vram_bytes"] for layer in report["layers"]) <= report["memory"]["expert_budget"]
 
 
+def _mixtral_8x7b(tmp_path):
+    config = transformers.MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                                        num_local_experts=8, num_experts_per_tok=2)
+    config.dtype = "bfloat16"
+    config.save_pretrained(tmp_path / "mixtral")
+    return str(tmp_path / "mixtral")
+
+
+def test_mixtral_bf16_at_12gib_caches_where_a_cache_pays(tmp_path):
+    """Issue 22 §4: Mixtral-8x7B bf16 at 12 GiB on an RTX 3060's figures (uniform routing) planned 755 ms, the
+    same as `ondemand`, caching nothing in 6.2 GiB. One expert per layer (V_e / L = 198 MiB) is hit 1/8 of the
+    time: it saves 2·(1/8)·11.2 ms of loading per token and its misses' admissions cost 2·(7/8)·2.0 ms, so every
+    ζ-move from the uniform start gains nothing. Whole layers of tops (C = 8: nothing ever admitted) pay; the
+    search from the per-layer optimum finds them, and the plan names the winner among the priced plans."""
+    report = plan_json(_mixtral_8x7b(tmp_path), "--vram", "12GiB", "--profile", "profiles/rtx-3060-12gb.json")
+    chooser, tpot = report["configurator"], report["tpot"]["policies"]
+    assert report["totals"]["cached_experts"] > 0
+    assert tpot["moepic"]["tpot_s"] < 0.95 * tpot["ondemand"]["tpot_s"]
+    assert tpot["moepic"]["tpot_s"] <= min(p["tpot_s"] for name, p in tpot.items() if name != "resident") + 1e-9
+    prices = chooser["candidates"]
+    assert prices["algorithm 1"] > 1.2 * prices[chooser["chosen"]]  # the uniform start alone misses it
+    assert prices[chooser["chosen"]] == pytest.approx(report["totals"]["exposed_s_per_token"])
+    assert chooser["chosen"] in chooser["why"]
+    text = runner.invoke(app, ["plan", _mixtral_8x7b(tmp_path), "--vram", "12GiB", "--profile",
+                               "profiles/rtx-3060-12gb.json"]).output
+    assert "moepic's plan: " + chooser["chosen"] in " ".join(text.split())
+
+
+def test_plan_names_what_each_hit_counts(tmp_path):
+    """Issue 22 §4: int4 showed "hit rate 1.00" beside 166 ms of exposed load. A top hit (the top θ_i
+    cached) still loads its bottom: the plan gives top hits, whole hits and the loads left per token,
+    K·(1 − H_i·θ_i), per layer and per policy, and says what each counts."""
+    path = _mixtral_8x7b(tmp_path)
+    report = plan_json(path, "--vram", "12GiB", "--profile", "profiles/rtx-3060-12gb.json", "--experts", "int4")
+    k = report["shape"]["top_k"]
+    split = [layer for layer in report["layers"] if 0 < layer["split"] < 1 and layer["hit_rate"] == 1.0]
+    assert split, "expected a layer whose every activation is a top hit"
+    for layer in report["layers"]:
+        assert layer["loads"] == pytest.approx(k * (1 - layer["hit_rate"] * layer["split"]))
+        assert layer["whole_hit_rate"] == (layer["hit_rate"] if layer["split"] == 1.0 else 0.0)
+    assert split[0]["whole_hit_rate"] == 0.0 and split[0]["loads"] > 0
+    for policy in report["tpot"]["policies"].values():
+        assert 0.0 <= policy["whole_hit_rate"] <= policy["hit_rate"] <= 1.0
+    text = " ".join(runner.invoke(app, ["plan", path, "--vram", "12GiB", "--profile", "profiles/rtx-3060-12gb.json",
+                                        "--experts", "int4"]).output.split())
+    assert "top hit: activated experts whose top segment" in text and "whole hit: the whole expert is" in text
+
+
+def test_a_plan_that_caches_nothing_says_why():
+    """One layer of 2 experts (top-1), uniform routing, T_load = 4 s, an admission a_e = 20 s and a split hit's
+    extra c = 10 s: one cached expert would be hit half the time, saving 1·0.5·4 = 2 s per token while its misses'
+    admissions cost 1·0.5·20 = 10 s; two halves cost c per hit. Nothing is cached, and the plan says why."""
+    from fmoe_cli.planning.configurator import vram_allocation
+    from fmoe_cli.planning.report import why_plan
+    from fmoe_cli.types import ExpertShape, Timings
+
+    shape = ExpertShape(1, 2, 1, 1, 4, 1)
+    stats = RoutingStats.assume_uniform("m", 1, 2, 1)
+    timings = Timings(t_att=0.0, t_moe=1.0, t_head=0.0, t_load=4.0, top_k=1, t_admit=20.0, t_segment=10.0)
+    config = vram_allocation(shape.expert_bytes, stats, timings, shape, max_prefetch=0)  # V_e: one expert
+    assert config.plan.cache_bytes == 0
+    why = why_plan(config, timings, stats, shape)
+    assert "caches nothing" in why and "2000.00 ms of loading" in why and "10000.00 ms" in why, why
+
+
 def test_plan_with_a_profile_of_this_model_uses_its_timings(checkpoints, tmp_path):
     path = checkpoints["mixtral"]
     layers = tuple(LayerTiming(i, True, 2e-4, 4e-4) for i in range(4))
@@ -172,6 +238,9 @@ def test_plan_predicts_tpot_per_policy(checkpoints, tmp_path):
     report = plan_json(path, "--vram", "64MiB", "--workspace", "8MiB", "--trace", str(trace))
     sim = report["tpot"]
     assert sim["how"].startswith("simulated:") and "eam" in sim["how"]
+    # one source (issue 22 §4): the per-layer plan is the one the simulation runs, from the trace's statistics
+    assert str(trace) in report["sources"]["statistics"] and not report["uniform_routing"]
+    assert report["configurator"]["plan"] == sim["policies"]["moepic"]["plan"]
     assert sim["policies"]["resident"]["exposed_s"] == 0.0
     assert all(p["tpot_s"] >= sim["policies"]["resident"]["tpot_s"] - 1e-12 for p in sim["policies"].values())
     other = tmp_path / "other.jsonl"

@@ -379,3 +379,26 @@ def test_the_link_is_measured_once_per_device_with_small_copies(tmp_path, monkey
     profiled = LinkFit("measured", 7e9, 9e-6, ((1 << 20, 1.6e-4), (1 << 21, 3.1e-4)), "fmoe profile")
     Profile(DeviceProfile(other, profiled)).save(default_profile_path())  # `fmoe profile`: profiles/device.json
     assert link_fit_of(EmulatedLink(None), cpu) == profiled and len(pinned) == 2 * measured
+
+
+def test_fmoe_profile_labels_each_time_per_layer_expert_or_token(config):
+    """Issue 22 §4: the table's "T_exp" (T_moe / K, 0.18–0.21 ms) disagreed with the summary's T_exp (0.083 ms, one
+    expert's forward alone). The table says T_moe/K per layer's activated expert, the summary T_exp per expert, and
+    a line gives what the configurator uses, per layer, per expert and per token."""
+    import io
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    from fmoe_cli.bench.profile import render
+
+    profile = make_profile(DeviceIdentity("cuda", "NVIDIA GeForce RTX 4090", 24 << 30), config)
+    profile = replace(profile, model=replace(profile.model, t_expert=1e-4))  # T_moe / K = 3e-4 s: 3 × one forward
+    out = io.StringIO()
+    render(profile, None, 12_500_000, Console(file=out, width=250))
+    text = out.getvalue()
+    assert "T_moe/K ms" in text and "decode T_exp ms" not in text
+    assert "0.300" in text  # T_moe / K of layer 1, per activated expert
+    assert "T_exp per expert (one expert's forward alone" in text and "0.100 ms" in text
+    assert "the configurator uses (means over the MoE layers): T_att 0.550 ms per layer" in text  # 0.15 + (0.6 − 2·0.1)
+    assert "T_exp 0.100 ms per expert, T_moe = K·T_exp 0.200 ms per layer" in text

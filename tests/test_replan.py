@@ -171,7 +171,13 @@ def test_moepic_plan_within_budget_uniform_without_stats_and_adapts_to_skew():
     budget = 4 * SHAPE.expert_bytes + 10 * SHAPE.expert_bytes
     plain = moepic_configuration(SHAPE, budget, timings)
     assert plain.uniform_routing
-    assert len({(lp.cache_size, lp.top_neurons) for lp in plain.plan.layers}) == 1  # no reason to differ
+    # Algorithm 1 from the uniform start gives every layer the same plan (no reason to differ); the search from
+    # the per-layer optimum may concentrate the budget (a cache's gain is not concave in its size), only when
+    # that is predicted better
+    first = plain.candidates[0]
+    assert first[0] == "algorithm 1" and plain.total_exposed <= first[1]
+    if plain.chosen == "algorithm 1":
+        assert len({(lp.cache_size, lp.top_neurons) for lp in plain.plan.layers}) == 1
     skewed = moepic_configuration(SHAPE, budget, timings, skewed_stats(rng))
     assert not skewed.uniform_routing
     for config in (plain, skewed):

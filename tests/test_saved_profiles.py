@@ -44,7 +44,7 @@ def test_an_emulated_profile_is_kept_apart(loaded, tmp_path, monkeypatch, capsys
                                       "--prefill-len", "4", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     real = default_profile_path(model_key(lm.model_id, lm.path))
-    emulated = default_profile_path(model_key(lm.model_id, lm.path), emulated=True)
+    emulated = default_profile_path(model_key(lm.model_id, lm.path), emulated=8.0)  # one per link
     assert emulated.exists() and not real.exists()
     assert Profile.load(emulated).device.link.kind == "emulated"
     # even when named explicitly, an emulated profile's link is not taken for the real one
@@ -68,3 +68,65 @@ def test_a_quick_estimate_says_so_and_a_profile_makes_it_firm(checkpoints, tmp_p
     second = CliRunner().invoke(app, bench)
     assert second.exit_code == 0, second.output
     assert json.loads(second.stdout)["timings"] == "profile" and "quick timing estimate" not in second.stderr
+
+
+def test_a_first_start_shows_each_step_and_keeps_the_quick_estimate(checkpoints, tmp_path, monkeypatch):
+    """Issue 22 §4: a first chat was silent for ~40 s. On a terminal each step of the set-up is shown with its
+    time (load, the configurator's timing, the plan); the quick estimate is kept, so the next start reads it
+    instead of timing the model again (`fmoe profile --model` still makes it firm)."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    import fmoe_cli.run as run_module
+    from fmoe_cli.options import RunOptions
+    from fmoe_cli.run import open_run
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    opts = RunOptions(model=str(checkpoints["mixtral"]), device="cpu", policies=("moepic",), emulate_link=20.0)
+
+    def start() -> tuple[str, str | None]:
+        out = io.StringIO()
+        with open_run(opts, Console(file=out, force_terminal=True, width=300)) as run:
+            source = run.timing_source
+        return re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue()), source
+
+    first, source = start()
+    assert source == "quick estimate"
+    for step in ("loaded the model: ", "timed the model for the configurator (a quick estimate, kept for the next "
+                 "run): ", "planned moepic: "):
+        assert re.search(re.escape(step) + r"\d+\.\d s", first), first
+    lm_key = next((tmp_path / "fmoe" / "profiles").glob("*.quick.json"))
+    assert Profile.load(lm_key).model is not None
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the kept quick estimate should be read, not measured again")
+
+    monkeypatch.setattr(run_module, "measure_timings", no_measuring)
+    second, source = start()
+    assert source == "quick estimate" and "read the quick estimate an earlier run kept: " in second, second
+
+
+def test_a_profile_of_another_link_is_said_and_the_runs_link_planned_for(loaded, tmp_path, monkeypatch):
+    """Issue 22 §5: a profile per link (device and bandwidth). An emulated run reads its own link's profile; a
+    profile whose link is more than 20 % away is said so, and T_load is the run's link."""
+    from fmoe_cli.offload.link import EmulatedLink
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    lm, engine = loaded
+    key = model_key(lm.model_id, lm.path)
+    for gbps in ("8", "2"):
+        result = CliRunner().invoke(app, ["profile", "--model", lm.model_id, "--emulate-link", gbps, "--quick",
+                                          "--prefill-len", "4", "--device", "cpu"])
+        assert result.exit_code == 0, result.output
+        assert default_profile_path(key, emulated=float(gbps)).exists()  # one file per link
+    notes = []
+    near = EmulatedLink(8.5)  # within 20 % of the 8 GB/s profile: its own, nothing said
+    timings = find_timings(lm, near, note=notes.append)
+    assert notes == [] and timings.t_load == pytest.approx(lm.shape.expert_bytes / 8.5e9 + near.latency_s)
+    far = EmulatedLink(16.0)  # no profile of this link: another link's, 100 % away, said so
+    timings = find_timings(lm, far, profile_path=default_profile_path(key, emulated=2.0), note=notes.append)
+    assert len(notes) == 1 and "2 GB/s, this run's is 16 GB/s (more than 20% apart)" in notes[0], notes
+    assert "--emulate-link 16" in notes[0]
+    assert timings.t_load == pytest.approx(lm.shape.expert_bytes / 16e9 + far.latency_s)

@@ -31,7 +31,7 @@ MiB = 1024**2
 GiB = 1024**3
 # The engine's own costs in a model profile (docs/planning.md § `fmoe profile`): field, what it is.
 ENGINE_COSTS = (
-    ("t_expert", "T_exp (one expert's forward, as a decode step meets it)"),
+    ("t_expert", "T_exp per expert (one expert's forward alone, as a decode step meets it: the configurator's T_exp)"),
     ("t_host_load", "h_load (host work per loaded expert segment, beyond compute and link)"),
     ("t_host_prefetch", "h_pf (host work per MoE layer that prefetches)"),
     ("t_host_route", "h_route (host work from submitting a layer's loads to its first compute)"),
@@ -39,6 +39,11 @@ ENGINE_COSTS = (
     ("t_admit", "a_e (one expert copied into the cache on the device)"),
     ("t_token", "a whole decode step, every expert resident"),
 )
+
+
+PER_LAYER_LEGEND = ("per layer: T_att (attention and norms) and T_moe (the layer's K experts with its router, routing "
+                    "copy, dispatch and combine); T_moe/K: that per activated expert, more than one expert's forward "
+                    "(T_exp below) by the router's and combine's share")
 
 
 def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: float | None, prefill_len: int,
@@ -51,7 +56,7 @@ def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: floa
         run = None if opts is None else stack.enter_context(open_run(opts, console))
         # An emulated link's profile is kept apart: it never stands in for the real link.
         path = Path(out) if out is not None else default_profile_path(
-            None if run is None else model_key(opts.model, run.lm.path), emulated=emulate_link is not None)
+            None if run is None else model_key(opts.model, run.lm.path), emulated=emulate_link or False)
         with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
             link_task = progress.add_task("host → device link", total=link_steps(dev, quick, emulate_link is not None))
             device_profile = profile_device(emulate_link, quick=quick, device=dev,
@@ -111,16 +116,18 @@ def render(profile: Profile, path: Path | None, expert_bytes: int | None, consol
         console.print(f"free memory: {profile.device.free_memory / GiB:.1f} GiB", highlight=False)
     timings = profile.model
     if timings is not None:
-        table = Table(title=f"{timings.model.name}: per-layer times (decode: 1 token; prefill: {timings.prefill.tokens} tokens)")
-        for col in ("layer", "MoE", "decode T_att ms", "decode T_moe ms", "decode T_exp ms", "prefill T_att ms", "prefill T_moe ms"):
+        table = Table(title=f"{timings.model.name}: times per layer (decode: 1 token; prefill: {timings.prefill.tokens} tokens)")
+        for col in ("layer", "MoE", "decode T_att ms", "decode T_moe ms", "decode T_moe/K ms", "prefill T_att ms",
+                    "prefill T_moe ms"):
             table.add_column(col, justify="right")
         for dec, pre in zip(timings.decode.layers, timings.prefill.layers):
             t_exp = f"{dec.t_moe / timings.top_k * 1e3:.3f}" if dec.moe else "—"
             table.add_row(str(dec.index), "yes" if dec.moe else "dense", f"{dec.t_att * 1e3:.3f}",
                           f"{dec.t_moe * 1e3:.3f}", t_exp, f"{pre.t_att * 1e3:.3f}", f"{pre.t_moe * 1e3:.3f}")
         console.print(table)
-        console.print(f"T_head: decode {timings.decode.t_head * 1e3:.3f} ms, prefill {timings.prefill.t_head * 1e3:.3f} ms",
-                      highlight=False)
+        console.print(PER_LAYER_LEGEND, highlight=False)
+        console.print(f"T_head (per token): decode {timings.decode.t_head * 1e3:.3f} ms, prefill "
+                      f"{timings.prefill.t_head * 1e3:.3f} ms", highlight=False)
         for name, label in ENGINE_COSTS:  # measured with the layers; absent from older profiles
             value = getattr(timings, name)
             if value is not None:
@@ -128,5 +135,10 @@ def render(profile: Profile, path: Path | None, expert_bytes: int | None, consol
         if expert_bytes is not None:
             t_load = profile.device.link.transfer_time(expert_bytes)
             console.print(f"T_load (one expert, {expert_bytes / MiB:.2f} MiB): {t_load * 1e3:.3f} ms", highlight=False)
+            used = timings.timings(profile.device.link, expert_bytes)
+            console.print(f"the configurator uses (means over the MoE layers): T_att {used.t_att * 1e3:.3f} ms per layer "
+                          f"(the rest of T_moe and the whole step's other work included), T_exp {used.t_exp * 1e3:.3f} ms "
+                          f"per expert, T_moe = K·T_exp {used.t_moe * 1e3:.3f} ms per layer, T_head "
+                          f"{used.t_head * 1e3:.3f} ms per token", highlight=False)
     if path is not None:
         console.print(f"saved the profile to {path}", highlight=False)

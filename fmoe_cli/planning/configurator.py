@@ -68,7 +68,13 @@ plans of the special cases it competes with at the same budget — whole experts
 (θ = 1, V_e/L per layer: `lru`, `lfu`), the same without prefetch (Y = 0:
 `cache-only`; the plan then says `prefetch=False` and moepic runs without it),
 uniform (θ = 0.5, V_e/L: `uniform`), prefetch only (θ = 0: `prefetch-only`) and neither
-(`ondemand`) — and the plan with the least predicted Σ T^i wins (Algorithm 1 on ties).
+(`ondemand`) — then Algorithm 1 again, with and without prefetch, from the per-layer optimum
+(`per_layer_optimum`: the budgets that minimise Σ T^i with the windows held, a knapsack solved by
+dynamic programming), and the plan with the least predicted Σ T^i wins (the earlier on ties).
+Algorithm 1's ζ-moves from the uniform start only see a marginal gain; where a cache pays only from
+several experts of a layer on (every miss's admission costing more than the loads a small cache
+saves), every move gains nothing and the search stops at no cache although caching a few layers whole
+would pay.
 
 VramAllocation (Algorithm 1): start uniform (V_i = V_e / L); repeat: move ζ·V_e from
 the layer whose loss of budget costs least to the layer whose gain is largest; stop,
@@ -133,6 +139,8 @@ BASELINES: dict[str, tuple[float, bool]] = {
     "on demand (no cache, no prefetch)": (0.0, False),
 }
 ALGORITHM_1 = "algorithm 1"
+FROM_OPTIMUM = "algorithm 1 from the per-layer optimum"
+FROM_OPTIMUM_SILENT = "algorithm 1 from the per-layer optimum, no prefetch"
 LLAMA_CPP = "llama.cpp pattern (every routed expert on the host)"
 
 
@@ -436,6 +444,72 @@ def _price(models: Sequence[_LayerModel], plan: Plan, timings: Timings) -> Split
     return Split(tuple(choices))
 
 
+def _fixed_point(models: Sequence[_LayerModel], budgets: list[int], step: int, timings: Timings,
+                 max_iterations: int) -> tuple[_Search, list[float], int]:
+    """Algorithm 1's loop from `budgets`: move ζ·V_e (`step`) from the layer that loses least to the one
+    that gains most while Σ T^i falls; returns the search at the fixed point, Σ T^i after each accepted
+    move (the start first) and the number of moves."""
+    layers = len(models)
+    search = _Search(models, budgets, timings)
+    history = [search.total]
+    iterations = 0
+    while step > 0 and iterations < max_iterations and layers > 1:
+        # The layer that loses least by giving ζ·V_e away, and the one that gains most by taking it.
+        losses = [(search.total_with(j, budgets[j] - step) - search.total, j) for j in range(layers) if budgets[j] >= step]
+        gains = [(search.total - search.total_with(j, budgets[j] + step), j) for j in range(layers)]
+        if not losses:
+            break
+        loss, donor = min(losses)
+        gain, recipient = max((g, -j) for g, j in gains if j != donor)
+        recipient = -recipient
+        trial = list(budgets)
+        trial[donor] -= step
+        trial[recipient] += step
+        candidate = _Search(models, trial, timings)
+        if not candidate.total < search.total - abs(search.total) * 1e-12:  # no longer falls: roll back, stop
+            # (|·|: a host-lane layer's T^i can be < 0, and so can the total)
+            break
+        budgets, search = trial, candidate
+        history.append(search.total)
+        iterations += 1
+    return search, history, iterations
+
+
+OPTIMUM_UNITS = 32  # the per-layer optimum spends V_e in this many equal units
+
+
+def per_layer_optimum(models: Sequence[_LayerModel], expert_budget: int, windows: Sequence[float]) -> list[int]:
+    """The budgets {V_i} (whole units of V_e / OPTIMUM_UNITS, Σ V_i ≤ V_e) that minimise Σ_i T^i(V_i) with every
+    layer's window T_wind^i held at `windows` (those of a plan already priced) and each layer's (C_i, k_i) chosen
+    as ExpertSplit chooses it: a knapsack over the layers, solved exactly by dynamic programming. Without
+    prefetch T^i does not depend on the window; with prefetch the windows move with the plan, and Algorithm 1
+    goes on from here."""
+    units = OPTIMUM_UNITS
+    unit = expert_budget // units
+    if unit <= 0:
+        return [expert_budget // len(models)] * len(models)
+    exposed = np.array([[model.choose(u * unit, window)[0].exposed for u in range(units + 1)]
+                        for model, window in zip(models, windows)])  # [i, u]: T^i with V_i = u units
+    best = exposed[0].copy()  # best[t]: least Σ T^i over the layers so far with t units spent
+    picks = []  # per later layer: [t] -> its units in that optimum
+    used = np.arange(units + 1)
+    for row in exposed[1:]:
+        # total[t, u] = best[t − u] + T^i(u) for u ≤ t
+        total = np.where(used[None, :] <= used[:, None], best[np.maximum(used[:, None] - used[None, :], 0)] + row[None, :],
+                         np.inf)
+        choice = np.argmin(total, axis=1)
+        picks.append(choice)
+        best = total[used, choice]
+    t = int(np.argmin(best))
+    budgets = []
+    for choice in reversed(picks):
+        u = int(choice[t])
+        budgets.append(u * unit)
+        t -= u
+    budgets.append(t * unit)
+    return list(reversed(budgets))
+
+
 def vram_allocation(
     expert_budget: int,
     stats: RoutingStats,
@@ -466,28 +540,7 @@ def vram_allocation(
     layers = shape.num_layers
     budgets = [int(expert_budget) // layers] * layers  # uniform start: V_i = V_e / L
     step = int(zeta * expert_budget)  # ζ·V_e
-    search = _Search(models, budgets, timings)
-    history = [search.total]
-    iterations = 0
-    while step > 0 and iterations < max_iterations and layers > 1:
-        # The layer that loses least by giving ζ·V_e away, and the one that gains most by taking it.
-        losses = [(search.total_with(j, budgets[j] - step) - search.total, j) for j in range(layers) if budgets[j] >= step]
-        gains = [(search.total - search.total_with(j, budgets[j] + step), j) for j in range(layers)]
-        if not losses:
-            break
-        loss, donor = min(losses)
-        gain, recipient = max((g, -j) for g, j in gains if j != donor)
-        recipient = -recipient
-        trial = list(budgets)
-        trial[donor] -= step
-        trial[recipient] += step
-        candidate = _Search(models, trial, timings)
-        if not candidate.total < search.total - abs(search.total) * 1e-12:  # no longer falls: roll back, stop
-            # (|·|: a host-lane layer's T^i can be < 0, and so can the total)
-            break
-        budgets, search = trial, candidate
-        history.append(search.total)
-        iterations += 1
+    search, history, iterations = _fixed_point(models, budgets, step, timings, max_iterations)
     split = Split(tuple(search.choices))
     plan = split.to_plan(shape, slots)
     chosen, candidates = ALGORITHM_1, [(ALGORITHM_1, split.total_exposed)]
@@ -507,6 +560,19 @@ def vram_allocation(
             candidates.append((name, priced.total_exposed))
             if priced.total_exposed < best - abs(best) * 1e-9 - 1e-15:
                 chosen, best, split, plan = name, priced.total_exposed, priced, base
+        # Algorithm 1 again from the per-layer optimum (with and without prefetch): where a cache pays only
+        # from several experts per layer on (an admission per miss costs more than the loads a small cache
+        # saves), every ζ-move from the uniform start changes nothing, and the search stops at no cache
+        # (Mixtral-8x7B bf16 at 12 GiB on an RTX 3060's figures, tests/test_plan_command.py).
+        for name, layer_models in ((FROM_OPTIMUM, models), (FROM_OPTIMUM_SILENT, silent)):
+            start = per_layer_optimum(layer_models, int(expert_budget), search.windows)
+            found, _, _ = _fixed_point(layer_models, start, step, timings, max_iterations)
+            total = found.total
+            candidates.append((name, total))
+            if total < best - abs(best) * 1e-9 - 1e-15:  # strictly better: the earlier candidates keep ties
+                chosen, best, split = name, total, Split(tuple(found.choices))
+                plan = split.to_plan(shape, slots)
+                plan = plan if layer_models is models else replace(plan, prefetch=False)
     return Configuration(plan, split, int(expert_budget), iterations, tuple(history), stats.uniform, chosen,
                          tuple(candidates))
 

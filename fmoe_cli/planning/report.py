@@ -41,7 +41,7 @@ from fmoe_cli.models.load import (
 from fmoe_cli.planning.autoplan import moepic_configuration
 from fmoe_cli.planning.configurator import LLAMA_CPP, Configuration, DeviceBudget, Timings, host_baselines, price_plan
 from fmoe_cli.planning.presets import PlanInputs, settings_for
-from fmoe_cli.planning.simulate import predict_policies, tokens_of
+from fmoe_cli.planning.simulate import predict_policies, tokens_of, trace_stats
 from fmoe_cli.planning.plan import check_plan_options, kv_cache_bytes, min_staging_slots, parse_budget, resolve_context
 from fmoe_cli.types import DEFAULT_EXPERTS, EXPERT_FORMATS, EngineSettings, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
@@ -184,23 +184,31 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
     device = DeviceBudget(total, facts.non_expert_bytes, slots * shape.expert_bytes,
                           facts.kv_bytes_per_token * context, reserve)
     device.check()
-    stats_path = default_stats_path(model, model_path=facts.config_path)
-    stats = load_or_empty(model, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
+    sequences = None
+    if routing is not None:  # the plan is made from the trace's statistics: the plan the simulation runs
+        check_trace_fits(routing, shape)
+        sequences = tokens_of(routing)
+        stats = trace_stats(sequences, shape)
+        stats_source = f"{routing.num_tokens} tokens of the trace {routing.path} (the simulation's statistics)"
+    else:
+        stats_path = default_stats_path(model, model_path=facts.config_path)
+        stats = load_or_empty(model, shape.num_layers, shape.num_experts, shape.top_k, stats_path)
+        stats_source = f"{stats.tokens} recorded tokens ({stats_path})"
     if stats.tokens == 0:
         stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)
+        stats_source = "uniform routing (none recorded)"
     budget = device.expert_budget + device.staging
     # with the host's figures the per-layer plan is `hybrid`'s: each layer's misses and bottoms fetched or on the host
     config = moepic_configuration(shape, budget, timings, stats, model=model, host_lane=timings.has_host)
 
     report = plan_report(facts, device, config, timings, stats, context, host_free=host_ram_free(),
                          sources={"vram": vram_source, "link": link_source, "timings": timing_source,
-                                  "statistics": "uniform routing (none recorded)" if stats.uniform
-                                  else f"{stats.tokens} recorded tokens ({stats_path})"})
+                                  "statistics": stats_source})
     report["host_compute"] = {"source": host_source, "line": host_line(host, host_format(shape)),
                               "profile": None if host is None else asdict(host)}
     report["host_lane"] = timings.has_host  # the per-layer plan chose each layer's path (hybrid's plan)
     report["configured_policy"] = "hybrid" if timings.has_host else "moepic"
-    report["tpot"] = predicted_tpot(shape, budget, timings, bandwidth, latency, stats, routing, model)
+    report["tpot"] = predicted_tpot(shape, budget, timings, bandwidth, latency, stats, routing, model, sequences)
     if as_json:
         print(json.dumps(report))
     else:
@@ -212,20 +220,29 @@ TPOT_POLICIES = ("moepic", "lru", "lfu", "uniform", "cache-only", "prefetch-only
 HOST_POLICIES = ("hybrid",)  # with the host's figures (the host lane), beside llama.cpp's pattern (LLAMA_CPP)
 
 
+def check_trace_fits(routing, shape: ExpertShape) -> None:
+    """A trace (fmoe_cli.trace.Trace) of the model's MoE layers and experts, else a one-line error."""
+    if len(routing.layers) != shape.num_layers or routing.num_experts > shape.num_experts:
+        raise FmoeError(f"--trace {routing.path}: {len(routing.layers)} layers × {routing.num_experts} experts, "
+                        f"the model has {shape.num_layers} × {shape.num_experts}")
+
+
 def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth: float, latency: float,
-                   stats: RoutingStats, routing, model: str) -> dict:
+                   stats: RoutingStats, routing, model: str, sequences=None) -> dict:
     """Predicted TPOT per policy at the same budget (the `tpot` part of the report).
 
     With a routing trace: the event simulation of the engine's decisions (planning/simulate.py)
-    over its tokens, with the trace's rankings or, for a vLLM trace, the routing-only `eam`
-    predictor. Without one: the configurator's model (Eq. 5–11) priced for each policy's plan
-    over the saved statistics (or uniform routing): compute plus predicted exposed load time."""
+    over its tokens (`sequences`: simulate.tokens_of(routing)), with the trace's rankings or, for a
+    vLLM trace, the routing-only `eam` predictor, `moepic` planned from `stats` (the trace's own).
+    Without one: the configurator's model (Eq. 5–11) priced for each policy's plan over the saved
+    statistics (or uniform routing): compute plus predicted exposed load time.
+
+    Per policy: `hit_rate` counts activated experts whose top segment was on the device (a top hit
+    still loads its bottom), `whole_hit_rate` those whose whole expert was (nothing loaded)."""
     if routing is not None:  # fmoe_cli.trace.Trace
         trace = routing.path
-        if len(routing.layers) != shape.num_layers or routing.num_experts > shape.num_experts:
-            raise FmoeError(f"--trace {trace}: {len(routing.layers)} layers × {routing.num_experts} experts, "
-                            f"the model has {shape.num_layers} × {shape.num_experts}")
-        sequences = tokens_of(routing)
+        check_trace_fits(routing, shape)
+        sequences = tokens_of(routing) if sequences is None else sequences
         policies = tpot_policies(timings)
         extra = {LLAMA_CPP_ROW: host_baselines(shape, budget)[LLAMA_CPP]} if timings.has_host else {}
         err = Console(stderr=True)
@@ -236,13 +253,14 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
                 bar.update(task, description=f"simulating {name}", completed=policies.index(name))
 
             results = predict_policies(shape, budget, timings, bandwidth, latency, sequences=sequences,
-                                       policies=policies, progress=step, plans=extra)
+                                       policies=policies, progress=step, plans=extra, stats=stats)
         ranked = any(t.predicted is not None for seq in sequences for t in seq)
         how = (f"simulated: the engine's decisions over {routing.num_tokens} tokens of {trace} "
                f"({'the trace’s prefetch rankings' if ranked else 'routing-only predictor eam'})")
         return {"how": how, "policies": {name: {
-            "tpot_s": r.tpot_s, "hit_rate": r.hit_rate, "exposed_s": r.exposed_s_per_token,
-            "bytes_per_token": r.bytes_per_token, "host_s": r.host_s_per_token, "plan": r.plan}
+            "tpot_s": r.tpot_s, "hit_rate": r.hit_rate, "whole_hit_rate": r.whole_hit_rate,
+            "exposed_s": r.exposed_s_per_token, "bytes_per_token": r.bytes_per_token, "host_s": r.host_s_per_token,
+            "plan": r.plan}
             for name, r in results.items()}}
     compute = shape.num_layers * (timings.t_att + timings.t_moe) + timings.t_head
     out = {}
@@ -252,12 +270,13 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
                                               0.0, 0.0)
     for name, settings in plans.items():
         if settings.plan.resident:
-            out[name] = {"tpot_s": compute, "hit_rate": 1.0, "exposed_s": 0.0, "host_s": 0.0,
+            out[name] = {"tpot_s": compute, "hit_rate": 1.0, "whole_hit_rate": 1.0, "exposed_s": 0.0, "host_s": 0.0,
                          "plan": settings.plan.summary()}
             continue
         split = price_plan(settings.plan, stats, timings, shape, max_prefetch=shape.top_k if settings.prefetch else 0)
         hit = sum(c.hit_rate for c in split.layers) / len(split.layers)
-        out[name] = {"tpot_s": compute + split.total_exposed, "hit_rate": hit,
+        whole = sum(c.hit_rate for c in split.layers if c.split == 1.0) / len(split.layers)
+        out[name] = {"tpot_s": compute + split.total_exposed, "hit_rate": hit, "whole_hit_rate": whole,
                      "exposed_s": sum(0.0 if c.host else c.exposed for c in split.layers),
                      "host_s": sum(c.host_s for c in split.layers), "plan": settings.plan.summary()}
     how = ("model: the configurator's Eq. 5–11 for each policy's plan over "
@@ -296,9 +315,12 @@ def host_ram_report(facts: ModelFacts, free: int) -> dict:
 def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, timings: Timings,
                 stats: RoutingStats, context: int, sources: dict, host_free: int) -> dict:
     shape = facts.shape
+    # hit_rate: H_i, activated experts whose top segment is cached; whole_hit_rate: … whose whole expert is
+    # (θ_i = 1); loads: experts' worth of bytes still to load per token, K·(1 − H_i·θ_i) (prefetched or not)
     layers = [{
         "layer": i, "vram_bytes": c.vram_bytes, "cache_size": c.cache_size, "split": c.split,
-        "top_neurons": c.top_neurons, "hit_rate": c.hit_rate, "hidden": c.hidden, "prefetches": c.prefetches,
+        "top_neurons": c.top_neurons, "hit_rate": c.hit_rate, "whole_hit_rate": c.hit_rate if c.split == 1.0 else 0.0,
+        "loads": shape.top_k * (1.0 - c.hit_rate * c.split), "hidden": c.hidden, "prefetches": c.prefetches,
         "exposed_s": c.exposed, "misses_and_bottoms": "host" if c.host else "link", "host_s": c.host_s,
     } for i, c in enumerate(config.split.layers)]
     everything = facts.non_expert_bytes + shape.all_experts_bytes + device.kv_cache + device.workspace
@@ -318,6 +340,9 @@ def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, 
                    "cached": config.plan.cache_bytes, "all_experts": shape.all_experts_bytes,
                    "whole_model_fits": everything <= device.total},
         "layers": layers,
+        "configurator": {"chosen": config.chosen, "plan": config.plan.summary(), "prefetch": config.plan.prefetch,
+                         "candidates": {name: total for name, total in config.candidates},
+                         "why": why_plan(config, timings, stats, shape)},
         "totals": {"cached_experts": sum(c.cache_size for c in config.split.layers),
                    "cached_fraction": config.plan.cache_bytes / shape.all_experts_bytes,
                    "mean_hit_rate": sum(config.hit_rates) / len(layers),
@@ -325,8 +350,35 @@ def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, 
     }
 
 
+def why_plan(config: Configuration, timings: Timings, stats: RoutingStats, shape: ExpertShape) -> str:
+    """Why the configured plan is what it is, in one sentence from the model's own figures: which priced
+    candidate won, and, when it caches nothing, what a cache would cost against what it saves."""
+    prices = dict(config.candidates)
+    best = min(prices.values()) if prices else config.total_exposed
+    text = f"{config.chosen}: the least predicted exposed load time of the {len(prices)} plans priced"
+    if config.plan.cache_bytes > 0:
+        return text
+    cached = {name: total for name, total in prices.items() if "θ = 0" not in name and "no cache" not in name}
+    runner = min(cached, key=cached.get) if cached else None
+    if runner is not None:
+        text += f"; it caches nothing: the best plan with a cache ({runner}) is {(cached[runner] - best) * 1e3:.1f} ms per token slower"
+    hit = sum(stats.curves(i).hit[1] for i in range(shape.num_layers)) / shape.num_layers  # H_i(1), mean
+    k = shape.top_k
+    saved, admitted = k * hit * timings.t_load, k * (1 - hit) * timings.t_admit
+    if admitted >= saved:
+        text += (f"; one expert cached per layer would be hit {hit:.2f} of the time, saving K·H·T_load = "
+                 f"{saved * 1e3:.2f} ms of loading per layer and token, while every miss's admission into the cache "
+                 f"costs K·(1 − H)·a_e = {admitted * 1e3:.2f} ms")
+    return text
+
+
 def _size(nbytes: int) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
+
+
+HIT_LEGEND = ("top hit: activated experts whose top segment (θ_i of the expert) is on the device, its bottom still "
+              "loaded; whole hit: the whole expert is, nothing loaded; loads/token: experts' worth of bytes to load, "
+              "K·(1 − H_i·θ_i), hidden by prefetch or exposed")
 
 
 def render(report: dict, console: Console) -> None:
@@ -349,36 +401,47 @@ def render(report: dict, console: Console) -> None:
         console.print("assumes uniform routing: no statistics recorded for this model yet "
                       "(chat with it and plan again)", highlight=False)
     hybrid = bool(report.get("host_lane"))
-    table = Table(title=f"per-layer plan of {report.get('configured_policy', 'moepic')} (predicted)")
-    columns = ("layer", "V_i MiB", "C_i", "θ_i", "hit rate", "exposed load ms") + (
+    table = Table(title=f"per-layer plan of {report.get('configured_policy', 'moepic')} (predicted by the configurator's model)")
+    columns = ("layer", "V_i MiB", "C_i", "θ_i", "top hit H_i", "whole hit", "loads/token", "exposed load ms") + (
         ("misses, bottoms", "host ms") if hybrid else ())
     for col in columns:
         table.add_column(col, justify="right")
     for layer in report["layers"]:
         host = layer["misses_and_bottoms"] == "host"
         row = [str(layer["layer"]), f"{layer['vram_bytes'] / MiB:.1f}", str(layer["cache_size"]),
-               f"{layer['split']:.3f}", f"{layer['hit_rate']:.2f}", "–" if host else f"{layer['exposed_s'] * 1e3:.3f}"]
+               f"{layer['split']:.3f}", f"{layer['hit_rate']:.2f}", f"{layer['whole_hit_rate']:.2f}",
+               f"{layer['loads']:.2f}", "–" if host else f"{layer['exposed_s'] * 1e3:.3f}"]
         if hybrid:
             row += ["host" if host else "link", f"{layer['host_s'] * 1e3:.3f}"]
         table.add_row(*row)
     console.print(table)
+    console.print(HIT_LEGEND, highlight=False)
     console.print(
         f"device {m['device'] / MiB:.0f} MiB = non-expert weights {m['non_expert'] / MiB:.0f} + staging pool "
-        f"{m['staging'] / MiB:.0f} ({m['staging_slots']} experts) + KV cache {m['kv_cache'] / MiB:.0f} "
+        f"{m['staging'] / MiB:.0f} ({m['staging'] // s['expert_bytes']} experts) + KV cache {m['kv_cache'] / MiB:.0f} "
         f"({m['context_tokens']} tokens) + workspace {m['workspace'] / MiB:.0f} + expert cache budget "
-        f"{m['expert_budget'] / MiB:.0f} MiB", highlight=False)
+        f"{m['expert_budget'] / MiB:.0f} MiB"
+        + (f" (the plan caches nothing: it uses the budget as {m['staging_slots']} staging slots)"
+           if m["staging_slots"] * s["expert_bytes"] > m["staging"] else ""), highlight=False)
     tpot = report.get("tpot")
     if tpot:
         table = Table(title=f"predicted TPOT per policy at this budget ({tpot['how']})")
-        for col in ("policy", "TPOT ms", "hit rate", "exposed load ms", "host ms"):
+        for col in ("policy", "TPOT ms", "top hit", "whole hit", "exposed load ms", "host ms"):
             table.add_column(col, justify="left" if col == "policy" else "right")
         for name, r in tpot["policies"].items():
-            table.add_row(name, f"{r['tpot_s'] * 1e3:.1f}", f"{r['hit_rate']:.2f}", f"{r['exposed_s'] * 1e3:.1f}",
-                          f"{r.get('host_s', 0.0) * 1e3:.1f}")
+            table.add_row(name, f"{r['tpot_s'] * 1e3:.1f}", f"{r['hit_rate']:.2f}", f"{r.get('whole_hit_rate', 0.0):.2f}",
+                          f"{r['exposed_s'] * 1e3:.1f}", f"{r.get('host_s', 0.0) * 1e3:.1f}")
         console.print(table)
+    chooser = report["configurator"]
+    console.print(f"moepic's plan: {chooser['why']}. Predicted exposed ms per token: "
+                  + " · ".join(f"{name} {total * 1e3:.1f}" for name, total in chooser["candidates"].items()),
+                  highlight=False)
+    simulated = tpot["policies"].get("moepic") if tpot and tpot["how"].startswith("simulated") else None
     console.print(
         f"fits: {t['cached_experts']} expert tops cached, {m['cached'] / MiB:.0f} MiB = {100 * t['cached_fraction']:.1f}% "
-        f"of all expert bytes; mean predicted hit rate {t['mean_hit_rate']:.2f}; predicted exposed load time "
+        f"of all expert bytes; the configurator's model: mean top hit {t['mean_hit_rate']:.2f}, exposed load time "
         f"{t['exposed_s_per_token'] * 1e3:.2f} ms per token"
+        + ("" if simulated is None else f"; simulated over the trace (the moepic row): top hit "
+           f"{simulated['hit_rate']:.2f}, exposed load time {simulated['exposed_s'] * 1e3:.2f} ms per token")
         + ("; the whole model would fit: offloading is not needed" if m["whole_model_fits"] else ""),
         highlight=False)

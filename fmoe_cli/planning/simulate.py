@@ -72,12 +72,13 @@ class SimResult:
     tpot_s: float  # median over the measured decode tokens
     mean_tpot_s: float
     tokens: int
-    hit_rate: float
+    hit_rate: float  # activated experts whose top segment (or the whole expert) was on the device
     exposed_s_per_token: float
     bytes_per_token: float
     host_s_per_token: float  # the host lane's compute (0 without it)
     prefetch_precision: float
     plan: str
+    whole_hit_rate: float = 0.0  # … of which the whole expert was: nothing loaded
 
 
 @dataclass
@@ -380,6 +381,7 @@ def simulate_policy(shape: ExpertShape, settings: EngineSettings, times: Timings
         host_s_per_token=measured.host_s / n,
         prefetch_precision=measured.prefetch_precision,
         plan=settings.plan.summary(),
+        whole_hit_rate=measured.hits_full / measured.activations if measured.activations else 0.0,
     )
 
 
@@ -417,19 +419,30 @@ def stats_from(sequences: Sequence[Sequence[Token]], shape: ExpertShape, predict
     return stats
 
 
+def predictor_for(sequences: Sequence[Sequence[Token]], shape: ExpertShape) -> Callable[[], RoutingPredictor | None]:
+    """What makes the prefetch rankings of recorded routing: none when it carries the prefetcher's own,
+    else the routing-only predictor (a new one per call)."""
+    has_rankings = any(t.predicted is not None for seq in sequences for t in seq)
+    return lambda: None if has_rankings else RoutingPredictor(shape.num_layers, shape.num_experts, shape.top_k)
+
+
+def trace_stats(sequences: Sequence[Sequence[Token]], shape: ExpertShape) -> RoutingStats:
+    """The statistics the simulation plans `moepic` from: those of the routing itself (`fmoe plan --trace`
+    plans from them too, so its per-layer plan is the simulated one)."""
+    return stats_from(sequences, shape, predictor_for(sequences, shape)())
+
+
 def predict_policies(shape: ExpertShape, budget_bytes: int, timings: Timings, bandwidth: float, latency: float,
                      *, sequences: Sequence[Sequence[Token]], policies: Sequence[str], prompt_tokens: int = 0,
-                     progress: Callable[[str], None] | None = None, plans: dict | None = None) -> dict[str, SimResult]:
+                     progress: Callable[[str], None] | None = None, stats: RoutingStats | None = None,
+                     plans: dict | None = None) -> dict[str, SimResult]:
     """Simulated TPOT of every policy over the same routing. Without the prefetcher's rankings
     in the routing, the routing-only `eam` predictor makes them. `moepic` gets the configurator's
-    plan from statistics of this routing and these timings. `plans`: more plans by name (e.g. llama.cpp's
-    pattern, configurator.host_baselines), simulated after the policies with LCP and no prefetch."""
-    has_rankings = any(t.predicted is not None for seq in sequences for t in seq)
-
-    def predictor():
-        return None if has_rankings else RoutingPredictor(shape.num_layers, shape.num_experts, shape.top_k)
-
-    stats = stats_from(sequences, shape, predictor())
+    plan from statistics of this routing (`trace_stats`, unless given) and these timings. `plans`: more
+    plans by name (e.g. llama.cpp's pattern, configurator.host_baselines), simulated after the policies
+    with LCP and no prefetch."""
+    predictor = predictor_for(sequences, shape)
+    stats = trace_stats(sequences, shape) if stats is None else stats
     out = {}
     for name in policies:
         if progress is not None:

@@ -257,14 +257,25 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def default_profile_path(key: str | None = None, config_dir: Path | None = None, *, emulated: bool = False) -> Path:
+def default_profile_path(key: str | None = None, config_dir: Path | None = None, *, emulated: bool | float = False,
+                         quick: bool = False) -> Path:
     """The user's config directory: profiles/device.json, or profiles/<key>.json with a model's timings, where
     `key` is the model's key (models.identity.model_key: where it comes from and its fingerprint, so a
-    directory named `demo` is not the demo). A profile of an emulated link is kept apart (`*.emulated.json`):
-    it never stands in for the real link."""
+    directory named `demo` is not the demo). A profile of an emulated link is kept apart, one per link
+    (`emulated` = its GB/s: `*.emulated-<GB/s>gbps.json`; True: `*.emulated.json`, as saved before): it never
+    stands in for the real link. `quick`: the quick estimate a run measured without a profile
+    (`*.quick.json`), kept for the next run (fmoe_cli/run.py: find_timings)."""
     base = Path(config_dir) if config_dir is not None else Path(platformdirs.user_config_dir("fmoe"))
     stem = key or "device"
-    return base / "profiles" / (f"{stem}.emulated.json" if emulated else f"{stem}.json")
+    if quick:
+        suffix = ".quick"
+    elif emulated is True:
+        suffix = ".emulated"
+    elif emulated:
+        suffix = f".emulated-{float(emulated):g}gbps"
+    else:
+        suffix = ""
+    return base / "profiles" / f"{stem}{suffix}.json"
 
 
 class _Reader:
