@@ -7,6 +7,9 @@
    model's (|A_q ∩ A| / K, and the share of tokens whose whole top-K set is the same). The quantised
    models are transformers' own model with its experts replaced by the dequantised weights — by the
    exactness contract (tests/test_quant.py), exactly what the engine computes.
+1b. `--dense int8 / int4` on the demo model: perplexity, the largest logit error and top-1 agreement
+   against the unquantised model on the same held-out tokens (the tolerance tests/test_dense.py checks).
+3. `--dense`: one projection (4096 × 2048, Qwen3-30B-A3B's q_proj) for one token, float32 against QuantLinear.
 2. Compute: one expert for one token (decode) from the stored rows — dequantise then the three matmuls
    (what fmoe does) against the unquantised matmuls and against torch's fused int8 kernel
    (`_weight_int8pack_mm`, per-output-channel scales: a lower bound, it does not fit the grouped,
@@ -111,6 +114,61 @@ def quality(console, tokens: int, seq_len: int) -> None:
     console.print(table)
 
 
+@torch.no_grad()
+def dense_quality(console, tokens: int, seq_len: int) -> None:
+    """--dense int8 / int4 on the demo model (experts unquantised, and int4 dense beside int2 experts): the
+    reference model (transformers' own, with the dequantised weights: what the engine computes, tests/test_dense.py)
+    against the unquantised one, on the same held-out tokens: perplexity, max |Δ logit|, top-1 agreement."""
+    import transformers
+    from rich.table import Table
+
+    from fmoe_cli.models.demo import SHIPPED
+    from fmoe_cli.models.dense import dense_reference
+    from fmoe_cli.models.families import find_moe_layers
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.layout import DOWN, GATE, UP
+    from routing_report import held_out_text
+
+    text, label = held_out_text(SHIPPED)
+    tok = transformers.AutoTokenizer.from_pretrained(SHIPPED)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0][: tokens + 1]
+    chunks = [ids[s: s + seq_len + 1] for s in range(0, len(ids) - 1, seq_len)]
+    chunks = [c for c in chunks if len(c) >= 2]
+
+    def logits_of(model):
+        return [model(input_ids=c[None, :-1]).logits[0].float() for c in chunks]
+
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    base = logits_of(base_model)
+    table = Table(title=f"1b. --dense on the demo model, {len(ids) - 1} tokens of {label} (seq {seq_len}; the demo's "
+                        "head is tied to the embedding: attention only)")
+    for col in ("dense", "experts", "perplexity", "Δ vs unquantised", "max |Δ logit|", "top-1 agreement"):
+        table.add_column(col, justify="left" if col in ("dense", "experts") else "right")
+
+    def perplexity(logits):
+        nll = sum(torch.nn.functional.cross_entropy(lg, c[1:], reduction="sum").item() for lg, c in zip(logits, chunks))
+        return math.exp(nll / sum(len(c) - 1 for c in chunks))
+
+    base_ppl = perplexity(base)
+    table.add_row("bf16", "bf16", f"{base_ppl:.3f}", "", "", "")
+    for dense, experts in (("int8", "bf16"), ("int4", "bf16"), ("int4", "int2")):
+        lm = load_model("demo", device="cpu", dtype="float32", experts=experts, dense=dense, console=console)
+        model = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+        dense_reference(model, lm.model)
+        if experts != "bf16":
+            for layer in find_moe_layers(model):
+                w = lm.store.dequantized(layer.index)
+                layer.experts.gate_up_proj.data.copy_(torch.cat([w[:, :, GATE], w[:, :, UP]], dim=1))
+                layer.experts.down_proj.data.copy_(w[:, :, DOWN].transpose(1, 2))
+        with console.status(f"evaluating dense {dense}, experts {experts} …"):
+            got = logits_of(model)
+        ppl = perplexity(got)
+        err = max((a - b).abs().max().item() for a, b in zip(got, base))
+        top1 = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(got, base)) / sum(len(b) for b in base)
+        table.add_row(dense, experts, f"{ppl:.3f}", f"{100 * (ppl / base_ppl - 1):+.2f} %", f"{err:.3f}", f"{top1:.4f}")
+    console.print(table)
+
+
 def compute_cost(console, hidden: int, intermediate: int, rounds: int, repeats: int) -> None:
     from rich.table import Table
 
@@ -159,6 +217,37 @@ def compute_cost(console, hidden: int, intermediate: int, rounds: int, repeats: 
     console.print(table)
 
 
+def dense_cost(console, out_features: int, in_features: int, rounds: int, repeats: int) -> None:
+    """--dense: one decode token through one projection [out, in], float32 against QuantLinear int8 / int4."""
+    from rich.table import Table
+
+    from fmoe_cli.models.dense import QuantLinear
+    from fmoe_cli.types import DENSE_FORMATS
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
+    cases = {"float32 matmul": linear, **{f"{name}: QuantLinear (dequantise + matmul)": QuantLinear(
+        linear, DENSE_FORMATS[name].quant) for name in ("int8", "int4")}}
+    x = torch.randn(1, in_features)
+    times = {name: [] for name in cases}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, module in cases.items():
+                module(x)
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    module(x)
+                times[name].append((time.perf_counter() - start) / repeats * 1e3)
+    base = times["float32 matmul"]
+    table = Table(title=f"3. --dense: one projection {out_features} × {in_features}, one token, CPU "
+                        f"{torch.get_num_threads()} thread(s): ms, median \\[min–max] of {rounds} interleaved rounds × {repeats}")
+    for col in ("computation", "ms", "÷ float32"):
+        table.add_column(col, justify="right" if col != "computation" else "left")
+    for name, ts in times.items():
+        table.add_row(name, spread(ts), spread([t / b for t, b in zip(ts, base)], "{:.2f}"))
+    console.print(table)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=20000, help="held-out tokens evaluated")
@@ -180,7 +269,9 @@ def main() -> None:
     console.print("command: python benchmarks/quantization.py " + " ".join(sys.argv[1:]), highlight=False)
     if not args.skip_quality:
         quality(console, args.tokens, args.seq_len)
+        dense_quality(console, args.tokens, args.seq_len)
     compute_cost(console, args.hidden, args.intermediate, args.rounds, args.repeats)
+    dense_cost(console, 4096, 2048, args.rounds, args.repeats)
 
 
 if __name__ == "__main__":

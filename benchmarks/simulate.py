@@ -72,7 +72,7 @@ def validate(args, console: Console) -> None:
     from fmoe_cli.run import find_timings
 
     torch.set_num_threads(1)
-    lm = load_model(args.model, device="cpu", dtype="float32", console=console)
+    lm = load_model(args.model, device="cpu", dtype="float32", console=console, experts=args.experts, dense=args.dense)
     shape = lm.shape
     prompt_ids = encode_prompt(lm, PROMPT)
     t_exp = expert_compute_s(lm)
@@ -88,7 +88,7 @@ def validate(args, console: Console) -> None:
     trace_path = Path(tempfile.mkdtemp(prefix="fmoe-sim-")) / "runs.jsonl"
     writer = TraceWriter.for_model(trace_path, lm)
     recorder = RouteRecorder(writer)
-    runs = POLICIES + ["ondemand"]  # ondemand: calibrates the host work per load
+    runs = [p for p in POLICIES + ["ondemand"] if p in args.policies]  # ondemand: calibrates the host work per load
     measured: dict[str, list[float]] = {p: [] for p in runs}
     measured_hit: dict[str, float] = {}
     measured_exposed: dict[str, list[float]] = {p: [] for p in runs}
@@ -131,6 +131,7 @@ def compare(console, args, lm, label, stat, timings, measured, measured_hit, mea
     `stat` over rounds), simulate every policy, print simulated ÷ measured."""
     from dataclasses import replace
 
+    from fmoe_cli.models.load import precision_label
     from fmoe_cli.planning.simulate import simulate_policy
 
     shape = lm.shape
@@ -144,7 +145,7 @@ def compare(console, args, lm, label, stat, timings, measured, measured_hit, mea
     extra = rest * (1 - share) / shape.num_layers - timings.t_att
     timings = replace(timings, t_att=rest * (1 - share) / shape.num_layers, t_head=rest * share)
     bare_times = replace(timings, t_host_load=0.0, t_host_prefetch=0.0, t_admit=0.0, t_segment=0.0)
-    table = Table(title=f"simulated vs measured TPOT: {lm.label}, link: emulated {gbps:.3g} GB/s "
+    table = Table(title=f"simulated vs measured TPOT: {lm.label} ({precision_label(str(lm.dtype).removeprefix('torch.'), shape.experts, lm.dense)}), link: emulated {gbps:.3g} GB/s "
                         f"(expert load {args.load_ratio:g} × T_exp), budget {args.budget}, "
                         f"{label} of {args.rounds} interleaved rounds; sim ÷ meas with the host work "
                         f"measured by the profile (1) alone, (2) with T_att, T_head fitted to resident, "
@@ -284,6 +285,257 @@ def mixtral(args, console: Console) -> None:
                   f"moepic plan: {results['moepic'].plan}", highlight=False)
 
 
+# --- paper: MoEpic's own settings (issue 23 §4) -------------------------------------------------------------------
+QWEN_CONFIG = {  # Qwen/Qwen1.5-MoE-A2.7B config.json (the figures that matter here)
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+    "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1, "vocab_size": 151936,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+    "initializer_range": 0.02, "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 21,
+    "router_aux_loss_coef": 0.001, "output_router_logits": False, "use_cache": True, "attention_dropout": 0.0,
+}
+GPU_RICH_TPOT_S = 0.057  # MoEpic: Qwen1.5-MoE-A2.7B with the whole model on the A6000 (26.67 GB)
+# MoEpic's Fig. 7: TTFT (s) of Qwen1.5-MoE at 480 experts, in the order the systems are listed (issue 23): MoEpic,
+# Mixtral-offloading, AdapMoE, MoE-Infinity, Pre-gated MoE; keyed by the fmoe policy standing in for each.
+PAPER_QWEN_TTFT_480 = {"moepic": ("MoEpic", 1.43), "lru": ("Mixtral-offloading", 2.58), "lfu": ("MoE-Infinity", 1.78),
+                       "prefetch-only": ("Pre-gated MoE", 1.73)}
+PAPER_NOT_RUN = "AdapMoE (144 ms; TTFT 1.77 s at 480) has no fmoe counterpart"
+PAPER_POLICIES = ["moepic", "lru", "lfu", "prefetch-only", "uniform", "cache-only", "resident"]
+
+
+def write_config(config: dict, prefix: str) -> Path:
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def scaled(timings, factor: float):
+    """Every compute time × `factor` (T_att, T_moe, T_head and the admission copy a_e); the link's untouched."""
+    from dataclasses import replace
+
+    return replace(timings, t_att=timings.t_att * factor, t_moe=timings.t_moe * factor,
+                   t_head=timings.t_head * factor, t_admit=timings.t_admit * factor)
+
+
+def resident_tpot(shape, timings) -> float:
+    """What the simulator's `resident` gives: L · (T_att + T_moe) + T_head (no loads)."""
+    return shape.num_layers * (timings.t_att + timings.t_moe) + timings.t_head
+
+
+def routing_shape(trace) -> dict:
+    """Per layer: the top expert's share of the activations, and |A_t ∩ A_t−1| / K; means over layers."""
+    from fmoe_cli.planning.simulate import tokens_of
+
+    sequences = tokens_of(trace)
+    layers = len(sequences[0][0].experts)
+    k = len(sequences[0][0].experts[0])
+    shares, overlaps = [], []
+    for i in range(layers):
+        counts: dict[int, int] = {}
+        same, pairs = 0, 0
+        for seq in sequences:
+            for n, token in enumerate(seq):
+                for e in token.experts[i]:
+                    counts[e] = counts.get(e, 0) + 1
+                if n:
+                    same += len(set(token.experts[i]) & set(seq[n - 1].experts[i]))
+                    pairs += 1
+        shares.append(max(counts.values()) / sum(counts.values()))
+        overlaps.append(same / (pairs * k))
+    return {"top_share": statistics.fmean(shares), "overlap": statistics.fmean(overlaps), "experts": trace.num_experts,
+            "top_k": k}
+
+
+def synthetic_routing(num_layers: int, num_experts: int, top_k: int, sequences: int, tokens: int, *,
+                      zipf: float, stick: float, seed: int = 0):
+    """Routing with a real trace's shape: per layer a Zipf popularity over the experts (rank r weighs (r+1)^−zipf, in
+    a random order per layer), and each of the previous token's experts kept with probability `stick`; the rest
+    drawn by popularity without replacement."""
+    from fmoe_cli.planning.simulate import Token
+
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-zipf)
+    popularity = [weights[torch.randperm(num_experts, generator=g)] for _ in range(num_layers)]
+    out = []
+    for _ in range(sequences):
+        previous = None
+        seq = []
+        for _ in range(tokens):
+            layers = []
+            for i in range(num_layers):
+                keep = [] if previous is None else [e for e in previous[i]
+                                                    if torch.rand((), generator=g).item() < stick]
+                p = popularity[i].clone()
+                p[keep] = 0
+                rest = torch.multinomial(p, top_k - len(keep), replacement=False, generator=g).tolist() \
+                    if len(keep) < top_k else []
+                layers.append(tuple(keep + rest))
+            previous = layers
+            seq.append(Token(tuple(layers)))
+        out.append(seq)
+    return out
+
+
+def fit_synthetic(target: dict, num_experts: int, top_k: int) -> tuple[float, float]:
+    """(zipf, stick) so that the synthetic routing's top-expert share and consecutive overlap, each relative to
+    independent uniform routing (1/N and K/N), are the real trace's."""
+    want_share = target["top_share"] * target["experts"]  # the top expert's share of the activations ÷ uniform's 1/N
+
+    def measure(zipf: float, stick: float) -> dict:
+        seqs = synthetic_routing(1, num_experts, top_k, 1, 3000, zipf=zipf, stick=stick, seed=1)
+        counts = torch.zeros(num_experts)
+        same = 0
+        for n, token in enumerate(seqs[0]):
+            counts[list(token.experts[0])] += 1
+            if n:
+                same += len(set(token.experts[0]) & set(seqs[0][n - 1].experts[0]))
+        return {"share": (counts.max() / counts.sum()).item() * num_experts,
+                "overlap": same / ((len(seqs[0]) - 1) * top_k)}
+
+    lo, hi = 0.0, 3.0  # share grows with zipf
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if measure(mid, 0.0)["share"] < want_share else (lo, mid)
+    zipf = (lo + hi) / 2
+    # the popularity alone raises the overlap above K/N: take the stickiness that gives the wanted excess on top
+    base = measure(zipf, 0.0)["overlap"]
+    stick = max(0.0, (target["overlap"] - base) / (1 - base))
+    return zipf, stick
+
+
+def prefill_estimate(sim, prompt, timings, bandwidth: float, latency: float) -> float:
+    """TTFT estimate (s), analytic, from the simulator's cache state before the prompt: per MoE layer the prompt's
+    activated experts A_i; what is not on the device (a whole expert, or the bottom I − k_i of a cached top) crosses
+    the link while the layer computes, the compute counted as decode's with each activated expert once:
+
+        TTFT ≈ Σ_i max(T_att + |A_i|·T_exp,  latency + bytes_i / bandwidth) + T_head"""
+    shape = sim.shape
+    total = timings.t_head
+    for i, state in enumerate(sim.layers):
+        active = {e for token in prompt for e in token.experts[i]}
+        cached = set(state.cache.cached())
+        k = shape.intermediate if sim.resident else state.top_neurons
+        missing = sum(shape.intermediate - (k if e in cached else 0) for e in active)
+        link = 0.0 if missing == 0 else latency + missing * shape.neuron_bytes / bandwidth
+        total += max(timings.t_att + len(active) * timings.t_exp, link)
+    return total
+
+
+def paper_run(shape, budget_bytes: int, timings, bandwidth: float, latency: float, sequences, prompt_tokens: int,
+              policies) -> dict:
+    """Per policy: the simulated TPOT over every sequence's decode tokens (prefill = the first `prompt_tokens`), and
+    the TTFT estimate of each sequence after the first (a warm cache), median; hit rate and plan."""
+    from fmoe_cli.planning.presets import PlanInputs, settings_for
+    from fmoe_cli.planning.simulate import RoutingPredictor, simulate_policy, stats_from
+
+    has_rankings = any(t.predicted is not None for seq in sequences for t in seq)
+
+    def predictor():
+        return None if has_rankings else RoutingPredictor(shape.num_layers, shape.num_experts, shape.top_k)
+
+    stats = stats_from(sequences, shape, predictor())
+    out = {}
+    for name in policies:
+        settings = settings_for(name, PlanInputs(shape, budget_bytes, timings, stats))
+        ttfts = []
+
+        def ttft(sim, prompt, n):  # with the cache the previous sequence left (the first starts cold: not counted)
+            if n:
+                ttfts.append(prefill_estimate(sim, prompt, timings, bandwidth, latency))
+
+        result = simulate_policy(shape, settings, timings, sequences, bandwidth=bandwidth, latency=latency,
+                                 prompt_tokens=prompt_tokens, predictor_factory=predictor, before_prefill=ttft)
+        out[name] = {"tpot_ms": result.tpot_s * 1e3, "ttft_ms": statistics.median(ttfts) * 1e3,
+                     "hit_rate": result.hit_rate, "plan": result.plan}
+    return out
+
+
+def paper(args, console: Console) -> None:
+    from fmoe_cli.planning.report import model_facts, plan_timings
+    from fmoe_cli.planning.simulate import tokens_of
+    from fmoe_cli.profiling.files import Profile
+    from fmoe_cli.trace import read_trace
+
+    profile = Profile.load(Path(args.profile))
+    link = profile.device.link
+    bandwidth, latency = link.bandwidth, link.latency or 0.0
+    # 1. Compute, calibrated once: the roofline (every weight read once per token at the profile's memory bandwidth)
+    # of Qwen1.5-MoE bf16 with every expert on the device, scaled to the paper's GPU-rich 57 ms.
+    qwen = model_facts(str(write_config(QWEN_CONFIG, "fmoe-qwen-")), "bfloat16")
+    qwen_roofline, source = plan_timings(qwen, bandwidth, latency, profile)
+    factor = GPU_RICH_TPOT_S / resident_tpot(qwen.shape, qwen_roofline)
+    qwen_times = scaled(qwen_roofline, factor)
+    mixtral = model_facts(str(write_config(MIXTRAL_CONFIG, "fmoe-mixtral-")), "bfloat16", experts="int2", dense="int4")
+    mixtral_roofline, _ = plan_timings(mixtral, bandwidth, latency, profile)
+    mixtral_times = scaled(mixtral_roofline, factor)
+    # 2. Routing: the real Mixtral trace; for Qwen1.5-MoE (no trace of it here) routing of the Mixtral trace's shape.
+    trace = read_trace(args.trace)
+    mixtral_routing = [seq[:args.limit] for seq in tokens_of(trace)] if args.limit else tokens_of(trace)
+    real = routing_shape(trace)
+    zipf, stick = fit_synthetic(real, qwen.shape.num_experts, qwen.shape.top_k)
+    qwen_routing = synthetic_routing(qwen.shape.num_layers, qwen.shape.num_experts, qwen.shape.top_k, args.sequences,
+                                     args.tokens, zipf=zipf, stick=stick, seed=args.seed)
+    runs = {"mixtral-int2": (mixtral, mixtral_times, mixtral_routing, args.mixtral_budgets),
+            "qwen1.5-moe-bf16": (qwen, qwen_times, qwen_routing, args.qwen_budgets)}
+    result: dict = {}
+    for key, (facts, times, routing, budgets) in runs.items():
+        shape = facts.shape
+        result[key] = {}
+        for experts in budgets:
+            budget = (experts + shape.top_k) * shape.expert_bytes  # V_e experts and a buffer of K
+            console.print(f"simulating {key} at {experts} experts …", highlight=False)
+            result[key][str(experts)] = paper_run(shape, budget, times, bandwidth, latency, routing, args.prompt,
+                                                  PAPER_POLICIES)
+    if args.json:
+        print(json.dumps({k: {b: {p: {"tpot_ms": r["tpot_ms"], "ttft_ms": r["ttft_ms"]} for p, r in runs_.items()}
+                              for b, runs_ in v.items()} for k, v in result.items()}))
+        return
+    for key, (facts, times, routing, budgets) in runs.items():
+        shape = facts.shape
+        paper_cols = ("paper system", "paper TPOT ms at 160") if key == "mixtral-int2" else \
+            ("paper system", "paper TTFT s at 480")
+        table = Table(title=f"{key}: simulated TPOT, estimated TTFT (prompt {args.prompt} tokens); one expert "
+                            f"{shape.expert_bytes / 2**20:.1f} MiB ({shape.experts}), dense {facts.dense}; budget = "
+                            f"(V_e + K) experts")
+        for col in ("policy", *[f"V_e={b}: TPOT ms" for b in budgets], *[f"{b}: TTFT ms" for b in budgets],
+                    *[f"{b}: hit" for b in budgets], *paper_cols):
+            table.add_column(col, justify="left" if col in ("policy", "paper system") else "right")
+        for name in PAPER_POLICIES:
+            rows = [result[key][str(b)][name] for b in budgets]
+            if key == "mixtral-int2":
+                system, figure = PAPER.get(name, ("", None))
+            else:
+                system, figure = PAPER_QWEN_TTFT_480.get(name, ("", None))
+            table.add_row(name, *[f"{r['tpot_ms']:.1f}" for r in rows], *[f"{r['ttft_ms']:.0f}" for r in rows],
+                          *[f"{r['hit_rate']:.2f}" for r in rows], system, "" if figure is None else f"{figure:g}")
+        console.print(table)
+        top = result[key][str(budgets[-1])]
+        console.print(f"  at {budgets[-1]}: moepic ÷ lru {top['moepic']['tpot_ms'] / top['lru']['tpot_ms']:.2f}; "
+                      f"moepic plan: {top['moepic']['plan']}", highlight=False)
+        console.print(f"  compute: T_att {times.t_att * 1e3:.3f} ms, T_exp {times.t_exp * 1e3:.3f} ms, T_head "
+                      f"{times.t_head * 1e3:.3f} ms, a_e {times.t_admit * 1e3:.3f} ms; one expert's load "
+                      f"{(latency + shape.expert_bytes / bandwidth) * 1e3:.2f} ms "
+                      f"(= {(latency + shape.expert_bytes / bandwidth) / times.t_exp:.1f} × T_exp)", highlight=False)
+    console.print(f"paper (MoEpic Fig. 7, Mixtral-8x7B int2/int4 at 160 experts): MoEpic 85, Mixtral-offloading 162, "
+                  f"MoE-Infinity 136, Pre-gated 248 ms (85 ÷ 162 = 0.52); Qwen1.5-MoE: GPU-rich 57 ms, MoEpic 60 ms in "
+                  f"12.38 GB; {PAPER_NOT_RUN}", highlight=False)
+    console.print(f"inputs: {profile.device.device.name}, link {bandwidth / 1e9:.1f} GB/s ({link.kind}), latency "
+                  f"{latency * 1e6:.0f} µs; compute: {source}, × {factor:.2f} so that Qwen1.5-MoE bf16 resident = the "
+                  f"paper's GPU-rich {GPU_RICH_TPOT_S * 1e3:.0f} ms (calibrated once, the same factor for Mixtral)",
+                  highlight=False)
+    console.print(f"routing: Mixtral: {args.trace} ({sum(map(len, mixtral_routing))} tokens, {len(mixtral_routing)} sequences; "
+                  f"predictor eam, no rankings in a vLLM trace); Qwen1.5-MoE: synthetic (no trace of it exists here), "
+                  f"{args.sequences} sequences × {args.tokens} tokens, seed {args.seed}, with the Mixtral trace's shape: "
+                  f"top-expert share {real['top_share']:.3f} of the activations at N = {real['experts']} (× uniform "
+                  f"{real['top_share'] * real['experts']:.2f}), consecutive overlap {real['overlap']:.3f} "
+                  f"→ Zipf exponent {zipf:.2f}, stickiness {stick:.3f}", highlight=False)
+    console.print(f"TTFT: analytic estimate (not simulated): the first {args.prompt} tokens of each sequence after the "
+                  f"first are its prompt, with the cache the previous sequence left: Σ_i max(T_att + |A_i|·T_exp, "
+                  f"latency + missing bytes_i / bandwidth) + T_head", highlight=False)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -296,16 +548,34 @@ def main() -> None:
     v.add_argument("--load-ratio", type=float, default=3.0)
     v.add_argument("--json", action="store_true")
     v.add_argument("--matrix", action="store_true", help="also the requirement matrix, simulated over the moepic run")
+    v.add_argument("--experts", default="bf16", help="the experts' format (--experts of fmoe bench)")
+    v.add_argument("--dense", default="bf16", help="the attention's format (--dense of fmoe bench)")
+    v.add_argument("--policies", default=",".join(POLICIES + ["ondemand"]),
+                   help="comma-separated; resident, ondemand and prefetch-only are the fits' anchors (needed)")
     m = sub.add_parser("mixtral")
     m.add_argument("--trace", default=str(SHARED_TRACE))
     m.add_argument("--profile", default=str(HERE.parent / "profiles" / "rtx-a6000.json"))
     m.add_argument("--experts", type=int, default=160)
     m.add_argument("--load-ratio", type=float, default=None,
                    help="scale compute so that one expert's load takes this many times its compute (default: roofline)")
+    q = sub.add_parser("paper", help="MoEpic's own settings: Mixtral int2/int4 at 96 and 160 experts, "
+                                     "Qwen1.5-MoE bf16 at 240 and 480")
+    q.add_argument("--trace", default=str(SHARED_TRACE))
+    q.add_argument("--profile", default=str(HERE.parent / "profiles" / "rtx-a6000.json"))
+    q.add_argument("--mixtral-budgets", type=int, nargs="+", default=[96, 160])
+    q.add_argument("--qwen-budgets", type=int, nargs="+", default=[240, 480])
+    q.add_argument("--prompt", type=int, default=32, help="tokens of each sequence taken as its prompt")
+    q.add_argument("--sequences", type=int, default=4, help="synthetic Qwen1.5-MoE sequences")
+    q.add_argument("--tokens", type=int, default=160, help="tokens per synthetic sequence")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--limit", type=int, default=0, help="at most this many tokens of each Mixtral sequence (0: all)")
+    q.add_argument("--json", action="store_true")
     args = p.parse_args()
+    if args.what == "validate":
+        args.policies = [x.strip() for x in args.policies.split(",")]
     console = Console(width=150)
     console.print("command: python benchmarks/simulate.py " + " ".join(sys.argv[1:]), highlight=False)
-    validate(args, console) if args.what == "validate" else mixtral(args, console)
+    {"validate": validate, "mixtral": mixtral, "paper": paper}[args.what](args, console)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from fmoe_cli.options import RunOptions
 from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_plan_options
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
-from fmoe_cli.types import DEFAULT_EXPERTS
+from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS
 
 try:  # typer ≥ 0.20 carries its own copy of click
     from typer._click.exceptions import ClickException
@@ -124,6 +124,10 @@ ExpertsOpt = Annotated[str, typer.Option(
     "--experts", help="How the routed experts are stored and moved: bf16 (unquantised, in --dtype), int8, int4 "
                       "or int2 (weight-only, group-wise: about 2× / 3.5× / 5.3× fewer bytes in RAM and on the link; "
                       "int2 is HQQ's 2-bit setting for Mixtral's experts).")]
+DenseOpt = Annotated[str, typer.Option(
+    "--dense", help="How the attention projections are stored: bf16 (unquantised, in --dtype), int8 (with the LM "
+                    "head; weight-only, group 128) or int4 (group 64: MoEpic's and Mixtral-offloading's attention "
+                    "beside int2 experts). The embedding stays as stored.")]
 
 
 ContextOpt = Annotated[int | None, typer.Option(
@@ -162,6 +166,7 @@ def bench(
     emulate_link: LinkOpt = None,
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
+    dense: DenseOpt = DEFAULT_DENSE,
     device: DeviceOpt = "auto",
     context: ContextOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -170,7 +175,7 @@ def bench(
     """Measure TTFT/TPOT, hit rate and link traffic of the offloading engine, policy by policy."""
     opts = run_options(model, parse_policies(policy, compare), vram_budget=vram_budget, predictor=predictor,
                        lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
-                       overwrite_trace=force, dtype=dtype, experts=experts, device=device,
+                       overwrite_trace=force, dtype=dtype, experts=experts, dense=dense, device=device,
                        trust_remote_code=trust_remote_code, shape_link=True, context=context,
                        if_fits=("resident",) if policy is None and compare is None else ())
     check_counts(tokens, warmup)
@@ -204,6 +209,7 @@ def chat(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
+    dense: DenseOpt = DEFAULT_DENSE,
     predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
@@ -216,7 +222,7 @@ def chat(
     """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
     opts = ChatOptions(run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
                                    lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
-                                   overwrite_trace=force, dtype=dtype, experts=experts, device=device,
+                                   overwrite_trace=force, dtype=dtype, experts=experts, dense=dense, device=device,
                                    trust_remote_code=trust_remote_code, profile=profile, context=context),
                        system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     opts.check()
@@ -243,6 +249,7 @@ def serve(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
+    dense: DenseOpt = DEFAULT_DENSE,
     predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
@@ -257,7 +264,7 @@ def serve(
     options.check()  # before anything slow
     opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
                        lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
-                       dtype=dtype, experts=experts, device=device, trust_remote_code=trust_remote_code,
+                       dtype=dtype, experts=experts, dense=dense, device=device, trust_remote_code=trust_remote_code,
                        profile=profile, context=context)
     _quiet_libraries()
     from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the options read
@@ -300,18 +307,20 @@ def plan(
     workspace: Annotated[str, typer.Option(help="Reserve for activations, the allocator and the CUDA context.")] = "512MiB",
     dtype: Annotated[str, typer.Option(help="auto (the config's, else bfloat16), bfloat16, float16, float32.")] = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
+    dense: DenseOpt = DEFAULT_DENSE,
     trace: Annotated[str | None, typer.Option(help="A routing trace (fmoe or vLLM format) to simulate TPOT over.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """How the configurator would split the device memory for MODEL, and the TPOT each policy would get
     (from config.json alone, no weights)."""
     check_plan_options(model, vram=vram, profile_path=profile, context=context, dtype=dtype, workspace=workspace,
-                       experts=experts, trace=trace)
+                       experts=experts, trace=trace, dense=dense)
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan  # torch and transformers: only once the options read
 
     run_plan(model, vram=vram, profile_path=profile, context=context, dtype=None if dtype == "auto" else dtype,
-             as_json=as_json, console=Console(), workspace=workspace, experts=experts, trace=trace)
+             as_json=as_json, console=Console(), workspace=workspace, experts=experts, trace=trace,
+             dense=dense)
 
 
 @app.command()
@@ -324,6 +333,7 @@ def profile(
     quick: Annotated[bool, typer.Option(help="Fewer transfer sizes and repeats (seconds, less precise).")] = False,
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
+    dense: DenseOpt = DEFAULT_DENSE,
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
     as_json: JsonOpt = False,
@@ -331,7 +341,7 @@ def profile(
     """Measure the host→device link and memory (and per-layer times with --model); save a profile."""
     # The model's layers are timed on the engine of a run without a cache, link emulation or statistics.
     opts = None if model is None else run_options(
-        model, ["ondemand"], vram_budget=None, dtype=dtype, experts=experts, device=device,
+        model, ["ondemand"], vram_budget=None, dtype=dtype, experts=experts, dense=dense, device=device,
         trust_remote_code=trust_remote_code, record_statistics=False)
     check_profile_options(out=out, emulate_link=emulate_link, prefill_len=prefill_len, device=device)
     _quiet_libraries()

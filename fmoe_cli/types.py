@@ -79,6 +79,27 @@ EXPERT_FORMATS: dict[str, QuantFormat | None] = {
 DEFAULT_EXPERTS = "bf16"  # --experts
 
 
+@dataclass(frozen=True)
+class DenseFormat:
+    """--dense: the non-expert linears stored quantised (models/dense.py), in the experts' formats (rows of
+    codes grouped along the input dimension, then their metadata). The embedding is a lookup and stays as
+    stored; norms, routers, shared experts and dense MLP layers stay in the compute dtype."""
+
+    quant: QuantFormat
+    head: bool  # the LM head too (unless it is tied to the embedding)
+
+
+# --dense: "bf16" leaves the non-expert weights unquantised (in the compute dtype, --dtype, as --experts bf16);
+# int8: attention projections and LM head weight-only int8, G = 128 (what llama.cpp's Q8_0 reads);
+# int4: attention projections at 4 bits, G = 64 (MoEpic's and Mixtral-offloading's attention; the head stays).
+DENSE_FORMATS: dict[str, DenseFormat | None] = {
+    "bf16": None,
+    "int8": DenseFormat(EXPERT_FORMATS["int8"], head=True),
+    "int4": DenseFormat(EXPERT_FORMATS["int4"], head=False),
+}
+DEFAULT_DENSE = "bf16"  # --dense
+
+
 # --dtype: the names fmoe accepts, each to torch's name (auto: chosen per device, models/load.py)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
@@ -92,6 +113,11 @@ def check_dtype(dtype: str | None) -> None:
 def check_expert_format(experts: str) -> None:
     if experts not in EXPERT_FORMATS:
         raise FmoeError(f"unknown expert format {experts!r}; use {', '.join(EXPERT_FORMATS)}")
+
+
+def check_dense_format(dense: str) -> None:
+    if dense not in DENSE_FORMATS:
+        raise FmoeError(f"unknown dense format {dense!r} (--dense); use {', '.join(DENSE_FORMATS)}")
 
 
 @dataclass(frozen=True)

@@ -18,3 +18,51 @@ def test_routing_report_says_it_needs_the_bible_program():
     assert result.returncode != 0
     assert "apt-get install bible-kjv" in result.stderr and "--text FILE" in result.stderr  # its own option
     assert "Traceback" not in result.stderr
+
+
+def test_simulate_paper_prints_the_issue_s_json_shape():
+    """`benchmarks/simulate.py paper --json`: {"mixtral-int2": {"96": {policy: {"tpot_ms", "ttft_ms"}}, "160": …},
+    "qwen1.5-moe-bf16": {"240": …, "480": …}} (a short run: 24 tokens of each Mixtral sequence, 2 × 24 synthetic)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "simulate.py"), "paper", "--json", "--limit", "24",
+                          "--sequences", "2", "--tokens", "24", "--prompt", "8"],
+                         capture_output=True, text=True, cwd=root, timeout=900)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(report) == {"mixtral-int2", "qwen1.5-moe-bf16"}
+    assert set(report["mixtral-int2"]) == {"96", "160"} and set(report["qwen1.5-moe-bf16"]) == {"240", "480"}
+    for model in report.values():
+        for budget in model.values():
+            assert {"moepic", "lru", "lfu", "prefetch-only"} <= set(budget)
+            for policy in budget.values():
+                assert set(policy) == {"tpot_ms", "ttft_ms"} and policy["tpot_ms"] > 0 and policy["ttft_ms"] > 0
+    resident = report["mixtral-int2"]["160"]["resident"]["tpot_ms"]
+    assert all(p["tpot_ms"] >= resident * 0.999 for p in report["mixtral-int2"]["160"].values())
+
+
+def test_synthetic_routing_has_the_shape_it_was_fitted_to():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import simulate
+
+    target = {"top_share": 0.183, "overlap": 0.397, "experts": 8, "top_k": 2}
+    zipf, stick = simulate.fit_synthetic(target, 60, 4)
+    seqs = simulate.synthetic_routing(1, 60, 4, 1, 3000, zipf=zipf, stick=stick, seed=3)
+    counts = [0] * 60
+    same = 0
+    for n, token in enumerate(seqs[0]):
+        assert len(set(token.experts[0])) == 4
+        for e in token.experts[0]:
+            counts[e] += 1
+        if n:
+            same += len(set(token.experts[0]) & set(seqs[0][n - 1].experts[0]))
+    share = max(counts) / sum(counts) * 60
+    assert abs(share - 0.183 * 8) < 0.2, share
+    assert abs(same / (2999 * 4) - 0.397) < 0.04

@@ -164,6 +164,9 @@ def bench_report(lm: LoadedModel, link, budget_bytes: int, runs: list[RunResult]
         "device": str(lm.device),
         "dtype": str(lm.dtype).removeprefix("torch."),
         "experts": lm.shape.experts,
+        "dense": lm.dense,
+        # host RAM of the expert store, and the weights on the device beside it (dense at their stored size)
+        "weights": {"experts_bytes": lm.shape.all_experts_bytes, "non_expert_bytes": lm.non_expert_bytes},
         "link": {"kind": link.kind, "gbps": link.gbps, "label": link.label()},
         "vram_budget_bytes": budget_bytes,
         "prompt_tokens": prompt_tokens,
@@ -205,8 +208,12 @@ def render(report: dict, console: Console) -> None:
     """Header lines (model, device, link — 'emulated' when it is), the table, the legend, the token check."""
     peak = "peak RSS of the process (CPU)" if report["device"] == "cpu" else "peak device memory"
     console.print(f"[bold]{report['label']}[/bold]", highlight=False)
-    console.print(f"device {report['device']} ({precision_label(report['dtype'], report['experts'])}) · "
+    console.print(f"device {report['device']} ({precision_label(report['dtype'], report['experts'], report['dense'])}) · "
                   f"{report['link']['label']}", highlight=False)
+    weights = report["weights"]
+    console.print(f"formats: experts {report['experts']} ({weights['experts_bytes'] / MiB:.1f} MiB in host RAM) · "
+                  f"dense {report['dense']} (non-expert weights {weights['non_expert_bytes'] / MiB:.1f} MiB on the "
+                  f"device)", highlight=False)
     console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
                   f"predictor {report.get('predictor', 'speculative')}", highlight=False)
     if report.get("host_profile"):

@@ -20,13 +20,24 @@ from fmoe_cli.models import demo
 from fmoe_cli.generate import TOKENIZER_FILES
 from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import download, local_model_dir
+from fmoe_cli.models.dense import dense_bytes_saved, quantize_dense
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.models.checkpoint import check_checkpoint, check_weight_files, read_checkpoint
 from fmoe_cli.models.identity import checkpoint_fingerprint
 from fmoe_cli.offload.converted import converted_path, open_converted, save_converted
 from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import DEFAULT_EXPERTS, DTYPES, EXPERT_FORMATS, ExpertShape, check_dtype, check_expert_format
+from fmoe_cli.types import (
+    DEFAULT_DENSE,
+    DEFAULT_EXPERTS,
+    DENSE_FORMATS,
+    DTYPES,
+    EXPERT_FORMATS,
+    ExpertShape,
+    check_dense_format,
+    check_dtype,
+    check_expert_format,
+)
 
 GiB = 1024**3
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]
@@ -44,12 +55,15 @@ class LoadedModel:
     store: HostStore
     device: torch.device
     dtype: torch.dtype
-    non_expert_bytes: int  # U_n: everything of the model on the device but the routed experts
+    non_expert_bytes: int  # U_n: everything of the model on the device but the routed experts (dense at stored size)
+    dense: str = DEFAULT_DENSE  # how the attention (and head) are stored: types.DENSE_FORMATS
 
 
-def precision_label(dtype: str, experts: str) -> str:
-    """What the user sees of the numbers: 'float32', or 'bfloat16, int4 experts'."""
-    return dtype if EXPERT_FORMATS[experts] is None else f"{dtype}, {experts} experts"
+def precision_label(dtype: str, experts: str, dense: str = DEFAULT_DENSE) -> str:
+    """What the user sees of the numbers: 'float32', 'bfloat16, int4 experts' or 'float32, int4 experts, int8 dense'."""
+    parts = [dtype] + ([f"{experts} experts"] if EXPERT_FORMATS[experts] is not None else []) \
+        + ([f"{dense} dense"] if DENSE_FORMATS[dense] is not None else [])
+    return ", ".join(parts)
 
 
 def resolve_model(model_id: str, trust_remote_code: bool = False) -> tuple[Path, str]:
@@ -116,14 +130,17 @@ def load_model(
     console: Console | None = None,
     experts: str = DEFAULT_EXPERTS,
     before_read=None,
+    dense: str = DEFAULT_DENSE,
 ) -> LoadedModel:
-    """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`.
+    """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`;
+    `dense`: the attention projections (and LM head) (types.DENSE_FORMATS, models/dense.py).
     `before_read(shape, non_expert_bytes, config, device)`: the caller's checks once the sizes are
     known and before a weight is read (run.py: the expert budget against the device)."""
     from transformers import AutoConfig
 
     console = console or Console(stderr=True)
     check_expert_format(experts)
+    check_dense_format(dense)
     path, label = resolve_model(model_id, trust_remote_code)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
@@ -135,10 +152,11 @@ def load_model(
     check_is_moe(config, model_id)
     model, layers = build_skeleton(config, torch_dtype, model_id, trust_remote_code)
     shape = expert_shape(layers, torch_dtype, experts)
-    non_expert_bytes = skeleton_non_expert_bytes(model, layers)
+    non_expert_bytes = skeleton_non_expert_bytes(model, layers, dense)
     check_checkpoint(path, model, layers)  # every tensor's shape and dtype against the config, from the headers
     tokenizer = load_tokenizer(path, model_id, trust_remote_code)  # (a broken one named before the weights load)
-    check_host_ram(label, shape, non_expert_bytes)  # before a byte is read
+    # before a byte is read; the load's peak holds the dense weights unquantised until each is quantised
+    check_host_ram(label, shape, skeleton_non_expert_bytes(model, layers))
     if before_read is not None:
         before_read(shape, non_expert_bytes, config, dev)
     store = make_store(shape, torch_dtype, pin=dev.type == "cuda")
@@ -156,6 +174,7 @@ def load_model(
         for layer in layers:
             _free_expert_weights(layer.experts, torch_dtype)
         _finish_skeleton(model, model_id)
+        quantize_dense(model, dense)  # one copy: each float weight is dropped once quantised
     except BaseException:
         store.close()
         raise
@@ -164,7 +183,7 @@ def load_model(
     model.eval().requires_grad_(False)
     model.to(dev)
     non_expert = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert)
+    return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert, dense)
 
 
 def load_tokenizer(path: Path, model_id: str, trust_remote_code: bool = False):
@@ -218,12 +237,14 @@ def _finish_skeleton(model, model_id: str) -> None:
     model.initialize_weights()  # only what is not marked initialised: the buffers just built
 
 
-def skeleton_non_expert_bytes(model, layers: list[MoeLayer]) -> int:
-    """U_n from the (meta) model: every parameter and buffer but the routed experts."""
+def skeleton_non_expert_bytes(model, layers: list[MoeLayer], dense: str = DEFAULT_DENSE) -> int:
+    """U_n from the (meta) model: every parameter and buffer but the routed experts, the `dense` targets at
+    their stored size."""
     def nbytes(tensors):
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    return nbytes(list(model.parameters()) + list(model.buffers())) - sum(nbytes(l.experts.parameters()) for l in layers)
+    return (nbytes(list(model.parameters()) + list(model.buffers())) - sum(nbytes(l.experts.parameters()) for l in layers)
+            - dense_bytes_saved(model, dense))
 
 
 def host_ram_needed(shape: ExpertShape, non_expert_bytes: int) -> int:

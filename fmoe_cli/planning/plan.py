@@ -19,7 +19,7 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import local_config_path
 from fmoe_cli.profiling.files import Profile
-from fmoe_cli.types import MiB, ExpertShape, LayerPlan, Plan, check_dtype, check_expert_format
+from fmoe_cli.types import DEFAULT_DENSE, MiB, ExpertShape, LayerPlan, Plan, check_dense_format, check_dtype, check_expert_format
 
 
 
@@ -233,7 +233,7 @@ DEFAULT_TAU = 5000  # τ: tokens between re-plans (MoEpic; planning/configurator
 
 
 def check_plan_options(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,
-                       workspace: str, experts: str, trace: str | None) -> Profile | None:
+                       workspace: str, experts: str, trace: str | None, dense: str = DEFAULT_DENSE) -> Profile | None:
     """`fmoe plan`'s options, without torch (the command line checks them before anything heavy is
     imported): one line for the first bad one. Returns the profile read (None without one)."""
     if context is not None:
@@ -246,6 +246,7 @@ def check_plan_options(model: str, *, vram: str | None, profile_path: str | None
     parse_budget(workspace, 0)
     check_dtype(dtype)
     check_expert_format(experts)
+    check_dense_format(dense)
     if trace is not None and not Path(trace).exists():  # (a pipe is read: fmoe_cli/trace.py `seekable`)
         raise FmoeError(f"--trace: no such file: {trace}")
     config = None if model == "demo" else local_config_path(model)

@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.demo import demo_path
+from fmoe_cli.models.dense import quantize_dense
 from fmoe_cli.models.families import check_is_moe, find_moe_layers
 from fmoe_cli.models.hub import download, local_config_path
 from fmoe_cli.models.load import (
@@ -43,7 +44,7 @@ from fmoe_cli.planning.configurator import LLAMA_CPP, Configuration, DeviceBudge
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of, trace_stats
 from fmoe_cli.planning.plan import check_plan_options, kv_cache_bytes, min_staging_slots, parse_budget, resolve_context
-from fmoe_cli.types import DEFAULT_EXPERTS, EXPERT_FORMATS, EngineSettings, MiB, ExpertShape
+from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS, EXPERT_FORMATS, EngineSettings, MiB, ExpertShape
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
 from fmoe_cli.profiling.files import HostProfile, model_identity
 from fmoe_cli.profiling.host import host_format, host_line, host_timings, saved_host_profile
@@ -67,6 +68,8 @@ class ModelFacts:
     head_bytes: int  # LM head + final norm
     kv_bytes_per_token: int
     context_tokens: int | None = None  # the model's own context (max_position_embeddings), if it says
+    dense: str = DEFAULT_DENSE  # --dense: U_n, attention_bytes and head_bytes count its targets at their stored size
+    dense_unquantised_bytes: int = 0  # U_n with every weight in the compute dtype (= non_expert_bytes when bf16)
 
 
 def config_path_of(model: str) -> Path:
@@ -86,7 +89,8 @@ def _nbytes(module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXPERTS) -> ModelFacts:
+def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXPERTS,
+                dense: str = DEFAULT_DENSE) -> ModelFacts:
     path = config_path_of(model)
     check_config_file(path)  # every field the plan needs, as written, before transformers reads it
     try:
@@ -104,6 +108,8 @@ def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXP
     layers = find_moe_layers(meta, model)
     check_expert_format(experts)
     shape = expert_shape(layers, torch_dtype, experts)
+    unquantised = skeleton_non_expert_bytes(meta, layers)
+    quantize_dense(meta, dense)  # (meta: the stored shapes) every size below counts the dense weights as stored
     non_expert = skeleton_non_expert_bytes(meta, layers)
     decoders = decoder_layers(meta)
     first = decoders[layers[0].decoder_index]
@@ -115,7 +121,7 @@ def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXP
     kv_per_token = kv_cache_bytes(config, 1, shape.dtype_bytes)  # K and V of every layer
     context = getattr(text, "max_position_embeddings", None)
     return ModelFacts(model, path, shape, non_expert, attention, head_bytes, kv_per_token,
-                      context if isinstance(context, int) and context > 0 else None)
+                      context if isinstance(context, int) and context > 0 else None, dense, unquantised)
 
 
 def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, profile) -> tuple[Timings, str]:
@@ -151,13 +157,13 @@ def plan_host(profile) -> tuple[HostProfile | None, str]:
 
 def run_plan(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,
              as_json: bool, console: Console, workspace: str = "512MiB", experts: str = DEFAULT_EXPERTS,
-             trace: str | None = None) -> dict:
+             trace: str | None = None, dense: str = DEFAULT_DENSE) -> dict:
     profile = check_plan_options(model, vram=vram, profile_path=profile_path, context=context, dtype=dtype,
-                                 workspace=workspace, experts=experts, trace=trace)
+                                 workspace=workspace, experts=experts, trace=trace, dense=dense)
     routing = None
     if trace is not None:  # a malformed trace is refused before the model is built
         routing = read_trace(trace)
-    facts = model_facts(model, dtype, experts)
+    facts = model_facts(model, dtype, experts, dense)
     shape = facts.shape
     if vram is not None:
         total = parse_budget(vram, shape.all_experts_bytes)
@@ -301,14 +307,16 @@ def _local_gpu_memory() -> int:
 
 
 def host_ram_report(facts: ModelFacts, free: int) -> dict:
-    """Host RAM a load of the model needs in each expert format (from config.json alone), and what is free."""
+    """Host RAM a load of the model needs in each expert format (from config.json alone), and what is free.
+    `needed` is the load's peak: with --dense int8/int4 each dense weight is read in the compute dtype, then
+    quantised (`non_expert_loading`); the loaded model keeps `non_expert`."""
 
     formats = {}
     for name in EXPERT_FORMATS:
         shape = replace(facts.shape, experts=name)
-        need = host_ram_needed(shape, facts.non_expert_bytes)
-        formats[name] = {"experts": shape.all_experts_bytes, "non_expert": facts.non_expert_bytes, "needed": need,
-                         "fits": need <= free}
+        need = host_ram_needed(shape, facts.dense_unquantised_bytes)
+        formats[name] = {"experts": shape.all_experts_bytes, "non_expert": facts.non_expert_bytes,
+                         "non_expert_loading": facts.dense_unquantised_bytes, "needed": need, "fits": need <= free}
     return {"free": free, "chosen": facts.shape.experts, "formats": formats}
 
 
@@ -328,7 +336,9 @@ def plan_report(facts: ModelFacts, device: DeviceBudget, config: Configuration, 
         "model": facts.name,
         "shape": {"moe_layers": shape.num_layers, "experts": shape.num_experts, "top_k": shape.top_k,
                   "hidden": shape.hidden, "intermediate": shape.intermediate, "dtype_bytes": shape.dtype_bytes,
-                  "expert_bytes": shape.expert_bytes, "expert_format": shape.experts},
+                  "expert_bytes": shape.expert_bytes, "expert_format": shape.experts, "dense_format": facts.dense},
+        "dense": {"format": facts.dense, "non_expert_bytes": facts.non_expert_bytes,
+                  "unquantised_bytes": facts.dense_unquantised_bytes},
         "host": host_ram_report(facts, host_free),
         "uniform_routing": stats.uniform,
         "sources": sources,
@@ -376,6 +386,14 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
 
 
+def _dense_label(dense: dict) -> str:
+    """'int4 (non-expert weights 1.2 GiB, 3.1 GiB unquantised)', or 'bf16 (unquantised, 3.1 GiB)'."""
+    if dense["non_expert_bytes"] == dense["unquantised_bytes"]:
+        return f"{dense['format']} (non-expert weights unquantised, {_size(dense['non_expert_bytes'])})"
+    return (f"{dense['format']} (non-expert weights {_size(dense['non_expert_bytes'])}, "
+            f"{_size(dense['unquantised_bytes'])} unquantised)")
+
+
 HIT_LEGEND = ("top hit: activated experts whose top segment (θ_i of the expert) is on the device, its bottom still "
               "loaded; whole hit: the whole expert is, nothing loaded; loads/token: experts' worth of bytes to load, "
               "K·(1 − H_i·θ_i), hidden by prefetch or exposed")
@@ -386,6 +404,7 @@ def render(report: dict, console: Console) -> None:
     console.print(f"{report['model']}: {s['moe_layers']} MoE layers × {s['experts']} experts (top-{s['top_k']}), "
                   f"one expert {s['expert_bytes'] / MiB:.1f} MiB ({s['expert_format']}), all experts "
                   f"{m['all_experts'] / GiB:.1f} GiB", highlight=False)
+    console.print(f"formats: experts {s['expert_format']} · dense {_dense_label(report['dense'])}", highlight=False)
     host = report["host"]
     needs = " · ".join(f"{name} {_size(f['needed'])}" + ("" if f["fits"] else " (does not fit)")
                        + (" ← --experts" if name == host["chosen"] else "") for name, f in host["formats"].items())

@@ -347,20 +347,23 @@ def tokens_of(trace) -> list[list[Token]]:
 
 def simulate_policy(shape: ExpertShape, settings: EngineSettings, times: Timings, sequences: Sequence[Sequence[Token]], *,
                     bandwidth: float, latency: float = 0.0, prompt_tokens: int = 0, warmup: int = 0,
-                    predictor_factory=None) -> SimResult:
+                    predictor_factory=None, before_prefill: Callable | None = None) -> SimResult:
     """Simulate one policy over every sequence: the first `prompt_tokens` of a sequence are its
     prefill; `warmup` decode tokens run first (as `fmoe bench` warms up on the same prompt) and
-    are not measured. One Simulator for all sequences (caches carry over, as in a session)."""
+    are not measured. One Simulator for all sequences (caches carry over, as in a session).
+    `before_prefill(sim, prompt, n)`: told before the measured prefill of sequence n (its cache state)."""
     sim = Simulator(shape, settings, times, bandwidth, latency,
                     predictor=predictor_factory() if predictor_factory is not None else None)
     steps: list[float] = []
     before = None
-    for tokens in sequences:
+    for n_seq, tokens in enumerate(sequences):
         if sim.predictor is not None:
             sim.predictor.start_sequence()
         prompt, rest = list(tokens[:prompt_tokens]), list(tokens[prompt_tokens:])
         for measured in ((False, True) if warmup else (True,)):
             run = rest if measured else rest[:warmup]
+            if measured and before_prefill is not None:
+                before_prefill(sim, prompt, n_seq)
             sim.prefill(prompt)
             if measured and before is None:
                 before = sim.counters()

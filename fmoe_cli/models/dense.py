@@ -1,0 +1,149 @@
+"""`--dense int8|int4`: the non-expert linears stored quantised, one copy (types.DENSE_FORMATS).
+
+Targets: every nn.Linear of the decoder layers' attention (`…self_attn.*`: q/k/v/o, DeepSeek's
+low-rank q_a/q_b/kv_a/kv_b) and, for int8, the LM head unless it is tied to the embedding (a tied
+head is the embedding: a lookup, left as stored). A target W [out, in] is quantised row by row in
+the experts' formats (offload/quant.py: groups of G along `in`, each row its codes then its
+scales): a row of W is one "projection" of the expert layout, so the same `quantize` and
+`dequantize` serve both.
+
+    int8:  ŵ = q·s,     q ∈ [−127, 127], float16 s per G = 128 weights
+    int4:  ŵ = q·s + m, q ∈ [0, 15],     float16 s, m per G = 64 weights
+
+`QuantLinear` keeps only the packed rows (and the bias): the float weight is dropped once
+quantised, so host RAM (and, on a GPU, VRAM) holds the dense weights at their stored size. Its
+forward dequantises blocks of output rows into a workspace shared by every QuantLinear (bounded
+like the experts': offload/quant.py DEQUANT_WORKSPACE_BYTES) and multiplies:
+
+    y[:, rows] = x · ŵ[rows]ᵀ (+ b[rows])
+
+A model whose weights fit the workspace dequantises each weight whole, so its matmul is the one
+transformers computes with the dequantised weight (the exactness reference: transformers'
+generate on the same checkpoint with every target replaced by `QuantLinear.dequantized()`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fmoe_cli.offload.quant import QUANTIZE_ROWS, block_rows, dequantize, quantize
+from fmoe_cli.types import DENSE_FORMATS, DenseFormat, QuantFormat
+
+ATTENTION = "self_attn"  # the attention module of every supported family's decoder layer
+
+
+class QuantLinear(nn.Module):
+    """An nn.Linear stored as quantised rows: `packed` [out, projection_bytes(in)] uint8, dequantised per call."""
+
+    def __init__(self, linear: nn.Linear, fmt: QuantFormat) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.format = fmt
+        self.dtype = linear.weight.dtype  # the compute dtype ŵ is rounded to (as the reference's weight)
+        weight = linear.weight.detach()
+        width = fmt.projection_bytes(self.in_features)
+        packed = torch.empty(self.out_features, width, dtype=torch.uint8, device=weight.device)
+        if not weight.is_meta:  # (a meta model, `fmoe plan`: the shape alone)
+            for start in range(0, self.out_features, QUANTIZE_ROWS):
+                rows = weight[start:start + QUANTIZE_ROWS]
+                packed[start:start + QUANTIZE_ROWS] = quantize(rows[:, None, :], fmt)[:, 0]
+        self.packed = nn.Parameter(packed, requires_grad=False)
+        self.bias = linear.bias
+
+    def dequantized(self, rows: slice = slice(None), dtype: torch.dtype | None = None, workspace=None) -> torch.Tensor:
+        """ŵ[rows] [n, in] of the compute dtype (or `dtype`)."""
+        segment = self.packed[rows][:, None, :]
+        ws, out = workspace if workspace is not None else (None, None)
+        return dequantize(segment, self.format, self.in_features, dtype or self.dtype, ws, out)[:, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # a neuron row of the expert layout is three projections, a linear's row one: 3× the rows in the same bytes
+        rows = 3 * block_rows(self.in_features, x.dtype)
+        workspace = _workspace(x.device, x.dtype, min(rows, self.out_features) * self.in_features)
+        if rows >= self.out_features:  # whole: the reference's own matmul
+            return F.linear(x, self.dequantized(dtype=x.dtype, workspace=workspace), self.bias)
+        y = x.new_empty(*x.shape[:-1], self.out_features)
+        for start in range(0, self.out_features, rows):
+            part = slice(start, start + rows)
+            bias = None if self.bias is None else self.bias[part]
+            y[..., part] = F.linear(x, self.dequantized(part, x.dtype, workspace), bias)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.format.bits}"
+
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+
+def _workspace(device: torch.device, dtype: torch.dtype, elements: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One float32 workspace (and one of the compute dtype) per device, shared by every QuantLinear: calls
+    run one at a time, and each result is consumed by its matmul before the next call."""
+    key = (device, dtype)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[0].numel() < elements:
+        with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
+            ws = _WORKSPACES[key] = (torch.empty(elements, dtype=torch.float32, device=device),
+                                     None if dtype == torch.float32 else torch.empty(elements, dtype=dtype,
+                                                                                    device=device))
+    return ws
+
+
+def head_is_tied(model) -> bool:
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embedding is None:
+        return False
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return bool(getattr(text, "tie_word_embeddings", False)) or head.weight is embedding.weight
+
+
+def dense_targets(model, fmt: DenseFormat) -> list[str]:
+    """The module names `fmt` quantises: the attention's linears, and the untied LM head for int8. A linear
+    whose input width is not a multiple of 8 stays as stored (the packing splits a row in halves or quarters)."""
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and ATTENTION in name.split(".")]
+    if fmt.head and not head_is_tied(model):
+        head = model.get_output_embeddings()
+        names += [name for name, module in model.named_modules() if module is head and isinstance(module, nn.Linear)]
+    return [n for n in names if model.get_submodule(n).in_features % 8 == 0]
+
+
+def quantize_dense(model, dense: str) -> int:
+    """Replace every target of `--dense` by a QuantLinear (its float weight is freed as it goes; on a meta model
+    the shapes alone). Returns how many were replaced."""
+    fmt = DENSE_FORMATS[dense]
+    if fmt is None:
+        return 0
+    targets = dense_targets(model, fmt)
+    for name in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, QuantLinear(getattr(parent, attr), fmt.quant))
+    return len(targets)
+
+
+def dense_bytes_saved(model, dense: str) -> int:
+    """Bytes the non-expert weights shrink by under `--dense` (on the meta skeleton, before any weight is read):
+    Σ over the targets of the float weight's bytes − the packed rows'."""
+    fmt = DENSE_FORMATS[dense]
+    if fmt is None:
+        return 0
+    saved = 0
+    for name in dense_targets(model, fmt):
+        w = model.get_submodule(name).weight
+        saved += w.numel() * w.element_size() - w.shape[0] * fmt.quant.projection_bytes(w.shape[1])
+    return saved
+
+
+def dense_reference(reference, quantized) -> int:
+    """The exactness reference: every target linear of the transformers model `reference` gets the dequantised
+    weight of the same module of the loaded (quantised) model. Returns how many were replaced."""
+    count = 0
+    for name, module in quantized.named_modules():
+        if isinstance(module, QuantLinear):
+            with torch.no_grad():
+                reference.get_submodule(name).weight.copy_(module.dequantized())
+            count += 1
+    return count

@@ -1,0 +1,201 @@
+"""`--dense int8|int4` (models/dense.py): the attention projections (and, int8, the LM head) stored quantised.
+
+The exactness contract: for every family, every policy and two budgets, greedy tokens (and the prefill's
+logits) equal transformers' generate on the same checkpoint with the dense targets replaced by their
+dequantised weights (and the experts by theirs when they are quantised too). Memory: one copy of the
+quantised weights, and the device plan counts them at their stored size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from fmoe_cli.generate import stream_generate
+from fmoe_cli.models.demo import TINY_FAMILIES
+from fmoe_cli.models.dense import QuantLinear, dense_reference, dense_targets
+from fmoe_cli.models.families import find_moe_layers
+from fmoe_cli.models.load import load_model
+from fmoe_cli.offload.engine import Engine
+from fmoe_cli.offload.layout import DOWN, GATE, UP
+from fmoe_cli.offload.link import EmulatedLink, VirtualClock
+from fmoe_cli.planning.presets import PRESETS, make_settings
+from fmoe_cli.types import DENSE_FORMATS, Timings
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
+NEW_TOKENS = 24
+# (dense, experts): int8 beside unquantised experts; int4 beside int2 experts (MoEpic's / Mixtral-offloading's setting)
+SETTINGS = [("int8", "bf16"), ("int4", "int2")]
+
+
+def reference_model(path, lm):
+    """transformers' own model with every dense target (and quantised expert) replaced by what fmoe computes with."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    replaced = dense_reference(reference, lm.model)
+    assert replaced == len(dense_targets(reference, DENSE_FORMATS[lm.dense])) > 0
+    if lm.shape.experts != "bf16":
+        for layer in find_moe_layers(reference, "reference"):
+            w = lm.store.dequantized(layer.index)  # [N, I, 3, H]
+            with torch.no_grad():
+                layer.experts.gate_up_proj.copy_(torch.cat([w[:, :, GATE], w[:, :, UP]], dim=1))
+                layer.experts.down_proj.copy_(w[:, :, DOWN].transpose(1, 2))
+    reference.generation_config.eos_token_id = None
+    return reference
+
+
+@pytest.fixture(scope="module", params=[(f, d, e) for f in TINY_FAMILIES for d, e in SETTINGS],
+                ids=lambda p: f"{p[0]}-dense-{p[1]}-experts-{p[2]}")
+def dense_setup(request, checkpoints):
+    family, dense, experts = request.param
+    path = checkpoints[family]
+    lm = load_model(str(path), device="cpu", dtype="float32", experts=experts, dense=dense)
+    reference = reference_model(path, lm)
+    want = reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1]:].tolist()
+    full_sequence = torch.cat([PROMPT, torch.tensor([want])], dim=1)
+    with torch.no_grad():
+        want_logits = reference(full_sequence).logits
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20, clock=VirtualClock(), copy=True), lm.device,
+                    lm.dtype)
+    engine.install(lm.model)
+    yield lm, engine, want, full_sequence, want_logits
+    engine.close()
+
+
+@pytest.mark.parametrize("policy", list(PRESETS))
+def test_tokens_match_transformers_with_dequantised_dense_weights(dense_setup, policy):
+    lm, engine, want, full_sequence, want_logits = dense_setup
+    shape = lm.shape
+    pool = 2 * shape.top_k * shape.expert_bytes
+    for budget in (pool + shape.expert_bytes, pool + shape.all_experts_bytes // 2):
+        timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=shape.top_k)
+        engine.configure(make_settings(policy, shape, budget, theta=0.5 if policy == "uniform" else None,
+                                       timings=timings))
+        got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
+                                                   stop_on_eos=False)]
+        assert got == want, f"{policy} at {budget} bytes: tokens differ"
+        with torch.no_grad():
+            logits = lm.model(full_sequence).logits
+        torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dense", ["int8", "int4"])
+def test_one_quantised_copy_counted_at_its_stored_size(checkpoints, dense):
+    """No float weight of a target is kept; U_n as the device plan counted it before a weight was read (the skeleton)
+    is what the loaded model holds; int8 also quantises the (untied) LM head, int4 only the attention."""
+    seen = {}
+
+    def before_read(shape, non_expert_bytes, config, device):
+        seen["planned"] = non_expert_bytes
+
+    path = str(checkpoints["mixtral"])
+    plain = load_model(path, device="cpu", dtype="float32")
+    lm = load_model(path, device="cpu", dtype="float32", dense=dense, before_read=before_read)
+    assert lm.non_expert_bytes == seen["planned"] < plain.non_expert_bytes
+    quantised = {name: m for name, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    attention = [n for n, m in plain.model.named_modules() if isinstance(m, torch.nn.Linear) and "self_attn" in n]
+    assert set(attention) <= set(quantised)
+    assert ("lm_head" in quantised) == (dense == "int8")
+    for name, module in quantised.items():
+        assert not any(p.is_floating_point() and p.dim() == 2 for p in module.parameters()), name  # no float weight
+        assert module.packed.dtype == torch.uint8
+    saved = plain.non_expert_bytes - lm.non_expert_bytes
+    float_bytes = sum(plain.model.get_submodule(n).weight.nbytes for n in quantised)
+    assert saved == float_bytes - sum(m.packed.nbytes for m in quantised.values())
+    bits = DENSE_FORMATS[dense].quant.bits
+    # bits + metadata: at H = 64 int4 groups are 32 wide (4 bytes of s, m: +1 bit a weight)
+    assert sum(m.packed.nbytes for m in quantised.values()) < float_bytes * (bits + 1.5) / 32
+
+
+def test_a_tied_head_stays_the_embedding():
+    lm = load_model("demo", device="cpu", dtype="float32", dense="int8")
+    assert lm.model.config.tie_word_embeddings
+    head = lm.model.get_output_embeddings()
+    assert not isinstance(head, QuantLinear) and head.weight is lm.model.get_input_embeddings().weight
+    assert any(isinstance(m, QuantLinear) for m in lm.model.modules())
+
+
+def test_blocked_forward_equals_the_whole_weight(monkeypatch):
+    """A weight larger than the workspace is dequantised in blocks of output rows: the same outputs."""
+    import fmoe_cli.models.dense as dense
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 200, bias=True)
+    q = QuantLinear(linear, DENSE_FORMATS["int8"].quant)
+    x = torch.randn(3, 64)
+    whole = q(x)
+    torch.testing.assert_close(whole, torch.nn.functional.linear(x, q.dequantized(), linear.bias), atol=0, rtol=0)
+    monkeypatch.setattr(dense, "block_rows", lambda hidden, dtype: 7)  # 21 rows a block
+    torch.testing.assert_close(q(x), whole, atol=1e-6, rtol=1e-6)
+    error = (q.dequantized() - linear.weight).abs().max()
+    assert 0 < error <= linear.weight.abs().max() / 127  # really quantised, within a step
+
+
+def test_plan_and_bench_show_the_formats(checkpoints):
+    from test_cli_errors import run
+
+    path = str(checkpoints["mixtral"])
+    sizes = {}
+    for dense in DENSE_FORMATS:
+        result, text = run("plan", path, "--vram", "1700KiB", "--workspace", "1MiB", "--context", "0",
+                           "--experts", "int2", "--dense", dense, "--json")
+        assert result.exit_code == 0, text
+        report = json.loads(result.stdout)
+        assert report["shape"]["expert_format"] == "int2" and report["shape"]["dense_format"] == dense
+        sizes[dense] = report["memory"]["non_expert"]
+        assert report["dense"]["non_expert_bytes"] == sizes[dense]
+        host = report["host"]["formats"]["int2"]
+        assert host["non_expert"] == sizes[dense]  # host RAM once loaded counts them as stored …
+        assert host["needed"] == host["experts"] + host["non_expert_loading"]  # … the load's peak unquantised
+        assert host["non_expert_loading"] == report["dense"]["unquantised_bytes"]
+    assert max(sizes["int4"], sizes["int8"]) < sizes["bf16"]  # (int8 quantises the head as well: here the smaller)
+    result, text = run("plan", path, "--vram", "1700KiB", "--workspace", "1MiB", "--context", "0", "--experts", "int2",
+                       "--dense", "int4")
+    assert "formats: experts int2 · dense int4" in " ".join(text.split())
+    result, text = run("bench", path, "--experts", "int2", "--dense", "int4", "--tokens", "3", "--warmup", "0",
+                       "--policy", "lru", "--json")
+    assert result.exit_code == 0, text
+    report = json.loads(result.stdout)
+    assert report["experts"] == "int2" and report["dense"] == "int4"
+    assert report["weights"]["non_expert_bytes"] == sizes["int4"]
+    result, text = run("bench", path, "--experts", "int2", "--dense", "int4", "--tokens", "3", "--warmup", "0",
+                       "--policy", "lru")
+    assert "int2 experts, int4 dense" in text and "formats: experts int2" in text
+
+
+KJV = """The LORD is my shepherd; I shall not want.
+He maketh me to lie down in green pastures: he leadeth me beside the still waters.
+He restoreth my soul: he leadeth me in the paths of righteousness for his name's sake.
+Yea, though I walk through the valley of the shadow of death, I will fear no evil: for thou art with me; thy rod and thy staff they comfort me.
+Thou preparest a table before me in the presence of mine enemies: thou anointest my head with oil; my cup runneth over.
+Surely goodness and mercy shall follow me all the days of my life: and I will dwell in the house of the LORD for ever.
+The words of the Preacher, the son of David, king in Jerusalem.
+To every thing there is a season, and a time to every purpose under the heaven:
+A time to be born, and a time to die; a time to plant, and a time to pluck up that which is planted;
+A time to kill, and a time to heal; a time to break down, and a time to build up;
+A time to weep, and a time to laugh; a time to mourn, and a time to dance;
+A time to cast away stones, and a time to gather stones together; a time to embrace, and a time to refrain from embracing;
+A time to get, and a time to lose; a time to keep, and a time to cast away;
+A time to rend, and a time to sew; a time to keep silence, and a time to speak;
+A time to love, and a time to hate; a time of war, and a time of peace."""  # Psalm 23, Ecclesiastes 3:1-8 (public domain): the demo model's kind of text
+
+
+@pytest.mark.parametrize("dense, max_logit_error, min_top1", [("int8", 1.0, 0.99), ("int4", 2.5, 0.95)])
+def test_demo_model_tolerance(dense, max_logit_error, min_top1):
+    """The published tolerance (docs/quantization.md): against the unquantised demo model on a KJV passage, the
+    largest logit error and the top-1 agreement of the dequantised reference (what the engine computes)."""
+    from fmoe_cli.models.demo import SHIPPED
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(SHIPPED)
+    ids = tokenizer(KJV, return_tensors="pt")["input_ids"]
+    assert ids.shape[1] > 250
+    base = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    lm = load_model("demo", device="cpu", dtype="float32", dense=dense)
+    assert dense_reference(reference, lm.model) == 6 * 4  # q, k, v, o of the 6 layers (the head is tied)
+    with torch.no_grad():
+        want, got = base(ids).logits[0], reference(ids).logits[0]
+    error = (got - want).abs().max().item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert 0 < error <= max_logit_error and top1 >= min_top1, (error, top1)
