@@ -130,6 +130,9 @@ DenseOpt = Annotated[str, typer.Option(
                     "beside int2 experts). The embedding stays as stored.")]
 
 
+HostThreadsOpt = Annotated[int, typer.Option(
+    "--host-threads", metavar="N", help="CPU threads of the host lane, where a plan computes misses and bottoms "
+                                        "on the host beside the GPU (the hybrid preset).")]
 ContextOpt = Annotated[int | None, typer.Option(
     "--context", metavar="TOKENS", help="Tokens of KV cache to reserve on the device; chat keeps its window inside "
                                         "(default: 8192, at most the model's, less on a small GPU).")]
@@ -169,6 +172,7 @@ def bench(
     dense: DenseOpt = DEFAULT_DENSE,
     device: DeviceOpt = "auto",
     context: ContextOpt = None,
+    host_threads: HostThreadsOpt = 1,
     trust_remote_code: TrustOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -177,6 +181,7 @@ def bench(
                        lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
                        overwrite_trace=force, dtype=dtype, experts=experts, dense=dense, device=device,
                        trust_remote_code=trust_remote_code, shape_link=True, context=context,
+                       host_threads=host_threads,
                        if_fits=("resident",) if policy is None and compare is None else ())
     check_counts(tokens, warmup)
     prompt_text = read_prompt(prompt, prompt_file)
@@ -217,13 +222,15 @@ def chat(
     trace_out: TraceOpt = None,
     force: ForceOpt = False,
     context: ContextOpt = None,
+    host_threads: HostThreadsOpt = 1,
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
     opts = ChatOptions(run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
                                    lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
                                    overwrite_trace=force, dtype=dtype, experts=experts, dense=dense, device=device,
-                                   trust_remote_code=trust_remote_code, profile=profile, context=context),
+                                   trust_remote_code=trust_remote_code, profile=profile, context=context,
+                                   host_threads=host_threads),
                        system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     opts.check()
     _quiet_libraries()
@@ -257,6 +264,7 @@ def serve(
     trace_out: TraceOpt = None,
     force: ForceOpt = False,
     context: ContextOpt = None,
+    host_threads: HostThreadsOpt = 1,
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
@@ -265,7 +273,7 @@ def serve(
     opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
                        lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
                        dtype=dtype, experts=experts, dense=dense, device=device, trust_remote_code=trust_remote_code,
-                       profile=profile, context=context)
+                       profile=profile, context=context, host_threads=host_threads)
     _quiet_libraries()
     from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the options read
 

@@ -41,6 +41,9 @@ def check_model_text(model: str) -> None:
         check_config_file(local / "config.json")
 
 
+MAX_HOST_THREADS = 256
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """Everything a run is set up from; the command line builds one (the defaults live here)."""
@@ -68,6 +71,7 @@ class RunOptions:
     shape_link: bool = False
     if_fits: tuple[str, ...] = ()  # policies left out (with a note) when their plan does not fit the device
     context: int | None = None  # tokens of KV cache reserved (--context); None: planning.plan.resolve_context's default
+    host_threads: int = 1  # CPU threads of the engine's host lane (hybrid plans: misses and bottoms on the host)
 
     def check(self) -> None:
         """Refuse bad options in one line without importing torch: names, numbers, paths and files
@@ -85,6 +89,8 @@ class RunOptions:
             check_bandwidth(self.emulate_link)
         if self.context is not None:
             resolve_context(self.context, None, 0)
+        if not 1 <= self.host_threads <= MAX_HOST_THREADS:
+            raise FmoeError(f"--host-threads must be between 1 and {MAX_HOST_THREADS}, got {self.host_threads}")
         check_device_text(self.device)
         check_budget_text(self.vram_budget)  # (and not beyond this machine's memory)
         if self.trace_out is not None:

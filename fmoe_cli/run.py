@@ -316,7 +316,7 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             settings = [fixed.get(p.name) or settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
                         for p in presets]
             step("planned " + ", ".join(p.name for p in presets), started)
-            engine = open_engine(lm, predictor=opts.predictor, link=link)
+            engine = open_engine(lm, predictor=opts.predictor, link=link, host_threads=opts.host_threads)
         except BaseException:
             link.close()
             raise

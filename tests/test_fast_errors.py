@@ -49,6 +49,7 @@ def existing(tmp_path):
     (("chat", "demo", "--profile", "/nonexistent/profile.json"), "no profile at /nonexistent/profile.json"),
     (("chat", "demo", "--profile", "/dev/zero"), "profile /dev/zero is larger than 16 MiB"),
     (("serve", "demo", "--policy", "bogus"), "unknown policy 'bogus'"),
+    (("chat", "demo", "--host-threads", "0"), "--host-threads must be between 1 and 256, got 0"),
     (("plan", "demo", "--vram", "25%"), "--vram 25%"),
     (("plan", "demo", "--context", "-1"), "--context must be ≥ 0"),
     (("plan", "/nonexistent/config.json"), "no such file or model directory"),

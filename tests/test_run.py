@@ -85,3 +85,13 @@ def test_context_sizes_the_kv_reserve_and_the_run_keeps_it(checkpoints, monkeypa
                                  record_statistics=False)) as run:
             assert run.context == want
             assert asked[-1] == kv_cache_bytes(run.lm.model.config, want, run.lm.shape.dtype_bytes) > 0
+
+
+def test_host_threads_reach_the_engines_host_lane(checkpoints):
+    """--host-threads N: the run's engine computes its host lane on N threads (1 by default)."""
+    from fmoe_cli.run import RunOptions, open_run
+
+    for threads in (1, 3):
+        with open_run(RunOptions(model=str(checkpoints["mixtral"]), device="cpu", host_threads=threads,
+                                 record_statistics=False)) as run:
+            assert run.engine.host_lane.threads == threads

@@ -534,12 +534,14 @@ class Engine:
         self._note_rankings(self.prefetcher.issue(self.predictor.begin(self.iteration)))
 
 
-def open_engine(lm, emulate_gbps: float | None = None, predictor: str = "speculative", link=None) -> Engine:
+def open_engine(lm, emulate_gbps: float | None = None, predictor: str = "speculative", link=None,
+                host_threads: int = 1) -> Engine:
     """The engine every command runs on a loaded model (models.load.LoadedModel): its experts
     behind `link` (default: make_link, emulated if asked), the named predictor, installed in the model."""
     shape = lm.shape
     link = link if link is not None else make_link(lm.device, emulate_gbps)
     engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype,
-                    predictor=make_predictor(predictor, lm.layers, shape.num_experts, shape.top_k))
+                    predictor=make_predictor(predictor, lm.layers, shape.num_experts, shape.top_k),
+                    host_threads=host_threads)
     engine.install(lm.model)
     return engine
