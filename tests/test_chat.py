@@ -262,8 +262,6 @@ def spawn_chat(checkpoint, tmp_path, *, max_new_tokens: int, columns: int):
 def test_ctrl_c_in_a_real_terminal(checkpoints, tmp_path):
     """A pseudo-terminal: Ctrl-C while an answer streams stops it and the chat goes on; Ctrl-C at the
     prompt clears the line; Ctrl-D quits with exit code 0."""
-    import time
-
     pexpect = pytest.importorskip("pexpect")
     child = spawn_chat(checkpoints["mixtral"], tmp_path, max_new_tokens=400, columns=80)
     try:
@@ -271,7 +269,9 @@ def test_ctrl_c_in_a_real_terminal(checkpoints, tmp_path):
         child.send("tell me everything\r")
         child.expect("tell me everything")
         child.expect_exact("\x1b[?2004l")  # prompt-toolkit has left the prompt (bracketed paste off)
-        time.sleep(1.0)  # the answer streams (400 tokens on a 0.5 GB/s emulated link take many seconds; the context is 512)
+        # The answer's first text: it streams from here (400 tokens take many seconds), so the Ctrl-C lands in it
+        # and not in the prefill (a fixed sleep did, on a loaded machine: "before the answer began" is another path).
+        child.expect(r"\S")
         child.sendintr()  # Ctrl-C during the answer
         child.expect(r"stopped \(Ctrl-C\)")
         child.expect(">>>")
