@@ -227,11 +227,7 @@ class Simulator:
             self._submit_demand(i, waiting, loading)
         if not prefetched:
             self._prefetch(i, token, next_token)
-        for tag, seconds in link.stalls():
-            self.layers[tag].counters.exposed_s += seconds
-        for e in active:
-            state.cache.unpin(e)
-        state.cache.advance()
+        self._end_layer(state, active)
 
     def _host_layer(self, i: int, token: Token, next_token: Token | None, route: float) -> None:
         """A host-lane layer (offload/host.py, the engine's HostLane): whole and top hits on the device, bottoms
@@ -264,7 +260,11 @@ class Simulator:
                 c.bytes_prefetch += self.fills.offer(i, e, state.cache, link, lambda slot: self._fill_rows(k),
                                                      self.store.expert(i, e)[:k], after=(link.record_reads(),))
         self._prefetch(i, token, next_token)
-        for tag, seconds in link.stalls():
+        self._end_layer(state, active)
+
+    def _end_layer(self, state, active: list[int]) -> None:
+        """A layer's end, on either lane: the link's stalls charged to the layers that waited, its experts unpinned."""
+        for tag, seconds in self.link.stalls():
             self.layers[tag].counters.exposed_s += seconds
         for e in active:
             state.cache.unpin(e)
