@@ -316,8 +316,9 @@ def test_idle_hook_runs_between_turns_never_during_an_answer(checkpoints, monkey
     out, _ = talk(c, ["one", "two", "three"])
     assert events == ["answer starts", "answer ends", "idle", "answer starts", "answer ends", "idle",
                       "answer starts", "answer ends", "idle"]
-    assert [line for line in out.splitlines() if "re-planning failed" in line] == [
-        "re-planning failed: RuntimeError: stats file unwritable"]
+    flat = " ".join(out.split())  # (the console wraps at 80 columns)
+    assert flat.count("re-planning") == 1, out
+    assert "re-planning failed (RuntimeError: stats file unwritable); the chat goes on with the plan it had" in flat
 
 
 def test_non_utf8_input_is_refused_in_one_line(checkpoints):
@@ -399,7 +400,7 @@ def test_a_replan_that_runs_out_of_device_memory_says_so_and_the_chat_goes_on(ch
     session = c.session
     out, _ = talk(c, ["one", "two", "three"])
     flat = " ".join(out.split())  # (the console wraps at 80 columns)
-    assert flat.count("re-planning failed: FmoeError: out of device memory") == 1, out
-    assert "loading every expert on demand" in flat
+    assert flat.count("re-planning: out of device memory for the plan") == 1, out  # what it does instead:
+    assert "loading every expert on demand" in flat and "FmoeError" not in flat and "failed" not in flat
     assert session.turns == 3 and sum(1 for m in session.messages if m["role"] == "assistant") == 3
     assert all(lp.cache_size == 0 for lp in session.engine.settings.plan.layers)
