@@ -28,7 +28,7 @@ import torch
 from fmoe_cli import kernels
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload import layout
-from fmoe_cli.types import ExpertShape
+from fmoe_cli.types import DEFAULT_ACTIVATIONS, ExpertShape
 
 
 # cudaHostRegister flags (cuda_runtime_api.h)
@@ -78,14 +78,14 @@ class HostBuffer:
 class HostStore:
     """Unquantised experts: rows of (gate row n, up row n, down column n), (3, H) of the compute dtype."""
 
-    def __init__(self, shape: ExpertShape, dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, shape: ExpertShape, dtype: torch.dtype, pin: bool, activations: str = DEFAULT_ACTIVATIONS) -> None:
         self.shape = shape
         self.dtype = dtype
         self.pin = pin
         self.layers: list[torch.Tensor] = []  # [N, I, *row_shape] per MoE layer
         self._experts: list[tuple[torch.Tensor, ...]] = []  # each layer's [I, *row_shape] per expert, made once
         self._buffers: list[HostBuffer] = []
-        self.kernel = kernels.spec_of(shape.experts, dtype, shape.hidden, shape.neuron_block)  # the kernels' view
+        self.kernel = kernels.spec_of(shape.experts, dtype, shape.hidden, shape.neuron_block, activations)  # the kernels' view
 
     @property
     def row_shape(self) -> tuple[int, ...]:
