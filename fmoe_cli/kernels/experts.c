@@ -568,6 +568,91 @@ static void row_axpy(const uint8_t *restrict row, const Format *f, const float *
     }
 }
 
+/* Several neurons' down rows at once (int8, int4): c[t, :] (+)= Σ_r a_r[t]·ŵ_down,r, each element's operations
+   those of row_axpy neuron after neuron (the first a product or a sum onto c, then one fma or add per row, in
+   order): the same bits, with c loaded and stored once per R ≤ AXPY_ROWS rows instead of once per row. */
+#define AXPY_ROWS 4
+#if FMOE_AVX2
+static inline __attribute__((always_inline)) void rows_axpy_q(const uint8_t *const *rows, int R, const Format *f,
+                                                               const float *a, int64_t a_stride, int64_t tokens,
+                                                               float *restrict c, int init) {
+    int64_t h = f->hidden, G = f->group;
+    float scaled[2][AXPY_ROWS][32], shifted[2][AXPY_ROWS][32]; /* a_r[t]·s (and a_r[t]·m) of the group(s) */
+    if (f->fmt == FMT_INT8) {
+        for (int64_t g = 0; g < h / G; g++) {
+            for (int r = 0; r < R; r++) {
+                float s = half_to_float(((const uint16_t *)(rows[r] + h))[g]);
+                for (int64_t t = 0; t < tokens; t++) scaled[0][r][t] = a[r * a_stride + t] * s;
+            }
+            for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                __m256 q[AXPY_ROWS];
+                for (int r = 0; r < R; r++)
+                    q[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rows[r] + j))));
+                for (int64_t t = 0; t < tokens; t++) {
+                    float *o = c + t * h + j;
+                    __m256 v = init ? _mm256_mul_ps(q[0], _mm256_broadcast_ss(&scaled[0][0][t]))
+                                    : _mm256_fmadd_ps(q[0], _mm256_broadcast_ss(&scaled[0][0][t]), _mm256_loadu_ps(o));
+                    for (int r = 1; r < R; r++) v = _mm256_fmadd_ps(q[r], _mm256_broadcast_ss(&scaled[0][r][t]), v);
+                    _mm256_storeu_ps(o, v);
+                }
+            }
+        }
+        return;
+    }
+    int64_t half = h / 2, paired = half / G; /* int4: groups g (low nibbles) and g + H/2G (high) together */
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int64_t g = 0; g < paired; g++) {
+        int64_t gh = g + paired;
+        for (int r = 0; r < R; r++) {
+            const uint16_t *meta = (const uint16_t *)(rows[r] + half);
+            float sl = half_to_float(meta[2 * g]), ml = half_to_float(meta[2 * g + 1]);
+            float sh = half_to_float(meta[2 * gh]), mh = half_to_float(meta[2 * gh + 1]);
+            for (int64_t t = 0; t < tokens; t++) {
+                float at = a[r * a_stride + t];
+                scaled[0][r][t] = at * sl, shifted[0][r][t] = at * ml, scaled[1][r][t] = at * sh, shifted[1][r][t] = at * mh;
+            }
+        }
+        for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+            __m256 ql[AXPY_ROWS], qh[AXPY_ROWS];
+            for (int r = 0; r < R; r++) {
+                __m256i b = (__m256i)load_u8(rows[r] + j);
+                ql[r] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low)), qh[r] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+            }
+            for (int64_t t = 0; t < tokens; t++) {
+                float *o = c + t * h + j, *p = o + half;
+                __m256 vl = init ? _mm256_setzero_ps() : _mm256_loadu_ps(o), vh = init ? vl : _mm256_loadu_ps(p);
+                for (int r = 0; r < R; r++) {
+                    __m256 cl = _mm256_fmadd_ps(ql[r], _mm256_broadcast_ss(&scaled[0][r][t]), _mm256_broadcast_ss(&shifted[0][r][t]));
+                    __m256 ch = _mm256_fmadd_ps(qh[r], _mm256_broadcast_ss(&scaled[1][r][t]), _mm256_broadcast_ss(&shifted[1][r][t]));
+                    vl = init && r == 0 ? cl : _mm256_add_ps(vl, cl), vh = init && r == 0 ? ch : _mm256_add_ps(vh, ch);
+                }
+                _mm256_storeu_ps(o, vl), _mm256_storeu_ps(p, vh);
+            }
+        }
+    }
+}
+#endif
+
+/* The down rows of R ≤ AXPY_ROWS consecutive neurons (rows[r], a_r = a + r·a_stride): init, the chunk's first. */
+static void down_rows(const uint8_t *const *rows, int R, const Format *f, const float *a, int64_t a_stride,
+                      int64_t tokens, float *c, int init, int vector) {
+#if FMOE_AVX2
+    if (vector && tokens <= 32 && (f->fmt == FMT_INT8 || f->fmt == FMT_INT4)) {
+        if (tokens == 1 && R == AXPY_ROWS) { /* decode: constants, so the a·s broadcasts leave the inner loop */
+            rows_axpy_q(rows, AXPY_ROWS, f, a, a_stride, 1, c, init);
+            return;
+        }
+        switch (R) { /* a constant R for each inlined copy */
+        case 4: rows_axpy_q(rows, 4, f, a, a_stride, tokens, c, init); return;
+        case 3: rows_axpy_q(rows, 3, f, a, a_stride, tokens, c, init); return;
+        case 2: rows_axpy_q(rows, 2, f, a, a_stride, tokens, c, init); return;
+        default: rows_axpy_q(rows, 1, f, a, a_stride, tokens, c, init); return;
+        }
+    }
+#endif
+    for (int r = 0; r < R; r++) row_axpy(rows[r], f, a + r * a_stride, tokens, c, init && r == 0, vector);
+}
+
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* Whether the vector paths cover this shape (else the scalar paths run: same values, other roundings). */
@@ -776,31 +861,39 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
     const Tokens *x = p->x;
     int64_t tokens = x->tokens, hidden = f->hidden, proj_bytes = f->proj_bytes;
     int decoded = tokens > 1 && !x->q8; /* ŵ of the gate and up rows once, then every token's float32 dots */
-    float *at = p->scratch + worker * p->stride, *ut = at + (tokens + 15) / 16 * 16, *wt = ut + (tokens + 15) / 16 * 16;
+    int64_t padded = (tokens + 15) / 16 * 16;
+    float *at = p->scratch + worker * p->stride, *ut = at + AXPY_ROWS * padded, *wt = ut + padded; /* a_r[t]: r < 4 */
     float *c = p->part + k * tokens * hidden;
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
+    const uint8_t *down[AXPY_ROWS];
+    int held = 0; /* neurons whose a is computed and whose down rows wait in `down` */
     for (int64_t i = i0; i < (FMOE_PHASES & 1 ? i1 : i0); i++) {
         const uint8_t *row = p->segment + i * p->row_bytes;
+        float *a = at + held * padded;
         if (decoded) {
             decode_row(row, f, wt, x->vector);
-            dot_tokens(wt, x->xf, tokens, hidden, at, x->vector);
+            dot_tokens(wt, x->xf, tokens, hidden, a, x->vector);
             decode_row(row + proj_bytes, f, wt, x->vector);
             dot_tokens(wt, x->xf, tokens, hidden, ut, x->vector);
         }
         for (int64_t t = 0; t < tokens; t++) {
             float g, u;
             if (decoded)
-                g = at[t], u = ut[t];
+                g = a[t], u = ut[t];
             else
                 gate_up_dots(row, f, x, t, &g, &u);
             if (p->x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
                 g = round_bf16(g), u = round_bf16(u);
-                at[t] = round_bf16(round_bf16(silu(g)) * u);
+                a[t] = round_bf16(round_bf16(silu(g)) * u);
             } else {
-                at[t] = silu(g) * u;
+                a[t] = silu(g) * u;
             }
         }
-        if (FMOE_PHASES & 2) row_axpy(row + 2 * proj_bytes, f, at, tokens, c, i == i0, x->vector);
+        down[held++] = row + 2 * proj_bytes;
+        if (held == AXPY_ROWS || i + 1 == i1) {
+            if (FMOE_PHASES & 2) down_rows(down, held, f, at, padded, tokens, c, i + 1 - held == i0, x->vector);
+            held = 0;
+        }
     }
     if (!(FMOE_PHASES & 1) || !(FMOE_PHASES & 2)) memset(c, 0, sizeof(float) * tokens * hidden);
 }
@@ -825,7 +918,7 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
     if (batch > chunks) batch = chunks;
     if (batch < 1) batch = 1;
     /* each thread's a[t], u[t] (several tokens: and one decoded row ŵ) on cache lines of its own */
-    int64_t stride = ((tokens + 15) / 16 * 16) * 2 + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
+    int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
     Tokens xs;
     float *part = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, batch * tokens * hidden + 16 + width * stride);
     if (!part) return -1;
