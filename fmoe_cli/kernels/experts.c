@@ -249,7 +249,7 @@ static float row_dot(const uint8_t *row, const Format *f, const float *x, const 
 
 /* ---- phase 1 with int8 activations (x̂): integer dot products per block of 32 ---------------------
 
-   The "int8 activations" mode (fmoe_cli/kernels: Spec.activations): each token's x is quantised once per
+   The "int8 activations" mode (--activations int8, Spec.int8_activations): each token's x is quantised once per
    block b of QBLOCK = 32 weights, as llama.cpp's Q8_0:  d_b = max_b |x| / 127,  q̃_j = round(x_j / d_b),
    x̂_j = q̃_j·d_b. Then for a group g of G weights (a multiple of 32)
 
@@ -257,7 +257,7 @@ static float row_dot(const uint8_t *row, const Format *f, const float *x, const 
      int4:  x̂·ŵ = Σ_g (s_g Σ_{b∈g} d_b Σ_{j∈b} q_j q̃_j + m_g X̂_g),  X̂_g = Σ_{b∈g} d_b Σ_{j∈b} q̃_j
 
    each inner Σ an exact integer (AVX2 maddubs: unsigned × signed bytes into int16 pairs, at most
-   2·127·127 < 2¹⁵; int8's signed codes go through |q|, sign(q̃, q)). Only gate and up (and a dense
+   2·127·127 < 2¹⁵; int8's signed codes go through |q̃|, sign(q, q̃)). Only gate and up (and a dense
    linear's rows) are dots over x; the down projection stays float32 (its scales vary along the sum). */
 #define QBLOCK 32
 
