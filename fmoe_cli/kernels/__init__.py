@@ -12,6 +12,12 @@ as the whole when the second part continues the first one's accumulator (`acc`):
 bottom equals its whole expert, and every policy gives the resident run's tokens. Nothing depends on
 the thread count.
 
+`linear_forward` computes one dense projection y = x·ŵᵀ from a `--dense int8|int4` linear's rows (a row is one
+projection of the experts' layout: models/dense.py). With `--activations int8` (Spec.int8_activations) the int8
+and int4 rows' dot products over x use x quantised per block of 32 and integer arithmetic (experts.c § phase 1
+with int8 activations: faster, within the tolerance docs/quantization.md states); the split stays exact, since
+x̂ depends on x alone.
+
 The device path (torch on a GPU) and the CPU path call the stores' segment_forward, which comes here on
 the CPU (x on the CPU, float32 or bf16, a SiLU-gated expert) and otherwise computes with torch. The
 kernels compile on first use (kernels/build.py, a few seconds); without a C compiler, or with
