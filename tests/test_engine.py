@@ -367,14 +367,15 @@ def ops_checkpoints(tmp_path_factory):
 OPS_PROMPT = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))  # every expert routed
 
 
-def decode_step_ops(path: str, policy: str, monkeypatch) -> tuple[dict, object]:
+def decode_step_ops(path: str, policy: str, grouping: bool | None = None) -> tuple[dict, object]:
     """count_decode_ops over the eleventh decode step of a run of `path` (a checkpoint) under `policy`, on an
-    instant link; torch's path (the device's) unless the CPU's expert kernels exist and `kernels` is asked."""
+    instant link; `grouping`: the store's (None: by device, off on the CPU)."""
     from fmoe_cli import kernels
     from fmoe_cli.planning.presets import make_settings
     from fmoe_cli.profiling.ops import count_decode_ops
 
     lm = load_model(str(path), device="cpu", dtype="float32")
+    lm.store.grouping = grouping
     shape = lm.shape
     engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
     engine.install(lm.model)
@@ -394,9 +395,11 @@ def decode_step_ops(path: str, policy: str, monkeypatch) -> tuple[dict, object]:
 @pytest.mark.parametrize("policy", ["resident", "ondemand", "uniform"])
 def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy, monkeypatch):
     """Issue 20 §6: every op the host dispatches costs it microseconds on a GPU. Counted with a
-    TorchDispatchMode over one decode step on torch's path (the device's; the CPU's kernels switched off):
+    TorchDispatchMode over one decode step on torch's path (the device's: the CPU's kernels switched off, the
+    store's grouping on):
     - a whole expert's segment forward is at most 5 ops (one matmul for gate and up over the neuron-major
-      rows, the split into both, the activation, the product, the down matmul);
+      rows, the split into both, the activation, the product, the down matmul); a layer's K ≥ 3 resident
+      experts at most 11 together (torch's grouped matmul, one per projection; 9 on the CPU);
     - a split expert (`uniform` θ = 0.5: a cached top and a loaded bottom) at most 7 (it is 6: the top's gate
       and up while the bottom loads; then the bottom's beside them, one activation and one product for
       both, the top's down matmul and the bottom's added to it in one addmm);
@@ -406,7 +409,7 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy, m
     from fmoe_cli import kernels
 
     monkeypatch.setattr(kernels, "library", lambda: None)
-    ops, shape = decode_step_ops(ops_checkpoints[shape_name], policy, monkeypatch)
+    ops, shape = decode_step_ops(ops_checkpoints[shape_name], policy, grouping=True)
     assert ops["layers"] == shape.num_layers
     assert ops["segments"] + ops["split_experts"] >= shape.num_layers * shape.top_k
     if policy == "uniform":  # every activated expert split: its top cached, its bottom loaded
@@ -414,6 +417,8 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy, m
         assert ops["ops_per_split_expert"] <= 7, ops["by_op"]
     else:
         assert ops["split_experts"] == 0 and 0 < ops["ops_per_segment"] <= 5, ops["by_op"]
+    if policy == "resident" and shape.top_k >= 3:
+        assert ops["ops_per_segment"] * shape.top_k <= 11, ops["by_op"]
     assert ops["ops_per_layer_besides_segments"] <= 12, ops["by_op"]
     assert ops["predictor_ops_per_layer"] <= (10 if policy == "uniform" else 0), ops["by_op"]
 
@@ -423,12 +428,44 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy, m
 def test_host_work_in_ops_with_the_cpu_kernels(ops_checkpoints, policy, monkeypatch):
     """On the CPU the expert kernels compute a segment in one call, whose result is its one op; a split
     expert's top and bottom are two calls (the bottom continues the top's float32 accumulator)."""
-    ops, shape = decode_step_ops(ops_checkpoints["qwen3-a3b-top8"], policy, monkeypatch)
+    ops, shape = decode_step_ops(ops_checkpoints["qwen3-a3b-top8"], policy)
     if policy == "uniform":
         assert ops["split_experts"] >= shape.num_layers * shape.top_k and ops["ops_per_split_expert"] <= 2, ops
     else:
         assert 0 < ops["ops_per_segment"] <= 1, ops["by_op"]
     assert ops["ops_per_layer_besides_segments"] <= 12, ops["by_op"]
+
+
+@pytest.mark.parametrize("policy", ["resident", "cache-only"])
+def test_grouped_experts_give_transformers_tokens(ops_checkpoints, policy, monkeypatch):
+    """The device path's grouping (store.grouping: a layer's whole experts of one buffer in torch's grouped
+    matmul), run on the CPU: greedy tokens equal transformers' generate, and the grouped form really ran."""
+    import transformers
+
+    from fmoe_cli import kernels
+    from fmoe_cli.offload import layout
+    from fmoe_cli.planning.presets import make_settings
+
+    path = ops_checkpoints["qwen3-a3b-top8"]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    want = reference.generate(PROMPT, max_new_tokens=8, do_sample=False)[0, PROMPT.shape[1]:].tolist()
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    grouped = []
+    real = layout.grouped_forward
+    monkeypatch.setattr(layout, "grouped_forward", lambda x, segments, act: grouped.append(len(segments)) or
+                        real(x, segments, act))
+    lm = load_model(str(path), device="cpu", dtype="float32")
+    lm.store.grouping = True
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes))
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=8,
+                                               stop_on_eos=False)]
+    engine.close()
+    assert got == want
+    assert grouped and max(grouped) == shape.top_k
 
 
 def test_each_load_is_polled_once_per_pass(mixtral, monkeypatch):

@@ -180,13 +180,13 @@ class LayerState:
     cache: LayerCache
     tops: torch.Tensor  # [C_i, k_i, *row_shape] on the device (for resident: all experts, whole)
     top_neurons: int  # k_i
-    top_rows: list  # store.rows(tops[slot]) per cache slot, made once (what segment_forward takes)
+    top_rows: list  # store.rows(tops[slot]) per cache slot, made once (what segment_forward takes; store.stacked_rows)
     counters: Counters = field(default_factory=Counters)
     host: bool = False  # the host lane: misses and bottoms computed on the host in decode (LayerPlan.host)
 
     @classmethod
     def of(cls, cache: LayerCache, tops: torch.Tensor, top_neurons: int, store: HostStore) -> LayerState:
-        return cls(cache, tops, top_neurons, [store.rows(t) for t in tops.unbind(0)])
+        return cls(cache, tops, top_neurons, store.stacked_rows(tops))
 
 
 @dataclass

@@ -19,6 +19,7 @@ work per token): a whole segment is 5 ops (4 kernel launches), a split expert 6.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,11 +45,22 @@ def pack_experts(experts: nn.Module) -> torch.Tensor:
     return torch.stack([gate, up, down.transpose(1, 2)], dim=2).contiguous()
 
 
+class Stack(NamedTuple):
+    """A buffer of same-sized segments [C, n, 3, H] (a layer's cached tops; every expert when resident) as
+    torch's grouped matmul reads it: views made once."""
+
+    gate: torch.Tensor  # [C, H, n]
+    up: torch.Tensor  # [C, H, n]
+    down: torch.Tensor  # [C, n, H]
+
+
 class Rows(NamedTuple):
     """A segment [n, 3, H] as torch's path reads it: views of its rows, made once per buffer."""
 
     gate_up: torch.Tensor  # [2, H, n]: W_gateᵀ and W_upᵀ (strides H, 1, 3H: no copy)
     down: torch.Tensor  # [n, H]: W_downᵀ
+    stack: Stack | None = None  # the buffer it is one slot of, if any (`grouped_forward`)
+    slot: int = 0
 
 
 def split_rows(segment: torch.Tensor) -> Rows:
@@ -56,14 +68,45 @@ def split_rows(segment: torch.Tensor) -> Rows:
     return Rows(segment[:, :DOWN].permute(1, 2, 0), segment[:, DOWN])
 
 
+def stack_rows(buffer: torch.Tensor) -> list[Rows]:
+    """[C, n, 3, H] -> each slot's Rows, all of them knowing their Stack (views, made once per buffer)."""
+    stack = Stack(buffer[:, :, GATE].transpose(1, 2), buffer[:, :, UP].transpose(1, 2), buffer[:, :, DOWN])
+    return [split_rows(segment)._replace(stack=stack, slot=slot) for slot, segment in enumerate(buffer.unbind(0))]
+
+
 def segment_forward(x: torch.Tensor, segment, act) -> torch.Tensor:
     """Partial expert output of the neurons in `segment` ([n, 3, H], or its `Rows`) for tokens x ([T, H]).
 
     Five ops on Rows: one matmul for gate and up, the split into both (a view), the activation, the
     product and the down matmul."""
-    gate_up, down = segment if isinstance(segment, Rows) else split_rows(segment)
-    gate, up = torch.matmul(x, gate_up).unbind(0)  # [2, T, n] -> [T, n] each
-    return (act(gate) * up) @ down  # [T, H]
+    rows = segment if isinstance(segment, Rows) else split_rows(segment)
+    gate, up = torch.matmul(x, rows.gate_up).unbind(0)  # [2, T, n] -> [T, n] each
+    return (act(gate) * up) @ rows.down  # [T, H]
+
+
+def grouped_mm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """torch's grouped matmul: rows [offsets[g-1], offsets[g]) of x ([S, K]) times weights[g] ([G, K, N])."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return grouped(x, weights, offs=offsets)
+
+
+def grouped_forward(x: torch.Tensor, segments: list[Rows], act) -> list[torch.Tensor]:
+    """Whole segments of one Stack for one token x ([1, H]), in 9 ops whatever their number (11 on a GPU, the
+    offsets' copy): one grouped matmul each for gate, up and down over the stack's slots in order, the
+    activated ones given the token's row and the others none (each slot's rows the same products as
+    `segment_forward`'s, to float rounding)."""
+    stack = segments[0].stack
+    slots = sorted(s.slot for s in segments)
+    counts = [0] * stack.down.shape[0]
+    for slot in slots:
+        counts[slot] = 1
+    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)  # [C]: each slot's last row + 1
+    if x.device.type != "cpu":  # pinned: the copy does not wait for the compute stream
+        ends = ends.pin_memory().to(x.device, non_blocking=True)
+    xs = x.repeat(len(slots), 1)  # [K, H]: the token once per activated slot
+    h = act(grouped_mm(xs, stack.gate, ends)) * grouped_mm(xs, stack.up, ends)  # [K, n]
+    rows = grouped_mm(h, stack.down, ends).split(1)  # [1, H] each, by slot
+    return [rows[slots.index(s.slot)] for s in segments]
 
 
 @dataclass(frozen=True)
@@ -109,8 +152,8 @@ def bottom_forward(x: torch.Tensor, bottom, act, top: Top) -> torch.Tensor:
     the top + bottom order of every split result, equal to the whole expert's output to float rounding.
     On a GPU the top's activation and down projection thus wait for the bottom's load (the top's gate and
     up, two thirds of its work, do not): the price of one op for both instead of two each."""
-    gate_up, down = bottom if isinstance(bottom, Rows) else split_rows(bottom)
+    rows = bottom if isinstance(bottom, Rows) else split_rows(bottom)
     ws = top.workspace
-    torch.matmul(x, gate_up, out=ws.bottom)  # [2, T, I - k]
+    torch.matmul(x, rows.gate_up, out=ws.bottom)  # [2, T, I - k]
     torch.mul(act(ws.gate), ws.up, out=ws.gate)  # h [T, I]
-    return torch.addmm(ws.top_hidden @ top.down, ws.bottom_hidden, down)  # [T, H]
+    return torch.addmm(ws.top_hidden @ top.down, ws.bottom_hidden, rows.down)  # [T, H]

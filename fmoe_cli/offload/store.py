@@ -31,6 +31,8 @@ from fmoe_cli.offload import layout
 from fmoe_cli.types import ExpertShape
 
 
+GROUP_FROM = 3  # whole segments of one buffer grouped from this many (layout.grouped_forward: 9–11 ops, not 5 each)
+
 # cudaHostRegister flags (cuda_runtime_api.h)
 HOST_REGISTER_PORTABLE = 0x01  # page-locked for every CUDA context, not only the current device's (cuda:1)
 HOST_REGISTER_READ_ONLY = 0x08  # the GPU only reads it: no write access is asked for
@@ -87,6 +89,7 @@ class HostStore:
         self._buffers: list[HostBuffer] = []
         self.kernel = kernels.spec_of(shape.experts, dtype, shape.hidden, shape.neuron_block)  # the kernels' view
         self._split_workspaces: dict[tuple, layout.SplitWorkspace] = {}  # torch's path: a split expert's gate and up
+        self.grouping: bool | None = None  # segments_forward groups (None: decided on the first call, by device)
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -131,11 +134,30 @@ class HostStore:
 
     def segments_forward(self, xs: list[torch.Tensor], segments: list, act, partial: bool = False) -> list:
         """`segment_forward` of each (x, segment) pair, in one call: a layer's experts on the device (whole, or
-        the tops of top hits, each in its own workspace lane). A kernel that computes several experts in one
-        launch does it here; in a decode step every xs[i] is the same tensor. Today one segment_forward each
-        (torch's own grouped matmul costs the CPU more than the loop: docs/bench.md § Host work in ops)."""
+        the tops of top hits, each in its own workspace lane). Where `grouping` holds, a decode step's whole
+        segments of one buffer (a layer's cache; every expert when resident) go through torch's grouped matmul,
+        9–11 ops for all of them instead of 5 each (from GROUP_FROM of them); else one segment_forward each."""
+        if not partial and len(segments) >= GROUP_FROM and self._groups(xs, segments):
+            try:
+                return layout.grouped_forward(xs[0], segments, act)
+            except (RuntimeError, NotImplementedError) as exc:  # a card or dtype torch's grouped matmul refuses
+                if xs[0].device.type == "cpu":
+                    raise
+                warn(f"torch's grouped matmul does not run here ({exc}); a layer's experts go one by one")
+                self.grouping = False
         return [self.segment_forward(x, segment, act, partial=partial, lane=lane)
                 for lane, (x, segment) in enumerate(zip(xs, segments))]
+
+    def _groups(self, xs: list[torch.Tensor], segments: list) -> bool:
+        """Whether `grouped_forward` takes these: one token (every xs[i] the same row), whole segments of one
+        stack, and grouping on for the device (`grouping`; default: a CUDA card of sm_80 or newer, where one
+        launch per projection replaces K; on the CPU the loop costs less: docs/bench.md § Host work in ops)."""
+        x = xs[0]
+        if self.grouping is None:
+            self.grouping = x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        stack = getattr(segments[0], "stack", None)
+        return (self.grouping and stack is not None and x.shape[0] == 1 and all(y is x for y in xs)
+                and all(s.stack is stack for s in segments))
 
     def rows(self, segment: torch.Tensor):
         """What `segment_forward` takes for `segment`, prepared once for a buffer that is computed from many
@@ -144,6 +166,14 @@ class HostStore:
         if segment.device.type == "cpu" and self.kernel is not None and kernels.library() is not None:
             return segment
         return layout.split_rows(segment)
+
+    def stacked_rows(self, buffer: torch.Tensor) -> list:
+        """`rows` of each slot of a buffer [C, n, *row_shape] (a layer's cached tops), made once; on torch's path
+        they know their buffer, so that `segments_forward` can group them."""
+        slots = buffer.unbind(0)
+        if slots and isinstance(self.rows(slots[0]), layout.Rows):
+            return layout.stack_rows(buffer)
+        return [self.rows(segment) for segment in slots]
 
     @property
     def layer_bytes(self) -> int:
