@@ -39,8 +39,9 @@ smaller segment_forward and the add: compute that a whole expert does not do.)
 how busy the machine is): one decode step of tiny random checkpoints shaped like
 Mixtral (8 experts, top-2), Qwen3-30B-A3B (128 experts, top-8) and DeepSeek-V3 (shared
 expert, a dense first layer), under `resident`, `ondemand` and `uniform` (θ = 0.5, every
-expert's top cached: split), on an instant link: ops per segment forward, per MoE layer
-besides its segments, and per activated expert.
+expert's top cached: split), on an instant link, with the device path's code (run it with
+FMOE_KERNELS=torch; the store's grouping on): ops per whole segment forward, per split
+expert, per MoE layer besides its segments, of the predictor, and per activated expert.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ OPS_SHAPES = {  # family, overrides of models/demo.py's tiny config
 
 def count_ops(console: Console, as_json: bool) -> None:
     """Aten ops per decode step (fmoe_cli/profiling/ops.py) for the OPS_SHAPES under three plans: the 11th decode
-    step after a 48-token prompt (every expert routed before: each buffer's views are made once, before)."""
+    step after a 48-token prompt (every expert routed before: each buffer's views are made once, before); the
+    device path's code (with FMOE_KERNELS=torch: torch's segment forwards; the store's grouping on)."""
     import tempfile
     from pathlib import Path
 
@@ -200,6 +202,7 @@ def count_ops(console: Console, as_json: bool) -> None:
         for name, (family, overrides) in OPS_SHAPES.items():
             path = build_random_moe(Path(root) / name, family=family, seed=1, **overrides)
             lm = load_model(str(path), device="cpu", dtype="float32", console=console)
+            lm.store.grouping = True  # the device path's grouping (off by default on the CPU, where the loop is faster)
             shape = lm.shape
             for policy in ("resident", "ondemand", "uniform"):
                 engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
