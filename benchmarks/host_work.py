@@ -257,8 +257,8 @@ def time_alternatives(repeats: int) -> None:
       split into both (the engine's, 4 kernels) against two linears (before, 5 kernels); 5 ops each;
     - a split expert (θ = 0.5): the engine's 6 ops (layout.top_forward, bottom_forward) against two whole
       segment forwards and the add (11 ops, before);
-    - a layer's K = 8 experts from one buffer: one segment_forward each (5·K ops) against torch's `_grouped_mm`
-      (offsets give the activated experts their token, the others none: 7 ops for the K experts)."""
+    - a layer's K = 8 experts from one buffer: one segment_forward each (5·K ops) against torch's grouped matmul
+      (layout.grouped_forward: 9 ops for the K experts)."""
     import torch.nn.functional as F
 
     from fmoe_cli.offload import layout
@@ -297,21 +297,14 @@ def time_alternatives(repeats: int) -> None:
         def split_now():
             return [layout.bottom_forward(x, b, act, layout.top_forward(x, t, workspace)) for t, b in zip(tops, bottoms)]
 
-        offsets = torch.zeros(n_experts, dtype=torch.int32)
-        offsets[active] = 1
-        offsets = torch.cumsum(offsets, 0, dtype=torch.int32)
-        gate_w, up_w = (layer[:, :, j].transpose(1, 2) for j in range(2))  # [N, H, I] views
-        down = layer[:, :, 2]  # [N, I, H]
+        stacked = [layout.stack_rows(layer)[e] for e in active]  # the slots of one buffer [N, I, 3, H]
 
-        def grouped():
-            xs = x.expand(len(active), hidden)  # one row per activated expert
-            gate = torch._grouped_mm(xs, gate_w, offs=offsets)
-            up = torch._grouped_mm(xs, up_w, offs=offsets)
-            return list(torch._grouped_mm(act(gate) * up, down, offs=offsets).unbind(0))
+        def grouped():  # the engine's grouped form (store.grouping)
+            return layout.grouped_forward(x, stacked, act)
 
         for what, a, b in (("a whole segment: A two linears, B one matmul for gate and up", two_linears, one_matmul),
                            ("a split expert: A 11 ops (before), B 6 ops", split_before, split_now),
-                           ("K = 8 experts of one buffer: A a loop, B torch's _grouped_mm", one_matmul, grouped)):
+                           ("K = 8 experts of one buffer: A a loop, B grouped (layout.grouped_forward)", one_matmul, grouped)):
             same = all(torch.equal(p, q.view_as(p)) for p, q in zip(a(), b()))
             if not same:
                 same = max((p - q.view_as(p)).abs().max().item() for p, q in zip(a(), b()))
