@@ -207,6 +207,7 @@ def run(args) -> dict:
         "model": args.model, "tokens": args.tokens, "rounds": args.rounds, "threads": args.threads,
         "tpot_ms": {k: spread(v) for k, v in tpots.items()},
         "server_over_in_process": spread(ratio),
+        "median_over_median": statistics.median(tpots["server"]) / statistics.median(tpots["in_process"]),
         "server_minus_in_process_ms": spread(extra),
         "server_engine_step_ms": spread(engine_steps),
         "http_overhead": spread(overhead),
@@ -225,6 +226,7 @@ def render(report: dict) -> str:
     for k, name in (("in_process", "TPOT in-process (ms)"), ("server", "TPOT through the server (ms)")):
         lines.append(f"| {name} | {t[k]['median']:.2f} [{t[k]['min']:.2f}, {t[k]['max']:.2f}] |")
     lines.append(f"| TPOT server / in-process (pairs of adjacent runs) | {q['median']:.3f} [{q['min']:.3f}, {q['max']:.3f}] |")
+    lines.append(f"| TPOT server / in-process (median ÷ median) | {report['median_over_median']:.3f} |")
     x = report["server_minus_in_process_ms"]
     lines.append(f"| TPOT server − in-process (ms per token) | {x['median']:+.2f} [{x['min']:+.2f}, {x['max']:+.2f}] |")
     lines.append(f"| engine decode step of the served requests (ms) | {e['median']:.2f} [{e['min']:.2f}, {e['max']:.2f}] |")

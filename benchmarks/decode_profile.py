@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Where a CPU decode token's time goes (issue 21, "Done when": the gap to llama.cpp kernel by kernel).
+
+One `resident` run of MODEL (every expert in RAM, nothing moved: what the peer table measures),
+the same options as `fmoe bench`, then `--tokens` decode steps under torch.profiler (CPU).
+Each part of the model is labelled with `record_function` around its forward, so the profile
+sums each part's inclusive CPU time per token:
+
+    attention      the decoder layers' self-attention (q/k/v/o projections, RoPE, SDPA, KV cache)
+    moe            the decoder layers' MoE blocks (router, engine, experts, combine)
+      experts      inside moe: the expert segments' compute (the C kernels, or torch's matmuls)
+    lm head        the last norm's output → logits
+    other          the rest of a step: embedding, norms, residual adds, sampling, Python between
+
+`other` is the step's wall time minus the labelled parts; `moe − experts` is the engine's own
+work per layer (routing, bookkeeping, the combine). Shares are of the median step. The bytes a
+part reads per token (weights) and its GB/s are shown beside its time, so a part far from the
+memory's speed stands out. Times are under the profiler (it adds a few µs per op).
+
+    python benchmarks/decode_profile.py ~/.cache/fmoe-peer/models/a3b --dtype float32 --experts int4
+    python benchmarks/decode_profile.py demo --experts int8 --tokens 16 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+PARTS = ("attention", "moe", "experts", "lm head")
+
+
+def labelled(forward, label: str):
+    """`forward` inside a record_function named `label` (the profiler sums it)."""
+    import torch
+
+    def wrapped(*args, **kwargs):
+        with torch.profiler.record_function(label):
+            return forward(*args, **kwargs)
+
+    return wrapped
+
+
+def label_model(model) -> None:
+    """Wrap each decoder layer's attention and MoE block, the LM head, and the expert kernels' entry."""
+    from fmoe_cli import kernels
+
+    for layer in model.model.layers:
+        layer.self_attn.forward = labelled(layer.self_attn.forward, "attention")
+        layer.mlp.forward = labelled(layer.mlp.forward, "moe")
+    model.lm_head.forward = labelled(model.lm_head.forward, "lm head")
+    kernels.segment_forward = labelled(kernels.segment_forward, "experts")
+
+
+def weight_bytes(module) -> int:
+    """Bytes of a module's parameters and buffers (what one token reads of it, once)."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def profile_decode(args) -> dict:
+    import torch
+
+    from fmoe_cli.bench.run import encode_prompt
+    from fmoe_cli.cli import run_options
+    from fmoe_cli.generate import stream_generate
+    from fmoe_cli.run import open_run
+
+    dense = {} if args.dense is None else {"dense": args.dense}  # left out: fmoe's default
+    opts = run_options(args.model, ["resident"], dtype=args.dtype, experts=args.experts, device="cpu", **dense)
+    with open_run(opts) as run:
+        lm, engine = run.lm, run.engine
+        label_model(lm.model)
+        prompt = open(args.prompt_file).read() if args.prompt_file else "Explain how a mixture-of-experts model works."
+        ids = encode_prompt(lm, prompt)
+        for _ in stream_generate(lm.model, ids, engine=engine, max_new_tokens=args.warmup, stop_on_eos=False):
+            pass
+        steps = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for event in stream_generate(lm.model, ids, engine=engine, max_new_tokens=args.tokens + 1,
+                                         stop_on_eos=False):
+                steps.append(event.latency_s)
+            total_s = time.perf_counter() - start
+        prefill_s, decode = steps[0], steps[1:]
+        # the profiler's sums cover prefill + decode: each part's decode share is taken per decode step
+        # after removing the prefill's share in proportion to its wall time (prefill is one step of T tokens)
+        totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key in PARTS}
+        decode_fraction = sum(decode) / total_s
+        per_token = {part: totals.get(part, 0.0) * decode_fraction / len(decode) for part in PARTS}
+        step = statistics.median(decode)
+        per_token["other"] = max(0.0, statistics.mean(decode) - per_token["attention"] - per_token["moe"]
+                                 - per_token["lm head"])
+        layers = lm.model.model.layers
+        attention_bytes = sum(weight_bytes(layer.self_attn) for layer in layers)
+        expert_bytes = lm.shape.expert_bytes * lm.shape.top_k * lm.shape.num_layers  # K routed experts per MoE layer
+        read = {"attention": attention_bytes, "experts": expert_bytes, "lm head": weight_bytes(lm.model.lm_head)}
+        return {"model": args.model, "dtype": str(lm.dtype).removeprefix("torch."), "experts": args.experts,
+                "dense": opts.dense, "threads": torch.get_num_threads(),
+                "tokens": len(decode), "tpot_ms": {"median": step * 1e3, "min": min(decode) * 1e3,
+                                                    "max": max(decode) * 1e3},
+                "prefill_ms": prefill_s * 1e3, "prompt_tokens": int(ids.shape[-1]),
+                "per_token_ms": {k: v * 1e3 for k, v in per_token.items()},
+                "bytes_per_token": read}
+
+
+def render(report: dict) -> str:
+    t = report["tpot_ms"]
+    lines = [f"{report['model']}: --dtype {report['dtype']} --experts {report['experts']} --dense {report['dense']}, "
+             f"{report['threads']} threads, {report['tokens']} decode tokens after a {report['prompt_tokens']}-token "
+             f"prompt; TPOT median {t['median']:.2f} ms [{t['min']:.2f}, {t['max']:.2f}]", "",
+             "| part | ms / token | share | weight MB / token | GB/s |", "|---|---:|---:|---:|---:|"]
+    mean = sum(v for k, v in report["per_token_ms"].items() if k != "experts")
+    for part in ("attention", "moe", "experts", "lm head", "other"):
+        ms = report["per_token_ms"][part]
+        nbytes = report["bytes_per_token"].get(part)
+        rate = f"{nbytes / (ms / 1e3) / 1e9:.1f}" if nbytes and ms > 0 else ""
+        name = "  of which experts" if part == "experts" else part
+        lines.append(f"| {name} | {ms:.2f} | {ms / mean:.0%} | {'' if nbytes is None else f'{nbytes / 1e6:.1f}'} | {rate} |")
+    moe, experts = report["per_token_ms"]["moe"], report["per_token_ms"]["experts"]
+    lines.append(f"| moe − experts (router, engine, combine) | {moe - experts:.2f} | {(moe - experts) / mean:.0%} | | |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--experts", default="bf16")
+    parser.add_argument("--dense", default=None, help="as fmoe's --dense (default: fmoe's)")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--prompt-file", default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    report = profile_decode(args)
+    print(json.dumps(report) if args.json else render(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
