@@ -140,7 +140,8 @@ class HostStore:
         if not partial and len(segments) >= GROUP_FROM and self._groups(xs, segments):
             try:
                 return layout.grouped_forward(xs[0], segments, act)
-            except (RuntimeError, NotImplementedError) as exc:  # a card or dtype torch's grouped matmul refuses
+            except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:  # torch's checks refuse a
+                # card, dtype or stride (TORCH_CHECK*): found on the first call, before its results are used
                 if xs[0].device.type == "cpu":
                     raise
                 warn(f"torch's grouped matmul does not run here ({exc}); a layer's experts go one by one")
