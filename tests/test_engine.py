@@ -425,7 +425,7 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy, m
 
 @pytest.mark.skipif(not __import__("fmoe_cli.kernels").kernels.library(), reason="no C compiler")
 @pytest.mark.parametrize("policy", ["resident", "uniform"])
-def test_host_work_in_ops_with_the_cpu_kernels(ops_checkpoints, policy, monkeypatch):
+def test_host_work_in_ops_with_the_cpu_kernels(ops_checkpoints, policy):
     """On the CPU the expert kernels compute a segment in one call, whose result is its one op; a split
     expert's top and bottom are two calls (the bottom continues the top's float32 accumulator)."""
     ops, shape = decode_step_ops(ops_checkpoints["qwen3-a3b-top8"], policy)
