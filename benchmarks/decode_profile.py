@@ -97,7 +97,7 @@ def profile_decode(args) -> dict:
         expert_bytes = lm.shape.expert_bytes * lm.shape.top_k * lm.shape.num_layers  # K routed experts per MoE layer
         read = {"attention": attention_bytes, "experts": expert_bytes, "lm head": weight_bytes(lm.model.lm_head)}
         return {"model": args.model, "dtype": str(lm.dtype).removeprefix("torch."), "experts": args.experts,
-                "dense": opts.dense, "threads": torch.get_num_threads(),
+                "dense": lm.dense, "threads": torch.get_num_threads(),
                 "tokens": len(decode), "tpot_ms": {"median": step * 1e3, "min": min(decode) * 1e3,
                                                     "max": max(decode) * 1e3},
                 "prefill_ms": prefill_s * 1e3, "prompt_tokens": int(ids.shape[-1]),

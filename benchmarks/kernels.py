@@ -4,7 +4,10 @@
 One `a3b` expert by default (Qwen3-30B-A3B's layer: H 2048, I 768), random weights, for T tokens:
 - `kernel`: fmoe_cli.kernels.segment_forward on the stored rows (one pass, no dequantised weight);
 - `torch`: what the stores computed with before (and still do without the kernels): three matmuls on
-  the rows (f32, bf16), or the rows dequantised in blocks then the three matmuls (int8, int4, int2).
+  the rows (f32, bf16), or the rows dequantised in blocks then the three matmuls (int8, int4, int2);
+- `kernel, int8 activations` (int8, int4): the kernels with x quantised per block of 32 (--activations int8).
+With --dense OUT IN: one projection instead (f32: F.linear; int8/int4: QuantLinear through the kernels, with
+int8 activations, and its torch path).
 Time per call in µs (and the CPU time it took, every thread: on a machine shared with other work the
 wall time measures the share of the CPU the call got, the CPU time what the call costs) and GB/s of the
 segment's stored bytes (what the call must read from RAM: the calls rotate through `--pool-mb` of
@@ -18,16 +21,19 @@ max abs logit error and top-1 agreement (docs/quantization.md § Exactness contr
 
     python benchmarks/kernels.py
     python benchmarks/kernels.py --tokens 1 4 16 64 --rounds 7 --threads 2
+    python benchmarks/kernels.py --dense 4096 2048 --formats f32 int8 int4
     python benchmarks/kernels.py --tolerance 2048
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -82,7 +88,46 @@ def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens
             return call(stored[turn[0]])
         return run
 
-    return nbytes, {"kernel": rotate(lambda seg: kernels.segment_forward(x, seg, spec)), "torch": rotate(torch_path)}
+    calls = {"kernel": rotate(lambda seg: kernels.segment_forward(x, seg, spec)), "torch": rotate(torch_path)}
+    if name in ("int8", "int4"):  # --activations int8: x quantised per block of 32, integer dots
+        q8 = replace(spec, int8_activations=True)
+        calls["kernel, int8 activations"] = rotate(lambda seg: kernels.segment_forward(x, seg, q8))
+    return nbytes, calls
+
+
+def make_dense_cases(name: str, outputs: int, inputs: int, pool_mb: float, tokens: int):
+    """(stored bytes of one projection W [outputs, inputs], {path: call}) for `--dense`: f32 is F.linear on the
+    float weight (what runs without --dense); int8/int4 are models/dense.py's QuantLinear through the kernels
+    (its forward), with int8 activations, and its torch path (dequantised blocks, then F.linear)."""
+    from fmoe_cli import kernels
+    from fmoe_cli.models.dense import QuantLinear
+    from fmoe_cli.types import EXPERT_FORMATS
+
+    torch.manual_seed(0)
+    x = torch.randn(tokens, inputs)
+    linear = torch.nn.Linear(inputs, outputs, bias=False)
+    fmt = EXPERT_FORMATS.get(name)
+    nbytes = outputs * (fmt.projection_bytes(inputs) if fmt else inputs * 4)
+    copies = max(2, math.ceil(pool_mb * 1e6 / nbytes))
+    if fmt is None:
+        weights = [linear.weight.detach().clone() for _ in range(copies)]
+        calls = {"F.linear": lambda k: F.linear(x, weights[k])}
+    else:
+        first = QuantLinear(linear, fmt)
+        layers = [first] + [copy.deepcopy(first) for _ in range(copies - 1)]  # copies of the packed rows
+        q8 = replace(first.kernel, int8_activations=True)
+        calls = {"kernel": lambda k: layers[k](x),
+                 "kernel, int8 activations": lambda k: kernels.linear_forward(x, layers[k].packed, q8),
+                 "torch": lambda k: layers[k].torch_forward(x)}
+    turn = [0]
+
+    def rotate(call):
+        def run():
+            turn[0] = (turn[0] + 1) % copies
+            return call(turn[0])
+        return run
+
+    return nbytes, {path: rotate(call) for path, call in calls.items()}
 
 
 @torch.no_grad()
@@ -136,6 +181,9 @@ def main() -> None:
     p.add_argument("--pool-mb", type=float, default=256, help="experts rotated through: this many MB of them "
                    "(more than the last-level cache holds)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dense", type=int, nargs=2, metavar=("OUT", "IN"), default=None,
+                   help="instead: one dense projection W [OUT, IN] (models/dense.py), e.g. 4096 2048 (a3b's q_proj) "
+                        "or 151936 2048 (its LM head)")
     p.add_argument("--tolerance", type=int, default=0, metavar="N",
                    help="instead: logits against the dequantised reference over N held-out tokens of the demo")
     args = p.parse_args()
@@ -157,7 +205,10 @@ def main() -> None:
     cases, sizes = {}, {}
     for name in args.formats:
         for tokens in args.tokens:
-            nbytes, calls = make_cases(name, args.hidden, args.intermediate, args.pool_mb, tokens)
+            if args.dense:
+                nbytes, calls = make_dense_cases(name, *args.dense, args.pool_mb, tokens)
+            else:
+                nbytes, calls = make_cases(name, args.hidden, args.intermediate, args.pool_mb, tokens)
             sizes[name] = nbytes
             for path, call in calls.items():
                 cases[(name, tokens, path)] = call
@@ -172,21 +223,20 @@ def main() -> None:
                     run()
                 times[key].append((time.perf_counter() - start) / args.repeats * 1e6)
                 cpu[key].append((time.process_time() - start_cpu) / args.repeats * 1e6)
-    table = Table(title=f"one expert (H={args.hidden}, I={args.intermediate}), {torch.get_num_threads()} threads: "
-                        f"median \\[min–max] of {args.rounds} interleaved rounds × {args.repeats} calls")
-    for col in ("format", "T", "MB", "kernel µs", "kernel GB/s", "kernel CPU µs", "torch µs", "torch GB/s",
-                "torch CPU µs", "torch ÷ kernel"):
-        table.add_column(col, justify="left" if col == "format" else "right")
-    for name in args.formats:
-        for tokens in args.tokens:
-            k, t = times[(name, tokens, "kernel")], times[(name, tokens, "torch")]
-            gbps = [sizes[name] / (us * 1e3) for us in k]
-            tgbps = [sizes[name] / (us * 1e3) for us in t]
-            table.add_row(name, str(tokens), f"{sizes[name] / 1e6:.2f}", spread(k), spread(gbps, "{:.1f}"),
-                          spread(cpu[(name, tokens, "kernel")]), spread(t), spread(tgbps, "{:.1f}"),
-                          spread(cpu[(name, tokens, "torch")]), spread([b / a for a, b in zip(k, t)], "{:.2f}"))
+    what = (f"one projection W [{args.dense[0]}, {args.dense[1]}] (--dense)" if args.dense
+            else f"one expert (H={args.hidden}, I={args.intermediate})")
+    base = "f32" if args.dense and "f32" in args.formats else None  # --dense: every row against f32's F.linear
+    table = Table(title=f"{what}, {torch.get_num_threads()} threads: median \\[min–max] of {args.rounds} interleaved "
+                        f"rounds × {args.repeats} calls")
+    for col in ("format", "T", "path", "MB", "µs", "GB/s", "CPU µs", f"{'f32' if base else 'torch'} ÷ this"):
+        table.add_column(col, justify="left" if col in ("format", "path") else "right")
+    for (name, tokens, path), us in times.items():
+        gbps = [sizes[name] / (t * 1e3) for t in us]
+        reference = times.get((base, tokens, "F.linear")) if base else times.get((name, tokens, "torch"))
+        ratio = spread([b / a for a, b in zip(us, reference)], "{:.2f}") if reference else ""
+        table.add_row(name, str(tokens), path, f"{sizes[name] / 1e6:.2f}", spread(us), spread(gbps, "{:.1f}"),
+                      spread(cpu[(name, tokens, path)]), ratio)
     console.print(table)
-
 
 if __name__ == "__main__":
     main()

@@ -127,7 +127,8 @@ ExpertsOpt = Annotated[str, typer.Option(
 DenseOpt = Annotated[str, typer.Option(
     "--dense", help="How the attention projections are stored: bf16 (unquantised, in --dtype), int8 (with the LM "
                     "head; weight-only, group 128) or int4 (group 64: MoEpic's and Mixtral-offloading's attention "
-                    "beside int2 experts). The embedding stays as stored.")]
+                    "beside int2 experts). The embedding stays as stored. Default (auto): int8 on the CPU beside "
+                    "int8/int4 experts, else bf16.")]
 
 
 HostThreadsOpt = Annotated[int, typer.Option(

@@ -97,7 +97,19 @@ DENSE_FORMATS: dict[str, DenseFormat | None] = {
     "int8": DenseFormat(EXPERT_FORMATS["int8"], head=True),
     "int4": DenseFormat(EXPERT_FORMATS["int4"], head=False),
 }
-DEFAULT_DENSE = "bf16"  # --dense
+DEFAULT_DENSE = "auto"  # --dense left out: resolve_dense picks per device and expert format
+# Expert formats beside which the CPU reads the non-expert weights in int8 by default (llama.cpp's Q8_0 / Q4_0
+# runs read their attention and LM head quantised too: issue 21 §1 "Non-expert weights").
+INT8_DENSE_BESIDE = ("int8", "int4")
+
+
+def resolve_dense(dense: str, device_type: str, experts: str) -> str:
+    """--dense as the model is loaded: "auto" is int8 on the CPU beside int8/int4 experts (there decode reads
+    every weight from RAM once per token, and the f32 LM head alone would outweigh the experts), else bf16
+    (the compute dtype, as stored). An explicit format stays."""
+    if dense != DEFAULT_DENSE:
+        return dense
+    return "int8" if device_type == "cpu" and experts in INT8_DENSE_BESIDE else "bf16"
 
 
 # --dtype: the names fmoe accepts, each to torch's name (auto: chosen per device, models/load.py)
@@ -116,8 +128,8 @@ def check_expert_format(experts: str) -> None:
 
 
 def check_dense_format(dense: str) -> None:
-    if dense not in DENSE_FORMATS:
-        raise FmoeError(f"unknown dense format {dense!r} (--dense); use {', '.join(DENSE_FORMATS)}")
+    if dense != DEFAULT_DENSE and dense not in DENSE_FORMATS:
+        raise FmoeError(f"unknown dense format {dense!r} (--dense); use {', '.join(DENSE_FORMATS)} or {DEFAULT_DENSE}")
 
 
 @dataclass(frozen=True)

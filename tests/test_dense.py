@@ -108,6 +108,19 @@ def test_one_quantised_copy_counted_at_its_stored_size(checkpoints, dense):
     assert sum(m.packed.nbytes for m in quantised.values()) < float_bytes * (bits + 1.5) / 32
 
 
+def test_left_out_dense_is_int8_on_the_cpu_beside_int8_and_int4_experts(checkpoints):
+    """Issue 21 §1: without --dense the CPU reads the attention and the LM head in int8 beside int8/int4 experts
+    (as llama.cpp's Q8_0/Q4_0 runs do), and leaves them as stored otherwise; a plan (for a GPU) leaves them too."""
+    from fmoe_cli.types import resolve_dense
+
+    assert [resolve_dense("auto", "cpu", e) for e in ("bf16", "int8", "int4", "int2")] == ["bf16", "int8", "int8", "bf16"]
+    assert resolve_dense("auto", "cuda", "int4") == "bf16" and resolve_dense("bf16", "cpu", "int4") == "bf16"
+    path = str(checkpoints["mixtral"])
+    lm = load_model(path, device="cpu", dtype="float32", experts="int4")
+    assert lm.dense == "int8" and isinstance(lm.model.get_output_embeddings(), QuantLinear)
+    assert load_model(path, device="cpu", dtype="float32", experts="bf16").dense == "bf16"
+
+
 def test_a_tied_head_stays_the_embedding():
     lm = load_model("demo", device="cpu", dtype="float32", dense="int8")
     assert lm.model.config.tie_word_embeddings
@@ -124,10 +137,10 @@ def test_blocked_forward_equals_the_whole_weight(monkeypatch):
     linear = torch.nn.Linear(64, 200, bias=True)
     q = QuantLinear(linear, DENSE_FORMATS["int8"].quant)
     x = torch.randn(3, 64)
-    whole = q(x)
+    whole = q.torch_forward(x)
     torch.testing.assert_close(whole, torch.nn.functional.linear(x, q.dequantized(), linear.bias), atol=0, rtol=0)
     monkeypatch.setattr(dense, "block_rows", lambda hidden, dtype: 7)  # 21 rows a block
-    torch.testing.assert_close(q(x), whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(q.torch_forward(x), whole, atol=1e-6, rtol=1e-6)
     error = (q.dequantized() - linear.weight).abs().max()
     assert 0 < error <= linear.weight.abs().max() / 127  # really quantised, within a step
 

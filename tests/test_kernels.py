@@ -61,6 +61,36 @@ def test_the_kernel_computes_what_torch_computes(name, dtype, hidden, intermedia
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inputs, outputs", [(2048, 200), (96, 70)])  # 96: the scalar paths
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_dense_projection_through_the_kernel_is_torchs_on_the_dequantised_weight(name, dtype, inputs, outputs,
+                                                                                   tokens):
+    """`--dense` on the CPU (models/dense.py QuantLinear): y = x·ŵᵀ + b from the packed rows, to rounding of
+    torch's matmul on the dequantised weight; the same bits with 1 or 2 threads (each output one row's dot)."""
+    from fmoe_cli.models.dense import QuantLinear
+
+    torch.manual_seed(3)
+    linear = torch.nn.Linear(inputs, outputs, bias=True).to(dtype)
+    q = QuantLinear(linear, EXPERT_FORMATS[name])
+    x = torch.randn(1, tokens, inputs).to(dtype)
+    got = q(x)
+    assert got.dtype == dtype and got.shape == (1, tokens, outputs)
+    want = x.float() @ q.dequantized(dtype=torch.float32).T + linear.bias.float()
+    scale = want.abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 2**-7  # bf16: the float32 result rounded once
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * scale)
+    torch.testing.assert_close(q.torch_forward(x).float(), want, rtol=4 * tol, atol=4 * tol * scale)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(q(x), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
 @pytest.mark.parametrize("name, dtype", WITH_DTYPES)
 def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype):
     """At every multiple of the chunk, and with 1 or 2 threads: what makes every policy's tokens the resident run's."""

@@ -83,7 +83,7 @@ def test_plans_cache_more_quantised_experts_in_the_same_budget():
 def quant_setup(request, checkpoints):
     family, experts = request.param
     path = checkpoints[family]
-    lm = load_model(str(path), device="cpu", dtype="float32", experts=experts)
+    lm = load_model(str(path), device="cpu", dtype="float32", experts=experts, dense="bf16")  # dense as stored
     assert lm.store.dtype == torch.uint8 and lm.shape.experts == experts
     # The reference: transformers' own model with its experts replaced by the dequantised weights.
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -181,12 +181,12 @@ def test_bench_and_chat_run_with_int4_experts(checkpoints):
                        "--json")
     assert result.exit_code == 0, text
     report = json.loads(result.stdout)
-    assert report["experts"] == "int4"
+    assert report["experts"] == "int4" and report["dense"] == "int8"  # --dense left out: int8 on the CPU
     shape = ExpertShape(4, 8, 2, 64, 64, 4, experts="int4")
     assert report["runs"][0]["bytes_per_token"] % shape.neuron_bytes == 0  # the link moves int4 rows
     result, text = run("chat", path, "--experts", "int8", "--temperature", "0", input="hello\n/exit\n")
     assert result.exit_code == 0, text
-    assert "int8 experts" in text
+    assert "int8 experts, int8 dense" in text
     result, text = run("bench", path, "--experts", "fp4", "--tokens", "2")
     assert result.exit_code == 2 and text.startswith("error:") and "fp4" in text
 

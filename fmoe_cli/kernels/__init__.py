@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from fmoe_cli.errors import warn
-from fmoe_cli.types import EXPERT_FORMATS
+from fmoe_cli.types import EXPERT_FORMATS, QuantFormat
 
 FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, "int8": 2, "int4": 3, "int2": 4}  # experts.c's enum
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # what x may be (experts.c: float32 or bf16 activations)
@@ -48,6 +48,7 @@ class Spec:
     group: int = 0  # G (quantised)
     meta_group: int = 0  # M (int2: scales per 8-bit scale group)
     chunk: int = 1  # C: neurons summed apart, then added in order (every split point is a multiple of C)
+    int8_activations: bool = False  # --activations int8: x quantised per block of 32, integer dots (int8, int4)
 
 
 def spec_of(experts: str, dtype: torch.dtype, hidden: int, chunk: int = 1) -> Spec | None:
@@ -57,8 +58,13 @@ def spec_of(experts: str, dtype: torch.dtype, hidden: int, chunk: int = 1) -> Sp
     if fmt is None:
         code = FORMAT_CODES.get(dtype)
         return None if code is None else Spec(code, hidden, hidden * dtype.itemsize, chunk=chunk)
+    return quant_spec(fmt, hidden, chunk)
+
+
+def quant_spec(fmt: QuantFormat, hidden: int, chunk: int = 1) -> Spec:
+    """The Spec for rows of H = `hidden` weights quantised in `fmt`."""
     groups = hidden // fmt.group_size(hidden)
-    return Spec(FORMAT_CODES[experts], hidden, fmt.projection_bytes(hidden), fmt.group_size(hidden),
+    return Spec(FORMAT_CODES[f"int{fmt.bits}"], hidden, fmt.projection_bytes(hidden), fmt.group_size(hidden),
                 fmt.meta_group_size(groups) if fmt.meta_group else 0, chunk)
 
 
@@ -76,8 +82,11 @@ def library() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.fmoe_segment_forward.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int, i64, ptr,
-                                         ctypes.c_int, ptr, ctypes.c_int]
+                                         ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
     lib.fmoe_segment_forward.restype = ctypes.c_int
+    lib.fmoe_linear_forward.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int, i64, ptr,
+                                        ctypes.c_int, ctypes.c_int]
+    lib.fmoe_linear_forward.restype = ctypes.c_int
     lib.fmoe_simd.restype = ctypes.c_int
     return lib
 
@@ -86,12 +95,18 @@ def is_silu(act) -> bool:
     return act is torch.nn.functional.silu or type(act).__name__ in ("SiLU", "SiLUActivation")
 
 
+def takes(x: torch.Tensor) -> bool:
+    """Whether the kernels compute for these tokens x [T, H] (else: torch): on the CPU, float32 or bf16,
+    at most MAX_TOKENS of them."""
+    return (x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES and x.shape[0] <= MAX_TOKENS
+            and library() is not None)
+
+
 def runs(x: torch.Tensor, act) -> bool:
     """Whether segment_forward computes for these tokens and this activation (else: torch). The same for
     every policy (it depends on the expert's tokens, not on where its rows are), so a policy's split
     experts take the same path as the resident run's whole ones."""
-    return (x.device.type == "cpu" and x.dtype in COMPUTE_DTYPES and x.shape[0] <= MAX_TOKENS and is_silu(act)
-            and library() is not None)
+    return is_silu(act) and takes(x)
 
 
 def segment_forward(x: torch.Tensor, segment: torch.Tensor, spec: Spec, acc: torch.Tensor | None = None,
@@ -113,7 +128,25 @@ def segment_forward(x: torch.Tensor, segment: torch.Tensor, spec: Spec, acc: tor
     status = lib.fmoe_segment_forward(
         spec.code, segment.data_ptr(), segment.shape[0], hidden, spec.projection_bytes, spec.group,
         spec.meta_group, spec.chunk, x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, acc.data_ptr(),
-        int(accumulate), None if rounded is None else rounded.data_ptr(), torch.get_num_threads())
+        int(accumulate), None if rounded is None else rounded.data_ptr(), torch.get_num_threads(),
+        int(spec.int8_activations))
     if status != 0:
         raise MemoryError("the expert kernel could not allocate its workspace")
     return acc if rounded is None else rounded
+
+
+def linear_forward(x: torch.Tensor, rows: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """y [T, O] float32 = x [T, H] · ŵᵀ for `rows` [O, projection_bytes] (a dense linear's rows, each one
+    projection of the experts' formats: models/dense.py), without materialising ŵ. Each output is one
+    row's dot product, so no bit depends on the thread count."""
+    x = x.contiguous()
+    tokens, hidden = x.shape
+    assert hidden == spec.hidden and rows.is_contiguous() and rows.device.type == "cpu"
+    y = torch.empty(tokens, rows.shape[0], dtype=torch.float32)
+    status = library().fmoe_linear_forward(
+        spec.code, rows.data_ptr(), rows.shape[0], hidden, spec.projection_bytes, spec.group, spec.meta_group,
+        x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, y.data_ptr(), torch.get_num_threads(),
+        int(spec.int8_activations))
+    if status != 0:
+        raise MemoryError("the linear kernel could not allocate its workspace")
+    return y

@@ -247,6 +247,96 @@ static float row_dot(const uint8_t *row, const Format *f, const float *x, const 
     return sum;
 }
 
+/* ---- phase 1 with int8 activations (x̂): integer dot products per block of 32 ---------------------
+
+   The "int8 activations" mode (fmoe_cli/kernels: Spec.activations): each token's x is quantised once per
+   block b of QBLOCK = 32 weights, as llama.cpp's Q8_0:  d_b = max_b |x| / 127,  q̃_j = round(x_j / d_b),
+   x̂_j = q̃_j·d_b. Then for a group g of G weights (a multiple of 32)
+
+     int8:  x̂·ŵ = Σ_g s_g Σ_{b∈g} d_b Σ_{j∈b} q_j q̃_j
+     int4:  x̂·ŵ = Σ_g (s_g Σ_{b∈g} d_b Σ_{j∈b} q_j q̃_j + m_g X̂_g),  X̂_g = Σ_{b∈g} d_b Σ_{j∈b} q̃_j
+
+   each inner Σ an exact integer (AVX2 maddubs: unsigned × signed bytes into int16 pairs, at most
+   2·127·127 < 2¹⁵; int8's signed codes go through |q|, sign(q̃, q)). Only gate and up (and a dense
+   linear's rows) are dots over x; the down projection stays float32 (its scales vary along the sum). */
+#define QBLOCK 32
+
+#if FMOE_AVX2
+static float row_dot_q8(const uint8_t *row, const Format *f, const int8_t *xq, const float *xd, const float *xg) {
+    int64_t h = f->hidden, G = f->group;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+    if (f->fmt == FMT_INT8) {
+        const uint16_t *meta = (const uint16_t *)(row + h);
+        for (int64_t g = 0; g < h / G; g++) {
+            float s = half_to_float(meta[g]);
+            for (int64_t j = g * G; j < (g + 1) * G; j += 2 * QBLOCK) {
+                __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + j));
+                __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + j + QBLOCK));
+                __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + j));
+                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + j + QBLOCK));
+                __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones);
+                __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones);
+                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s * xd[j / QBLOCK]), t0);
+                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s * xd[j / QBLOCK + 1]), t1);
+            }
+        }
+        return hsum8(_mm256_add_ps(t0, t1));
+    }
+    /* int4: byte j holds code j (low nibble) and code j + H/2 (high) */
+    int64_t half = h / 2, paired = half / G;
+    const uint16_t *meta = (const uint16_t *)(row + half);
+    const __m256i low = _mm256_set1_epi8(15);
+    float offsets = 0.0f;
+    for (int64_t g = 0; g < paired; g++) {
+        int64_t gh = g + paired;
+        float sl = half_to_float(meta[2 * g]), sh = half_to_float(meta[2 * gh]);
+        for (int64_t j = g * G; j < (g + 1) * G; j += QBLOCK) {
+            __m256i c = _mm256_loadu_si256((const __m256i *)(row + j));
+            __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+            __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + j))), ones);
+            __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + half + j))), ones);
+            t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_set1_ps(sl * xd[j / QBLOCK]), t0);
+            t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_set1_ps(sh * xd[(half + j) / QBLOCK]), t1);
+        }
+        offsets = fmaf(half_to_float(meta[2 * g + 1]), xg[g], offsets);
+        offsets = fmaf(half_to_float(meta[2 * gh + 1]), xg[gh], offsets);
+    }
+    return hsum8(_mm256_add_ps(t0, t1)) + offsets;
+}
+#endif
+
+/* Whether the int8-activation dots serve this format and shape (else the float32 ones run). */
+static int q8_shape(const Format *f) {
+    if (!FMOE_AVX2) return 0;
+    int64_t h = f->hidden, G = f->group;
+    if (f->fmt == FMT_INT8) return G % (2 * QBLOCK) == 0 && h % G == 0;
+    if (f->fmt == FMT_INT4) return G % QBLOCK == 0 && (h / 2) % G == 0;
+    return 0;
+}
+
+/* One token's x̂: codes q̃ [H], block scales d [H/32], and (int4) the group sums X̂_g (the module docstring). */
+static void quantize_x(const float *x, const Format *f, int8_t *xq, float *xd, float *xg) {
+    int64_t h = f->hidden;
+    for (int64_t b = 0; b < h / QBLOCK; b++) {
+        const float *v = x + b * QBLOCK;
+        float amax = 0.0f;
+        for (int k = 0; k < QBLOCK; k++) amax = fmaxf(amax, fabsf(v[k]));
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int k = 0; k < QBLOCK; k++) {
+            int q = (int)nearbyintf(v[k] * id);
+            xq[b * QBLOCK + k] = (int8_t)q;
+            sum += q;
+        }
+        xd[b] = d;
+        if (xg) { /* X̂_g: the blocks' d_b·Σ q̃, in order */
+            int64_t g = b * QBLOCK / f->group;
+            xg[g] = (b * QBLOCK) % f->group == 0 ? d * (float)sum : fmaf(d, (float)sum, xg[g]);
+        }
+    }
+}
+
 /* ---- several tokens: ŵ once per row, then float32 dots ------------------------------------ */
 
 /* One projection row -> ŵ [H] float32, in the order row_dot's x is in (bf16 format: de-interleaved per 16). */
@@ -503,6 +593,44 @@ static float *workspace(int64_t floats) {
     return buffer;
 }
 
+/* The tokens as the dots read them: x in float32 (row_dot's layout), its group sums, and in the int8-activation
+   mode (q8) its codes q̃ and block scales d (then xg holds X̂_g). */
+typedef struct {
+    const float *xf, *xg, *xd;
+    const int8_t *xq;
+    int64_t tokens, groups;
+    int vector, q8;
+} Tokens;
+
+/* Fill `x` from x_in [T, H] in the calling thread's workspace, with `extra` floats after it (64-byte aligned)
+   for the caller; returns them, or NULL when memory runs out. */
+static float *prepare_tokens(Tokens *x, const void *x_in, int x_bf16, int64_t tokens, const Format *f, int q8,
+                             int64_t extra) {
+    int64_t h = f->hidden, groups = h / f->group > 0 ? h / f->group : 1;
+    x->tokens = tokens, x->groups = groups, x->vector = vector_shape(f), x->q8 = q8 && q8_shape(f);
+    int64_t q8_floats = x->q8 ? (tokens * h + 3) / 4 + tokens * (h / QBLOCK) : 0;
+    float *xf = workspace(tokens * h + tokens * groups + q8_floats + extra + 16);
+    if (!xf) return NULL;
+    float *xg = xf + tokens * h, *xd = xg + tokens * groups;
+    int8_t *xq = (int8_t *)(xd + (x->q8 ? tokens * (h / QBLOCK) : 0));
+    float *rest = xd + q8_floats;
+    prepare_x(x_in, x_bf16, tokens, f, x->vector, xf, xg);
+    if (x->q8)
+        for (int64_t t = 0; t < tokens; t++)
+            quantize_x(xf + t * h, f, xq + t * h, xd + t * (h / QBLOCK), f->fmt == FMT_INT4 ? xg + t * groups : NULL);
+    x->xf = xf, x->xg = xg, x->xd = xd, x->xq = xq;
+    return rest + (16 - ((uintptr_t)rest / sizeof(float)) % 16) % 16;
+}
+
+/* x_t·ŵ for one projection row: the float32 dot, or the int8-activation one. */
+static float token_dot(const uint8_t *row, const Format *f, const Tokens *x, int64_t t) {
+    int64_t h = f->hidden;
+#if FMOE_AVX2
+    if (x->q8) return row_dot_q8(row, f, x->xq + t * h, x->xd + t * (h / QBLOCK), x->xg + t * x->groups);
+#endif
+    return row_dot(row, f, x->xf + t * h, x->xg + t * x->groups, x->vector);
+}
+
 /* ---- threads: a pool that never makes the caller wait for a thread the OS has not run ---------
 
    The caller publishes a job of `total` chunks and computes chunks itself; helper threads, woken,
@@ -586,9 +714,9 @@ static void parallel_chunks(int64_t total, ChunkFn fn, void *job, int64_t thread
 typedef struct {
     const Format *f;
     const uint8_t *segment;
-    int64_t neurons, chunk, first, tokens, stride, row_bytes, groups;
-    int vector, x_bf16;
-    const float *xf, *xg;
+    int64_t neurons, chunk, first, stride, row_bytes;
+    int x_bf16;
+    const Tokens *x;
     float *part, *scratch;
 } Pass;
 
@@ -596,25 +724,22 @@ typedef struct {
 static void pass_chunk(void *job, int64_t k, int64_t worker) {
     const Pass *p = job;
     const Format *f = p->f;
-    int64_t tokens = p->tokens, hidden = f->hidden, proj_bytes = f->proj_bytes;
+    const Tokens *x = p->x;
+    int64_t tokens = x->tokens, hidden = f->hidden, proj_bytes = f->proj_bytes;
+    int decoded = tokens > 1 && !x->q8; /* ŵ of the gate and up rows once, then every token's float32 dots */
     float *at = p->scratch + worker * p->stride, *ut = at + (tokens + 15) / 16 * 16, *wt = ut + (tokens + 15) / 16 * 16;
     float *c = p->part + k * tokens * hidden;
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
     for (int64_t i = i0; i < (FMOE_PHASES & 1 ? i1 : i0); i++) {
         const uint8_t *row = p->segment + i * p->row_bytes;
-        if (tokens > 1) { /* ŵ of the gate and up rows once, then every token's dots */
-            decode_row(row, f, wt, p->vector);
-            dot_tokens(wt, p->xf, tokens, hidden, at, p->vector);
-            decode_row(row + proj_bytes, f, wt, p->vector);
-            dot_tokens(wt, p->xf, tokens, hidden, ut, p->vector);
+        if (decoded) {
+            decode_row(row, f, wt, x->vector);
+            dot_tokens(wt, x->xf, tokens, hidden, at, x->vector);
+            decode_row(row + proj_bytes, f, wt, x->vector);
+            dot_tokens(wt, x->xf, tokens, hidden, ut, x->vector);
         }
         for (int64_t t = 0; t < tokens; t++) {
-            float g, u;
-            if (tokens > 1) {
-                g = at[t], u = ut[t];
-            } else {
-                g = row_dot(row, f, p->xf, p->xg, p->vector), u = row_dot(row + proj_bytes, f, p->xf, p->xg, p->vector);
-            }
+            float g = decoded ? at[t] : token_dot(row, f, x, t), u = decoded ? ut[t] : token_dot(row + proj_bytes, f, x, t);
             if (p->x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
                 g = round_bf16(g), u = round_bf16(u);
                 at[t] = round_bf16(round_bf16(silu(g)) * u);
@@ -622,7 +747,7 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
                 at[t] = silu(g) * u;
             }
         }
-        if (FMOE_PHASES & 2) row_axpy(row + 2 * proj_bytes, f, at, tokens, c, i == i0, p->vector);
+        if (FMOE_PHASES & 2) row_axpy(row + 2 * proj_bytes, f, at, tokens, c, i == i0, x->vector);
     }
     if (!(FMOE_PHASES & 1) || !(FMOE_PHASES & 2)) memset(c, 0, sizeof(float) * tokens * hidden);
 }
@@ -630,15 +755,14 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
 /* acc [T, H] float32 (+)= the segment's partial output; out_bf16 (optional): acc rounded to bf16.
    The neurons go in chunks of `chunk` (C) from the segment's start: each chunk's partial sum c_k starts
    from zero and adds its neurons in order, then acc = ((acc + c_0) + c_1) + …, so a split at a multiple
-   of C, the second part continuing the first's acc, gives the whole's bits. A thread takes whole chunks
-   and streams each chunk's rows in memory order (gate, up, down of each neuron in turn).
+   of C, the second part continuing the first's acc, gives the whole's bits (with q8 too: x̂ depends on x
+   alone). A thread takes whole chunks and streams each chunk's rows in memory order (gate, up, down of
+   each neuron in turn). q8: the int8-activation dots for gate and up where they serve the format.
    Returns 0, or -1 when memory runs out. */
 int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64_t hidden, int64_t proj_bytes,
                          int64_t group, int64_t meta_group, int64_t chunk, const void *x, int x_bf16,
-                         int64_t tokens, float *acc, int accumulate, uint16_t *out_bf16, int threads) {
+                         int64_t tokens, float *acc, int accumulate, uint16_t *out_bf16, int threads, int q8) {
     Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
-    int vector = vector_shape(&f);
-    int64_t groups = hidden / f.group;
     if (chunk < 1) chunk = 1;
     int64_t chunks = (neurons + chunk - 1) / chunk;
     if (threads < 1 || neurons * hidden * tokens < (1 << 16)) threads = 1; /* small: threads cost more than they save */
@@ -649,16 +773,13 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
     if (batch < 1) batch = 1;
     /* each thread's a[t], u[t] (several tokens: and one decoded row ŵ) on cache lines of its own */
     int64_t stride = ((tokens + 15) / 16 * 16) * 2 + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
-    int64_t need = tokens * hidden + tokens * (groups > 0 ? groups : 1) + batch * tokens * hidden + width * stride + 16;
-    float *xf = workspace(need);
-    if (!xf) return -1;
-    float *xg = xf + tokens * hidden, *part = xg + tokens * (groups > 0 ? groups : 1);
+    Tokens xs;
+    float *part = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, batch * tokens * hidden + 16 + width * stride);
+    if (!part) return -1;
     float *scratch = part + batch * tokens * hidden;
     scratch += (16 - ((uintptr_t)scratch / sizeof(float)) % 16) % 16; /* 64-byte aligned */
     if (!accumulate) memset(acc, 0, sizeof(float) * tokens * hidden);
-    prepare_x(x, x_bf16, tokens, &f, vector, xf, xg);
-    Pass pass = {&f, segment, neurons, chunk, 0, tokens, stride, 3 * proj_bytes, groups, vector, x_bf16, xf, xg,
-                 part, scratch};
+    Pass pass = {&f, segment, neurons, chunk, 0, stride, 3 * proj_bytes, x_bf16, &xs, part, scratch};
     for (int64_t first = 0; first < chunks; first += batch) {
         int64_t count = first + batch > chunks ? chunks - first : batch;
         pass.first = first;
@@ -672,5 +793,55 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
     }
     if (out_bf16)
         for (int64_t j = 0; j < tokens * hidden; j++) out_bf16[j] = float_to_bf16(acc[j]);
+    return 0;
+}
+
+/* ---- one dense projection: y = x·ŵᵀ (models/dense.py) -------------------------------------- */
+
+/* Output rows handed out at a time: each output is one row's dot, so the chunking changes no bits. */
+#define LINEAR_ROWS 32
+
+typedef struct {
+    const Tokens *x;
+    const Format *f;
+    const uint8_t *rows; /* O rows, proj_bytes apart */
+    float *y, *scratch;
+    int64_t outputs, stride;
+} Linear;
+
+/* Output rows [32k, 32k + 32): y[t, o] = x_t·ŵ_o. */
+static void linear_chunk(void *job, int64_t k, int64_t worker) {
+    const Linear *p = job;
+    const Tokens *x = p->x;
+    int64_t h = p->f->hidden, tokens = x->tokens;
+    const Format *f = p->f;
+    int64_t o0 = k * LINEAR_ROWS, o1 = o0 + LINEAR_ROWS > p->outputs ? p->outputs : o0 + LINEAR_ROWS;
+    float *w = p->scratch + worker * p->stride, *dots = w + (h + 15) / 16 * 16;
+    for (int64_t o = o0; o < o1; o++) {
+        const uint8_t *row = p->rows + o * f->proj_bytes;
+        if (tokens == 1 || x->q8) {
+            for (int64_t t = 0; t < tokens; t++) p->y[t * p->outputs + o] = token_dot(row, f, x, t);
+            continue;
+        }
+        decode_row(row, f, w, x->vector); /* ŵ once, then every token's dot */
+        dot_tokens(w, x->xf, tokens, h, dots, x->vector);
+        for (int64_t t = 0; t < tokens; t++) p->y[t * p->outputs + o] = dots[t];
+    }
+}
+
+/* y [T, O] float32 = x [T, H] · ŵᵀ for O rows of one projection each (the expert rows' formats, proj_bytes
+   apart), x float32 or bf16; q8: the int8-activation dots where they serve the format. Returns 0, or -1
+   when memory runs out. */
+int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t hidden, int64_t proj_bytes,
+                        int64_t group, int64_t meta_group, const void *x, int x_bf16, int64_t tokens, float *y,
+                        int threads, int q8) {
+    Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
+    if (threads < 1 || outputs * hidden * tokens < (1 << 16)) threads = 1;
+    int64_t stride = tokens > 1 ? (hidden + 15) / 16 * 16 + (tokens + 15) / 16 * 16 : 0; /* ŵ and the dots */
+    Tokens xs;
+    float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride);
+    if (!scratch) return -1;
+    Linear job = {&xs, &f, rows, y, scratch, outputs, stride};
+    parallel_chunks((outputs + LINEAR_ROWS - 1) / LINEAR_ROWS, linear_chunk, &job, threads);
     return 0;
 }

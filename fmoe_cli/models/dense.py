@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fmoe_cli import kernels
 from fmoe_cli.offload.quant import QUANTIZE_ROWS, block_rows, dequantize, quantize
 from fmoe_cli.types import DENSE_FORMATS, DenseFormat, QuantFormat
 
@@ -51,6 +52,7 @@ class QuantLinear(nn.Module):
                 packed[start:start + QUANTIZE_ROWS] = quantize(rows[:, None, :], fmt)[:, 0]
         self.packed = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
+        self.kernel = kernels.quant_spec(fmt, self.in_features)  # the CPU kernels' view
 
     def dequantized(self, rows: slice = slice(None), dtype: torch.dtype | None = None, workspace=None) -> torch.Tensor:
         """ŵ[rows] [n, in] of the compute dtype (or `dtype`)."""
@@ -59,6 +61,15 @@ class QuantLinear(nn.Module):
         return dequantize(segment, self.format, self.in_features, dtype or self.dtype, ws, out)[:, 0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, self.in_features)
+        if self.kernel is not None and kernels.takes(tokens):  # the CPU kernels: ŵ never materialised
+            y = kernels.linear_forward(tokens, self.packed, self.kernel).to(x.dtype)
+            y = y if self.bias is None else y.add_(self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        return self.torch_forward(x)
+
+    def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """ŵ dequantised in blocks of output rows, then torch's matmuls (a GPU, a long prefill, no kernels)."""
         # a neuron row of the expert layout is three projections, a linear's row one: 3× the rows in the same bytes
         rows = 3 * block_rows(self.in_features, x.dtype)
         workspace = _workspace(x.device, x.dtype, min(rows, self.out_features) * self.in_features)

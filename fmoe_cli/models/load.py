@@ -37,6 +37,7 @@ from fmoe_cli.types import (
     check_dense_format,
     check_dtype,
     check_expert_format,
+    resolve_dense,
 )
 
 GiB = 1024**3
@@ -56,10 +57,10 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     non_expert_bytes: int  # U_n: everything of the model on the device but the routed experts (dense at stored size)
-    dense: str = DEFAULT_DENSE  # how the attention (and head) are stored: types.DENSE_FORMATS
+    dense: str = "bf16"  # how the attention (and head) are stored: types.DENSE_FORMATS (resolved: never auto)
 
 
-def precision_label(dtype: str, experts: str, dense: str = DEFAULT_DENSE) -> str:
+def precision_label(dtype: str, experts: str, dense: str = "bf16") -> str:
     """What the user sees of the numbers: 'float32', 'bfloat16, int4 experts' or 'float32, int4 experts, int8 dense'."""
     parts = [dtype] + ([f"{experts} experts"] if EXPERT_FORMATS[experts] is not None else []) \
         + ([f"{dense} dense"] if DENSE_FORMATS[dense] is not None else [])
@@ -144,6 +145,7 @@ def load_model(
     path, label = resolve_model(model_id, trust_remote_code)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
+    dense = resolve_dense(dense, dev.type, experts)
     check_config_file(path / "config.json")  # every field a plan needs, as written, before transformers reads it
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -237,7 +239,7 @@ def _finish_skeleton(model, model_id: str) -> None:
     model.initialize_weights()  # only what is not marked initialised: the buffers just built
 
 
-def skeleton_non_expert_bytes(model, layers: list[MoeLayer], dense: str = DEFAULT_DENSE) -> int:
+def skeleton_non_expert_bytes(model, layers: list[MoeLayer], dense: str = "bf16") -> int:
     """U_n from the (meta) model: every parameter and buffer but the routed experts, the `dense` targets at
     their stored size."""
     def nbytes(tensors):

@@ -44,7 +44,7 @@ from fmoe_cli.planning.configurator import LLAMA_CPP, Configuration, DeviceBudge
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of, trace_stats
 from fmoe_cli.planning.plan import check_plan_options, kv_cache_bytes, min_staging_slots, parse_budget, resolve_context
-from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS, EXPERT_FORMATS, EngineSettings, MiB, ExpertShape
+from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS, EXPERT_FORMATS, EngineSettings, MiB, ExpertShape, resolve_dense
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
 from fmoe_cli.profiling.files import HostProfile, model_identity
 from fmoe_cli.profiling.host import host_format, host_line, host_timings, saved_host_profile
@@ -109,6 +109,7 @@ def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXP
     check_expert_format(experts)
     shape = expert_shape(layers, torch_dtype, experts)
     unquantised = skeleton_non_expert_bytes(meta, layers)
+    dense = resolve_dense(dense, "cuda", experts)  # a plan is for a GPU: auto leaves the dense weights as stored
     quantize_dense(meta, dense)  # (meta: the stored shapes) every size below counts the dense weights as stored
     non_expert = skeleton_non_expert_bytes(meta, layers)
     decoders = decoder_layers(meta)
