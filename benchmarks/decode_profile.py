@@ -2,9 +2,9 @@
 """Where a CPU decode token's time goes (issue 21, "Done when": the gap to llama.cpp kernel by kernel).
 
 One `resident` run of MODEL (every expert in RAM, nothing moved: what the peer table measures),
-the same options as `fmoe bench`, then `--tokens` decode steps under torch.profiler (CPU).
-Each part of the model is labelled with `record_function` around its forward, so the profile
-sums each part's inclusive CPU time per token:
+the same options as `fmoe bench`, then `--tokens` decode steps. Each part of the model is
+timed around its forward (wall time, inclusive; the same spans are `record_function` labels
+for torch.profiler, whose top ops `--ops N` prints):
 
     attention      the decoder layers' self-attention (q/k/v/o projections, RoPE, SDPA, KV cache)
     moe            the decoder layers' MoE blocks (router, engine, experts, combine)
@@ -15,7 +15,7 @@ sums each part's inclusive CPU time per token:
 `other` is the step's wall time minus the labelled parts; `moe − experts` is the engine's own
 work per layer (routing, bookkeeping, the combine). Shares are of the median step. The bytes a
 part reads per token (weights) and its GB/s are shown beside its time, so a part far from the
-memory's speed stands out. Times are under the profiler (it adds a few µs per op).
+memory's speed stands out. With `--ops` the run is under torch.profiler (it adds a few µs per op).
 
     python benchmarks/decode_profile.py ~/.cache/fmoe-peer/models/a3b --dtype float32 --experts int4
     python benchmarks/decode_profile.py demo --experts int8 --tokens 16 --json
@@ -28,17 +28,23 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
+from contextlib import nullcontext
 
 PARTS = ("attention", "moe", "experts", "lm head")
+SPENT: Counter = Counter()  # seconds per label since the last decode step
 
 
 def labelled(forward, label: str):
-    """`forward` inside a record_function named `label` (the profiler sums it)."""
+    """`forward` timed into SPENT[label], inside a record_function named `label` (for torch.profiler)."""
     import torch
 
     def wrapped(*args, **kwargs):
+        start = time.perf_counter()
         with torch.profiler.record_function(label):
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+        SPENT[label] += time.perf_counter() - start
+        return out
 
     return wrapped
 
@@ -77,19 +83,17 @@ def profile_decode(args) -> dict:
         ids = encode_prompt(lm, prompt)
         for _ in stream_generate(lm.model, ids, engine=engine, max_new_tokens=args.warmup, stop_on_eos=False):
             pass
-        steps = []
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
+        steps, parts = [], []
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.ops else nullcontext()
+        with profiler:
+            SPENT.clear()
             for event in stream_generate(lm.model, ids, engine=engine, max_new_tokens=args.tokens + 1,
                                          stop_on_eos=False):
                 steps.append(event.latency_s)
-            total_s = time.perf_counter() - start
-        prefill_s, decode = steps[0], steps[1:]
-        # the profiler's sums cover prefill + decode: each part's decode share is taken per decode step
-        # after removing the prefill's share in proportion to its wall time (prefill is one step of T tokens)
-        totals = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key in PARTS}
-        decode_fraction = sum(decode) / total_s
-        per_token = {part: totals.get(part, 0.0) * decode_fraction / len(decode) for part in PARTS}
+                parts.append(dict(SPENT))
+                SPENT.clear()
+        prefill_s, decode = steps[0], steps[1:]  # the first step is the prefill (and its token)
+        per_token = {part: statistics.mean(p.get(part, 0.0) for p in parts[1:]) for part in PARTS}
         step = statistics.median(decode)
         per_token["other"] = max(0.0, statistics.mean(decode) - per_token["attention"] - per_token["moe"]
                                  - per_token["lm head"])
@@ -103,7 +107,9 @@ def profile_decode(args) -> dict:
                                                     "max": max(decode) * 1e3},
                 "prefill_ms": prefill_s * 1e3, "prompt_tokens": int(ids.shape[-1]),
                 "per_token_ms": {k: v * 1e3 for k, v in per_token.items()},
-                "bytes_per_token": read}
+                "bytes_per_token": read,
+                "top_ops": None if not args.ops else profiler.key_averages().table(sort_by="self_cpu_time_total",
+                                                                                    row_limit=args.ops)}
 
 
 def render(report: dict) -> str:
@@ -122,6 +128,9 @@ def render(report: dict) -> str:
         lines.append(f"| {name} | {ms:.2f} | {ms / mean:.0%} | {'' if nbytes is None else f'{nbytes / 1e6:.1f}'} | {rate} |")
     moe, experts = report["per_token_ms"]["moe"], report["per_token_ms"]["experts"]
     lines.append(f"| moe − experts (router, engine, combine) | {moe - experts:.2f} | {(moe - experts) / mean:.0%} | | |")
+    if report["top_ops"]:
+        lines += ["", f"torch.profiler, the whole run (prefill and {report['tokens']} decode steps), by self CPU time:",
+                  report["top_ops"]]
     return "\n".join(lines)
 
 
@@ -135,6 +144,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--prompt-file", default=None)
+    parser.add_argument("--ops", type=int, default=0, metavar="N", help="also torch.profiler's top N ops")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     report = profile_decode(args)

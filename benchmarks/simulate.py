@@ -536,7 +536,7 @@ def paper(args, console: Console) -> None:
                   f"latency + missing bytes_i / bandwidth) + T_head", highlight=False)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     v = sub.add_parser("validate")
@@ -570,11 +570,16 @@ def main() -> None:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--limit", type=int, default=0, help="at most this many tokens of each Mixtral sequence (0: all)")
     q.add_argument("--json", action="store_true")
-    args = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.what == "validate":
         args.policies = [x.strip() for x in args.policies.split(",")]
     console = Console(width=150)
-    console.print("command: python benchmarks/simulate.py " + " ".join(sys.argv[1:]), highlight=False)
+    console.print("command: python benchmarks/simulate.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  highlight=False)
     {"validate": validate, "mixtral": mixtral, "paper": paper}[args.what](args, console)
 
 

@@ -286,10 +286,14 @@ def serve(
                        dtype=dtype, experts=experts, dense=dense, activations=activations, device=device,
                        trust_remote_code=trust_remote_code,
                        profile=profile, context=context, host_threads=host_threads)
-    _quiet_libraries()
-    from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the options read
-
-    run_serve(opts, options, err_console)
+    sock = options.bind()  # a port in use is one line too, before anything slow is imported
+    try:
+        _quiet_libraries()
+        from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the options read
+    except BaseException:
+        sock.close()
+        raise
+    run_serve(opts, options, sock, err_console)
 
 
 @app.command()

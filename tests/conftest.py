@@ -1,5 +1,10 @@
 """Fixtures: tiny random checkpoints of every supported family, saved with
-`save_pretrained` in the real on-disk layout (never downloaded)."""
+`save_pretrained` in the real on-disk layout (never downloaded).
+
+`python -m pytest` runs the suite on two worker processes (pytest-xdist, in the `test` extra; see
+`pytest_cmdline_main` below). Each process, the workers and the controller, gets its own config and
+cache directories, so no test sees another's profiles, statistics or converted stores; the compiled
+CPU kernels are shared by all of them (one compile per run, under build.py's file lock)."""
 
 from __future__ import annotations
 
@@ -9,17 +14,52 @@ import shutil
 import tempfile
 
 import pytest
-import torch
+
+# CI's machine (and this project's) has 2 cores; the tiny models run one torch thread each (below).
+WORKERS = 2
+
+
+def _fresh_directory(variable: str, prefix: str, *, shared: bool = False) -> None:
+    """Point `variable` at a new temporary directory, removed when the process that made it ends.
+    shared: a worker keeps the one its controller made (it inherits the environment)."""
+    if shared and os.environ.get(variable, "").startswith(os.path.join(tempfile.gettempdir(), prefix)):
+        return
+    os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, os.environ[variable], ignore_errors=True)
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # fmoe keeps profiles and routing statistics in the user's config directory: tests get a fresh one.
-os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="fmoe-test-config-")
+_fresh_directory("XDG_CONFIG_HOME", "fmoe-test-config-")
 # … and converted (quantised) stores in its cache directory.
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fmoe-test-cache-")
-for _directory in (os.environ["XDG_CONFIG_HOME"], os.environ["XDG_CACHE_HOME"]):  # removed when the run ends
-    atexit.register(shutil.rmtree, _directory, ignore_errors=True)
+_fresh_directory("XDG_CACHE_HOME", "fmoe-test-cache-")
+# The C kernels (fmoe_cli/kernels) compile once per run, not once per worker.
+_fresh_directory("FMOE_KERNEL_CACHE", "fmoe-test-kernels-", shared=True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(1)  # tiny models: threads only add noise and contention
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Without -n: WORKERS worker processes (`--dist worksteal`: each takes half the tests in their order,
+    one that runs out takes over the end of the other's). Stays in one process with -n 0, -p no:xdist,
+    --pdb, pytest-xdist not installed, or when only single tests (`file::test`) are named."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return  # no xdist, or a worker itself
+    option = config.option
+    single_tests = bool(option.file_or_dir) and all("::" in arg for arg in option.file_or_dir)
+    if option.numprocesses is None and not option.tx and not option.usepdb and not single_tests:
+        option.numprocesses = WORKERS
+        if option.dist == "no":
+            option.dist = "worksteal"
+
+
+def pytest_configure(config):
+    """In a process that runs tests (not xdist's controller, which only hands them out and imports no torch)."""
+    controller = config.pluginmanager.hasplugin("xdist") and config.option.dist != "no"
+    if not controller:
+        import torch
+
+        torch.set_num_threads(1)  # tiny models: threads only add noise and contention (and 2 workers share 2 cores)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """Bad files end with one `error:` line naming the file and the real cause, exit code 2, memory
-bounded (issue 22 §2). Each runs the command in a child process under a memory limit and a
-timeout: an unbounded read is an out-of-memory failure or a timeout here, not a hung suite."""
+bounded (issue 22 §2). A file that could be read without bound (/dev/zero) is given to the command
+in a child process under a memory limit and a timeout: an unbounded read is an out-of-memory
+failure or a timeout here, not a hung suite. The small bad files (a tiny checkpoint, a short trace)
+are given to the command in-process, as tests/test_cli_errors.py does."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from fmoe_cli.cli import app
 
 MEMORY_LIMIT = 3 << 30  # bytes of address space: torch alone maps ~1.5 GiB; a whole /dev/zero needs more
 
@@ -24,9 +29,16 @@ def fmoe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           preexec_fn=limit)
 
 
+def fmoe_here(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
+    """The command run in this process (a small input: nothing to bound)."""
+    result = CliRunner().invoke(app, list(args), input=input)
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
 def one_error(result: subprocess.CompletedProcess) -> str:
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    assert not result.stdout.startswith("error:")  # stdout (the results, when there are any) is apart
     return lines[0]
 
 
@@ -50,13 +62,13 @@ def test_plan_trace_dev_zero_names_the_real_cause():
 
 def test_a_header_then_short_records_names_the_record_and_what_is_missing(tmp_path):
     path = write_lines(tmp_path / "short.jsonl", [HEADER, {"seq": 0}])
-    line = one_error(fmoe("replay", path))
+    line = one_error(fmoe_here("replay", path))
     assert f"{path}:2: bad trace line: missing fields 'token', 'layer', 'experts', 'probs'" in line, line
 
 
 def test_a_record_cut_short_at_the_end_of_the_file_says_so(tmp_path):
     path = write_lines(tmp_path / "cut.jsonl", [HEADER, '{"seq": 0, "token": 0, "layer": 0, "experts": [1'], end="")
-    line = one_error(fmoe("replay", path))
+    line = one_error(fmoe_here("replay", path))
     assert f"{path}:2: bad trace line: not valid JSON" in line and "cut short" in line, line
 
 
@@ -103,7 +115,8 @@ def halve_first_dim(header: dict, suffix: str) -> str:
 def test_a_tensor_shape_that_disagrees_with_the_config(checkpoints, tmp_path, suffix):
     path = copy_checkpoint(checkpoints["mixtral"], tmp_path / "model")
     rewrite_header(path / "model.safetensors", lambda h: halve_first_dim(h, suffix))
-    line = one_error(fmoe("bench", str(path), "--policy", "lru", "--tokens", "1", "--warmup", "0", "--device", "cpu"))
+    line = one_error(fmoe_here("bench", str(path), "--policy", "lru", "--tokens", "1", "--warmup", "0",
+                               "--device", "cpu"))
     assert "model.safetensors" in line and suffix in line and "has shape [32, 128]" in line, line
     assert "config.json makes it [64, 64]" in line, line
 
@@ -116,7 +129,8 @@ def test_a_float8_checkpoint_is_refused(checkpoints, tmp_path):
     tensors = load_file(str(path / "model.safetensors"))
     save_file({k: v.to(torch.float8_e4m3fn) for k, v in tensors.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    line = one_error(fmoe("bench", str(path), "--policy", "lru", "--tokens", "1", "--warmup", "0", "--device", "cpu"))
+    line = one_error(fmoe_here("bench", str(path), "--policy", "lru", "--tokens", "1", "--warmup", "0",
+                               "--device", "cpu"))
     assert "is stored as F8_E4M3" in line and "loads F32, F16, BF16, F64 weights only" in line, line
 
 
@@ -139,7 +153,7 @@ def test_config_fields_are_checked_as_written(checkpoints, tmp_path, command, fi
         config[field] = value
     (path / "config.json").write_text(json.dumps(config))
     extra = ("--vram", "1GiB") if command == "plan" else ("--device", "cpu")
-    line = one_error(fmoe(command, str(path), *extra))
+    line = one_error(fmoe_here(command, str(path), *extra))
     assert f"{path}/config.json" in line and fragment in line, line
 
 
@@ -149,8 +163,8 @@ def test_config_fields_are_checked_as_written(checkpoints, tmp_path, command, fi
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a disk that is always full)")
 @pytest.mark.parametrize("as_json", [False, True])
 def test_bench_trace_out_on_a_full_disk_prints_the_results_first(checkpoints, as_json):
-    result = fmoe("bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "2", "--warmup", "0",
-                  "--device", "cpu", "--trace-out", "/dev/full", "--force", *(("--json",) if as_json else ()))
+    result = fmoe_here("bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "2", "--warmup", "0",
+                       "--device", "cpu", "--trace-out", "/dev/full", "--force", *(("--json",) if as_json else ()))
     line = one_error(result)
     assert "cannot write trace /dev/full: No space left on device (the results above are complete)" in line, line
     if as_json:
@@ -177,23 +191,22 @@ def test_trace_writer_on_a_full_disk_keeps_the_reason_and_never_raises():
 def test_a_deleted_tokenizer_is_named(checkpoints, tmp_path):
     path = copy_checkpoint(checkpoints["mixtral"], tmp_path / "model")
     (path / "tokenizer.json").unlink()
-    line = one_error(fmoe("bench", str(path), "--policy", "lru", "--tokens", "1", "--warmup", "0", "--device", "cpu"))
+    line = one_error(fmoe_here("bench", str(path), "--policy", "lru", "--tokens", "1", "--warmup", "0",
+                               "--device", "cpu"))
     assert "has no tokenizer: none of tokenizer.json" in line and str(path) in line, line
 
 
 def test_a_prompt_file_longer_than_the_context_says_so(checkpoints, tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("word " * 5000)  # ~1 token a word: 10 × the tiny model's 512
-    line = one_error(fmoe("bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "1", "--warmup", "0",
-                          "--device", "cpu", "--prompt-file", str(prompt)))
+    line = one_error(fmoe_here("bench", str(checkpoints["mixtral"]), "--policy", "lru", "--tokens", "1",
+                               "--warmup", "0", "--device", "cpu", "--prompt-file", str(prompt)))
     assert "the prompt is longer than the context (" in line and " tokens > 512)" in line, line
 
 
 def test_a_huge_system_prompt_is_refused_once_at_the_start(checkpoints):
-    code = "import sys; from fmoe_cli.cli import main; sys.argv = ['fmoe', *sys.argv[1:]]; main()"
-    result = subprocess.run([sys.executable, "-c", code, "chat", str(checkpoints["mixtral"]), "--device", "cpu",
-                             "--system", "word " * 1000], input="hello\nhello again\n/exit\n", capture_output=True,
-                            text=True, timeout=120)
+    result = fmoe_here("chat", str(checkpoints["mixtral"]), "--device", "cpu", "--system", "word " * 1000,
+                       input="hello\nhello again\n/exit\n")
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1, result.stdout + result.stderr  # once, not per message
     assert "the system prompt alone is" in errors[0] and "context of 512 tokens" in errors[0], errors

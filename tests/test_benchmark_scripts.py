@@ -20,22 +20,29 @@ def test_routing_report_says_it_needs_the_bible_program():
     assert "Traceback" not in result.stderr
 
 
-def test_simulate_paper_prints_the_issue_s_json_shape():
-    """`benchmarks/simulate.py paper --json`: {"mixtral-int2": {"96": {policy: {"tpot_ms", "ttft_ms"}}, "160": …},
-    "qwen1.5-moe-bf16": {"240": …, "480": …}} (a short run: 24 tokens of each Mixtral sequence, 2 × 24 synthetic)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+def benchmark(name: str):
+    """A script of benchmarks/ imported as a module (its main() and helpers called in-process)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "simulate.py"), "paper", "--json", "--limit", "24",
-                          "--sequences", "2", "--tokens", "24", "--prompt", "8"],
-                         capture_output=True, text=True, cwd=root, timeout=900)
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout.strip().splitlines()[-1])
+
+def test_simulate_paper_prints_the_issue_s_json_shape(capsys):
+    """`benchmarks/simulate.py paper --json`: {"mixtral-int2": {"96": {policy: {"tpot_ms", "ttft_ms"}}, "160": …},
+    "qwen1.5-moe-bf16": {"240": …, "480": …}}: the default budgets, then a short run in-process at one budget of
+    each (12 tokens of each Mixtral sequence, 2 × 12 synthetic; each budget costs the configurator ~10 s)."""
+    import json
+
+    simulate = benchmark("simulate")
+    defaults = simulate.parser().parse_args(["paper"])
+    assert defaults.mixtral_budgets == [96, 160] and defaults.qwen_budgets == [240, 480]
+    simulate.main(["paper", "--json", "--limit", "12", "--sequences", "2", "--tokens", "12", "--prompt", "4",
+                   "--mixtral-budgets", "160", "--qwen-budgets", "480"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(report) == {"mixtral-int2", "qwen1.5-moe-bf16"}
-    assert set(report["mixtral-int2"]) == {"96", "160"} and set(report["qwen1.5-moe-bf16"]) == {"240", "480"}
+    assert set(report["mixtral-int2"]) == {"160"} and set(report["qwen1.5-moe-bf16"]) == {"480"}
     for model in report.values():
         for budget in model.values():
             assert {"moepic", "lru", "lfu", "prefetch-only"} <= set(budget)
@@ -46,11 +53,7 @@ def test_simulate_paper_prints_the_issue_s_json_shape():
 
 
 def test_synthetic_routing_has_the_shape_it_was_fitted_to():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import simulate
+    simulate = benchmark("simulate")
 
     target = {"top_share": 0.183, "overlap": 0.397, "experts": 8, "top_k": 2}
     zipf, stick = simulate.fit_synthetic(target, 60, 4)

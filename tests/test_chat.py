@@ -316,8 +316,9 @@ def test_idle_hook_runs_between_turns_never_during_an_answer(checkpoints, monkey
     out, _ = talk(c, ["one", "two", "three"])
     assert events == ["answer starts", "answer ends", "idle", "answer starts", "answer ends", "idle",
                       "answer starts", "answer ends", "idle"]
-    assert [line for line in out.splitlines() if "re-planning failed" in line] == [
-        "re-planning failed: RuntimeError: stats file unwritable"]
+    flat = " ".join(out.split())  # (the console wraps at 80 columns)
+    assert flat.count("re-planning") == 1, out
+    assert "re-planning failed (RuntimeError: stats file unwritable); the chat goes on with the plan it had" in flat
 
 
 def test_non_utf8_input_is_refused_in_one_line(checkpoints):
@@ -367,7 +368,8 @@ def test_save_never_overwrites_without_save_bang(checkpoints, tmp_path):
     mine.write_text("the user's own file\n")
     session, out, _ = chat(checkpoints["mixtral"], ["hello", f"/save {mine}"])
     assert mine.read_text() == "the user's own file\n"
-    assert f"error: {mine} exists: nothing saved; `/save! {mine}` replaces it" in " ".join(out.split())
+    unwrapped = "".join(out.split())  # the 80-column console breaks a long path anywhere
+    assert "".join(f"error: {mine} exists: nothing saved; `/save! {mine}` replaces it".split()) in unwrapped
     session, out, _ = chat(checkpoints["mixtral"], ["hello", f"/save! {mine}"])
     assert json.loads(mine.read_text())["messages"][0]["content"] == "hello"
 
@@ -399,7 +401,7 @@ def test_a_replan_that_runs_out_of_device_memory_says_so_and_the_chat_goes_on(ch
     session = c.session
     out, _ = talk(c, ["one", "two", "three"])
     flat = " ".join(out.split())  # (the console wraps at 80 columns)
-    assert flat.count("re-planning failed: FmoeError: out of device memory") == 1, out
-    assert "loading every expert on demand" in flat
+    assert flat.count("re-planning: out of device memory for the plan") == 1, out  # what it does instead:
+    assert "loading every expert on demand" in flat and "FmoeError" not in flat and "failed" not in flat
     assert session.turns == 3 and sum(1 for m in session.messages if m["role"] == "assistant") == 3
     assert all(lp.cache_size == 0 for lp in session.engine.settings.plan.layers)

@@ -631,12 +631,14 @@ def test_fmoe_serve_command_key_from_env_sigterm_saves_statistics(tmp_path):
     import subprocess
     import sys
 
-    busy = ServeOptions(port=0).bind()  # a port in use: one line, before the model loads
+    busy = ServeOptions(port=0).bind()  # a port in use: one line, before torch is imported (let alone the model)
     used = busy.getsockname()[1]
-    result = subprocess.run([sys.executable, "-m", "fmoe_cli.cli", "serve", "demo", "--port", str(used)],
-                            capture_output=True, text=True, timeout=WAIT_S)
+    probe = ("import sys\nfrom fmoe_cli.cli import main\nsys.argv = ['fmoe', 'serve', 'demo', '--port', sys.argv[1]]\n"
+             "try:\n    main()\nexcept SystemExit as exc:\n    print('torch' in sys.modules, exc.code)\n")
+    result = subprocess.run([sys.executable, "-c", probe, str(used)], capture_output=True, text=True, timeout=WAIT_S)
     busy.close()
-    assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{used}" in result.stderr, result.stderr
+    assert result.stderr.strip() == f"error: cannot listen on 127.0.0.1:{used}: Address already in use", result.stderr
+    assert result.stdout.split() == ["False", "2"], result.stdout
 
     env = dict(os.environ, FMOE_API_KEY="from-env", XDG_CONFIG_HOME=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "fmoe_cli.cli", "serve", "demo", "--port", "0", "--device", "cpu",

@@ -308,11 +308,14 @@ class IdleWork:
         self._thread.start()
 
     def wait(self) -> str | None:
-        """Join the idle work; a one-line message if it failed."""
+        """Join the idle work; a one-line message if it failed, saying what the next answers run on."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         error, self._error = self._error, None
         if error is None:
             return None
-        return f"re-planning failed: {error.__class__.__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        first = str(error).splitlines()[0] if str(error) else ""
+        if isinstance(error, FmoeError):  # the engine's own line: the plan it built instead (Engine.configure)
+            return f"re-planning: {first}"
+        return f"re-planning failed ({error.__class__.__name__}: {first}); the chat goes on with the plan it had"

@@ -148,6 +148,14 @@ class QuantStore(HostStore):
             result = part if result is None else result.add_(part)
         return result
 
+    def torch_top(self, x: torch.Tensor, segment: torch.Tensor, act, lane: int) -> torch.Tensor:
+        """A split expert's top: its whole partial output (the blocks' loop has no one-op share to begin)."""
+        return self.torch_forward(x, segment, act)
+
+    def torch_bottom(self, x: torch.Tensor, segment: torch.Tensor, act, top: torch.Tensor) -> torch.Tensor:
+        """top + bottom, in that order."""
+        return top + self.torch_forward(x, segment, act)
+
     def _workspaces(self, device: torch.device, dtype: torch.dtype, elements: int):
         """The float32 workspace and the compute dtype's (None for float32), grown to `elements` if needed."""
         ws = self._workspace

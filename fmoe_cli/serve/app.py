@@ -10,6 +10,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -373,10 +374,9 @@ def serve_in(service: Service, sock, *, log_level: str = "info") -> _Server:
     return _Server(config, service)
 
 
-def run_serve(run: RunOptions, options: ServeOptions, err_console: Console) -> None:
-    """`fmoe serve`: bind, load and plan as chat does, serve until Ctrl-C or SIGTERM, save the statistics."""
-    options.check()
-    sock = options.bind()  # a port in use is one line, before the model loads
+def run_serve(run: RunOptions, options: ServeOptions, sock: socket.socket, err_console: Console) -> None:
+    """`fmoe serve` on `sock` (bound by the command, so that a port in use is said before anything slow): load and
+    plan as chat does, serve until Ctrl-C or SIGTERM, save the statistics. The socket is closed on the way out."""
     try:
         chat = open_chat(ChatOptions(run), err_console)
     except BaseException:
