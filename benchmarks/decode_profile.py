@@ -74,7 +74,8 @@ def profile_decode(args) -> dict:
     from fmoe_cli.run import open_run
 
     dense = {} if args.dense is None else {"dense": args.dense}  # left out: fmoe's default
-    opts = run_options(args.model, ["resident"], dtype=args.dtype, experts=args.experts, device="cpu", **dense)
+    opts = run_options(args.model, ["resident"], dtype=args.dtype, experts=args.experts, device="cpu",
+                       activations=args.activations, **dense)
     with open_run(opts) as run:
         lm, engine = run.lm, run.engine
         label_model(lm.model)
@@ -101,7 +102,7 @@ def profile_decode(args) -> dict:
         expert_bytes = lm.shape.expert_bytes * lm.shape.top_k * lm.shape.num_layers  # K routed experts per MoE layer
         read = {"attention": attention_bytes, "experts": expert_bytes, "lm head": weight_bytes(lm.model.lm_head)}
         return {"model": args.model, "dtype": str(lm.dtype).removeprefix("torch."), "experts": args.experts,
-                "dense": lm.dense, "threads": torch.get_num_threads(),
+                "dense": lm.dense, "activations": lm.activations, "threads": torch.get_num_threads(),
                 "tokens": len(decode), "tpot_ms": {"median": step * 1e3, "min": min(decode) * 1e3,
                                                     "max": max(decode) * 1e3},
                 "prefill_ms": prefill_s * 1e3, "prompt_tokens": int(ids.shape[-1]),
@@ -113,7 +114,8 @@ def profile_decode(args) -> dict:
 
 def render(report: dict) -> str:
     t = report["tpot_ms"]
-    lines = [f"{report['model']}: --dtype {report['dtype']} --experts {report['experts']} --dense {report['dense']}, "
+    lines = [f"{report['model']}: --dtype {report['dtype']} --experts {report['experts']} --dense {report['dense']} "
+             f"--activations {report['activations']}, "
              f"{report['threads']} threads, {report['tokens']} decode tokens after a {report['prompt_tokens']}-token "
              f"prompt; TPOT median {t['median']:.2f} ms [{t['min']:.2f}, {t['max']:.2f}]", "",
              "| part | ms / token | share | weight MB / token | GB/s |", "|---|---:|---:|---:|---:|"]
@@ -138,6 +140,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--experts", default="bf16")
     parser.add_argument("--dense", default=None, help="as fmoe's --dense (default: fmoe's)")
+    parser.add_argument("--activations", default="float", help="as fmoe's --activations (float or int8)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--prompt-file", default=None)

@@ -39,8 +39,9 @@ smaller segment_forward and the add: compute that a whole expert does not do.)
 how busy the machine is): one decode step of tiny random checkpoints shaped like
 Mixtral (8 experts, top-2), Qwen3-30B-A3B (128 experts, top-8) and DeepSeek-V3 (shared
 expert, a dense first layer), under `resident`, `ondemand` and `uniform` (θ = 0.5, every
-expert's top cached: split), on an instant link: ops per segment forward, per MoE layer
-besides its segments, and per activated expert.
+expert's top cached: split), on an instant link, with the device path's code (run it with
+FMOE_KERNELS=torch; the store's grouping on): ops per whole segment forward, per split
+expert, per MoE layer besides its segments, of the predictor, and per activated expert.
 """
 
 from __future__ import annotations
@@ -186,7 +187,9 @@ OPS_SHAPES = {  # family, overrides of models/demo.py's tiny config
 
 
 def count_ops(console: Console, as_json: bool) -> None:
-    """Aten ops per decode step (fmoe_cli/profiling/ops.py) for the OPS_SHAPES under three plans."""
+    """Aten ops per decode step (fmoe_cli/profiling/ops.py) for the OPS_SHAPES under three plans: the 11th decode
+    step after a 48-token prompt (every expert routed before: each buffer's views are made once, before); the
+    device path's code (with FMOE_KERNELS=torch: torch's segment forwards; the store's grouping on)."""
     import tempfile
     from pathlib import Path
 
@@ -194,41 +197,50 @@ def count_ops(console: Console, as_json: bool) -> None:
     from fmoe_cli.profiling.ops import count_decode_ops
 
     rows = []
+    prompt = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as root:
         for name, (family, overrides) in OPS_SHAPES.items():
             path = build_random_moe(Path(root) / name, family=family, seed=1, **overrides)
             lm = load_model(str(path), device="cpu", dtype="float32", console=console)
+            lm.store.grouping = True  # the device path's grouping (off by default on the CPU, where the loop is faster)
             shape = lm.shape
             for policy in ("resident", "ondemand", "uniform"):
                 engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
                 engine.install(lm.model)
                 budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes
                 engine.configure(make_settings(policy, shape, budget, theta=0.5 if policy == "uniform" else None))
-                steps = stream_generate(lm.model, torch.tensor([[5, 17, 42, 99, 7, 3]]), engine=engine,
-                                        max_new_tokens=4, stop_on_eos=False)
-                next(steps), next(steps)
+                steps = stream_generate(lm.model, prompt, engine=engine, max_new_tokens=12, stop_on_eos=False)
+                for _ in range(11):
+                    next(steps)
                 ops = count_decode_ops(lambda: next(steps))
                 engine.close()
                 activated = ops["layers"] * shape.top_k
-                layer_ops = ops["ops_per_layer_besides_segments"] * ops["layers"]
+                experts_forward = (ops["segments"] * ops["ops_per_segment"]
+                                   + ops["split_experts"] * ops["ops_per_split_expert"]
+                                   + (ops["ops_per_layer_besides_segments"] + ops["predictor_ops_per_layer"])
+                                   * ops["layers"])
                 rows.append({"shape": name, "policy": policy, "top_k": shape.top_k,
                              "segments_per_layer": ops["segments"] / ops["layers"],
+                             "split_per_layer": ops["split_experts"] / ops["layers"],
                              "ops_per_segment": ops["ops_per_segment"],
+                             "ops_per_split_expert": ops["ops_per_split_expert"],
                              "ops_per_layer_besides_segments": ops["ops_per_layer_besides_segments"],
-                             "ops_per_activated_expert": (ops["segments"] * ops["ops_per_segment"] + layer_ops)
-                             / activated})
+                             "predictor_ops_per_layer": ops["predictor_ops_per_layer"],
+                             "ops_per_activated_expert": experts_forward / activated})
     if as_json:
         print(json.dumps(rows))
         return
     table = Table(title="aten ops per decode step (TorchDispatchMode; no timing)")
-    for column in ("shape", "policy", "K", "segments / layer", "ops / segment", "ops / layer besides segments",
-                   "ops / activated expert (all)"):
+    columns = ("shape", "policy", "K", "whole / layer", "split / layer", "ops / whole segment", "ops / split expert",
+               "ops / layer besides", "predictor ops / layer", "ops / activated expert (all)")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("shape", "policy") else "right")
     for r in rows:
         table.add_row(r["shape"], r["policy"], str(r["top_k"]), f"{r['segments_per_layer']:.1f}",
-                      f"{r['ops_per_segment']:.1f}", f"{r['ops_per_layer_besides_segments']:.1f}",
+                      f"{r['split_per_layer']:.1f}", f"{r['ops_per_segment']:.1f}", f"{r['ops_per_split_expert']:.1f}",
+                      f"{r['ops_per_layer_besides_segments']:.1f}", f"{r['predictor_ops_per_layer']:.1f}",
                       f"{r['ops_per_activated_expert']:.1f}")
-    Console().print(table)
+    Console(width=200).print(table)
 
 
 ALTERNATIVE_SHAPES = {  # name: (experts N, neurons I, hidden H); K = 8 activated
@@ -239,12 +251,14 @@ ALTERNATIVE_SHAPES = {  # name: (experts N, neurons I, hidden H); K = 8 activate
 
 
 def time_alternatives(repeats: int) -> None:
-    """Two ways to dispatch fewer ops, each timed against what the engine does (interleaved rounds, median
-    [min–max] µs per call, one thread) and its bits compared:
-    - gate and up in one batched matmul over the [2, H, n] view of the neuron-major rows, written into a
-      buffer whose gate and up halves are views made once (4 ops a segment instead of 5);
-    - a layer's K = 8 experts from one buffer in torch's `_grouped_mm` (offsets give the activated
-      experts their token, the others none: 5 ops for the K experts instead of 5·K)."""
+    """torch's ways to dispatch fewer ops, each timed against another (interleaved rounds, median [min–max] µs
+    per call, one thread) and its bits compared:
+    - a whole segment: gate and up from one matmul over the [2, H, n] view of the neuron-major rows and the
+      split into both (the engine's, 4 kernels) against two linears (before, 5 kernels); 5 ops each;
+    - a split expert (θ = 0.5): the engine's 6 ops (layout.top_forward, bottom_forward) against two whole
+      segment forwards and the add (11 ops, before);
+    - a layer's K = 8 experts from one buffer: one segment_forward each (5·K ops) against torch's grouped matmul
+      (layout.grouped_forward: 9 ops for the K experts)."""
     import torch.nn.functional as F
 
     from fmoe_cli.offload import layout
@@ -254,7 +268,7 @@ def time_alternatives(repeats: int) -> None:
     console.print("command: python benchmarks/host_work.py " + " ".join(sys.argv[1:]), highlight=False)
     table = Table(title=f"host µs per call, median \\[min–max] of {repeats} interleaved rounds (float32, 1 thread, "
                         "decode: one token)")
-    for column in ("shape", "what", "as the engine does it", "with fewer ops", "same bits"):
+    for column in ("shape", "what", "A", "B", "same bits"):
         table.add_column(column, justify="left" if column in ("shape", "what") else "right")
     g = torch.Generator().manual_seed(0)
     act = F.silu
@@ -263,45 +277,49 @@ def time_alternatives(repeats: int) -> None:
         x = torch.randn(1, hidden, generator=g)
         active = list(range(0, n_experts, n_experts // 8))[:8]
         rows = [layout.split_rows(layer[e]) for e in active]
-        gate_up = [layer[e][:, :2].permute(1, 2, 0) for e in active]  # [2, H, I] views
-        buffer = torch.empty(2, 1, neurons)
-        gate, up = buffer.unbind(0)
+        linears = [layer[e].unbind(1) for e in active]  # (gate, up, down) [n, H] each
 
         def two_linears():
+            return [(act(F.linear(x, gate)) * F.linear(x, up)) @ down for gate, up, down in linears]
+
+        def one_matmul():
             return [layout.segment_forward(x, r, act) for r in rows]
 
-        def one_batched_matmul():
-            out = []
-            for w, r in zip(gate_up, rows):
-                torch.matmul(x, w, out=buffer)
-                out.append(torch.mul(act(gate), up) @ r[2])
-            return out
+        k = neurons // 2
+        tops = [layout.split_rows(layer[e][:k]) for e in active]
+        bottoms = [layout.split_rows(layer[e][k:]) for e in active]
+        workspace = layout.SplitWorkspace.make(1, k, neurons, x.dtype, x.device)
 
-        offsets = torch.zeros(n_experts, dtype=torch.int32)
-        offsets[active] = 1
-        offsets = torch.cumsum(offsets, 0, dtype=torch.int32)
-        xs = x.expand(len(active), hidden).contiguous()  # one row per activated expert
-        views = [layer[:, :, j].transpose(1, 2) for j in range(2)]  # gate, up: [N, H, I]
-        down = layer[:, :, 2]  # [N, I, H]
+        def split_before():
+            return [layout.segment_forward(x, t, act) + layout.segment_forward(x, b, act)
+                    for t, b in zip(tops, bottoms)]
 
-        def grouped():
-            h = act(torch._grouped_mm(xs, views[0], offs=offsets)) * torch._grouped_mm(xs, views[1], offs=offsets)
-            return list(torch._grouped_mm(h, down, offs=offsets).unbind(0))
+        def split_now():
+            return [layout.bottom_forward(x, b, act, layout.top_forward(x, t, workspace)) for t, b in zip(tops, bottoms)]
 
-        for what, mine, other in (("a segment: gate and up", two_linears, one_batched_matmul),
-                                  ("K = 8 experts of one buffer", two_linears, grouped)):
-            same = all(torch.equal(a, b.view_as(a)) for a, b in zip(mine(), other()))
-            times: dict[str, list[float]] = {"mine": [], "other": []}
+        stacked = [layout.stack_rows(layer)[e] for e in active]  # the slots of one buffer [N, I, 3, H]
+
+        def grouped():  # the engine's grouped form (store.grouping)
+            return layout.grouped_forward(x, stacked, act)
+
+        for what, a, b in (("a whole segment: A two linears, B one matmul for gate and up", two_linears, one_matmul),
+                           ("a split expert: A 11 ops (before), B 6 ops", split_before, split_now),
+                           ("K = 8 experts of one buffer: A a loop, B grouped (layout.grouped_forward)", one_matmul, grouped)):
+            same = all(torch.equal(p, q.view_as(p)) for p, q in zip(a(), b()))
+            if not same:
+                same = max((p - q.view_as(p)).abs().max().item() for p, q in zip(a(), b()))
+            times: dict[str, list[float]] = {"A": [], "B": []}
             for r in range(repeats):
-                for key, fn in (("mine", mine), ("other", other)) if r % 2 == 0 else (("other", other), ("mine", mine)):
+                for key, fn in (("A", a), ("B", b)) if r % 2 == 0 else (("B", b), ("A", a)):
                     reps = 20
                     start = time.perf_counter()
                     for _ in range(reps):
                         fn()
-                    times[key].append((time.perf_counter() - start) / reps * 1e6 / (len(active) if
-                                                                                      "segment" in what else 1))
-            table.add_row(name, what + (" (µs per segment)" if "segment" in what else " (µs per layer)"),
-                          spread(times["mine"], "{:.1f}"), spread(times["other"], "{:.1f}"), "yes" if same else "NO")
+                    times[key].append((time.perf_counter() - start) / reps * 1e6 /
+                                      (1 if what.startswith("K") else len(active)))
+            unit = " (µs per layer)" if what.startswith("K") else " (µs per expert)"
+            table.add_row(name, what + unit, spread(times["A"], "{:.1f}"), spread(times["B"], "{:.1f}"),
+                          "yes" if same is True else f"no (max |Δ| {same:.1e})")
     console.print(table)
 
 

@@ -14,7 +14,8 @@ segment's stored bytes (what the call must read from RAM: the calls rotate throu
 copies of the expert, beyond the last-level cache), median [min–max] of interleaved rounds.
 Threads: torch.get_num_threads() unless --threads.
 
-With --tolerance N: the engine's logits with int8 / int4 experts (float32 and bf16 compute) against
+With --tolerance N: the engine's logits with int8 / int4 experts (float32 and bf16 compute; float and int8
+activations, --activations) against
 the reference — transformers' model with its experts replaced by the dequantised weights — over N
 tokens of the shipped demo's held-out text (needs Debian's bible-kjv-text, as benchmarks/routing_report.py):
 max abs logit error and top-1 agreement (docs/quantization.md § Exactness contract).
@@ -131,7 +132,8 @@ def make_dense_cases(name: str, outputs: int, inputs: int, pool_mb: float, token
 
 
 @torch.no_grad()
-def tolerance(console, tokens: int, seq_len: int = 256) -> None:
+def tolerance(console, tokens: int, seq_len: int = 32) -> None:
+    """seq_len: tokens a forward (32 = kernels.MAX_TOKENS: every expert computes in the kernels)."""
     import transformers
 
     from fmoe_cli.models.demo import SHIPPED
@@ -148,26 +150,27 @@ def tolerance(console, tokens: int, seq_len: int = 256) -> None:
     text, label = held_out_text(SHIPPED)
     ids = transformers.AutoTokenizer.from_pretrained(SHIPPED)(text, add_special_tokens=False,
                                                              return_tensors="pt")["input_ids"][0][:tokens]
-    for dtype in ("float32", "bfloat16"):
-        for fmt in ("int8", "int4"):
-            lm = load_model("demo", device="cpu", dtype=dtype, experts=fmt)
-            reference = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=getattr(torch, dtype)).eval()
-            for layer in find_moe_layers(reference):
-                w = lm.store.dequantized(layer.index)
-                layer.experts.gate_up_proj.data.copy_(torch.cat([w[:, :, GATE], w[:, :, UP]], dim=1))
-                layer.experts.down_proj.data.copy_(w[:, :, DOWN].transpose(1, 2))
-            engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
-            engine.install(lm.model)
-            engine.configure(make_settings("resident", lm.shape, 0))
-            error, agree = 0.0, 0
-            for start in range(0, len(ids), seq_len):
-                chunk = ids[start:start + seq_len][None]
-                got, want = lm.model(chunk).logits.float(), reference(chunk).logits.float()
-                error = max(error, (got - want).abs().max().item())
-                agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
-            engine.close()
-            console.print(f"{dtype} compute, {fmt} experts, {len(ids)} tokens of {label}: max abs logit error "
-                          f"{error:.3g}, top-1 agreement {100 * agree / len(ids):.2f} %", highlight=False)
+    for dtype, fmt, activations in [(d, f, a) for a in ("float", "int8") for d in ("float32", "bfloat16")
+                                    for f in ("int8", "int4")]:
+        lm = load_model("demo", device="cpu", dtype=dtype, experts=fmt, dense="bf16", activations=activations)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=getattr(torch, dtype)).eval()
+        for layer in find_moe_layers(reference):
+            w = lm.store.dequantized(layer.index)
+            layer.experts.gate_up_proj.data.copy_(torch.cat([w[:, :, GATE], w[:, :, UP]], dim=1))
+            layer.experts.down_proj.data.copy_(w[:, :, DOWN].transpose(1, 2))
+        engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
+        engine.install(lm.model)
+        engine.configure(make_settings("resident", lm.shape, 0))
+        error, agree = 0.0, 0
+        for start in range(0, len(ids), seq_len):
+            chunk = ids[start:start + seq_len][None]
+            got, want = lm.model(chunk).logits.float(), reference(chunk).logits.float()
+            error = max(error, (got - want).abs().max().item())
+            agree += (got.argmax(-1) == want.argmax(-1)).sum().item()
+        engine.close()
+        console.print(f"{dtype} compute, {fmt} experts, {activations} activations, {len(ids)} tokens of {label}: "
+                      f"max abs logit error "
+                      f"{error:.3g}, top-1 agreement {100 * agree / len(ids):.2f} %", highlight=False)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from fmoe_cli.options import RunOptions
 from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_plan_options
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
-from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS
+from fmoe_cli.types import DEFAULT_ACTIVATIONS, DEFAULT_DENSE, DEFAULT_EXPERTS
 
 try:  # typer ≥ 0.20 carries its own copy of click
     from typer._click.exceptions import ClickException
@@ -130,6 +130,11 @@ DenseOpt = Annotated[str, typer.Option(
                     "beside int2 experts). The embedding stays as stored. Default (auto): int8 on the CPU beside "
                     "int8/int4 experts, else bf16.")]
 
+ActivationsOpt = Annotated[str, typer.Option(
+    "--activations", help="What the CPU kernels multiply int8/int4 weights with: float (the tokens in --dtype: the "
+                          "dequantised weights' result) or int8 (quantised per block of 32 and integer dot products, "
+                          "as llama.cpp's Q8_0: faster, within a stated tolerance).")]
+
 
 HostThreadsOpt = Annotated[int, typer.Option(
     "--host-threads", metavar="N", help="CPU threads of the host lane, where a plan computes misses and bottoms "
@@ -171,6 +176,7 @@ def bench(
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
     dense: DenseOpt = DEFAULT_DENSE,
+    activations: ActivationsOpt = DEFAULT_ACTIVATIONS,
     device: DeviceOpt = "auto",
     context: ContextOpt = None,
     host_threads: HostThreadsOpt = 1,
@@ -180,7 +186,8 @@ def bench(
     """Measure TTFT/TPOT, hit rate and link traffic of the offloading engine, policy by policy."""
     opts = run_options(model, parse_policies(policy, compare), vram_budget=vram_budget, predictor=predictor,
                        lcp_omega=lcp_omega, lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
-                       overwrite_trace=force, dtype=dtype, experts=experts, dense=dense, device=device,
+                       overwrite_trace=force, dtype=dtype, experts=experts, dense=dense, activations=activations,
+                       device=device,
                        trust_remote_code=trust_remote_code, shape_link=True, context=context,
                        host_threads=host_threads,
                        if_fits=("resident",) if policy is None and compare is None else ())
@@ -216,6 +223,7 @@ def chat(
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
     dense: DenseOpt = DEFAULT_DENSE,
+    activations: ActivationsOpt = DEFAULT_ACTIVATIONS,
     predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
@@ -229,7 +237,8 @@ def chat(
     """Chat with a MoE model. Enter sends, Esc+Enter adds a line, Ctrl-C stops an answer, Ctrl-D quits."""
     opts = ChatOptions(run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
                                    lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out,
-                                   overwrite_trace=force, dtype=dtype, experts=experts, dense=dense, device=device,
+                                   overwrite_trace=force, dtype=dtype, experts=experts, dense=dense, activations=activations,
+                       device=device,
                                    trust_remote_code=trust_remote_code, profile=profile, context=context,
                                    host_threads=host_threads),
                        system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
@@ -258,6 +267,7 @@ def serve(
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
     dense: DenseOpt = DEFAULT_DENSE,
+    activations: ActivationsOpt = DEFAULT_ACTIVATIONS,
     predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
@@ -273,7 +283,8 @@ def serve(
     options.check()  # before anything slow
     opts = run_options(model, [policy], vram_budget=vram_budget, predictor=predictor, lcp_omega=lcp_omega,
                        lcp_rho=lcp_rho, emulate_link=emulate_link, trace_out=trace_out, overwrite_trace=force,
-                       dtype=dtype, experts=experts, dense=dense, device=device, trust_remote_code=trust_remote_code,
+                       dtype=dtype, experts=experts, dense=dense, activations=activations, device=device,
+                       trust_remote_code=trust_remote_code,
                        profile=profile, context=context, host_threads=host_threads)
     sock = options.bind()  # a port in use is one line too, before anything slow is imported
     try:
@@ -347,6 +358,7 @@ def profile(
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
     dense: DenseOpt = DEFAULT_DENSE,
+    activations: ActivationsOpt = DEFAULT_ACTIVATIONS,
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
     as_json: JsonOpt = False,
@@ -354,7 +366,8 @@ def profile(
     """Measure the host→device link and memory (and per-layer times with --model); save a profile."""
     # The model's layers are timed on the engine of a run without a cache, link emulation or statistics.
     opts = None if model is None else run_options(
-        model, ["ondemand"], vram_budget=None, dtype=dtype, experts=experts, dense=dense, device=device,
+        model, ["ondemand"], vram_budget=None, dtype=dtype, experts=experts, dense=dense, activations=activations,
+        device=device,
         trust_remote_code=trust_remote_code, record_statistics=False)
     check_profile_options(out=out, emulate_link=emulate_link, prefill_len=prefill_len, device=device)
     _quiet_libraries()

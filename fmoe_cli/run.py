@@ -271,7 +271,8 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
     started = time.perf_counter()
     with ExitStack() as stack:
         lm = load_model(opts.model, device=opts.device, dtype=opts.dtype, trust_remote_code=opts.trust_remote_code,
-                        console=console, experts=opts.experts, before_read=check_plans, dense=opts.dense)
+                        console=console, experts=opts.experts, before_read=check_plans, dense=opts.dense,
+                        activations=opts.activations)
         stack.callback(lm.store.close)  # unregisters page-locked host memory (CUDA)
         shape = lm.shape
         budget, fixed = plans["budget"], plans["fixed"]

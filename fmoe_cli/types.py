@@ -112,6 +112,18 @@ def resolve_dense(dense: str, device_type: str, experts: str) -> str:
     return "int8" if device_type == "cpu" and experts in INT8_DENSE_BESIDE else "bf16"
 
 
+# --activations: what the CPU kernels' int8/int4 rows are multiplied with. "float": x in the compute dtype (the
+# dequantised weights' result to float rounding: the exactness contract); "int8": x quantised per block of 32
+# (llama.cpp's Q8_0) and integer dot products, within a stated tolerance (docs/quantization.md).
+ACTIVATIONS = ("float", "int8")
+DEFAULT_ACTIVATIONS = "float"
+
+
+def check_activations(activations: str) -> None:
+    if activations not in ACTIVATIONS:
+        raise FmoeError(f"unknown activations {activations!r} (--activations); use {' or '.join(ACTIVATIONS)}")
+
+
 # --dtype: the names fmoe accepts, each to torch's name (auto: chosen per device, models/load.py)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}

@@ -43,6 +43,8 @@ def existing(tmp_path):
     (("chat", "demo", "--dense", "fp4"), "unknown dense format 'fp4'"),
     (("serve", "demo", "--dense", "fp4"), "unknown dense format 'fp4'"),
     (("plan", "demo", "--dense", "fp4"), "unknown dense format 'fp4'"),
+    (("bench", "demo", "--activations", "int4"), "unknown activations 'int4'"),
+    (("chat", "demo", "--activations", "fp8"), "unknown activations 'fp8'"),
     (("bench", "demo", "--device", "tpu"), "unknown device 'tpu'"),
     (("bench", "demo", "--trace-out", "EXISTING"), "exists; give another name, or pass --force"),
     (("chat", "demo", "--temperature", "nan"), "--temperature"),

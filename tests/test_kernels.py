@@ -20,9 +20,10 @@ FORMATS = ["f32", "bf16", "int8", "int4", "int2"]
 needs_kernels = pytest.mark.skipif(kernels.library() is None, reason="no C compiler: the torch path only")
 
 
-def expert(name: str, hidden: int, intermediate: int, seed: int = 0, chunk: int = 1, dtype=None):
+def expert(name: str, hidden: int, intermediate: int, seed: int = 0, chunk: int = 1, dtype=None,
+           activations: str = "float"):
     """(stored rows, the weights they stand for [n, 3, H] float32, Spec, compute dtype); dtype: the compute
-    dtype of quantised rows (default float32)."""
+    dtype of quantised rows (default float32); activations: --activations of quantised rows."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(intermediate, 3, hidden, generator=g) * 0.05
     fmt = EXPERT_FORMATS.get(name)
@@ -31,7 +32,7 @@ def expert(name: str, hidden: int, intermediate: int, seed: int = 0, chunk: int 
         stored = w.to(dtype)
         return stored, stored.float(), kernels.spec_of("bf16", dtype, hidden, chunk), dtype
     stored = quant.quantize(w, fmt)
-    spec = kernels.spec_of(name, None, hidden, chunk)
+    spec = kernels.spec_of(name, None, hidden, chunk, activations)
     return stored, quant.dequantize(stored, fmt, hidden, torch.float32), spec, dtype or torch.float32
 
 
@@ -46,7 +47,7 @@ WITH_DTYPES = [("f32", None), ("bf16", None), *[(q, d) for q in ("int8", "int4",
 def test_the_kernel_computes_what_torch_computes(name, dtype, hidden, intermediate, tokens):
     """float32: the dequantised weights' result to rounding. bf16 activations: torch's bf16 ops on the
     weights rounded to bf16 (the kernels keep ŵ in float32: a bf16 rounding apart)."""
-    stored, w, spec, dtype = expert(name, hidden, intermediate, dtype=dtype)
+    stored, w, spec, dtype = expert(name, hidden, intermediate, dtype=dtype, chunk=16)  # 40: chunks 16, 16, 8
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
     got = kernels.segment_forward(x, stored, spec)
     assert got.dtype == dtype and got.shape == (tokens, hidden)
@@ -90,12 +91,44 @@ def test_a_dense_projection_through_the_kernel_is_torchs_on_the_dequantised_weig
         torch.set_num_threads(threads)
 
 
+def quantised_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x̂ of --activations int8 (experts.c quantize_x): per block of 32, d = max|x| / 127, x̂ = round(x / d)·d."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse) * d).reshape(x.shape)
+
+
 @needs_kernels
-@pytest.mark.parametrize("name, dtype", WITH_DTYPES)
-def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype):
-    """At every multiple of the chunk, and with 1 or 2 threads: what makes every policy's tokens the resident run's."""
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("hidden", [2048, 128])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_int8_activations_compute_the_quantised_tokens_result(name, hidden, tokens):
+    """--activations int8: gate and up (and a dense row) multiply x̂, the tokens quantised per block of 32, with
+    integer dot products; the down projection is float32. So the result is x̂'s through the dequantised
+    weights, to float rounding; and it is not x's (the quantisation really happens)."""
+    stored, w, spec, _ = expert(name, hidden, 48, activations="int8")
+    assert spec.int8_activations
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(4))
+    got = kernels.segment_forward(x, stored, spec)
+    x_hat = quantised_tokens(x)
+    a = F.silu(x_hat @ w[:, 0].T) * (x_hat @ w[:, 1].T)
+    want = a @ w[:, 2]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert (got - layout.segment_forward(x, w, F.silu)).abs().max() > 1e-4 * want.abs().max()
+    rows = stored[:, 0].contiguous()  # the gate rows as a dense linear's
+    y = kernels.linear_forward(x, rows, spec)
+    torch.testing.assert_close(y, x_hat @ w[:, 0].T, rtol=1e-5, atol=1e-5 * y.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("name, dtype, activations", [(n, d, "float") for n, d in WITH_DTYPES]
+                         + [(n, d, "int8") for n in ("int8", "int4") for d in (torch.float32, torch.bfloat16)])
+def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype, activations):
+    """At every multiple of the chunk, and with 1 or 2 threads: what makes every policy's tokens the resident run's.
+    With --activations int8 too: x̂ depends on x alone, so top and bottom quantise it alike."""
     hidden, intermediate, chunk = 128, 96, 16
-    stored, _, spec, dtype = expert(name, hidden, intermediate, chunk=chunk, dtype=dtype)
+    stored, _, spec, dtype = expert(name, hidden, intermediate, chunk=chunk, dtype=dtype, activations=activations)
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
     whole = kernels.segment_forward(x, stored, spec)
     for k in range(chunk, intermediate, chunk):
@@ -103,7 +136,7 @@ def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype):
         assert top.dtype == torch.float32
         split = kernels.segment_forward(x, stored[k:], spec, acc=top)
         assert torch.equal(split, whole), f"split at {k}"
-    stored, _, spec, dtype = expert(name, 2048, 256, chunk=64, dtype=dtype)  # big enough for threads
+    stored, _, spec, dtype = expert(name, 2048, 256, chunk=64, dtype=dtype, activations=activations)  # threads
     x = torch.randn(2, 2048).to(dtype)
     threads = torch.get_num_threads()
     try:
@@ -116,18 +149,20 @@ def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("experts, dtype", [("bf16", "float32"), ("bf16", "bfloat16"), ("int4", "float32"),
-                                            ("int8", "bfloat16")])
-def test_every_policy_gives_the_resident_logits_bit_for_bit(checkpoints, experts, dtype):
+@pytest.mark.parametrize("experts, dtype, activations", [("bf16", "float32", "float"), ("bf16", "bfloat16", "float"),
+                                                         ("int4", "float32", "float"), ("int8", "bfloat16", "float"),
+                                                         ("int4", "float32", "int8"), ("int8", "bfloat16", "int8")])
+def test_every_policy_gives_the_resident_logits_bit_for_bit(checkpoints, experts, dtype, activations):
     """The engine on the CPU: a split policy's top hits (top + bottom) and misses (loaded whole) give the
-    resident run's logits exactly, not only to rounding."""
+    resident run's logits exactly, not only to rounding (with --activations int8: that mode's resident run)."""
     from fmoe_cli.generate import stream_generate
     from fmoe_cli.models.load import load_model
     from fmoe_cli.offload.engine import Engine
     from fmoe_cli.offload.link import EmulatedLink, VirtualClock
     from fmoe_cli.planning.presets import make_settings
 
-    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype=dtype, experts=experts)
+    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype=dtype, experts=experts, activations=activations)
+    assert lm.store.kernel.int8_activations == (activations == "int8")
     engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20, clock=VirtualClock(), copy=True),
                     lm.device, lm.dtype)
     engine.install(lm.model)
@@ -269,3 +304,36 @@ def test_the_benchmark_runs():
     assert result.returncode == 0, result.stderr
     for name in FORMATS:
         assert f"│ {name} " in result.stdout
+
+
+@needs_kernels
+@pytest.mark.parametrize("experts, max_logit_error, min_top1", [("int8", 1.0, 0.99), ("int4", 1.0, 0.99)])
+def test_int8_activations_stay_within_the_published_tolerance(experts, max_logit_error, min_top1):
+    """docs/quantization.md § --activations int8: the demo model on a KJV passage (tests/test_dense.py's), int8/int4
+    experts and the default int8 dense, against the same load with float activations (which is transformers' model
+    on the dequantised weights to float rounding: tests/test_quant.py, tests/test_dense.py): the largest logit
+    error and the top-1 agreement."""
+    import transformers
+
+    from fmoe_cli.models.demo import SHIPPED
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.link import EmulatedLink
+    from fmoe_cli.planning.presets import make_settings
+    from test_dense import KJV
+
+    ids = transformers.AutoTokenizer.from_pretrained(SHIPPED)(KJV, return_tensors="pt")["input_ids"]
+    logits = {}
+    for activations in ("float", "int8"):
+        lm = load_model("demo", device="cpu", dtype="float32", experts=experts, activations=activations)
+        engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
+        engine.install(lm.model)
+        engine.configure(make_settings("resident", lm.shape, 0))
+        with torch.no_grad():  # chunks of 32 tokens: every expert and dense linear of a chunk through the kernels
+            logits[activations] = torch.cat([lm.model(ids[:, start:start + kernels.MAX_TOKENS]).logits[0]
+                                             for start in range(0, ids.shape[1], kernels.MAX_TOKENS)])
+        engine.close()
+    want, got = logits["float"], logits["int8"]
+    error = (got - want).abs().max().item()
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert 0 < error <= max_logit_error and top1 >= min_top1, (error, top1)

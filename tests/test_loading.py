@@ -201,7 +201,7 @@ def test_auto_dtype_is_float16_on_a_card_without_native_bfloat16(capability, wan
     assert asked == [device, device]
     assert pick_dtype("bfloat16", device) is torch.bfloat16 and pick_dtype(None, torch.device("cpu")) is torch.float32
     lm = SimpleNamespace(label="m", model_id="m", device=device, dtype=want, shape=SimpleNamespace(experts="bf16"),
-                         dense="bf16")
+                         dense="bf16", activations="float")
     session = SimpleNamespace(lm=lm, settings=SimpleNamespace(plan=SimpleNamespace(summary=lambda: "p")), context_limit=None)
     device_line = header_lines(session, "link: x", 2**20, None)[1]
     name = str(want).removeprefix("torch.")

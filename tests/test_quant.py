@@ -187,6 +187,10 @@ def test_bench_and_chat_run_with_int4_experts(checkpoints):
     result, text = run("chat", path, "--experts", "int8", "--temperature", "0", input="hello\n/exit\n")
     assert result.exit_code == 0, text
     assert "int8 experts, int8 dense" in text
+    result, text = run("bench", path, "--experts", "int4", "--activations", "int8", "--tokens", "2", "--warmup", "0",
+                       "--policy", "resident")
+    assert result.exit_code == 0, text
+    assert "int4 experts, int8 dense, int8 activations" in text and "activations int8" in " ".join(text.split())
     result, text = run("bench", path, "--experts", "fp4", "--tokens", "2")
     assert result.exit_code == 2 and text.startswith("error:") and "fp4" in text
 

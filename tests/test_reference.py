@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from fmoe_cli.cli import app
@@ -21,6 +22,17 @@ def test_consumer_card_is_its_reference_profile():
     assert 11 < CONSUMER_CARD.load_over_compute < 12  # 360 GB/s ÷ 31.5 GB/s
     # one expert of 10 MB computed in 1 ms loads in ~11.4 ms: 10 MB / 11.4 ms
     assert CONSUMER_CARD.link_gbps(10_000_000, 1e-3) == 10_000_000 / (CONSUMER_CARD.load_over_compute * 1e-3) / 1e9
+
+
+def test_a_shaped_link_is_never_slower_than_an_emulated_link_may_be():
+    """A tiny expert timed on a busy machine (T_exp large) gave a derived link below the minimum, and
+    `fmoe bench` on the CPU stopped with '--emulate-link … is slower than any host→device link'."""
+    from fmoe_cli.offload import MIN_EMULATED_GBPS, check_bandwidth
+
+    assert CONSUMER_CARD.link_gbps(1 << 30, 1e-3) == pytest.approx((1 << 30) / (CONSUMER_CARD.load_over_compute * 1e-3) / 1e9)
+    slow = CONSUMER_CARD.link_gbps(4096, 0.05)  # 4 KiB expert, 50 ms: 0.0000036 GB/s unclamped
+    assert slow == MIN_EMULATED_GBPS
+    check_bandwidth(slow)  # accepted
 
 
 def test_bench_defaults_to_a_shaped_link_and_shows_resident(checkpoints, tmp_path, monkeypatch):

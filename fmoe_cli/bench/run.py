@@ -36,6 +36,7 @@ from fmoe_cli.generate import DEFAULT_PROMPT, SamplingParams, encode_messages, s
 from fmoe_cli.models.load import LoadedModel, precision_label
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
 from fmoe_cli.run import RunOptions, context_length, open_run
+from fmoe_cli.types import DEFAULT_ACTIVATIONS
 
 MiB = 1024**2
 
@@ -165,6 +166,7 @@ def bench_report(lm: LoadedModel, link, budget_bytes: int, runs: list[RunResult]
         "dtype": str(lm.dtype).removeprefix("torch."),
         "experts": lm.shape.experts,
         "dense": lm.dense,
+        "activations": lm.activations,
         # host RAM of the expert store, and the weights on the device beside it (dense at their stored size)
         "weights": {"experts_bytes": lm.shape.all_experts_bytes, "non_expert_bytes": lm.non_expert_bytes},
         "link": {"kind": link.kind, "gbps": link.gbps, "label": link.label()},
@@ -207,13 +209,14 @@ def bench_table(report: dict) -> Table:
 def render(report: dict, console: Console) -> None:
     """Header lines (model, device, link — 'emulated' when it is), the table, the legend, the token check."""
     peak = "peak RSS of the process (CPU)" if report["device"] == "cpu" else "peak device memory"
+    weights, activations = report["weights"], report.get("activations", DEFAULT_ACTIVATIONS)
+    precision = precision_label(report["dtype"], report["experts"], report["dense"], activations)
     console.print(f"[bold]{report['label']}[/bold]", highlight=False)
-    console.print(f"device {report['device']} ({precision_label(report['dtype'], report['experts'], report['dense'])}) · "
-                  f"{report['link']['label']}", highlight=False)
-    weights = report["weights"]
+    console.print(f"device {report['device']} ({precision}) · {report['link']['label']}", highlight=False)
     console.print(f"formats: experts {report['experts']} ({weights['experts_bytes'] / MiB:.1f} MiB in host RAM) · "
                   f"dense {report['dense']} (non-expert weights {weights['non_expert_bytes'] / MiB:.1f} MiB on the "
-                  f"device)", highlight=False)
+                  f"device)" + (f" · activations {activations}" if activations != DEFAULT_ACTIVATIONS else ""),
+                  highlight=False)
     console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
                   f"predictor {report.get('predictor', 'speculative')}", highlight=False)
     if report.get("host_profile"):

@@ -195,7 +195,7 @@ def header_lines(session: ChatSession, link_label: str, budget_bytes: int, profi
     if lm.model_id == "demo" and "tiny" not in label.lower():
         label = f"tiny demo model: {label}"
     dtype = str(lm.dtype).removeprefix("torch.")
-    precision = precision_label(dtype, lm.shape.experts, lm.dense)
+    precision = precision_label(dtype, lm.shape.experts, lm.dense, lm.activations)
     if lm.device.type == "cuda" and dtype == "float16" and not native_bf16(lm.device):
         precision += ": this card has no native bfloat16"
     lines = [

@@ -12,6 +12,12 @@ as the whole when the second part continues the first one's accumulator (`acc`):
 bottom equals its whole expert, and every policy gives the resident run's tokens. Nothing depends on
 the thread count.
 
+`linear_forward` computes one dense projection y = x·ŵᵀ from a `--dense int8|int4` linear's rows (a row is one
+projection of the experts' layout: models/dense.py). With `--activations int8` (Spec.int8_activations) the int8
+and int4 rows' dot products over x use x quantised per block of 32 and integer arithmetic (experts.c § phase 1
+with int8 activations: faster, within the tolerance docs/quantization.md states); the split stays exact, since
+x̂ depends on x alone.
+
 The device path (torch on a GPU) and the CPU path call the stores' segment_forward, which comes here on
 the CPU (x on the CPU, float32 or bf16, a SiLU-gated expert) and otherwise computes with torch. The
 kernels compile on first use (kernels/build.py, a few seconds); without a C compiler, or with
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from fmoe_cli.errors import warn
-from fmoe_cli.types import EXPERT_FORMATS, QuantFormat
+from fmoe_cli.types import DEFAULT_ACTIVATIONS, EXPERT_FORMATS, QuantFormat
 
 FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, "int8": 2, "int4": 3, "int2": 4}  # experts.c's enum
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # what x may be (experts.c: float32 or bf16 activations)
@@ -51,21 +57,22 @@ class Spec:
     int8_activations: bool = False  # --activations int8: x quantised per block of 32, integer dots (int8, int4)
 
 
-def spec_of(experts: str, dtype: torch.dtype, hidden: int, chunk: int = 1) -> Spec | None:
+def spec_of(experts: str, dtype: torch.dtype, hidden: int, chunk: int = 1,
+            activations: str = DEFAULT_ACTIVATIONS) -> Spec | None:
     """The Spec for rows of `dtype` (unquantised) or of the quantised format `experts`; None: not served here.
     chunk: the granularity of the splits the segments will see (ExpertShape.neuron_block)."""
     fmt = EXPERT_FORMATS.get(experts)
     if fmt is None:
         code = FORMAT_CODES.get(dtype)
         return None if code is None else Spec(code, hidden, hidden * dtype.itemsize, chunk=chunk)
-    return quant_spec(fmt, hidden, chunk)
+    return quant_spec(fmt, hidden, chunk, activations)
 
 
-def quant_spec(fmt: QuantFormat, hidden: int, chunk: int = 1) -> Spec:
-    """The Spec for rows of H = `hidden` weights quantised in `fmt`."""
+def quant_spec(fmt: QuantFormat, hidden: int, chunk: int = 1, activations: str = DEFAULT_ACTIVATIONS) -> Spec:
+    """The Spec for rows of H = `hidden` weights quantised in `fmt` (--activations: types.ACTIVATIONS)."""
     groups = hidden // fmt.group_size(hidden)
     return Spec(FORMAT_CODES[f"int{fmt.bits}"], hidden, fmt.projection_bytes(hidden), fmt.group_size(hidden),
-                fmt.meta_group_size(groups) if fmt.meta_group else 0, chunk)
+                fmt.meta_group_size(groups) if fmt.meta_group else 0, chunk, activations == "int8")
 
 
 @functools.cache

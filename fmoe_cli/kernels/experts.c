@@ -249,7 +249,7 @@ static float row_dot(const uint8_t *row, const Format *f, const float *x, const 
 
 /* ---- phase 1 with int8 activations (x̂): integer dot products per block of 32 ---------------------
 
-   The "int8 activations" mode (fmoe_cli/kernels: Spec.activations): each token's x is quantised once per
+   The "int8 activations" mode (--activations int8, Spec.int8_activations): each token's x is quantised once per
    block b of QBLOCK = 32 weights, as llama.cpp's Q8_0:  d_b = max_b |x| / 127,  q̃_j = round(x_j / d_b),
    x̂_j = q̃_j·d_b. Then for a group g of G weights (a multiple of 32)
 
@@ -257,52 +257,70 @@ static float row_dot(const uint8_t *row, const Format *f, const float *x, const 
      int4:  x̂·ŵ = Σ_g (s_g Σ_{b∈g} d_b Σ_{j∈b} q_j q̃_j + m_g X̂_g),  X̂_g = Σ_{b∈g} d_b Σ_{j∈b} q̃_j
 
    each inner Σ an exact integer (AVX2 maddubs: unsigned × signed bytes into int16 pairs, at most
-   2·127·127 < 2¹⁵; int8's signed codes go through |q|, sign(q̃, q)). Only gate and up (and a dense
+   2·127·127 < 2¹⁵; int8's signed codes go through |q̃|, sign(q, q̃)). Only gate and up (and a dense
    linear's rows) are dots over x; the down projection stays float32 (its scales vary along the sum). */
 #define QBLOCK 32
 
 #if FMOE_AVX2
-static float row_dot_q8(const uint8_t *row, const Format *f, const int8_t *xq, const float *xd, const float *xg) {
+/* x̂·ŵ_r for R ≤ 4 rows at once (a neuron's gate and up rows; a dense linear's output rows), sharing each load of
+   the token: xq its codes q̃, xa their magnitudes |q̃| (int8's signed codes: Σ q q̃ = Σ |q̃|·sign(q, q̃), one
+   unsigned × signed maddubs), xd the block scales d_b, xg X̂_g (int4). Per row: for each group, Σ_b d_b·(Σ_b q q̃)
+   in float32 from zero, then times s_g into the row's total: every row's operations are its own, in the same
+   order whatever R is. R is a constant at each call (inlined): int8 up to 4 rows, int4 up to 2 (registers). */
+static inline __attribute__((always_inline)) void rows_dot_q8(const uint8_t *const *rows, int R, const Format *f,
+                                                               const int8_t *xq, const uint8_t *xa, const float *xd,
+                                                               const float *xg, float *out) {
     int64_t h = f->hidden, G = f->group;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+    __m256 total[4], lo[4], hi[4];
+    for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();
     if (f->fmt == FMT_INT8) {
-        const uint16_t *meta = (const uint16_t *)(row + h);
         for (int64_t g = 0; g < h / G; g++) {
-            float s = half_to_float(meta[g]);
-            for (int64_t j = g * G; j < (g + 1) * G; j += 2 * QBLOCK) {
-                __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + j));
-                __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + j + QBLOCK));
-                __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + j));
-                __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + j + QBLOCK));
-                __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones);
-                __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones);
-                t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(s * xd[j / QBLOCK]), t0);
-                t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s * xd[j / QBLOCK + 1]), t1);
+            for (int r = 0; r < R; r++) lo[r] = _mm256_setzero_ps();
+            for (int64_t j = g * G; j < (g + 1) * G; j += QBLOCK) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(xq + j)), a = _mm256_loadu_si256((const __m256i *)(xa + j));
+                __m256 d = _mm256_set1_ps(xd[j / QBLOCK]);
+                for (int r = 0; r < R; r++) {
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(rows[r] + j));
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(w, x)), ones);
+                    lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, lo[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                float scale = half_to_float(((const uint16_t *)(rows[r] + h))[g]);
+                total[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale), lo[r], total[r]);
             }
         }
-        return hsum8(_mm256_add_ps(t0, t1));
+        for (int r = 0; r < R; r++) out[r] = hsum8(total[r]);
+        return;
     }
-    /* int4: byte j holds code j (low nibble) and code j + H/2 (high) */
+    /* int4: byte j holds code j (low nibble) and code j + H/2 (high): groups g and g + H/2G together */
     int64_t half = h / 2, paired = half / G;
-    const uint16_t *meta = (const uint16_t *)(row + half);
-    const __m256i low = _mm256_set1_epi8(15);
-    float offsets = 0.0f;
+    const __m256i nibble = _mm256_set1_epi8(15);
+    float offsets[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t g = 0; g < paired; g++) {
         int64_t gh = g + paired;
-        float sl = half_to_float(meta[2 * g]), sh = half_to_float(meta[2 * gh]);
+        for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
         for (int64_t j = g * G; j < (g + 1) * G; j += QBLOCK) {
-            __m256i c = _mm256_loadu_si256((const __m256i *)(row + j));
-            __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-            __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + j))), ones);
-            __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + half + j))), ones);
-            t0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_set1_ps(sl * xd[j / QBLOCK]), t0);
-            t1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_set1_ps(sh * xd[(half + j) / QBLOCK]), t1);
+            __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + j)), xh = _mm256_loadu_si256((const __m256i *)(xq + half + j));
+            __m256 dl = _mm256_set1_ps(xd[j / QBLOCK]), dh = _mm256_set1_ps(xd[(half + j) / QBLOCK]);
+            for (int r = 0; r < R; r++) {
+                __m256i c = _mm256_loadu_si256((const __m256i *)(rows[r] + j));
+                __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(c, nibble), xl), ones);
+                __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), nibble), xh), ones);
+                lo[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), dl, lo[r]);
+                hi[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), dh, hi[r]);
+            }
         }
-        offsets = fmaf(half_to_float(meta[2 * g + 1]), xg[g], offsets);
-        offsets = fmaf(half_to_float(meta[2 * gh + 1]), xg[gh], offsets);
+        for (int r = 0; r < R; r++) {
+            const uint16_t *meta = (const uint16_t *)(rows[r] + half);
+            total[r] = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(meta[2 * g])), lo[r], total[r]);
+            total[r] = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(meta[2 * gh])), hi[r], total[r]);
+            offsets[r] = fmaf(half_to_float(meta[2 * g + 1]), xg[g], offsets[r]);
+            offsets[r] = fmaf(half_to_float(meta[2 * gh + 1]), xg[gh], offsets[r]);
+        }
     }
-    return hsum8(_mm256_add_ps(t0, t1)) + offsets;
+    for (int r = 0; r < R; r++) out[r] = hsum8(total[r]) + offsets[r];
 }
 #endif
 
@@ -310,25 +328,37 @@ static float row_dot_q8(const uint8_t *row, const Format *f, const int8_t *xq, c
 static int q8_shape(const Format *f) {
     if (!FMOE_AVX2) return 0;
     int64_t h = f->hidden, G = f->group;
-    if (f->fmt == FMT_INT8) return G % (2 * QBLOCK) == 0 && h % G == 0;
+    if (f->fmt == FMT_INT8) return G % QBLOCK == 0 && h % G == 0;
     if (f->fmt == FMT_INT4) return G % QBLOCK == 0 && (h / 2) % G == 0;
     return 0;
 }
 
-/* One token's x̂: codes q̃ [H], block scales d [H/32], and (int4) the group sums X̂_g (the module docstring). */
-static void quantize_x(const float *x, const Format *f, int8_t *xq, float *xd, float *xg) {
+#if FMOE_AVX2
+/* One token's x̂: codes q̃ [H] and their magnitudes, block scales d [H/32] (d = max|x| / 127, q̃ = x·(1/d) rounded
+   to nearest even), and (int4) the group sums X̂_g (the module docstring). Only AVX2 machines run the mode. */
+static void quantize_x(const float *x, const Format *f, int8_t *xq, uint8_t *xa, float *xd, float *xg) {
     int64_t h = f->hidden;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t b = 0; b < h / QBLOCK; b++) {
         const float *v = x + b * QBLOCK;
-        float amax = 0.0f;
-        for (int k = 0; k < QBLOCK; k++) amax = fmaxf(amax, fabsf(v[k]));
+        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, magnitude), _mm256_and_ps(v1, magnitude)),
+                                 _mm256_max_ps(_mm256_and_ps(v2, magnitude), _mm256_and_ps(v3, magnitude)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
         float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int k = 0; k < QBLOCK; k++) {
-            int q = (int)nearbyintf(v[k] * id);
-            xq[b * QBLOCK + k] = (int8_t)q;
-            sum += q;
-        }
+        __m256 scale = _mm256_set1_ps(id);
+        __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, scale)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, scale));
+        __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, scale)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, scale));
+        __m256i total = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        int sum = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1)));
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+        packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(xq + b * QBLOCK), packed);
+        _mm256_storeu_si256((__m256i *)(xa + b * QBLOCK), _mm256_abs_epi8(packed));
         xd[b] = d;
         if (xg) { /* X̂_g: the blocks' d_b·Σ q̃, in order */
             int64_t g = b * QBLOCK / f->group;
@@ -336,6 +366,7 @@ static void quantize_x(const float *x, const Format *f, int8_t *xq, float *xd, f
         }
     }
 }
+#endif
 
 /* ---- several tokens: ŵ once per row, then float32 dots ------------------------------------ */
 
@@ -537,6 +568,91 @@ static void row_axpy(const uint8_t *restrict row, const Format *f, const float *
     }
 }
 
+/* Several neurons' down rows at once (int8, int4): c[t, :] (+)= Σ_r a_r[t]·ŵ_down,r, each element's operations
+   those of row_axpy neuron after neuron (the first a product or a sum onto c, then one fma or add per row, in
+   order): the same bits, with c loaded and stored once per R ≤ AXPY_ROWS rows instead of once per row. */
+#define AXPY_ROWS 4
+#if FMOE_AVX2
+static inline __attribute__((always_inline)) void rows_axpy_q(const uint8_t *const *rows, int R, const Format *f,
+                                                               const float *a, int64_t a_stride, int64_t tokens,
+                                                               float *restrict c, int init) {
+    int64_t h = f->hidden, G = f->group;
+    float scaled[2][AXPY_ROWS][32], shifted[2][AXPY_ROWS][32]; /* a_r[t]·s (and a_r[t]·m) of the group(s) */
+    if (f->fmt == FMT_INT8) {
+        for (int64_t g = 0; g < h / G; g++) {
+            for (int r = 0; r < R; r++) {
+                float s = half_to_float(((const uint16_t *)(rows[r] + h))[g]);
+                for (int64_t t = 0; t < tokens; t++) scaled[0][r][t] = a[r * a_stride + t] * s;
+            }
+            for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                __m256 q[AXPY_ROWS];
+                for (int r = 0; r < R; r++)
+                    q[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rows[r] + j))));
+                for (int64_t t = 0; t < tokens; t++) {
+                    float *o = c + t * h + j;
+                    __m256 v = init ? _mm256_mul_ps(q[0], _mm256_broadcast_ss(&scaled[0][0][t]))
+                                    : _mm256_fmadd_ps(q[0], _mm256_broadcast_ss(&scaled[0][0][t]), _mm256_loadu_ps(o));
+                    for (int r = 1; r < R; r++) v = _mm256_fmadd_ps(q[r], _mm256_broadcast_ss(&scaled[0][r][t]), v);
+                    _mm256_storeu_ps(o, v);
+                }
+            }
+        }
+        return;
+    }
+    int64_t half = h / 2, paired = half / G; /* int4: groups g (low nibbles) and g + H/2G (high) together */
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int64_t g = 0; g < paired; g++) {
+        int64_t gh = g + paired;
+        for (int r = 0; r < R; r++) {
+            const uint16_t *meta = (const uint16_t *)(rows[r] + half);
+            float sl = half_to_float(meta[2 * g]), ml = half_to_float(meta[2 * g + 1]);
+            float sh = half_to_float(meta[2 * gh]), mh = half_to_float(meta[2 * gh + 1]);
+            for (int64_t t = 0; t < tokens; t++) {
+                float at = a[r * a_stride + t];
+                scaled[0][r][t] = at * sl, shifted[0][r][t] = at * ml, scaled[1][r][t] = at * sh, shifted[1][r][t] = at * mh;
+            }
+        }
+        for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+            __m256 ql[AXPY_ROWS], qh[AXPY_ROWS];
+            for (int r = 0; r < R; r++) {
+                __m256i b = (__m256i)load_u8(rows[r] + j);
+                ql[r] = _mm256_cvtepi32_ps(_mm256_and_si256(b, low)), qh[r] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+            }
+            for (int64_t t = 0; t < tokens; t++) {
+                float *o = c + t * h + j, *p = o + half;
+                __m256 vl = init ? _mm256_setzero_ps() : _mm256_loadu_ps(o), vh = init ? vl : _mm256_loadu_ps(p);
+                for (int r = 0; r < R; r++) {
+                    __m256 cl = _mm256_fmadd_ps(ql[r], _mm256_broadcast_ss(&scaled[0][r][t]), _mm256_broadcast_ss(&shifted[0][r][t]));
+                    __m256 ch = _mm256_fmadd_ps(qh[r], _mm256_broadcast_ss(&scaled[1][r][t]), _mm256_broadcast_ss(&shifted[1][r][t]));
+                    vl = init && r == 0 ? cl : _mm256_add_ps(vl, cl), vh = init && r == 0 ? ch : _mm256_add_ps(vh, ch);
+                }
+                _mm256_storeu_ps(o, vl), _mm256_storeu_ps(p, vh);
+            }
+        }
+    }
+}
+#endif
+
+/* The down rows of R ≤ AXPY_ROWS consecutive neurons (rows[r], a_r = a + r·a_stride): init, the chunk's first. */
+static void down_rows(const uint8_t *const *rows, int R, const Format *f, const float *a, int64_t a_stride,
+                      int64_t tokens, float *c, int init, int vector) {
+#if FMOE_AVX2
+    if (vector && tokens <= 32 && (f->fmt == FMT_INT8 || f->fmt == FMT_INT4)) {
+        if (tokens == 1 && R == AXPY_ROWS) { /* decode: constants, so the a·s broadcasts leave the inner loop */
+            rows_axpy_q(rows, AXPY_ROWS, f, a, a_stride, 1, c, init);
+            return;
+        }
+        switch (R) { /* a constant R for each inlined copy */
+        case 4: rows_axpy_q(rows, 4, f, a, a_stride, tokens, c, init); return;
+        case 3: rows_axpy_q(rows, 3, f, a, a_stride, tokens, c, init); return;
+        case 2: rows_axpy_q(rows, 2, f, a, a_stride, tokens, c, init); return;
+        default: rows_axpy_q(rows, 1, f, a, a_stride, tokens, c, init); return;
+        }
+    }
+#endif
+    for (int r = 0; r < R; r++) row_axpy(rows[r], f, a + r * a_stride, tokens, c, init && r == 0, vector);
+}
+
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* Whether the vector paths cover this shape (else the scalar paths run: same values, other roundings). */
@@ -594,10 +710,11 @@ static float *workspace(int64_t floats) {
 }
 
 /* The tokens as the dots read them: x in float32 (row_dot's layout), its group sums, and in the int8-activation
-   mode (q8) its codes q̃ and block scales d (then xg holds X̂_g). */
+   mode (q8) its codes q̃, their magnitudes and the block scales d (then xg holds X̂_g). */
 typedef struct {
     const float *xf, *xg, *xd;
     const int8_t *xq;
+    const uint8_t *xa;
     int64_t tokens, groups;
     int vector, q8;
 } Tokens;
@@ -606,29 +723,46 @@ typedef struct {
    for the caller; returns them, or NULL when memory runs out. */
 static float *prepare_tokens(Tokens *x, const void *x_in, int x_bf16, int64_t tokens, const Format *f, int q8,
                              int64_t extra) {
-    int64_t h = f->hidden, groups = h / f->group > 0 ? h / f->group : 1;
+    int64_t h = f->hidden, groups = h / f->group > 0 ? h / f->group : 1, blocks = h / QBLOCK;
     x->tokens = tokens, x->groups = groups, x->vector = vector_shape(f), x->q8 = q8 && q8_shape(f);
-    int64_t q8_floats = x->q8 ? (tokens * h + 3) / 4 + tokens * (h / QBLOCK) : 0;
+    int64_t q8_floats = x->q8 ? tokens * blocks + 2 * ((tokens * h + 3) / 4) : 0; /* d, then q̃ and |q̃| */
     float *xf = workspace(tokens * h + tokens * groups + q8_floats + extra + 16);
     if (!xf) return NULL;
     float *xg = xf + tokens * h, *xd = xg + tokens * groups;
-    int8_t *xq = (int8_t *)(xd + (x->q8 ? tokens * (h / QBLOCK) : 0));
+    int8_t *xq = (int8_t *)(xd + (x->q8 ? tokens * blocks : 0));
+    uint8_t *xa = (uint8_t *)(xq + 4 * ((tokens * h + 3) / 4));
     float *rest = xd + q8_floats;
     prepare_x(x_in, x_bf16, tokens, f, x->vector, xf, xg);
+#if FMOE_AVX2
     if (x->q8)
         for (int64_t t = 0; t < tokens; t++)
-            quantize_x(xf + t * h, f, xq + t * h, xd + t * (h / QBLOCK), f->fmt == FMT_INT4 ? xg + t * groups : NULL);
-    x->xf = xf, x->xg = xg, x->xd = xd, x->xq = xq;
+            quantize_x(xf + t * h, f, xq + t * h, xa + t * h, xd + t * blocks, f->fmt == FMT_INT4 ? xg + t * groups : NULL);
+#endif
+    x->xf = xf, x->xg = xg, x->xd = xd, x->xq = xq, x->xa = xa;
     return rest + (16 - ((uintptr_t)rest / sizeof(float)) % 16) % 16;
 }
 
-/* x_t·ŵ for one projection row: the float32 dot, or the int8-activation one. */
-static float token_dot(const uint8_t *row, const Format *f, const Tokens *x, int64_t t) {
+#if FMOE_AVX2
+#define ROWS_DOT_Q8(rows, R, f, x, t, out) \
+    rows_dot_q8(rows, R, f, (x)->xq + (t) * (f)->hidden, (x)->xa + (t) * (f)->hidden, \
+                (x)->xd + (t) * ((f)->hidden / QBLOCK), (x)->xg + (t) * (x)->groups, out)
+#endif
+
+/* x_t·ŵ for a neuron's gate and up rows (`row`, `row + proj_bytes`): the float32 dots, or the int8-activation
+   ones (the two rows at once). */
+static void gate_up_dots(const uint8_t *row, const Format *f, const Tokens *x, int64_t t, float *g, float *u) {
     int64_t h = f->hidden;
 #if FMOE_AVX2
-    if (x->q8) return row_dot_q8(row, f, x->xq + t * h, x->xd + t * (h / QBLOCK), x->xg + t * x->groups);
+    if (x->q8) {
+        const uint8_t *rows[2] = {row, row + f->proj_bytes};
+        float out[2];
+        ROWS_DOT_Q8(rows, 2, f, x, t, out);
+        *g = out[0], *u = out[1];
+        return;
+    }
 #endif
-    return row_dot(row, f, x->xf + t * h, x->xg + t * x->groups, x->vector);
+    *g = row_dot(row, f, x->xf + t * h, x->xg + t * x->groups, x->vector);
+    *u = row_dot(row + f->proj_bytes, f, x->xf + t * h, x->xg + t * x->groups, x->vector);
 }
 
 /* ---- threads: a pool that never makes the caller wait for a thread the OS has not run ---------
@@ -727,27 +861,39 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
     const Tokens *x = p->x;
     int64_t tokens = x->tokens, hidden = f->hidden, proj_bytes = f->proj_bytes;
     int decoded = tokens > 1 && !x->q8; /* ŵ of the gate and up rows once, then every token's float32 dots */
-    float *at = p->scratch + worker * p->stride, *ut = at + (tokens + 15) / 16 * 16, *wt = ut + (tokens + 15) / 16 * 16;
+    int64_t padded = (tokens + 15) / 16 * 16;
+    float *at = p->scratch + worker * p->stride, *ut = at + AXPY_ROWS * padded, *wt = ut + padded; /* a_r[t]: r < 4 */
     float *c = p->part + k * tokens * hidden;
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
+    const uint8_t *down[AXPY_ROWS];
+    int held = 0; /* neurons whose a is computed and whose down rows wait in `down` */
     for (int64_t i = i0; i < (FMOE_PHASES & 1 ? i1 : i0); i++) {
         const uint8_t *row = p->segment + i * p->row_bytes;
+        float *a = at + held * padded;
         if (decoded) {
             decode_row(row, f, wt, x->vector);
-            dot_tokens(wt, x->xf, tokens, hidden, at, x->vector);
+            dot_tokens(wt, x->xf, tokens, hidden, a, x->vector);
             decode_row(row + proj_bytes, f, wt, x->vector);
             dot_tokens(wt, x->xf, tokens, hidden, ut, x->vector);
         }
         for (int64_t t = 0; t < tokens; t++) {
-            float g = decoded ? at[t] : token_dot(row, f, x, t), u = decoded ? ut[t] : token_dot(row + proj_bytes, f, x, t);
+            float g, u;
+            if (decoded)
+                g = a[t], u = ut[t];
+            else
+                gate_up_dots(row, f, x, t, &g, &u);
             if (p->x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
                 g = round_bf16(g), u = round_bf16(u);
-                at[t] = round_bf16(round_bf16(silu(g)) * u);
+                a[t] = round_bf16(round_bf16(silu(g)) * u);
             } else {
-                at[t] = silu(g) * u;
+                a[t] = silu(g) * u;
             }
         }
-        if (FMOE_PHASES & 2) row_axpy(row + 2 * proj_bytes, f, at, tokens, c, i == i0, x->vector);
+        down[held++] = row + 2 * proj_bytes;
+        if (held == AXPY_ROWS || i + 1 == i1) {
+            if (FMOE_PHASES & 2) down_rows(down, held, f, at, padded, tokens, c, i + 1 - held == i0, x->vector);
+            held = 0;
+        }
     }
     if (!(FMOE_PHASES & 1) || !(FMOE_PHASES & 2)) memset(c, 0, sizeof(float) * tokens * hidden);
 }
@@ -772,7 +918,7 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
     if (batch > chunks) batch = chunks;
     if (batch < 1) batch = 1;
     /* each thread's a[t], u[t] (several tokens: and one decoded row ŵ) on cache lines of its own */
-    int64_t stride = ((tokens + 15) / 16 * 16) * 2 + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
+    int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
     Tokens xs;
     float *part = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, batch * tokens * hidden + 16 + width * stride);
     if (!part) return -1;
@@ -817,10 +963,36 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
     const Format *f = p->f;
     int64_t o0 = k * LINEAR_ROWS, o1 = o0 + LINEAR_ROWS > p->outputs ? p->outputs : o0 + LINEAR_ROWS;
     float *w = p->scratch + worker * p->stride, *dots = w + (h + 15) / 16 * 16;
+#if FMOE_AVX2
+    if (x->q8) { /* int8: 4 rows at a time, int4: 2, sharing the token's loads (each row's sum its own) */
+        int64_t o = o0;
+        float out[4];
+        for (; o + 4 <= o1 && f->fmt == FMT_INT8; o += 4) {
+            const uint8_t *rows[4] = {p->rows + o * f->proj_bytes, p->rows + (o + 1) * f->proj_bytes,
+                                      p->rows + (o + 2) * f->proj_bytes, p->rows + (o + 3) * f->proj_bytes};
+            for (int64_t t = 0; t < tokens; t++) {
+                ROWS_DOT_Q8(rows, 4, f, x, t, out);
+                for (int r = 0; r < 4; r++) p->y[t * p->outputs + o + r] = out[r];
+            }
+        }
+        for (; o + 2 <= o1; o += 2) {
+            const uint8_t *rows[2] = {p->rows + o * f->proj_bytes, p->rows + (o + 1) * f->proj_bytes};
+            for (int64_t t = 0; t < tokens; t++) {
+                ROWS_DOT_Q8(rows, 2, f, x, t, out);
+                p->y[t * p->outputs + o] = out[0], p->y[t * p->outputs + o + 1] = out[1];
+            }
+        }
+        for (; o < o1; o++) {
+            const uint8_t *rows[1] = {p->rows + o * f->proj_bytes};
+            for (int64_t t = 0; t < tokens; t++) ROWS_DOT_Q8(rows, 1, f, x, t, p->y + t * p->outputs + o);
+        }
+        return;
+    }
+#endif
     for (int64_t o = o0; o < o1; o++) {
         const uint8_t *row = p->rows + o * f->proj_bytes;
-        if (tokens == 1 || x->q8) {
-            for (int64_t t = 0; t < tokens; t++) p->y[t * p->outputs + o] = token_dot(row, f, x, t);
+        if (tokens == 1) {
+            p->y[o] = row_dot(row, f, x->xf, x->xg, x->vector);
             continue;
         }
         decode_row(row, f, w, x->vector); /* ŵ once, then every token's dot */

@@ -30,7 +30,7 @@ from torch import nn
 
 from fmoe_cli import kernels
 from fmoe_cli.offload.quant import QUANTIZE_ROWS, block_rows, dequantize, quantize
-from fmoe_cli.types import DENSE_FORMATS, DenseFormat, QuantFormat
+from fmoe_cli.types import DEFAULT_ACTIVATIONS, DENSE_FORMATS, DenseFormat, QuantFormat
 
 ATTENTION = "self_attn"  # the attention module of every supported family's decoder layer
 
@@ -38,7 +38,7 @@ ATTENTION = "self_attn"  # the attention module of every supported family's deco
 class QuantLinear(nn.Module):
     """An nn.Linear stored as quantised rows: `packed` [out, projection_bytes(in)] uint8, dequantised per call."""
 
-    def __init__(self, linear: nn.Linear, fmt: QuantFormat) -> None:
+    def __init__(self, linear: nn.Linear, fmt: QuantFormat, activations: str = DEFAULT_ACTIVATIONS) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.format = fmt
@@ -52,7 +52,7 @@ class QuantLinear(nn.Module):
                 packed[start:start + QUANTIZE_ROWS] = quantize(rows[:, None, :], fmt)[:, 0]
         self.packed = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
-        self.kernel = kernels.quant_spec(fmt, self.in_features)  # the CPU kernels' view
+        self.kernel = kernels.quant_spec(fmt, self.in_features, activations=activations)  # the CPU kernels' view
 
     def dequantized(self, rows: slice = slice(None), dtype: torch.dtype | None = None, workspace=None) -> torch.Tensor:
         """ŵ[rows] [n, in] of the compute dtype (or `dtype`)."""
@@ -121,9 +121,9 @@ def dense_targets(model, fmt: DenseFormat) -> list[str]:
     return [n for n in names if model.get_submodule(n).in_features % 8 == 0]
 
 
-def quantize_dense(model, dense: str) -> int:
+def quantize_dense(model, dense: str, activations: str = DEFAULT_ACTIVATIONS) -> int:
     """Replace every target of `--dense` by a QuantLinear (its float weight is freed as it goes; on a meta model
-    the shapes alone). Returns how many were replaced."""
+    the shapes alone), computing with `activations` on the CPU. Returns how many were replaced."""
     fmt = DENSE_FORMATS[dense]
     if fmt is None:
         return 0
@@ -131,7 +131,7 @@ def quantize_dense(model, dense: str) -> int:
     for name in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, QuantLinear(getattr(parent, attr), fmt.quant))
+        setattr(parent, attr, QuantLinear(getattr(parent, attr), fmt.quant, activations))
     return len(targets)
 
 

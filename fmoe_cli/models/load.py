@@ -28,12 +28,14 @@ from fmoe_cli.offload.converted import converted_path, open_converted, save_conv
 from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
 from fmoe_cli.types import (
+    DEFAULT_ACTIVATIONS,
     DEFAULT_DENSE,
     DEFAULT_EXPERTS,
     DENSE_FORMATS,
     DTYPES,
     EXPERT_FORMATS,
     ExpertShape,
+    check_activations,
     check_dense_format,
     check_dtype,
     check_expert_format,
@@ -58,12 +60,15 @@ class LoadedModel:
     dtype: torch.dtype
     non_expert_bytes: int  # U_n: everything of the model on the device but the routed experts (dense at stored size)
     dense: str = "bf16"  # how the attention (and head) are stored: types.DENSE_FORMATS (resolved: never auto)
+    activations: str = DEFAULT_ACTIVATIONS  # what the CPU kernels multiply int8/int4 rows with (types.ACTIVATIONS)
 
 
-def precision_label(dtype: str, experts: str, dense: str = "bf16") -> str:
-    """What the user sees of the numbers: 'float32', 'bfloat16, int4 experts' or 'float32, int4 experts, int8 dense'."""
+def precision_label(dtype: str, experts: str, dense: str = "bf16", activations: str = DEFAULT_ACTIVATIONS) -> str:
+    """What the user sees of the numbers: 'float32', 'bfloat16, int4 experts', 'float32, int4 experts, int8 dense'
+    or '…, int8 activations'."""
     parts = [dtype] + ([f"{experts} experts"] if EXPERT_FORMATS[experts] is not None else []) \
-        + ([f"{dense} dense"] if DENSE_FORMATS[dense] is not None else [])
+        + ([f"{dense} dense"] if DENSE_FORMATS[dense] is not None else []) \
+        + ([f"{activations} activations"] if activations != DEFAULT_ACTIVATIONS else [])
     return ", ".join(parts)
 
 
@@ -132,6 +137,7 @@ def load_model(
     experts: str = DEFAULT_EXPERTS,
     before_read=None,
     dense: str = DEFAULT_DENSE,
+    activations: str = DEFAULT_ACTIVATIONS,
 ) -> LoadedModel:
     """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`;
     `dense`: the attention projections (and LM head) (types.DENSE_FORMATS, models/dense.py).
@@ -142,6 +148,7 @@ def load_model(
     console = console or Console(stderr=True)
     check_expert_format(experts)
     check_dense_format(dense)
+    check_activations(activations)
     path, label = resolve_model(model_id, trust_remote_code)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
@@ -161,7 +168,7 @@ def load_model(
     check_host_ram(label, shape, skeleton_non_expert_bytes(model, layers))
     if before_read is not None:
         before_read(shape, non_expert_bytes, config, dev)
-    store = make_store(shape, torch_dtype, pin=dev.type == "cuda")
+    store = make_store(shape, torch_dtype, pin=dev.type == "cuda", activations=activations)
     to_save = None  # (path, fingerprint) of a converted store to write after this load
     try:
         mapped = None
@@ -176,7 +183,7 @@ def load_model(
         for layer in layers:
             _free_expert_weights(layer.experts, torch_dtype)
         _finish_skeleton(model, model_id)
-        quantize_dense(model, dense)  # one copy: each float weight is dropped once quantised
+        quantize_dense(model, dense, activations)  # one copy: each float weight is dropped once quantised
     except BaseException:
         store.close()
         raise
@@ -185,7 +192,8 @@ def load_model(
     model.eval().requires_grad_(False)
     model.to(dev)
     non_expert = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert, dense)
+    return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert, dense,
+                       activations)
 
 
 def load_tokenizer(path: Path, model_id: str, trust_remote_code: bool = False):

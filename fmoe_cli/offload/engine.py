@@ -180,13 +180,13 @@ class LayerState:
     cache: LayerCache
     tops: torch.Tensor  # [C_i, k_i, *row_shape] on the device (for resident: all experts, whole)
     top_neurons: int  # k_i
-    top_rows: list  # store.rows(tops[slot]) per cache slot, made once (what segment_forward takes)
+    top_rows: list  # store.rows(tops[slot]) per cache slot, made once (what segment_forward takes; store.stacked_rows)
     counters: Counters = field(default_factory=Counters)
     host: bool = False  # the host lane: misses and bottoms computed on the host in decode (LayerPlan.host)
 
     @classmethod
     def of(cls, cache: LayerCache, tops: torch.Tensor, top_neurons: int, store: HostStore) -> LayerState:
-        return cls(cache, tops, top_neurons, [store.rows(t) for t in tops.unbind(0)])
+        return cls(cache, tops, top_neurons, store.stacked_rows(tops))
 
 
 @dataclass
@@ -385,7 +385,7 @@ class Engine:
             raise FmoeError("no expert plan fits on the device (see the message above); nothing can run")
         state = self.layers[i]
         self._collect_stalls()
-        extra = self.predictor.device_part(self.iteration, i, hidden_states) if self._prefetching else {}
+        extra = self._device_part(i, hidden_states)
         routing = Routing.of(top_k_index, top_k_weights, extra)  # the one device→host copy of the layer
         if self.observers:
             event = RouteEvent(i, routing.ids, routing.weights, routing.flat, state.cache, self._predicted[i])
@@ -508,6 +508,10 @@ class Engine:
     @property
     def _prefetching(self) -> bool:
         return self.settings is not None and self.settings.prefetch
+
+    def _device_part(self, i: int, hidden_states: torch.Tensor) -> dict:
+        """The predictor's scores from layer i's input, computed on the device (to the host with the routing)."""
+        return self.predictor.device_part(self.iteration, i, hidden_states) if self._prefetching else {}
 
     def _prefetch(self, i: int, hidden_states: torch.Tensor, routing: Routing) -> None:
         """Show the predictor layer i's routing (host); queue what it predicts (fmoe_cli/offload/prefetch.py)."""

@@ -9,12 +9,22 @@ is a sum over neurons. Packing expert e as an [I, 3, H] block whose row n holds
 (gate row n, up row n, down column n) makes the top segment (neurons [0, k)) and
 the bottom segment ([k, I)) contiguous for every k: one copy moves a segment, and
 the partial results of the two segments sum to E(x).
+
+torch's path (a GPU; a CPU without the expert kernels) reads a segment [n, 3, H] through
+two views made once per buffer (`Rows`): its gate and up rows as one [2, H, n] batched
+matrix, so one matmul gives both (x · W_gateᵀ, x · W_upᵀ), and its down columns [n, H].
+Every op the host dispatches costs it microseconds on a GPU (docs/architecture.md § Host
+work per token): a whole segment is 5 ops (4 kernel launches), a split expert 6, and a decode
+step's K ≥ 3 whole experts of one buffer 11 together on a GPU (torch's grouped matmul).
 """
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 GATE, UP, DOWN = 0, 1, 2
@@ -36,17 +46,115 @@ def pack_experts(experts: nn.Module) -> torch.Tensor:
     return torch.stack([gate, up, down.transpose(1, 2)], dim=2).contiguous()
 
 
+class Stack(NamedTuple):
+    """A buffer of same-sized segments [C, n, 3, H] (a layer's cached tops; every expert when resident) as
+    torch's grouped matmul reads it: views made once."""
+
+    gate: torch.Tensor  # [C, H, n]
+    up: torch.Tensor  # [C, H, n]
+    down: torch.Tensor  # [C, n, H]
+
+
+class Rows(NamedTuple):
+    """A segment [n, 3, H] as torch's path reads it: views of its rows, made once per buffer."""
+
+    gate_up: torch.Tensor  # [2, H, n]: W_gateᵀ and W_upᵀ (strides H, 1, 3H: no copy)
+    down: torch.Tensor  # [n, H]: W_downᵀ
+    stack: Stack | None = None  # the buffer it is one slot of, if any (`grouped_forward`)
+    slot: int = 0
+
+
+def split_rows(segment: torch.Tensor) -> Rows:
+    """[n, 3, H] -> Rows (views), made once per buffer (a cached top, a staging slot) instead of per forward."""
+    return Rows(segment[:, :DOWN].permute(1, 2, 0), segment[:, DOWN])
+
+
+def stack_rows(buffer: torch.Tensor) -> list[Rows]:
+    """[C, n, 3, H] -> each slot's Rows, all of them knowing their Stack (views, made once per buffer)."""
+    stack = Stack(buffer[:, :, GATE].transpose(1, 2), buffer[:, :, UP].transpose(1, 2), buffer[:, :, DOWN])
+    return [split_rows(segment)._replace(stack=stack, slot=slot) for slot, segment in enumerate(buffer.unbind(0))]
+
+
 def segment_forward(x: torch.Tensor, segment, act) -> torch.Tensor:
-    """Partial expert output of the neurons in `segment` ([n, 3, H], or its `split_rows`) for tokens x ([T, H]).
+    """Partial expert output of the neurons in `segment` ([n, 3, H], or its `Rows`) for tokens x ([T, H]).
 
-    Five ops for a segment whose rows were split once (a cached top, a staging slot): every op the host
-    dispatches costs it microseconds on a GPU (docs/architecture.md § Host work per token)."""
-    rows = segment if isinstance(segment, tuple) else segment.unbind(1)
-    gate = F.linear(x, rows[GATE])  # [T, n]
-    up = F.linear(x, rows[UP])
-    return (act(gate) * up) @ rows[DOWN]  # [T, H]
+    Five ops on Rows: one matmul for gate and up, the split into both (a view), the activation, the
+    product and the down matmul."""
+    rows = segment if isinstance(segment, Rows) else split_rows(segment)
+    gate, up = torch.matmul(x, rows.gate_up).unbind(0)  # [2, T, n] -> [T, n] each
+    return (act(gate) * up) @ rows.down  # [T, H]
 
 
-def split_rows(segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[n, 3, H] -> (gate [n, H], up [n, H], down [n, H]): views, made once per buffer instead of per forward."""
-    return tuple(segment.unbind(1))
+def grouped_mm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """torch's grouped matmul: rows [offsets[g-1], offsets[g]) of x ([S, D]) times weights[g] ([G, D, N])."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return grouped(x, weights, offs=offsets)
+
+
+def grouped_forward(x: torch.Tensor, segments: list[Rows], act) -> list[torch.Tensor]:
+    """Whole segments of one Stack for one token x ([1, H]), in 9 ops whatever their number (11 on a GPU, the
+    offsets' copy): one grouped matmul each for gate, up and down over the stack's slots in order, the
+    activated ones given the token's row and the others none (each slot's rows the same products as
+    `segment_forward`'s, to float rounding)."""
+    stack = segments[0].stack
+    slots = sorted(s.slot for s in segments)
+    counts = [0] * stack.down.shape[0]
+    for slot in slots:
+        counts[slot] = 1
+    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)  # [C]: each slot's last row + 1
+    if x.device.type != "cpu":  # pinned: the copy does not wait for the compute stream
+        ends = ends.pin_memory().to(x.device, non_blocking=True)
+    xs = x.repeat(len(slots), 1)  # [K, H]: the token once per activated slot
+    h = act(grouped_mm(xs, stack.gate, ends)) * grouped_mm(xs, stack.up, ends)  # [K, n]
+    rows = grouped_mm(h, stack.down, ends).split(1)  # [1, H] each, by slot
+    return [rows[slots.index(s.slot)] for s in segments]
+
+
+@dataclass(frozen=True)
+class SplitWorkspace:
+    """Where a split expert's gate and up land: one [2, T, I] buffer, the top's neurons [0, k) beside the
+    bottom's [k, I), so that one activation and one product serve both. Views made once."""
+
+    top: torch.Tensor  # [2, T, k]: the top's gate and up
+    bottom: torch.Tensor  # [2, T, I - k]: the bottom's
+    gate: torch.Tensor  # [T, I]; after `bottom_forward`, h = act(gate) ⊙ up
+    up: torch.Tensor  # [T, I]
+    top_hidden: torch.Tensor  # [T, k] of h
+    bottom_hidden: torch.Tensor  # [T, I - k] of h
+
+    @classmethod
+    def make(cls, tokens: int, top_neurons: int, neurons: int, dtype: torch.dtype,
+             device: torch.device) -> SplitWorkspace:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+            buffer = torch.empty(2, tokens, neurons, dtype=dtype, device=device)
+        gate, up = buffer.unbind(0)
+        k = top_neurons
+        return cls(buffer[..., :k], buffer[..., k:], gate, up, gate[:, :k], gate[:, k:])
+
+
+@dataclass(frozen=True)
+class Top:
+    """A split expert's top segment, begun while its bottom loads: its gate and up in the workspace."""
+
+    workspace: SplitWorkspace
+    down: torch.Tensor  # the top's down columns [k, H]
+
+
+def top_forward(x: torch.Tensor, top: Rows, workspace: SplitWorkspace) -> Top:
+    """The top's share of a split expert that needs no bottom yet: gate and up ([2, T, k]), one op."""
+    torch.matmul(x, top.gate_up, out=workspace.top)
+    return Top(workspace, top.down)
+
+
+def bottom_forward(x: torch.Tensor, bottom, act, top: Top) -> torch.Tensor:
+    """The split expert's output [T, H] once its bottom ([I - k, 3, H], or its Rows) is here, in five ops:
+    the bottom's gate and up beside the top's, act(gate) ⊙ up over all I neurons at once (h), then the
+    down projection, top first and the bottom added in the same matmul (addmm: top + h_bottom · W_down):
+    the top + bottom order of every split result, equal to the whole expert's output to float rounding.
+    On a GPU the top's activation and down projection thus wait for the bottom's load (the top's gate and
+    up, two thirds of its work, do not): the price of one op for both instead of two each."""
+    rows = bottom if isinstance(bottom, Rows) else split_rows(bottom)
+    ws = top.workspace
+    torch.matmul(x, rows.gate_up, out=ws.bottom)  # [2, T, I - k]
+    torch.mul(act(ws.gate), ws.up, out=ws.gate)  # h [T, I]
+    return torch.addmm(ws.top_hidden @ top.down, ws.bottom_hidden, rows.down)  # [T, H]

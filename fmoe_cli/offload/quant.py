@@ -42,7 +42,7 @@ import torch
 
 from fmoe_cli.offload import hqq, layout
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import EXPERT_FORMATS, MiB, ExpertShape, QuantFormat
+from fmoe_cli.types import DEFAULT_ACTIVATIONS, EXPERT_FORMATS, MiB, ExpertShape, QuantFormat
 
 
 def quantize(block: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -121,8 +121,9 @@ def block_rows(hidden: int, dtype: torch.dtype, budget: int = DEQUANT_WORKSPACE_
 class QuantStore(HostStore):
     """Experts stored quantised: rows of (3, projection_bytes) uint8 (see the module docstring)."""
 
-    def __init__(self, shape: ExpertShape, compute_dtype: torch.dtype, pin: bool) -> None:
-        super().__init__(shape, torch.uint8, pin)
+    def __init__(self, shape: ExpertShape, compute_dtype: torch.dtype, pin: bool,
+                 activations: str = DEFAULT_ACTIVATIONS) -> None:
+        super().__init__(shape, torch.uint8, pin, activations)
         self.format = EXPERT_FORMATS[shape.experts]
         assert self.format is not None, shape.experts
         self.compute_dtype = compute_dtype
@@ -146,6 +147,14 @@ class QuantStore(HostStore):
             part = layout.segment_forward(x, w, act)  # [T, H]
             result = part if result is None else result.add_(part)
         return result
+
+    def torch_top(self, x: torch.Tensor, segment: torch.Tensor, act, lane: int) -> torch.Tensor:
+        """A split expert's top: its whole partial output (the blocks' loop has no one-op share to begin)."""
+        return self.torch_forward(x, segment, act)
+
+    def torch_bottom(self, x: torch.Tensor, segment: torch.Tensor, act, top: torch.Tensor) -> torch.Tensor:
+        """top + bottom, in that order."""
+        return top + self.torch_forward(x, segment, act)
 
     def _workspaces(self, device: torch.device, dtype: torch.dtype, elements: int):
         """The float32 workspace and the compute dtype's (None for float32), grown to `elements` if needed."""
@@ -180,6 +189,9 @@ class QuantStore(HostStore):
         self._blocks.append(block)
 
 
-def make_store(shape: ExpertShape, dtype: torch.dtype, pin: bool) -> HostStore:
-    """The host store for `shape.experts`: unquantised rows of `dtype`, or quantised rows."""
-    return HostStore(shape, dtype, pin) if EXPERT_FORMATS[shape.experts] is None else QuantStore(shape, dtype, pin)
+def make_store(shape: ExpertShape, dtype: torch.dtype, pin: bool, activations: str = DEFAULT_ACTIVATIONS) -> HostStore:
+    """The host store for `shape.experts`: unquantised rows of `dtype`, or quantised rows (multiplied on the CPU
+    with `activations`: types.ACTIVATIONS)."""
+    if EXPERT_FORMATS[shape.experts] is None:
+        return HostStore(shape, dtype, pin)
+    return QuantStore(shape, dtype, pin, activations)

@@ -28,8 +28,10 @@ import torch
 from fmoe_cli import kernels
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload import layout
-from fmoe_cli.types import ExpertShape
+from fmoe_cli.types import DEFAULT_ACTIVATIONS, ExpertShape
 
+
+GROUP_FROM = 3  # whole segments of one buffer grouped from this many (layout.grouped_forward: 9–11 ops, not 5 each)
 
 # cudaHostRegister flags (cuda_runtime_api.h)
 HOST_REGISTER_PORTABLE = 0x01  # page-locked for every CUDA context, not only the current device's (cuda:1)
@@ -78,49 +80,101 @@ class HostBuffer:
 class HostStore:
     """Unquantised experts: rows of (gate row n, up row n, down column n), (3, H) of the compute dtype."""
 
-    def __init__(self, shape: ExpertShape, dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, shape: ExpertShape, dtype: torch.dtype, pin: bool, activations: str = DEFAULT_ACTIVATIONS) -> None:
         self.shape = shape
         self.dtype = dtype
         self.pin = pin
         self.layers: list[torch.Tensor] = []  # [N, I, *row_shape] per MoE layer
         self._experts: list[tuple[torch.Tensor, ...]] = []  # each layer's [I, *row_shape] per expert, made once
         self._buffers: list[HostBuffer] = []
-        self.kernel = kernels.spec_of(shape.experts, dtype, shape.hidden, shape.neuron_block)  # the kernels' view
+        self.kernel = kernels.spec_of(shape.experts, dtype, shape.hidden, shape.neuron_block, activations)  # the kernels' view
+        self._split_workspaces: dict[tuple, layout.SplitWorkspace] = {}  # torch's path: a split expert's gate and up
+        self.grouping: bool | None = None  # segments_forward groups (None: decided on the first call, by device)
 
     @property
     def row_shape(self) -> tuple[int, ...]:
         return (3, self.shape.hidden)
 
-    def segment_forward(self, x: torch.Tensor, segment, act, acc: torch.Tensor | None = None,
-                        partial: bool = False, kernel: bool = True) -> torch.Tensor:
+    def segment_forward(self, x: torch.Tensor, segment, act, acc=None, partial: bool = False,
+                        kernel: bool = True, lane: int = 0):
         """Partial expert output of the neurons in `segment` ([n, *row_shape], or its `rows`) for tokens x ([T, H]).
 
-        acc: the `partial` result of the neurons before `segment` (a top), continued (-> the whole's output).
-        partial: a result to continue (the kernels' float32 accumulator); else x's dtype.
+        partial: the top of a split expert, to be continued (the kernels' float32 accumulator; on torch's path
+        a `layout.Top`: its gate and up only, in workspace `lane`: tops computed together need distinct lanes).
+        acc: that top's result, continued by this segment, the bottom (-> the whole expert's output).
         kernel=False: torch's path even where the kernels run (benchmarks/kernels.py compares them)."""
         if kernel and self.kernel is not None and isinstance(segment, torch.Tensor) and kernels.runs(x, act):
             return kernels.segment_forward(x, segment, self.kernel, acc, partial)
-        out = self.torch_forward(x, segment, act)
-        return out if acc is None else acc + out
+        if partial:
+            return self.torch_top(x, segment, act, lane)
+        if acc is not None:
+            return self.torch_bottom(x, segment, act, acc)
+        return self.torch_forward(x, segment, act)
 
     def torch_forward(self, x: torch.Tensor, segment, act) -> torch.Tensor:
         """segment_forward with torch's ops (a GPU; a CPU without the kernels)."""
         return layout.segment_forward(x, segment, act)
 
+    def torch_top(self, x: torch.Tensor, segment, act, lane: int) -> layout.Top:
+        """A split expert's top on torch's path: its gate and up into a workspace beside where the bottom's
+        go (layout.top_forward), decode's workspaces made once per (top size, lane)."""
+        rows = segment if isinstance(segment, layout.Rows) else layout.split_rows(segment)
+        tokens, neurons = x.shape[0], rows.down.shape[0]
+        key = (tokens, neurons, lane, x.dtype, x.device)
+        workspace = self._split_workspaces.get(key)
+        if workspace is None:
+            workspace = layout.SplitWorkspace.make(tokens, neurons, self.shape.intermediate, x.dtype, x.device)
+            if tokens == 1:  # a decode step; a prefill's token counts vary: its workspaces are not kept
+                self._split_workspaces[key] = workspace
+        return layout.top_forward(x, rows, workspace)
+
+    def torch_bottom(self, x: torch.Tensor, segment, act, top: layout.Top) -> torch.Tensor:
+        """The split expert's output once its bottom is here (layout.bottom_forward)."""
+        return layout.bottom_forward(x, segment, act, top)
+
     def segments_forward(self, xs: list[torch.Tensor], segments: list, act, partial: bool = False) -> list:
         """`segment_forward` of each (x, segment) pair, in one call: a layer's experts on the device (whole, or
-        the tops of top hits). A kernel that computes several experts in one launch does it here; in a decode
-        step every xs[i] is the same tensor. Today one segment_forward each (torch's own grouped matmul costs
-        the CPU more than the loop: docs/bench.md § Host work in ops)."""
-        return [self.segment_forward(x, segment, act, partial=partial) for x, segment in zip(xs, segments)]
+        the tops of top hits, each in its own workspace lane). Where `grouping` holds, a decode step's whole
+        segments of one buffer (a layer's cache; every expert when resident) go through torch's grouped matmul,
+        9–11 ops for all of them instead of 5 each (from GROUP_FROM of them); else one segment_forward each."""
+        if not partial and len(segments) >= GROUP_FROM and self._groups(xs, segments):
+            try:
+                return layout.grouped_forward(xs[0], segments, act)
+            except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:  # torch's checks refuse a
+                # card, dtype or stride (TORCH_CHECK*): found on the first call, before its results are used
+                if xs[0].device.type == "cpu":
+                    raise
+                warn(f"torch's grouped matmul does not run here ({exc}); a layer's experts go one by one")
+                self.grouping = False
+        return [self.segment_forward(x, segment, act, partial=partial, lane=lane)
+                for lane, (x, segment) in enumerate(zip(xs, segments))]
+
+    def _groups(self, xs: list[torch.Tensor], segments: list) -> bool:
+        """Whether `grouped_forward` takes these: one token (every xs[i] the same row), whole segments of one
+        stack, and grouping on for the device (`grouping`; default: a CUDA card of sm_80 or newer, where one
+        launch per projection replaces K; on the CPU the loop costs less: docs/bench.md § Host work in ops)."""
+        x = xs[0]
+        if self.grouping is None:
+            self.grouping = x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        stack = getattr(segments[0], "stack", None)
+        return (self.grouping and stack is not None and x.shape[0] == 1 and all(y is x for y in xs)
+                and all(s.stack is stack for s in segments))
 
     def rows(self, segment: torch.Tensor):
         """What `segment_forward` takes for `segment`, prepared once for a buffer that is computed from many
-        times (a cached top, a staging slot): on the CPU with the kernels the rows themselves, else its gate,
-        up and down rows as views (torch's matmuls)."""
+        times (a cached top, a staging slot): on the CPU with the kernels the rows themselves, else its
+        `layout.Rows` (views for torch's matmuls)."""
         if segment.device.type == "cpu" and self.kernel is not None and kernels.library() is not None:
             return segment
         return layout.split_rows(segment)
+
+    def stacked_rows(self, buffer: torch.Tensor) -> list:
+        """`rows` of each slot of a buffer [C, n, *row_shape] (a layer's cached tops), made once; on torch's path
+        they know their buffer, so that `segments_forward` can group them."""
+        slots = buffer.unbind(0)
+        if slots and isinstance(self.rows(slots[0]), layout.Rows):
+            return layout.stack_rows(buffer)
+        return [self.rows(segment) for segment in slots]
 
     @property
     def layer_bytes(self) -> int:

@@ -8,10 +8,13 @@ path is the same) and, unlike a time, does not depend on how busy the machine is
 
 `count_decode_ops` runs one decode step and attributes each op to where it was
 dispatched from:
-- `segment`: inside the store's `segment_forward` (one whole expert, or one of a split
-  expert's two segments) or `segments_forward` (several of them, counted one by one);
+- `segment`: inside the store's `segment_forward` (one whole expert) or `segments_forward`
+  (several of them, counted one by one);
+- `split`: the same for a split expert's top (`partial`) and bottom (`acc`), counted once;
 - `layer`: the rest of the engine's experts forward (routing to the host, the gather,
   slots, polls, the weighted sum);
+- `predictor`: inside it, the predictor's scores on the device, its ranking and the prefetches it
+  queues (a plan that prefetches);
 - `other`: attention, norms, the LM head, sampling.
 """
 
@@ -42,18 +45,24 @@ class OpCounter(TorchDispatchMode):
         return sum(n for (where, _), n in self.ops.items() if where == place)
 
 
+def _split(args, kwargs) -> bool:
+    """A call that computes a split expert's top (partial) or continues it with the bottom (acc)."""
+    return bool(kwargs.get("partial")) or kwargs.get("acc") is not None
+
+
 @contextlib.contextmanager
-def _attributed(counter: OpCounter, owner, name: str, place: str, calls: list, count=lambda args: 1):
-    """While it runs, ops dispatched from `owner.name` count under `place`; `calls` gets `count(args)` entries
-    per call (the segments it computes), none for a call made inside `place` already (a grouped call's own
-    segment_forwards)."""
+def _attributed(counter: OpCounter, owner, name: str, place, calls: list, count=lambda args, kwargs: 1):
+    """While it runs, ops dispatched from `owner.name` count under `place(args, kwargs)`; `calls` gets
+    `count(args, kwargs)` entries of that place per call (the segments or split experts it computes), none for
+    a call made inside that place already (a grouped call's own segment_forwards)."""
     real = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
-        if counter.place == place:
+        where = place(args, kwargs)
+        if counter.place == where:
             return real(*args, **kwargs)
-        previous, counter.place = counter.place, place
-        calls.extend([place] * count(args))
+        previous, counter.place = counter.place, where
+        calls.extend([where] * count(args, kwargs))
         try:
             return real(*args, **kwargs)
         finally:
@@ -67,26 +76,36 @@ def _attributed(counter: OpCounter, owner, name: str, place: str, calls: list, c
 
 
 def count_decode_ops(step) -> dict:
-    """Run `step()` (one decode step through an installed Engine) under an OpCounter. Returns ops per
-    segment_forward, per MoE layer besides its segments, the totals and the op names by place."""
+    """Run `step()` (one decode step through an installed Engine) under an OpCounter. Returns ops per whole
+    segment forward, per split expert (its top's and its bottom's, counted once per bottom), per MoE layer
+    besides its segments, the totals and the op names by place."""
     counter, calls = OpCounter(), []
     stores = [HostStore, *HostStore.__subclasses__()]  # their segment_forward (QuantStore's own)
     with contextlib.ExitStack() as stack:
         for cls in stores:
-            if "segment_forward" in cls.__dict__:
-                stack.enter_context(_attributed(counter, cls, "segment_forward", "segment", calls))
+            if "segment_forward" in cls.__dict__:  # a split expert counts once, at its bottom (acc)
+                stack.enter_context(_attributed(
+                    counter, cls, "segment_forward", lambda a, kw: "split" if _split(a, kw) else "segment", calls,
+                    count=lambda a, kw: 0 if kw.get("partial") else 1))
             if "segments_forward" in cls.__dict__:  # (self, xs, segments, act): one segment per entry
-                stack.enter_context(_attributed(counter, cls, "segments_forward", "segment", calls,
-                                                count=lambda args: len(args[2])))
-        stack.enter_context(_attributed(counter, Engine, "experts_forward", "layer", calls))
+                stack.enter_context(_attributed(
+                    counter, cls, "segments_forward", lambda a, kw: "split" if _split(a, kw) else "segment", calls,
+                    count=lambda a, kw: 0 if kw.get("partial") else len(a[2])))
+        stack.enter_context(_attributed(counter, Engine, "experts_forward", lambda a, kw: "layer", calls))
+        for name in ("_device_part", "_prefetch"):  # the predictor's scores, ranking and prefetches
+            stack.enter_context(_attributed(counter, Engine, name, lambda a, kw: "predictor", calls,
+                                            count=lambda a, kw: 0))
         with counter:
             step()
-    segments, layers = calls.count("segment"), calls.count("layer")
+    segments, splits, layers = calls.count("segment"), calls.count("split"), calls.count("layer")
     return {
         "segments": segments,
+        "split_experts": splits,
         "layers": layers,
         "ops_per_segment": counter.total("segment") / max(segments, 1),
+        "ops_per_split_expert": counter.total("split") / max(splits, 1),
         "ops_per_layer_besides_segments": counter.total("layer") / max(layers, 1),
+        "predictor_ops_per_layer": counter.total("predictor") / max(layers, 1),
         "ops_outside_experts": counter.total("other"),
         "by_op": {f"{place}:{name}": n for (place, name), n in counter.ops.most_common()},
     }

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fmoe_cli.offload import MIN_EMULATED_GBPS
+
 
 @dataclass(frozen=True)
 class ReferenceCard:
@@ -27,8 +29,10 @@ class ReferenceCard:
         return self.memory_bandwidth / self.link_bandwidth
 
     def link_gbps(self, expert_bytes: int, t_exp: float) -> float:
-        """GB/s of an emulated link that loads one expert in load_over_compute × T_exp."""
-        return expert_bytes / (self.load_over_compute * t_exp) / 1e9
+        """GB/s of an emulated link that loads one expert in load_over_compute × T_exp, and at least
+        MIN_EMULATED_GBPS: a tiny expert timed on a busy machine would otherwise ask for a link the
+        options refuse (the user did not choose this one: it is never an error)."""
+        return max(MIN_EMULATED_GBPS, expert_bytes / (self.load_over_compute * t_exp) / 1e9)
 
     def note(self) -> str:
         return (f"shaped like an {self.name}: load ÷ compute = {self.load_over_compute:.1f}, from "
