@@ -259,6 +259,21 @@ def spawn_chat(checkpoint, tmp_path, *, max_new_tokens: int, columns: int):
                          env=env, encoding="utf-8", timeout=120, dimensions=(24, columns))
 
 
+# In a terminal's output, from the start of what has not been matched yet: escape sequences (CSI, a two-byte
+# ESC, a charset designation, OSC) and whitespace, then the first character of text.
+ANSWER_TEXT = r"^(?:\x1b\[[0-9;?<=>]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()*+].|\x1b[^\[\]()*+]|\s)*[^\s\x1b]"
+
+
+def test_the_answer_text_pattern_skips_terminal_sequences():
+    import re
+
+    pattern = re.compile(ANSWER_TEXT, re.DOTALL)
+    assert pattern.match("\r\n\x1b[?1l\x1b>\x1b[?25h\x1b]0;t\x07 Hi").group().endswith("H")
+    assert pattern.match("\x1b[?1l\x1b>") is None  # only sequences so far: wait for text
+    assert pattern.match("\x1b[?1") is None  # a sequence cut in the middle is not text
+    assert pattern.match("\x1b(B\x1b[0m") is None
+
+
 def test_ctrl_c_in_a_real_terminal(checkpoints, tmp_path):
     """A pseudo-terminal: Ctrl-C while an answer streams stops it and the chat goes on; Ctrl-C at the
     prompt clears the line; Ctrl-D quits with exit code 0."""
@@ -271,7 +286,9 @@ def test_ctrl_c_in_a_real_terminal(checkpoints, tmp_path):
         child.expect_exact("\x1b[?2004l")  # prompt-toolkit has left the prompt (bracketed paste off)
         # The answer's first text: it streams from here (400 tokens take many seconds), so the Ctrl-C lands in it
         # and not in the prefill (a fixed sleep did, on a loaded machine: "before the answer began" is another path).
-        child.expect(r"\S")
+        # `\S` alone also matched the ESC of prompt-toolkit's own sequences after the prompt (Ctrl-C then landed
+        # in the prefill): skip whole escape sequences and whitespace from where the last match ended.
+        child.expect(ANSWER_TEXT)
         child.sendintr()  # Ctrl-C during the answer
         child.expect(r"stopped \(Ctrl-C\)")
         child.expect(">>>")
