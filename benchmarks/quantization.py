@@ -169,9 +169,33 @@ def dense_quality(console, tokens: int, seq_len: int) -> None:
     console.print(table)
 
 
-def compute_cost(console, hidden: int, intermediate: int, rounds: int, repeats: int) -> None:
+def interleaved_ms(cases: dict, rounds: int, repeats: int) -> dict[str, list[float]]:
+    """ms per call of each case, one figure per round: each round runs every case (a warm-up call, then
+    `repeats` timed calls) before the next round."""
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, run in cases.items():
+            run()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            times[name].append((time.perf_counter() - start) / repeats * 1e3)
+    return times
+
+
+def ratio_table(title: str, times: dict[str, list[float]], base: str, ratio_label: str):
+    """Each case's ms and its ratio to `base`'s in the same round, median [min–max]."""
     from rich.table import Table
 
+    table = Table(title=title)
+    for col in ("computation", "ms", ratio_label):
+        table.add_column(col, justify="right" if col != "computation" else "left")
+    for name, ts in times.items():
+        table.add_row(name, spread(ts), spread([t / b for t, b in zip(ts, times[base])], "{:.2f}"))
+    return table
+
+
+def compute_cost(console, hidden: int, intermediate: int, rounds: int, repeats: int) -> None:
     from fmoe_cli.offload.layout import segment_forward
     from fmoe_cli.offload.quant import dequantize, quantize
     from fmoe_cli.types import EXPERT_FORMATS
@@ -199,53 +223,28 @@ def compute_cost(console, hidden: int, intermediate: int, rounds: int, repeats: 
             x32, dequantize(stored["int4"], EXPERT_FORMATS["int4"], hidden, torch.float32, workspace), act),
         "int8: torch fused _weight_int8pack_mm (per-channel)": lambda: fused_int8(x32),
     }
-    times = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, run in cases.items():
-            run()
-            start = time.perf_counter()
-            for _ in range(repeats):
-                run()
-            times[name].append((time.perf_counter() - start) / repeats * 1e3)
-    base = times["unquantised float32"]
-    table = Table(title=f"2. one expert, one token, H={hidden}, I={intermediate}, CPU 1 thread: ms, median \\[min–max] "
-                        f"of {rounds} interleaved rounds × {repeats}")
-    for col in ("computation", "ms", "÷ unquantised"):
-        table.add_column(col, justify="right" if col != "computation" else "left")
-    for name, ts in times.items():
-        table.add_row(name, spread(ts), spread([t / b for t, b in zip(ts, base)], "{:.2f}"))
-    console.print(table)
+    times = interleaved_ms(cases, rounds, repeats)
+    console.print(ratio_table(f"2. one expert, one token, H={hidden}, I={intermediate}, CPU 1 thread: ms, median "
+                              f"\\[min–max] of {rounds} interleaved rounds × {repeats}", times, "unquantised float32",
+                              "÷ unquantised"))
 
 
 def dense_cost(console, out_features: int, in_features: int, rounds: int, repeats: int) -> None:
     """--dense: one decode token through one projection [out, in], float32 against QuantLinear int8 / int4."""
-    from rich.table import Table
-
     from fmoe_cli.models.dense import QuantLinear
     from fmoe_cli.types import DENSE_FORMATS
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, out_features, bias=False)
-    cases = {"float32 matmul": linear, **{f"{name}: QuantLinear (dequantise + matmul)": QuantLinear(
+    cases = {"float32 matmul": linear, **{f"{name}: QuantLinear (the CPU kernels; torch without them)": QuantLinear(
         linear, DENSE_FORMATS[name].quant) for name in ("int8", "int4")}}
     x = torch.randn(1, in_features)
-    times = {name: [] for name in cases}
     with torch.inference_mode():
-        for _ in range(rounds):
-            for name, module in cases.items():
-                module(x)
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    module(x)
-                times[name].append((time.perf_counter() - start) / repeats * 1e3)
-    base = times["float32 matmul"]
-    table = Table(title=f"3. --dense: one projection {out_features} × {in_features}, one token, CPU "
-                        f"{torch.get_num_threads()} thread(s): ms, median \\[min–max] of {rounds} interleaved rounds × {repeats}")
-    for col in ("computation", "ms", "÷ float32"):
-        table.add_column(col, justify="right" if col != "computation" else "left")
-    for name, ts in times.items():
-        table.add_row(name, spread(ts), spread([t / b for t, b in zip(ts, base)], "{:.2f}"))
-    console.print(table)
+        times = interleaved_ms({name: (lambda module=module: module(x)) for name, module in cases.items()}, rounds,
+                               repeats)
+    console.print(ratio_table(f"3. --dense: one projection {out_features} × {in_features}, one token, CPU "
+                              f"{torch.get_num_threads()} thread(s): ms, median \\[min–max] of {rounds} interleaved "
+                              f"rounds × {repeats}", times, "float32 matmul", "÷ float32"))
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from fmoe_cli.offload.layout import DOWN, GATE, UP
 from fmoe_cli.offload.link import EmulatedLink, VirtualClock
 from fmoe_cli.planning.presets import PRESETS, make_settings
 from fmoe_cli.types import DENSE_FORMATS, Timings
+from test_exactness import reference_answer
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 NEW_TOKENS = 24
@@ -52,10 +53,7 @@ def dense_setup(request, checkpoints):
     path = checkpoints[family]
     lm = load_model(str(path), device="cpu", dtype="float32", experts=experts, dense=dense)
     reference = reference_model(path, lm)
-    want = reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1]:].tolist()
-    full_sequence = torch.cat([PROMPT, torch.tensor([want])], dim=1)
-    with torch.no_grad():
-        want_logits = reference(full_sequence).logits
+    want, full_sequence, want_logits = reference_answer(reference, PROMPT, NEW_TOKENS)
     engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20, clock=VirtualClock(), copy=True), lm.device,
                     lm.dtype)
     engine.install(lm.model)

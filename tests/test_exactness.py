@@ -48,16 +48,20 @@ def family_setup(request, checkpoints):
         yield from _family_setup(checkpoints[family], EmulatedLink(gbps=20, clock=VirtualClock(), copy=True))
 
 
+def reference_answer(reference, prompt: torch.Tensor, new_tokens: int):
+    """transformers' greedy answer: its token ids, the prompt and answer [1, P + N], and the logits over them."""
+    want = reference.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0, prompt.shape[1]:].tolist()
+    full_sequence = torch.cat([prompt, torch.tensor([want])], dim=1)
+    with torch.no_grad():
+        return want, full_sequence, reference(full_sequence).logits
+
+
 def _family_setup(path, link):
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # No EOS for the comparison: both sides generate exactly NEW_TOKENS greedy tokens
     # (min_new_tokens would mask EOS in the reference and change the argmax).
     reference.generation_config.eos_token_id = None
-    want = reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
-    want = want[0, PROMPT.shape[1]:].tolist()
-    full_sequence = torch.cat([PROMPT, torch.tensor([want])], dim=1)
-    with torch.no_grad():
-        want_logits = reference(full_sequence).logits
+    want, full_sequence, want_logits = reference_answer(reference, PROMPT, NEW_TOKENS)
     lm = load_model(str(path), device="cpu", dtype="float32")
     engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype)
     engine.install(lm.model)

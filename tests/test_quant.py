@@ -19,6 +19,7 @@ from fmoe_cli.planning.presets import PRESETS, make_settings
 from fmoe_cli.offload.quant import dequantize, quantize
 from fmoe_cli.planning.plan import uniform_plan
 from fmoe_cli.types import EXPERT_FORMATS, ExpertShape, Timings
+from test_exactness import reference_answer
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 NEW_TOKENS = 24
@@ -97,10 +98,7 @@ def quant_setup(request, checkpoints):
             layer.experts.down_proj.copy_(w[:, :, DOWN].transpose(1, 2))
         assert not torch.equal(original, layer.experts.gate_up_proj)  # the weights really changed
     reference.generation_config.eos_token_id = None
-    want = reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1]:].tolist()
-    full_sequence = torch.cat([PROMPT, torch.tensor([want])], dim=1)
-    with torch.no_grad():
-        want_logits = reference(full_sequence).logits
+    want, full_sequence, want_logits = reference_answer(reference, PROMPT, NEW_TOKENS)
     engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20), lm.device, lm.dtype)
     engine.install(lm.model)
     yield lm, engine, want, full_sequence, want_logits
