@@ -339,12 +339,15 @@ def plan(
     (from config.json alone, no weights)."""
     check_plan_options(model, vram=vram, profile_path=profile, context=context, dtype=dtype, workspace=workspace,
                        experts=experts, trace=trace, dense=dense)
+    from fmoe_cli.trace import read_trace  # the standard library alone: a malformed trace is one line at once
+
+    routing = None if trace is None else read_trace(trace)
     _quiet_libraries()
-    from fmoe_cli.planning.report import run_plan  # torch and transformers: only once the options read
+    from fmoe_cli.planning.report import run_plan  # torch and transformers: only once the options and trace read
 
     run_plan(model, vram=vram, profile_path=profile, context=context, dtype=None if dtype == "auto" else dtype,
              as_json=as_json, console=Console(), workspace=workspace, experts=experts, trace=trace,
-             dense=dense)
+             dense=dense, routing=routing)
 
 
 @app.command()

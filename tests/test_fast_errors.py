@@ -60,6 +60,7 @@ def existing(tmp_path):
     (("profile", "--out", "EXISTING/p.json"), "p.json: cannot write in"),
     (("profile", "--model", "/nonexistent/model"), "no such model directory"),
     (("replay", "/nonexistent/trace.jsonl"), "trace /nonexistent/trace.jsonl does not exist"),
+    (("plan", "demo", "--vram", "1GiB", "--trace", "/dev/zero"), "/dev/zero:1: not a trace record"),
 ], ids=lambda v: " ".join(v) if isinstance(v, tuple) else None)
 def test_an_option_error_comes_before_torch_is_imported(existing, args, fragment):
     out, err = run_cli(*(a.replace("EXISTING", existing) for a in args))

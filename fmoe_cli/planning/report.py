@@ -49,7 +49,7 @@ from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_em
 from fmoe_cli.profiling.files import HostProfile, model_identity
 from fmoe_cli.profiling.host import host_format, host_line, host_timings, saved_host_profile
 from fmoe_cli.profiling.layers import decoder_layers
-from fmoe_cli.trace import read_trace
+from fmoe_cli.trace import Trace, read_trace
 
 GiB = 1024**3
 # Without a profile: PCIe 4.0 x16, 16 GT/s × 16 lanes × 128/130 / 8 bits (PCI-SIG), one direction.
@@ -158,11 +158,11 @@ def plan_host(profile) -> tuple[HostProfile | None, str]:
 
 def run_plan(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,
              as_json: bool, console: Console, workspace: str = "512MiB", experts: str = DEFAULT_EXPERTS,
-             trace: str | None = None, dense: str = DEFAULT_DENSE) -> dict:
+             trace: str | None = None, dense: str = DEFAULT_DENSE, routing: Trace | None = None) -> dict:
+    """routing: the trace already read (`fmoe plan` reads it before torch is imported), else read here."""
     profile = check_plan_options(model, vram=vram, profile_path=profile_path, context=context, dtype=dtype,
                                  workspace=workspace, experts=experts, trace=trace, dense=dense)
-    routing = None
-    if trace is not None:  # a malformed trace is refused before the model is built
+    if routing is None and trace is not None:  # a malformed trace is refused before the model is built
         routing = read_trace(trace)
     facts = model_facts(model, dtype, experts, dense)
     shape = facts.shape
