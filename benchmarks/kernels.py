@@ -184,6 +184,9 @@ def main() -> None:
     p.add_argument("--pool-mb", type=float, default=256, help="experts rotated through: this many MB of them "
                    "(more than the last-level cache holds)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--paths", nargs="+", default=None, metavar="PATH",
+                   help="only these paths (kernel, torch, 'kernel, int8 activations', F.linear), e.g. --paths kernel "
+                        "under valgrind --tool=callgrind --toggle-collect=fmoe_segment_forward (instructions per weight)")
     p.add_argument("--dense", type=int, nargs=2, metavar=("OUT", "IN"), default=None,
                    help="instead: one dense projection W [OUT, IN] (models/dense.py), e.g. 4096 2048 (a3b's q_proj) "
                         "or 151936 2048 (its LM head)")
@@ -214,7 +217,8 @@ def main() -> None:
                 nbytes, calls = make_cases(name, args.hidden, args.intermediate, args.pool_mb, tokens)
             sizes[name] = nbytes
             for path, call in calls.items():
-                cases[(name, tokens, path)] = call
+                if args.paths is None or path in args.paths:
+                    cases[(name, tokens, path)] = call
     times = {key: [] for key in cases}
     cpu = {key: [] for key in cases}  # CPU time of the process (every thread): what the call costs the CPU
     with torch.inference_mode():

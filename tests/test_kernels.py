@@ -42,12 +42,12 @@ WITH_DTYPES = [("f32", None), ("bf16", None), *[(q, d) for q in ("int8", "int4",
 
 @needs_kernels
 @pytest.mark.parametrize("name, dtype", WITH_DTYPES)
-@pytest.mark.parametrize("hidden, intermediate", [(64, 64), (2048, 48), (96, 40)])  # 96: the scalar paths
+@pytest.mark.parametrize("hidden, intermediate", [(64, 64), (2048, 48), (96, 42)])  # 42: chunks 16, 16, 10
 @pytest.mark.parametrize("tokens", [1, 3, 6])  # one token; several (ŵ decoded once, four tokens at a time)
 def test_the_kernel_computes_what_torch_computes(name, dtype, hidden, intermediate, tokens):
     """float32: the dequantised weights' result to rounding. bf16 activations: torch's bf16 ops on the
     weights rounded to bf16 (the kernels keep ŵ in float32: a bf16 rounding apart)."""
-    stored, w, spec, dtype = expert(name, hidden, intermediate, dtype=dtype, chunk=16)  # 40: chunks 16, 16, 8
+    stored, w, spec, dtype = expert(name, hidden, intermediate, dtype=dtype, chunk=16)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
     got = kernels.segment_forward(x, stored, spec)
     assert got.dtype == dtype and got.shape == (tokens, hidden)
@@ -124,20 +124,23 @@ def test_int8_activations_compute_the_quantised_tokens_result(name, hidden, toke
 @needs_kernels
 @pytest.mark.parametrize("name, dtype, activations", [(n, d, "float") for n, d in WITH_DTYPES]
                          + [(n, d, "int8") for n in ("int8", "int4") for d in (torch.float32, torch.bfloat16)])
-def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype, activations):
+@pytest.mark.parametrize("tokens", [1, 3])  # 1: decode's own path (experts.c pass_chunk_one)
+def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype, activations, tokens):
     """At every multiple of the chunk, and with 1 or 2 threads: what makes every policy's tokens the resident run's.
-    With --activations int8 too: x̂ depends on x alone, so top and bottom quantise it alike."""
-    hidden, intermediate, chunk = 128, 96, 16
-    stored, _, spec, dtype = expert(name, hidden, intermediate, chunk=chunk, dtype=dtype, activations=activations)
-    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
-    whole = kernels.segment_forward(x, stored, spec)
-    for k in range(chunk, intermediate, chunk):
-        top = kernels.segment_forward(x, stored[:k], spec, partial=True)
-        assert top.dtype == torch.float32
-        split = kernels.segment_forward(x, stored[k:], spec, acc=top)
-        assert torch.equal(split, whole), f"split at {k}"
+    With --activations int8 too: x̂ depends on x alone, so top and bottom quantise it alike. Chunks of 16 (whole
+    groups of four neurons) and of 6 (four, then two alone)."""
+    hidden = 128
+    for intermediate, chunk in [(96, 16), (42, 6)]:
+        stored, _, spec, dtype = expert(name, hidden, intermediate, chunk=chunk, dtype=dtype, activations=activations)
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
+        whole = kernels.segment_forward(x, stored, spec)
+        for k in range(chunk, intermediate, chunk):
+            top = kernels.segment_forward(x, stored[:k], spec, partial=True)
+            assert top.dtype == torch.float32
+            split = kernels.segment_forward(x, stored[k:], spec, acc=top)
+            assert torch.equal(split, whole), f"split at {k} of {intermediate} (chunk {chunk})"
     stored, _, spec, dtype = expert(name, 2048, 256, chunk=64, dtype=dtype, activations=activations)  # threads
-    x = torch.randn(2, 2048).to(dtype)
+    x = torch.randn(tokens, 2048).to(dtype)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

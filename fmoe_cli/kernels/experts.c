@@ -854,11 +854,247 @@ typedef struct {
     float *part, *scratch;
 } Pass;
 
+/* ---- decode: one token (T = 1), the hot path ----------------------------------------------
+
+   A chunk's neurons go AXPY_ROWS at a time: their gate and up rows dotted with x together (one pass
+   over x for both rows of a neuron), then their down rows added onto the chunk's partial sum c in one
+   pass over c (c loaded and stored once per AXPY_ROWS rows). Each row's sums are its own, in a fixed
+   order, whatever the split, the thread or the token count of other calls: a chunk's bits depend on
+   its rows and x alone. ŵ never exists: codes are widened and converted in registers, each group's
+   scale (and offset) applied once per group: x·ŵ = Σ_g s_g·Σ_{j∈g} q_j x_j + m_g·X_g. */
+#if FMOE_AVX2
+/* g = x·ŵ_gate, u = x·ŵ_up of one neuron (row: its gate row, then its up row), float32 x. */
+static void gate_up_one(const uint8_t *row, const Format *f, const float *x, const float *xg, float *g, float *u) {
+    int64_t h = f->hidden, G = f->group;
+    const uint8_t *up = row + f->proj_bytes;
+    switch (f->fmt) {
+    case FMT_F32: {
+        const float *wg = (const float *)row, *wu = (const float *)up;
+        __m256 g0 = _mm256_setzero_ps(), g1 = g0, g2 = g0, g3 = g0, u0 = g0, u1 = g0, u2 = g0, u3 = g0;
+        for (int64_t j = 0; j < h; j += 32) {
+            __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
+            __m256 x2 = _mm256_loadu_ps(x + j + 16), x3 = _mm256_loadu_ps(x + j + 24);
+            g0 = _mm256_fmadd_ps(_mm256_loadu_ps(wg + j), x0, g0), u0 = _mm256_fmadd_ps(_mm256_loadu_ps(wu + j), x0, u0);
+            g1 = _mm256_fmadd_ps(_mm256_loadu_ps(wg + j + 8), x1, g1), u1 = _mm256_fmadd_ps(_mm256_loadu_ps(wu + j + 8), x1, u1);
+            g2 = _mm256_fmadd_ps(_mm256_loadu_ps(wg + j + 16), x2, g2), u2 = _mm256_fmadd_ps(_mm256_loadu_ps(wu + j + 16), x2, u2);
+            g3 = _mm256_fmadd_ps(_mm256_loadu_ps(wg + j + 24), x3, g3), u3 = _mm256_fmadd_ps(_mm256_loadu_ps(wu + j + 24), x3, u3);
+        }
+        *g = hsum8(_mm256_add_ps(_mm256_add_ps(g0, g1), _mm256_add_ps(g2, g3)));
+        *u = hsum8(_mm256_add_ps(_mm256_add_ps(u0, u1), _mm256_add_ps(u2, u3)));
+        return;
+    }
+    case FMT_BF16: { /* x de-interleaved per 16 (prepare_x): even weights' x, then odd weights' */
+        const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+        __m256 g0 = _mm256_setzero_ps(), g1 = g0, u0 = g0, u1 = g0;
+        for (int64_t j = 0; j < h; j += 16) {
+            __m256 xe = _mm256_loadu_ps(x + j), xo = _mm256_loadu_ps(x + j + 8);
+            __m256i vg = _mm256_loadu_si256((const __m256i *)(row + 2 * j)), vu = _mm256_loadu_si256((const __m256i *)(up + 2 * j));
+            g0 = _mm256_fmadd_ps((__m256)_mm256_slli_epi32(vg, 16), xe, g0);
+            g1 = _mm256_fmadd_ps((__m256)_mm256_and_si256(vg, high), xo, g1);
+            u0 = _mm256_fmadd_ps((__m256)_mm256_slli_epi32(vu, 16), xe, u0);
+            u1 = _mm256_fmadd_ps((__m256)_mm256_and_si256(vu, high), xo, u1);
+        }
+        *g = hsum8(_mm256_add_ps(g0, g1)), *u = hsum8(_mm256_add_ps(u0, u1));
+        return;
+    }
+    case FMT_INT8: {
+        const uint16_t *mg = (const uint16_t *)(row + h), *mu = (const uint16_t *)(up + h);
+        __m256 tg = _mm256_setzero_ps(), tu = tg;
+        for (int64_t g0 = 0; g0 < h; g0 += G) {
+            __m256 ga = _mm256_setzero_ps(), gb = ga, ua = ga, ub = ga;
+            for (int64_t j = g0; j < g0 + G; j += 16) {
+                __m256 xa = _mm256_loadu_ps(x + j), xb = _mm256_loadu_ps(x + j + 8);
+                ga = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j)))), xa, ga);
+                gb = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j + 8)))), xb, gb);
+                ua = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(up + j)))), xa, ua);
+                ub = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(up + j + 8)))), xb, ub);
+            }
+            tg = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mg[g0 / G])), _mm256_add_ps(ga, gb), tg);
+            tu = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mu[g0 / G])), _mm256_add_ps(ua, ub), tu);
+        }
+        *g = hsum8(tg), *u = hsum8(tu);
+        return;
+    }
+    default: { /* FMT_INT4: byte j holds code j (low nibble) and code j + H/2 (high) */
+        int64_t half = h / 2, paired = half / G;
+        const uint16_t *mg = (const uint16_t *)(row + half), *mu = (const uint16_t *)(up + half);
+        const __m256i low = _mm256_set1_epi32(15);
+        __m256 tg = _mm256_setzero_ps(), tu = tg;
+        float og = 0.0f, ou = 0.0f;
+        for (int64_t g = 0; g < paired; g++) {
+            int64_t gh = g + paired, j0 = g * G;
+            __m256 gl = _mm256_setzero_ps(), gh_ = gl, ul = gl, uh = gl;
+            for (int64_t j = j0; j < j0 + G; j += 8) {
+                __m256 xl = _mm256_loadu_ps(x + j), xh = _mm256_loadu_ps(x + half + j);
+                __m256i bg = (__m256i)load_u8(row + j), bu = (__m256i)load_u8(up + j);
+                gl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bg, low)), xl, gl);
+                gh_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bg, 4)), xh, gh_);
+                ul = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bu, low)), xl, ul);
+                uh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bu, 4)), xh, uh);
+            }
+            tg = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mg[2 * g])), gl, tg);
+            tg = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mg[2 * gh])), gh_, tg);
+            tu = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mu[2 * g])), ul, tu);
+            tu = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mu[2 * gh])), uh, tu);
+            og = fmaf(half_to_float(mg[2 * g + 1]), xg[g], og), og = fmaf(half_to_float(mg[2 * gh + 1]), xg[gh], og);
+            ou = fmaf(half_to_float(mu[2 * g + 1]), xg[g], ou), ou = fmaf(half_to_float(mu[2 * gh + 1]), xg[gh], ou);
+        }
+        *g = hsum8(tg) + og, *u = hsum8(tu) + ou;
+        return;
+    }
+    }
+}
+
+/* c (+)= Σ_r a_r·ŵ_down,r for R = AXPY_ROWS consecutive neurons' down rows (init: c is written, the chunk's
+   first rows). Per element: the first row's product (or fma onto c), then one fma per row, in order. int4's
+   offsets m_r,g enter once per group and element: c_j += Σ_r a_r·m_r,g(j) (a sum over the R rows, in order)
+   before the rows' a_r·s_r,g·q_r,j. */
+static void down_one(const uint8_t *const *rows, const Format *f, const float *a, float *restrict c, int init) {
+    int64_t h = f->hidden, G = f->group;
+    switch (f->fmt) {
+    case FMT_F32: {
+        const float *w0 = (const float *)rows[0], *w1 = (const float *)rows[1], *w2 = (const float *)rows[2], *w3 = (const float *)rows[3];
+        __m256 a0 = _mm256_set1_ps(a[0]), a1 = _mm256_set1_ps(a[1]), a2 = _mm256_set1_ps(a[2]), a3 = _mm256_set1_ps(a[3]);
+        for (int64_t j = 0; j < h; j += 8) {
+            __m256 v = init ? _mm256_mul_ps(a0, _mm256_loadu_ps(w0 + j)) : _mm256_fmadd_ps(a0, _mm256_loadu_ps(w0 + j), _mm256_loadu_ps(c + j));
+            v = _mm256_fmadd_ps(a1, _mm256_loadu_ps(w1 + j), v);
+            v = _mm256_fmadd_ps(a2, _mm256_loadu_ps(w2 + j), v);
+            _mm256_storeu_ps(c + j, _mm256_fmadd_ps(a3, _mm256_loadu_ps(w3 + j), v));
+        }
+        return;
+    }
+    case FMT_BF16: {
+        __m256 a0 = _mm256_set1_ps(a[0]), a1 = _mm256_set1_ps(a[1]), a2 = _mm256_set1_ps(a[2]), a3 = _mm256_set1_ps(a[3]);
+#define BF16_8(r, j) ((__m256)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(rows[r] + 2 * (j)))), 16))
+        for (int64_t j = 0; j < h; j += 8) {
+            __m256 v = init ? _mm256_mul_ps(a0, BF16_8(0, j)) : _mm256_fmadd_ps(a0, BF16_8(0, j), _mm256_loadu_ps(c + j));
+            v = _mm256_fmadd_ps(a1, BF16_8(1, j), v);
+            v = _mm256_fmadd_ps(a2, BF16_8(2, j), v);
+            _mm256_storeu_ps(c + j, _mm256_fmadd_ps(a3, BF16_8(3, j), v));
+        }
+#undef BF16_8
+        return;
+    }
+    case FMT_INT8: {
+#define Q8_8(r, j) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rows[r] + (j)))))
+        for (int64_t g = 0; g < h / G; g++) {
+            __m256 s0 = _mm256_set1_ps(a[0] * half_to_float(((const uint16_t *)(rows[0] + h))[g]));
+            __m256 s1 = _mm256_set1_ps(a[1] * half_to_float(((const uint16_t *)(rows[1] + h))[g]));
+            __m256 s2 = _mm256_set1_ps(a[2] * half_to_float(((const uint16_t *)(rows[2] + h))[g]));
+            __m256 s3 = _mm256_set1_ps(a[3] * half_to_float(((const uint16_t *)(rows[3] + h))[g]));
+            for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                __m256 v = init ? _mm256_mul_ps(Q8_8(0, j), s0) : _mm256_fmadd_ps(Q8_8(0, j), s0, _mm256_loadu_ps(c + j));
+                v = _mm256_fmadd_ps(Q8_8(1, j), s1, v);
+                v = _mm256_fmadd_ps(Q8_8(2, j), s2, v);
+                _mm256_storeu_ps(c + j, _mm256_fmadd_ps(Q8_8(3, j), s3, v));
+            }
+        }
+#undef Q8_8
+        return;
+    }
+    default: { /* FMT_INT4: groups g (low nibbles, c[j]) and g + H/2G (high, c[j + H/2]) together */
+        int64_t half = h / 2, paired = half / G;
+        const __m256i low = _mm256_set1_epi32(15);
+        for (int64_t g = 0; g < paired; g++) {
+            int64_t gh = g + paired;
+            __m256 sl[AXPY_ROWS], sh[AXPY_ROWS];
+            float ml = 0.0f, mh = 0.0f; /* Σ_r a_r·m_r of the two groups */
+            for (int r = 0; r < AXPY_ROWS; r++) {
+                const uint16_t *meta = (const uint16_t *)(rows[r] + half);
+                sl[r] = _mm256_set1_ps(a[r] * half_to_float(meta[2 * g]));
+                sh[r] = _mm256_set1_ps(a[r] * half_to_float(meta[2 * gh]));
+                ml = fmaf(a[r], half_to_float(meta[2 * g + 1]), ml);
+                mh = fmaf(a[r], half_to_float(meta[2 * gh + 1]), mh);
+            }
+            __m256 bl = _mm256_set1_ps(ml), bh = _mm256_set1_ps(mh);
+            for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+                __m256 vl = init ? bl : _mm256_add_ps(_mm256_loadu_ps(c + j), bl);
+                __m256 vh = init ? bh : _mm256_add_ps(_mm256_loadu_ps(c + half + j), bh);
+                for (int r = 0; r < AXPY_ROWS; r++) {
+                    __m256i b = (__m256i)load_u8(rows[r] + j);
+                    vl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), sl[r], vl);
+                    vh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sh[r], vh);
+                }
+                _mm256_storeu_ps(c + j, vl), _mm256_storeu_ps(c + half + j, vh);
+            }
+        }
+        return;
+    }
+    }
+}
+#endif
+
+/* Whether the decode path (T = 1) serves this format (else pass_chunk's general one). */
+static int one_shape(const Format *f, const Tokens *x) {
+    if (!x->vector || x->tokens != 1) return 0;
+    int64_t h = f->hidden, G = f->group;
+    switch (f->fmt) {
+    case FMT_F32: return h % 32 == 0;
+    case FMT_BF16: return h % 16 == 0;
+    case FMT_INT8: return G % 16 == 0 && h % G == 0;
+    case FMT_INT4: return G % 8 == 0 && (h / 2) % G == 0;
+    default: return 0;
+    }
+}
+
+/* Chunk first + k for one token: its partial sum c = Σ over its neurons, in order, of a·ŵ_down (from zero). */
+static void pass_chunk_one(const Pass *p, int64_t k) {
+#if FMOE_AVX2
+    const Format *f = p->f;
+    const Tokens *x = p->x;
+    float *c = p->part + k * f->hidden;
+    int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
+    const uint8_t *down[AXPY_ROWS];
+    float a[AXPY_ROWS];
+    int64_t i = i0;
+    for (; i + AXPY_ROWS <= i1; i += AXPY_ROWS) {
+        for (int r = 0; r < AXPY_ROWS; r++) {
+            const uint8_t *row = p->segment + (i + r) * p->row_bytes;
+            float g, u;
+            if (x->q8)
+                gate_up_dots(row, f, x, 0, &g, &u);
+            else
+                gate_up_one(row, f, x->xf, x->xg, &g, &u);
+            if (p->x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
+                g = round_bf16(g), u = round_bf16(u);
+                a[r] = round_bf16(round_bf16(silu(g)) * u);
+            } else {
+                a[r] = silu(g) * u;
+            }
+            down[r] = row + 2 * f->proj_bytes;
+        }
+        if (FMOE_PHASES & 2) down_one(down, f, a, c, i == i0);
+    }
+    for (; i < i1; i++) { /* a chunk's last neurons, fewer than AXPY_ROWS: one at a time */
+        const uint8_t *row = p->segment + i * p->row_bytes;
+        float g, u, one;
+        if (x->q8)
+            gate_up_dots(row, f, x, 0, &g, &u);
+        else
+            gate_up_one(row, f, x->xf, x->xg, &g, &u);
+        if (p->x_bf16) {
+            g = round_bf16(g), u = round_bf16(u);
+            one = round_bf16(round_bf16(silu(g)) * u);
+        } else {
+            one = silu(g) * u;
+        }
+        if (FMOE_PHASES & 2) row_axpy(row + 2 * f->proj_bytes, f, &one, 1, c, i == i0, 1);
+    }
+#else
+    (void)p, (void)k;
+#endif
+}
+
+
 /* Chunk first + k: its partial sum c = Σ over its neurons, in order, of a[t]·ŵ_down (from zero). */
 static void pass_chunk(void *job, int64_t k, int64_t worker) {
     const Pass *p = job;
     const Format *f = p->f;
     const Tokens *x = p->x;
+    if (one_shape(f, x) && (FMOE_PHASES & 1)) {
+        pass_chunk_one(p, k);
+        return;
+    }
     int64_t tokens = x->tokens, hidden = f->hidden, proj_bytes = f->proj_bytes;
     int decoded = tokens > 1 && !x->q8; /* ŵ of the gate and up rows once, then every token's float32 dots */
     int64_t padded = (tokens + 15) / 16 * 16;
