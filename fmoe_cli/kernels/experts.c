@@ -863,6 +863,114 @@ typedef struct {
    its rows and x alone. ŵ never exists: codes are widened and converted in registers, each group's
    scale (and offset) applied once per group: x·ŵ = Σ_g s_g·Σ_{j∈g} q_j x_j + m_g·X_g. */
 #if FMOE_AVX2
+/* Metadata of one row as float32: n float16 values (n ≤ META_FLOATS, a multiple of 8; one_shape checks). */
+#define META_FLOATS 256
+static inline void meta_floats(const uint8_t *meta, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(meta + 2 * i))));
+}
+
+/* int8 gate and up (G weights a group, a constant where inlined): Σ_g s_g·Σ_{j∈g} q_j x_j per row. */
+static inline __attribute__((always_inline)) void gate_up_int8(const uint8_t *row, const uint8_t *up, int64_t h,
+                                                                int64_t G, const float *x, float *g, float *u) {
+    float sg[META_FLOATS], su[META_FLOATS];
+    meta_floats(row + h, h / G, sg), meta_floats(up + h, h / G, su);
+    __m256 tg = _mm256_setzero_ps(), tu = tg;
+    for (int64_t g0 = 0; g0 < h; g0 += G) {
+        __m256 ga = _mm256_setzero_ps(), gb = ga, ua = ga, ub = ga;
+        for (int64_t j = g0; j < g0 + G; j += 16) {
+            __m256 xa = _mm256_loadu_ps(x + j), xb = _mm256_loadu_ps(x + j + 8);
+            ga = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j)))), xa, ga);
+            gb = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j + 8)))), xb, gb);
+            ua = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(up + j)))), xa, ua);
+            ub = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(up + j + 8)))), xb, ub);
+        }
+        tg = _mm256_fmadd_ps(_mm256_broadcast_ss(sg + g0 / G), _mm256_add_ps(ga, gb), tg);
+        tu = _mm256_fmadd_ps(_mm256_broadcast_ss(su + g0 / G), _mm256_add_ps(ua, ub), tu);
+    }
+    *g = hsum8(tg), *u = hsum8(tu);
+}
+
+/* int4 gate and up: byte j holds code j (low nibble) and code j + H/2 (high), groups g and g + H/2G together;
+   Σ_g s_g·Σ_{j∈g} q_j x_j + Σ_g m_g·X_g per row. */
+static inline __attribute__((always_inline)) void gate_up_int4(const uint8_t *row, const uint8_t *up, int64_t h,
+                                                                int64_t G, const float *x, const float *xg, float *g,
+                                                                float *u) {
+    int64_t half = h / 2, paired = half / G;
+    float mg[META_FLOATS], mu[META_FLOATS]; /* (s, m) per group */
+    meta_floats(row + half, 2 * (h / G), mg), meta_floats(up + half, 2 * (h / G), mu);
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256 tg = _mm256_setzero_ps(), tu = tg;
+    float og = 0.0f, ou = 0.0f;
+    for (int64_t g = 0; g < paired; g++) {
+        int64_t gh = g + paired, j0 = g * G;
+        __m256 gl = _mm256_setzero_ps(), gh_ = gl, ul = gl, uh = gl;
+        for (int64_t j = j0; j < j0 + G; j += 8) {
+            __m256 xl = _mm256_loadu_ps(x + j), xh = _mm256_loadu_ps(x + half + j);
+            __m256i bg = (__m256i)load_u8(row + j), bu = (__m256i)load_u8(up + j);
+            gl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bg, low)), xl, gl);
+            gh_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bg, 4)), xh, gh_);
+            ul = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bu, low)), xl, ul);
+            uh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bu, 4)), xh, uh);
+        }
+        tg = _mm256_fmadd_ps(_mm256_broadcast_ss(mg + 2 * g), gl, tg);
+        tg = _mm256_fmadd_ps(_mm256_broadcast_ss(mg + 2 * gh), gh_, tg);
+        tu = _mm256_fmadd_ps(_mm256_broadcast_ss(mu + 2 * g), ul, tu);
+        tu = _mm256_fmadd_ps(_mm256_broadcast_ss(mu + 2 * gh), uh, tu);
+        og = fmaf(mg[2 * g + 1], xg[g], og), og = fmaf(mg[2 * gh + 1], xg[gh], og);
+        ou = fmaf(mu[2 * g + 1], xg[g], ou), ou = fmaf(mu[2 * gh + 1], xg[gh], ou);
+    }
+    *g = hsum8(tg) + og, *u = hsum8(tu) + ou;
+}
+
+/* int8 down rows of AXPY_ROWS neurons onto c. */
+static inline __attribute__((always_inline)) void down_int8(const uint8_t *const *rows, int64_t h, int64_t G,
+                                                             const float *a, float *restrict c, int init) {
+    float s[AXPY_ROWS][META_FLOATS];
+    for (int r = 0; r < AXPY_ROWS; r++) meta_floats(rows[r] + h, h / G, s[r]);
+#define Q8_8(r, j) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rows[r] + (j)))))
+    for (int64_t g = 0; g < h / G; g++) {
+        __m256 s0 = _mm256_set1_ps(a[0] * s[0][g]), s1 = _mm256_set1_ps(a[1] * s[1][g]);
+        __m256 s2 = _mm256_set1_ps(a[2] * s[2][g]), s3 = _mm256_set1_ps(a[3] * s[3][g]);
+        for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+            __m256 v = init ? _mm256_mul_ps(Q8_8(0, j), s0) : _mm256_fmadd_ps(Q8_8(0, j), s0, _mm256_loadu_ps(c + j));
+            v = _mm256_fmadd_ps(Q8_8(1, j), s1, v);
+            v = _mm256_fmadd_ps(Q8_8(2, j), s2, v);
+            _mm256_storeu_ps(c + j, _mm256_fmadd_ps(Q8_8(3, j), s3, v));
+        }
+    }
+#undef Q8_8
+}
+
+/* int4 down rows of AXPY_ROWS neurons onto c: groups g (low nibbles, c[j]) and g + H/2G (high, c[j + H/2])
+   together; the rows' offsets first (Σ_r a_r·m_r of the group, once per element), then a_r·s_r·q per row. */
+static inline __attribute__((always_inline)) void down_int4(const uint8_t *const *rows, int64_t h, int64_t G,
+                                                             const float *a, float *restrict c, int init) {
+    int64_t half = h / 2, paired = half / G;
+    float m[AXPY_ROWS][META_FLOATS];
+    for (int r = 0; r < AXPY_ROWS; r++) meta_floats(rows[r] + half, 2 * (h / G), m[r]);
+    const __m256i low = _mm256_set1_epi32(15);
+    for (int64_t g = 0; g < paired; g++) {
+        int64_t gh = g + paired;
+        __m256 sl[AXPY_ROWS], sh[AXPY_ROWS];
+        float ml = 0.0f, mh = 0.0f;
+        for (int r = 0; r < AXPY_ROWS; r++) {
+            sl[r] = _mm256_set1_ps(a[r] * m[r][2 * g]), sh[r] = _mm256_set1_ps(a[r] * m[r][2 * gh]);
+            ml = fmaf(a[r], m[r][2 * g + 1], ml), mh = fmaf(a[r], m[r][2 * gh + 1], mh);
+        }
+        __m256 bl = _mm256_set1_ps(ml), bh = _mm256_set1_ps(mh);
+        for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
+            __m256 vl = init ? bl : _mm256_add_ps(_mm256_loadu_ps(c + j), bl);
+            __m256 vh = init ? bh : _mm256_add_ps(_mm256_loadu_ps(c + half + j), bh);
+            for (int r = 0; r < AXPY_ROWS; r++) {
+                __m256i b = (__m256i)load_u8(rows[r] + j);
+                vl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), sl[r], vl);
+                vh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sh[r], vh);
+            }
+            _mm256_storeu_ps(c + j, vl), _mm256_storeu_ps(c + half + j, vh);
+        }
+    }
+}
+
 /* g = x·ŵ_gate, u = x·ŵ_up of one neuron (row: its gate row, then its up row), float32 x. */
 static void gate_up_one(const uint8_t *row, const Format *f, const float *x, const float *xg, float *g, float *u) {
     int64_t h = f->hidden, G = f->group;
@@ -897,51 +1005,14 @@ static void gate_up_one(const uint8_t *row, const Format *f, const float *x, con
         *g = hsum8(_mm256_add_ps(g0, g1)), *u = hsum8(_mm256_add_ps(u0, u1));
         return;
     }
-    case FMT_INT8: {
-        const uint16_t *mg = (const uint16_t *)(row + h), *mu = (const uint16_t *)(up + h);
-        __m256 tg = _mm256_setzero_ps(), tu = tg;
-        for (int64_t g0 = 0; g0 < h; g0 += G) {
-            __m256 ga = _mm256_setzero_ps(), gb = ga, ua = ga, ub = ga;
-            for (int64_t j = g0; j < g0 + G; j += 16) {
-                __m256 xa = _mm256_loadu_ps(x + j), xb = _mm256_loadu_ps(x + j + 8);
-                ga = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j)))), xa, ga);
-                gb = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j + 8)))), xb, gb);
-                ua = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(up + j)))), xa, ua);
-                ub = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(up + j + 8)))), xb, ub);
-            }
-            tg = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mg[g0 / G])), _mm256_add_ps(ga, gb), tg);
-            tu = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mu[g0 / G])), _mm256_add_ps(ua, ub), tu);
-        }
-        *g = hsum8(tg), *u = hsum8(tu);
+    case FMT_INT8: /* a3b's G = 128: a constant, the group loop unrolled */
+        if (G == 128) gate_up_int8(row, up, h, 128, x, g, u);
+        else gate_up_int8(row, up, h, G, x, g, u);
         return;
-    }
-    default: { /* FMT_INT4: byte j holds code j (low nibble) and code j + H/2 (high) */
-        int64_t half = h / 2, paired = half / G;
-        const uint16_t *mg = (const uint16_t *)(row + half), *mu = (const uint16_t *)(up + half);
-        const __m256i low = _mm256_set1_epi32(15);
-        __m256 tg = _mm256_setzero_ps(), tu = tg;
-        float og = 0.0f, ou = 0.0f;
-        for (int64_t g = 0; g < paired; g++) {
-            int64_t gh = g + paired, j0 = g * G;
-            __m256 gl = _mm256_setzero_ps(), gh_ = gl, ul = gl, uh = gl;
-            for (int64_t j = j0; j < j0 + G; j += 8) {
-                __m256 xl = _mm256_loadu_ps(x + j), xh = _mm256_loadu_ps(x + half + j);
-                __m256i bg = (__m256i)load_u8(row + j), bu = (__m256i)load_u8(up + j);
-                gl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bg, low)), xl, gl);
-                gh_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bg, 4)), xh, gh_);
-                ul = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bu, low)), xl, ul);
-                uh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bu, 4)), xh, uh);
-            }
-            tg = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mg[2 * g])), gl, tg);
-            tg = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mg[2 * gh])), gh_, tg);
-            tu = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mu[2 * g])), ul, tu);
-            tu = _mm256_fmadd_ps(_mm256_set1_ps(half_to_float(mu[2 * gh])), uh, tu);
-            og = fmaf(half_to_float(mg[2 * g + 1]), xg[g], og), og = fmaf(half_to_float(mg[2 * gh + 1]), xg[gh], og);
-            ou = fmaf(half_to_float(mu[2 * g + 1]), xg[g], ou), ou = fmaf(half_to_float(mu[2 * gh + 1]), xg[gh], ou);
-        }
-        *g = hsum8(tg) + og, *u = hsum8(tu) + ou;
+    default: /* FMT_INT4 */
+        if (G == 64) gate_up_int4(row, up, h, 64, x, xg, g, u);
+        else gate_up_int4(row, up, h, G, x, xg, g, u);
         return;
-    }
     }
 }
 
@@ -975,51 +1046,14 @@ static void down_one(const uint8_t *const *rows, const Format *f, const float *a
 #undef BF16_8
         return;
     }
-    case FMT_INT8: {
-#define Q8_8(r, j) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rows[r] + (j)))))
-        for (int64_t g = 0; g < h / G; g++) {
-            __m256 s0 = _mm256_set1_ps(a[0] * half_to_float(((const uint16_t *)(rows[0] + h))[g]));
-            __m256 s1 = _mm256_set1_ps(a[1] * half_to_float(((const uint16_t *)(rows[1] + h))[g]));
-            __m256 s2 = _mm256_set1_ps(a[2] * half_to_float(((const uint16_t *)(rows[2] + h))[g]));
-            __m256 s3 = _mm256_set1_ps(a[3] * half_to_float(((const uint16_t *)(rows[3] + h))[g]));
-            for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
-                __m256 v = init ? _mm256_mul_ps(Q8_8(0, j), s0) : _mm256_fmadd_ps(Q8_8(0, j), s0, _mm256_loadu_ps(c + j));
-                v = _mm256_fmadd_ps(Q8_8(1, j), s1, v);
-                v = _mm256_fmadd_ps(Q8_8(2, j), s2, v);
-                _mm256_storeu_ps(c + j, _mm256_fmadd_ps(Q8_8(3, j), s3, v));
-            }
-        }
-#undef Q8_8
+    case FMT_INT8:
+        if (G == 128) down_int8(rows, h, 128, a, c, init);
+        else down_int8(rows, h, G, a, c, init);
         return;
-    }
-    default: { /* FMT_INT4: groups g (low nibbles, c[j]) and g + H/2G (high, c[j + H/2]) together */
-        int64_t half = h / 2, paired = half / G;
-        const __m256i low = _mm256_set1_epi32(15);
-        for (int64_t g = 0; g < paired; g++) {
-            int64_t gh = g + paired;
-            __m256 sl[AXPY_ROWS], sh[AXPY_ROWS];
-            float ml = 0.0f, mh = 0.0f; /* Σ_r a_r·m_r of the two groups */
-            for (int r = 0; r < AXPY_ROWS; r++) {
-                const uint16_t *meta = (const uint16_t *)(rows[r] + half);
-                sl[r] = _mm256_set1_ps(a[r] * half_to_float(meta[2 * g]));
-                sh[r] = _mm256_set1_ps(a[r] * half_to_float(meta[2 * gh]));
-                ml = fmaf(a[r], half_to_float(meta[2 * g + 1]), ml);
-                mh = fmaf(a[r], half_to_float(meta[2 * gh + 1]), mh);
-            }
-            __m256 bl = _mm256_set1_ps(ml), bh = _mm256_set1_ps(mh);
-            for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
-                __m256 vl = init ? bl : _mm256_add_ps(_mm256_loadu_ps(c + j), bl);
-                __m256 vh = init ? bh : _mm256_add_ps(_mm256_loadu_ps(c + half + j), bh);
-                for (int r = 0; r < AXPY_ROWS; r++) {
-                    __m256i b = (__m256i)load_u8(rows[r] + j);
-                    vl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), sl[r], vl);
-                    vh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sh[r], vh);
-                }
-                _mm256_storeu_ps(c + j, vl), _mm256_storeu_ps(c + half + j, vh);
-            }
-        }
+    default: /* FMT_INT4 */
+        if (G == 64) down_int4(rows, h, 64, a, c, init);
+        else down_int4(rows, h, G, a, c, init);
         return;
-    }
     }
 }
 #endif
@@ -1031,8 +1065,8 @@ static int one_shape(const Format *f, const Tokens *x) {
     switch (f->fmt) {
     case FMT_F32: return h % 32 == 0;
     case FMT_BF16: return h % 16 == 0;
-    case FMT_INT8: return G % 16 == 0 && h % G == 0;
-    case FMT_INT4: return G % 8 == 0 && (h / 2) % G == 0;
+    case FMT_INT8: return G % 16 == 0 && h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
+    case FMT_INT4: return G % 8 == 0 && (h / 2) % G == 0 && (2 * h / G) % 8 == 0 && 2 * h / G <= META_FLOATS;
     default: return 0;
     }
 }
