@@ -475,6 +475,119 @@ static void dot_tokens(const float *w, const float *x, int64_t tokens, int64_t h
     }
 }
 
+/* ---- many tokens: register-blocked products on decoded rows (T > PREFILL_FROM) --------------------
+
+   A long prefill gives an expert many tokens. ŵ is decoded a few rows at a time into an L1/L2-resident float
+   block, and the products run in register tiles that share each load over several rows and tokens:
+     dots (gate, up; a dense linear's rows): a tile of DOT_ROWS rows × DOT_TOKENS tokens, one 8-lane
+       accumulator per (row, token) along H, then its horizontal sum;
+     down: a tile of DOWN_TOKENS tokens × 16 columns, the neurons of a block added in order (the first one's
+       product, then one fma per neuron), the tile kept in registers across them.
+   Every output's operations are the same whatever tile it falls in (a remainder tile runs the same sequence),
+   so no bit depends on T's remainder, the tiling or the thread count. */
+#define PREFILL_FROM 4  /* more tokens than this: these paths (the T ≤ 4 ones are decode's) */
+#define DOT_ROWS 4
+#define DOT_TOKENS 3
+#define DOWN_TOKENS 6
+#define DOWN_NEURONS 16 /* down rows decoded at once (a block's partial sum stays in c between blocks) */
+
+#if FMOE_AVX2
+/* out[r·rs + t·ts] = ŵ_r·x_t for R rows (w, h apart) × TT tokens (x, h apart); R, TT constants when inlined. */
+static inline __attribute__((always_inline)) void dots_tile(const float *w, int R, const float *x, int TT, int64_t h,
+                                                             float *out, int64_t rs, int64_t ts) {
+    __m256 acc[DOT_ROWS][DOT_TOKENS];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < h; j += 8) {
+        __m256 xv[DOT_TOKENS];
+        for (int t = 0; t < TT; t++) xv[t] = _mm256_loadu_ps(x + t * h + j);
+        for (int r = 0; r < R; r++) {
+            __m256 wv = _mm256_loadu_ps(w + r * h + j);
+            for (int t = 0; t < TT; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) out[r * rs + t * ts] = hsum8(acc[r][t]);
+}
+
+#define DOTS_TILE_CASE(R, TT) case (R) * 8 + (TT): dots_tile(w, R, x, TT, h, out, rs, ts); return
+static void dots_tile_any(const float *w, int R, const float *x, int TT, int64_t h, float *out, int64_t rs, int64_t ts) {
+    switch (R * 8 + TT) { /* a constant shape for each inlined copy */
+    DOTS_TILE_CASE(4, 3); DOTS_TILE_CASE(4, 2); DOTS_TILE_CASE(4, 1);
+    DOTS_TILE_CASE(3, 3); DOTS_TILE_CASE(3, 2); DOTS_TILE_CASE(3, 1);
+    DOTS_TILE_CASE(2, 3); DOTS_TILE_CASE(2, 2); DOTS_TILE_CASE(2, 1);
+    default: dots_tile(w, 1, x, 1, h, out, rs, ts); return;
+    }
+}
+
+/* out[r·rs + t·ts] = ŵ_r·x_t for `rows` decoded rows w [rows, H] and every token x [T, H]. */
+static void dots_rows(const float *w, int64_t rows, const float *x, int64_t tokens, int64_t h, float *out, int64_t rs,
+                      int64_t ts) {
+    for (int64_t r = 0; r < rows; r += DOT_ROWS) {
+        int R = rows - r < DOT_ROWS ? (int)(rows - r) : DOT_ROWS;
+        for (int64_t t = 0; t < tokens; t += DOT_TOKENS) {
+            int TT = tokens - t < DOT_TOKENS ? (int)(tokens - t) : DOT_TOKENS;
+            dots_tile_any(w + r * h, R, x + t * h, TT, h, out + r * rs + t * ts, rs, ts);
+        }
+    }
+}
+
+/* c[t, j:j+16] for TT tokens: init ? Σ_n : c + Σ_n of a_n[t]·ŵ_n[j:j+16] over n < N, in order (the first a product
+   when init, else an fma onto c; then one fma per neuron). a_n[t] = a[n·as + t]; w [N, H] decoded down rows. */
+static inline __attribute__((always_inline)) void down_tile(const float *w, int64_t N, const float *a, int64_t as,
+                                                             int TT, int64_t h, float *c, int init) {
+    __m256 acc[DOWN_TOKENS][2];
+    __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    for (int t = 0; t < TT; t++) {
+        __m256 at = _mm256_broadcast_ss(a + t);
+        if (init) {
+            acc[t][0] = _mm256_mul_ps(at, w0), acc[t][1] = _mm256_mul_ps(at, w1);
+        } else {
+            acc[t][0] = _mm256_fmadd_ps(at, w0, _mm256_loadu_ps(c + t * h));
+            acc[t][1] = _mm256_fmadd_ps(at, w1, _mm256_loadu_ps(c + t * h + 8));
+        }
+    }
+    for (int64_t n = 1; n < N; n++) {
+        w0 = _mm256_loadu_ps(w + n * h), w1 = _mm256_loadu_ps(w + n * h + 8);
+        for (int t = 0; t < TT; t++) {
+            __m256 at = _mm256_broadcast_ss(a + n * as + t);
+            acc[t][0] = _mm256_fmadd_ps(at, w0, acc[t][0]), acc[t][1] = _mm256_fmadd_ps(at, w1, acc[t][1]);
+        }
+    }
+    for (int t = 0; t < TT; t++) _mm256_storeu_ps(c + t * h, acc[t][0]), _mm256_storeu_ps(c + t * h + 8, acc[t][1]);
+}
+
+#define DOWN_TILE_CASE(TT) case TT: down_tile(w, N, a, as, TT, h, c, init); return
+static void down_tile_any(const float *w, int64_t N, const float *a, int64_t as, int TT, int64_t h, float *c, int init) {
+    switch (TT) {
+    DOWN_TILE_CASE(6); DOWN_TILE_CASE(5); DOWN_TILE_CASE(4); DOWN_TILE_CASE(3); DOWN_TILE_CASE(2);
+    default: down_tile(w, N, a, as, 1, h, c, init); return;
+    }
+}
+
+/* c [T, H] (init: =, else +=) Σ_n a_n[t]·ŵ_n over N decoded down rows w [N, H], in order (H a multiple of 16). */
+static void down_block(const float *w, int64_t N, const float *a, int64_t as, int64_t tokens, int64_t h, float *c,
+                       int init) {
+    for (int64_t t = 0; t < tokens; t += DOWN_TOKENS) {
+        int TT = tokens - t < DOWN_TOKENS ? (int)(tokens - t) : DOWN_TOKENS;
+        for (int64_t j = 0; j < h; j += 16) down_tile_any(w + j, N, a + t, as, TT, h, c + t * h + j, init);
+    }
+}
+#endif
+
+/* A down row -> ŵ [H] float32 in natural order (decode_row's, except bf16's, which decode_row de-interleaves). */
+static void decode_down(const uint8_t *row, const Format *f, float *w, int vector) {
+#if FMOE_AVX2
+    if (vector && f->fmt == FMT_BF16) {
+        for (int64_t j = 0; j < f->hidden; j += 8)
+            _mm256_storeu_ps(w + j, (__m256)_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + j))), 16));
+        return;
+    }
+#endif
+    decode_row(row, f, w, vector);
+}
+
 /* ---- down: c[t, :] (+)= a[t]·ŵ over one row ----------------------------------------------- */
 
 /* c [T, H]: a chunk's partial sum. init: the chunk's first neuron writes c (no add). For int4/int2 a
@@ -654,6 +767,20 @@ static void down_rows(const uint8_t *const *rows, int R, const Format *f, const 
 }
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* The gated activation of one (token, neuron): silu(g)·u; bf16 compute rounds each result to bf16 as torch's
+   bf16 ops do. */
+static inline float gated(float g, float u, int bf16) {
+    if (!bf16) return silu(g) * u;
+    g = round_bf16(g), u = round_bf16(u);
+    return round_bf16(round_bf16(silu(g)) * u);
+}
+
+/* Floats of one thread's scratch for prefill_chunk: decoded gate and up rows, their dots, a, decoded down rows. */
+static int64_t prefill_floats(int64_t tokens, int64_t hidden) {
+    int64_t padded = (tokens + 15) / 16 * 16, h = (hidden + 15) / 16 * 16;
+    return (2 * DOT_ROWS + DOWN_NEURONS) * h + (2 * DOT_ROWS + DOWN_NEURONS) * padded;
+}
 
 /* Whether the vector paths cover this shape (else the scalar paths run: same values, other roundings). */
 static int vector_shape(const Format *f) {
@@ -1119,6 +1246,49 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
 #endif
 }
 
+#if FMOE_AVX2
+/* pass_chunk for T > PREFILL_FROM tokens (vector shapes): chunk k's partial sum c, its neurons in blocks of
+   DOWN_NEURONS. Per block: each DOT_ROWS neurons' gate and up rows decoded, their dots over every token in register
+   tiles (int8 activations: each token's integer dots, as decode); a[t] per neuron; the block's down rows decoded,
+   then c (the block's first: =, else +=) Σ a·ŵ_down in neuron order. So each element of c is the chunk's neurons
+   added in order from zero, as in every path. */
+static void prefill_chunk(const Pass *p, int64_t k, float *scratch) {
+    const Format *f = p->f;
+    const Tokens *x = p->x;
+    int64_t tokens = x->tokens, h = f->hidden, pb = f->proj_bytes, padded = (tokens + 15) / 16 * 16;
+    float *wg = scratch, *wd = wg + 2 * DOT_ROWS * h, *gu = wd + DOWN_NEURONS * h, *a = gu + 2 * DOT_ROWS * padded;
+    float *c = p->part + k * tokens * h;
+    int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
+    for (int64_t b0 = i0; b0 < i1; b0 += DOWN_NEURONS) {
+        int64_t b1 = b0 + DOWN_NEURONS < i1 ? b0 + DOWN_NEURONS : i1;
+        for (int64_t n0 = b0; n0 < b1; n0 += DOT_ROWS) {
+            int64_t m = n0 + DOT_ROWS < b1 ? DOT_ROWS : b1 - n0;
+            if (!x->q8) { /* rows: the m gate rows, then the m up rows */
+                for (int64_t i = 0; i < m; i++) {
+                    const uint8_t *row = p->segment + (n0 + i) * p->row_bytes;
+                    decode_row(row, f, wg + i * h, 1);
+                    decode_row(row + pb, f, wg + (m + i) * h, 1);
+                }
+                dots_rows(wg, 2 * m, x->xf, tokens, h, gu, padded, 1);
+            }
+            for (int64_t i = 0; i < m; i++) {
+                const uint8_t *row = p->segment + (n0 + i) * p->row_bytes;
+                float *an = a + (n0 - b0 + i) * padded;
+                for (int64_t t = 0; t < tokens; t++) {
+                    float g, u;
+                    if (x->q8)
+                        gate_up_dots(row, f, x, t, &g, &u);
+                    else
+                        g = gu[i * padded + t], u = gu[(m + i) * padded + t];
+                    an[t] = gated(g, u, p->x_bf16);
+                }
+                decode_down(row + 2 * pb, f, wd + (n0 - b0 + i) * h, 1);
+            }
+        }
+        down_block(wd, b1 - b0, a, padded, tokens, h, c, b0 == i0);
+    }
+}
+#endif
 
 /* Chunk first + k: its partial sum c = Σ over its neurons, in order, of a[t]·ŵ_down (from zero). */
 static void pass_chunk(void *job, int64_t k, int64_t worker) {
@@ -1133,6 +1303,12 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
     int decoded = tokens > 1 && !x->q8; /* ŵ of the gate and up rows once, then every token's float32 dots */
     int64_t padded = (tokens + 15) / 16 * 16;
     float *at = p->scratch + worker * p->stride, *ut = at + AXPY_ROWS * padded, *wt = ut + padded; /* a_r[t]: r < 4 */
+#if FMOE_AVX2
+    if (tokens > PREFILL_FROM && x->vector && FMOE_PHASES == 3) { /* a prefill's many tokens: register tiles */
+        prefill_chunk(p, k, p->scratch + worker * p->stride);
+        return;
+    }
+#endif
     float *c = p->part + k * tokens * hidden;
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
     const uint8_t *down[AXPY_ROWS];
@@ -1152,12 +1328,7 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
                 g = a[t], u = ut[t];
             else
                 gate_up_dots(row, f, x, t, &g, &u);
-            if (p->x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
-                g = round_bf16(g), u = round_bf16(u);
-                a[t] = round_bf16(round_bf16(silu(g)) * u);
-            } else {
-                a[t] = silu(g) * u;
-            }
+            a[t] = gated(g, u, p->x_bf16);
         }
         down[held++] = row + 2 * proj_bytes;
         if (held == AXPY_ROWS || i + 1 == i1) {
@@ -1189,6 +1360,7 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
     if (batch < 1) batch = 1;
     /* each thread's a[t], u[t] (several tokens: and one decoded row ŵ) on cache lines of its own */
     int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
+    if (tokens > PREFILL_FROM && prefill_floats(tokens, hidden) > stride) stride = prefill_floats(tokens, hidden);
     Tokens xs;
     float *part = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, batch * tokens * hidden + 16 + width * stride);
     if (!part) return -1;
@@ -1259,6 +1431,16 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
         return;
     }
 #endif
+#if FMOE_AVX2
+    if (tokens > PREFILL_FROM && x->vector) { /* many tokens: DOT_ROWS rows decoded, then register tiles */
+        for (int64_t o = o0; o < o1; o += DOT_ROWS) {
+            int64_t m = o + DOT_ROWS < o1 ? DOT_ROWS : o1 - o;
+            for (int64_t i = 0; i < m; i++) decode_row(p->rows + (o + i) * f->proj_bytes, f, w + i * h, 1);
+            dots_rows(w, m, x->xf, tokens, h, p->y + o, 1, p->outputs);
+        }
+        return;
+    }
+#endif
     for (int64_t o = o0; o < o1; o++) {
         const uint8_t *row = p->rows + o * f->proj_bytes;
         if (tokens == 1) {
@@ -1280,6 +1462,7 @@ int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t h
     Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
     if (threads < 1 || outputs * hidden * tokens < (1 << 16)) threads = 1;
     int64_t stride = tokens > 1 ? (hidden + 15) / 16 * 16 + (tokens + 15) / 16 * 16 : 0; /* ŵ and the dots */
+    if (tokens > PREFILL_FROM) stride = DOT_ROWS * ((hidden + 15) / 16 * 16); /* DOT_ROWS rows of ŵ */
     Tokens xs;
     float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride);
     if (!scratch) return -1;
