@@ -87,10 +87,12 @@ def profile_decode(args) -> dict:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.ops else nullcontext()
         with profiler:
             SPENT.clear()
+            cpu = [time.process_time()]  # the process's CPU time (every thread) at each event: steadier under load
             for event in stream_generate(lm.model, ids, engine=engine, max_new_tokens=args.tokens + 1,
                                          stop_on_eos=False):
                 steps.append(event.latency_s)
                 parts.append(dict(SPENT))
+                cpu.append(time.process_time())
                 SPENT.clear()
         prefill_s, decode = steps[0], steps[1:]  # the first step is the prefill (and its token)
         per_token = {part: statistics.mean(p.get(part, 0.0) for p in parts[1:]) for part in PARTS}
@@ -105,11 +107,19 @@ def profile_decode(args) -> dict:
                 "dense": lm.dense, "activations": lm.activations, "threads": torch.get_num_threads(),
                 "tokens": len(decode), "tpot_ms": {"median": step * 1e3, "min": min(decode) * 1e3,
                                                     "max": max(decode) * 1e3},
-                "prefill_ms": prefill_s * 1e3, "prompt_tokens": int(ids.shape[-1]),
+                "prefill_ms": prefill_s * 1e3, "prefill_cpu_ms": (cpu[1] - cpu[0]) * 1e3, "prompt_tokens": int(ids.shape[-1]),
                 "per_token_ms": {k: v * 1e3 for k, v in per_token.items()},
+                "prefill_parts_ms": prefill_parts(parts[0], prefill_s),
                 "bytes_per_token": read,
                 "top_ops": None if not args.ops else profiler.key_averages().table(sort_by="self_cpu_time_total",
                                                                                     row_limit=args.ops)}
+
+
+def prefill_parts(spent: dict, total_s: float) -> dict:
+    """The prefill step's parts in ms (the same labels as a decode token's; `other` the rest of the step)."""
+    parts = {part: spent.get(part, 0.0) * 1e3 for part in PARTS}
+    parts["other"] = max(0.0, total_s * 1e3 - parts["attention"] - parts["moe"] - parts["lm head"])
+    return parts
 
 
 def render(report: dict) -> str:
@@ -128,6 +138,12 @@ def render(report: dict) -> str:
         lines.append(f"| {name} | {ms:.2f} | {ms / mean:.0%} | {'' if nbytes is None else f'{nbytes / 1e6:.1f}'} | {rate} |")
     moe, experts = report["per_token_ms"]["moe"], report["per_token_ms"]["experts"]
     lines.append(f"| moe − experts (router, engine, combine) | {moe - experts:.2f} | {(moe - experts) / mean:.0%} | | |")
+    p = report["prefill_parts_ms"]
+    lines += ["", f"prefill: {report['prompt_tokens']} tokens in {report['prefill_ms']:.1f} ms "
+              f"({report['prompt_tokens'] / report['prefill_ms'] * 1e3:.1f} tokens/s; CPU time "
+              f"{report['prefill_cpu_ms']:.1f} ms), of which "
+              + ", ".join(f"{part} {p[part]:.1f}" for part in ("attention", "moe", "experts", "lm head", "other"))
+              + f", moe − experts {p['moe'] - p['experts']:.1f} ms"]
     if report["top_ops"]:
         lines += ["", f"torch.profiler, the whole run (prefill and {report['tokens']} decode steps), by self CPU time:",
                   report["top_ops"]]

@@ -39,9 +39,11 @@ from fmoe_cli.types import DEFAULT_ACTIVATIONS, EXPERT_FORMATS, QuantFormat
 
 FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, "int8": 2, "int4": 3, "int2": 4}  # experts.c's enum
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # what x may be (experts.c: float32 or bf16 activations)
-# Tokens of one expert above which torch's matmuls (on dequantised blocks) cost less CPU than the kernels'
-# dot products (benchmarks/kernels.py --tokens 16 64, docs/bench.md § CPU expert kernels): long prefills.
-MAX_TOKENS = 32
+# Tokens of one expert (or one dense linear's call) above which torch's matmuls on dequantised blocks compute
+# instead: the kernels' register tiles (T > 4) cost no more CPU than torch up to 64 tokens (benchmarks/kernels.py
+# --tokens 16 64, docs/bench.md § CPU expert kernels); past 128 the tokens no longer stay in L2 while a row block
+# is dotted with them (measured no further).
+MAX_TOKENS = 128
 
 
 @dataclass(frozen=True)

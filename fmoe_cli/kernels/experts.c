@@ -479,43 +479,73 @@ static void dot_tokens(const float *w, const float *x, int64_t tokens, int64_t h
 
    A long prefill gives an expert many tokens. ŵ is decoded a few rows at a time into an L1/L2-resident float
    block, and the products run in register tiles that share each load over several rows and tokens:
-     dots (gate, up; a dense linear's rows): a tile of DOT_ROWS rows × DOT_TOKENS tokens, one 8-lane
+     dots (gate, up; a dense linear's rows): a tile of DOT_ROWS rows × DOT_TOKENS tokens, one VL-lane
        accumulator per (row, token) along H, then its horizontal sum;
-     down: a tile of DOWN_TOKENS tokens × 16 columns, the neurons of a block added in order (the first one's
+     down: a tile of DOWN_TOKENS tokens × 2·VL columns, the neurons of a block added in order (the first one's
        product, then one fma per neuron), the tile kept in registers across them.
-   Every output's operations are the same whatever tile it falls in (a remainder tile runs the same sequence),
-   so no bit depends on T's remainder, the tiling or the thread count. */
-#define PREFILL_FROM 4  /* more tokens than this: these paths (the T ≤ 4 ones are decode's) */
+   VL: 16 lanes where the compiler targets AVX-512 (-march=native on such a CPU), else 8 (AVX2). Every output's
+   operations are the same whatever tile it falls in (a remainder tile runs the same sequence), so no bit depends
+   on T's remainder, the tiling or the thread count (the vector width, like the compiler, is the machine's). */
+#ifndef FMOE_PREFILL_FROM
+#define FMOE_PREFILL_FROM 4
+#endif
+#define PREFILL_FROM FMOE_PREFILL_FROM /* more tokens than this: these paths (the T ≤ 4 ones are decode's) */
 #define DOT_ROWS 4
-#define DOT_TOKENS 3
-#define DOWN_TOKENS 6
 #define DOWN_NEURONS 16 /* down rows decoded at once (a block's partial sum stays in c between blocks) */
 
 #if FMOE_AVX2
+#if defined(__AVX512F__) && !defined(FMOE_NO_AVX512)
+typedef __m512 vec;
+#define VL 16
+#define DOT_TOKENS 4
+#define DOWN_TOKENS 8
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vfma _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+#define vset1 _mm512_set1_ps
+#define vsum _mm512_reduce_add_ps
+#else
+typedef __m256 vec;
+#define VL 8
+#define DOT_TOKENS 3
+#define DOWN_TOKENS 6
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vfma _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+#define vset1 _mm256_set1_ps
+#define vsum hsum8
+#endif
+
 /* out[r·rs + t·ts] = ŵ_r·x_t for R rows (w, h apart) × TT tokens (x, h apart); R, TT constants when inlined. */
 static inline __attribute__((always_inline)) void dots_tile(const float *w, int R, const float *x, int TT, int64_t h,
                                                              float *out, int64_t rs, int64_t ts) {
-    __m256 acc[DOT_ROWS][DOT_TOKENS];
+    vec acc[DOT_ROWS][DOT_TOKENS];
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++) acc[r][t] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < h; j += 8) {
-        __m256 xv[DOT_TOKENS];
-        for (int t = 0; t < TT; t++) xv[t] = _mm256_loadu_ps(x + t * h + j);
+        for (int t = 0; t < TT; t++) acc[r][t] = vzero();
+    for (int64_t j = 0; j < h; j += VL) {
+        vec xv[DOT_TOKENS];
+        for (int t = 0; t < TT; t++) xv[t] = vload(x + t * h + j);
         for (int r = 0; r < R; r++) {
-            __m256 wv = _mm256_loadu_ps(w + r * h + j);
-            for (int t = 0; t < TT; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+            vec wv = vload(w + r * h + j);
+            for (int t = 0; t < TT; t++) acc[r][t] = vfma(wv, xv[t], acc[r][t]);
         }
     }
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++) out[r * rs + t * ts] = hsum8(acc[r][t]);
+        for (int t = 0; t < TT; t++) out[r * rs + t * ts] = vsum(acc[r][t]);
 }
 
 #define DOTS_TILE_CASE(R, TT) case (R) * 8 + (TT): dots_tile(w, R, x, TT, h, out, rs, ts); return
+#define DOTS_TILE_ROWS(R) DOTS_TILE_CASE(R, 3); DOTS_TILE_CASE(R, 2); DOTS_TILE_CASE(R, 1)
 static void dots_tile_any(const float *w, int R, const float *x, int TT, int64_t h, float *out, int64_t rs, int64_t ts) {
     switch (R * 8 + TT) { /* a constant shape for each inlined copy */
-    DOTS_TILE_CASE(4, 3); DOTS_TILE_CASE(4, 2); DOTS_TILE_CASE(4, 1);
-    DOTS_TILE_CASE(3, 3); DOTS_TILE_CASE(3, 2); DOTS_TILE_CASE(3, 1);
-    DOTS_TILE_CASE(2, 3); DOTS_TILE_CASE(2, 2); DOTS_TILE_CASE(2, 1);
+#if DOT_TOKENS == 4
+    DOTS_TILE_CASE(4, 4); DOTS_TILE_CASE(3, 4); DOTS_TILE_CASE(2, 4); DOTS_TILE_CASE(1, 4);
+#endif
+    DOTS_TILE_ROWS(4); DOTS_TILE_ROWS(3); DOTS_TILE_ROWS(2); DOTS_TILE_CASE(1, 3); DOTS_TILE_CASE(1, 2);
     default: dots_tile(w, 1, x, 1, h, out, rs, ts); return;
     }
 }
@@ -532,45 +562,47 @@ static void dots_rows(const float *w, int64_t rows, const float *x, int64_t toke
     }
 }
 
-/* c[t, j:j+16] for TT tokens: init ? Σ_n : c + Σ_n of a_n[t]·ŵ_n[j:j+16] over n < N, in order (the first a product
-   when init, else an fma onto c; then one fma per neuron). a_n[t] = a[n·as + t]; w [N, H] decoded down rows. */
+/* c[t, j:j+2VL] for TT tokens: init ? Σ_n : c + Σ_n of a_n[t]·ŵ_n[j:j+2VL] over n < N, in order (the first a
+   product when init, else an fma onto c; then one fma per neuron). a_n[t] = a[n·as + t]; w [N, H] decoded down rows. */
 static inline __attribute__((always_inline)) void down_tile(const float *w, int64_t N, const float *a, int64_t as,
                                                              int TT, int64_t h, float *c, int init) {
-    __m256 acc[DOWN_TOKENS][2];
-    __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    vec acc[DOWN_TOKENS][2];
+    vec w0 = vload(w), w1 = vload(w + VL);
     for (int t = 0; t < TT; t++) {
-        __m256 at = _mm256_broadcast_ss(a + t);
+        vec at = vset1(a[t]);
         if (init) {
-            acc[t][0] = _mm256_mul_ps(at, w0), acc[t][1] = _mm256_mul_ps(at, w1);
+            acc[t][0] = vmul(at, w0), acc[t][1] = vmul(at, w1);
         } else {
-            acc[t][0] = _mm256_fmadd_ps(at, w0, _mm256_loadu_ps(c + t * h));
-            acc[t][1] = _mm256_fmadd_ps(at, w1, _mm256_loadu_ps(c + t * h + 8));
+            acc[t][0] = vfma(at, w0, vload(c + t * h)), acc[t][1] = vfma(at, w1, vload(c + t * h + VL));
         }
     }
     for (int64_t n = 1; n < N; n++) {
-        w0 = _mm256_loadu_ps(w + n * h), w1 = _mm256_loadu_ps(w + n * h + 8);
+        w0 = vload(w + n * h), w1 = vload(w + n * h + VL);
         for (int t = 0; t < TT; t++) {
-            __m256 at = _mm256_broadcast_ss(a + n * as + t);
-            acc[t][0] = _mm256_fmadd_ps(at, w0, acc[t][0]), acc[t][1] = _mm256_fmadd_ps(at, w1, acc[t][1]);
+            vec at = vset1(a[n * as + t]);
+            acc[t][0] = vfma(at, w0, acc[t][0]), acc[t][1] = vfma(at, w1, acc[t][1]);
         }
     }
-    for (int t = 0; t < TT; t++) _mm256_storeu_ps(c + t * h, acc[t][0]), _mm256_storeu_ps(c + t * h + 8, acc[t][1]);
+    for (int t = 0; t < TT; t++) vstore(c + t * h, acc[t][0]), vstore(c + t * h + VL, acc[t][1]);
 }
 
 #define DOWN_TILE_CASE(TT) case TT: down_tile(w, N, a, as, TT, h, c, init); return
 static void down_tile_any(const float *w, int64_t N, const float *a, int64_t as, int TT, int64_t h, float *c, int init) {
     switch (TT) {
+#if DOWN_TOKENS == 8
+    DOWN_TILE_CASE(8); DOWN_TILE_CASE(7);
+#endif
     DOWN_TILE_CASE(6); DOWN_TILE_CASE(5); DOWN_TILE_CASE(4); DOWN_TILE_CASE(3); DOWN_TILE_CASE(2);
     default: down_tile(w, N, a, as, 1, h, c, init); return;
     }
 }
 
-/* c [T, H] (init: =, else +=) Σ_n a_n[t]·ŵ_n over N decoded down rows w [N, H], in order (H a multiple of 16). */
+/* c [T, H] (init: =, else +=) Σ_n a_n[t]·ŵ_n over N decoded down rows w [N, H], in order (H a multiple of 2VL). */
 static void down_block(const float *w, int64_t N, const float *a, int64_t as, int64_t tokens, int64_t h, float *c,
                        int init) {
     for (int64_t t = 0; t < tokens; t += DOWN_TOKENS) {
         int TT = tokens - t < DOWN_TOKENS ? (int)(tokens - t) : DOWN_TOKENS;
-        for (int64_t j = 0; j < h; j += 16) down_tile_any(w + j, N, a + t, as, TT, h, c + t * h + j, init);
+        for (int64_t j = 0; j < h; j += 2 * VL) down_tile_any(w + j, N, a + t, as, TT, h, c + t * h + j, init);
     }
 }
 #endif
