@@ -23,6 +23,7 @@ max abs logit error and top-1 agreement (docs/quantization.md § Exactness contr
     python benchmarks/kernels.py
     python benchmarks/kernels.py --tokens 1 4 16 64 --rounds 7 --threads 2
     python benchmarks/kernels.py --dense 4096 2048 --formats f32 int8 int4
+    python benchmarks/kernels.py --layer 8 --formats int4 --threads 2
     python benchmarks/kernels.py --tolerance 2048
 """
 
@@ -50,8 +51,9 @@ def spread(values, fmt="{:.0f}"):
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
 
 
-def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens: int):
-    """(stored bytes of one expert, {path: call}) for format `name`; each call takes the next copy."""
+def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens: int, layer: int = 1):
+    """(stored bytes of one expert, {path: call}) for format `name`; each call takes the next copy. layer > 1: the
+    bytes of `layer` experts, and the kernels' two ways of computing them (one call each, one call for all)."""
     from fmoe_cli import kernels
     from fmoe_cli.offload import layout
     from fmoe_cli.offload.quant import QuantStore, quantize
@@ -90,6 +92,19 @@ def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens
         return run
 
     calls = {"kernel": rotate(lambda seg: kernels.segment_forward(x, seg, spec)), "torch": rotate(torch_path)}
+    if layer > 1:  # a decode step's K activated experts: K calls, or one (kernels.segments_forward)
+        def experts(call):
+            def run():
+                segs = []
+                for _ in range(layer):
+                    turn[0] = (turn[0] + 1) % copies
+                    segs.append(stored[turn[0]])
+                return call(segs)
+            return run
+
+        return nbytes * layer, {f"kernel, {layer} calls": experts(lambda segs: [kernels.segment_forward(x, s, spec)
+                                                                                for s in segs]),
+                                f"kernel, {layer} in one call": experts(lambda segs: kernels.segments_forward(x, segs, spec))}
     if name in ("int8", "int4"):  # --activations int8: x quantised per block of 32, integer dots
         q8 = replace(spec, int8_activations=True)
         calls["kernel, int8 activations"] = rotate(lambda seg: kernels.segment_forward(x, seg, q8))
@@ -184,6 +199,8 @@ def main() -> None:
     p.add_argument("--pool-mb", type=float, default=256, help="experts rotated through: this many MB of them "
                    "(more than the last-level cache holds)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--layer", type=int, default=1, metavar="K",
+                   help="instead: K experts a call (a decode step's top-K), one kernel call each against one for all")
     p.add_argument("--paths", nargs="+", default=None, metavar="PATH",
                    help="only these paths (kernel, torch, 'kernel, int8 activations', F.linear), e.g. --paths kernel "
                         "under valgrind --tool=callgrind --toggle-collect=fmoe_segment_forward (instructions per weight)")
@@ -214,7 +231,7 @@ def main() -> None:
             if args.dense:
                 nbytes, calls = make_dense_cases(name, *args.dense, args.pool_mb, tokens)
             else:
-                nbytes, calls = make_cases(name, args.hidden, args.intermediate, args.pool_mb, tokens)
+                nbytes, calls = make_cases(name, args.hidden, args.intermediate, args.pool_mb, tokens, args.layer)
             sizes[name] = nbytes
             for path, call in calls.items():
                 if args.paths is None or path in args.paths:
@@ -231,7 +248,8 @@ def main() -> None:
                 times[key].append((time.perf_counter() - start) / args.repeats * 1e6)
                 cpu[key].append((time.process_time() - start_cpu) / args.repeats * 1e6)
     what = (f"one projection W [{args.dense[0]}, {args.dense[1]}] (--dense)" if args.dense
-            else f"one expert (H={args.hidden}, I={args.intermediate})")
+            else f"{args.layer} experts" if args.layer > 1 else "one expert") + (
+        "" if args.dense else f" (H={args.hidden}, I={args.intermediate})")
     base = "f32" if args.dense and "f32" in args.formats else None  # --dense: every row against f32's F.linear
     table = Table(title=f"{what}, {torch.get_num_threads()} threads: median \\[min–max] of {args.rounds} interleaved "
                         f"rounds × {args.repeats} calls")

@@ -155,6 +155,40 @@ def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("name, dtype, activations", [(n, d, "float") for n, d in WITH_DTYPES]
+                         + [(n, torch.float32, "int8") for n in ("int8", "int4")])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_layers_experts_in_one_call_give_each_experts_own_bits(name, dtype, activations, tokens):
+    """kernels.segments_forward (a decode step's activated experts, one kernel call): each expert's output (and
+    partial accumulator) equals segment_forward's for it alone, bit for bit, segments of several sizes (whole
+    experts, tops), with 1 or 2 threads; the store groups a decode step's experts that way."""
+    stored, _, spec, dtype = expert(name, 2048, 256, chunk=64, dtype=dtype, activations=activations)
+    others = [expert(name, 2048, 256, seed=s, chunk=64, dtype=dtype, activations=activations)[0] for s in (1, 2)]
+    segments = [stored, others[0][:128], others[1], stored[:64]]
+    x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(5)).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            for partial in (False, True):
+                alone = [kernels.segment_forward(x, s, spec, partial=partial) for s in segments]
+                together = kernels.segments_forward(x, segments, spec, partial=partial)
+                assert all(torch.equal(a, b) for a, b in zip(alone, together)), (n, partial)
+    finally:
+        torch.set_num_threads(threads)
+    store = quant.make_store(ExpertShape(1, 4, 1, 2048, 256, 2, name if name not in ("f32", "bf16") else "bf16"),
+                             dtype, pin=False, activations=activations)
+    calls = []
+    real = kernels.segments_forward
+    try:
+        kernels.segments_forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+        got = store.segments_forward([x] * len(segments), segments, F.silu)
+    finally:
+        kernels.segments_forward = real
+    assert calls == [1] and all(torch.equal(a, store.segment_forward(x, s, F.silu)) for a, s in zip(got, segments))
+
+
+@needs_kernels
 @pytest.mark.parametrize("experts, dtype, activations", [("bf16", "float32", "float"), ("bf16", "bfloat16", "float"),
                                                          ("int4", "float32", "float"), ("int8", "bfloat16", "float"),
                                                          ("int4", "float32", "int8"), ("int8", "bfloat16", "int8")])

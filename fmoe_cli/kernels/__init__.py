@@ -93,6 +93,9 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_segment_forward.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int, i64, ptr,
                                          ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int]
     lib.fmoe_segment_forward.restype = ctypes.c_int
+    lib.fmoe_segments_forward.argtypes = [ctypes.c_int, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int, i64,
+                                          ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.fmoe_segments_forward.restype = ctypes.c_int
     lib.fmoe_linear_forward.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int, i64, ptr,
                                         ctypes.c_int, ctypes.c_int]
     lib.fmoe_linear_forward.restype = ctypes.c_int
@@ -142,6 +145,28 @@ def segment_forward(x: torch.Tensor, segment: torch.Tensor, spec: Spec, acc: tor
     if status != 0:
         raise MemoryError("the expert kernel could not allocate its workspace")
     return acc if rounded is None else rounded
+
+
+def segments_forward(x: torch.Tensor, segments: list[torch.Tensor], spec: Spec, partial: bool = False) -> list:
+    """`segment_forward(x, segment, spec, partial=partial)` of each segment, for the same tokens x, in one call (a
+    layer's activated experts at a decode step: one wake of the kernels' threads, one ctypes call, instead of one
+    each). Each result has the bits segment_forward gives it alone (experts.c fmoe_segments_forward)."""
+    x = x.contiguous()
+    tokens, hidden = x.shape
+    assert hidden == spec.hidden
+    assert all(s.is_contiguous() and s.device.type == "cpu" for s in segments)
+    count = len(segments)
+    acc = torch.empty(count, tokens, hidden, dtype=torch.float32)
+    rounded = None if partial or x.dtype == torch.float32 else torch.empty(count, tokens, hidden, dtype=x.dtype)
+    pointers = (ctypes.c_void_p * count)(*[s.data_ptr() for s in segments])
+    neurons = (ctypes.c_int64 * count)(*[s.shape[0] for s in segments])
+    status = library().fmoe_segments_forward(
+        spec.code, count, pointers, neurons, hidden, spec.projection_bytes, spec.group, spec.meta_group, spec.chunk,
+        x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, acc.data_ptr(),
+        None if rounded is None else rounded.data_ptr(), torch.get_num_threads(), int(spec.int8_activations))
+    if status != 0:
+        raise MemoryError("the expert kernel could not allocate its workspace")
+    return list((acc if rounded is None else rounded).unbind(0))
 
 
 def linear_forward(x: torch.Tensor, rows: torch.Tensor, spec: Spec) -> torch.Tensor:

@@ -31,6 +31,9 @@
 #define FMOE_AVX2 0
 #endif
 
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2 /* decode: groups of AXPY_ROWS neurons prefetched ahead (0: none) */
+#endif
 #ifndef FMOE_PHASES
 #define FMOE_PHASES 3 /* a benchmark build may time one phase alone */
 #endif
@@ -1241,6 +1244,12 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
     float a[AXPY_ROWS];
     int64_t i = i0;
     for (; i + AXPY_ROWS <= i1; i += AXPY_ROWS) {
+        if (PREFETCH_AHEAD && f->fmt >= FMT_INT8) { /* int8, int4: the rows AXPY_ROWS·PREFETCH_AHEAD neurons on, into
+                                 L2 (from RAM, one a3b int4 expert on one thread: ≈ 1.5× less CPU; f32: no gain seen) */
+            const char *next = (const char *)(p->segment + (i + PREFETCH_AHEAD * AXPY_ROWS) * p->row_bytes);
+            const char *end = (const char *)(p->segment + p->neurons * p->row_bytes);
+            for (int64_t b = 0; b < AXPY_ROWS * p->row_bytes && next + b < end; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+        }
         for (int r = 0; r < AXPY_ROWS; r++) {
             const uint8_t *row = p->segment + (i + r) * p->row_bytes;
             float g, u;
@@ -1413,6 +1422,76 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
     }
     if (out_bf16)
         for (int64_t j = 0; j < tokens * hidden; j++) out_bf16[j] = float_to_bf16(acc[j]);
+    return 0;
+}
+
+/* ---- a layer's experts in one call ----------------------------------------------------------- */
+
+/* Segments computed in one job, at most (more: one call each). */
+#define GROUP_SEGMENTS 64
+
+typedef struct {
+    Pass pass[GROUP_SEGMENTS];
+    int64_t first_chunk[GROUP_SEGMENTS + 1]; /* segment e's chunks are [first_chunk[e], first_chunk[e + 1]) */
+    int64_t count;
+} Group;
+
+static void group_chunk(void *job, int64_t k, int64_t worker) {
+    const Group *p = job;
+    int64_t e = 0;
+    while (k >= p->first_chunk[e + 1]) e++;
+    pass_chunk((void *)&p->pass[e], k - p->first_chunk[e], worker);
+}
+
+/* Several segments for the same tokens x (a layer's activated experts at a decode step) in one call:
+   acc [count, T, H] float32 = each segment's partial output, exactly as fmoe_segment_forward computes it
+   alone (its chunks counted from its own start, each from zero, then added in order into its acc from
+   zero), so the grouping changes no bit; out_bf16 (optional): acc rounded to bf16. The chunks of every
+   segment are one job for the threads: one wake of the pool, one ctypes call. Returns 0, or -1 when memory
+   runs out. */
+int fmoe_segments_forward(int fmt, int64_t count, const uint8_t *const *segments, const int64_t *neurons,
+                          int64_t hidden, int64_t proj_bytes, int64_t group, int64_t meta_group, int64_t chunk,
+                          const void *x, int x_bf16, int64_t tokens, float *acc, uint16_t *out_bf16, int threads,
+                          int q8) {
+    int64_t size = tokens * hidden, total = 0, work = 0;
+    if (chunk < 1) chunk = 1;
+    for (int64_t e = 0; e < count; e++) total += (neurons[e] + chunk - 1) / chunk, work += neurons[e];
+    if (count > GROUP_SEGMENTS || total * size > PARTIAL_FLOATS) { /* one call each */
+        for (int64_t e = 0; e < count; e++)
+            if (fmoe_segment_forward(fmt, segments[e], neurons[e], hidden, proj_bytes, group, meta_group, chunk, x,
+                                     x_bf16, tokens, acc + e * size, 0, out_bf16 ? out_bf16 + e * size : NULL,
+                                     threads, q8))
+                return -1;
+        return 0;
+    }
+    Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
+    if (threads < 1 || work * hidden * tokens < (1 << 16)) threads = 1;
+    int64_t width = threads;
+    int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
+    Tokens xs;
+    float *part = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, total * size + 16 + width * stride);
+    if (!part) return -1;
+    float *scratch = part + total * size;
+    scratch += (16 - ((uintptr_t)scratch / sizeof(float)) % 16) % 16; /* 64-byte aligned */
+    Group job;
+    job.count = count, job.first_chunk[0] = 0;
+    for (int64_t e = 0; e < count; e++) {
+        job.first_chunk[e + 1] = job.first_chunk[e] + (neurons[e] + chunk - 1) / chunk;
+        Pass pass = {&f, segments[e], neurons[e], chunk, 0, stride, 3 * proj_bytes, x_bf16, &xs,
+                     part + job.first_chunk[e] * size, scratch};
+        job.pass[e] = pass;
+    }
+    parallel_chunks(total, group_chunk, &job, threads);
+    memset(acc, 0, sizeof(float) * count * size);
+    for (int64_t e = 0; e < count; e++) /* acc_e = ((0 + c_0) + c_1) + … */
+        for (int64_t t = 0; t < tokens; t++)
+            for (int64_t k = job.first_chunk[e]; k < job.first_chunk[e + 1]; k++) {
+                const float *c = part + k * size + t * hidden;
+                float *o = acc + e * size + t * hidden;
+                for (int64_t j = 0; j < hidden; j++) o[j] += c[j];
+            }
+    if (out_bf16)
+        for (int64_t j = 0; j < count * size; j++) out_bf16[j] = float_to_bf16(acc[j]);
     return 0;
 }
 
