@@ -43,7 +43,7 @@ WITH_DTYPES = [("f32", None), ("bf16", None), *[(q, d) for q in ("int8", "int4",
 @needs_kernels
 @pytest.mark.parametrize("name, dtype", WITH_DTYPES)
 @pytest.mark.parametrize("hidden, intermediate", [(64, 64), (2048, 48), (96, 42)])  # 96: the scalar paths
-# one token; several (ŵ decoded once, four tokens at a time); many (> 4: register tiles, 13 leaves remainders)
+# one token (decode's path); several (register tiles: 3, 6, and 13 with remainder tiles; hidden 96: ŵ decoded per row)
 @pytest.mark.parametrize("tokens", [1, 3, 6, 13])
 def test_the_kernel_computes_what_torch_computes(name, dtype, hidden, intermediate, tokens):
     """float32: the dequantised weights' result to rounding. bf16 activations: torch's bf16 ops on the
@@ -126,7 +126,7 @@ def test_int8_activations_compute_the_quantised_tokens_result(name, hidden, toke
 @needs_kernels
 @pytest.mark.parametrize("name, dtype, activations", [(n, d, "float") for n, d in WITH_DTYPES]
                          + [(n, d, "int8") for n in ("int8", "int4") for d in (torch.float32, torch.bfloat16)])
-# 1: decode's own path (experts.c pass_chunk_one); 11: a prefill's register tiles (prefill_chunk)
+# 1: decode's own path (experts.c pass_chunk_one); 3, 11: the register tiles (prefill_chunk)
 @pytest.mark.parametrize("tokens", [1, 3, 11])
 def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype, activations, tokens):
     """At every multiple of the chunk, and with 1 or 2 threads: what makes every policy's tokens the resident run's.

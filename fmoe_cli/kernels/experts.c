@@ -478,9 +478,9 @@ static void dot_tokens(const float *w, const float *x, int64_t tokens, int64_t h
     }
 }
 
-/* ---- many tokens: register-blocked products on decoded rows (T > PREFILL_FROM) --------------------
+/* ---- several tokens: register-blocked products on decoded rows (T > PREFILL_FROM) -----------------
 
-   A long prefill gives an expert many tokens. ŵ is decoded a few rows at a time into an L1/L2-resident float
+   A prefill gives an expert several tokens. ŵ is decoded a few rows at a time into an L1/L2-resident float
    block, and the products run in register tiles that share each load over several rows and tokens:
      dots (gate, up; a dense linear's rows): a tile of DOT_ROWS rows × DOT_TOKENS tokens, one VL-lane
        accumulator per (row, token) along H, then its horizontal sum;
@@ -490,9 +490,11 @@ static void dot_tokens(const float *w, const float *x, int64_t tokens, int64_t h
    operations are the same whatever tile it falls in (a remainder tile runs the same sequence), so no bit depends
    on T's remainder, the tiling or the thread count (the vector width, like the compiler, is the machine's). */
 #ifndef FMOE_PREFILL_FROM
-#define FMOE_PREFILL_FROM 4
+#define FMOE_PREFILL_FROM 1
 #endif
-#define PREFILL_FROM FMOE_PREFILL_FROM /* more tokens than this: these paths (the T ≤ 4 ones are decode's) */
+/* More tokens than this: these paths. From 2 tokens they cost less CPU than decoding each row and dotting it with
+   four tokens at a time (one a3b expert, 2–4 tokens: 10–25 % less; docs/bench.md § CPU expert kernels). */
+#define PREFILL_FROM FMOE_PREFILL_FROM
 #define DOT_ROWS 4
 #define DOWN_NEURONS 16 /* down rows decoded at once (a block's partial sum stays in c between blocks) */
 
@@ -1304,6 +1306,13 @@ static void prefill_chunk(const Pass *p, int64_t k, float *scratch) {
         int64_t b1 = b0 + DOWN_NEURONS < i1 ? b0 + DOWN_NEURONS : i1;
         for (int64_t n0 = b0; n0 < b1; n0 += DOT_ROWS) {
             int64_t m = n0 + DOT_ROWS < b1 ? DOT_ROWS : b1 - n0;
+#ifndef FMOE_NO_PREFETCH
+            { /* the next DOT_ROWS neurons' rows towards L2 while these compute (memory and arithmetic overlap) */
+                int64_t next = n0 + DOT_ROWS < i1 ? n0 + DOT_ROWS : i1, end = next + DOT_ROWS < i1 ? next + DOT_ROWS : i1;
+                const char *from = (const char *)(p->segment + next * p->row_bytes), *to = (const char *)(p->segment + end * p->row_bytes);
+                for (; from < to; from += 64) _mm_prefetch(from, _MM_HINT_T1);
+            }
+#endif
             if (!x->q8) { /* rows: the m gate rows, then the m up rows */
                 for (int64_t i = 0; i < m; i++) {
                     const uint8_t *row = p->segment + (n0 + i) * p->row_bytes;
@@ -1345,7 +1354,7 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
     int64_t padded = (tokens + 15) / 16 * 16;
     float *at = p->scratch + worker * p->stride, *ut = at + AXPY_ROWS * padded, *wt = ut + padded; /* a_r[t]: r < 4 */
 #if FMOE_AVX2
-    if (tokens > PREFILL_FROM && x->vector && FMOE_PHASES == 3) { /* a prefill's many tokens: register tiles */
+    if (tokens > PREFILL_FROM && x->vector && FMOE_PHASES == 3) { /* several tokens (a prefill): register tiles */
         prefill_chunk(p, k, p->scratch + worker * p->stride);
         return;
     }
@@ -1543,7 +1552,7 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
     }
 #endif
 #if FMOE_AVX2
-    if (tokens > PREFILL_FROM && x->vector) { /* many tokens: DOT_ROWS rows decoded, then register tiles */
+    if (tokens > PREFILL_FROM && x->vector) { /* several tokens: DOT_ROWS rows decoded, then register tiles */
         for (int64_t o = o0; o < o1; o += DOT_ROWS) {
             int64_t m = o + DOT_ROWS < o1 ? DOT_ROWS : o1 - o;
             for (int64_t i = 0; i < m; i++) decode_row(p->rows + (o + i) * f->proj_bytes, f, w + i * h, 1);
