@@ -76,7 +76,9 @@ def validate(args, console: Console) -> None:
     shape = lm.shape
     prompt_ids = encode_prompt(lm, PROMPT)
     t_exp = expert_compute_s(lm)
-    gbps = shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
+    if args.gbps is not None:  # a link of its own: the load ratio follows
+        args.load_ratio = shape.expert_bytes / (args.gbps * 1e9) / t_exp
+    gbps = args.gbps or shape.expert_bytes / (args.load_ratio * t_exp) / 1e9
     budget = parse_budget(args.budget, shape.all_experts_bytes)
     link = EmulatedLink(gbps)
     timings = find_timings(lm, link)  # the configurator's timings (as fmoe bench finds them)
@@ -546,6 +548,7 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--rounds", type=int, default=3)
     v.add_argument("--budget", default="25%")
     v.add_argument("--load-ratio", type=float, default=3.0)
+    v.add_argument("--gbps", type=float, default=None, help="the emulated link's GB/s instead of --load-ratio")
     v.add_argument("--json", action="store_true")
     v.add_argument("--matrix", action="store_true", help="also the requirement matrix, simulated over the moepic run")
     v.add_argument("--experts", default="bf16", help="the experts' format (--experts of fmoe bench)")

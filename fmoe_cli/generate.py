@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from transformers import DynamicCache
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.engine import Counters, Engine
+from fmoe_cli.offload.link import host_now
 
 def next_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
     """One forward of `ids` [1, T] on the KV cache → the last position's logits [V].
@@ -170,10 +170,10 @@ def stream_generate(
 
     for index in range(max_new_tokens):
         before = engine.counters() if engine is not None else None
-        start = time.perf_counter()
+        start = host_now()
         logits = next_logits(model, ids, cache)
         token = sample_next(logits.cpu() if generator is not None else logits, sampling, generator)
-        latency = time.perf_counter() - start
+        latency = host_now() - start
         counters = engine.counters() - before if engine is not None else None
         finish = "eos" if token in stops else "length" if index == max_new_tokens - 1 else None
         yield TokenEvent(index, token, detok.add(token) if finish != "eos" else "", latency, counters, finish)

@@ -263,3 +263,74 @@ def test_a_transfer_seen_settled_is_polled_acquired_and_cancelled_without_playin
     assert busy.state is TransferState.RUNNING
     reads = clock.reads
     assert not queued.ready() and not queued.cancel() and clock.reads == reads
+
+
+class ScriptedCpuTime:
+    """The process's CPU time, moved only by the test (the compute the host did)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_on_the_cpu_clock_the_link_runs_only_while_the_process_does():
+    """FMOE_EMULATED_CLOCK=cpu: the emulated link's time is the process's CPU time plus its waits on the
+    link. Time the OS gives to other processes moves neither the host's compute nor the copies, so a
+    load's exposed wait is its modelled time less the host's own compute since it was submitted, however
+    busy the machine is; the wait costs no real time (nothing sleeps)."""
+    cpu = ScriptedCpuTime()
+    clock = link_module.CpuClock(cpu)
+    link = EmulatedLink(gbps=1.0, latency_s=0.0, clock=clock)
+    load = 1 * MiB / 1e9
+    t = link.submit(*tensors(1), DEMAND)
+    cpu.t += 0.25 * load  # the host computes a quarter of the load's time (other processes: not counted)
+    assert not link.poll(t)
+    link.acquire(t)
+    assert clock.slept == pytest.approx(0.75 * load)  # exposed: the rest of the modelled time
+    assert link.stalls()[-1][1] == pytest.approx(0.75 * load)
+    assert clock.now() == pytest.approx(load)
+    u = link.submit(*tensors(1), DEMAND)
+    cpu.t += 2 * load  # the host was busy longer than the copy: no wait
+    link.acquire(u)
+    assert clock.slept == pytest.approx(0.75 * load)
+
+
+def test_the_clock_kind_comes_from_the_environment(monkeypatch):
+    monkeypatch.setattr(link_module, "_host_clocks", {})
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setenv(link_module.CLOCK_ENV, "cpu")
+        clock = link_module.host_clock()
+        assert isinstance(clock, link_module.CpuClock) and link_module.host_clock() is clock
+        assert torch.get_num_threads() == 1  # CPU time is one core's time
+        assert make_link(torch.device("cpu"), 4.0).clock is clock  # the link and fmoe's timings: one clock
+        with pytest.raises(FmoeError, match="GPU"):
+            make_link(torch.device("cuda"), 4.0)  # a GPU's copies are real: no CPU-time emulation
+        monkeypatch.setenv(link_module.CLOCK_ENV, "wall")
+        assert isinstance(link_module.host_clock(), MonotonicClock)
+        monkeypatch.setenv(link_module.CLOCK_ENV, "bogus")
+        with pytest.raises(FmoeError, match="FMOE_EMULATED_CLOCK"):
+            link_module.host_now()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_token_latencies_are_read_on_the_links_clock(monkeypatch):
+    """stream_generate times each token on host_now (the emulated link's clock), not on wall time."""
+    from fmoe_cli import generate
+    ticks = iter(range(100))
+    monkeypatch.setattr(generate, "host_now", lambda: float(next(ticks)))
+    monkeypatch.setattr(generate, "next_logits", lambda model, ids, cache: torch.zeros(1, 8))
+
+    class Model(torch.nn.Module):
+        config = None
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+    monkeypatch.setattr(generate, "DynamicCache", lambda config: None)
+    events = list(generate.stream_generate(Model(), torch.tensor([1, 2]), max_new_tokens=3, stop_on_eos=False))
+    assert [e.latency_s for e in events] == [1.0, 1.0, 1.0]

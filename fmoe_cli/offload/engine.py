@@ -27,7 +27,6 @@ finished load takes the next one).
 from __future__ import annotations
 
 import collections
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
@@ -38,7 +37,7 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, rebuild_order
 from fmoe_cli.offload.hits import Hits
 from fmoe_cli.offload.host import HostLane
-from fmoe_cli.offload.link import Link, make_link
+from fmoe_cli.offload.link import Link, host_now, make_link
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
@@ -436,7 +435,7 @@ class Engine:
         """3. compute what is on the device, then each load as it arrives (speculating once every
         demand load is queued); returns expert -> output rows [T_e, H]."""
         state, pool, store = self.layers[i], self.pool, self.store
-        submitted = time.perf_counter()
+        submitted = host_now()
         k = state.top_neurons
         if hidden_states.shape[0] == 1:  # a decode step: every expert's one token is that row (no gather)
             def x_of(e: int) -> torch.Tensor:
@@ -448,7 +447,7 @@ class Engine:
             def x_of(e: int) -> torch.Tensor:
                 return xs[spans[e]]
         if loading:  # the host's lead on the first load (the configurator's h_route)
-            state.counters.lead_s += time.perf_counter() - submitted
+            state.counters.lead_s += host_now() - submitted
             state.counters.leads += 1
         # what the cache holds, one call each for the whole experts and for the tops (store.segments_forward)
         outputs: dict[int, torch.Tensor] = dict(zip(hits.whole, store.segments_forward(

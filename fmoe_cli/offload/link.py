@@ -22,8 +22,9 @@ What the host sees is what a CUDA copy stream gives it, on every link:
 
 Links:
 - `EmulatedLink`: a model of one copy engine, no thread. Time comes from a `Clock`
-  (`MonotonicClock` for `--emulate-link`, `VirtualClock` in tests, which only moves
-  when told or when the host "sleeps"). Copies move in `chunk_bytes` pieces; between
+  (`host_clock()` for `--emulate-link`: `MonotonicClock`, or `CpuClock` with
+  FMOE_EMULATED_CLOCK=cpu; `VirtualClock` in tests, which only moves when told or when
+  the host "sleeps"). Copies move in `chunk_bytes` pieces; between
   pieces the most urgent eligible copy goes next, so a demand load overtakes a long
   prefetch after at most one chunk. With `copy=False` (the CPU, which is its own
   device) no byte moves: `acquire` returns the host store's tensor once the modelled
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +50,7 @@ from typing import Protocol
 
 import torch
 
+from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload import check_bandwidth
 
 DEMAND = 0  # priority of a load the current layer is waiting for
@@ -195,6 +198,64 @@ class VirtualClock:
             self.t = t
 
 
+class CpuClock:
+    """The process's CPU time plus the time it waited on the emulated link (`sleep_until` adds the wait
+    and returns at once): a clock that stops while the OS runs other processes. On a machine shared
+    with other work, wall time counts every time slice the OS gives away, and an emulated link timed
+    on it runs on while the process is not running (its loads land "for free"); on this clock the
+    host's compute counts as much CPU time as it took and the link's transfers as their modelled
+    time, whatever else runs (FMOE_EMULATED_CLOCK=cpu; benchmarks/link_policies.py). The
+    process's CPU time is one core's time only with one compute thread: `host_clock` sets torch's
+    (and the CPU kernels', which follow torch) to 1. Not a measure of a GPU's link (CudaLink, real
+    copies, keeps wall time: make_link refuses the pair)."""
+
+    def __init__(self, cpu: Callable[[], float] = time.process_time) -> None:
+        self._cpu = cpu
+        self.slept = 0.0  # total time the host waited on the link
+
+    def now(self) -> float:
+        return self._cpu() + self.slept
+
+    def sleep_until(self, t: float) -> None:
+        wait = t - self.now()
+        if wait > 0:
+            self.slept += wait
+
+
+CLOCK_ENV = "FMOE_EMULATED_CLOCK"  # wall (default) or cpu: the clock of the emulated link and of fmoe's timings
+CLOCKS = ("wall", "cpu")
+_host_clocks: dict[str, object] = {}
+
+
+def clock_kind() -> str:
+    """FMOE_EMULATED_CLOCK, checked: `wall` (default) or `cpu`."""
+    kind = os.environ.get(CLOCK_ENV, "").strip().lower() or "wall"
+    if kind not in CLOCKS:
+        raise FmoeError(f"{CLOCK_ENV}={os.environ[CLOCK_ENV]!r}: expected one of {', '.join(CLOCKS)}")
+    return kind
+
+
+def host_clock():
+    """The process's one clock for the emulated link and every timing fmoe takes (token latencies,
+    profiles, the engine's counters): wall time (`MonotonicClock`), or with FMOE_EMULATED_CLOCK=cpu the
+    process's CPU time plus its waits on the link (`CpuClock`; one compute thread)."""
+    kind = clock_kind()
+    clock = _host_clocks.get(kind)
+    if clock is None:
+        if kind == "cpu":
+            torch.set_num_threads(1)  # CPU time = one core's time
+            clock = CpuClock()
+        else:
+            clock = MonotonicClock(spin=WAKE_SPIN_S)
+        _host_clocks[kind] = clock
+    return clock
+
+
+def host_now() -> float:
+    """Now on `host_clock()` (s)."""
+    return host_clock().now()
+
+
 def _promote(t: Transfer, priority: int) -> None:
     """Raise t's priority, and that of the copies it must follow (they stand in its way)."""
     if priority < t.priority and not t.finished:
@@ -240,7 +301,7 @@ class EmulatedLink:
         self.note = note  # what the bandwidth stands for, shown in the label
         self.latency_s = latency_s if gbps else 0.0
         self.kind = "emulated" if gbps else "host"
-        self.clock = clock or MonotonicClock(spin=WAKE_SPIN_S)
+        self.clock = clock or host_clock()
         self.copy = copy
         self.chunk_bytes = chunk_bytes
         self.bytes_moved = 0
@@ -621,6 +682,9 @@ def make_link(device: torch.device, emulate_gbps: float | None, note: str | None
     if emulate_gbps is not None:
         check_bandwidth(emulate_gbps)
         if device.type == "cuda":
+            if clock_kind() == "cpu":
+                raise FmoeError(f"{CLOCK_ENV}=cpu emulates the link on the CPU's own time; a GPU's copies are real "
+                                f"(unset it, or run on the CPU)")
             return CudaLink(device, throttle_gbps=emulate_gbps)
         return EmulatedLink(emulate_gbps, note=note)
     if device.type == "cuda":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -36,6 +35,7 @@ from torch import nn
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import cache_kwarg
+from fmoe_cli.offload.link import host_now
 from fmoe_cli.profiling.files import LayerTiming, ModelIdentity, ModelTimings, PhaseTimings
 
 
@@ -96,11 +96,11 @@ class _PassTimer:
 
     def _begin(self, key: object) -> None:
         self.sync()
-        self._start[key] = time.perf_counter()
+        self._start[key] = host_now()
 
     def _end(self, key: object) -> float:
         self.sync()
-        return time.perf_counter() - self._start.pop(key)
+        return host_now() - self._start.pop(key)
 
     def _time(self, module: nn.Module, key: object, sink: list[float], keep_input: int | None = None) -> None:
         def before(_module, args, kwargs):
@@ -185,10 +185,10 @@ def time_layers(
                     runs = []
                     for _ in range(repeats):
                         sync()
-                        t0 = time.perf_counter()
+                        t0 = host_now()
                         layer.mlp(x)
                         sync()
-                        runs.append(time.perf_counter() - t0)
+                        runs.append(host_now() - t0)
                     t_mlp = statistics.median(runs)
                 if loads is not None and phase == "decode":
                     with torch.no_grad(), loaded(i) as through_link:
@@ -202,17 +202,17 @@ def time_layers(
 
 
 def _host_per_load(block: nn.Module, x: torch.Tensor, t_resident: float, loads: Callable[[], tuple[int, float]],
-                   repeats: int, sync: Callable[[], None], now: Callable[[], float] = time.perf_counter) -> list[float]:
+                   repeats: int, sync: Callable[[], None], now: Callable[[], float] | None = None) -> list[float]:
     """Per run of `block` with its experts loaded on demand: (time − exposed − T_moe) / loaded segments."""
     block(x)  # warm-up
     out = []
     for _ in range(repeats):
         sync()
         segments, exposed = loads()
-        t0 = now()
+        t0 = (now or host_now)()
         block(x)
         sync()
-        elapsed = now() - t0
+        elapsed = (now or host_now)() - t0
         after, exposed_after = loads()
         if after > segments:
             out.append((elapsed - (exposed_after - exposed) - t_resident) / (after - segments))

@@ -28,6 +28,7 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import DEFAULT_PROMPT, stream_generate
 from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.engine import Engine, LayerState
+from fmoe_cli.offload.link import host_now
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.profiling.files import ModelTimings, model_identity
 from fmoe_cli.profiling.layers import time_layers
@@ -169,8 +170,6 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     Rounds stop early once `budget_s` has passed (a model whose on-demand step takes long, on a slow
     link, gets one round) or before a round would take the link past `link_bytes` (less what the
     h_pf forwards will move). The engine is put back as it was."""
-    import time
-
     shape, settings = lm.shape, engine.settings
     plan = settings.plan
     layers = len(plan.layers)
@@ -202,11 +201,11 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     if link_bytes is not None:  # what the h_pf forwards will move: K whole experts per forward of the link layer
         link_bytes -= 2 * (warm + layer_reps) * shape.top_k * shape.expert_bytes * (1 if whole else layers)
     h_loads, h_pfs, cs, steps, routes = [], [], [], [], []
-    start, start_bytes, round_bytes = time.perf_counter(), moved(), 0
+    start, start_bytes, round_bytes = host_now(), moved(), 0
     try:
         for r in range(rounds):
             used = moved() - start_bytes
-            if r and (time.perf_counter() - start > budget_s
+            if r and (host_now() - start > budget_s
                       or link_bytes is not None and used + round_bytes > link_bytes):
                 break
             net, count = {}, {}
@@ -252,8 +251,6 @@ def layer_forward_s(lm, engine: Engine, reps: int, layers: Sequence[int] | None 
     every layer (or the MoE layers `layers`) in turn, `reps` times after `warmup`: the engine's own work
     without attention, sampling and the model's other layers around it (far less noise than a decode
     step; the same experts every time, so their weights stay warm in a CPU's caches)."""
-    import time
-
     shape = lm.shape
     ids = torch.arange(0, shape.num_experts, shape.num_experts // shape.top_k)[: shape.top_k].view(1, -1)  # [1, K]
     weights = torch.full((1, shape.top_k), 1.0 / shape.top_k, dtype=lm.dtype)
@@ -268,12 +265,12 @@ def layer_forward_s(lm, engine: Engine, reps: int, layers: Sequence[int] | None 
             for module in experts:
                 engine.experts_forward(module, x, ids, weights)
         sync()
-        start = time.perf_counter()
+        start = host_now()
         for _ in range(reps):
             for module in experts:
                 engine.experts_forward(module, x, ids, weights)
         sync()
-        return (time.perf_counter() - start) / (reps * len(experts))
+        return (host_now() - start) / (reps * len(experts))
 
 
 def _resident_fits(lm) -> bool:
@@ -294,8 +291,6 @@ def admission_copy_s(lm, repeats: int = 20) -> float:
     copies. On the CPU each copy reads another expert of the host store into another of 8 slots, as
     admissions meet them (a copy between two buffers kept warm in the CPU's caches runs faster); on a
     GPU, whose L2 holds no real expert, between two device buffers."""
-    import time
-
     shape, store = lm.shape, lm.store
     if lm.device.type == "cpu":
         sources = [store.expert(j, e) for j in range(shape.num_layers) for e in range(shape.num_experts)]
@@ -309,17 +304,15 @@ def admission_copy_s(lm, repeats: int = 20) -> float:
     times = []
     for r in range(repeats):
         sync()
-        start = time.perf_counter()
+        start = host_now()
         slots[r % len(slots)].copy_(sources[r % len(sources)])
         sync()
-        times.append(time.perf_counter() - start)
+        times.append(host_now() - start)
     return statistics.median(times)
 
 
 def segment_call_s(lm, repeats: int = 200) -> float:
     """c: the fixed cost of one segment forward (the store's own, on a one-block segment) on this device."""
-    import time
-
     block = lm.shape.neuron_block if lm.shape.intermediate >= lm.shape.neuron_block else 1
     segment = lm.store.expert(0, 0)[:block].to(lm.device)
     x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
@@ -328,11 +321,11 @@ def segment_call_s(lm, repeats: int = 200) -> float:
     for _ in range(10):
         lm.store.segment_forward(x, segment, act)
     sync()
-    start = time.perf_counter()
+    start = host_now()
     for _ in range(repeats):
         lm.store.segment_forward(x, segment, act)
     sync()
-    return (time.perf_counter() - start) / repeats
+    return (host_now() - start) / repeats
 
 
 def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False, cold: bool = False) -> float:
@@ -342,8 +335,6 @@ def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False, cold: bo
     `cold`: each forward of another expert, in turn over every layer's experts, as a decode step
     meets them (on a CPU, one expert's weights read again and again stay in its caches: up to 3 ×
     faster than in a decode step; a GPU's L2 holds no expert of a real model either way)."""
-    import time
-
     from fmoe_cli.offload.layout import segment_forward
 
     packed = lm.store.expert(0, 0).to(lm.device)
@@ -360,9 +351,9 @@ def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False, cold: bo
         forward(x, experts[i % len(experts)], act)
     if lm.device.type == "cuda":
         torch.cuda.synchronize(lm.device)
-    start = time.perf_counter()
+    start = host_now()
     for i in range(repeats):
         forward(x, experts[i % len(experts)], act)
     if lm.device.type == "cuda":
         torch.cuda.synchronize(lm.device)
-    return (time.perf_counter() - start) / repeats
+    return (host_now() - start) / repeats
