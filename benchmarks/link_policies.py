@@ -76,6 +76,7 @@ def main() -> None:
                         help="the emulated link's clock: the process's CPU time (default) or wall time")
     parser.add_argument("--profile", action="store_true",
                         help="profile each link first (fmoe profile --model, --emulate-link X) instead of the quick estimate")
+    parser.add_argument("--raw", default=None, help="a directory to keep every fmoe bench --json report in")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     links = [float(x) for x in args.links.split(",")]
@@ -92,6 +93,9 @@ def main() -> None:
             for x in links:
                 report = bench(x, order, Path(tmp) / f"link-{x:g}", args.tokens, args.model, args.clock)
                 loads.append(os.getloadavg()[0])
+                if args.raw:
+                    Path(args.raw).mkdir(parents=True, exist_ok=True)
+                    (Path(args.raw) / f"round{r + 1}-link{x:g}.json").write_text(json.dumps(report))
                 for run in report["runs"]:
                     tpot[x][run["policy"]].append(run["tpot_ms"]["median"])
                     if run["policy"] == "moepic":

@@ -486,9 +486,18 @@ def test_configurator_never_predicts_worse_than_a_baseline(data):
 def test_moepic_runs_without_prefetch_when_its_plan_says_so():
     from fmoe_cli.planning.presets import PlanInputs, settings_for
 
-    stats = _stats2(([1, 1], [0, 2], [[0, 2], [0, 2]]), ([2, 1], [0, 3], [[0, 3], [0, 3]]))
+    from fmoe_cli.planning.plan import MIN_PREDICTIONS
+
+    # test_cache_only_wins_where_prefetch_only_costs' statistics, every count × 16: the same curves,
+    # recorded over 32 and 48 decode tokens with a prediction (MIN_PREDICTIONS: the predictor is judged)
+    stats = _stats2(([16, 16], [0, 32], [[0, 32], [0, 32]]), ([32, 16], [0, 48], [[0, 48], [0, 48]]))
+    assert stats.predicted_tokens == MIN_PREDICTIONS == 32
     timings = Timings(t_att=0.0, t_moe=1.0, t_head=0.0, t_load=4.0, top_k=1)
     budget = 12 + 2 * SHAPE2.expert_bytes  # V_e = 12 bytes beside the 2-slot staging pool
     settings = settings_for("moepic", PlanInputs(SHAPE2, budget, timings, stats))
     assert not settings.plan.prefetch and not settings.prefetch
     assert settings_for("lru", PlanInputs(SHAPE2, budget, timings, stats)).prefetch  # lru's own plan prefetches
+    # The same curves from 2 and 3 predictions: too few to judge the predictor by; prefetch stays on (the
+    # predictor must run for its statistics to grow)
+    few = _stats2(([1, 1], [0, 2], [[0, 2], [0, 2]]), ([2, 1], [0, 3], [[0, 3], [0, 3]]))
+    assert settings_for("moepic", PlanInputs(SHAPE2, budget, timings, few)).prefetch

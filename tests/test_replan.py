@@ -227,7 +227,7 @@ def test_a_replan_takes_the_presets_settings_again(monkeypatch):
             self.settings = settings
             self.configured.append(warm)
 
-    engine = Engine_()
+    engine = _MoepicEngine()
     recorder = StatsRecorder(RoutingStats.empty("m", SHAPE.num_layers, SHAPE.num_experts, SHAPE.top_k))
     planner = Replanner(engine, PlanInputs(SHAPE, 8 * SHAPE.expert_bytes), recorder, tau=10)
     engine.settings = make_settings("lru", SHAPE, 8 * SHAPE.expert_bytes, omega=16, rho=0.5)
@@ -243,23 +243,27 @@ def test_a_replan_takes_the_presets_settings_again(monkeypatch):
     assert s.plan is no_prefetch and s.prefetch is False and (s.omega, s.rho) == (16, 0.5)
 
 
+class _MoepicEngine:
+    """What the re-planner sees of an engine running `moepic`: its settings and each configure (warm or not)."""
+
+    def __init__(self):
+        from dataclasses import replace
+
+        self.observers, self.configured = [], []
+        self.settings = replace(make_settings("uniform", SHAPE, 8 * SHAPE.expert_bytes), policy="moepic")
+
+    def configure(self, settings, warm=False):
+        self.settings = settings
+        self.configured.append(warm)
+
+
 def test_a_plan_made_without_recorded_routing_is_made_again_after_a_few_tokens():
     """Uniform routing assumed (nothing recorded): re-planned once FIRST_PLAN_TOKENS tokens are
     recorded, not τ; a plan made from recorded routing waits τ."""
-    from dataclasses import replace
-
+    from fmoe_cli.planning.plan import MIN_PREDICTIONS
     from fmoe_cli.planning.replan import FIRST_PLAN_TOKENS
 
-    class Engine_:
-        def __init__(self):
-            self.observers, self.configured = [], []
-            self.settings = replace(make_settings("uniform", SHAPE, 8 * SHAPE.expert_bytes), policy="moepic")
-
-        def configure(self, settings, warm=False):
-            self.settings = settings
-            self.configured.append(warm)
-
-    engine = Engine_()
+    engine = _MoepicEngine()
     recorder = StatsRecorder(RoutingStats.empty("m", SHAPE.num_layers, SHAPE.num_experts, SHAPE.top_k))
     timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=SHAPE.top_k)
     planner = Replanner(engine, PlanInputs(SHAPE, 8 * SHAPE.expert_bytes, timings), recorder, tau=1000)
@@ -267,8 +271,36 @@ def test_a_plan_made_without_recorded_routing_is_made_again_after_a_few_tokens()
     recorder.tokens = FIRST_PLAN_TOKENS - 1
     assert not planner.on_idle()
     recorder.tokens = FIRST_PLAN_TOKENS
+    for layer in recorder.stats.layers:  # the decode tokens among them recorded the prefetcher's ranking
+        layer.predicted_tokens = MIN_PREDICTIONS
     assert planner.on_idle() and engine.configured == [True] and not planner.blind
     recorder.tokens = FIRST_PLAN_TOKENS + 999
     assert not planner.on_idle()  # from now on τ
     recorder.tokens = FIRST_PLAN_TOKENS + 1000
     assert planner.on_idle()
+
+
+def test_a_plan_made_before_the_predictor_was_judged_is_made_again_after_a_few_tokens():
+    """Routing recorded but fewer than MIN_PREDICTIONS decode tokens with a prediction (statistics recorded
+    by runs without prefetch, or a prompt's tokens alone): the configurator kept prefetch, so the plan is
+    made again after FIRST_PLAN_TOKENS tokens, not τ, once it can judge the predictor."""
+    from fmoe_cli.planning.plan import MIN_PREDICTIONS
+    from fmoe_cli.planning.replan import FIRST_PLAN_TOKENS
+
+    engine = _MoepicEngine()
+    stats = RoutingStats.empty("m", SHAPE.num_layers, SHAPE.num_experts, SHAPE.top_k)
+    for layer in stats.layers:
+        layer.tokens, layer.predicted_tokens = 500, MIN_PREDICTIONS - 1
+    recorder = StatsRecorder(stats)
+    recorder.tokens = 500
+    timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=SHAPE.top_k)
+    planner = Replanner(engine, PlanInputs(SHAPE, 8 * SHAPE.expert_bytes, timings), recorder, tau=1000)
+    assert planner.blind
+    recorder.tokens = 500 + FIRST_PLAN_TOKENS
+    assert planner.on_idle() and planner.blind  # still too few predictions: again after a few tokens
+    for layer in stats.layers:
+        layer.predicted_tokens = MIN_PREDICTIONS
+    recorder.tokens = 500 + 2 * FIRST_PLAN_TOKENS
+    assert planner.on_idle() and not planner.blind
+    recorder.tokens = 500 + 3 * FIRST_PLAN_TOKENS
+    assert not planner.on_idle()  # from now on τ

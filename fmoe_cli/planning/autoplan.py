@@ -14,13 +14,15 @@ from fmoe_cli.planning.stats import RoutingStats
 
 def moepic_configuration(
     shape: ExpertShape, budget_bytes: int, timings: Timings, stats: RoutingStats | None = None,
-    *, zeta: float = DEFAULT_ZETA, model: str = "", host_lane: bool = False,
+    *, zeta: float = DEFAULT_ZETA, model: str = "", host_lane: bool = False, min_predictions: int = 0,
 ) -> Configuration:
     """Spend `budget_bytes` (the policies' shared expert budget: staging pool U_b + caches V_e).
 
     stats None (or nothing recorded): uniform routing. The configurator's Y is capped at
     K, the engine's prefetch candidates per prediction (offload/prefetch.py). `host_lane`: the host path
     (misses and bottoms computed on the host) is a candidate in every layer, when the timings have the host's figures.
+    `min_predictions`: a run's plan passes MIN_PREDICTIONS (planning/plan.py: plans without prefetch only once
+    the predictor was seen, planning/configurator.py); `fmoe plan` prices every candidate (0).
     """
     slots = min_staging_slots(shape)
     check_budget(shape, budget_bytes, slots)
@@ -28,7 +30,7 @@ def moepic_configuration(
         stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)
     expert_budget = budget_bytes - slots * shape.expert_bytes  # V_e = budget − U_b
     return vram_allocation(expert_budget, stats, timings, shape, zeta, staging_slots=slots,
-                           max_prefetch=shape.top_k, host_lane=host_lane)
+                           max_prefetch=shape.top_k, host_lane=host_lane, min_predictions=min_predictions)
 
 
 def moepic_plan(shape: ExpertShape, budget_bytes: int, timings: Timings, stats: RoutingStats | None = None,

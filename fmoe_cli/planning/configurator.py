@@ -63,6 +63,17 @@ exceed K), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefi
 reported as 0) is a candidate, and the only one when V_i cannot hold one neuron block
 of one expert.
 
+A run's plan (`min_predictions`, planning/plan.py: MIN_PREDICTIONS; `fmoe plan`, which runs nothing,
+prices every candidate): where too few predictions were recorded (fewer than `min_predictions` decode
+tokens with the prefetcher's ranking in some layer: a model's first plan, or statistics recorded only by
+runs without prefetch),
+P_i and PH_i are the uniform prior, a predictor no better than chance (P(y) = K/N), and every plan
+without prefetch would win wherever a wrong prefetch costs link time. Then the plans without prefetch
+are not candidates (ours, not MoEpic's, whose statistics come from a profiling run with the predictor):
+a plan without prefetch never runs the predictor, so its statistics would never learn how good it is
+(the demo at 1 GB/s: `moepic` planned no prefetch from its first, uniform statistics, kept it after the
+warm-up's re-plan, and ran 17.9 ms against `uniform`'s 12.8; with prefetch 13.1 against 13.1).
+
 The search contains its baselines: after Algorithm 1, the same model prices the
 plans of the special cases it competes with at the same budget — whole experts
 (θ = 1, V_e/L per layer: `lru`, `lfu`), the same without prefetch (Y = 0:
@@ -522,13 +533,15 @@ def vram_allocation(
     max_iterations: int = 100_000,
     baselines: bool = True,
     host_lane: bool = False,
+    min_predictions: int = 0,
 ) -> Configuration:
     """Algorithm 1: how to spend V_e (bytes for the caches, Σ_i V_i ≤ V_e) over the layers,
     then (`baselines`) the same model prices the BASELINES' uniform plans at the same total
     budget (V_e + U_b) and the least predicted exposed time wins.
 
     The staging pool (U_b = staging_slots · S_e) is outside V_e; by default K slots
-    for each of the current and the next layer.
+    for each of the current and the next layer. Plans without prefetch are candidates only when every
+    layer has `min_predictions` decode tokens with a recorded prediction (the module's doc; 0: always).
     """
     if not 0 < zeta <= 1:
         raise FmoeError(f"ζ must be in (0, 1], got {zeta}")
@@ -547,7 +560,10 @@ def vram_allocation(
     if baselines:
         best = split.total_exposed
         silent = _layer_models(stats, timings, shape, 0)  # no prefetch: Y = 0
+        judged = stats.predicted_tokens >= min_predictions  # the predictor's accuracy is known (0: always)
         for name, (theta, prefetch) in BASELINES.items():
+            if not prefetch and not judged:
+                continue
             base = uniform_plan(shape, int(expert_budget) + slots * shape.expert_bytes, theta, source="configurator")
             base = base if prefetch else replace(base, prefetch=False)
             priced = _price(models if prefetch else silent, base, timings)
@@ -564,7 +580,7 @@ def vram_allocation(
         # from several experts per layer on (an admission per miss costs more than the loads a small cache
         # saves), every ζ-move from the uniform start changes nothing, and the search stops at no cache
         # (Mixtral-8x7B bf16 at 12 GiB on an RTX 3060's figures, tests/test_plan_command.py).
-        for name, layer_models in ((FROM_OPTIMUM, models), (FROM_OPTIMUM_SILENT, silent)):
+        for name, layer_models in ((FROM_OPTIMUM, models), (FROM_OPTIMUM_SILENT, silent))[:2 if judged else 1]:
             start = per_layer_optimum(layer_models, int(expert_budget), search.windows)
             found, _, _ = _fixed_point(layer_models, start, step, timings, max_iterations)
             total = found.total

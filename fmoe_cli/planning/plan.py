@@ -230,6 +230,9 @@ def parse_budget(text: str, all_experts_bytes: int) -> int:
 
 
 DEFAULT_TAU = 5000  # τ: tokens between re-plans (MoEpic; planning/configurator.py)
+# A run's plan drops prefetch only once every layer has this many decode tokens with a recorded prediction
+# (planning/configurator.py: a plan without prefetch records none; planning/replan.py plans again after them)
+MIN_PREDICTIONS = 32
 
 
 def check_plan_options(model: str, *, vram: str | None, profile_path: str | None, context: int | None, dtype: str | None,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO
-from fmoe_cli.planning.plan import resident_plan, uniform_plan
+from fmoe_cli.planning.plan import MIN_PREDICTIONS, resident_plan, uniform_plan
 from fmoe_cli.types import EngineSettings, ExpertShape, Plan, Timings
 
 if TYPE_CHECKING:
@@ -34,6 +34,9 @@ class PlanInputs:
     stats: RoutingStats | None = None  # routing statistics so far (None: uniform routing)
     model: str = ""  # the model id, for statistics made up when there are none
     theta: float | None = None  # θ of the fixed-split presets instead of their own (tests, benchmarks)
+    # a run's plan drops prefetch only after this many decode tokens with a recorded prediction in every layer;
+    # `fmoe plan`'s predictions, which run nothing, price every plan (0)
+    min_predictions: int = MIN_PREDICTIONS
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def _configurator(inputs: PlanInputs) -> Plan:
     t = inputs.timings
     # moepic may use the host lane where the host computes a whole expert faster than the link loads it
     return moepic_plan(inputs.shape, inputs.budget_bytes, t, inputs.stats, model=inputs.model,
-                       host_lane=t.has_host and t.t_host_expert < t.t_load)
+                       host_lane=t.has_host and t.t_host_expert < t.t_load, min_predictions=inputs.min_predictions)
 
 
 def _hybrid(inputs: PlanInputs) -> Plan:

@@ -13,7 +13,9 @@ and never runs while the device is busy.
 A plan made without any recorded routing (a model's first session: uniform routing
 assumed) is made again as soon as FIRST_PLAN_TOKENS tokens have been recorded, not τ:
 `fmoe bench` re-plans after its warm-up, `fmoe chat` after the first answer. (Ours, not
-MoEpic's: its τ = 5,000 assumes statistics to start from.)
+MoEpic's: its τ = 5,000 assumes statistics to start from.) So is a plan made before MIN_PREDICTIONS
+decode tokens had a recorded prediction: the configurator then keeps prefetch (it cannot yet judge
+the predictor, planning/configurator.py), and plans again once it can.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import replace
 
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.planning.configurator import DEFAULT_TAU, replan_due
+from fmoe_cli.planning.plan import MIN_PREDICTIONS
 from fmoe_cli.planning.presets import PRESETS, PlanInputs, settings_for
 from fmoe_cli.planning.stats import StatsRecorder
 
@@ -35,7 +38,7 @@ class Replanner:
         self.recorder = recorder
         self.tau = tau  # τ: tokens between re-plans
         self.tokens_at_plan = recorder.tokens
-        self.blind = recorder.tokens == 0  # the plans so far were made without recorded routing
+        self.blind = self._blind()  # the plans so far were made without recorded routing or predictions
         self.replans = 0
         if recorder not in engine.observers:
             engine.observers.append(recorder)
@@ -47,8 +50,11 @@ class Replanner:
     def plan_inputs(self) -> PlanInputs:
         """The run's plan inputs with the statistics so far; a plan made from them counts as the latest."""
         self.tokens_at_plan = self.recorder.tokens
-        self.blind = self.recorder.tokens == 0
+        self.blind = self._blind()
         return replace(self.inputs, stats=self.stats)
+
+    def _blind(self) -> bool:
+        return self.recorder.tokens == 0 or self.stats.predicted_tokens < MIN_PREDICTIONS
 
     def due(self) -> bool:
         since = self.recorder.tokens - self.tokens_at_plan

@@ -271,7 +271,7 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
             for name, r in results.items()}}
     compute = shape.num_layers * (timings.t_att + timings.t_moe) + timings.t_head
     out = {}
-    plans = {name: settings_for(name, PlanInputs(shape, budget, timings, stats, model)) for name in tpot_policies(timings)}
+    plans = {name: settings_for(name, PlanInputs(shape, budget, timings, stats, model, min_predictions=0)) for name in tpot_policies(timings)}
     if timings.has_host:
         plans[LLAMA_CPP_ROW] = EngineSettings(LLAMA_CPP_ROW, host_baselines(shape, budget)[LLAMA_CPP], "lcp", False,
                                               0.0, 0.0)

@@ -450,7 +450,7 @@ def predict_policies(shape: ExpertShape, budget_bytes: int, timings: Timings, ba
     for name in policies:
         if progress is not None:
             progress(name)  # called before each policy
-        settings = settings_for(name, PlanInputs(shape, budget_bytes, timings, stats))
+        settings = settings_for(name, PlanInputs(shape, budget_bytes, timings, stats, min_predictions=0))
         out[name] = simulate_policy(shape, settings, timings, sequences, bandwidth=bandwidth, latency=latency,
                                     prompt_tokens=prompt_tokens, predictor_factory=predictor)
     for name, plan in (plans or {}).items():

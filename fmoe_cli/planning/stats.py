@@ -259,6 +259,12 @@ class RoutingStats:
     def tokens(self) -> int:
         return max((layer.tokens for layer in self.layers), default=0)
 
+    @property
+    def predicted_tokens(self) -> int:
+        """Decode tokens with the prefetcher's ranking recorded, in the layer that has fewest (P_i, PH_i
+        rest on them; a run without prefetch records none: its predictor does not run)."""
+        return min((layer.predicted_tokens for layer in self.layers), default=0)
+
     def observe(self, layer: int, activated: Sequence[int], ranking: Sequence[int], predicted: Sequence[int] | None = None) -> None:
         self.layers[layer].observe(activated, ranking, predicted)
 
