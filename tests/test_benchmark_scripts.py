@@ -69,3 +69,19 @@ def test_synthetic_routing_has_the_shape_it_was_fitted_to():
     share = max(counts) / sum(counts) * 60
     assert abs(share - 0.183 * 8) < 0.2, share
     assert abs(same / (2999 * 4) - 0.397) < 0.04
+
+
+def test_link_policies_pairs_moepic_with_each_policy_within_a_round():
+    """benchmarks/link_policies.py: moepic ÷ P is taken round by round (the same process), then its median and
+    spread; a round whose machine was slow for every policy cancels out of the pair. The best other policy is
+    the one of least median TPOT, `resident` excluded."""
+    link_policies = benchmark("link_policies")
+    tpot = {"moepic": [10.0, 20.0, 11.0], "uniform": [9.0, 19.0, 12.0], "ondemand": [11.5, 11.5, 11.5],
+            "resident": [5.0, 5.0, 5.0]}
+    row = link_policies.summarise(tpot, ["a", "b", "c"])
+    assert row["best_other"] == "ondemand"  # median 11.5 against uniform's 12.0 (resident's 5.0 is no baseline)
+    uniform = row["moepic_over"]["uniform"]
+    assert uniform["rounds"] == [10 / 9, 20 / 19, 11 / 12]
+    assert uniform["median"] == 20 / 19 and uniform["min"] == 11 / 12 and uniform["max"] == 10 / 9
+    assert row["moepic_over_best"] == row["moepic_over"]["ondemand"]
+    assert row["moepic_over_best_medians"] == 11.0 / 11.5
