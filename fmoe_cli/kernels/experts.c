@@ -1389,6 +1389,13 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
     if (!(FMOE_PHASES & 1) || !(FMOE_PHASES & 2)) memset(c, 0, sizeof(float) * tokens * hidden);
 }
 
+/* Floats of one thread's scratch in a pass (pass_chunk): a[t], u[t] of AXPY_ROWS neurons (several tokens: and one
+   decoded row ŵ), or prefill_chunk's, on cache lines of its own. */
+static int64_t pass_stride(int64_t tokens, int64_t hidden) {
+    int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
+    return tokens > PREFILL_FROM && prefill_floats(tokens, hidden) > stride ? prefill_floats(tokens, hidden) : stride;
+}
+
 /* acc [T, H] float32 (+)= the segment's partial output; out_bf16 (optional): acc rounded to bf16.
    The neurons go in chunks of `chunk` (C) from the segment's start: each chunk's partial sum c_k starts
    from zero and adds its neurons in order, then acc = ((acc + c_0) + c_1) + …, so a split at a multiple
@@ -1408,9 +1415,7 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
     if (batch < width) batch = width;
     if (batch > chunks) batch = chunks;
     if (batch < 1) batch = 1;
-    /* each thread's a[t], u[t] (several tokens: and one decoded row ŵ) on cache lines of its own */
-    int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
-    if (tokens > PREFILL_FROM && prefill_floats(tokens, hidden) > stride) stride = prefill_floats(tokens, hidden);
+    int64_t stride = pass_stride(tokens, hidden);
     Tokens xs;
     float *part = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, batch * tokens * hidden + 16 + width * stride);
     if (!part) return -1;
@@ -1476,7 +1481,7 @@ int fmoe_segments_forward(int fmt, int64_t count, const uint8_t *const *segments
     Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
     if (threads < 1 || work * hidden * tokens < (1 << 16)) threads = 1;
     int64_t width = threads;
-    int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
+    int64_t stride = pass_stride(tokens, hidden);
     Tokens xs;
     float *part = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, total * size + 16 + width * stride);
     if (!part) return -1;
