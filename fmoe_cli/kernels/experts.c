@@ -34,6 +34,9 @@
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2 /* decode: groups of AXPY_ROWS neurons prefetched ahead (0: none) */
 #endif
+#ifndef PREFETCH_STRIDE
+#define PREFETCH_STRIDE 64 /* bytes between two prefetches */
+#endif
 #ifndef FMOE_PHASES
 #define FMOE_PHASES 3 /* a benchmark build may time one phase alone */
 #endif
@@ -1033,25 +1036,42 @@ static inline void meta_floats(const uint8_t *meta, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(meta + 2 * i))));
 }
 
+/* VL codes -> VL floats (int8: signed bytes; int4: bytes as int32, then the low or the high nibble). */
+#if VL == 16
+#define vq8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+typedef __m512i veci;
+#define vu8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define vnibble_low(b) _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))
+#define vnibble_high(b) _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))
+#define vadd _mm512_add_ps
+#define vbroadcast(p) _mm512_set1_ps(*(p))
+#else
+#define vq8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+typedef __m256i veci;
+#define vu8(p) ((__m256i)load_u8(p))
+#define vnibble_low(b) _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)))
+#define vnibble_high(b) _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))
+#define vadd _mm256_add_ps
+#define vbroadcast(p) _mm256_broadcast_ss(p)
+#endif
+
 /* int8 gate and up (G weights a group, a constant where inlined): Σ_g s_g·Σ_{j∈g} q_j x_j per row. */
 static inline __attribute__((always_inline)) void gate_up_int8(const uint8_t *row, const uint8_t *up, int64_t h,
                                                                 int64_t G, const float *x, float *g, float *u) {
     float sg[META_FLOATS], su[META_FLOATS];
     meta_floats(row + h, h / G, sg), meta_floats(up + h, h / G, su);
-    __m256 tg = _mm256_setzero_ps(), tu = tg;
+    vec tg = vzero(), tu = tg;
     for (int64_t g0 = 0; g0 < h; g0 += G) {
-        __m256 ga = _mm256_setzero_ps(), gb = ga, ua = ga, ub = ga;
-        for (int64_t j = g0; j < g0 + G; j += 16) {
-            __m256 xa = _mm256_loadu_ps(x + j), xb = _mm256_loadu_ps(x + j + 8);
-            ga = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j)))), xa, ga);
-            gb = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + j + 8)))), xb, gb);
-            ua = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(up + j)))), xa, ua);
-            ub = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(up + j + 8)))), xb, ub);
+        vec ga = vzero(), gb = ga, ua = ga, ub = ga;
+        for (int64_t j = g0; j < g0 + G; j += 2 * VL) {
+            vec xa = vload(x + j), xb = vload(x + j + VL);
+            ga = vfma(vq8(row + j), xa, ga), gb = vfma(vq8(row + j + VL), xb, gb);
+            ua = vfma(vq8(up + j), xa, ua), ub = vfma(vq8(up + j + VL), xb, ub);
         }
-        tg = _mm256_fmadd_ps(_mm256_broadcast_ss(sg + g0 / G), _mm256_add_ps(ga, gb), tg);
-        tu = _mm256_fmadd_ps(_mm256_broadcast_ss(su + g0 / G), _mm256_add_ps(ua, ub), tu);
+        tg = vfma(vbroadcast(sg + g0 / G), vadd(ga, gb), tg);
+        tu = vfma(vbroadcast(su + g0 / G), vadd(ua, ub), tu);
     }
-    *g = hsum8(tg), *u = hsum8(tu);
+    *g = vsum(tg), *u = vsum(tu);
 }
 
 /* int4 gate and up: byte j holds code j (low nibble) and code j + H/2 (high), groups g and g + H/2G together;
@@ -1062,28 +1082,23 @@ static inline __attribute__((always_inline)) void gate_up_int4(const uint8_t *ro
     int64_t half = h / 2, paired = half / G;
     float mg[META_FLOATS], mu[META_FLOATS]; /* (s, m) per group */
     meta_floats(row + half, 2 * (h / G), mg), meta_floats(up + half, 2 * (h / G), mu);
-    const __m256i low = _mm256_set1_epi32(15);
-    __m256 tg = _mm256_setzero_ps(), tu = tg;
+    vec tg = vzero(), tu = tg;
     float og = 0.0f, ou = 0.0f;
     for (int64_t g = 0; g < paired; g++) {
         int64_t gh = g + paired, j0 = g * G;
-        __m256 gl = _mm256_setzero_ps(), gh_ = gl, ul = gl, uh = gl;
-        for (int64_t j = j0; j < j0 + G; j += 8) {
-            __m256 xl = _mm256_loadu_ps(x + j), xh = _mm256_loadu_ps(x + half + j);
-            __m256i bg = (__m256i)load_u8(row + j), bu = (__m256i)load_u8(up + j);
-            gl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bg, low)), xl, gl);
-            gh_ = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bg, 4)), xh, gh_);
-            ul = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bu, low)), xl, ul);
-            uh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bu, 4)), xh, uh);
+        vec gl = vzero(), gh_ = gl, ul = gl, uh = gl;
+        for (int64_t j = j0; j < j0 + G; j += VL) {
+            vec xl = vload(x + j), xh = vload(x + half + j);
+            veci bg = vu8(row + j), bu = vu8(up + j);
+            gl = vfma(vnibble_low(bg), xl, gl), gh_ = vfma(vnibble_high(bg), xh, gh_);
+            ul = vfma(vnibble_low(bu), xl, ul), uh = vfma(vnibble_high(bu), xh, uh);
         }
-        tg = _mm256_fmadd_ps(_mm256_broadcast_ss(mg + 2 * g), gl, tg);
-        tg = _mm256_fmadd_ps(_mm256_broadcast_ss(mg + 2 * gh), gh_, tg);
-        tu = _mm256_fmadd_ps(_mm256_broadcast_ss(mu + 2 * g), ul, tu);
-        tu = _mm256_fmadd_ps(_mm256_broadcast_ss(mu + 2 * gh), uh, tu);
+        tg = vfma(vbroadcast(mg + 2 * g), gl, tg), tg = vfma(vbroadcast(mg + 2 * gh), gh_, tg);
+        tu = vfma(vbroadcast(mu + 2 * g), ul, tu), tu = vfma(vbroadcast(mu + 2 * gh), uh, tu);
         og = fmaf(mg[2 * g + 1], xg[g], og), og = fmaf(mg[2 * gh + 1], xg[gh], og);
         ou = fmaf(mu[2 * g + 1], xg[g], ou), ou = fmaf(mu[2 * gh + 1], xg[gh], ou);
     }
-    *g = hsum8(tg) + og, *u = hsum8(tu) + ou;
+    *g = vsum(tg) + og, *u = vsum(tu) + ou;
 }
 
 /* int8 down rows of AXPY_ROWS neurons onto c. */
@@ -1091,18 +1106,15 @@ static inline __attribute__((always_inline)) void down_int8(const uint8_t *const
                                                              const float *a, float *restrict c, int init) {
     float s[AXPY_ROWS][META_FLOATS];
     for (int r = 0; r < AXPY_ROWS; r++) meta_floats(rows[r] + h, h / G, s[r]);
-#define Q8_8(r, j) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rows[r] + (j)))))
     for (int64_t g = 0; g < h / G; g++) {
-        __m256 s0 = _mm256_set1_ps(a[0] * s[0][g]), s1 = _mm256_set1_ps(a[1] * s[1][g]);
-        __m256 s2 = _mm256_set1_ps(a[2] * s[2][g]), s3 = _mm256_set1_ps(a[3] * s[3][g]);
-        for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
-            __m256 v = init ? _mm256_mul_ps(Q8_8(0, j), s0) : _mm256_fmadd_ps(Q8_8(0, j), s0, _mm256_loadu_ps(c + j));
-            v = _mm256_fmadd_ps(Q8_8(1, j), s1, v);
-            v = _mm256_fmadd_ps(Q8_8(2, j), s2, v);
-            _mm256_storeu_ps(c + j, _mm256_fmadd_ps(Q8_8(3, j), s3, v));
+        vec s0 = vset1(a[0] * s[0][g]), s1 = vset1(a[1] * s[1][g]), s2 = vset1(a[2] * s[2][g]), s3 = vset1(a[3] * s[3][g]);
+        for (int64_t j = g * G; j < (g + 1) * G; j += VL) {
+            vec v = init ? vmul(vq8(rows[0] + j), s0) : vfma(vq8(rows[0] + j), s0, vload(c + j));
+            v = vfma(vq8(rows[1] + j), s1, v);
+            v = vfma(vq8(rows[2] + j), s2, v);
+            vstore(c + j, vfma(vq8(rows[3] + j), s3, v));
         }
     }
-#undef Q8_8
 }
 
 /* int4 down rows of AXPY_ROWS neurons onto c: groups g (low nibbles, c[j]) and g + H/2G (high, c[j + H/2])
@@ -1112,25 +1124,23 @@ static inline __attribute__((always_inline)) void down_int4(const uint8_t *const
     int64_t half = h / 2, paired = half / G;
     float m[AXPY_ROWS][META_FLOATS];
     for (int r = 0; r < AXPY_ROWS; r++) meta_floats(rows[r] + half, 2 * (h / G), m[r]);
-    const __m256i low = _mm256_set1_epi32(15);
     for (int64_t g = 0; g < paired; g++) {
         int64_t gh = g + paired;
-        __m256 sl[AXPY_ROWS], sh[AXPY_ROWS];
+        vec sl[AXPY_ROWS], sh[AXPY_ROWS];
         float ml = 0.0f, mh = 0.0f;
         for (int r = 0; r < AXPY_ROWS; r++) {
-            sl[r] = _mm256_set1_ps(a[r] * m[r][2 * g]), sh[r] = _mm256_set1_ps(a[r] * m[r][2 * gh]);
+            sl[r] = vset1(a[r] * m[r][2 * g]), sh[r] = vset1(a[r] * m[r][2 * gh]);
             ml = fmaf(a[r], m[r][2 * g + 1], ml), mh = fmaf(a[r], m[r][2 * gh + 1], mh);
         }
-        __m256 bl = _mm256_set1_ps(ml), bh = _mm256_set1_ps(mh);
-        for (int64_t j = g * G; j < (g + 1) * G; j += 8) {
-            __m256 vl = init ? bl : _mm256_add_ps(_mm256_loadu_ps(c + j), bl);
-            __m256 vh = init ? bh : _mm256_add_ps(_mm256_loadu_ps(c + half + j), bh);
+        vec bl = vset1(ml), bh = vset1(mh);
+        for (int64_t j = g * G; j < (g + 1) * G; j += VL) {
+            vec vl = init ? bl : vadd(vload(c + j), bl);
+            vec vh = init ? bh : vadd(vload(c + half + j), bh);
             for (int r = 0; r < AXPY_ROWS; r++) {
-                __m256i b = (__m256i)load_u8(rows[r] + j);
-                vl = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), sl[r], vl);
-                vh = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sh[r], vh);
+                veci b = vu8(rows[r] + j);
+                vl = vfma(vnibble_low(b), sl[r], vl), vh = vfma(vnibble_high(b), sh[r], vh);
             }
-            _mm256_storeu_ps(c + j, vl), _mm256_storeu_ps(c + half + j, vh);
+            vstore(c + j, vl), vstore(c + half + j, vh);
         }
     }
 }
@@ -1142,17 +1152,15 @@ static void gate_up_one(const uint8_t *row, const Format *f, const float *x, con
     switch (f->fmt) {
     case FMT_F32: {
         const float *wg = (const float *)row, *wu = (const float *)up;
-        __m256 g0 = _mm256_setzero_ps(), g1 = g0, g2 = g0, g3 = g0, u0 = g0, u1 = g0, u2 = g0, u3 = g0;
-        for (int64_t j = 0; j < h; j += 32) {
-            __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
-            __m256 x2 = _mm256_loadu_ps(x + j + 16), x3 = _mm256_loadu_ps(x + j + 24);
-            g0 = _mm256_fmadd_ps(_mm256_loadu_ps(wg + j), x0, g0), u0 = _mm256_fmadd_ps(_mm256_loadu_ps(wu + j), x0, u0);
-            g1 = _mm256_fmadd_ps(_mm256_loadu_ps(wg + j + 8), x1, g1), u1 = _mm256_fmadd_ps(_mm256_loadu_ps(wu + j + 8), x1, u1);
-            g2 = _mm256_fmadd_ps(_mm256_loadu_ps(wg + j + 16), x2, g2), u2 = _mm256_fmadd_ps(_mm256_loadu_ps(wu + j + 16), x2, u2);
-            g3 = _mm256_fmadd_ps(_mm256_loadu_ps(wg + j + 24), x3, g3), u3 = _mm256_fmadd_ps(_mm256_loadu_ps(wu + j + 24), x3, u3);
+        vec g0 = vzero(), g1 = g0, g2 = g0, g3 = g0, u0 = g0, u1 = g0, u2 = g0, u3 = g0;
+        for (int64_t j = 0; j < h; j += 4 * VL) {
+            vec x0 = vload(x + j), x1 = vload(x + j + VL), x2 = vload(x + j + 2 * VL), x3 = vload(x + j + 3 * VL);
+            g0 = vfma(vload(wg + j), x0, g0), u0 = vfma(vload(wu + j), x0, u0);
+            g1 = vfma(vload(wg + j + VL), x1, g1), u1 = vfma(vload(wu + j + VL), x1, u1);
+            g2 = vfma(vload(wg + j + 2 * VL), x2, g2), u2 = vfma(vload(wu + j + 2 * VL), x2, u2);
+            g3 = vfma(vload(wg + j + 3 * VL), x3, g3), u3 = vfma(vload(wu + j + 3 * VL), x3, u3);
         }
-        *g = hsum8(_mm256_add_ps(_mm256_add_ps(g0, g1), _mm256_add_ps(g2, g3)));
-        *u = hsum8(_mm256_add_ps(_mm256_add_ps(u0, u1), _mm256_add_ps(u2, u3)));
+        *g = vsum(vadd(vadd(g0, g1), vadd(g2, g3))), *u = vsum(vadd(vadd(u0, u1), vadd(u2, u3)));
         return;
     }
     case FMT_BF16: { /* x de-interleaved per 16 (prepare_x): even weights' x, then odd weights' */
@@ -1189,12 +1197,12 @@ static void down_one(const uint8_t *const *rows, const Format *f, const float *a
     switch (f->fmt) {
     case FMT_F32: {
         const float *w0 = (const float *)rows[0], *w1 = (const float *)rows[1], *w2 = (const float *)rows[2], *w3 = (const float *)rows[3];
-        __m256 a0 = _mm256_set1_ps(a[0]), a1 = _mm256_set1_ps(a[1]), a2 = _mm256_set1_ps(a[2]), a3 = _mm256_set1_ps(a[3]);
-        for (int64_t j = 0; j < h; j += 8) {
-            __m256 v = init ? _mm256_mul_ps(a0, _mm256_loadu_ps(w0 + j)) : _mm256_fmadd_ps(a0, _mm256_loadu_ps(w0 + j), _mm256_loadu_ps(c + j));
-            v = _mm256_fmadd_ps(a1, _mm256_loadu_ps(w1 + j), v);
-            v = _mm256_fmadd_ps(a2, _mm256_loadu_ps(w2 + j), v);
-            _mm256_storeu_ps(c + j, _mm256_fmadd_ps(a3, _mm256_loadu_ps(w3 + j), v));
+        vec a0 = vset1(a[0]), a1 = vset1(a[1]), a2 = vset1(a[2]), a3 = vset1(a[3]);
+        for (int64_t j = 0; j < h; j += VL) {
+            vec v = init ? vmul(a0, vload(w0 + j)) : vfma(a0, vload(w0 + j), vload(c + j));
+            v = vfma(a1, vload(w1 + j), v);
+            v = vfma(a2, vload(w2 + j), v);
+            vstore(c + j, vfma(a3, vload(w3 + j), v));
         }
         return;
     }
@@ -1224,15 +1232,20 @@ static void down_one(const uint8_t *const *rows, const Format *f, const float *a
 
 /* Whether the decode path (T = 1) serves this format (else pass_chunk's general one). */
 static int one_shape(const Format *f, const Tokens *x) {
+#if FMOE_AVX2
     if (!x->vector || x->tokens != 1) return 0;
     int64_t h = f->hidden, G = f->group;
     switch (f->fmt) {
-    case FMT_F32: return h % 32 == 0;
+    case FMT_F32: return h % (4 * VL) == 0;
     case FMT_BF16: return h % 16 == 0;
-    case FMT_INT8: return G % 16 == 0 && h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
-    case FMT_INT4: return G % 8 == 0 && (h / 2) % G == 0 && (2 * h / G) % 8 == 0 && 2 * h / G <= META_FLOATS;
+    case FMT_INT8: return G % (2 * VL) == 0 && h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
+    case FMT_INT4: return G % VL == 0 && (h / 2) % G == 0 && (2 * h / G) % 8 == 0 && 2 * h / G <= META_FLOATS;
     default: return 0;
     }
+#else
+    (void)f, (void)x;
+    return 0;
+#endif
 }
 
 /* Chunk first + k for one token: its partial sum c = Σ over its neurons, in order, of a·ŵ_down (from zero). */
@@ -1248,9 +1261,9 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
     for (; i + AXPY_ROWS <= i1; i += AXPY_ROWS) {
         if (PREFETCH_AHEAD && f->fmt >= FMT_INT8) { /* int8, int4: the rows AXPY_ROWS·PREFETCH_AHEAD neurons on, into
                                  L2 (from RAM, one a3b int4 expert on one thread: ≈ 1.5× less CPU; f32: no gain seen) */
-            const char *next = (const char *)(p->segment + (i + PREFETCH_AHEAD * AXPY_ROWS) * p->row_bytes);
-            const char *end = (const char *)(p->segment + p->neurons * p->row_bytes);
-            for (int64_t b = 0; b < AXPY_ROWS * p->row_bytes && next + b < end; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+            int64_t ahead = i + PREFETCH_AHEAD * AXPY_ROWS, rows = p->neurons - ahead < AXPY_ROWS ? p->neurons - ahead : AXPY_ROWS;
+            const char *next = (const char *)(p->segment + ahead * p->row_bytes);
+            for (int64_t b = 0; b < rows * p->row_bytes; b += PREFETCH_STRIDE) _mm_prefetch(next + b, _MM_HINT_T1);
         }
         for (int r = 0; r < AXPY_ROWS; r++) {
             const uint8_t *row = p->segment + (i + r) * p->row_bytes;
