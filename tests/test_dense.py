@@ -127,6 +127,22 @@ def test_a_tied_head_stays_the_embedding():
     assert any(isinstance(m, QuantLinear) for m in lm.model.modules())
 
 
+def test_an_unquantised_head_computes_on_its_input_flattened(checkpoints, monkeypatch):
+    """A prefill's LM head gets the last token's slice hidden[:, -1:, :] (strides T·H, H, 1), which sends torch's
+    bf16 matmul on the CPU down a slow path (models/dense.py flatten_head_input): the head's matmul sees [rows, H]
+    with the row stride H, and gives the bits of the slice's own matmul."""
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="bfloat16", experts="bf16")
+    head = lm.model.get_output_embeddings()
+    assert type(head) is torch.nn.Linear
+    hidden = torch.randn(1, 9, head.in_features).to(torch.bfloat16)
+    seen = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: seen.append((x.shape, x.stride())) or real(x, *a))
+    got = head(hidden[:, -1:, :])
+    assert seen == [((1, head.in_features), (head.in_features, 1))]
+    assert got.shape == (1, 1, head.out_features) and torch.equal(got, real(hidden[:, -1:, :], head.weight, head.bias))
+
+
 def test_blocked_forward_equals_the_whole_weight(monkeypatch):
     """A weight larger than the workspace is dequantised in blocks of output rows: the same outputs."""
     import fmoe_cli.models.dense as dense
