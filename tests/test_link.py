@@ -305,7 +305,9 @@ def test_the_clock_kind_comes_from_the_environment(monkeypatch):
         clock = link_module.host_clock()
         assert isinstance(clock, link_module.CpuClock) and link_module.host_clock() is clock
         assert torch.get_num_threads() == 1  # CPU time is one core's time
-        assert make_link(torch.device("cpu"), 4.0).clock is clock  # the link and fmoe's timings: one clock
+        link = make_link(torch.device("cpu"), 4.0)
+        assert link.clock is clock  # the link and fmoe's timings: one clock
+        assert link.label() == "link: emulated 4 GB/s, on the process's CPU-time clock"  # bench, chat: labelled
         with pytest.raises(FmoeError, match="GPU"):
             make_link(torch.device("cuda"), 4.0)  # a GPU's copies are real: no CPU-time emulation
         monkeypatch.setenv(link_module.CLOCK_ENV, "wall")

@@ -312,7 +312,8 @@ class EmulatedLink:
 
     def label(self) -> str:
         if self.gbps:
-            return f"link: emulated {self.gbps:.3g} GB/s" + (f" ({self.note})" if self.note else "")
+            clock = ", on the process's CPU-time clock" if isinstance(self.clock, CpuClock) else ""
+            return f"link: emulated {self.gbps:.3g} GB/s" + (f" ({self.note})" if self.note else "") + clock
         return "link: none (the CPU is the device; experts are read from host memory)"
 
     def duration(self, nbytes: int) -> float:
