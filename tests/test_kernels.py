@@ -5,6 +5,10 @@ GIL released while a kernel runs (a host lane computes beside the main thread)."
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -113,6 +117,10 @@ def test_int8_activations_compute_the_quantised_tokens_result(name, hidden, toke
     assert spec.int8_activations
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(4))
     got = kernels.segment_forward(x, stored, spec)
+    if kernels.library().fmoe_simd() == 0:  # a CPU without AVX2 runs the float32 dots (experts.c q8_shape)
+        want = layout.segment_forward(x, w, F.silu)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        return
     x_hat = quantised_tokens(x)
     a = F.silu(x_hat @ w[:, 0].T) * (x_hat @ w[:, 1].T)
     want = a @ w[:, 2]
@@ -377,3 +385,26 @@ def test_int8_activations_stay_within_the_published_tolerance(experts, max_logit
     error = (got - want).abs().max().item()
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert 0 < error <= max_logit_error and top1 >= min_top1, (error, top1)
+
+
+# The tests of values and bits, run again on each narrower build than this machine's (below).
+CORE_TESTS = ("computes_what_torch or top_continued or in_one_call or int8_activations_compute "
+              "or dense_projection")
+
+
+@needs_kernels
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the x86-64 builds")
+@pytest.mark.parametrize("isa, level", [("avx2", 1), ("scalar", 0)])
+def test_the_narrower_builds_pass_the_same_value_and_bit_tests(isa, level):
+    """The native build runs the widest paths this CPU has (16-lane AVX-512 on this project's machine). A user's
+    CPU may have AVX2 only (8 lanes, other register tiles) or neither (the scalar paths): FMOE_KERNEL_ISA builds
+    those here, and the value and split-exactness tests must pass on each. The probe checks the build really is
+    the narrower one (an ignored FMOE_KERNEL_ISA would test the native build twice)."""
+    env = {**os.environ, "FMOE_KERNEL_ISA": isa}
+    probe = subprocess.run([sys.executable, "-c", "from fmoe_cli import kernels; print(kernels.library().fmoe_simd())"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert probe.stdout.strip() == str(level), probe.stdout + probe.stderr
+    run = subprocess.run([sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
+                          "-k", CORE_TESTS], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.splitlines()[-1], run.stdout[-500:]

@@ -18,10 +18,24 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("experts.c")
-# -O3 and the CPU's own instruction set (AVX2/FMA/F16C here); no -ffast-math: the sums' order is the contract.
-FLAGS = ["-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c11"]
-PORTABLE_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c11"]  # a compiler without -march=native
+# -O3 and the CPU's own instruction set (AVX-512 or AVX2/FMA/F16C); no -ffast-math: the sums' order is the contract.
+COMMON_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-march=native", *COMMON_FLAGS]
+PORTABLE_FLAGS = COMMON_FLAGS  # a compiler without -march=native: the scalar paths
+# FMOE_KERNEL_ISA: which of experts.c's paths to build. `native` (default): the widest this CPU has (AVX-512 where
+# present, else AVX2). `avx2` and `scalar` build the narrower ones on any x86-64 machine, so that a machine with
+# AVX-512 also tests the paths an AVX2-only CPU (and a CPU with neither) runs (tests/test_kernels.py).
+ISA_ENV = "FMOE_KERNEL_ISA"
+ISA_FLAGS = {"native": FLAGS, "avx2": ["-mavx2", "-mfma", "-mf16c", *COMMON_FLAGS], "scalar": PORTABLE_FLAGS}
 COMPILE_TIMEOUT_S = 120
+
+
+def isa() -> str:
+    """FMOE_KERNEL_ISA, checked (default `native`)."""
+    kind = os.environ.get(ISA_ENV, "").strip().lower() or "native"
+    if kind not in ISA_FLAGS:
+        raise RuntimeError(f"{ISA_ENV}={kind!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return kind
 
 
 def cache_dir() -> Path:
@@ -46,7 +60,8 @@ def compiler() -> str | None:
 
 
 def library_path(cc: str) -> Path:
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, " ".join(FLAGS), cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, " ".join(ISA_FLAGS[isa()]), cpu_flags()]).encode()
+                         ).hexdigest()[:16]
     return cache_dir() / f"experts-{key}.so"
 
 
@@ -72,7 +87,7 @@ def _compile(cc: str, target: Path) -> None:
     os.close(fd)
     try:
         errors = ""
-        for flags in (FLAGS, PORTABLE_FLAGS):
+        for flags in (ISA_FLAGS[isa()], PORTABLE_FLAGS):
             result = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                                     timeout=COMPILE_TIMEOUT_S)
             if result.returncode == 0:

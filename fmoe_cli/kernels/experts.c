@@ -51,7 +51,14 @@ typedef struct {
     int64_t meta_group; /* int2: scales per 8-bit scale group (M) */
 } Format;
 
-int fmoe_simd(void) { return FMOE_AVX2; }
+/* The vector paths built (kernels/build.py SIMD_LEVELS): 0 scalar, 1 AVX2 (8 lanes), 2 AVX-512 (16 lanes). */
+int fmoe_simd(void) {
+#if FMOE_AVX2 && defined(__AVX512F__) && !defined(FMOE_NO_AVX512)
+  return 2;
+#else
+  return FMOE_AVX2;
+#endif
+}
 
 /* ---- scalar helpers ---------------------------------------------------------------- */
 
