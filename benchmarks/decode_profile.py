@@ -58,6 +58,7 @@ def label_model(model) -> None:
         layer.mlp.forward = labelled(layer.mlp.forward, "moe")
     model.lm_head.forward = labelled(model.lm_head.forward, "lm head")
     kernels.segment_forward = labelled(kernels.segment_forward, "experts")
+    kernels.segments_forward = labelled(kernels.segments_forward, "experts")  # a decode layer's experts, one call
 
 
 def weight_bytes(module) -> int:
@@ -107,6 +108,7 @@ def profile_decode(args) -> dict:
                 "dense": lm.dense, "activations": lm.activations, "threads": torch.get_num_threads(),
                 "tokens": len(decode), "tpot_ms": {"median": step * 1e3, "min": min(decode) * 1e3,
                                                     "max": max(decode) * 1e3},
+                "tpot_cpu_ms": (cpu[-1] - cpu[1]) / len(decode) * 1e3,  # the decode steps' CPU time (every thread), mean
                 "prefill_ms": prefill_s * 1e3, "prefill_cpu_ms": (cpu[1] - cpu[0]) * 1e3, "prompt_tokens": int(ids.shape[-1]),
                 "per_token_ms": {k: v * 1e3 for k, v in per_token.items()},
                 "prefill_parts_ms": prefill_parts(parts[0], prefill_s),
@@ -127,7 +129,8 @@ def render(report: dict) -> str:
     lines = [f"{report['model']}: --dtype {report['dtype']} --experts {report['experts']} --dense {report['dense']} "
              f"--activations {report['activations']}, "
              f"{report['threads']} threads, {report['tokens']} decode tokens after a {report['prompt_tokens']}-token "
-             f"prompt; TPOT median {t['median']:.2f} ms [{t['min']:.2f}, {t['max']:.2f}]", "",
+             f"prompt; TPOT median {t['median']:.2f} ms [{t['min']:.2f}, {t['max']:.2f}], CPU time "
+             f"{report['tpot_cpu_ms']:.2f} ms a token (every thread, mean)", "",
              "| part | ms / token | share | weight MB / token | GB/s |", "|---|---:|---:|---:|---:|"]
     mean = sum(v for k, v in report["per_token_ms"].items() if k != "experts")
     for part in ("attention", "moe", "experts", "lm head", "other"):

@@ -12,6 +12,9 @@ as the whole when the second part continues the first one's accumulator (`acc`):
 bottom equals its whole expert, and every policy gives the resident run's tokens. Nothing depends on
 the thread count.
 
+`segments_forward` computes several segments for the same tokens in one call (a decode step's activated experts:
+one wake of the kernels' threads, one ctypes call), each with the bits segment_forward gives it alone.
+
 `linear_forward` computes one dense projection y = x·ŵᵀ from a `--dense int8|int4` linear's rows (a row is one
 projection of the experts' layout: models/dense.py). With `--activations int8` (Spec.int8_activations) the int8
 and int4 rows' dot products over x use x quantised per block of 32 and integer arithmetic (experts.c § phase 1

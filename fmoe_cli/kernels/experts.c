@@ -1461,8 +1461,12 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
 
 /* ---- a layer's experts in one call ----------------------------------------------------------- */
 
-/* Segments computed in one job, at most (more: one call each). */
+/* Segments computed in one job, at most, and their chunks' partial sums held at once, at most (more: one call
+   each). 1 MB: a3b's eight experts at a decode step (8 × 12 chunks × 2048 floats) fit; eight experts of 64 neurons
+   in chunks of one (4 MB of partials) cost 1.4× the CPU of one call each (benchmarks/kernels.py --layer 8
+   --intermediate 64), their partials out of the caches. */
 #define GROUP_SEGMENTS 64
+#define GROUP_PARTIAL_FLOATS (1 << 18)
 
 typedef struct {
     Pass pass[GROUP_SEGMENTS];
@@ -1490,7 +1494,7 @@ int fmoe_segments_forward(int fmt, int64_t count, const uint8_t *const *segments
     int64_t size = tokens * hidden, total = 0, work = 0;
     if (chunk < 1) chunk = 1;
     for (int64_t e = 0; e < count; e++) total += (neurons[e] + chunk - 1) / chunk, work += neurons[e];
-    if (count > GROUP_SEGMENTS || total * size > PARTIAL_FLOATS) { /* one call each */
+    if (count > GROUP_SEGMENTS || total * size > GROUP_PARTIAL_FLOATS) { /* one call each */
         for (int64_t e = 0; e < count; e++)
             if (fmoe_segment_forward(fmt, segments[e], neurons[e], hidden, proj_bytes, group, meta_group, chunk, x,
                                      x_bf16, tokens, acc + e * size, 0, out_bf16 ? out_bf16 + e * size : NULL,
