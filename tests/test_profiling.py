@@ -306,6 +306,51 @@ def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
     assert {s.plan.layers[0].top_neurons for s in engine.configured if not s.plan.resident} == {0, 128}
 
 
+def test_the_prefetch_paths_host_work_is_the_median_of_paired_rounds(monkeypatch):
+    """h_pf (profiling/model.py: host_work_s) from paired rounds of one-layer forwards with and without prefetch,
+    the median of the rounds' differences: one forward slowed by other work on the machine (here the first
+    prefetch forward, 10 ms late: the machine's load, not the engine) does not carry it. As many forwards in
+    all as one pass of `layer_reps` (the link's budget holds)."""
+    from types import SimpleNamespace
+
+    from fmoe_cli.offload.engine import Counters
+    from fmoe_cli.planning.presets import make_settings
+    from fmoe_cli.profiling import model as profiling_model
+    from fmoe_cli.types import ExpertShape
+
+    shape = ExpertShape(num_layers=6, num_experts=16, top_k=4, hidden=8, intermediate=256, dtype_bytes=2)
+    h_pf = 0.05
+    calls = []
+
+    class FakeEngine:
+        def __init__(self):
+            self.settings = make_settings("ondemand", shape, 8 * shape.expert_bytes)
+
+        def configure(self, settings):
+            self.settings = settings
+
+        def counters(self):
+            return Counters()
+
+    def fake_layer_forward(lm, engine, reps, layers=None, warmup=20):
+        calls.append(warmup + reps)
+        if engine.settings.prefetch:
+            return 1e-3 + h_pf + (10e-3 if sum(1 for _ in calls) <= 2 else 0.0)  # the first pair's is late
+        return 1e-3
+
+    def fake_generate(model, ids, *, engine, max_new_tokens, stop_on_eos):
+        return [SimpleNamespace(latency_s=1.0, counters=Counters(needed_loads=24, misses=24))
+                for _ in range(max_new_tokens)]
+
+    monkeypatch.setattr(profiling_model, "stream_generate", fake_generate)
+    monkeypatch.setattr(profiling_model, "layer_forward_s", fake_layer_forward)
+    lm = SimpleNamespace(shape=shape, device=torch.device("cpu"), model=None)
+    got = profiling_model.host_work_s(lm, FakeEngine(), None, block_h_load=0.0, t_admit=0.0, t_segment=0.0, rounds=1,
+                                      layer_reps=100)
+    assert got[1] == pytest.approx(h_pf)
+    assert sum(calls) <= 2 * (100 + 100 // 10)  # no more forwards than one pass after its warm-up
+
+
 MIXTRAL_EXPERT_BYTES = 3 * 14336 * 4096 * 2  # one Mixtral-8x7B expert, bf16: 336 MiB
 
 

@@ -154,7 +154,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     Per configuration, the medians over tokens of net = TPOT − exposed and of its counters; then
         h_load = (net_ondemand − net_resident) / loaded segments
         h_pf   = what prefetch adds to one MoE layer's experts forward (`layer_forward_s`, less the
-                 time it waited on the link: K fixed experts, `layer_reps` times: the prefetch path
+                 time it waited on the link: K fixed experts, `layer_reps` times in all, in up to 5
+                 paired rounds, the median of the rounds' differences: the prefetch path
                  is the host's Python, not memory bound, and the difference of two decode steps
                  was too noisy to take it from)
         c      = (net_split − net_ondemand − misses_split · θ · a_e − Δ loaded segments · h_load) / top hits,
@@ -190,6 +191,10 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     keep = None if whole is None else whole.link_layer
     forwarded = None if whole is None else sorted({max(0, keep - 1), keep})  # MoE layers layer_forward_s runs
     warm = max(2, layer_reps // 10)
+    # h_pf in paired rounds (the median of each round's difference: one round slowed by other work on the
+    # machine does not carry it), as many forwards in all as one pass of `layer_reps` after `warm`
+    pf_rounds = min(5, max(1, layer_reps // 3))
+    pf_reps, pf_warm = max(1, layer_reps // pf_rounds), max(1, warm // pf_rounds)
 
     def configure(s) -> None:
         engine.configure(s)
@@ -199,7 +204,7 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     link = getattr(engine, "link", None)
     moved = (lambda: link.bytes_moved) if link is not None else (lambda: 0)
     if link_bytes is not None:  # what the h_pf forwards will move: K whole experts per forward of the link layer
-        link_bytes -= 2 * (warm + layer_reps) * shape.top_k * shape.expert_bytes * (1 if whole else layers)
+        link_bytes -= 2 * pf_rounds * (pf_warm + pf_reps) * shape.top_k * shape.expert_bytes * (1 if whole else layers)
     h_loads, h_pfs, cs, steps, routes = [], [], [], [], []
     start, start_bytes, round_bytes = host_now(), moved(), 0
     try:
@@ -228,15 +233,17 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 sp = count["split"]
                 cs.append((net["split"] - net["demand"] - sp["misses"] * half / shape.intermediate * t_admit
                            - (sp["needed_loads"] - od["needed_loads"]) * h_load) / sp["hits_top"])
-        forward = {}
-        for name, s in (("demand", configs["demand"]), ("prefetch", prefetch)):
-            configure(s)
-            before = engine.counters().exposed_s
-            seconds = layer_forward_s(lm, engine, layer_reps, layers=forwarded, warmup=warm)
-            calls = (warm + layer_reps) * (len(forwarded) if forwarded else layers)
-            forward[name] = seconds - (engine.counters().exposed_s - before) / calls
-        # per prefetching layer: with `whole`, of the two layers forwarded one prefetches for real
-        h_pfs.append((forward["prefetch"] - forward["demand"]) * (len(forwarded) if forwarded else 1))
+        pairs = (("demand", configs["demand"]), ("prefetch", prefetch))
+        for r in range(pf_rounds):
+            forward = {}
+            for name, s in (pairs if r % 2 == 0 else pairs[::-1]):
+                configure(s)
+                before = engine.counters().exposed_s
+                seconds = layer_forward_s(lm, engine, pf_reps, layers=forwarded, warmup=pf_warm)
+                calls = (pf_warm + pf_reps) * (len(forwarded) if forwarded else layers)
+                forward[name] = seconds - (engine.counters().exposed_s - before) / calls
+            # per prefetching layer: with `whole`, of the two layers forwarded one prefetches for real
+            h_pfs.append((forward["prefetch"] - forward["demand"]) * (len(forwarded) if forwarded else 1))
     finally:
         engine.configure(settings)
     # a split top hit costs at least one more segment forward: a smaller c is the noise of a busy machine
