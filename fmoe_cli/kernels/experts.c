@@ -623,7 +623,7 @@ static void down_block(const float *w, int64_t N, const float *a, int64_t as, in
 #endif
 
 /* A down row -> ŵ [H] float32 in natural order (decode_row's, except bf16's, which decode_row de-interleaves). */
-static void decode_down(const uint8_t *row, const Format *f, float *w, int vector) {
+static __attribute__((unused)) void decode_down(const uint8_t *row, const Format *f, float *w, int vector) {
 #if FMOE_AVX2
     if (vector && f->fmt == FMT_BF16) {
         for (int64_t j = 0; j < f->hidden; j += 8)
