@@ -15,7 +15,9 @@ for torch.profiler, whose top ops `--ops N` prints):
 `other` is the step's wall time minus the labelled parts; `moe − experts` is the engine's own
 work per layer (routing, bookkeeping, the combine). Shares are of the median step. The bytes a
 part reads per token (weights) and its GB/s are shown beside its time, so a part far from the
-memory's speed stands out. With `--ops` the run is under torch.profiler (it adds a few µs per op).
+memory's speed stands out. The prefill step (the prompt and its first token) is given the same way, in ms, with
+the process's CPU time beside its wall time (steadier on a machine shared with other work). With `--ops` the run
+is under torch.profiler (it adds a few µs per op).
 
     python benchmarks/decode_profile.py ~/.cache/fmoe-peer/models/a3b --dtype float32 --experts int4
     python benchmarks/decode_profile.py demo --experts int8 --tokens 16 --json

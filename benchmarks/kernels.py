@@ -148,7 +148,8 @@ def make_dense_cases(name: str, outputs: int, inputs: int, pool_mb: float, token
 
 @torch.no_grad()
 def tolerance(console, tokens: int, seq_len: int = 32) -> None:
-    """seq_len: tokens a forward (32 = kernels.MAX_TOKENS: every expert computes in the kernels)."""
+    """seq_len: tokens a forward (32, as the published tolerance was measured; below kernels.MAX_TOKENS, so every
+    expert computes in the kernels)."""
     import transformers
 
     from fmoe_cli.models.demo import SHIPPED
