@@ -10,6 +10,7 @@ import platform
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -182,6 +183,9 @@ def test_a_layers_experts_in_one_call_give_each_experts_own_bits(name, dtype, ac
                 alone = [kernels.segment_forward(x, s, spec, partial=partial) for s in segments]
                 together = kernels.segments_forward(x, segments, spec, partial=partial)
                 assert all(torch.equal(a, b) for a, b in zip(alone, together)), (n, partial)
+        ones = replace(spec, chunk=1)  # chunks of one neuron: partials past experts.c's GROUP_PARTIAL_FLOATS, one call each
+        alone = [kernels.segment_forward(x, s, ones) for s in segments]
+        assert all(torch.equal(a, b) for a, b in zip(alone, kernels.segments_forward(x, segments, ones)))
     finally:
         torch.set_num_threads(threads)
     store = quant.make_store(ExpertShape(1, 4, 1, 2048, 256, 2, name if name not in ("f32", "bf16") else "bf16"),
