@@ -32,7 +32,7 @@
 #endif
 
 #ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2 /* decode: groups of AXPY_ROWS neurons prefetched ahead (0: none) */
+#define PREFETCH_AHEAD 1 /* decode: groups of AXPY_ROWS neurons prefetched ahead (0: none); into L1 (see pass_chunk_one) */
 #endif
 #ifndef PREFETCH_STRIDE
 #define PREFETCH_STRIDE 64 /* bytes between two prefetches */
@@ -1266,11 +1266,13 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
     float a[AXPY_ROWS];
     int64_t i = i0;
     for (; i + AXPY_ROWS <= i1; i += AXPY_ROWS) {
-        if (PREFETCH_AHEAD && f->fmt >= FMT_INT8) { /* int8, int4: the rows AXPY_ROWS·PREFETCH_AHEAD neurons on, into
-                                 L2 (from RAM, one a3b int4 expert on one thread: ≈ 1.5× less CPU; f32: no gain seen) */
+        if (PREFETCH_AHEAD && f->fmt >= FMT_INT8) { /* int8, int4: the next AXPY_ROWS neurons' rows, into L1. One a3b
+            expert from RAM, 2 threads, CPU time (benchmarks/kernels_callgrind.c, 4 alternated runs, load 4-5): int4
+            714-808 µs without, 518-584 into L2 two groups ahead, 421-524 into L1 one group ahead; int8 736-976 into L2,
+            591-680 into L1. f32 and bf16: no gain (the hardware prefetcher keeps up with their one stream a row). */
             int64_t ahead = i + PREFETCH_AHEAD * AXPY_ROWS, rows = p->neurons - ahead < AXPY_ROWS ? p->neurons - ahead : AXPY_ROWS;
             const char *next = (const char *)(p->segment + ahead * p->row_bytes);
-            for (int64_t b = 0; b < rows * p->row_bytes; b += PREFETCH_STRIDE) _mm_prefetch(next + b, _MM_HINT_T1);
+            for (int64_t b = 0; b < rows * p->row_bytes; b += PREFETCH_STRIDE) _mm_prefetch(next + b, _MM_HINT_T0);
         }
         for (int r = 0; r < AXPY_ROWS; r++) {
             const uint8_t *row = p->segment + (i + r) * p->row_bytes;
