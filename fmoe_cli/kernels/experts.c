@@ -1586,7 +1586,13 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
     if (tokens == 1 && one_shape(f, x)) { /* decode: two output rows a pass through the experts' gate/up dots (each
         row's sum its own, so the chunking changes no bits; row_dot, the old path, reads ~2-3x the instructions) */
         int64_t o = o0;
-        for (; o + 2 <= o1; o += 2) gate_up_one(p->rows + o * f->proj_bytes, f, x->xf, x->xg, p->y + o, p->y + o + 1);
+        for (; o + 2 <= o1; o += 2) {
+            if (f->fmt >= FMT_INT8 && o + 4 <= p->outputs) { /* the next pair's rows into L1, as the experts' rows */
+                const char *next = (const char *)(p->rows + (o + 2) * f->proj_bytes);
+                for (int64_t b = 0; b < 2 * f->proj_bytes; b += PREFETCH_STRIDE) _mm_prefetch(next + b, _MM_HINT_T0);
+            }
+            gate_up_one(p->rows + o * f->proj_bytes, f, x->xf, x->xg, p->y + o, p->y + o + 1);
+        }
         for (; o < o1; o++) p->y[o] = row_dot(p->rows + o * f->proj_bytes, f, x->xf, x->xg, x->vector);
         return;
     }
