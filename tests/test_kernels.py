@@ -369,6 +369,9 @@ def test_int8_activations_stay_within_the_published_tolerance(experts, max_logit
 
     from fmoe_cli.models.demo import SHIPPED
     from fmoe_cli.models.load import load_model
+
+    if kernels.library().fmoe_simd() == 0:
+        pytest.skip("no AVX2: --activations int8 runs the float dots here (test_int8_activations_need_avx2)")
     from fmoe_cli.offload.engine import Engine
     from fmoe_cli.offload.link import EmulatedLink
     from fmoe_cli.planning.presets import make_settings
@@ -389,6 +392,22 @@ def test_int8_activations_stay_within_the_published_tolerance(experts, max_logit
     error = (got - want).abs().max().item()
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert 0 < error <= max_logit_error and top1 >= min_top1, (error, top1)
+
+
+@pytest.mark.parametrize("simd, warned", [(0, True), (1, False)])
+def test_int8_activations_need_avx2_and_say_so_without_it(monkeypatch, capsys, simd, warned):
+    """experts.c runs the int8-activation dots only with AVX2 (q8_shape); elsewhere the float dots run, and the
+    load says so in one line instead of the mode silently not happening."""
+    from fmoe_cli.models.load import warn_without_int8_dots
+
+    class Library:
+        def fmoe_simd(self):
+            return simd
+
+    monkeypatch.setattr(kernels, "library", lambda: Library())
+    warn_without_int8_dots()
+    err = capsys.readouterr().err
+    assert ("--activations int8 needs the CPU kernels with AVX2" in err) == warned, err
 
 
 # The tests of values and bits, run again on each narrower build than this machine's (below).

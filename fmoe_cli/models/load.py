@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.models import demo
 from fmoe_cli.generate import TOKENIZER_FILES
 from fmoe_cli.models.config import check_config_file
@@ -61,6 +61,17 @@ class LoadedModel:
     non_expert_bytes: int  # U_n: everything of the model on the device but the routed experts (dense at stored size)
     dense: str = "bf16"  # how the attention (and head) are stored: types.DENSE_FORMATS (resolved: never auto)
     activations: str = DEFAULT_ACTIVATIONS  # what the CPU kernels multiply int8/int4 rows with (types.ACTIVATIONS)
+
+
+def warn_without_int8_dots() -> None:
+    """--activations int8 needs the CPU kernels' AVX2 integer dots (experts.c q8_shape); without them the float32
+    dots run (exact), and one line says so rather than the mode silently not happening."""
+    from fmoe_cli import kernels
+
+    lib = kernels.library()
+    if lib is None or lib.fmoe_simd() == 0:
+        warn("--activations int8 needs the CPU kernels with AVX2, which this machine has not: the experts and dense "
+             "rows multiply float activations (the exact path)")
 
 
 def precision_label(dtype: str, experts: str, dense: str = "bf16", activations: str = DEFAULT_ACTIVATIONS) -> str:
@@ -153,6 +164,8 @@ def load_model(
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
     dense = resolve_dense(dense, dev.type, experts)
+    if activations == "int8" and dev.type == "cpu":
+        warn_without_int8_dots()
     check_config_file(path / "config.json")  # every field a plan needs, as written, before transformers reads it
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
