@@ -1418,6 +1418,24 @@ static int64_t pass_stride(int64_t tokens, int64_t hidden) {
     return tokens > PREFILL_FROM && prefill_floats(tokens, hidden) > stride ? prefill_floats(tokens, hidden) : stride;
 }
 
+/* acc [T, H] += the partial sums c_0, c_1, … of `count` chunks (part: [count, T, H]), in chunk order per element:
+   acc = ((acc + c_0) + c_1) + …, the split-exact sum (both entry points below). */
+static void add_chunk_sums(float *restrict acc, const float *restrict part, int64_t count, int64_t tokens,
+                           int64_t hidden) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t k = 0; k < count; k++) {
+            const float *c = part + (k * tokens + t) * hidden;
+            float *o = acc + t * hidden;
+            for (int64_t j = 0; j < hidden; j++) o[j] += c[j];
+        }
+}
+
+/* The float32 results rounded once to bf16 (torch's rounding), when the caller asked for them. */
+static void round_out_bf16(uint16_t *out_bf16, const float *acc, int64_t n) {
+    if (out_bf16)
+        for (int64_t j = 0; j < n; j++) out_bf16[j] = float_to_bf16(acc[j]);
+}
+
 /* acc [T, H] float32 (+)= the segment's partial output; out_bf16 (optional): acc rounded to bf16.
    The neurons go in chunks of `chunk` (C) from the segment's start: each chunk's partial sum c_k starts
    from zero and adds its neurons in order, then acc = ((acc + c_0) + c_1) + …, so a split at a multiple
@@ -1449,15 +1467,9 @@ int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64
         int64_t count = first + batch > chunks ? chunks - first : batch;
         pass.first = first;
         parallel_chunks(count, pass_chunk, &pass, threads);
-        for (int64_t t = 0; t < tokens; t++) /* acc = ((acc + c_0) + c_1) + … */
-            for (int64_t k = 0; k < count; k++) {
-                const float *c = part + (k * tokens + t) * hidden;
-                float *o = acc + t * hidden;
-                for (int64_t j = 0; j < hidden; j++) o[j] += c[j];
-            }
+        add_chunk_sums(acc, part, count, tokens, hidden);
     }
-    if (out_bf16)
-        for (int64_t j = 0; j < tokens * hidden; j++) out_bf16[j] = float_to_bf16(acc[j]);
+    round_out_bf16(out_bf16, acc, tokens * hidden);
     return 0;
 }
 
@@ -1524,14 +1536,9 @@ int fmoe_segments_forward(int fmt, int64_t count, const uint8_t *const *segments
     parallel_chunks(total, group_chunk, &job, threads);
     memset(acc, 0, sizeof(float) * count * size);
     for (int64_t e = 0; e < count; e++) /* acc_e = ((0 + c_0) + c_1) + … */
-        for (int64_t t = 0; t < tokens; t++)
-            for (int64_t k = job.first_chunk[e]; k < job.first_chunk[e + 1]; k++) {
-                const float *c = part + k * size + t * hidden;
-                float *o = acc + e * size + t * hidden;
-                for (int64_t j = 0; j < hidden; j++) o[j] += c[j];
-            }
-    if (out_bf16)
-        for (int64_t j = 0; j < count * size; j++) out_bf16[j] = float_to_bf16(acc[j]);
+        add_chunk_sums(acc + e * size, part + job.first_chunk[e] * size, job.first_chunk[e + 1] - job.first_chunk[e],
+                       tokens, hidden);
+    round_out_bf16(out_bf16, acc, count * size);
     return 0;
 }
 
