@@ -33,6 +33,8 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 
+import fmoe_cli  # noqa: F401  (before torch, as the CLI: it sets torch's OpenMP wait policy)
+
 PARTS = ("attention", "moe", "experts", "lm head")
 SPENT: Counter = Counter()  # seconds per label since the last decode step
 

@@ -435,3 +435,18 @@ def test_the_narrower_builds_pass_the_same_value_and_bit_tests(isa, level):
                           "-k", CORE_TESTS], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout.splitlines()[-1], run.stdout[-500:]
+
+
+@pytest.mark.parametrize("chosen, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_torchs_openmp_threads_sleep_between_ops_unless_the_user_chose(chosen, expected):
+    """fmoe_cli, imported before torch (as the CLI and the benchmarks do), makes torch's OpenMP threads sleep when an op
+    ends instead of spinning on the cores the kernels' own threads need next (fmoe_cli/__init__.py); a user's own
+    OMP_WAIT_POLICY is kept. The policy is read by libgomp itself, as torch loads it."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if chosen:
+        env["OMP_WAIT_POLICY"] = chosen
+    probe = ("import fmoe_cli, torch, ctypes, os; "
+             "print(os.environ['OMP_WAIT_POLICY'], 'torch' in __import__('sys').modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [expected, "True"]
