@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -339,16 +340,43 @@ def test_admission_copies_are_charged_and_can_favour_a_split_or_no_cache():
     assert picked[(20.0, 10.0)] == (1, 1.0, pytest.approx(7.75))
 
 
+
+def test_a_cache_smaller_than_k_admits_only_into_its_unpinned_slots():
+    """N = 4, K = 2, C = 1 whole expert (θ = 1), ranks [2, 2, 2, 2] over q = 4 tokens: H(1) = 2/8 = 1/4.
+    A token's hits and each admitted miss stay pinned until the layer ends (offload/cache.py: admit), so a token
+    admits min(K, C) − h of its K − h misses: 1 − 2·H(1) = 0.5 per token, not K·(1 − H) = 1.5.
+    T_load = 4, T_exp = 1, no prefetch: m = K·H·θ = 0.5, n = 1.5 loads, S = max(4, 1.5·4 − 0.5·1) − 0.5·1 = 5;
+    a_e = 10: G = 10·0.5 = 5 (was 15), T = 10 (was 20). The engine's cache admits as the model prices it."""
+    from fmoe_cli.offload.cache import LayerCache
+    from fmoe_cli.offload.policies import make_policy
+    from fmoe_cli.planning.configurator import price_plan
+    from fmoe_cli.types import LayerPlan, Plan
+
+    shape = ExpertShape(1, 4, 2, 1, 4, 1)
+    stats = RoutingStats("tiny", 4, 2, [LayerStats(4, 2, np.array([2, 2, 2, 2]), tokens=4)])
+    timings = Timings(t_att=0.0, t_moe=2.0, t_head=0.0, t_load=4.0, top_k=2, t_admit=10.0)
+    plan = Plan((LayerPlan(12, 1, 4, 1.0),), 4, 12, "test", prefetch=False)
+    (c,) = price_plan(plan, stats, timings, shape, max_prefetch=0).layers
+    assert c.hit_rate == pytest.approx(0.25) and c.exposed == pytest.approx(10.0)
+    cache = LayerCache(1, make_policy("lcp", 4))  # the engine's admissions over a token of two misses
+    cache.insert(0)
+    for e in (1, 2):
+        cache.pin(e)
+    admitted = [cache.admit(e) is not None for e in (1, 2)]
+    assert admitted == [True, False]  # the second miss finds only pinned experts: min(K, C) − h = 1
+
 def test_prefetch_host_work_is_charged_per_prefetching_layer():
     """No cache, T_wind^1 = 5, T_load = 4, PREDICTABLE: one prefetch lands, m = 0.75, T = 0.25 (above).
-    h_pf = 2 is paid by a layer that prefetches, not by the same layer without prefetch
-    (width 0: T = 4 − 0 = 4)."""
-    timings = Timings(t_att=1.0, t_moe=1.0, t_head=4.0, t_load=4.0, top_k=1, t_host_prefetch=2.0)
+    h_pf is paid by a layer that prefetches, not by the same layer without prefetch (width 0:
+    T = 4 − 0 = 4); the engine runs it while the layer's demand load is on the link, so it hides that
+    load's 0.25 left: h_pf = 2 gives T = max(0, 0.25 − 2) + 2 = 2, h_pf = 0.1 gives 0.15 + 0.1."""
     stats = stats_of(layer(**PREDICTABLE))
-    (on,) = expert_split([0], stats, timings, TINY, max_prefetch=1).layers
-    (off,) = expert_split([0], stats, timings, TINY, max_prefetch=0).layers
-    assert (on.prefetches, on.exposed) == (1, pytest.approx(0.25 + 2.0))
-    assert (off.prefetches, off.exposed) == (0, pytest.approx(4.0))
+    for h_pf, exposed in ((2.0, 2.0), (0.1, 0.25)):
+        timings = Timings(t_att=1.0, t_moe=1.0, t_head=4.0, t_load=4.0, top_k=1, t_host_prefetch=h_pf)
+        (on,) = expert_split([0], stats, timings, TINY, max_prefetch=1).layers
+        (off,) = expert_split([0], stats, timings, TINY, max_prefetch=0).layers
+        assert (on.prefetches, on.exposed) == (1, pytest.approx(exposed))
+        assert (off.prefetches, off.exposed) == (0, pytest.approx(4.0))
 
 
 def test_loads_after_routing_are_pipelined_with_their_compute():
@@ -547,18 +575,53 @@ def test_on_the_demo_the_plan_follows_the_link_and_prices_at_most_every_baseline
     assert len({(p.layers, p.prefetch) for p in plans.values()}) == 3  # a plan per link
 
 
-def test_on_the_demo_moepic_is_simulated_within_5_percent_of_the_best_policy_at_each_link():
-    """Issue 22 §5's target in the simulator (planning/simulate.py: the engine's own classes on a virtual clock,
-    the demo's recorded routing and rankings): moepic ≤ 1.05 × the best other policy at 1, 4 and 16 GB/s
-    (simulated: 1.015 × uniform, 0.988 × cache-only, 0.961 × cache-only). Measured figures: docs/bench.md
-    § `moepic` across links."""
+DEMO_POLICIES = ("lru", "uniform", "cache-only", "prefetch-only", "ondemand")
+
+
+def test_on_the_demo_the_closed_form_prices_each_plan_near_the_simulator():
+    """Each policy's plan on the demo's routing at 1, 4 and 16 GB/s, priced by the configurator's closed form
+    (compute + Σ T^i, price_plan) and simulated (the engine's classes on a virtual clock; the mean step, as the
+    closed form prices an expectation): within 6.5 %. Before the fixes below the closed form was 11–12 % above
+    the simulator for the prefetching plans with loads left at 1 GB/s (`uniform` 13.85 against 12.38 ms,
+    `prefetch-only` 18.22 against 16.25: h_pf charged on top of the layer's stall, which it overlaps: the engine
+    runs the predictor once its demand loads are queued) and 6–7 % above for whole experts in caches smaller
+    than K (`lru`, `cache-only` at 4 and 16 GB/s: every miss charged an admission, where a cache of C < K slots
+    admits only min(K, C) − h a token). What is left is H_i(C) of caches smaller than K (LCP's ranking; such a
+    cache holds the last token's experts): `cache-only` 0.94 × at 1 GB/s."""
+    from fmoe_cli.planning.configurator import price_plan
+    from fmoe_cli.planning.presets import PlanInputs, settings_for
+    from fmoe_cli.planning.simulate import predictor_for, simulate_policy, trace_stats
+
+    routing = _demo_routing()
+    stats = trace_stats(routing, DEMO)
+    budget = DEMO.all_experts_bytes // 4
+    off = {}
+    for gbps in (1, 4, 16):
+        timings = _demo_timings(gbps)
+        compute = DEMO.num_layers * (timings.t_att + timings.t_moe) + timings.t_head
+        for name in DEMO_POLICIES:
+            settings = settings_for(name, PlanInputs(DEMO, budget, timings, stats, min_predictions=0))
+            priced = price_plan(settings.plan, stats, timings, DEMO, max_prefetch=DEMO.top_k if settings.prefetch else 0)
+            sim = simulate_policy(DEMO, settings, timings, routing, bandwidth=gbps * 1e9, latency=1e-5,
+                                  predictor_factory=predictor_for(routing, DEMO))
+            off[(gbps, name)] = (compute + priced.total_exposed) / sim.mean_tpot_s
+    assert all(0.935 <= ratio <= 1.065 for ratio in off.values()), off
+
+
+def test_on_the_demo_moepic_is_simulated_at_most_every_other_policy_at_each_link():
+    """The configurator's plan (a run's: MIN_PREDICTIONS met) on the demo's routing, simulated (mean step), is at
+    most every other policy's at 1, 4 and 16 GB/s, whatever h_pf the estimate read (0.013 ms in a profile, 0.194
+    in a quick estimate): the closed form ranks the plans as the simulator does (issue 22 §5's target is ≤ 1.05 ×
+    the best; measured figures: docs/bench.md § `moepic` across links). Before the fixes of the test above, at
+    1 GB/s moepic was simulated 1.015 × `uniform` (median step; the closed form overpriced `uniform`'s
+    prefetching half tops against its own whole tops)."""
     from fmoe_cli.planning.simulate import predict_policies
 
     routing = _demo_routing()
-    for gbps in (1, 4, 16):
-        sims = predict_policies(DEMO, DEMO.all_experts_bytes // 4, _demo_timings(gbps), gbps * 1e9, 1e-5,
-                                sequences=routing,
-                                policies=("moepic", "lru", "lfu", "uniform", "cache-only", "prefetch-only", "ondemand"))
-        tpot = {name: result.tpot_s for name, result in sims.items()}
-        best = min(v for name, v in tpot.items() if name != "moepic")
-        assert tpot["moepic"] <= 1.05 * best, (gbps, tpot)
+    for h_pf in (0.013e-3, 0.194e-3):
+        for gbps in (1, 4, 16):
+            timings = replace(_demo_timings(gbps), t_host_prefetch=h_pf)
+            sims = predict_policies(DEMO, DEMO.all_experts_bytes // 4, timings, gbps * 1e9, 1e-5, sequences=routing,
+                                    policies=("moepic",) + DEMO_POLICIES)
+            tpot = {name: result.mean_tpot_s for name, result in sims.items()}
+            assert tpot["moepic"] <= min(v for name, v in tpot.items() if name != "moepic"), (h_pf, gbps, tpot)

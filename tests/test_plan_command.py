@@ -113,9 +113,8 @@ def _mixtral_8x7b(tmp_path):
 
 def test_mixtral_bf16_at_12gib_caches_where_a_cache_pays(tmp_path):
     """Issue 22 §4: Mixtral-8x7B bf16 at 12 GiB on an RTX 3060's figures (uniform routing) planned 755 ms, the
-    same as `ondemand`, caching nothing in 6.2 GiB. One expert per layer (V_e / L = 198 MiB) is hit 1/8 of the
-    time: it saves 2·(1/8)·11.2 ms of loading per token and its misses' admissions cost 2·(7/8)·2.0 ms, so every
-    ζ-move from the uniform start gains nothing. Whole layers of tops (C = 8: nothing ever admitted) pay; the
+    same as `ondemand`, caching nothing in 6.2 GiB: every ζ-move from the uniform start gains nothing (Algorithm 1
+    prices 853.5 ms, with a chance-level predictor's prefetches). Whole layers of tops (C = 8: nothing ever admitted) pay; the
     search from the per-layer optimum finds them, and the plan names the winner among the priced plans."""
     report = plan_json(_mixtral_8x7b(tmp_path), "--vram", "12GiB", "--profile", "profiles/rtx-3060-12gb.json")
     chooser, tpot = report["configurator"], report["tpot"]["policies"]

@@ -29,19 +29,24 @@ with the link charged for the issued prefetch that still holds it when the layer
               the rest of its link time, lost when it is wrong (a copy is not pre-empted;
               prefetches queued behind it are cancelled for free, right ones are taken
               over as demand loads)
-        G_i = h_load · (K − K·H_i(C_i)·[k_i = I]) + a_e · K·(1 − H_i(C_i))·θ_i
+        G_i = h_load · (K − K·H_i(C_i)·[k_i = I]) + a_e · (min(K, C_i) − K·H_i(C_i))·θ_i
               + c · K·H_i(C_i)·[0 < k_i < I] + h_pf · [Y_i > 0]
               the work loads cost besides the link: per loaded segment (Timings.t_host_load;
               every activated expert but a whole cached one is loaded, a top hit's bottom
               included), per admission (t_admit: a miss's top θ_i copied into the cache, LCP
-              always replaces), per split top hit (t_segment: two segment forwards, not one)
-              and per prefetching layer (t_host_prefetch)
+              always replaces, but only an unpinned expert makes room: a token's h hits and
+              its admitted misses stay pinned, so it admits min(K, C_i) − h of its K − h misses),
+              per split top hit (t_segment: two segment forwards, not one) and per prefetching
+              layer (t_host_prefetch)
         C_i = argmax m_i·T_load − G_i (without the h_pf term, the same for every C)   (11)
         B_i = R_i + n_i·T_load                       the link's work once layer i has routed
-        S_i = max(R_i + min(n_i, 1)·T_load, B_i − max(0, n_i − 1)·(T_exp + h_load)) − m_i·T_exp − h_route
-              (h_route: the host's work between submitting the loads and the first compute)
+        S_i = max(R_i + min(n_i, 1)·T_load, B_i − max(0, n_i − 1)·(T_exp + h_load))
+              − m_i·T_exp − [n_i > 0]·(h_route + h_pf·[Y_i > 0])
+              (the compute side's lead on the first load: h_route, the host's work between submitting
+              the loads and the first compute, and h_pf, which the engine spends as soon as the
+              demand loads are queued, while they are on the link)
         T^i = max(0, S_i) + G_i                                                    (6)
-        T_wind^{i+1} = T_moe + G_i + max(0, S_i) − B_i + T_att                     (7)
+        T_wind^{i+1} = T_moe + T^i − B_i + T_att                                   (7)
 
 With R_i = 0 (W = Y), G_i = 0 and n_i ≤ 1 these are the paper's equations (S_i = B_i − m_i·T_exp,
 T_wind^{i+1} = T_moe − min(m_i·T_exp, B_i) + T_att). Where we deviate, and why (measured:
@@ -57,6 +62,13 @@ docs/planning.md § Where the model deviates from the paper):
   predictor's and prefetcher's work; without G_i the configurator chose split or prefetching
   plans that lost to `cache-only` and `prefetch-only` at cheap loads.
 - R_i (above): the link time of a wrong prefetch still on the link.
+- h_pf in the lead (S_i): the predictor and prefetcher run while the layer's demand loads are on the link
+  (offload/engine.py: experts_forward, step 4), so they hide part of the wait, as h_route does; charged on
+  top of the stall, the closed form priced the demo's prefetching plans with loads left 11–12 % above the
+  simulator at 1 GB/s (`uniform` 13.85 against 12.38 ms), and preferred whole tops to `uniform`'s half tops.
+- admissions of a cache smaller than K (G_i): a hit or an admitted miss stays pinned to the layer's end, so
+  C_i < K slots take only min(K, C_i) − h of a token's misses; charging every miss priced the demo's
+  `lru` and `cache-only` plans (two whole experts per layer, K = 4) 6–7 % above the simulator.
 Two guards the formulas leave implicit: m_i is capped at K (no
 layer hides more than its K experts; with product-of-marginals statistics Eq. 9 can
 exceed K), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
@@ -248,9 +260,12 @@ class _LayerModel:
         cached = shape.top_k * hit * theta  # K·H_i(C)·θ_i
         # segments loaded per token: every activated expert but the whole cached ones, K − K·H_i(C)·[k_i = I]
         loaded = shape.top_k - np.where(k == shape.intermediate, shape.top_k * hit, 0.0)
-        # tops admitted per token: every miss (nothing cached) is loaded whole and offered, K·(1 − H_i(C))
-        # (LCP always replaces), each a copy of θ_i of an expert into the cache
-        admitted = np.where(sizes > 0, shape.top_k * (1.0 - hit) * theta, 0.0)
+        # tops admitted per token: every miss is loaded whole and offered to the cache (LCP always replaces),
+        # but only an unpinned cached expert can make room: the layer's h hits and each admitted miss stay
+        # pinned until the layer ends (offload/cache.py: admit), so a token admits min(K, C_i) − h of its
+        # K − h misses, in expectation min(K, C_i) − K·H_i(C_i); each a copy of θ_i of an expert
+        admitted = np.where(sizes > 0, np.maximum(0.0, np.minimum(sizes, shape.top_k) - shape.top_k * hit) * theta,
+                            0.0)
         # top hits of a split (0 < k_i < I) run two segment forwards: c more each
         split_hits = np.where((k > 0) & (k < shape.intermediate), shape.top_k * hit, 0.0)
         host = loaded * t.t_host_load + admitted * t.t_admit + split_hits * t.t_segment
@@ -357,10 +372,15 @@ class _LayerModel:
         # T^i (Eq. 6, pipelined, + G_i): the compute waits for the first load, then for each next one
         # only as far as the link is slower than the compute of the one before it
         serve = t.t_exp + t.t_host_load  # the compute side's time per loaded segment
-        stall = (max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve)
-                 - m * t.t_exp - (t.t_host_route if loads > 0 else 0.0))
+        # the compute side's lead on the first load once the layer has routed: the cached segments' compute,
+        # the routing layout (h_route) and, when it prefetches, the predictor and prefetcher (h_pf: the engine
+        # runs them as soon as its demand loads are queued, offload/engine.py, while they are on the link)
+        lead = m * t.t_exp
+        if loads > 0:
+            lead += t.t_host_route + (t.t_host_prefetch if prefetches[c] > 0 else 0.0)
+        stall = max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve) - lead
         exposed = max(0.0, stall) + work
-        next_window = t.t_moe + work + max(0.0, stall) - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
+        next_window = t.t_moe + exposed - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
         size = int(sizes[c])
         choice = LayerChoice(
             budget=int(budget),

@@ -375,11 +375,12 @@ def why_plan(config: Configuration, timings: Timings, stats: RoutingStats, shape
         text += f"; it caches nothing: the best plan with a cache ({runner}) is {(cached[runner] - best) * 1e3:.1f} ms per token slower"
     hit = sum(stats.curves(i).hit[1] for i in range(shape.num_layers)) / shape.num_layers  # H_i(1), mean
     k = shape.top_k
-    saved, admitted = k * hit * timings.t_load, k * (1 - hit) * timings.t_admit
+    # one slot admits at most one miss a token, none when it was hit: min(K, 1) − K·H (configurator.py: G_i)
+    saved, admitted = k * hit * timings.t_load, max(0.0, 1 - k * hit) * timings.t_admit
     if admitted >= saved:
         text += (f"; one expert cached per layer would be hit {hit:.2f} of the time, saving K·H·T_load = "
-                 f"{saved * 1e3:.2f} ms of loading per layer and token, while every miss's admission into the cache "
-                 f"costs K·(1 − H)·a_e = {admitted * 1e3:.2f} ms")
+                 f"{saved * 1e3:.2f} ms of loading per layer and token, while the misses' admissions into the cache "
+                 f"cost (1 − K·H)·a_e = {admitted * 1e3:.2f} ms")
     return text
 
 
