@@ -103,10 +103,12 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds}, {x:g} GB/s: "
                       + ", ".join(f"{run['policy']} {run['tpot_ms']['median']:.1f}" for run in report["runs"]),
                       file=sys.stderr, flush=True)
+        inputs = {x: plan_inputs(Path(tmp) / f"link-{x:g}", Path(args.raw) / f"link{x:g}-config" if args.raw else None)
+                  for x in links}
     out = {"command": " ".join(sys.argv), "rounds": args.rounds, "clock": args.clock, "tokens": args.tokens,
            "load_average": {"min": min(loads), "max": max(loads)}, "links": {}}
     for x in links:
-        out["links"][f"{x:g}"] = summarise(tpot[x], plans[x])
+        out["links"][f"{x:g}"] = dict(summarise(tpot[x], plans[x]), plan_inputs=inputs[x])
     if args.json:
         print(json.dumps(out))
         return
@@ -123,6 +125,29 @@ def main() -> None:
               f"{ratio['median']:.3f} ({ratio['min']:.3f}–{ratio['max']:.3f}) paired per round; "
               f"{row['moepic_over_best_medians']:.3f} as the ratio of medians"))
         print(f"  moepic's plans: {sorted(set(row['moepic_plans']))}")
+        for name, figures in row["plan_inputs"].items():
+            print(f"  moepic planned from {name}: " + ", ".join(f"{key} {value * 1e3:.4g} ms" for key, value in figures.items()))
+
+
+HOST_COSTS = ("t_host_load", "t_host_prefetch", "t_admit", "t_segment", "t_expert", "t_host_route")
+
+
+def plan_inputs(config_dir: Path, keep: Path | None) -> dict[str, dict[str, float]]:
+    """The engine's costs each timing file of a link's config directory gave the configurator (the quick
+    estimate, `….quick.json`, or the profile): h_load, h_pf, a_e, c, T_exp, h_route, by file name; `keep`: a
+    directory to copy the link's saved files into (the timings and the statistics as they stood at the end)."""
+    found = {}
+    for path in sorted(config_dir.rglob("*.json")):
+        if keep is not None:
+            (keep / path.relative_to(config_dir)).parent.mkdir(parents=True, exist_ok=True)
+            (keep / path.relative_to(config_dir)).write_bytes(path.read_bytes())
+        try:
+            model = json.loads(path.read_text()).get("model")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(model, dict) and any(key in model for key in HOST_COSTS):
+            found[path.name] = {key: float(model[key]) for key in HOST_COSTS if key in model}
+    return found
 
 
 def spread(values: list[float]) -> dict:

@@ -85,3 +85,20 @@ def test_link_policies_pairs_moepic_with_each_policy_within_a_round():
     assert uniform["median"] == 20 / 19 and uniform["min"] == 11 / 12 and uniform["max"] == 10 / 9
     assert row["moepic_over_best"] == row["moepic_over"]["ondemand"]
     assert row["moepic_over_best_medians"] == 11.0 / 11.5
+
+
+def test_link_policies_reports_the_host_costs_each_link_planned_from(tmp_path):
+    """benchmarks/link_policies.py: each link's quick estimate (or profile) in its config directory gives the
+    engine's costs the configurator planned from (h_pf decides whether moepic prefetches at 4 GB/s); with --raw
+    the link's saved files are kept. A statistics file (no such figures) is copied, not reported."""
+    import json
+
+    link_policies = benchmark("link_policies")
+    profiles = tmp_path / "link-4" / "fmoe" / "profiles"
+    profiles.mkdir(parents=True)
+    (profiles / "demo-abc.quick.json").write_text(json.dumps({"model": {"t_host_prefetch": 1.9e-4,
+                                                                        "t_host_load": 6e-5, "top_k": 4}}))
+    (profiles / "demo-abc.stats.json").write_text(json.dumps({"layers": []}))
+    found = link_policies.plan_inputs(tmp_path / "link-4", tmp_path / "raw")
+    assert found == {"demo-abc.quick.json": {"t_host_load": 6e-5, "t_host_prefetch": 1.9e-4}}
+    assert (tmp_path / "raw" / "fmoe" / "profiles" / "demo-abc.stats.json").exists()
