@@ -15,7 +15,7 @@ import transformers
 
 from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.demo import TINY_FAMILIES
-from fmoe_cli.models.dense import QuantLinear, dense_reference, dense_targets
+from fmoe_cli.models.dense import ATTENTION, QuantLinear, dense_reference, dense_targets
 from fmoe_cli.models.families import find_moe_layers
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
@@ -138,9 +138,52 @@ def test_an_unquantised_head_computes_on_its_input_flattened(checkpoints, monkey
     seen = []
     real = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: seen.append((x.shape, x.stride())) or real(x, *a))
-    got = head(hidden[:, -1:, :])
-    assert seen == [((1, head.in_features), (head.in_features, 1))]
-    assert got.shape == (1, 1, head.out_features) and torch.equal(got, real(hidden[:, -1:, :], head.weight, head.bias))
+    got = head(hidden[:, -2:, :])  # (one row is a torch.mv: one_row_matvec, below)
+    assert seen == [((2, head.in_features), (head.in_features, 1))]
+    assert got.shape == (1, 2, head.out_features) and torch.equal(got, real(hidden[:, -2:, :], head.weight, head.bias))
+
+
+def _bf16_rows(lm):
+    """The bf16 linears one_row_matvec serves: the attention's bias-free nn.Linears and the LM head."""
+    head = lm.model.get_output_embeddings()
+    return [m for n, m in lm.model.named_modules() if type(m) is torch.nn.Linear and m.bias is None
+            and (ATTENTION in n.split(".") or m is head)]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_decode_tokens_bf16_rows_are_a_matvec_with_linears_bits(checkpoints, family, monkeypatch):
+    """models/dense.py one_row_matvec: a bf16 model's attention projections without a bias and its LM head compute one
+    row as torch.mv (F.linear reorders the weight for oneDNN on every call), with F.linear's bits; two rows, and the
+    projections with a bias (Qwen2-MoE's q/k/v), stay F.linear."""
+    lm = load_model(str(checkpoints[family]), device="cpu", dtype="bfloat16", experts="bf16")
+    rows = _bf16_rows(lm)
+    biased = [m for n, m in lm.model.named_modules() if ATTENTION in n.split(".") and type(m) is torch.nn.Linear
+              and m.bias is not None]
+    assert rows and (family != "qwen2_moe" or biased)
+    calls = []
+    real_mv, real_linear = torch.mv, torch.nn.functional.linear
+    monkeypatch.setattr(torch, "mv", lambda *a: calls.append("mv") or real_mv(*a))
+    for module in rows + biased:
+        x = torch.randn(1, 1, module.in_features).to(torch.bfloat16)
+        calls.clear()
+        got = module(x)
+        assert calls == (["mv"] if module in rows else []), module
+        assert got.shape == (1, 1, module.out_features)
+        assert torch.equal(got, real_linear(x, module.weight, module.bias))
+        calls.clear()
+        two = torch.randn(1, 2, module.in_features).to(torch.bfloat16)
+        assert torch.equal(module(two), real_linear(two, module.weight, module.bias)) and calls == []
+
+
+def test_the_matvec_is_left_out_where_its_bits_differ(checkpoints, monkeypatch):
+    """one_row_matvec probes each weight shape first: where torch.mv's bits are not F.linear's (another CPU, another
+    torch), the rows stay F.linear."""
+    real_mv = torch.mv
+    monkeypatch.setattr(torch, "mv", lambda w, x: real_mv(w, x) * 1.01)
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="bfloat16", experts="bf16")
+    for module in _bf16_rows(lm):
+        x = torch.randn(1, 1, module.in_features).to(torch.bfloat16)
+        assert torch.equal(module(x), torch.nn.functional.linear(x, module.weight))
 
 
 def test_blocked_forward_equals_the_whole_weight(monkeypatch):
