@@ -274,6 +274,75 @@ static float row_dot(const uint8_t *row, const Format *f, const float *x, const 
    linear's rows) are dots over x; the down projection stays float32 (its scales vary along the sum). */
 #define QBLOCK 32
 
+#if FMOE_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(FMOE_NO_AVX512)
+#define FMOE_VNNI 1
+/* rows_dot_q8 (below) on AVX-512 VNNI, for G a multiple of 64: two blocks of 32 a step, each inner Σ q q̃ one
+   vpdpbusd (unsigned × signed bytes, four products into each int32 lane, exact), where AVX2 needs maddubs and
+   madd for one block. int8's signed codes: Σ q q̃ = Σ |q̃|·(q negated where q̃ < 0). The block sums are exact
+   integers as before; the float32 sums go 16 lanes wide (the two blocks' lanes side by side), so the bits are
+   this build's own, like every 16-lane path (test_kernels checks the result against x̂·ŵ). */
+static inline __attribute__((always_inline)) void rows_dot_q8_vnni(const uint8_t *const *rows, int R, const Format *f,
+                                                                    const int8_t *xq, const uint8_t *xa,
+                                                                    const float *xd, const float *xg, float *out) {
+    int64_t h = f->hidden, G = f->group;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 total[4], lo[4], hi[4];
+    for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();
+#define BLOCK_SCALES(b) _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(xd[b])), _mm256_set1_ps(xd[(b) + 1]), 1)
+    if (f->fmt == FMT_INT8) {
+        for (int64_t g = 0; g < h / G; g++) {
+            for (int r = 0; r < R; r++) lo[r] = _mm512_setzero_ps();
+            for (int64_t j = g * G; j < (g + 1) * G; j += 2 * QBLOCK) {
+                __m512i a = _mm512_loadu_si512((const void *)(xa + j));
+                __mmask64 negative = _mm512_movepi8_mask(_mm512_loadu_si512((const void *)(xq + j)));
+                __m512 d = BLOCK_SCALES(j / QBLOCK);
+                for (int r = 0; r < R; r++) {
+                    __m512i w = _mm512_loadu_si512((const void *)(rows[r] + j));
+                    __m512i p = _mm512_dpbusd_epi32(zero, a, _mm512_mask_sub_epi8(w, negative, zero, w));
+                    lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), d, lo[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                float scale = half_to_float(((const uint16_t *)(rows[r] + h))[g]);
+                total[r] = _mm512_fmadd_ps(_mm512_set1_ps(scale), lo[r], total[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(total[r]);
+        return;
+    }
+    /* int4: byte j holds code j (low nibble) and code j + H/2 (high): groups g and g + H/2G together */
+    int64_t half = h / 2, paired = half / G;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    float offsets[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t g = 0; g < paired; g++) {
+        int64_t gh = g + paired;
+        for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+        for (int64_t j = g * G; j < (g + 1) * G; j += 2 * QBLOCK) {
+            __m512i xl = _mm512_loadu_si512((const void *)(xq + j)), xh = _mm512_loadu_si512((const void *)(xq + half + j));
+            __m512 dl = BLOCK_SCALES(j / QBLOCK), dh = BLOCK_SCALES((half + j) / QBLOCK);
+            for (int r = 0; r < R; r++) {
+                __m512i c = _mm512_loadu_si512((const void *)(rows[r] + j));
+                __m512i pl = _mm512_dpbusd_epi32(zero, _mm512_and_si512(c, nibble), xl);
+                __m512i ph = _mm512_dpbusd_epi32(zero, _mm512_and_si512(_mm512_srli_epi16(c, 4), nibble), xh);
+                lo[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pl), dl, lo[r]);
+                hi[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ph), dh, hi[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const uint16_t *meta = (const uint16_t *)(rows[r] + half);
+            total[r] = _mm512_fmadd_ps(_mm512_set1_ps(half_to_float(meta[2 * g])), lo[r], total[r]);
+            total[r] = _mm512_fmadd_ps(_mm512_set1_ps(half_to_float(meta[2 * gh])), hi[r], total[r]);
+            offsets[r] = fmaf(half_to_float(meta[2 * g + 1]), xg[g], offsets[r]);
+            offsets[r] = fmaf(half_to_float(meta[2 * gh + 1]), xg[gh], offsets[r]);
+        }
+    }
+#undef BLOCK_SCALES
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(total[r]) + offsets[r];
+}
+#else
+#define FMOE_VNNI 0
+#endif
+
 #if FMOE_AVX2
 /* x̂·ŵ_r for R ≤ 4 rows at once (a neuron's gate and up rows; a dense linear's output rows), sharing each load of
    the token: xq its codes q̃, xa their magnitudes |q̃| (int8's signed codes: Σ q q̃ = Σ |q̃|·sign(q, q̃), one
@@ -284,6 +353,12 @@ static inline __attribute__((always_inline)) void rows_dot_q8(const uint8_t *con
                                                                const int8_t *xq, const uint8_t *xa, const float *xd,
                                                                const float *xg, float *out) {
     int64_t h = f->hidden, G = f->group;
+#if FMOE_VNNI
+    if (G % (2 * QBLOCK) == 0) {
+        rows_dot_q8_vnni(rows, R, f, xq, xa, xd, xg, out);
+        return;
+    }
+#endif
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 total[4], lo[4], hi[4];
     for (int r = 0; r < R; r++) total[r] = _mm256_setzero_ps();
