@@ -221,11 +221,12 @@ def test_recorder_ranks_each_prefill_token_at_its_own_step() -> None:
     prompt = [rng.sample(range(n), k) for _ in range(40)]
     whole = StatsRecorder(RoutingStats.empty("m", 1, n, k))
     cache = LayerCache(2, LCP(n))
-    whole(SimpleNamespace(layer=0, top_k_index=torch.tensor(prompt), cache=cache, predicted=None))
+    whole(SimpleNamespace(layer=0, top_k_index=torch.tensor(prompt), routed=[e for row in prompt for e in row],
+                          cache=cache, predicted=None))
     one_by_one = StatsRecorder(RoutingStats.empty("m", 1, n, k))
     cache = LayerCache(2, LCP(n))
     for row in prompt:
-        one_by_one(SimpleNamespace(layer=0, top_k_index=torch.tensor([row]), cache=cache, predicted=None))
+        one_by_one(SimpleNamespace(layer=0, top_k_index=torch.tensor([row]), routed=row, cache=cache, predicted=None))
         cache.record([row])
         cache.advance()
     a, b = whole.stats.layers[0], one_by_one.stats.layers[0]

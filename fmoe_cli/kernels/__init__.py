@@ -150,17 +150,20 @@ def segment_forward(x: torch.Tensor, segment: torch.Tensor, spec: Spec, acc: tor
     return acc if rounded is None else rounded
 
 
-def segments_forward(x: torch.Tensor, segments: list[torch.Tensor], spec: Spec, partial: bool = False) -> list:
+def segments_forward(x: torch.Tensor, segments: list[torch.Tensor], spec: Spec, partial: bool = False,
+                     stacked: bool = False):
     """`segment_forward(x, segment, spec, partial=partial)` of each segment, for the same tokens x, in one call (a
     layer's activated experts at a decode step: one wake of the kernels' threads, one ctypes call, instead of one
-    each). Each result has the bits segment_forward gives it alone (experts.c fmoe_segments_forward)."""
+    each). Each result has the bits segment_forward gives it alone (experts.c fmoe_segments_forward). A list of
+    them; `stacked`: one tensor [n, T·H] of them in order (no op to split it)."""
     x = x.contiguous()
     tokens, hidden = x.shape
     assert hidden == spec.hidden
     assert all(s.is_contiguous() and s.device.type == "cpu" for s in segments)
     count = len(segments)
-    acc = torch.empty(count, tokens, hidden, dtype=torch.float32)
-    rounded = None if partial or x.dtype == torch.float32 else torch.empty(count, tokens, hidden, dtype=x.dtype)
+    shape = (count, tokens * hidden) if stacked else (count, tokens, hidden)
+    acc = torch.empty(shape, dtype=torch.float32)
+    rounded = None if partial or x.dtype == torch.float32 else torch.empty(shape, dtype=x.dtype)
     pointers = (ctypes.c_void_p * count)(*[s.data_ptr() for s in segments])
     neurons = (ctypes.c_int64 * count)(*[s.shape[0] for s in segments])
     status = library().fmoe_segments_forward(
@@ -169,7 +172,8 @@ def segments_forward(x: torch.Tensor, segments: list[torch.Tensor], spec: Spec, 
         None if rounded is None else rounded.data_ptr(), torch.get_num_threads(), int(spec.int8_activations))
     if status != 0:
         raise MemoryError("the expert kernel could not allocate its workspace")
-    return list((acc if rounded is None else rounded).unbind(0))
+    out = acc if rounded is None else rounded
+    return out if stacked else list(out.unbind(0))
 
 
 def linear_forward(x: torch.Tensor, rows: torch.Tensor, spec: Spec) -> torch.Tensor:

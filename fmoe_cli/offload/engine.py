@@ -143,6 +143,12 @@ class Routing:
         flat = [e for row in ids.tolist() for e in row]  # token-major ([T, K]: no reshape op)
         return cls(ids, weights, flat, sorted(set(flat)), extra=extra)
 
+    def tokens(self) -> list[list[int]]:
+        """Each token's K activated experts (from `flat`: no op)."""
+        k = self.ids.shape[-1]
+        flat = self.flat
+        return [flat] if len(flat) == k else [flat[t:t + k] for t in range(0, len(flat), k)]
+
     def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict[int, slice]]:
         """The routed (token, k) positions sorted by expert, tokens ascending within one: `perm`
         [T·K] (positions t·K + k, on `device`), their tokens (perm // K) and each expert's span.
@@ -182,6 +188,7 @@ class LayerState:
     top_rows: list  # store.rows(tops[slot]) per cache slot, made once (what segment_forward takes; store.stacked_rows)
     counters: Counters = field(default_factory=Counters)
     host: bool = False  # the host lane: misses and bottoms computed on the host in decode (LayerPlan.host)
+    resident: bool = False  # every expert whole in `tops` (Plan.resident): nothing is ever staged, loaded or admitted
 
     @classmethod
     def of(cls, cache: LayerCache, tops: torch.Tensor, top_neurons: int, store: HostStore) -> LayerState:
@@ -343,6 +350,7 @@ class Engine:
                         tops[cache.insert(e)].copy_(store.expert(i, e)[: lp.top_neurons])
             state = LayerState.of(cache, tops, lp.top_neurons, store)
             state.host = lp.host and not plan.resident
+            state.resident = plan.resident
             layers.append(state)
         pool = StagingPool(plan.staging_slots, shape.intermediate, store.row_shape, store.dtype, self.device)
         self.layers, self.pool = layers, pool
@@ -391,16 +399,23 @@ class Engine:
             for observe in self.observers:
                 observe(event)
         self._predicted[i] = None  # a prediction is for one routing
-        k = routing.ids.shape[-1]
-        state.cache.record([routing.flat[t:t + k] for t in range(0, len(routing.flat), k)])  # token by token: ν
-        # counts prompt tokens too (from the host list: no op)
-        for e in routing.active:
-            state.cache.pin(e)
+        cache = state.cache
+        cache.record(routing.tokens())  # token by token: ν counts prompt tokens too (from the host list: no op)
+        pinned = ()
         try:
             hits = self._classify(i, routing.active)
-            if state.host and hidden_states.shape[0] == 1:  # decode on a host-lane layer (prefill: the device)
+            if hits.misses:  # only an admission reads pins, and only a whole loaded expert is admitted
+                pinned = routing.active
+                for e in pinned:
+                    cache.pin(e)
+            decode = hidden_states.shape[0] == 1
+            if state.host and decode:  # decode on a host-lane layer (prefill: the device)
                 outputs = self.host_lane.forward(self, i, experts.act_fn, hidden_states, routing, hits)
                 self._prefetch(i, hidden_states, routing)
+            elif decode and len(hits.whole) == len(routing.flat) and (stacked := self._whole_decode(
+                    state, experts.act_fn, hidden_states, routing)) is not None:
+                self._prefetch(i, hidden_states, routing)  # what _compute does once nothing is left to load
+                return self._combine_decode(hidden_states, stacked, top_k_weights)
             else:
                 if state.host:  # a prefill admits into the cache: the layer's fill lands first
                     self.host_lane.settle(self, i, wait=True)
@@ -408,14 +423,17 @@ class Engine:
                 outputs = self._compute(i, experts.act_fn, hidden_states, routing, hits, loading, waiting)
             return self._combine(hidden_states, routing, outputs, top_k_weights)
         finally:
-            for e in routing.active:
-                state.cache.unpin(e)
-            state.cache.advance()
+            for e in pinned:
+                cache.unpin(e)
+            cache.advance()
 
     def _classify(self, i: int, active: list[int]) -> Hits:
         """1. classify the activated experts (offload/hits.py); count; drop useless staged entries."""
-        state, pool = self.layers[i], self.pool
-        hits = pool.classify(i, active, state.cache.cached(), state.top_neurons, self.shape.intermediate)
+        state = self.layers[i]
+        if state.resident:  # every expert whole on the device: what classify gives, without the pool (nothing staged)
+            hits = Hits(tuple(active), (), (), (), (), ())
+        else:
+            hits = self.pool.classify(i, active, state.cache.cached(), state.top_neurons, self.shape.intermediate)
         state.counters.count(len(active), hits)
         return hits
 
@@ -435,7 +453,7 @@ class Engine:
         """3. compute what is on the device, then each load as it arrives (speculating once every
         demand load is queued); returns expert -> output rows [T_e, H]."""
         state, pool, store = self.layers[i], self.pool, self.store
-        submitted = host_now()
+        submitted = host_now() if loading else 0.0
         k = state.top_neurons
         if hidden_states.shape[0] == 1:  # a decode step: every expert's one token is that row (no gather)
             def x_of(e: int) -> torch.Tensor:
@@ -479,6 +497,20 @@ class Engine:
         if not prefetched:
             self._prefetch(i, hidden_states, routing)
         return outputs
+
+    def _whole_decode(self, state: LayerState, act, hidden_states: torch.Tensor, routing: Routing):
+        """A decode step whose activated experts are all whole on the device: their outputs in routing order,
+        stacked [K, H] by one kernel call (store.stacked_forward: each expert's bits as alone, so as
+        `_compute` gives them), or None where the kernels do not compute (then `_compute`)."""
+        slot, rows = state.cache.slot, state.top_rows
+        return self.store.stacked_forward(hidden_states, [rows[slot(e)] for e in routing.flat], act)
+
+    def _combine_decode(self, hidden_states: torch.Tensor, stacked: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+        """`_combine` of one token from its experts' outputs already in routing order, stacked [K, H]: the same
+        ops on the same rows (the product with the weights, the sum over K), without gathering them first."""
+        final = (stacked * top_k_weights.t()).sum(0, keepdim=True)
+        return final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)
 
     def _combine(self, hidden_states: torch.Tensor, routing: Routing, outputs: dict,
                  top_k_weights: torch.Tensor) -> torch.Tensor:

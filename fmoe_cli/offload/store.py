@@ -154,6 +154,14 @@ class HostStore:
         return [self.segment_forward(x, segment, act, partial=partial, lane=lane)
                 for lane, (x, segment) in enumerate(zip(xs, segments))]
 
+    def stacked_forward(self, x: torch.Tensor, segments: list, act) -> torch.Tensor | None:
+        """The whole segments' outputs for one token x [1, H], in the given order, stacked [n, H] by one kernel
+        call (kernels.segments_forward: each segment's bits as it has alone); None where the kernels do not
+        compute them (a GPU, torch's path: `segments_forward`)."""
+        if self.kernel is None or not kernels.runs(x, act) or not isinstance(segments[0], torch.Tensor):
+            return None
+        return kernels.segments_forward(x, segments, self.kernel, stacked=True)
+
     def _groups(self, xs: list[torch.Tensor], segments: list) -> bool:
         """Whether `grouped_forward` takes these: one token (every xs[i] the same row), whole segments of one
         stack, and grouping on for the device (`grouping`; default: a CUDA card of sm_80 or newer, where one

@@ -227,7 +227,7 @@ def _lcp_order(count: Sequence[int], last: Sequence[int], step: int, log_rho_per
     """The same expression as `LCP.priority` (log P, so the same floats), without a method call per expert."""
     log = math.log
     priority = [log(mu) + (step - t) * log_rho_per_token if mu else -math.inf for mu, t in zip(count, last)]
-    return sorted(range(len(priority)), key=lambda e: -priority[e])  # sorted() is stable: ties by id
+    return sorted(range(len(priority)), key=priority.__getitem__, reverse=True)  # stable, reversed too: ties by id
 
 
 @dataclass
@@ -340,7 +340,9 @@ class StatsRecorder:
     def __call__(self, event) -> None:  # event: offload.engine.RouteEvent
         cache = event.cache
         policy = cache.policy
-        rows = event.top_k_index.tolist()
+        k = event.top_k_index.shape[-1]
+        routed = event.routed  # top_k_index on the host, token-major (the engine's list: no op)
+        rows = [routed] if len(routed) == k else [routed[t:t + k] for t in range(0, len(routed), k)]
         predicted = event.predicted if len(rows) == 1 else None
         layer = self.stats.layers[event.layer]
         if len(rows) == 1:

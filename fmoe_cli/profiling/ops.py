@@ -8,8 +8,8 @@ path is the same) and, unlike a time, does not depend on how busy the machine is
 
 `count_decode_ops` runs one decode step and attributes each op to where it was
 dispatched from:
-- `segment`: inside the store's `segment_forward` (one whole expert) or `segments_forward`
-  (several of them, counted one by one);
+- `segment`: inside the store's `segment_forward` (one whole expert), `segments_forward` or
+  `stacked_forward` (several of them, counted one by one);
 - `split`: the same for a split expert's top (`partial`) and bottom (`acc`), counted once;
 - `layer`: the rest of the engine's experts forward (routing to the host, the gather,
   slots, polls, the weighted sum);
@@ -87,10 +87,11 @@ def count_decode_ops(step) -> dict:
                 stack.enter_context(_attributed(
                     counter, cls, "segment_forward", lambda a, kw: "split" if _split(a, kw) else "segment", calls,
                     count=lambda a, kw: 0 if kw.get("partial") else 1))
-            if "segments_forward" in cls.__dict__:  # (self, xs, segments, act): one segment per entry
-                stack.enter_context(_attributed(
-                    counter, cls, "segments_forward", lambda a, kw: "split" if _split(a, kw) else "segment", calls,
-                    count=lambda a, kw: 0 if kw.get("partial") else len(a[2])))
+            for name in ("segments_forward", "stacked_forward"):  # (self, xs or x, segments, act): one per entry
+                if name in cls.__dict__:
+                    stack.enter_context(_attributed(
+                        counter, cls, name, lambda a, kw: "split" if _split(a, kw) else "segment", calls,
+                        count=lambda a, kw: 0 if kw.get("partial") else len(a[2])))
         stack.enter_context(_attributed(counter, Engine, "experts_forward", lambda a, kw: "layer", calls))
         for name in ("_device_part", "_prefetch"):  # the predictor's scores, ranking and prefetches
             stack.enter_context(_attributed(counter, Engine, name, lambda a, kw: "predictor", calls,
