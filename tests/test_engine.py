@@ -436,6 +436,57 @@ def test_host_work_in_ops_with_the_cpu_kernels(ops_checkpoints, policy):
     assert ops["ops_per_layer_besides_segments"] <= 12, ops["by_op"]
 
 
+@pytest.mark.skipif(not __import__("fmoe_cli.kernels").kernels.library(), reason="no C compiler")
+@pytest.mark.parametrize("policy, bound", [("resident", 6), ("cache-only", 6), ("ondemand", 14), ("uniform", 8)])
+def test_a_decode_layers_engine_ops_with_the_cpu_kernels(ops_checkpoints, policy, bound):
+    """The engine part of a decode step on the CPU (K = 8), counted in ops per MoE layer besides the predictor's: a
+    layer whose experts are all whole (resident, whole cache hits) is 6: the routing's one copy to a host list
+    (`tolist`: 2), one kernel call for its K experts (their output buffer: 1) and the weighted sum (the weights'
+    transpose, the product, the sum over K: no gather). A layer that loads adds one output buffer per loaded whole
+    expert, or for the split experts' tops one and its split into K (their bottoms continue them in place), and
+    the outputs' concatenation before the sum."""
+    ops, shape = decode_step_ops(ops_checkpoints["qwen3-a3b-top8"], policy)
+    assert ops["layers"] == shape.num_layers and shape.top_k == 8
+    per_layer = (ops["segments"] * ops["ops_per_segment"] + ops["split_experts"] * ops["ops_per_split_expert"]
+                 + ops["layers"] * ops["ops_per_layer_besides_segments"]) / ops["layers"]
+    assert per_layer <= bound, ops["by_op"]
+    if policy in ("resident", "cache-only"):  # every activated expert whole: one call, no gather
+        assert ops["segments"] == ops["layers"] * shape.top_k and "layer:cat" not in ops["by_op"], ops["by_op"]
+
+
+@pytest.mark.skipif(not __import__("fmoe_cli.kernels").kernels.library(), reason="no C compiler")
+@pytest.mark.parametrize("dtype, experts", [("float32", "bf16"), ("bfloat16", "bf16"), ("float32", "int4")])
+def test_every_policy_gives_the_resident_decode_logits_bit_for_bit(ops_checkpoints, dtype, experts):
+    """Each decode step's logits, not only its token, are the same bits under every policy on the CPU (K = 8): the
+    resident layers' one-call path (all experts whole: stacked outputs in routing order) and the loading
+    policies' path (top + bottom, loaded whole experts, their outputs gathered) weight and sum the same rows
+    in the same order."""
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = load_model(str(ops_checkpoints["qwen3-a3b-top8"]), device="cpu", dtype=dtype, experts=experts)
+    shape = lm.shape  # K = 8: a sum in another order would differ
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    steps = []
+    hook = lm.model.get_output_embeddings().register_forward_hook(lambda m, a, out: steps.append(out.clone()))
+    logits = {}
+    try:
+        for policy, theta in [("resident", None), ("cache-only", None), ("uniform", 0.5), ("ondemand", None)]:
+            engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes
+                                           + shape.all_experts_bytes // 2, theta=theta))
+            steps.clear()
+            for _ in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=6, stop_on_eos=False):
+                pass
+            logits[policy] = list(steps)
+    finally:
+        hook.remove()
+        engine.close()
+    want = logits.pop("resident")
+    assert len(want) == 6
+    for policy, got in logits.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), policy
+
+
 @pytest.mark.parametrize("policy", ["resident", "cache-only"])
 def test_grouped_experts_give_transformers_tokens(ops_checkpoints, policy, monkeypatch):
     """The device path's grouping (store.grouping: a layer's whole experts of one buffer in torch's grouped

@@ -129,7 +129,8 @@ class Routing:
         bf16/fp32 weights and scores exactly). `pack`: default, only when they are not on the host."""
         extra = extra or {}
         if not (pack if pack is not None else top_k_index.device.type != "cpu"):
-            return cls._make(top_k_index, top_k_weights, {key: t.detach() for key, t in extra.items()})
+            return cls._make(top_k_index, top_k_weights,  # (inference: nothing to detach from, no op)
+                             {key: t.detach() if t.requires_grad else t for key, t in extra.items()})
         parts = [top_k_index.reshape(-1), top_k_weights.reshape(-1), *(t.reshape(-1) for t in extra.values())]
         host = torch.cat([t.detach().double() for t in parts]).cpu()
         pieces = iter(host.split([t.numel() for t in parts]))
