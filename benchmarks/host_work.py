@@ -38,10 +38,13 @@ smaller segment_forward and the add: compute that a whole expert does not do.)
 `--ops` counts what the host dispatches instead of timing it (a count does not depend on
 how busy the machine is): one decode step of tiny random checkpoints shaped like
 Mixtral (8 experts, top-2), Qwen3-30B-A3B (128 experts, top-8) and DeepSeek-V3 (shared
-expert, a dense first layer), under `resident`, `ondemand` and `uniform` (θ = 0.5, every
-expert's top cached: split), on an instant link, with the device path's code (run it with
-FMOE_KERNELS=torch; the store's grouping on): ops per whole segment forward, per split
-expert, per MoE layer besides its segments, of the predictor, and per activated expert.
+expert, a dense first layer), under `resident`, `cache-only` (whole hits of a cache), `ondemand`
+and `uniform` (θ = 0.5, every expert's top cached: split), on an instant link: with
+FMOE_KERNELS=torch the device path's code (the store's grouping on), without it the CPU's
+(a segment is one kernel call; a decode layer's whole experts one call for all): ops per whole
+segment forward, per split expert, per MoE layer besides its segments, of the predictor, per
+activated expert, and the engine's part of a layer (everything in its experts forward but the
+predictor's).
 """
 
 from __future__ import annotations
@@ -179,6 +182,7 @@ def compare(args) -> None:
     console.print("token ids identical across trees and runs" if len(ids) == 1 else "[red]token ids DIFFER[/red]")
 
 
+OPS_POLICIES = ("resident", "cache-only", "ondemand", "uniform")  # cache-only: whole hits of a cache, decode's one call
 OPS_SHAPES = {  # family, overrides of models/demo.py's tiny config
     "mixtral-shaped": ("mixtral", {}),
     "qwen3-30b-a3b-shaped": ("qwen3_moe", {"num_experts": 128, "num_experts_per_tok": 8}),
@@ -204,7 +208,7 @@ def count_ops(console: Console, as_json: bool) -> None:
             lm = load_model(str(path), device="cpu", dtype="float32", console=console)
             lm.store.grouping = True  # the device path's grouping (off by default on the CPU, where the loop is faster)
             shape = lm.shape
-            for policy in ("resident", "ondemand", "uniform"):
+            for policy in OPS_POLICIES:
                 engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
                 engine.install(lm.model)
                 budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes
@@ -226,20 +230,23 @@ def count_ops(console: Console, as_json: bool) -> None:
                              "ops_per_split_expert": ops["ops_per_split_expert"],
                              "ops_per_layer_besides_segments": ops["ops_per_layer_besides_segments"],
                              "predictor_ops_per_layer": ops["predictor_ops_per_layer"],
-                             "ops_per_activated_expert": experts_forward / activated})
+                             "ops_per_activated_expert": experts_forward / activated,
+                             "engine_ops_per_layer": (experts_forward - ops["predictor_ops_per_layer"] * ops["layers"])
+                             / ops["layers"]})
     if as_json:
         print(json.dumps(rows))
         return
     table = Table(title="aten ops per decode step (TorchDispatchMode; no timing)")
     columns = ("shape", "policy", "K", "whole / layer", "split / layer", "ops / whole segment", "ops / split expert",
-               "ops / layer besides", "predictor ops / layer", "ops / activated expert (all)")
+               "ops / layer besides", "predictor ops / layer", "ops / activated expert (all)",
+               "engine ops / layer (all but the predictor)")
     for column in columns:
         table.add_column(column, justify="left" if column in ("shape", "policy") else "right")
     for r in rows:
         table.add_row(r["shape"], r["policy"], str(r["top_k"]), f"{r['segments_per_layer']:.1f}",
                       f"{r['split_per_layer']:.1f}", f"{r['ops_per_segment']:.1f}", f"{r['ops_per_split_expert']:.1f}",
                       f"{r['ops_per_layer_besides_segments']:.1f}", f"{r['predictor_ops_per_layer']:.1f}",
-                      f"{r['ops_per_activated_expert']:.1f}")
+                      f"{r['ops_per_activated_expert']:.1f}", f"{r['engine_ops_per_layer']:.1f}")
     Console(width=200).print(table)
 
 

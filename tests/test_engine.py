@@ -35,6 +35,25 @@ def test_classify_drops_a_staged_bottom_that_cannot_serve_a_miss():
     assert h.misses == (7,) and h.covered == () and h.loads == ((7, 0),) and h.dropped == (7,)
 
 
+def test_counters_total_is_the_left_sum_of_every_layers():
+    """engine.counters() (twice a token in generate.py) adds every field from 0 in layer order, as a chain of `+`
+    does: the same integers and the same floats."""
+    import random
+    from dataclasses import fields
+
+    from fmoe_cli.offload.engine import Counters
+
+    rng = random.Random(0)
+    layers = [Counters(*[rng.random() if f.type == "float" else rng.randrange(100) for f in fields(Counters)])
+              for _ in range(7)]
+    chain = Counters()
+    for c in layers:
+        chain = chain + c
+    assert Counters.total(layers).__dict__ == chain.__dict__
+    assert (chain - layers[0]).__dict__ == {k: v - layers[0].__dict__[k] for k, v in chain.__dict__.items()}
+    assert type(Counters.total([]).exposed_s) is float and Counters.total([]) == Counters()
+
+
 # --- the engine ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mixtral(checkpoints):

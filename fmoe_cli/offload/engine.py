@@ -86,10 +86,24 @@ class Counters:
         self.prefetch_covered += len(hits.covered)
 
     def __add__(self, other: Counters) -> Counters:
-        return Counters(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+        a, b = self.__dict__, other.__dict__
+        return Counters(*[a[name] + b[name] for name in COUNTER_FIELDS])
 
     def __sub__(self, other: Counters) -> Counters:
-        return Counters(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+        a, b = self.__dict__, other.__dict__
+        return Counters(*[a[name] - b[name] for name in COUNTER_FIELDS])
+
+    @staticmethod
+    def total(counters: list[Counters]) -> Counters:
+        """Σ counters, each field added left to right from 0 (as `sum`: the same floats); one object, not one
+        per term (generate.py asks for the engine's total twice a token)."""
+        rows = [c.__dict__ for c in counters]
+        out = []
+        for name, value in Counters().__dict__.items():
+            for row in rows:
+                value = value + row[name]
+            out.append(value)
+        return Counters(*out)
 
     @property
     def bytes_moved(self) -> int:
@@ -106,6 +120,9 @@ class Counters:
     @property
     def prefetch_recall(self) -> float:
         return self.prefetch_covered / self.needed_loads if self.needed_loads else 0.0
+
+
+COUNTER_FIELDS = tuple(f.name for f in fields(Counters))  # in declaration order (the constructor's)
 
 
 @dataclass
@@ -368,10 +385,7 @@ class Engine:
 
     def counters(self) -> Counters:
         self._collect_stalls()
-        total = Counters()
-        for state in self.layers:
-            total = total + state.counters
-        return total
+        return Counters.total([state.counters for state in self.layers])
 
     def close(self) -> None:
         if self._embedding_hook is not None:
@@ -413,8 +427,8 @@ class Engine:
             if state.host and decode:  # decode on a host-lane layer (prefill: the device)
                 outputs = self.host_lane.forward(self, i, experts.act_fn, hidden_states, routing, hits)
                 self._prefetch(i, hidden_states, routing)
-            elif decode and len(hits.whole) == len(routing.flat) and (stacked := self._whole_decode(
-                    state, experts.act_fn, hidden_states, routing)) is not None:
+            elif decode and len(hits.whole) == len(routing.flat) and self.store.stacks(hidden_states, experts.act_fn):
+                stacked = self._whole_decode(state, experts.act_fn, hidden_states, routing)
                 self._prefetch(i, hidden_states, routing)  # what _compute does once nothing is left to load
                 return self._combine_decode(hidden_states, stacked, top_k_weights)
             else:
@@ -500,9 +514,9 @@ class Engine:
         return outputs
 
     def _whole_decode(self, state: LayerState, act, hidden_states: torch.Tensor, routing: Routing):
-        """A decode step whose activated experts are all whole on the device: their outputs in routing order,
-        stacked [K, H] by one kernel call (store.stacked_forward: each expert's bits as alone, so as
-        `_compute` gives them), or None where the kernels do not compute (then `_compute`)."""
+        """A decode step whose activated experts are all whole on the device, where the store `stacks` (the CPU's
+        kernels): their outputs in routing order, stacked [K, H] by one kernel call (store.stacked_forward: each
+        expert's bits as alone, so as `_compute` gives them)."""
         slot, rows = state.cache.slot, state.top_rows
         return self.store.stacked_forward(hidden_states, [rows[slot(e)] for e in routing.flat], act)
 

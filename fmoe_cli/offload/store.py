@@ -154,12 +154,13 @@ class HostStore:
         return [self.segment_forward(x, segment, act, partial=partial, lane=lane)
                 for lane, (x, segment) in enumerate(zip(xs, segments))]
 
-    def stacked_forward(self, x: torch.Tensor, segments: list, act) -> torch.Tensor | None:
-        """The whole segments' outputs for one token x [1, H], in the given order, stacked [n, H] by one kernel
-        call (kernels.segments_forward: each segment's bits as it has alone); None where the kernels do not
-        compute them (a GPU, torch's path: `segments_forward`)."""
-        if self.kernel is None or not kernels.runs(x, act) or not isinstance(segments[0], torch.Tensor):
-            return None
+    def stacks(self, x: torch.Tensor, act) -> bool:
+        """Whether `stacked_forward` computes for tokens x: where the kernels do (the CPU)."""
+        return self.kernel is not None and kernels.runs(x, act)
+
+    def stacked_forward(self, x: torch.Tensor, segments: list, act) -> torch.Tensor:
+        """The whole segments' outputs for one token x [1, H] (where `stacks`), in the given order, stacked [n, H] by
+        one kernel call (kernels.segments_forward: each segment's bits as it has alone)."""
         return kernels.segments_forward(x, segments, self.kernel, stacked=True)
 
     def _groups(self, xs: list[torch.Tensor], segments: list) -> bool:
