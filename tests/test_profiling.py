@@ -241,11 +241,11 @@ def test_a_measured_expert_forward_is_t_exp_and_the_rest_of_t_moe_counts_with_at
     assert (slower.t_moe, slower.t_att) == (6e-4, 1.5e-4)  # T_moe as measured
 
 
-def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
-    """h_load and c from scripted decode steps (profiling/model.py: host_work_s): resident 1 s;
-    on demand 24 loads, 0.5 s exposed, 1 + 0.5 + 24 h_load; split tops: 16 top hits, 8 misses
-    (θ = 1/2 admitted at a_e), 16 c more; h_pf from scripted one-layer forwards: what prefetch adds
-    less what it waited on the link."""
+def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
+    """h_load, h_pf and c from scripted one-layer forwards (profiling/model.py: host_work_s), less what each
+    waited on the link: resident 1 ms; on demand K = 4 loads, 1 + 4 h_load; with prefetch h_pf more (and 2 ms
+    waited in all); split tops, K top hits each loading its bottom, 4 c more than on demand. The resident step
+    and h_route from scripted decode steps (resident 1 s; on demand 0.18 s of lead over 6 layers)."""
     from types import SimpleNamespace
 
     from fmoe_cli.offload.engine import Counters
@@ -254,18 +254,13 @@ def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
     from fmoe_cli.types import ExpertShape
 
     shape = ExpertShape(num_layers=6, num_experts=16, top_k=4, hidden=8, intermediate=256, dtype_bytes=2)
-    h_load, h_pf, c, a_e = 0.01, 0.05, 0.02, 0.04
+    h_load, h_pf, c = 0.01, 0.05, 0.02
 
     def step(settings):
-        plan = settings.plan
-        if plan.resident:
+        if settings.plan.resident:
             return 1.0, Counters()
-        if plan.layers[0].cache_size:  # split tops
-            t = 1.0 + 0.5 + 24 * h_load + 16 * c + 8 * 0.5 * a_e
-            return t, Counters(needed_loads=24, hits_top=16, misses=8, exposed_s=0.5)
-        if settings.prefetch:
-            return 1.0 + 0.5 + 26 * h_load + 6 * h_pf, Counters(needed_loads=26, misses=26, exposed_s=0.5)
-        return 1.0 + 0.5 + 24 * h_load, Counters(needed_loads=24, misses=24, exposed_s=0.5, lead_s=0.18, leads=6)
+        # a busy machine's 0.3 s on the on-demand steps: their difference would read h_load 0.0225, not 0.01
+        return 1.0 + 0.5 + 24 * h_load + 0.3, Counters(needed_loads=24, misses=24, exposed_s=0.5, lead_s=0.18, leads=6)
 
     class FakeEngine:
         def __init__(self):
@@ -280,12 +275,17 @@ def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
         def counters(self):
             return Counters(exposed_s=self.exposed)
 
-    def fake_layer_forward(lm, engine, reps, layers=None, warmup=20):  # 1 ms each; prefetch waits 2 ms in all
+    def fake_layer_forward(lm, engine, reps, layers=None, warmup=20):  # 1 ms resident; prefetch waits 2 ms in all
         assert layers is None  # no WholeLayers: every layer forwarded
+        plan = engine.settings.plan
+        if plan.resident:
+            return 1e-3
+        if plan.layers[0].cache_size:  # split tops: every one of the K experts a top hit
+            return 1e-3 + 4 * h_load + 4 * c
         if engine.settings.prefetch:
             engine.exposed += 2e-3
-            return 1e-3 + h_pf + 2e-3 / ((warmup + reps) * shape.num_layers)
-        return 1e-3
+            return 1e-3 + 4 * h_load + h_pf + 2e-3 / ((warmup + reps) * shape.num_layers)
+        return 1e-3 + 4 * h_load
 
     engine = FakeEngine()
     original = engine.settings
@@ -297,20 +297,24 @@ def test_host_work_follows_its_formulas_from_the_runs_counters(monkeypatch):
     monkeypatch.setattr(profiling_model, "stream_generate", fake_generate)
     monkeypatch.setattr(profiling_model, "layer_forward_s", fake_layer_forward)
     lm = SimpleNamespace(shape=shape, device=torch.device("cpu"), model=None)
-    got = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_admit=a_e, t_segment=1e-3, rounds=3)
+    got = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_segment=1e-3, rounds=3)
     assert got == pytest.approx((h_load, h_pf, c, 1.0, 0.03))  # h_route: 0.18 s over 6 forwards
     # c is at least one more segment forward (t_segment): a smaller difference is noise
-    floored = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_admit=a_e, t_segment=0.5, rounds=1)
+    floored = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_segment=0.5, rounds=1)
     assert floored[2] == 0.5
     assert engine.settings is original  # put back as it was
     assert {s.plan.layers[0].top_neurons for s in engine.configured if not s.plan.resident} == {0, 128}
+    # where every expert cannot be resident (a GPU), h_load is the block's and c one segment forward's
+    monkeypatch.setattr(profiling_model, "_resident_fits", lambda lm: False)
+    gpu = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_segment=1e-3, rounds=1)
+    assert (gpu[0], gpu[2], gpu[3]) == (9.0, 1e-3, None)
 
 
 def test_the_prefetch_paths_host_work_is_the_median_of_paired_rounds(monkeypatch):
     """h_pf (profiling/model.py: host_work_s) from paired rounds of one-layer forwards with and without prefetch,
     the median of the rounds' differences: one forward slowed by other work on the machine (here the first
     prefetch forward, 10 ms late: the machine's load, not the engine) does not carry it. As many forwards in
-    all as one pass of `layer_reps` (the link's budget holds)."""
+    all, per configuration, as one pass of `layer_reps` (the link's budget holds)."""
     from types import SimpleNamespace
 
     from fmoe_cli.offload.engine import Counters
@@ -345,10 +349,11 @@ def test_the_prefetch_paths_host_work_is_the_median_of_paired_rounds(monkeypatch
     monkeypatch.setattr(profiling_model, "stream_generate", fake_generate)
     monkeypatch.setattr(profiling_model, "layer_forward_s", fake_layer_forward)
     lm = SimpleNamespace(shape=shape, device=torch.device("cpu"), model=None)
-    got = profiling_model.host_work_s(lm, FakeEngine(), None, block_h_load=0.0, t_admit=0.0, t_segment=0.0, rounds=1,
+    got = profiling_model.host_work_s(lm, FakeEngine(), None, block_h_load=0.0, t_segment=0.0, rounds=1,
                                       layer_reps=100)
     assert got[1] == pytest.approx(h_pf)
-    assert sum(calls) <= 2 * (100 + 100 // 10)  # no more forwards than one pass after its warm-up
+    # per configuration (resident, on demand, prefetch, split), no more forwards than one pass after its warm-up
+    assert sum(calls) <= 4 * (100 + 100 // 10)
 
 
 MIXTRAL_EXPERT_BYTES = 3 * 14336 * 4096 * 2  # one Mixtral-8x7B expert, bf16: 336 MiB

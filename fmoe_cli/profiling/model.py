@@ -125,8 +125,7 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         t_admit = admission_copy_s(lm, repeats=20 if quick else 100)
         t_segment = segment_call_s(lm, repeats=50 if quick else 200)
         h_load, h_pf, c, step, route = host_work_s(
-            lm, engine, prompt_ids(lm, 2), block_h_load=timings.t_host_load or 0.0, t_admit=t_admit,
-            t_segment=t_segment, rounds=5 if quick else 9, tokens=4 if quick else 16, budget_s=5.0 if quick else 60.0,
+            lm, engine, prompt_ids(lm, 2), block_h_load=timings.t_host_load or 0.0, t_segment=t_segment, rounds=5 if quick else 9, tokens=4 if quick else 16, budget_s=5.0 if quick else 60.0,
             whole=whole, layer_reps=10 if quick else 100,
             link_bytes=(LINK_LAYERS_BUDGET * lm.shape.num_experts * lm.shape.expert_bytes
                         - (engine.link.bytes_moved - start_bytes)) if quick else None)
@@ -142,57 +141,56 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
 SPLIT_CACHE_BYTES = 512 * 2**20
 
 
-def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: float, t_admit: float,
-                t_segment: float, rounds: int = 5, tokens: int = 8, budget_s: float = 5.0,
+def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: float, t_segment: float, rounds: int = 5, tokens: int = 8, budget_s: float = 5.0,
                 whole: WholeLayers | None = None, link_bytes: int | None = None,
                 layer_reps: int = 100) -> tuple[float, float, float, float | None, float]:
     """(h_load, h_pf, c, resident step, h_route): the host's work per loaded segment, per MoE layer that prefetches (the
     predictor's scores and ranking, the prefetcher's submits and cancels) and per split top hit
-    (two segment forwards and their sum instead of one forward), from whole decode tokens on the
-    engine's link, in interleaved rounds: every expert resident; no cache, loaded on demand; and up
-    to 4K experts' top halves cached per layer.
-    Per configuration, the medians over tokens of net = TPOT − exposed and of its counters; then
-        h_load = (net_ondemand − net_resident) / loaded segments
-        h_pf   = what prefetch adds to one MoE layer's experts forward (`layer_forward_s`, less the
-                 time it waited on the link: K fixed experts, `layer_reps` times in all, in up to 5
-                 paired rounds, the median of the rounds' differences: the prefetch path
-                 is the host's Python, not memory bound, and the difference of two decode steps
-                 was too noisy to take it from)
-        c      = (net_split − net_ondemand − misses_split · θ · a_e − Δ loaded segments · h_load) / top hits,
-                 at least `t_segment` (one more segment forward)
-    each the median over rounds (paired: a machine whose load drifts shifts a round's runs alike);
-    h_route, the host's lead on a layer's first load, from the engine's counters of the on-demand runs.
-    Whole tokens, not one layer run again: a layer re-run on one input finds its experts' weights
-    warm in the CPU's caches, a decode step does not. Where the model does not fit on the device
-    (a GPU), h_load is `block_h_load` (profiling/layers.py) and c is `t_segment` (one forward of a
-    one-block segment). With `whole` only its link layer loads (every other layer whole, served
-    without the link: each formula is per loaded segment, per top hit or per prefetching layer, so
-    one layer gives it), and h_pf is from that layer and the one before it, which prefetches for it.
-    Rounds stop early once `budget_s` has passed (a model whose on-demand step takes long, on a slow
-    link, gets one round) or before a round would take the link past `link_bytes` (less what the
-    h_pf forwards will move). The engine is put back as it was."""
+    (two segment forwards and their sum instead of one forward), each from one MoE layer's experts forward
+    (`layer_forward_s`: K fixed experts, `layer_reps` times in all, less the time it waited on the link) in up
+    to 5 paired rounds, the median of the rounds' differences, per configuration of that layer: every expert
+    resident, no cache loaded on demand, the same with prefetch, and up to 4K experts' top halves cached:
+        h_load = (demand − resident) / K         K segments loaded, none
+        h_pf   = prefetch − demand               the prefetch path (per prefetching layer)
+        c      = (split − demand) / K            K top hits, each loading its bottom: a second segment forward,
+                                                 at least `t_segment` (a smaller difference is noise)
+    Decode steps were too noisy to carry them: h_load was the difference of one layer's K loads between the
+    medians of 4 whole steps, which moved by a millisecond on a busy machine (the demo's quick estimates read
+    h_load 0.000–0.235 ms and c 0.013–0.244 where a decode step pays about 0.03 and 0.02; forwards read
+    0.015–0.035 and ~0). Whole decode tokens on the engine's link in interleaved rounds (every expert resident;
+    on demand) still give the resident step and h_route, the host's lead on a layer's first load, from the
+    engine's counters of the on-demand runs. Where the model does not fit on the device (a GPU), h_load is
+    `block_h_load` (profiling/layers.py) and c is `t_segment` (one forward of a one-block segment). With `whole`
+    only its link layer loads (every other layer whole, served without the link: each formula is per loaded
+    segment, per top hit or per prefetching layer, so one layer gives it): of the two layers forwarded (the link
+    layer and the one before it, which prefetches for it) one loads. Rounds stop early once `budget_s` has
+    passed (a model whose on-demand step takes long, on a slow link, gets one round) or before a round would
+    take the link past `link_bytes` (less what the forwards will move). The engine is put back as it was."""
     shape, settings = lm.shape, engine.settings
     plan = settings.plan
     layers = len(plan.layers)
     no_cache = replace(plan, layers=tuple(LayerPlan(0, 0, 0, 0.0) for _ in plan.layers), resident=False,
                        prefetch=True, source="measurement")
-    configs = {"demand": replace(settings, plan=no_cache, prefetch=False)}
-    prefetch = replace(settings, plan=no_cache, prefetch=True)
+    configs = {"demand": replace(settings, plan=no_cache, prefetch=False)}  # the decode steps' configurations
+    forwards = {"demand": configs["demand"], "prefetch": replace(settings, plan=no_cache, prefetch=True)}
     half = shape.intermediate // 2 // shape.neuron_block * shape.neuron_block
     if _resident_fits(lm):
         full = LayerPlan(shape.num_experts * shape.expert_bytes, shape.num_experts, shape.intermediate, 1.0)
         configs["resident"] = replace(settings, plan=replace(plan, layers=(full,) * layers, staging_slots=0,
                                                              resident=True, source="measurement"), prefetch=False)
-        # up to 4K cached tops per layer, at most SPLIT_CACHE_BYTES in all (the measurement's own memory)
+        forwards["resident"] = configs["resident"]
+        # up to 4K cached tops per layer, at most SPLIT_CACHE_BYTES in all (the measurement's own memory); at least
+        # K, so that the forwards' K fixed experts are all top hits once the warm-up has admitted them
         size = min(shape.num_experts, 4 * shape.top_k, SPLIT_CACHE_BYTES // max(1, layers * half * shape.neuron_bytes))
-        if half > 0 and size > 0:
+        if half > 0 and size >= shape.top_k:
             tops = LayerPlan(size * half * shape.neuron_bytes, size, half, half / shape.intermediate)
-            configs["split"] = replace(settings, plan=replace(no_cache, layers=(tops,) * layers), prefetch=False)
+            forwards["split"] = replace(settings, plan=replace(no_cache, layers=(tops,) * layers), prefetch=False)
     keep = None if whole is None else whole.link_layer
     forwarded = None if whole is None else sorted({max(0, keep - 1), keep})  # MoE layers layer_forward_s runs
+    per_layer = len(forwarded) if forwarded else 1  # forwards per loading layer: a difference per forward × this
     warm = max(2, layer_reps // 10)
-    # h_pf in paired rounds (the median of each round's difference: one round slowed by other work on the
-    # machine does not carry it), as many forwards in all as one pass of `layer_reps` after `warm`
+    # h_load, h_pf and c in paired rounds (the median of each round's difference: one round slowed by other work on
+    # the machine does not carry it), as many forwards in all as one pass of `layer_reps` after `warm`
     pf_rounds = min(5, max(1, layer_reps // 3))
     pf_reps, pf_warm = max(1, layer_reps // pf_rounds), max(1, warm // pf_rounds)
 
@@ -203,8 +201,10 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
 
     link = getattr(engine, "link", None)
     moved = (lambda: link.bytes_moved) if link is not None else (lambda: 0)
-    if link_bytes is not None:  # what the h_pf forwards will move: K whole experts per forward of the link layer
-        link_bytes -= 2 * pf_rounds * (pf_warm + pf_reps) * shape.top_k * shape.expert_bytes * (1 if whole else layers)
+    if link_bytes is not None:  # what the forwards will move: K whole experts (bottoms: split) per forward of the link layer
+        loading = 2 + (0.5 if "split" in forwards else 0.0)  # demand, prefetch, split
+        link_bytes -= int(loading * pf_rounds * (pf_warm + pf_reps) * shape.top_k * shape.expert_bytes
+                          * (1 if whole else layers))
     h_loads, h_pfs, cs, steps, routes = [], [], [], [], []
     start, start_bytes, round_bytes = host_now(), moved(), 0
     try:
@@ -213,44 +213,40 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
             if r and (host_now() - start > budget_s
                       or link_bytes is not None and used + round_bytes > link_bytes):
                 break
-            net, count = {}, {}
+            net = {}
             for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
                 configure(configs[name])
                 events = list(stream_generate(lm.model, input_ids, engine=engine, max_new_tokens=tokens + 1,
                                               stop_on_eos=False))[1:]
                 net[name] = statistics.median(e.latency_s - e.counters.exposed_s for e in events)
-                count[name] = {key: statistics.median(getattr(e.counters, key) for e in events)
-                               for key in ("needed_loads", "hits_top", "misses")}
                 if name == "demand":
                     routes += [e.counters.lead_s / e.counters.leads for e in events if e.counters.leads]
             round_bytes = max(round_bytes, moved() - start_bytes - used)
-            od = count["demand"]
             if "resident" in net:
                 steps.append(net["resident"])
-            h_load = (net["demand"] - net["resident"]) / max(1, od["needed_loads"]) if "resident" in net else block_h_load
-            h_loads.append(h_load)
-            if "split" in net and count["split"]["hits_top"] > 0:
-                sp = count["split"]
-                cs.append((net["split"] - net["demand"] - sp["misses"] * half / shape.intermediate * t_admit
-                           - (sp["needed_loads"] - od["needed_loads"]) * h_load) / sp["hits_top"])
-        pairs = (("demand", configs["demand"]), ("prefetch", prefetch))
+        names = list(forwards)
         for r in range(pf_rounds):
             forward = {}
-            for name, s in (pairs if r % 2 == 0 else pairs[::-1]):
-                configure(s)
+            for name in (names if r % 2 == 0 else names[::-1]):
+                configure(forwards[name])
                 before = engine.counters().exposed_s
                 seconds = layer_forward_s(lm, engine, pf_reps, layers=forwarded, warmup=pf_warm)
                 calls = (pf_warm + pf_reps) * (len(forwarded) if forwarded else layers)
                 forward[name] = seconds - (engine.counters().exposed_s - before) / calls
             # per prefetching layer: with `whole`, of the two layers forwarded one prefetches for real
-            h_pfs.append((forward["prefetch"] - forward["demand"]) * (len(forwarded) if forwarded else 1))
+            h_pfs.append((forward["prefetch"] - forward["demand"]) * per_layer)
+            if "resident" in forward:  # K segments loaded against none; K top hits against K whole loads
+                h_loads.append((forward["demand"] - forward["resident"]) * per_layer / shape.top_k)
+            if "split" in forward:
+                cs.append((forward["split"] - forward["demand"]) * per_layer / shape.top_k)
     finally:
         engine.configure(settings)
     # a split top hit costs at least one more segment forward: a smaller c is the noise of a busy machine
     c = max(statistics.median(cs), t_segment) if cs else t_segment
     step = statistics.median(steps) if steps else None
     route = statistics.median(routes) if routes else 0.0
-    return max(0.0, statistics.median(h_loads)), max(0.0, statistics.median(h_pfs)), max(0.0, c), step, route
+    h_load = statistics.median(h_loads) if h_loads else block_h_load
+    return max(0.0, h_load), max(0.0, statistics.median(h_pfs)), max(0.0, c), step, route
 
 
 def layer_forward_s(lm, engine: Engine, reps: int, layers: Sequence[int] | None = None, warmup: int = 20) -> float:
