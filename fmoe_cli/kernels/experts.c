@@ -1630,6 +1630,14 @@ typedef struct {
     int64_t outputs, stride;
 } Linear;
 
+#if FMOE_AVX2
+/* `bytes` of rows from `start` into L1, one prefetch per PREFETCH_STRIDE: a dense decode's next rows while these
+   compute (from RAM this VM's one thread streams int8 rows at ~6 GB/s without, ~10 with; docs/bench.md). */
+static inline void prefetch_rows(const uint8_t *start, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += PREFETCH_STRIDE) _mm_prefetch((const char *)start + b, _MM_HINT_T0);
+}
+#endif
+
 /* Output rows [32k, 32k + 32): y[t, o] = x_t·ŵ_o. */
 static void linear_chunk(void *job, int64_t k, int64_t worker) {
     const Linear *p = job;
@@ -1645,6 +1653,8 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
         for (; o + 4 <= o1 && f->fmt == FMT_INT8; o += 4) {
             const uint8_t *rows[4] = {p->rows + o * f->proj_bytes, p->rows + (o + 1) * f->proj_bytes,
                                       p->rows + (o + 2) * f->proj_bytes, p->rows + (o + 3) * f->proj_bytes};
+            if (tokens == 1 && o + 8 <= p->outputs) /* the next 4 rows into L1, as the float path's pairs */
+                prefetch_rows(p->rows + (o + 4) * f->proj_bytes, 4 * f->proj_bytes);
             for (int64_t t = 0; t < tokens; t++) {
                 ROWS_DOT_Q8(rows, 4, f, x, t, out);
                 for (int r = 0; r < 4; r++) p->y[t * p->outputs + o + r] = out[r];
@@ -1652,6 +1662,8 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
         }
         for (; o + 2 <= o1; o += 2) {
             const uint8_t *rows[2] = {p->rows + o * f->proj_bytes, p->rows + (o + 1) * f->proj_bytes};
+            if (tokens == 1 && o + 4 <= p->outputs)
+                prefetch_rows(p->rows + (o + 2) * f->proj_bytes, 2 * f->proj_bytes);
             for (int64_t t = 0; t < tokens; t++) {
                 ROWS_DOT_Q8(rows, 2, f, x, t, out);
                 p->y[t * p->outputs + o] = out[0], p->y[t * p->outputs + o + 1] = out[1];
@@ -1669,10 +1681,8 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
         row's sum its own, so the chunking changes no bits; row_dot, the old path, reads ~2-3x the instructions) */
         int64_t o = o0;
         for (; o + 2 <= o1; o += 2) {
-            if (f->fmt >= FMT_INT8 && o + 4 <= p->outputs) { /* the next pair's rows into L1, as the experts' rows */
-                const char *next = (const char *)(p->rows + (o + 2) * f->proj_bytes);
-                for (int64_t b = 0; b < 2 * f->proj_bytes; b += PREFETCH_STRIDE) _mm_prefetch(next + b, _MM_HINT_T0);
-            }
+            if (f->fmt >= FMT_INT8 && o + 4 <= p->outputs) /* the next pair's rows into L1, as the experts' rows */
+                prefetch_rows(p->rows + (o + 2) * f->proj_bytes, 2 * f->proj_bytes);
             gate_up_one(p->rows + o * f->proj_bytes, f, x->xf, x->xg, p->y + o, p->y + o + 1);
         }
         for (; o < o1; o++) p->y[o] = row_dot(p->rows + o * f->proj_bytes, f, x->xf, x->xg, x->vector);
