@@ -15,7 +15,9 @@ dispatched from:
   slots, polls, the weighted sum);
 - `predictor`: inside it, the predictor's scores on the device, its ranking and the prefetches it
   queues (a plan that prefetches);
-- `other`: attention, norms, the LM head, sampling.
+- `attention`: inside a decoder layer's attention (with `model`: models/attention.py's decode forward, or
+  transformers' own);
+- `other`: the rest: attention without `model`, norms, the LM head, sampling.
 """
 
 from __future__ import annotations
@@ -75,7 +77,17 @@ def _attributed(counter: OpCounter, owner, name: str, place, calls: list, count=
         setattr(owner, name, real)
 
 
-def count_decode_ops(step) -> dict:
+@contextlib.contextmanager
+def _instance_attributed(counter: OpCounter, module, calls: list):
+    """`_attributed` for one module's forward (place `attention`), the instance's own forward put back after."""
+    had = "forward" in module.__dict__
+    with _attributed(counter, module, "forward", lambda a, kw: "attention", calls):
+        yield
+    if not had:
+        del module.forward
+
+
+def count_decode_ops(step, model=None) -> dict:
     """Run `step()` (one decode step through an installed Engine) under an OpCounter. Returns ops per whole
     segment forward, per split expert (its top's and its bottom's, counted once per bottom), per MoE layer
     besides its segments, the totals and the op names by place."""
@@ -96,6 +108,8 @@ def count_decode_ops(step) -> dict:
         for name in ("_device_part", "_prefetch"):  # the predictor's scores, ranking and prefetches
             stack.enter_context(_attributed(counter, Engine, name, lambda a, kw: "predictor", calls,
                                             count=lambda a, kw: 0))
+        for attn in [] if model is None else [layer.self_attn for layer in model.model.layers]:
+            stack.enter_context(_instance_attributed(counter, attn, calls))
         with counter:
             step()
     segments, splits, layers = calls.count("segment"), calls.count("split"), calls.count("layer")
@@ -107,6 +121,8 @@ def count_decode_ops(step) -> dict:
         "ops_per_split_expert": counter.total("split") / max(splits, 1),
         "ops_per_layer_besides_segments": counter.total("layer") / max(layers, 1),
         "predictor_ops_per_layer": counter.total("predictor") / max(layers, 1),
+        "attention_calls": calls.count("attention"),
+        "ops_per_attention": counter.total("attention") / max(calls.count("attention"), 1),
         "ops_outside_experts": counter.total("other"),
         "by_op": {f"{place}:{name}": n for (place, name), n in counter.ops.most_common()},
     }

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""A decode token with transformers' attention forward against models/attention.py's decode forward, in one process.
+
+One `resident` run of MODEL on the CPU (the same options as `fmoe bench`); one generation whose decode tokens go
+in blocks of `--per-block`, the two attention forwards alternated block by block (A B, then B A: interleaved,
+so load from other work falls on both). Both give the same tokens (tests/test_attention.py: the same bits), so
+one generation serves both. Per token: the process's CPU time (every thread), the main thread's CPU time, and
+wall time; medians and [min–max] over the blocks (the first token of a block is not counted: the switch).
+
+    python benchmarks/decode_attention.py ~/.cache/fmoe-peer/models/big --dtype float32 --experts int4
+    python benchmarks/decode_attention.py demo --experts int4 --threads 1
+"""
+
+from __future__ import annotations
+
+import fmoe_cli  # noqa: F401  (first, as the CLI: it sets torch's OpenMP wait policy before torch loads)
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--experts", default="int4")
+    parser.add_argument("--dense", default=None, help="as fmoe's --dense (default: fmoe's)")
+    parser.add_argument("--blocks", type=int, default=12, help="blocks of each forward")
+    parser.add_argument("--per-block", type=int, default=4, help="decode tokens a block (the first not counted)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args()
+
+    from fmoe_cli.bench.run import encode_prompt
+    from fmoe_cli.cli import run_options
+    from fmoe_cli.generate import stream_generate
+    from fmoe_cli.run import open_run
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dense = {} if args.dense is None else {"dense": args.dense}
+    opts = run_options(args.model, ["resident"], dtype=args.dtype, experts=args.experts, device="cpu",
+                       activations="float", **dense)
+    with open_run(opts) as run:
+        lm = run.lm
+        attentions = [layer.self_attn for layer in lm.model.model.layers]
+        decode = [a.__dict__.get("forward") for a in attentions]  # None: transformers' own (not a decode family)
+        if not any(decode):
+            raise SystemExit(f"{args.model}: no decode forward installed (models/attention.py DECODE_FAMILIES)")
+
+        def use(which: str) -> None:
+            for attn, forward in zip(attentions, decode):
+                if which == "decode" and forward is not None:
+                    attn.forward = forward
+                else:
+                    attn.__dict__.pop("forward", None)
+
+        ids = encode_prompt(lm, "Explain how a mixture-of-experts model works.")
+        tokens = 4 + args.blocks * 2 * args.per_block + 1
+        steps = stream_generate(lm.model, ids, engine=run.engine, max_new_tokens=tokens, stop_on_eos=False)
+        for _ in range(5):  # the prefill and warm-up tokens
+            next(steps)
+        spent: dict[str, list] = {"transformers": [], "decode": []}
+        for block in range(args.blocks):
+            for which in ("transformers", "decode") if block % 2 == 0 else ("decode", "transformers"):
+                use(which)
+                next(steps)
+                cpu, main_cpu, wall = time.process_time(), time.thread_time(), time.perf_counter()
+                for _ in range(args.per_block - 1):
+                    next(steps)
+                n = args.per_block - 1
+                spent[which].append(((time.process_time() - cpu) / n * 1e3, (time.thread_time() - main_cpu) / n * 1e3,
+                                     (time.perf_counter() - wall) / n * 1e3))
+        use("decode")
+    print(f"{args.model}: --dtype {args.dtype} --experts {args.experts} --dense {lm.dense}, "
+          f"{torch.get_num_threads()} threads, {args.blocks} blocks of {args.per_block - 1} tokens each; ms a token, "
+          "median [min–max] over the blocks")
+    print("| attention forward | CPU (every thread) | CPU (main thread) | wall |\n|---|---|---|---|")
+    for which, rows in spent.items():
+        cells = [f"{statistics.median(c):.2f} [{min(c):.2f}–{max(c):.2f}]" for c in zip(*rows)]
+        print(f"| {which} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

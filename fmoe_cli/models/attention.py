@@ -1,0 +1,175 @@
+"""A decode token's attention on the CPU: q/k/v in one kernel call, and fewer host steps (issue 21).
+
+At a decode step (one token) of a small model the attention's weights are not what costs: the host's steps
+around them are (docs/bench.md § The decode step's attention on the CPU). Two changes, both exact:
+
+- **Fused q/k/v.** Under `--dense int8|int4` the q, k and v projections of a layer are QuantLinears of one format
+  over the same input; their packed rows are concatenated into one tensor [Oq + Ok + Ov, row bytes] (one host copy:
+  each QuantLinear's `packed` becomes a view of its rows, the separate tensors are freed), so a decode token's
+  three projections are one `kernels.linear_forward` call (one ctypes call, one wake of the kernels' threads). Each
+  output is one row's own dot product (experts.c fmoe_linear_forward), so every output has the bits its own
+  QuantLinear gives it.
+- **A decode forward** for the standard GQA families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the family's own
+  steps in the family's order, with the family's own modules and functions (the q/k norms, its
+  `apply_rotary_pos_emb`, the cache's `update`, transformers' `sdpa_attention_forward`), so its bits are those of
+  transformers' forward; what it leaves out is the dispatch around them, and transformers' SDPA runs on one
+  thread (`one_thread`): at one query token torch's flash attention forks its OpenMP team for a few µs of work,
+  and on a machine whose cores also run the kernels' own threads the team's wake and spin cost the host
+  milliseconds (torch's flash attention splits its work by head, so its bits do not depend on the thread count:
+  tests/test_attention.py). Anything else — a prefill (more than one token), an attention mask, a device other
+  than the CPU, OLMoE's `clip_qkv`, an attention implementation other than SDPA, DeepSeek's MLA — runs
+  transformers' own forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from fmoe_cli import kernels
+from fmoe_cli.models.dense import ATTENTION, QuantLinear
+
+# The decoder layers' attention classes with the decode forward, and where their q/k norms sit:
+# "heads" (Qwen3-MoE: over each head's dims, before the transpose), "projection" (OLMoE: over the whole projection),
+# None (no norm).
+DECODE_FAMILIES = {"Qwen3MoeAttention": "heads", "Qwen2MoeAttention": None, "MixtralAttention": None,
+                   "OlmoeAttention": "projection"}
+
+
+class FusedQKV:
+    """One layer's q, k and v QuantLinears computed in one kernel call (their rows in one tensor)."""
+
+    def __init__(self, q: QuantLinear, k: QuantLinear, v: QuantLinear) -> None:
+        parts = (q, k, v)
+        self.rows = torch.cat([p.packed.data for p in parts])  # [Oq + Ok + Ov, row bytes] uint8
+        start = 0
+        for p in parts:  # each QuantLinear's rows become a view of the fused tensor: one copy
+            p.packed = nn.Parameter(self.rows[start:start + p.out_features], requires_grad=False)
+            start += p.out_features
+        self.sizes = [p.out_features for p in parts]
+        self.bias = None if q.bias is None else torch.cat([p.bias.detach() for p in parts])
+        self.kernel = q.kernel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """q, k and v side by side, [T, Oq + Ok + Ov] of x's dtype, for x [T, H] (the kernels take x: kernels.takes)."""
+        y = kernels.linear_forward(x, self.rows, self.kernel)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y
+
+
+def fusable(q, k, v) -> bool:
+    """Whether three projections can be one kernel call: QuantLinears of one format and kernel view, over the same
+    input width, on the CPU, with biases on all three or none."""
+    parts = (q, k, v)
+    return (all(isinstance(p, QuantLinear) and p.kernel is not None for p in parts)
+            and len({(p.format, p.kernel, p.in_features, p.packed.device.type) for p in parts}) == 1
+            and q.packed.device.type == "cpu" and len({p.bias is None for p in parts}) == 1)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's intra-op threads set to one for the block (this thread's setting; a pair of calls costs < 1 µs)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def install_decode_attention(model) -> int:
+    """On a CPU model: fuse each attention's quantised q/k/v and give the standard families' attention the decode
+    forward. Returns how many attention modules got the decode forward."""
+    installed = 0
+    for name, attn in model.named_modules():
+        if name.rsplit(".", 1)[-1] != ATTENTION:
+            continue
+        norm = DECODE_FAMILIES.get(type(attn).__name__, "unknown")
+        if norm == "unknown" or next(attn.parameters()).device.type != "cpu":
+            continue  # transformers' own forward (DeepSeek's MLA; a model on a GPU)
+        q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+        fused = attn.fused_qkv = FusedQKV(q, k, v) if fusable(q, k, v) else None
+        attn.forward = _decode_forward(attn, attn.forward, fused, norm)
+        installed += 1
+    return installed
+
+
+def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None):
+    """transformers' forward of `attn` for one token (its steps, in its order, on fewer ops); `original` otherwise."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
+
+    config = attn.config
+    clip = getattr(config, "clip_qkv", None)
+    dim = attn.head_dim
+    heads_q, heads_k = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
+    half = dim // 2
+    q_norm, k_norm, o_proj = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), attn.o_proj
+    o_kernel = isinstance(o_proj, QuantLinear) and o_proj.kernel is not None
+    eps = qk_weight = None
+    if norm == "heads":  # q_norm and k_norm in one: a head's row [D] gets its own norm's weight
+        eps = q_norm.variance_epsilon
+        assert k_norm.variance_epsilon == eps, "q_norm and k_norm with different epsilons"
+        qk_weight = torch.cat([q_norm.weight.detach().expand(heads_q, -1),
+                               k_norm.weight.detach().expand(heads_k, -1)])[:, None, :]  # [Hq + Hk, 1, D]
+
+    def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        if (attention_mask is not None or hidden_states.shape[:-1] != (1, 1) or attn.training or clip is not None
+                or config._attn_implementation != "sdpa" or "past_key_values" in kwargs
+                or kwargs.get("output_attentions") or not decode_input(hidden_states)):
+            return original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                            cache=cache, **kwargs)
+        dtype = hidden_states.dtype
+        x = hidden_states.view(1, -1)  # [1, H]
+        if fused is not None and kernels.takes(x):
+            qkv = fused(x)  # [1, Oq + Ok + Ov]
+            if norm == "projection":  # OLMoE: each projection's own norm, over the whole projection
+                q, k, v = qkv.split(fused.sizes, -1)
+                qkv = torch.cat([q_norm(q), k_norm(k), v], -1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            if norm == "projection":
+                q, k = q_norm(q), k_norm(k)
+            qkv = torch.cat([q, k, v], -1)
+        # One token: [1, 1, heads, D] transposed, as transformers has it, is this view: the same values in memory order.
+        heads = qkv.view(1, -1, 1, dim)  # [1, Hq + Hk + Hv, 1, D]
+        qk, v = heads[:, :heads_q + heads_k], heads[:, heads_q + heads_k:]
+        if norm == "heads":  # Qwen3MoeRMSNorm's steps over each head's D values
+            h = qk if dtype == torch.float32 else qk.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            qk = qk_weight * (h if dtype == torch.float32 else h.to(dtype))
+        cos, sin = position_embeddings  # [1, 1, D]: apply_rotary_pos_emb's, broadcast over q's and k's heads at once
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = (qk * cos) + (rotated * sin)
+        q, k = qk[:, :heads_q], qk[:, heads_q:]
+        if cache is not None:
+            k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        with one_thread():
+            if attn.num_key_value_groups > 1 and not use_gqa_in_sdpa(None, k, v):  # transformers' other GQA form
+                out = sdpa_attention_forward(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling)[0]
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=None, dropout_p=0.0, scale=attn.scaling, is_causal=False,
+                    **({"enable_gqa": True} if attn.num_key_value_groups > 1 else {}))
+        out = out.view(1, -1)  # [1, Hq·D], heads in order (transformers' transpose and reshape of one token)
+        if o_kernel and kernels.takes(out):  # QuantLinear.forward's steps
+            y = kernels.linear_forward(out, o_proj.packed, o_proj.kernel)
+            y = y if dtype == torch.float32 else y.to(dtype)
+            y = y if o_proj.bias is None else y.add_(o_proj.bias)
+        else:
+            y = o_proj(out)
+        return y.view(1, 1, -1), None
+
+    return forward
+
+
+def decode_input(x: torch.Tensor) -> bool:
+    """The decode forward's inputs: a float32 or bf16 token on the CPU."""
+    return x.device.type == "cpu" and x.dtype in kernels.COMPUTE_DTYPES

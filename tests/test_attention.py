@@ -1,0 +1,168 @@
+"""A decode token's attention on the CPU (models/attention.py): q/k/v fused into one kernel call under --dense
+int8|int4, and the decode forward of the standard GQA families. Both must give transformers' bits: the same
+loaded model with and without them gives the same logits, bit for bit, every family, dtype and dense format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fmoe_cli import kernels
+from fmoe_cli.generate import stream_generate
+from fmoe_cli.models import attention
+from fmoe_cli.models.demo import TINY_FAMILIES
+from fmoe_cli.models.dense import QuantLinear
+from fmoe_cli.models.load import load_model
+from fmoe_cli.offload.engine import Engine
+from fmoe_cli.offload.link import EmulatedLink
+from fmoe_cli.planning.presets import make_settings
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
+needs_kernels = pytest.mark.skipif(not kernels.library(), reason="no C compiler")
+
+
+def attentions(model):
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def load_perturbed(path, dtype: str, dense: str):
+    """load_model, with the attention's norm weights and biases made random (a random checkpoint's are ones and
+    zeros, under which a norm's weight or a bias given to the wrong projection would not show), then the decode
+    forward installed again over them."""
+    lm = load_model(str(path), device="cpu", dtype=dtype, dense=dense)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for attn in attentions(lm.model):
+            attn.__dict__.pop("forward", None)
+            for name in ("q_norm", "k_norm", "q_proj", "k_proj", "v_proj"):
+                module = getattr(attn, name, None)
+                for p in (getattr(module, "weight", None) if "norm" in name else None, getattr(module, "bias", None)):
+                    if p is not None:
+                        p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g))
+    attention.install_decode_attention(lm.model)
+    return lm
+
+
+def decode_logits(lm, steps: int = 6) -> list[torch.Tensor]:
+    """The logits of a greedy run's prefill and `steps` decode tokens, resident, on an instant link."""
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("resident", shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes))
+    seen = []
+    head = lm.model.lm_head
+    real = head.forward
+    head.forward = lambda x: seen.append(real(x)) or seen[-1]
+    try:
+        for _ in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=steps + 1, stop_on_eos=False):
+            pass
+    finally:
+        head.forward = real
+        engine.close()
+    return seen
+
+
+@needs_kernels
+@pytest.mark.parametrize("dense", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if not f.startswith("deepseek")])
+def test_fused_qkv_gives_each_projections_bits(checkpoints, family, dtype, dense):
+    """One kernel call over the fused rows gives each of q, k and v the bits of its own QuantLinear's call; the
+    QuantLinears' rows are views of the fused tensor (one copy)."""
+    lm = load_perturbed(checkpoints[family], str(dtype).removeprefix("torch."), dense)
+    for attn in attentions(lm.model):
+        fused = attn.fused_qkv
+        assert isinstance(fused, attention.FusedQKV), "no fused q/k/v"
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+        assert all(isinstance(p, QuantLinear) and p.packed.untyped_storage().data_ptr() ==
+                   fused.rows.untyped_storage().data_ptr() for p in parts)
+        for seed in range(3):
+            x = torch.randn(1, lm.model.config.hidden_size, generator=torch.Generator().manual_seed(seed)).to(dtype)
+            for got, p in zip(fused(x).split(fused.sizes, dim=-1), parts):
+                assert torch.equal(got, p(x)), type(attn).__name__
+
+
+@pytest.mark.parametrize("dense", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_decode_forward_gives_transformers_bits(checkpoints, family, dtype, dense, monkeypatch):
+    """The same loaded model, with the decode forward (and fused q/k/v) and with transformers' own attention
+    forward: the same logits, bit for bit, at the prefill and every decode step. The decode forward ran at every
+    decode step of the standard families (never at the prefill), and never for DeepSeek's MLA."""
+    if dense != "bf16" and not kernels.library():
+        pytest.skip("no C compiler")
+    lm = load_perturbed(checkpoints[family], dtype, dense)
+    ran = []
+    real = attention.one_thread
+    monkeypatch.setattr(attention, "one_thread", lambda: ran.append(1) or real())
+    steps = 6
+    got = decode_logits(lm, steps)
+    layers = len(lm.model.model.layers)
+    assert len(ran) == (0 if family.startswith("deepseek") else steps * layers)
+    for attn in attentions(lm.model):
+        attn.__dict__.pop("forward", None)  # transformers' own forward again
+    want = decode_logits(lm, steps)
+    assert len(got) == len(want) == steps + 1
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}: max |Δ| {(a.float() - b.float()).abs().max()}"
+
+
+def test_one_thread_sdpa_gives_the_same_bits():
+    """torch's flash attention on the CPU splits by head: one thread gives the bits of several (the decode
+    forward's SDPA runs on one)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for length in (1, 37, 600):
+            q, k, v = (torch.randn(1, h, n, 64, generator=g).to(dtype) for h, n in ((16, 1), (4, length), (4, length)))
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
+            with attention.one_thread():
+                assert torch.get_num_threads() == 1
+                got = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
+            assert torch.equal(got, want)
+
+
+def attention_ops(lm, decode_forward: bool) -> dict:
+    """count_decode_ops over the fourth decode step of a resident run, the attention counted apart."""
+    from fmoe_cli.profiling.ops import count_decode_ops
+
+    if not decode_forward:
+        for attn in attentions(lm.model):
+            attn.__dict__.pop("forward", None)
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("resident", shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes))
+    steps = stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=6, stop_on_eos=False)
+    for _ in range(4):
+        next(steps)
+    ops = count_decode_ops(lambda: next(steps), lm.model)
+    engine.close()
+    assert ops["attention_calls"] == len(lm.model.model.layers)
+    return ops
+
+
+# aten ops of one decode token's attention with the decode forward, at most, by (dtype, dense); transformers' own
+# forward, counted the same way: Mixtral 32 / 44 / 40 / 44, Qwen2-MoE 32 / 47 / 34 / 47, Qwen3-MoE 48 / 60 / 56 / 60,
+# OLMoE 48 / 60 / 56 / 60 (bf16 rows as stored: one_row_matvec's reshape and view around torch.mv, 2 a projection)
+DECODE_ATTENTION_OPS = {
+    "mixtral": {("float32", "bf16"): 23, ("float32", "int8"): 20, ("bfloat16", "bf16"): 31, ("bfloat16", "int8"): 22},
+    "qwen2_moe": {("float32", "bf16"): 23, ("float32", "int8"): 21, ("bfloat16", "bf16"): 25, ("bfloat16", "int8"): 23},
+    "qwen3_moe": {("float32", "bf16"): 29, ("float32", "int8"): 26, ("bfloat16", "bf16"): 39, ("bfloat16", "int8"): 30},
+    "olmoe": {("float32", "bf16"): 39, ("float32", "int8"): 38, ("bfloat16", "bf16"): 47, ("bfloat16", "int8"): 40},
+}
+
+
+@pytest.mark.parametrize("dense", ["bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(DECODE_ATTENTION_OPS))
+def test_decode_attention_ops(checkpoints, family, dtype, dense):
+    """Every op the host dispatches costs it microseconds: a decode token's attention dispatches at most
+    DECODE_ATTENTION_OPS[family][dtype, dense] aten ops (counted by profiling/ops.py's count_decode_ops, the attention apart),
+    fewer than transformers' own forward."""
+    if dense != "bf16" and not kernels.library():
+        pytest.skip("no C compiler")
+    path = str(checkpoints[family])
+    ops = attention_ops(load_model(path, device="cpu", dtype=dtype, dense=dense), decode_forward=True)
+    assert ops["ops_per_attention"] <= DECODE_ATTENTION_OPS[family][dtype, dense], ops["by_op"]
+    theirs = attention_ops(load_model(path, device="cpu", dtype=dtype, dense=dense), decode_forward=False)
+    assert theirs["ops_per_attention"] > ops["ops_per_attention"], theirs["by_op"]
