@@ -19,6 +19,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import Progress
@@ -40,7 +41,9 @@ from fmoe_cli.models.load import (
     skeleton_non_expert_bytes,
 )
 from fmoe_cli.planning.autoplan import moepic_configuration
-from fmoe_cli.planning.configurator import LLAMA_CPP, Configuration, DeviceBudget, Timings, host_baselines, price_plan
+from fmoe_cli.planning.configurator import (
+    LLAMA_CPP, Configuration, DeviceBudget, Timings, cache_hit_rate, host_baselines, price_plan,
+)
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of, trace_stats
 from fmoe_cli.planning.plan import check_plan_options, kv_cache_bytes, min_staging_slots, parse_budget, resolve_context
@@ -373,7 +376,8 @@ def why_plan(config: Configuration, timings: Timings, stats: RoutingStats, shape
     runner = min(cached, key=cached.get) if cached else None
     if runner is not None:
         text += f"; it caches nothing: the best plan with a cache ({runner}) is {(cached[runner] - best) * 1e3:.1f} ms per token slower"
-    hit = sum(stats.curves(i).hit[1] for i in range(shape.num_layers)) / shape.num_layers  # H_i(1), mean
+    hit = sum(float(cache_hit_rate(stats.curves(i).hit, np.array([1]), shape.top_k)[0])
+              for i in range(shape.num_layers)) / shape.num_layers  # H_i(1) of a one-slot cache, mean
     k = shape.top_k
     # one slot admits at most one miss a token, none when it was hit: min(K, 1) − K·H (configurator.py: G_i)
     saved, admitted = k * hit * timings.t_load, max(0.0, 1 - k * hit) * timings.t_admit
