@@ -9,16 +9,17 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Two c
   three projections are one `kernels.linear_forward` call (one ctypes call, one wake of the kernels' threads). Each
   output is one row's own dot product (experts.c fmoe_linear_forward), so every output has the bits its own
   QuantLinear gives it.
-- **A decode forward** for the standard GQA families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): the family's own
-  steps in the family's order, with the family's own modules and functions (the q/k norms, its
-  `apply_rotary_pos_emb`, the cache's `update`, transformers' `sdpa_attention_forward`), so its bits are those of
-  transformers' forward; what it leaves out is the dispatch around them, and transformers' SDPA runs on one
-  thread (`one_thread`): at one query token torch's flash attention forks its OpenMP team for a few µs of work,
-  and on a machine whose cores also run the kernels' own threads the team's wake and spin cost the host
-  milliseconds (torch's flash attention splits its work by head, so its bits do not depend on the thread count:
-  tests/test_attention.py). Anything else — a prefill (more than one token), an attention mask, a device other
-  than the CPU, OLMoE's `clip_qkv`, an attention implementation other than SDPA, DeepSeek's MLA — runs
-  transformers' own forward.
+- **A decode forward** for the standard GQA families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): transformers' steps
+  in the family's order, on views of one [1, Hq + Hk + Hv, 1, D] tensor (for one token, the transposed
+  [1, 1, heads, D] is that view): Qwen3-MoE's q_norm and k_norm as one RMSNorm over both (Qwen3MoeRMSNorm's ops,
+  each head's row with its own norm's weight), OLMoE's norms as its modules, `apply_rotary_pos_emb`'s formula over
+  q's and k's heads at once, the cache's `update`, torch's SDPA with the arguments transformers gives it, o_proj.
+  Elementwise ops over more heads at once, and reductions over each head's D values, give every value the bits it
+  has alone, so the logits are transformers' bit for bit (tests/test_attention.py). SDPA runs with torch's
+  intra-op threads at one (`one_thread`): at one query token the flash attention's OpenMP team costs more to wake
+  than the few µs of work it splits, and it splits by head, so its bits do not depend on the thread count.
+  Anything else — a prefill (more than one token), an attention mask, a device other than the CPU, OLMoE's
+  `clip_qkv`, an attention implementation other than SDPA, DeepSeek's MLA — runs transformers' own forward.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def fusable(q, k, v) -> bool:
 
 @contextlib.contextmanager
 def one_thread():
-    """torch's intra-op threads set to one for the block (this thread's setting; a pair of calls costs < 1 µs)."""
+    """torch's intra-op threads set to one for the block, then back (a pair of calls costs < 1 µs)."""
     threads = torch.get_num_threads()
     if threads == 1:
         yield
