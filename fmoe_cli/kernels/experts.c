@@ -274,7 +274,7 @@ static float row_dot(const uint8_t *row, const Format *f, const float *x, const 
    linear's rows) are dots over x; the down projection stays float32 (its scales vary along the sum). */
 #define QBLOCK 32
 
-#if FMOE_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(FMOE_NO_AVX512)
+#if FMOE_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && !defined(FMOE_NO_AVX512)
 #define FMOE_VNNI 1
 /* rows_dot_q8 (below) on AVX-512 VNNI, for G a multiple of 64: two blocks of 32 a step, each inner Σ q q̃ one
    vpdpbusd (unsigned × signed bytes, four products into each int32 lane, exact), where AVX2 needs maddubs and
