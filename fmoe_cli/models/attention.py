@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fmoe_cli import kernels
-from fmoe_cli.models.dense import ATTENTION, QuantLinear
+from fmoe_cli.models.dense import ATTENTION, QuantLinear, kernel_forward
 
 # The decoder layers' attention classes with the decode forward, and where their q/k norms sit:
 # "heads" (Qwen3-MoE: over each head's dims, before the transpose), "projection" (OLMoE: over the whole projection),
@@ -55,12 +55,7 @@ class FusedQKV:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """q, k and v side by side, [T, Oq + Ok + Ov] of x's dtype, for x [T, H] (the kernels take x: kernels.takes)."""
-        y = kernels.linear_forward(x, self.rows, self.kernel)
-        if x.dtype != torch.float32:
-            y = y.to(x.dtype)
-        if self.bias is not None:
-            y.add_(self.bias)
-        return y
+        return kernel_forward(x, self.rows, self.kernel, self.bias)
 
 
 def fusable(q, k, v) -> bool:
@@ -160,10 +155,8 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None):
                     q, k, v, attn_mask=None, dropout_p=0.0, scale=attn.scaling, is_causal=False,
                     **({"enable_gqa": True} if attn.num_key_value_groups > 1 else {}))
         out = out.view(1, -1)  # [1, Hq·D], heads in order (transformers' transpose and reshape of one token)
-        if o_kernel and kernels.takes(out):  # QuantLinear.forward's steps
-            y = kernels.linear_forward(out, o_proj.packed, o_proj.kernel)
-            y = y if dtype == torch.float32 else y.to(dtype)
-            y = y if o_proj.bias is None else y.add_(o_proj.bias)
+        if o_kernel and kernels.takes(out):  # QuantLinear.forward's steps, without its reshapes
+            y = kernel_forward(out, o_proj.packed, o_proj.kernel, o_proj.bias)
         else:
             y = o_proj(out)
         return y.view(1, 1, -1), None

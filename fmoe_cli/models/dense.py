@@ -35,6 +35,15 @@ from fmoe_cli.types import DEFAULT_ACTIVATIONS, DENSE_FORMATS, DenseFormat, Quan
 ATTENTION = "self_attn"  # the attention module of every supported family's decoder layer
 
 
+def kernel_forward(x: torch.Tensor, rows: torch.Tensor, kernel, bias: torch.Tensor | None) -> torch.Tensor:
+    """y [T, O] of x's dtype = x [T, H] · ŵᵀ (+ b) for quantised `rows` [O, row bytes] through the CPU kernels (the
+    float32 sum rounded once to x's dtype, then the bias added): a QuantLinear's, and a fused q/k/v's."""
+    y = kernels.linear_forward(x, rows, kernel)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y if bias is None else y.add_(bias)
+
+
 class QuantLinear(nn.Module):
     """An nn.Linear stored as quantised rows: `packed` [out, projection_bytes(in)] uint8, dequantised per call."""
 
@@ -63,9 +72,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, self.in_features)
         if self.kernel is not None and kernels.takes(tokens):  # the CPU kernels: ŵ never materialised
-            y = kernels.linear_forward(tokens, self.packed, self.kernel).to(x.dtype)
-            y = y if self.bias is None else y.add_(self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
+            return kernel_forward(tokens, self.packed, self.kernel, self.bias).view(*x.shape[:-1], self.out_features)
         return self.torch_forward(x)
 
     def torch_forward(self, x: torch.Tensor) -> torch.Tensor:
