@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""A decode token with transformers' attention forward against models/attention.py's decode forward, in one process.
+"""A decode token with transformers' forwards against fmoe's decode forwards, in one process: the attention's
+(models/attention.py) or, with `--what layers`, the decoder layers', routers' and final norm's (models/decoder.py).
 
 One `resident` run of MODEL on the CPU (the same options as `fmoe bench`); one generation whose decode tokens go
-in blocks of `--per-block`, the two attention forwards alternated block by block (A B, then B A: interleaved,
-so load from other work falls on both). Both give the same tokens (tests/test_attention.py: the same bits), so
-one generation serves both. Per token: the process's CPU time (every thread), the main thread's CPU time, and
+in blocks of `--per-block`, the two forwards alternated block by block (A B, then B A: interleaved,
+so load from other work falls on both). Both give the same tokens (tests/test_attention.py, tests/test_decoder.py:
+the same bits), so one generation serves both. Per token: the process's CPU time (every thread), the main thread's CPU time, and
 wall time; medians and [min–max] over the blocks (the first token of a block is not counted: the switch).
 
     python benchmarks/decode_attention.py ~/.cache/fmoe-peer/models/big --dtype float32 --experts int4
     python benchmarks/decode_attention.py demo --experts int4 --threads 1
+    python benchmarks/decode_attention.py ~/.cache/fmoe-peer/models/big --dtype float32 --experts int4 --what layers
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=12, help="blocks of each forward")
     parser.add_argument("--per-block", type=int, default=4, help="decode tokens a block (the first not counted)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--what", choices=("attention", "layers"), default="attention",
+                        help="whose decode forwards to alternate with transformers' own")
     args = parser.parse_args()
 
     from fmoe_cli.bench.run import encode_prompt
@@ -45,17 +49,22 @@ def main() -> None:
                        activations="float", **dense)
     with open_run(opts) as run:
         lm = run.lm
-        attentions = [layer.self_attn for layer in lm.model.model.layers]
-        decode = [a.__dict__.get("forward") for a in attentions]  # None: transformers' own (not a decode family)
+        layers = lm.model.model.layers
+        if args.what == "attention":
+            modules = [layer.self_attn for layer in layers]
+        else:  # the decoder layers, their routers, the final norm (models/decoder.py)
+            modules = [*layers, *(getattr(layer.mlp, "gate", None) for layer in layers), lm.model.model.norm]
+        modules = [m for m in modules if m is not None]
+        decode = [m.__dict__.get("forward") for m in modules]  # None: transformers' own (not a decode family)
         if not any(decode):
-            raise SystemExit(f"{args.model}: no decode forward installed (models/attention.py DECODE_FAMILIES)")
+            raise SystemExit(f"{args.model}: no decode forward installed (models/attention.py, models/decoder.py)")
 
         def use(which: str) -> None:
-            for attn, forward in zip(attentions, decode):
+            for module, forward in zip(modules, decode):
                 if which == "decode" and forward is not None:
-                    attn.forward = forward
+                    module.forward = forward
                 else:
-                    attn.__dict__.pop("forward", None)
+                    module.__dict__.pop("forward", None)
 
         ids = encode_prompt(lm, "Explain how a mixture-of-experts model works.")
         tokens = 4 + args.blocks * 2 * args.per_block + 1
@@ -77,7 +86,7 @@ def main() -> None:
     print(f"{args.model}: --dtype {args.dtype} --experts {args.experts} --dense {lm.dense}, "
           f"{torch.get_num_threads()} threads, {args.blocks} blocks of {args.per_block - 1} tokens each; ms a token, "
           "median [min–max] over the blocks")
-    print("| attention forward | CPU (every thread) | CPU (main thread) | wall |\n|---|---|---|---|")
+    print(f"| {args.what} forward | CPU (every thread) | CPU (main thread) | wall |\n|---|---|---|---|")
     for which, rows in spent.items():
         cells = [f"{statistics.median(c):.2f} [{min(c):.2f}–{max(c):.2f}]" for c in zip(*rows)]
         print(f"| {which} | " + " | ".join(cells) + " |")

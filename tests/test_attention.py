@@ -92,15 +92,26 @@ def test_decode_forward_gives_transformers_bits(checkpoints, family, dtype, dens
     if dense != "bf16" and not kernels.library():
         pytest.skip("no C compiler")
     lm = load_perturbed(checkpoints[family], dtype, dense)
+
+    def transformers_forward():
+        for attn in attentions(lm.model):
+            attn.__dict__.pop("forward", None)
+
+    assert_decode_bits(lm, attention, family, transformers_forward, monkeypatch)
+
+
+def assert_decode_bits(lm, module, family: str, transformers_forward, monkeypatch, steps: int = 6) -> None:
+    """The logits of a greedy run's prefill and `steps` decode tokens, then again after `transformers_forward()`
+    has put transformers' own forwards back: equal bit for bit. `module.one_thread` (which the decode forwards call
+    once a layer and a decode token) ran at every decode step of the standard families, never at the prefill, and
+    never for DeepSeek."""
     ran = []
-    real = attention.one_thread
-    monkeypatch.setattr(attention, "one_thread", lambda: ran.append(1) or real())
-    steps = 6
+    real = module.one_thread
+    monkeypatch.setattr(module, "one_thread", lambda: ran.append(1) or real())
     got = decode_logits(lm, steps)
     layers = len(lm.model.model.layers)
     assert len(ran) == (0 if family.startswith("deepseek") else steps * layers)
-    for attn in attentions(lm.model):
-        attn.__dict__.pop("forward", None)  # transformers' own forward again
+    transformers_forward()
     want = decode_logits(lm, steps)
     assert len(got) == len(want) == steps + 1
     for step, (a, b) in enumerate(zip(got, want)):

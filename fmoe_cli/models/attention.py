@@ -122,7 +122,6 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None):
                 or kwargs.get("output_attentions") or not decode_input(hidden_states)):
             return original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                             cache=cache, **kwargs)
-        dtype = hidden_states.dtype
         x = hidden_states.view(1, -1)  # [1, H]
         if fused is not None and kernels.takes(x):
             qkv = fused(x)  # [1, Oq + Ok + Ov]
@@ -138,9 +137,7 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None):
         heads = qkv.view(1, -1, 1, dim)  # [1, Hq + Hk + Hv, 1, D]
         qk, v = heads[:, :heads_q + heads_k], heads[:, heads_q + heads_k:]
         if norm == "heads":  # Qwen3MoeRMSNorm's steps over each head's D values
-            h = qk if dtype == torch.float32 else qk.to(torch.float32)
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-            qk = qk_weight * (h if dtype == torch.float32 else h.to(dtype))
+            qk = rms_norm(qk, qk_weight, eps)
         cos, sin = position_embeddings  # [1, 1, D]: apply_rotary_pos_emb's, broadcast over q's and k's heads at once
         rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
         qk = (qk * cos) + (rotated * sin)
@@ -162,6 +159,14 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None):
         return y.view(1, 1, -1), None
 
     return forward
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Qwen3MoeRMSNorm and its copies) over x's last dim: its ops in its order, without the
+    casts to float32 and back that are no-ops for float32 (each value's bits are the module's)."""
+    h = x if x.dtype == torch.float32 else x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
 
 def decode_input(x: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ from fmoe_cli.generate import TOKENIZER_FILES
 from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import download, local_model_dir
 from fmoe_cli.models.attention import install_decode_attention
+from fmoe_cli.models.decoder import install_decode_layers
 from fmoe_cli.models.dense import dense_bytes_saved, flatten_head_input, one_row_matvec, quantize_dense
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.models.checkpoint import check_checkpoint, check_weight_files, read_checkpoint
@@ -210,6 +211,7 @@ def load_model(
     model.to(dev)
     if dev.type == "cpu":
         install_decode_attention(model)  # q/k/v in one kernel call, a decode token's attention (models/attention.py)
+        install_decode_layers(model)  # a decode token's norms, residual adds and router (models/decoder.py)
     non_expert = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert, dense,
                        activations)

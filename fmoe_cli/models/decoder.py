@@ -1,0 +1,143 @@
+"""A decode token's decoder layer on the CPU: its norms, residual adds and router on fewer host steps (issue 21).
+
+At a decode step of a small model on the CPU, the host's steps around the weights cost more than the weights do
+(docs/architecture.md § The decoder layer at a decode token). Two changes, both with transformers' bits:
+
+- **The router's matrix-vector product on one thread.** A decode token's router logits are one row times the
+  router's [N, H] weight, F.linear as transformers calls it. torch runs it on its OpenMP team, whose sleeping
+  threads (fmoe sets OMP_WAIT_POLICY=PASSIVE, fmoe_cli/__init__.py) cost more to wake than the few µs of work they
+  split, and on a machine busy with other work a wake can take milliseconds (big int4, load 2–3: 85 µs median and
+  3.2 ms mean a call on the team, 53 µs and 0.13 ms on one thread). The same F.linear runs under `one_thread`, but
+  only for a weight whose shape and dtype a probe found to give the team's bits on one thread at the thread count
+  it runs with (`one_thread_linear_same_bits`; MKL splits some shapes' sums over the threads: an f32 [60, 2048]
+  did not). Then the family's own steps (softmax, top-k, the normalisation, its cast), without the reshape and the
+  casts that are no-ops at one token.
+- **The decoder layer's forward** for Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE at one token: the input norm, the
+  attention (its module: models/attention.py's decode forward), the residual add, the post-attention norm, the
+  MLP (its module: the router above, the engine), the residual add — transformers' steps in its order, each RMSNorm
+  as `rms_norm` (its ops, without the casts that are no-ops in float32, and without the norm modules' calls); the
+  model's final norm likewise.
+
+Anything else — a prefill, an attention mask, training, a device other than the CPU, another dtype — runs
+transformers' own forwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fmoe_cli.models.attention import decode_input, one_thread, rms_norm
+
+# The decoder layers with the decode forward, their norms' classes (the standard RMSNorm: rms_norm's steps), and
+# their routers' classes with how they turn logits into weights: "softmax-dtype" (softmax(logits, dtype=float32),
+# normalised if `norm_topk_prob`, cast back to the logits' dtype), "mixtral" (softmax(logits.float()), always
+# normalised, left in float32).
+DECODE_LAYERS = {"Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "MixtralDecoderLayer", "OlmoeDecoderLayer"}
+NORMS = {"Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm", "OlmoeRMSNorm"}
+ROUTERS = {"Qwen3MoeTopKRouter": "softmax-dtype", "Qwen2MoeTopKRouter": "softmax-dtype",
+           "OlmoeTopKRouter": "softmax-dtype", "MixtralTopKRouter": "mixtral"}
+
+
+def install_decode_layers(model) -> int:
+    """On a CPU model: give the standard families' decoder layers, routers and final norm their decode forwards.
+    Returns how many decoder layers got one."""
+    installed = 0
+    inner = getattr(model, "model", None)
+    for layer in getattr(inner, "layers", []):
+        if type(layer).__name__ not in DECODE_LAYERS or next(layer.parameters()).device.type != "cpu":
+            continue
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if all(type(n).__name__ in NORMS for n in norms):
+            layer.forward = _decode_layer(layer, layer.forward)
+            installed += 1
+        router = getattr(layer.mlp, "gate", None)
+        if type(router).__name__ in ROUTERS:
+            router.forward = _decode_router(router, router.forward)
+    norm = getattr(inner, "norm", None)
+    if installed and type(norm).__name__ in NORMS:
+        norm.forward = _decode_norm(norm, norm.forward)
+    return installed
+
+
+def _decode_layer(layer, original):
+    """transformers' decoder layer forward for one token (its steps, in its order, on fewer ops); `original`
+    otherwise."""
+    attn, mlp = layer.self_attn, layer.mlp
+    before, after = layer.input_layernorm, layer.post_attention_layernorm
+
+    def forward(hidden_states, *args, **kwargs):
+        if (args or kwargs.get("attention_mask") is not None or hidden_states.shape[:-1] != (1, 1) or layer.training
+                or "past_key_values" in kwargs or not decode_input(hidden_states)):
+            return original(hidden_states, *args, **kwargs)
+        residual = hidden_states
+        hidden_states, _ = attn(hidden_states=rms_norm(hidden_states, before.weight, before.variance_epsilon),
+                                **kwargs)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = mlp(rms_norm(hidden_states, after.weight, after.variance_epsilon))
+        return residual + hidden_states
+
+    return forward
+
+
+def _decode_norm(norm, original):
+    """An RMSNorm's forward for one token (rms_norm's steps); `original` otherwise."""
+    def forward(hidden_states):
+        if hidden_states.shape[:-1] != (1, 1) or not decode_input(hidden_states):
+            return original(hidden_states)
+        return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
+
+    return forward
+
+
+def _decode_router(router, original):
+    """transformers' router forward for one token: the logits' F.linear on one thread where that gives the team's
+    bits, then the family's steps without its no-op reshape and cast; `original` otherwise."""
+    kind = ROUTERS[type(router).__name__]
+    weight, top_k = router.weight, router.top_k
+    normalise = kind == "mixtral" or router.norm_topk_prob
+    # torch's thread count -> whether one thread gives its bits (probed once, now for the threads now)
+    same_bits = {torch.get_num_threads(): one_thread_linear_same_bits(weight)}
+
+    def forward(hidden_states):
+        if (hidden_states.dim() != 2 or hidden_states.shape[0] != 1 or router.training
+                or not decode_input(hidden_states) or hidden_states.dtype != weight.dtype):
+            return original(hidden_states)
+        threads = torch.get_num_threads()
+        if threads not in same_bits:
+            same_bits[threads] = one_thread_linear_same_bits(weight)
+        if same_bits[threads]:
+            with one_thread():
+                logits = F.linear(hidden_states, weight)  # [1, N]
+        else:
+            logits = F.linear(hidden_states, weight)
+        if kind == "mixtral":
+            probs = torch.nn.functional.softmax(logits.float(), dim=-1)
+        else:
+            probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+        top, index = torch.topk(probs, top_k, dim=-1)  # [1, K]
+        if normalise:
+            top /= top.sum(dim=-1, keepdim=True)
+        if kind != "mixtral" and top.dtype != logits.dtype:
+            top = top.to(logits.dtype)
+        return logits, top, index
+
+    return forward
+
+
+def one_thread_linear_same_bits(weight: torch.Tensor) -> bool:
+    """Whether F.linear of one row by `weight` gives on one thread the bits it gives on torch's intra-op threads now:
+    three random rows, each compared bit for bit. A BLAS that splits the row's sum over its threads gives other
+    bits (random rows show it); one that splits the outputs, the same."""
+    if torch.get_num_threads() == 1:
+        return True
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(1, weight.shape[1], generator=g).to(weight.dtype)
+        want = F.linear(x, weight)
+        with one_thread():
+            got = F.linear(x, weight)
+        if not torch.equal(got, want):
+            return False
+    return True

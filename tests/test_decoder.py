@@ -1,0 +1,133 @@
+"""A decode token's decoder layer on the CPU (models/decoder.py): the layer's norms and residual adds, the router
+(its logits on one thread where that gives the same bits) and the final norm on fewer host steps. They must give
+transformers' bits: the same loaded model with and without them gives the same logits, bit for bit, every family,
+dtype and dense format, at the prefill and every decode step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fmoe_cli import kernels
+from fmoe_cli.models import attention, decoder
+from fmoe_cli.models.demo import TINY_FAMILIES
+from fmoe_cli.models.load import load_model
+from test_attention import assert_decode_bits, attention_ops  # tests/test_attention.py
+
+
+def decode_modules(model) -> list:
+    """Every module models/decoder.py may give a decode forward: the decoder layers, their routers, the final norm."""
+    layers = list(model.model.layers)
+    routers = [getattr(layer.mlp, "gate", None) for layer in layers]
+    return [m for m in (*layers, *routers, model.model.norm) if m is not None]
+
+
+def without_decode_forwards(model) -> None:
+    for module in decode_modules(model):
+        module.__dict__.pop("forward", None)
+
+
+def load_perturbed(path, dtype: str, dense: str):
+    """load_model with the layers' and the final norm's weights made random (a random checkpoint's are ones, under
+    which a norm given the wrong weight, or none, would not show), then the decode forwards installed again."""
+    lm = load_model(str(path), device="cpu", dtype=dtype, dense=dense)
+    without_decode_forwards(lm.model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in lm.model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=g))
+        lm.model.model.norm.weight.copy_(1 + 0.5 * torch.randn(lm.model.model.norm.weight.shape, generator=g))
+    decoder.install_decode_layers(lm.model)
+    return lm
+
+
+@pytest.mark.parametrize("dense", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_decode_layers_give_transformers_bits(checkpoints, family, dtype, dense, monkeypatch):
+    """The same loaded model with the decoder layers', routers' and final norm's decode forwards and with
+    transformers' own: the same logits, bit for bit, at the prefill and every decode step. The router's one-thread
+    logits ran at every decode step of the standard families (never at the prefill), never for DeepSeek."""
+    if dense != "bf16" and not kernels.library():
+        pytest.skip("no C compiler")
+    lm = load_perturbed(checkpoints[family], dtype, dense)
+    assert_decode_bits(lm, decoder, family, lambda: without_decode_forwards(lm.model), monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_decode_layers_give_transformers_bits_on_two_threads(checkpoints, family, dtype, monkeypatch, two_threads):
+    """As above with torch's threads at 2 (the suite runs on 1), where the router's one-thread logits are not
+    torch's own thread count: still transformers' bits."""
+    lm = load_perturbed(checkpoints[family], dtype, "bf16")
+    assert_decode_bits(lm, decoder, family, lambda: without_decode_forwards(lm.model), monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_gives_the_modules_bits(dtype):
+    """rms_norm is transformers' RMSNorm bit for bit (the layers' norms, the final norm, Qwen3-MoE's q/k norms)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for width, eps in ((64, 1e-6), (1024, 1e-5), (2048, 1e-6)):
+        norm = Qwen3MoeRMSNorm(width, eps).to(dtype).requires_grad_(False)
+        norm.weight.copy_(1 + 0.5 * torch.randn(width, generator=g))
+        for _ in range(4):
+            x = (3 * torch.randn(1, 1, width, generator=g)).to(dtype)
+            assert torch.equal(attention.rms_norm(x, norm.weight, eps), norm(x))
+
+
+@pytest.fixture
+def two_threads():
+    """torch's intra-op threads at 2 for the test (the suite runs on 1: conftest.py), then back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_thread_probe_is_right(dtype, two_threads):
+    """Where the probe says one thread gives F.linear's bits on torch's threads (2), it does on other rows too (a
+    probe that said yes regardless fails here on a BLAS that splits a row's sum over its threads: MKL's f32
+    [60, 2048] on this project's machine)."""
+    g = torch.Generator().manual_seed(1)
+    for shape in ((8, 64), (16, 256), (60, 2048), (64, 1024), (128, 2048), (60, 4096)):
+        weight = torch.randn(shape, generator=g).to(dtype)
+        if not decoder.one_thread_linear_same_bits(weight):
+            continue
+        for _ in range(8):
+            x = torch.randn(1, shape[1], generator=g).to(dtype)
+            with attention.one_thread():
+                got = F.linear(x, weight)
+            assert torch.equal(got, F.linear(x, weight)), (shape, dtype)
+
+
+def decoder_ops(lm, decode_forward: bool) -> float:
+    """aten ops a decode token dispatches outside the attention and the engine's experts forward, per layer (the
+    norms, residual adds, router; plus the step's embedding, rotary, final norm, LM head and sampling, shared)."""
+    if not decode_forward:
+        without_decode_forwards(lm.model)
+    ops = attention_ops(lm, decode_forward=True)
+    return ops["ops_outside_experts"] / len(lm.model.model.layers)
+
+
+# aten ops of one decode token outside the attention and the experts forward, per decoder layer (the step's own
+# ops — embedding, rotary, LM head, sampling — shared out over the 4 layers), with the decode forwards, at most, by
+# dtype; transformers' own: Mixtral 35.5, Qwen2-MoE 49.25, Qwen3-MoE 35.5, OLMoE 33.5 (float32 and bf16 alike)
+DECODE_LAYER_OPS = {"mixtral": {"float32": 30, "bfloat16": 34.5}, "qwen2_moe": {"float32": 42.75, "bfloat16": 48.25},
+                    "qwen3_moe": {"float32": 29, "bfloat16": 34.5}, "olmoe": {"float32": 27, "bfloat16": 32.5}}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(DECODE_LAYER_OPS))
+def test_decode_layer_ops(checkpoints, family, dtype):
+    """Every op the host dispatches costs it microseconds: outside the attention and the experts forward a decode
+    token dispatches at most DECODE_LAYER_OPS[family][dtype] aten ops a layer, fewer than transformers' layers."""
+    path = str(checkpoints[family])
+    ours = decoder_ops(load_model(path, device="cpu", dtype=dtype, dense="bf16"), decode_forward=True)
+    assert ours <= DECODE_LAYER_OPS[family][dtype]
+    theirs = decoder_ops(load_model(path, device="cpu", dtype=dtype, dense="bf16"), decode_forward=False)
+    assert theirs > ours
