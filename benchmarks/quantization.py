@@ -25,6 +25,7 @@ import argparse
 import math
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def dense_quality(console, tokens: int, seq_len: int) -> None:
     import transformers
     from rich.table import Table
 
-    from fmoe_cli.models.demo import SHIPPED
+    from fmoe_cli.models.demo import SHIPPED, write_untied_demo
     from fmoe_cli.models.dense import dense_reference
     from fmoe_cli.models.families import find_moe_layers
     from fmoe_cli.models.load import load_model
@@ -141,7 +142,8 @@ def dense_quality(console, tokens: int, seq_len: int) -> None:
     base_model = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
     base = logits_of(base_model)
     table = Table(title=f"1b. --dense on the demo model, {len(ids) - 1} tokens of {label} (seq {seq_len}; the demo's "
-                        "head is tied to the embedding: attention only)")
+                        "head is tied to the embedding: attention only; `head int8`: the demo with its head untied, "
+                        "a copy of the embedding, quantised too)")
     for col in ("dense", "experts", "perplexity", "Δ vs unquantised", "max |Δ logit|", "top-1 agreement"):
         table.add_column(col, justify="left" if col in ("dense", "experts") else "right")
 
@@ -151,9 +153,12 @@ def dense_quality(console, tokens: int, seq_len: int) -> None:
 
     base_ppl = perplexity(base)
     table.add_row("bf16", "bf16", f"{base_ppl:.3f}", "", "", "")
-    for dense, experts in (("int8", "bf16"), ("int4", "bf16"), ("int4", "int2")):
-        lm = load_model("demo", device="cpu", dtype="float32", experts=experts, dense=dense, console=console)
-        model = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    untied = write_untied_demo(Path(tempfile.mkdtemp(prefix="fmoe-untied-demo-")))  # the same logits, its own head
+    for dense, experts, head in (("int8", "bf16", "tied"), ("int4", "bf16", "tied"), ("int4", "int2", "tied"),
+                                 ("int8", "bf16", "untied"), ("int4", "bf16", "untied")):
+        path = SHIPPED if head == "tied" else untied
+        lm = load_model(str(path), device="cpu", dtype="float32", experts=experts, dense=dense, console=console)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         dense_reference(model, lm.model)
         if experts != "bf16":
             for layer in find_moe_layers(model):
@@ -165,7 +170,7 @@ def dense_quality(console, tokens: int, seq_len: int) -> None:
         ppl = perplexity(got)
         err = max((a - b).abs().max().item() for a, b in zip(got, base))
         top1 = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(got, base)) / sum(len(b) for b in base)
-        table.add_row(dense, experts, f"{ppl:.3f}", f"{100 * (ppl / base_ppl - 1):+.2f} %", f"{err:.3f}", f"{top1:.4f}")
+        table.add_row(dense + (" (head int8)" if head == "untied" else ""), experts, f"{ppl:.3f}", f"{100 * (ppl / base_ppl - 1):+.2f} %", f"{err:.3f}", f"{top1:.4f}")
     console.print(table)
 
 
@@ -258,7 +263,6 @@ def main() -> None:
     p.add_argument("--skip-quality", action="store_true")
     args = p.parse_args()
     import os
-    import tempfile
 
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fmoe-bench-quant-")  # converted stores: not the user's
     from rich.console import Console

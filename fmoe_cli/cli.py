@@ -125,9 +125,9 @@ ExpertsOpt = Annotated[str, typer.Option(
                       "or int2 (weight-only, group-wise: about 2× / 3.5× / 5.3× fewer bytes in RAM and on the link; "
                       "int2 is HQQ's 2-bit setting for Mixtral's experts).")]
 DenseOpt = Annotated[str, typer.Option(
-    "--dense", help="How the attention projections are stored: bf16 (unquantised, in --dtype), int8 (with the LM "
-                    "head; weight-only, group 128) or int4 (group 64: MoEpic's and Mixtral-offloading's attention "
-                    "beside int2 experts). The embedding stays as stored. Default (auto): int8 on the CPU beside "
+    "--dense", help="How the attention projections and the LM head are stored: bf16 (unquantised, in --dtype), int8 "
+                    "(weight-only, group 128) or int4 (group 64: MoEpic's and Mixtral-offloading's attention beside "
+                    "int2 experts; the LM head int8). The embedding stays as stored. Default (auto): int8 on the CPU beside "
                     "int8/int4 experts, else bf16.")]
 
 ActivationsOpt = Annotated[str, typer.Option(

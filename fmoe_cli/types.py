@@ -85,17 +85,18 @@ class DenseFormat:
     codes grouped along the input dimension, then their metadata). The embedding is a lookup and stays as
     stored; norms, routers, shared experts and dense MLP layers stay in the compute dtype."""
 
-    quant: QuantFormat
-    head: bool  # the LM head too (unless it is tied to the embedding)
+    quant: QuantFormat  # the attention's linears
+    head: QuantFormat | None  # the LM head's (unless it is tied to the embedding); None: left as stored
 
 
 # --dense: "bf16" leaves the non-expert weights unquantised (in the compute dtype, --dtype, as --experts bf16);
 # int8: attention projections and LM head weight-only int8, G = 128 (what llama.cpp's Q8_0 reads);
-# int4: attention projections at 4 bits, G = 64 (MoEpic's and Mixtral-offloading's attention; the head stays).
+# int4: attention projections at 4 bits, G = 64 (MoEpic's and Mixtral-offloading's attention), and the LM head at 8
+# bits (llama.cpp's Q4_0 files keep the output at ~6 bits, Q6_K; docs/quantization.md says why int8 here).
 DENSE_FORMATS: dict[str, DenseFormat | None] = {
     "bf16": None,
-    "int8": DenseFormat(EXPERT_FORMATS["int8"], head=True),
-    "int4": DenseFormat(EXPERT_FORMATS["int4"], head=False),
+    "int8": DenseFormat(EXPERT_FORMATS["int8"], head=EXPERT_FORMATS["int8"]),
+    "int4": DenseFormat(EXPERT_FORMATS["int4"], head=EXPERT_FORMATS["int8"]),
 }
 DEFAULT_DENSE = "auto"  # --dense left out: resolve_dense picks per device and expert format
 # Expert formats beside which the CPU reads the non-expert weights in int8 by default (llama.cpp's Q8_0 / Q4_0

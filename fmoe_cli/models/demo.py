@@ -113,3 +113,17 @@ def build_random_moe(path: Path, family: str = "mixtral", seed: int = 0, **overr
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def write_untied_demo(path: Path) -> Path:
+    """The shipped demo with its LM head untied from the embedding (the head a copy of the trained embedding, so the
+    same logits): a trained model whose head `--dense` quantises (the demo's own head is the embedding, a lookup).
+    For the dense tolerance (tests/test_dense.py, benchmarks/quantization.py)."""
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    model.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(SHIPPED).save_pretrained(path)
+    return path

@@ -1,8 +1,9 @@
 """`--dense int8|int4`: the non-expert linears stored quantised, one copy (types.DENSE_FORMATS).
 
 Targets: every nn.Linear of the decoder layers' attention (`…self_attn.*`: q/k/v/o, DeepSeek's
-low-rank q_a/q_b/kv_a/kv_b) and, for int8, the LM head unless it is tied to the embedding (a tied
-head is the embedding: a lookup, left as stored). A target W [out, in] is quantised row by row in
+low-rank q_a/q_b/kv_a/kv_b) and the LM head unless it is tied to the embedding (a tied head is the
+embedding: a lookup, left as stored); the head in int8 for both formats (DenseFormat.head, docs/quantization.md
+says why). A target W [out, in] is quantised row by row in
 the experts' formats (offload/quant.py: groups of G along `in`, each row its codes then its
 scales): a row of W is one "projection" of the expert layout, so the same `quantize` and
 `dequantize` serve both.
@@ -117,15 +118,17 @@ def head_is_tied(model) -> bool:
     return bool(getattr(text, "tie_word_embeddings", False)) or head.weight is embedding.weight
 
 
-def dense_targets(model, fmt: DenseFormat) -> list[str]:
-    """The module names `fmt` quantises: the attention's linears, and the untied LM head for int8. A linear
-    whose input width is not a multiple of 8 stays as stored (the packing splits a row in halves or quarters)."""
-    names = [name for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and ATTENTION in name.split(".")]
-    if fmt.head and not head_is_tied(model):
+def dense_targets(model, fmt: DenseFormat) -> dict[str, QuantFormat]:
+    """The module names `fmt` quantises, each with its format: the attention's linears (`fmt.quant`), and the untied
+    LM head (`fmt.head`). A linear whose input width is not a multiple of 8 stays as stored (the packing splits a row
+    in halves or quarters)."""
+    names = {name: fmt.quant for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and ATTENTION in name.split(".")}
+    if fmt.head is not None and not head_is_tied(model):
         head = model.get_output_embeddings()
-        names += [name for name, module in model.named_modules() if module is head and isinstance(module, nn.Linear)]
-    return [n for n in names if model.get_submodule(n).in_features % 8 == 0]
+        names |= {name: fmt.head for name, module in model.named_modules()
+                  if module is head and isinstance(module, nn.Linear)}
+    return {n: q for n, q in names.items() if model.get_submodule(n).in_features % 8 == 0}
 
 
 def quantize_dense(model, dense: str, activations: str = DEFAULT_ACTIVATIONS) -> int:
@@ -135,10 +138,10 @@ def quantize_dense(model, dense: str, activations: str = DEFAULT_ACTIVATIONS) ->
     if fmt is None:
         return 0
     targets = dense_targets(model, fmt)
-    for name in targets:
+    for name, quant in targets.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, QuantLinear(getattr(parent, attr), fmt.quant, activations))
+        setattr(parent, attr, QuantLinear(getattr(parent, attr), quant, activations))
     return len(targets)
 
 
@@ -199,9 +202,9 @@ def dense_bytes_saved(model, dense: str) -> int:
     if fmt is None:
         return 0
     saved = 0
-    for name in dense_targets(model, fmt):
+    for name, quant in dense_targets(model, fmt).items():
         w = model.get_submodule(name).weight
-        saved += w.numel() * w.element_size() - w.shape[0] * fmt.quant.projection_bytes(w.shape[1])
+        saved += w.numel() * w.element_size() - w.shape[0] * quant.projection_bytes(w.shape[1])
     return saved
 
 
