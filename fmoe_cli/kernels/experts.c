@@ -1123,7 +1123,9 @@ static inline void meta_floats(const uint8_t *meta, int64_t n, float *out) {
 #define vq8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 typedef __m512i veci;
 #define vu8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
-#define vnibble_low(b) _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))
+/* the low nibble as a float in one step: vpermps reads the low 4 bits of each lane as the index into 0, 1, …, 15
+   (the and + convert it replaces: the same floats, one uop less a vector) */
+#define vnibble_low(b) _mm512_permutexvar_ps(b, _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0))
 #define vnibble_high(b) _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))
 #define vadd _mm512_add_ps
 #define vbroadcast(p) _mm512_set1_ps(*(p))
