@@ -3,6 +3,7 @@ the link fit; `fmoe profile` end to end on a tiny checkpoint (quick mode)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -275,7 +276,7 @@ def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
         def counters(self):
             return Counters(exposed_s=self.exposed)
 
-    def fake_layer_forward(lm, engine, reps, layers=None, warmup=20):  # 1 ms resident; prefetch waits 2 ms in all
+    def fake_layer_forward(lm, engine, reps, layers=None, warmup=20, **_):  # 1 ms resident; prefetch waits 2 ms in all
         assert layers is None  # no WholeLayers: every layer forwarded
         plan = engine.settings.plan
         if plan.resident:
@@ -296,6 +297,7 @@ def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
 
     monkeypatch.setattr(profiling_model, "stream_generate", fake_generate)
     monkeypatch.setattr(profiling_model, "layer_forward_s", fake_layer_forward)
+    monkeypatch.setattr(profiling_model, "decode_inputs", lambda *a: contextlib.nullcontext())  # no model to hook
     lm = SimpleNamespace(shape=shape, device=torch.device("cpu"), model=None)
     got = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_segment=1e-3, rounds=3)
     assert got == pytest.approx((h_load, h_pf, c, 1.0, 0.03))  # h_route: 0.18 s over 6 forwards
@@ -336,7 +338,7 @@ def test_the_prefetch_paths_host_work_is_the_median_of_paired_rounds(monkeypatch
         def counters(self):
             return Counters()
 
-    def fake_layer_forward(lm, engine, reps, layers=None, warmup=20):
+    def fake_layer_forward(lm, engine, reps, layers=None, warmup=20, **_):
         calls.append(warmup + reps)
         if engine.settings.prefetch:
             return 1e-3 + h_pf + (10e-3 if sum(1 for _ in calls) <= 2 else 0.0)  # the first pair's is late
@@ -348,12 +350,76 @@ def test_the_prefetch_paths_host_work_is_the_median_of_paired_rounds(monkeypatch
 
     monkeypatch.setattr(profiling_model, "stream_generate", fake_generate)
     monkeypatch.setattr(profiling_model, "layer_forward_s", fake_layer_forward)
+    monkeypatch.setattr(profiling_model, "decode_inputs", lambda *a: contextlib.nullcontext())  # no model to hook
     lm = SimpleNamespace(shape=shape, device=torch.device("cpu"), model=None)
     got = profiling_model.host_work_s(lm, FakeEngine(), None, block_h_load=0.0, t_segment=0.0, rounds=1,
                                       layer_reps=100)
     assert got[1] == pytest.approx(h_pf)
     # per configuration (resident, on demand, prefetch, split), no more forwards than one pass after its warm-up
     assert sum(calls) <= 4 * (100 + 100 // 10)
+
+
+def test_the_prefetch_forwards_replay_decode_tokens_with_one_predictor_run_per_prefetching_layer(checkpoints):
+    """h_pf (profiling/model.py: host_work_s) is what a decode step's layer pays for prefetching: one run of the
+    predictor, its prefetches, and the next layer taking over the right ones and dropping the rest. Counted on a
+    real engine (a tiny Qwen3-MoE, every layer but the link layer served whole): in the forwards with prefetch,
+    only the layer before the link layer runs the predictor (both did: two predictor runs counted for one
+    prefetching layer), and each forward pair replays a decode step's own token (the layer before's input, the
+    link layer's routing), so its prefetches are right as often as that step's; the fixed input's predictions,
+    wrong for its fixed experts, dropped 3 of every 4 prefetches where the demo's decode steps drop 1. On the demo
+    (4 GB/s, CPU-time clock) h_pf read 0.133 ms where its decode steps pay 0.076; now 0.07-0.12."""
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.engine import open_engine
+    from fmoe_cli.offload.link import EmulatedLink, VirtualClock
+    from fmoe_cli.planning.plan import min_staging_slots
+    from fmoe_cli.planning.presets import make_settings
+    from fmoe_cli.profiling import model as profiling_model
+
+    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype="float32")
+    shape = lm.shape
+    engine = open_engine(lm, link=EmulatedLink(1000.0, clock=VirtualClock()))
+    engine.configure(make_settings("ondemand", shape, min_staging_slots(shape) * shape.expert_bytes))
+    whole = profiling_model.WholeLayers(engine)
+    keep = whole.link_layer
+    assert keep >= 1
+    calls, phase = [], ["decode"]
+    forward = engine.experts_forward
+
+    def spy(module, x, ids, weights):  # (phase, layer, the predictor on?, input, routing)
+        calls.append((phase[0], module._fmoe_layer, engine._prefetching, tuple(x.reshape(-1).tolist()),
+                      tuple(ids.reshape(-1).tolist())))
+        return forward(module, x, ids, weights)
+
+    layer_forward = profiling_model.layer_forward_s
+
+    def in_forwards(*args, **kwargs):
+        phase[0] = "prefetch" if engine.settings.prefetch else "other"
+        try:
+            return layer_forward(*args, **kwargs)
+        finally:
+            phase[0] = "decode"
+
+    engine.experts_forward = spy
+    profiling_model.layer_forward_s = in_forwards
+    try:
+        profiling_model.host_work_s(lm, engine, profiling_model.prompt_ids(lm, 2), block_h_load=0.0, t_segment=0.0,
+                                    rounds=1, tokens=4, whole=whole, layer_reps=10)
+    finally:
+        profiling_model.layer_forward_s = layer_forward
+        del engine.experts_forward
+        whole.close()
+        engine.close()
+    prefetching = [c for c in calls if c[0] == "prefetch"]
+    assert prefetching and {c[1] for c in prefetching} == {keep - 1, keep}
+    # one predictor run per pair: the layer before the link layer's
+    assert {(layer, on) for _, layer, on, _, _ in prefetching} == {(keep - 1, True), (keep, False)}
+    # each pair is a decode token's: the layer before's input and the link layer's routing of one decode step
+    decode = [c for c in calls if c[0] == "decode" and len(c[4]) == shape.top_k]  # decode steps (one token)
+    steps = {(before[3], after[4]) for before, after in zip(decode, decode[1:])
+             if (before[1], after[1]) == (keep - 1, keep)}
+    pairs = {(before[3], after[4]) for before, after in zip(prefetching, prefetching[1:])
+             if (before[1], after[1]) == (keep - 1, keep)}
+    assert pairs and pairs <= steps
 
 
 MIXTRAL_EXPERT_BYTES = 3 * 14336 * 4096 * 2  # one Mixtral-8x7B expert, bf16: 336 MiB

@@ -145,11 +145,16 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 whole: WholeLayers | None = None, link_bytes: int | None = None,
                 layer_reps: int = 100) -> tuple[float, float, float, float | None, float]:
     """(h_load, h_pf, c, resident step, h_route): the host's work per loaded segment, per MoE layer that prefetches (the
-    predictor's scores and ranking, the prefetcher's submits and cancels) and per split top hit
+    predictor's scores and ranking, the prefetcher's submits, take-overs and drops) and per split top hit
     (two segment forwards and their sum instead of one forward), each from one MoE layer's experts forward
-    (`layer_forward_s`: K fixed experts, `layer_reps` times in all, less the time it waited on the link) in up
-    to 5 paired rounds, the median of the rounds' differences, per configuration of that layer: every expert
-    resident, no cache loaded on demand, the same with prefetch, and up to 4K experts' top halves cached:
+    (`layer_forward_s`, `layer_reps` times in all, less the time it waited on the link) in up to 5 paired rounds,
+    the median of the rounds' differences, per configuration of that layer: every expert resident, no cache loaded
+    on demand, the same with prefetch, and up to 4K experts' top halves cached. The forwards replay the decode
+    steps' own tokens (their inputs and routings, `decode_inputs`; a fixed input routed to K fixed experts when
+    there are none), so that the prefetches are right as often as in those steps: with the fixed input's
+    predictions, wrong for its fixed experts, 3 of every 4 prefetches were dropped where the demo's decode steps
+    drop 1, and with both forwarded layers predicting, every pair counted two predictor runs for one prefetching
+    layer: h_pf read 0.133 ms where the demo's decode steps pay 0.076 (4 GB/s, CPU-time clock; docs/planning.md):
         h_load = (demand − resident) / K         K segments loaded, none
         h_pf   = prefetch − demand               the prefetch path (per prefetching layer)
         c      = (split − demand) / K            K top hits, each loading its bottom: a second segment forward,
@@ -168,6 +173,7 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     take the link past `link_bytes` (less what the forwards will move). The engine is put back as it was."""
     shape, settings = lm.shape, engine.settings
     plan = settings.plan
+    split_size = None
     layers = len(plan.layers)
     no_cache = replace(plan, layers=tuple(LayerPlan(0, 0, 0, 0.0) for _ in plan.layers), resident=False,
                        prefetch=True, source="measurement")
@@ -180,14 +186,21 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                                                              resident=True, source="measurement"), prefetch=False)
         forwards["resident"] = configs["resident"]
         # up to 4K cached tops per layer, at most SPLIT_CACHE_BYTES in all (the measurement's own memory); at least
-        # K, so that the forwards' K fixed experts are all top hits once the warm-up has admitted them
+        # K, so that a token's K experts are all top hits once the warm-up has admitted them (the forwards replay
+        # only the decode tokens whose experts fit: _fitting)
         size = min(shape.num_experts, 4 * shape.top_k, SPLIT_CACHE_BYTES // max(1, layers * half * shape.neuron_bytes))
         if half > 0 and size >= shape.top_k:
+            split_size = size
             tops = LayerPlan(size * half * shape.neuron_bytes, size, half, half / shape.intermediate)
             forwards["split"] = replace(settings, plan=replace(no_cache, layers=(tops,) * layers), prefetch=False)
     keep = None if whole is None else whole.link_layer
     forwarded = None if whole is None else sorted({max(0, keep - 1), keep})  # MoE layers layer_forward_s runs
     per_layer = len(forwarded) if forwarded else 1  # forwards per loading layer: a difference per forward × this
+    # with `whole`, the layer before the link layer predicts for it and the link layer takes over or drops what was
+    # staged: one predictor run and one layer's prefetches per pair of forwards, as each layer of a decode step has
+    # (the link layer's own prediction, for a whole layer, would count a second run of the predictor)
+    predicting = forwarded[:1] if forwarded and len(forwarded) == 2 else None
+    captured: list = []  # the decode steps' tokens, replayed by the forwards (decode_inputs)
     warm = max(2, layer_reps // 10)
     # h_load, h_pf and c in paired rounds (the median of each round's difference: one round slowed by other work on
     # the machine does not carry it), as many forwards in all as one pass of `layer_reps` after `warm`
@@ -203,8 +216,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     moved = (lambda: link.bytes_moved) if link is not None else (lambda: 0)
     if link_bytes is not None:  # what the forwards will move: K whole experts (bottoms: split) per forward of the link layer
         loading = 2 + (0.5 if "split" in forwards else 0.0)  # demand, prefetch, split
-        link_bytes -= int(loading * pf_rounds * (pf_warm + pf_reps) * shape.top_k * shape.expert_bytes
-                          * (1 if whole else layers))
+        link_bytes -= int(loading * pf_rounds * (max(pf_warm, tokens) + pf_reps)  # a warm-up of every replayed token
+                          * shape.top_k * shape.expert_bytes * (1 if whole else layers))
     h_loads, h_pfs, cs, steps, routes = [], [], [], [], []
     start, start_bytes, round_bytes = host_now(), moved(), 0
     try:
@@ -216,8 +229,10 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
             net = {}
             for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
                 configure(configs[name])
-                events = list(stream_generate(lm.model, input_ids, engine=engine, max_new_tokens=tokens + 1,
-                                              stop_on_eos=False))[1:]
+                with decode_inputs(lm, forwarded or range(layers), captured) if r == 0 and not captured \
+                        else contextlib.nullcontext():  # the same tokens in every configuration: once
+                    events = list(stream_generate(lm.model, input_ids, engine=engine, max_new_tokens=tokens + 1,
+                                                  stop_on_eos=False))[1:]
                 net[name] = statistics.median(e.latency_s - e.counters.exposed_s for e in events)
                 if name == "demand":
                     routes += [e.counters.lead_s / e.counters.leads for e in events if e.counters.leads]
@@ -225,15 +240,22 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
             if "resident" in net:
                 steps.append(net["resident"])
         names = list(forwards)
+        loading_at = [forwarded.index(keep)] if forwarded else list(range(layers))  # positions that load
+        inputs = _fitting(captured, loading_at, split_size) if captured else None
         for r in range(pf_rounds):
             forward = {}
             for name in (names if r % 2 == 0 else names[::-1]):
                 configure(forwards[name])
                 before = engine.counters().exposed_s
-                seconds = layer_forward_s(lm, engine, pf_reps, layers=forwarded, warmup=pf_warm)
-                calls = (pf_warm + pf_reps) * (len(forwarded) if forwarded else layers)
+                # every replayed token once before the timed forwards: the plan's views of what it loads are made (a
+                # decode step's are, after its first tokens) and, split, every token's experts admitted (tops cached)
+                warmup = max(pf_warm, len(inputs)) if inputs else pf_warm
+                seconds = layer_forward_s(lm, engine, pf_reps, layers=forwarded, warmup=warmup, inputs=inputs,
+                                          predicting=predicting)
+                calls = (warmup + pf_reps) * (len(forwarded) if forwarded else layers)
                 forward[name] = seconds - (engine.counters().exposed_s - before) / calls
-            # per prefetching layer: with `whole`, of the two layers forwarded one prefetches for real
+            # per prefetching layer: with `whole`, the pair's one predictor run, its prefetches and what the link layer
+            # does with them (take over, drop)
             h_pfs.append((forward["prefetch"] - forward["demand"]) * per_layer)
             if "resident" in forward:  # K segments loaded against none; K top hits against K whole loads
                 h_loads.append((forward["demand"] - forward["resident"]) * per_layer / shape.top_k)
@@ -249,31 +271,98 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     return max(0.0, h_load), max(0.0, statistics.median(h_pfs)), max(0.0, c), step, route
 
 
-def layer_forward_s(lm, engine: Engine, reps: int, layers: Sequence[int] | None = None, warmup: int = 20) -> float:
-    """Seconds per experts forward of one MoE layer for one token routed to K fixed, distinct experts,
-    every layer (or the MoE layers `layers`) in turn, `reps` times after `warmup`: the engine's own work
-    without attention, sampling and the model's other layers around it (far less noise than a decode
-    step; the same experts every time, so their weights stay warm in a CPU's caches)."""
+def _fitting(tokens: list, loading_at: Sequence[int], size: int | None) -> list:
+    """The first of `tokens` (decode_inputs) whose experts, in each loading layer (positions `loading_at`), number at
+    most `size` (the split forwards' cache: every one a top hit once admitted); all of them without a size. At
+    least the first (K experts ≤ size)."""
+    if size is None:
+        return tokens
+    seen = [set() for _ in loading_at]
+    for n, token in enumerate(tokens):
+        for held, at in zip(seen, loading_at):
+            held.update(token[at][1].reshape(-1).tolist())
+        if n and any(len(held) > size for held in seen):
+            return tokens[:n]
+    return tokens
+
+
+def layer_forward_s(lm, engine: Engine, reps: int, layers: Sequence[int] | None = None, warmup: int = 20,
+                    inputs: Sequence[Sequence[tuple]] | None = None, predicting: Sequence[int] | None = None) -> float:
+    """Seconds per experts forward of one MoE layer for one token, every layer (or the MoE layers `layers`) in
+    turn, `reps` times after `warmup`: the engine's own work without attention, sampling and the model's other
+    layers around it (far less noise than a decode step). The token: by default one fixed input routed to K
+    fixed, distinct experts in every layer (their weights stay warm in a CPU's caches); `inputs`: real decode
+    tokens instead, each the (x [1, H], ids [1, K], weights [1, K]) every forwarded layer saw (`decode_inputs`),
+    in turn (the warm-up from the first, the timed forwards from the first again), so that a predictor's
+    prefetches are as right as in those decode steps. `predicting`: the forwarded layers that run the
+    predictor when the engine prefetches (default: all); the others only take over or drop what it staged."""
     shape = lm.shape
-    ids = torch.arange(0, shape.num_experts, shape.num_experts // shape.top_k)[: shape.top_k].view(1, -1)  # [1, K]
-    weights = torch.full((1, shape.top_k), 1.0 / shape.top_k, dtype=lm.dtype)
-    x = torch.randn(1, shape.hidden, dtype=lm.dtype, generator=torch.Generator().manual_seed(0)).to(lm.device)
-    ids, weights = ids.to(lm.device), weights.to(lm.device)
-    experts = [layer.experts for layer in lm.layers]
-    if layers is not None:
-        experts = [experts[i] for i in layers]
+    forwarded = list(range(len(lm.layers))) if layers is None else list(layers)
+    if inputs is None:
+        ids = torch.arange(0, shape.num_experts, shape.num_experts // shape.top_k)[: shape.top_k].view(1, -1)  # [1, K]
+        weights = torch.full((1, shape.top_k), 1.0 / shape.top_k, dtype=lm.dtype)
+        x = torch.randn(1, shape.hidden, dtype=lm.dtype, generator=torch.Generator().manual_seed(0)).to(lm.device)
+        inputs = [[(x, ids.to(lm.device), weights.to(lm.device))] * len(forwarded)]
+    experts = [lm.layers[i].experts for i in forwarded]
+    quiet = [predicting is not None and i not in predicting for i in forwarded]  # forwarded without the predictor
     sync = (lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else (lambda: None)
-    with torch.inference_mode():
-        for _ in range(warmup):
-            for module in experts:
+
+    def one_pass(token: Sequence[tuple]) -> None:
+        for module, (x, ids, weights), off in zip(experts, token, quiet):
+            with _without_prediction(engine) if off else contextlib.nullcontext():
                 engine.experts_forward(module, x, ids, weights)
+
+    with torch.inference_mode():
+        for r in range(warmup):
+            one_pass(inputs[r % len(inputs)])
         sync()
         start = host_now()
-        for _ in range(reps):
-            for module in experts:
-                engine.experts_forward(module, x, ids, weights)
+        for r in range(reps):
+            one_pass(inputs[r % len(inputs)])
         sync()
         return (host_now() - start) / (reps * len(experts))
+
+
+@contextlib.contextmanager
+def _without_prediction(engine: Engine) -> Iterator[None]:
+    """One forward of the engine without its predictor (no scores, no prefetches issued), whatever its plan: a
+    measurement's layer that only takes over or drops what another layer's prediction staged for it."""
+    settings = engine.settings
+    if settings is None or not settings.prefetch:
+        yield
+        return
+    engine.settings = replace(settings, prefetch=False)
+    try:
+        yield
+    finally:
+        engine.settings = settings
+
+
+@contextlib.contextmanager
+def decode_inputs(lm, layers: Sequence[int], out: list) -> Iterator[None]:
+    """While open, every decode token's experts-forward inputs of the MoE layers `layers` go into `out`: one
+    list per token of (x [1, H], ids [1, K], weights [1, K]) in `layers`' order (layer_forward_s's `inputs`).
+    Forward pre-hooks on the experts modules (transformers calls them with those three, positionally)."""
+    order = {layer: n for n, layer in enumerate(layers)}
+    token: dict[int, tuple] = {}
+
+    def hook(layer: int):
+        def seen(module, args) -> None:
+            x, ids, weights = args[:3]
+            if x.shape[0] != 1:  # a prefill: not a decode token
+                return
+            token[layer] = (x.detach().clone(), ids.detach().clone(), weights.detach().clone())
+            if len(token) == len(order):
+                out.append([token[j] for j in sorted(token, key=order.get)])
+                token.clear()
+        return seen
+
+    handles = [lm.layers[i].experts.register_forward_pre_hook(hook(i)) for i in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _resident_fits(lm) -> bool:
