@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.engine import Counters, Engine
@@ -24,6 +25,80 @@ def next_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
     `logits_to_keep=1`: a prefill computes the LM head for its last token only, never the
     [1, T, V] logits (Qwen3's V = 151,936 at 1.8k tokens would fill the workspace)."""
     return model(input_ids=ids, **{cache_kwarg(model): cache}, use_cache=True, logits_to_keep=1).logits[0, -1]
+
+
+MIN_CAPACITY = 256  # positions a GrowingLayer's buffers hold at least
+
+
+class GrowingLayer(DynamicLayer):
+    """transformers' DynamicLayer (one attention layer's keys and values, [B, H, L, D] each), written in place into
+    buffers [B, H, capacity, D] grown geometrically, instead of a torch.cat of the whole cache every step (O(L)
+    bytes a token, and on torch's OpenMP team once L·H·D passes its grain). `keys` and `values` are views of the
+    buffers' first L positions: the same values DynamicLayer's cat gives, with the buffers' strides (SDPA gives
+    them the same bits: tests/test_generate_cache.py). Whatever else assigns `keys` or `values` (DynamicLayer's
+    batch and reorder methods, offloading) is adopted into new buffers at the next update."""
+
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H, capacity, D] keys and values
+    _views: tuple = (None, None)  # the keys and values views last handed out
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._buffers = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.keys is not self._views[0] or self.values is not self._views[1]:
+            self._adopt()  # first update, or keys/values assigned from outside
+        start, new = self.keys.shape[-2] if self.keys.numel() else 0, key_states.shape[-2]
+        end = start + new
+        if self._buffers is None or end > self._buffers[0].shape[-2]:
+            self._grow(end, key_states, value_states, start)
+        keys, values = self._buffers
+        keys.narrow(-2, start, new).copy_(key_states)
+        values.narrow(-2, start, new).copy_(value_states)
+        self._set_length(end)
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)  # its checks; keys and values become shorter views of the buffers
+        if self._buffers is not None:
+            self._views = (self.keys, self.values)
+
+    def _set_length(self, length: int) -> None:
+        keys, values = self._buffers
+        self.keys, self.values = keys.narrow(-2, 0, length), values.narrow(-2, 0, length)
+        self._views = (self.keys, self.values)
+
+    def _adopt(self) -> None:
+        """Buffers from `keys` and `values` as they are (none while they are empty)."""
+        self._buffers = None
+        if self.keys is not None and self.keys.numel():
+            self._grow(self.keys.shape[-2], self.keys, self.values, self.keys.shape[-2], old=(self.keys, self.values))
+
+    def _grow(self, needed: int, key_states, value_states, length: int, old=None) -> None:
+        """Buffers of capacity max(1.5 · needed, MIN_CAPACITY) positions, the first `length` copied from the old ones."""
+        capacity = max(needed + needed // 2, MIN_CAPACITY)
+        old = old if old is not None else self._buffers
+        grown = []
+        for states, previous in zip((key_states, value_states), old or (None, None)):
+            buffer = states.new_empty(*states.shape[:-2], capacity, states.shape[-1])
+            if length:
+                buffer.narrow(-2, 0, length).copy_(previous.narrow(-2, 0, length))
+            grown.append(buffer)
+        self._buffers = tuple(grown)
+        self._set_length(length)
+
+
+def new_cache(model) -> DynamicCache:
+    """The KV cache a generation starts from: transformers' DynamicCache for the model's config; on the CPU its
+    full-attention layers are GrowingLayers (written in place; DynamicLayer's values, fewer bytes moved)."""
+    cache = DynamicCache(config=model.config)
+    if next(model.parameters()).device.type == "cpu":
+        cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        if cache.layer_class_to_replicate is DynamicLayer:  # a config without layer types: layers made on first use
+            cache.layer_class_to_replicate = GrowingLayer
+    return cache
 
 
 def cache_kwarg(model) -> str:
@@ -164,7 +239,7 @@ def stream_generate(
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
     device = next(model.parameters()).device
     ids = input_ids.reshape(1, -1).to(device)
-    cache = past_key_values if past_key_values is not None else DynamicCache(config=model.config)
+    cache = past_key_values if past_key_values is not None else new_cache(model)
     stops = eos_ids(model, tokenizer) if stop_on_eos else set()
     detok = _Detokenizer(tokenizer)
 

@@ -43,8 +43,9 @@ def load_perturbed(path, dtype: str, dense: str):
     return lm
 
 
-def decode_logits(lm, steps: int = 6) -> list[torch.Tensor]:
-    """The logits of a greedy run's prefill and `steps` decode tokens, resident, on an instant link."""
+def decode_logits(lm, steps: int = 6, cache=None) -> list[torch.Tensor]:
+    """The logits of a greedy run's prefill and `steps` decode tokens, resident, on an instant link (from `cache`:
+    default, stream_generate's own)."""
     shape = lm.shape
     engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
     engine.install(lm.model)
@@ -54,7 +55,8 @@ def decode_logits(lm, steps: int = 6) -> list[torch.Tensor]:
     real = head.forward
     head.forward = lambda x: seen.append(real(x)) or seen[-1]
     try:
-        for _ in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=steps + 1, stop_on_eos=False):
+        for _ in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=steps + 1, stop_on_eos=False,
+                                 past_key_values=cache):
             pass
     finally:
         head.forward = real
@@ -153,13 +155,15 @@ def attention_ops(lm, decode_forward: bool) -> dict:
 
 
 # aten ops of one decode token's attention with the decode forward, at most, by (dtype, dense); transformers' own
-# forward, counted the same way: Mixtral 32 / 44 / 40 / 44, Qwen2-MoE 32 / 47 / 34 / 47, Qwen3-MoE 48 / 60 / 56 / 60,
-# OLMoE 48 / 60 / 56 / 60 (bf16 rows as stored: one_row_matvec's reshape and view around torch.mv, 2 a projection)
+# forward, counted the same way: Mixtral 36 / 48 / 44 / 48, Qwen2-MoE 36 / 51 / 38 / 51, Qwen3-MoE 52 / 64 / 60 / 64,
+# OLMoE 52 / 64 / 60 / 64 (bf16 rows as stored: one_row_matvec's reshape and view around torch.mv, 2 a projection).
+# The KV cache's update is 6 of them (generate.py's GrowingLayer: a narrow and a copy_ for each of k and v, and the
+# views handed out; DynamicLayer's was 2 torch.cats, each copying the whole cache).
 DECODE_ATTENTION_OPS = {
-    "mixtral": {("float32", "bf16"): 23, ("float32", "int8"): 20, ("bfloat16", "bf16"): 31, ("bfloat16", "int8"): 22},
-    "qwen2_moe": {("float32", "bf16"): 23, ("float32", "int8"): 21, ("bfloat16", "bf16"): 25, ("bfloat16", "int8"): 23},
-    "qwen3_moe": {("float32", "bf16"): 29, ("float32", "int8"): 26, ("bfloat16", "bf16"): 39, ("bfloat16", "int8"): 30},
-    "olmoe": {("float32", "bf16"): 39, ("float32", "int8"): 38, ("bfloat16", "bf16"): 47, ("bfloat16", "int8"): 40},
+    "mixtral": {("float32", "bf16"): 27, ("float32", "int8"): 24, ("bfloat16", "bf16"): 35, ("bfloat16", "int8"): 26},
+    "qwen2_moe": {("float32", "bf16"): 27, ("float32", "int8"): 25, ("bfloat16", "bf16"): 29, ("bfloat16", "int8"): 27},
+    "qwen3_moe": {("float32", "bf16"): 33, ("float32", "int8"): 30, ("bfloat16", "bf16"): 43, ("bfloat16", "int8"): 34},
+    "olmoe": {("float32", "bf16"): 43, ("float32", "int8"): 42, ("bfloat16", "bf16"): 51, ("bfloat16", "int8"): 44},
 }
 
 

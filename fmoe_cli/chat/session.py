@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.generate import SamplingParams, TokenEvent, encode_messages, stream_generate
+from fmoe_cli.generate import SamplingParams, TokenEvent, encode_messages, new_cache, stream_generate
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
 from fmoe_cli.run import context_length
@@ -204,7 +204,7 @@ class ChatSession:
             except Exception:  # a cache layout that cannot be cropped: start afresh
                 cache, reuse = None, 0
         if cache is None:
-            cache, reuse = DynamicCache(config=self.lm.model.config), 0
+            cache, reuse = new_cache(self.lm.model), 0  # on the CPU written in place (generate.py)
         self._kv, self._kv_ids = None, []  # until the answer completes
         return cache, reuse
 

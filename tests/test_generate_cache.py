@@ -1,0 +1,70 @@
+"""The KV cache a CPU generation writes in place (generate.py: GrowingLayer, new_cache): the same logits as
+transformers' DynamicCache (a torch.cat every step), bit for bit, every family, dtype and dense format, at the
+prefill and every decode step, across its buffers' growth, and after a crop (chat's reuse of a conversation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from fmoe_cli import generate, kernels
+from fmoe_cli.generate import GrowingLayer, new_cache
+from fmoe_cli.models.demo import TINY_FAMILIES
+from fmoe_cli.models.load import load_model
+from test_attention import decode_logits  # tests/test_attention.py
+
+
+@pytest.mark.parametrize("dense", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_growing_cache_gives_dynamic_cache_bits(checkpoints, family, dtype, dense, monkeypatch):
+    """The same loaded model from new_cache (its buffers at least 4 positions, so they grow 6 times over the run)
+    and from DynamicCache: the same logits bit for bit at the prefill and every decode step."""
+    if dense != "bf16" and not kernels.library():
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(generate, "MIN_CAPACITY", 4)
+    lm = load_model(str(checkpoints[family]), device="cpu", dtype=dtype, dense=dense)
+    ours = new_cache(lm.model)
+    assert all(type(layer) is GrowingLayer for layer in ours.layers)
+    steps = 24
+    got = decode_logits(lm, steps, ours)
+    grown = {layer._buffers[0].shape[-2] for layer in ours.layers}
+    want = decode_logits(lm, steps, DynamicCache(config=lm.model.config))
+    assert len(got) == len(want) == steps + 1 and ours.get_seq_length() == 10 + steps  # (the prompt's 10 tokens)
+    assert min(grown) >= ours.get_seq_length() and max(grown) < 2 * ours.get_seq_length()
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}: max |Δ| {(a.float() - b.float()).abs().max()}"
+
+
+def test_growing_layer_keeps_dynamic_layers_values():
+    """Update by update, a crop, an assignment from outside (DynamicLayer's batch methods): GrowingLayer's keys and
+    values equal DynamicLayer's, and its buffers grow geometrically, not every step."""
+    from transformers.cache_utils import DynamicLayer
+
+    g = torch.Generator().manual_seed(0)
+    ours, theirs = GrowingLayer(), DynamicLayer()
+    capacities = set()
+    for length in (7, 1, 1, 300, 1, 1, 2, 1):
+        k, v = torch.randn(1, 2, length, 8, generator=g), torch.randn(1, 2, length, 6, generator=g)
+        got, want = ours.update(k, v), theirs.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and ours.get_seq_length() == theirs.get_seq_length()
+        capacities.add(ours._buffers[0].shape[-2])
+    assert len(capacities) == 2  # 256, then 1.5 × 308
+    for layer in (ours, theirs):
+        layer.crop(-5)
+    k, v = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 2, 3, 6, generator=g)
+    assert all(torch.equal(a, b) for a, b in zip(ours.update(k, v), theirs.update(k, v)))
+    for layer in (ours, theirs):
+        layer.batch_repeat_interleave(2)
+    k, v = torch.randn(2, 2, 1, 8, generator=g), torch.randn(2, 2, 1, 6, generator=g)
+    assert all(torch.equal(a, b) for a, b in zip(ours.update(k, v), theirs.update(k, v)))
+    assert ours.keys.shape == (2, 2, ours.get_seq_length(), 8)
+
+
+def test_new_cache_on_the_cpu_only(checkpoints):
+    """A model on another device keeps transformers' DynamicLayers (nothing of this runs on a CUDA model)."""
+    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype="float32")
+    assert all(type(layer) is GrowingLayer for layer in new_cache(lm.model).layers)
+    lm.model.to("meta")
+    assert not any(type(layer) is GrowingLayer for layer in new_cache(lm.model).layers)
