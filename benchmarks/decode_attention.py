@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A decode token with transformers' forwards against fmoe's decode forwards, in one process: the attention's
-(models/attention.py) or, with `--what layers`, the decoder layers', routers' and final norm's (models/decoder.py).
+(models/attention.py) or, with `--what layers`, the decoder layers', routers', final norm's and causal LM's
+(models/decoder.py).
 
 One `resident` run of MODEL on the CPU (the same options as `fmoe bench`); one generation whose decode tokens go
 in blocks of `--per-block`, the two forwards alternated block by block (A B, then B A: interleaved,
@@ -53,7 +54,7 @@ def main() -> None:
         if args.what == "attention":
             modules = [layer.self_attn for layer in layers]
         else:  # the decoder layers, their routers, the final norm (models/decoder.py)
-            modules = [*layers, *(getattr(layer.mlp, "gate", None) for layer in layers), lm.model.model.norm]
+            modules = [*layers, *(getattr(layer.mlp, "gate", None) for layer in layers), lm.model.model.norm, lm.model]
         modules = [m for m in modules if m is not None]
         decode = [m.__dict__.get("forward") for m in modules]  # None: transformers' own (not a decode family)
         if not any(decode):

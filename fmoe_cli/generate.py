@@ -77,7 +77,7 @@ class GrowingLayer(DynamicLayer):
             self._grow(self.keys.shape[-2], self.keys, self.values, self.keys.shape[-2], old=(self.keys, self.values))
 
     def _grow(self, needed: int, key_states, value_states, length: int, old=None) -> None:
-        """Buffers of capacity max(1.5 · needed, MIN_CAPACITY) positions, the first `length` copied from the old ones."""
+        """Buffers of max(1.5 · needed, MIN_CAPACITY) positions, the first `length` copied from the old ones."""
         capacity = max(needed + needed // 2, MIN_CAPACITY)
         old = old if old is not None else self._buffers
         grown = []

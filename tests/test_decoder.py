@@ -1,5 +1,6 @@
 """A decode token's decoder layer on the CPU (models/decoder.py): the layer's norms and residual adds, the router
-(its logits on one thread where that gives the same bits) and the final norm on fewer host steps. They must give
+(its logits on one thread where that gives the same bits), the final norm and the causal LM's loop over the layers
+on fewer host steps. They must give
 transformers' bits: the same loaded model with and without them gives the same logits, bit for bit, every family,
 dtype and dense format, at the prefill and every decode step."""
 
@@ -17,10 +18,11 @@ from test_attention import assert_decode_bits, attention_ops  # tests/test_atten
 
 
 def decode_modules(model) -> list:
-    """Every module models/decoder.py may give a decode forward: the decoder layers, their routers, the final norm."""
+    """Every module models/decoder.py may give a decode forward: the decoder layers, their routers, the final norm,
+    the causal LM."""
     layers = list(model.model.layers)
     routers = [getattr(layer.mlp, "gate", None) for layer in layers]
-    return [m for m in (*layers, *routers, model.model.norm) if m is not None]
+    return [m for m in (*layers, *routers, model.model.norm, model) if m is not None]
 
 
 def without_decode_forwards(model) -> None:
@@ -53,7 +55,11 @@ def test_decode_layers_give_transformers_bits(checkpoints, family, dtype, dense,
     if dense != "bf16" and not kernels.library():
         pytest.skip("no C compiler")
     lm = load_perturbed(checkpoints[family], dtype, dense)
+    inner_calls = []  # transformers' own model forward: the prefill only, where the causal LM's decode forward runs
+    inner = lm.model.model
+    monkeypatch.setattr(inner, "forward", lambda *a, real=inner.forward, **kw: inner_calls.append(1) or real(*a, **kw))
     assert_decode_bits(lm, decoder, family, lambda: without_decode_forwards(lm.model), monkeypatch)
+    assert len(inner_calls) == (7 + 7 if family.startswith("deepseek") else 1 + 7)  # ours, then transformers'
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -116,9 +122,11 @@ def decoder_ops(lm, decode_forward: bool) -> float:
 
 # aten ops of one decode token outside the attention and the experts forward, per decoder layer (the step's own
 # ops — embedding, rotary, LM head, sampling — shared out over the 4 layers), with the decode forwards, at most, by
-# dtype; transformers' own: Mixtral 35.5, Qwen2-MoE 49.25, Qwen3-MoE 35.5, OLMoE 33.5 (float32 and bf16 alike)
-DECODE_LAYER_OPS = {"mixtral": {"float32": 30, "bfloat16": 34.5}, "qwen2_moe": {"float32": 42.75, "bfloat16": 48.25},
-                    "qwen3_moe": {"float32": 29, "bfloat16": 34.5}, "olmoe": {"float32": 27, "bfloat16": 32.5}}
+# dtype; transformers' own: Mixtral 35.5, Qwen2-MoE 49.25, Qwen3-MoE 35.5, OLMoE 33.5 (float32 and bf16 alike;
+# Qwen2-MoE's model forward makes a full and a sliding-window mask every step: 7 a layer here)
+DECODE_LAYER_OPS = {"mixtral": {"float32": 29.75, "bfloat16": 34.25},
+                    "qwen2_moe": {"float32": 35.75, "bfloat16": 41.25},
+                    "qwen3_moe": {"float32": 28.75, "bfloat16": 34.25}, "olmoe": {"float32": 26.75, "bfloat16": 32.25}}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -131,3 +139,16 @@ def test_decode_layer_ops(checkpoints, family, dtype):
     assert ours <= DECODE_LAYER_OPS[family][dtype]
     theirs = decoder_ops(load_model(path, device="cpu", dtype=dtype, dense="bf16"), decode_forward=False)
     assert theirs > ours
+
+
+def test_full_attention_decides_as_the_families_do():
+    """The causal LM's decode forward (no causal mask) only where every layer attends to the whole cache: a sliding
+    window (Mixtral's `sliding_window`, Qwen2-MoE's `layer_types`) keeps transformers' forward, which masks."""
+    import transformers
+
+    assert decoder.full_attention(transformers.MixtralConfig())
+    assert not decoder.full_attention(transformers.MixtralConfig(sliding_window=4096))
+    assert decoder.full_attention(transformers.Qwen2MoeConfig())
+    assert not decoder.full_attention(transformers.Qwen2MoeConfig(use_sliding_window=True, sliding_window=64,
+                                                                  max_window_layers=1, num_hidden_layers=2))
+    assert decoder.full_attention(transformers.Qwen3MoeConfig()) and decoder.full_attention(transformers.OlmoeConfig())

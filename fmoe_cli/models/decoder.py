@@ -1,7 +1,7 @@
 """A decode token's decoder layer on the CPU: its norms, residual adds and router on fewer host steps (issue 21).
 
 At a decode step of a small model on the CPU, the host's steps around the weights cost more than the weights do
-(docs/architecture.md § The decoder layer at a decode token). Two changes, both with transformers' bits:
+(docs/architecture.md § The decoder layer at a decode token). Three changes, all with transformers' bits:
 
 - **The router's matrix-vector product on one thread.** A decode token's router logits are one row times the
   router's [N, H] weight, F.linear as transformers calls it. torch runs it on its OpenMP team, whose sleeping
@@ -17,6 +17,10 @@ At a decode step of a small model on the CPU, the host's steps around the weight
   MLP (its module: the router above, the engine), the residual add — transformers' steps in its order, each RMSNorm
   as `rms_norm` (its ops, without the casts that are no-ops in float32, and without the norm modules' calls); the
   model's final norm likewise.
+- **The causal LM's forward** at one new token on a cache, where every layer has the decode forward and attends
+  to the whole cache: the embedding, the position, the rotary embedding, the layers, the final norm and the LM
+  head (modules called as the model calls them), without the model's decorators, output capture and causal mask
+  (none, for one query without padding on a full-attention cache).
 
 Anything else — a prefill, an attention mask, training, a device other than the CPU, another dtype — runs
 transformers' own forwards.
@@ -57,7 +61,55 @@ def install_decode_layers(model) -> int:
     norm = getattr(inner, "norm", None)
     if installed and type(norm).__name__ in NORMS:
         norm.forward = _decode_norm(norm, norm.forward)
+        if installed == len(inner.layers) and full_attention(model.config):
+            model.forward = _decode_model(model, model.forward)
     return installed
+
+
+def full_attention(config) -> bool:
+    """Every layer attends to the whole cache (no sliding window), as each family's model forward decides it: by
+    `layer_types` where the config has them (Qwen2-MoE), else by `sliding_window` (Mixtral, Qwen3-MoE; OLMoE has
+    neither)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is None
+
+
+def _decode_model(model, original):
+    """transformers' causal LM forward for one new token on a cache (as generate.next_logits calls it): the
+    embedding, the position, the rotary embedding, every decoder layer, the final norm and the LM head — modules
+    called as the model calls them (their hooks fire: the engine's on the embedding) — without the model's per-call
+    bookkeeping: its decorators and output capture, and the causal mask, which for one query on a full-attention
+    cache without padding is none (masking_utils: _ignore_causal_mask_sdpa; the attention's decode forward runs
+    only without one). `original` otherwise."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    inner, config = model.model, model.config
+    layers = list(inner.layers[: config.num_hidden_layers])
+
+    def forward(input_ids=None, cache=None, past_key_values=None, use_cache=None, logits_to_keep=0, **kwargs):
+        cache = cache if cache is not None else past_key_values
+        if (kwargs or cache is None or not use_cache or logits_to_keep not in (0, 1) or input_ids is None
+                or input_ids.shape != (1, 1) or input_ids.device.type != "cpu" or model.training
+                or config._attn_implementation != "sdpa"):
+            if past_key_values is not None:
+                kwargs["past_key_values"] = past_key_values
+            elif cache is not None:
+                kwargs["cache"] = cache
+            return original(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        hidden_states = inner.embed_tokens(input_ids)  # [1, 1, H]
+        position_ids = torch.arange(1, device=hidden_states.device) + cache.get_seq_length()
+        position_ids = position_ids.unsqueeze(0)  # [1, 1]: the model's own steps (the same integers)
+        position_embeddings = inner.rotary_emb(hidden_states, position_ids=position_ids)
+        for layer in layers:
+            hidden_states = layer(hidden_states, attention_mask=None, position_ids=position_ids, cache=cache,
+                                  use_cache=True, position_embeddings=position_embeddings)
+        hidden_states = inner.norm(hidden_states)
+        # one position: the last-token slice (slice_logits_to_keep) is the tensor itself
+        return MoeCausalLMOutputWithPast(logits=model.lm_head(hidden_states), cache=cache)
+
+    return forward
 
 
 def _decode_layer(layer, original):
