@@ -127,8 +127,8 @@ ExpertsOpt = Annotated[str, typer.Option(
 DenseOpt = Annotated[str, typer.Option(
     "--dense", help="How the attention projections and the LM head are stored: bf16 (unquantised, in --dtype), int8 "
                     "(weight-only, group 128) or int4 (group 64: MoEpic's and Mixtral-offloading's attention beside "
-                    "int2 experts; the LM head int8). The embedding stays as stored. Default (auto): int8 on the CPU beside "
-                    "int8/int4 experts, else bf16.")]
+                    "int2 experts; the LM head int8). The embedding stays as stored. Default (auto): on the CPU int8 beside "
+                    "int8 experts and int4 beside int4 experts, else bf16.")]
 
 ActivationsOpt = Annotated[str, typer.Option(
     "--activations", help="What the CPU kernels multiply int8/int4 weights with: float (the tokens in --dtype: the "

@@ -99,18 +99,19 @@ DENSE_FORMATS: dict[str, DenseFormat | None] = {
     "int4": DenseFormat(EXPERT_FORMATS["int4"], head=EXPERT_FORMATS["int8"]),
 }
 DEFAULT_DENSE = "auto"  # --dense left out: resolve_dense picks per device and expert format
-# Expert formats beside which the CPU reads the non-expert weights in int8 by default (llama.cpp's Q8_0 / Q4_0
-# runs read their attention and LM head quantised too: issue 21 §1 "Non-expert weights").
-INT8_DENSE_BESIDE = ("int8", "int4")
+# --dense left out on the CPU, per expert format: llama.cpp's Q8_0 / Q4_0 runs read their attention (and output)
+# quantised too (issue 21 §1 "Non-expert weights"): int8 beside int8 experts, int4 (its head int8) beside int4 ones,
+# measured faster a token on a3b and big (docs/bench.md § The default dense format beside int4 experts).
+CPU_DENSE_BESIDE = {"int8": "int8", "int4": "int4"}
 
 
 def resolve_dense(dense: str, device_type: str, experts: str) -> str:
-    """--dense as the model is loaded: "auto" is int8 on the CPU beside int8/int4 experts (there decode reads
-    every weight from RAM once per token, and the f32 LM head alone would outweigh the experts), else bf16
-    (the compute dtype, as stored). An explicit format stays."""
+    """--dense as the model is loaded: "auto" is, on the CPU, int8 beside int8 experts and int4 beside int4 experts
+    (there decode reads every weight from RAM once per token, and the f32 LM head alone would outweigh the experts),
+    else bf16 (the compute dtype, as stored). An explicit format stays."""
     if dense != DEFAULT_DENSE:
         return dense
-    return "int8" if device_type == "cpu" and experts in INT8_DENSE_BESIDE else "bf16"
+    return CPU_DENSE_BESIDE.get(experts, "bf16") if device_type == "cpu" else "bf16"
 
 
 # --activations: what the CPU kernels' int8/int4 rows are multiplied with. "float": x in the compute dtype (the

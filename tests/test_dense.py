@@ -106,16 +106,20 @@ def test_one_quantised_copy_counted_at_its_stored_size(checkpoints, dense):
         assert module.packed.nbytes < plain.model.get_submodule(name).weight.nbytes * (module.format.bits + 1.5) / 32
 
 
-def test_left_out_dense_is_int8_on_the_cpu_beside_int8_and_int4_experts(checkpoints):
-    """Issue 21 §1: without --dense the CPU reads the attention and the LM head in int8 beside int8/int4 experts
-    (as llama.cpp's Q8_0/Q4_0 runs do), and leaves them as stored otherwise; a plan (for a GPU) leaves them too."""
+def test_left_out_dense_follows_int8_and_int4_experts_on_the_cpu(checkpoints):
+    """Issue 21 §1: without --dense the CPU reads the attention and the LM head quantised beside int8/int4 experts
+    (as llama.cpp's Q8_0/Q4_0 runs do): int8 beside int8, int4 (the head int8) beside int4; it leaves them as stored
+    otherwise, and a plan (for a GPU) leaves them too."""
     from fmoe_cli.types import resolve_dense
 
-    assert [resolve_dense("auto", "cpu", e) for e in ("bf16", "int8", "int4", "int2")] == ["bf16", "int8", "int8", "bf16"]
+    assert [resolve_dense("auto", "cpu", e) for e in ("bf16", "int8", "int4", "int2")] == ["bf16", "int8", "int4", "bf16"]
     assert resolve_dense("auto", "cuda", "int4") == "bf16" and resolve_dense("bf16", "cpu", "int4") == "bf16"
+    assert resolve_dense("int8", "cpu", "int4") == "int8"
     path = str(checkpoints["mixtral"])
     lm = load_model(path, device="cpu", dtype="float32", experts="int4")
-    assert lm.dense == "int8" and isinstance(lm.model.get_output_embeddings(), QuantLinear)
+    head = lm.model.get_output_embeddings()
+    assert lm.dense == "int4" and isinstance(head, QuantLinear) and head.format == DENSE_FORMATS["int4"].head
+    assert load_model(path, device="cpu", dtype="float32", experts="int8").dense == "int8"
     assert load_model(path, device="cpu", dtype="float32", experts="bf16").dense == "bf16"
 
 

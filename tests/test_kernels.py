@@ -362,7 +362,7 @@ def test_the_benchmark_runs():
 @pytest.mark.parametrize("experts, max_logit_error, min_top1", [("int8", 1.0, 0.99), ("int4", 1.0, 0.99)])
 def test_int8_activations_stay_within_the_published_tolerance(experts, max_logit_error, min_top1):
     """docs/quantization.md § --activations int8: the demo model on a KJV passage (tests/test_dense.py's), int8/int4
-    experts and the default int8 dense, against the same load with float activations (which is transformers' model
+    experts and the default dense (int8 beside int8, int4 beside int4), against the same load with float activations (which is transformers' model
     on the dequantised weights to float rounding: tests/test_quant.py, tests/test_dense.py): the largest logit
     error and the top-1 agreement."""
     import transformers

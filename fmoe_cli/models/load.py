@@ -77,7 +77,7 @@ def warn_without_int8_dots() -> None:
 
 
 def precision_label(dtype: str, experts: str, dense: str = "bf16", activations: str = DEFAULT_ACTIVATIONS) -> str:
-    """What the user sees of the numbers: 'float32', 'bfloat16, int4 experts', 'float32, int4 experts, int8 dense'
+    """What the user sees of the numbers: 'float32', 'bfloat16, int4 experts', 'float32, int4 experts, int4 dense'
     or '…, int8 activations'."""
     parts = [dtype] + ([f"{experts} experts"] if EXPERT_FORMATS[experts] is not None else []) \
         + ([f"{dense} dense"] if DENSE_FORMATS[dense] is not None else []) \
