@@ -333,6 +333,6 @@ def test_token_latencies_are_read_on_the_links_clock(monkeypatch):
             super().__init__()
             self.w = torch.nn.Parameter(torch.zeros(1))
 
-    monkeypatch.setattr(generate, "DynamicCache", lambda config: None)
+    monkeypatch.setattr(generate, "new_cache", lambda model: None)  # (the cache a generation starts from: none here)
     events = list(generate.stream_generate(Model(), torch.tensor([1, 2]), max_new_tokens=3, stop_on_eos=False))
     assert [e.latency_s for e in events] == [1.0, 1.0, 1.0]
