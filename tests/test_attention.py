@@ -158,12 +158,13 @@ def attention_ops(lm, decode_forward: bool) -> dict:
 # forward, counted the same way: Mixtral 36 / 48 / 44 / 48, Qwen2-MoE 36 / 51 / 38 / 51, Qwen3-MoE 52 / 64 / 60 / 64,
 # OLMoE 52 / 64 / 60 / 64 (bf16 rows as stored: one_row_matvec's reshape and view around torch.mv, 2 a projection).
 # The KV cache's update is 6 of them (generate.py's GrowingLayer: a narrow and a copy_ for each of k and v, and the
-# views handed out; DynamicLayer's was 2 torch.cats, each copying the whole cache).
+# views handed out; DynamicLayer's was 2 torch.cats, each copying the whole cache); RoPE 4 (a roll, two products and
+# a sum), and the signed sin once a token (4 ops, shared out over the layers).
 DECODE_ATTENTION_OPS = {
-    "mixtral": {("float32", "bf16"): 27, ("float32", "int8"): 24, ("bfloat16", "bf16"): 35, ("bfloat16", "int8"): 26},
-    "qwen2_moe": {("float32", "bf16"): 27, ("float32", "int8"): 25, ("bfloat16", "bf16"): 29, ("bfloat16", "int8"): 27},
-    "qwen3_moe": {("float32", "bf16"): 33, ("float32", "int8"): 30, ("bfloat16", "bf16"): 43, ("bfloat16", "int8"): 34},
-    "olmoe": {("float32", "bf16"): 43, ("float32", "int8"): 42, ("bfloat16", "bf16"): 51, ("bfloat16", "int8"): 44},
+    "mixtral": {("float32", "bf16"): 25, ("float32", "int8"): 22, ("bfloat16", "bf16"): 33, ("bfloat16", "int8"): 24},
+    "qwen2_moe": {("float32", "bf16"): 25, ("float32", "int8"): 23, ("bfloat16", "bf16"): 27, ("bfloat16", "int8"): 25},
+    "qwen3_moe": {("float32", "bf16"): 31, ("float32", "int8"): 28, ("bfloat16", "bf16"): 41, ("bfloat16", "int8"): 32},
+    "olmoe": {("float32", "bf16"): 41, ("float32", "int8"): 40, ("bfloat16", "bf16"): 49, ("bfloat16", "int8"): 42},
 }
 
 

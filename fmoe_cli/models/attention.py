@@ -13,7 +13,7 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Two c
   in the family's order, on views of one [1, Hq + Hk + Hv, 1, D] tensor (for one token, the transposed
   [1, 1, heads, D] is that view): Qwen3-MoE's q_norm and k_norm as one RMSNorm over both (Qwen3MoeRMSNorm's ops,
   each head's row with its own norm's weight), OLMoE's norms as its modules, `apply_rotary_pos_emb`'s formula over
-  q's and k's heads at once, the cache's `update`, torch's SDPA with the arguments transformers gives it, o_proj.
+  q's and k's heads at once (rotate_half as a roll by a signed sin), the cache's `update`, torch's SDPA with the arguments transformers gives it, o_proj.
   Elementwise ops over more heads at once, and reductions over each head's D values, give every value the bits it
   has alone, so the logits are transformers' bit for bit (tests/test_attention.py). SDPA runs with torch's
   intra-op threads at one (`one_thread`): at one query token the flash attention's OpenMP team costs more to wake
@@ -85,6 +85,7 @@ def install_decode_attention(model) -> int:
     """On a CPU model: fuse each attention's quantised q/k/v and give the standard families' attention the decode
     forward. Returns how many attention modules got the decode forward."""
     installed = 0
+    rope: dict = {}  # the token's sin with its first half negated, made once for every layer (_decode_forward)
     for name, attn in model.named_modules():
         if name.rsplit(".", 1)[-1] != ATTENTION:
             continue
@@ -93,13 +94,14 @@ def install_decode_attention(model) -> int:
             continue  # transformers' own forward (DeepSeek's MLA; a model on a GPU)
         q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
         fused = attn.fused_qkv = FusedQKV(q, k, v) if fusable(q, k, v) else None
-        attn.forward = _decode_forward(attn, attn.forward, fused, norm)
+        attn.forward = _decode_forward(attn, attn.forward, fused, norm, rope)
         installed += 1
     return installed
 
 
-def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None):
-    """transformers' forward of `attn` for one token (its steps, in its order, on fewer ops); `original` otherwise."""
+def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, rope: dict):
+    """transformers' forward of `attn` for one token (its steps, in its order, on fewer ops); `original` otherwise.
+    `rope`: shared by the model's layers, the last token's `sin` and its signed form."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 
     config = attn.config
@@ -139,8 +141,11 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None):
         if norm == "heads":  # Qwen3MoeRMSNorm's steps over each head's D values
             qk = rms_norm(qk, qk_weight, eps)
         cos, sin = position_embeddings  # [1, 1, D]: apply_rotary_pos_emb's, broadcast over q's and k's heads at once
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk = (qk * cos) + (rotated * sin)
+        # rotate_half(qk) · sin = cat(-qk₂, qk₁) · sin = roll(qk, D/2) · cat(-sin₁, sin₂), value for value: a product's
+        # sign is exact, (-a)·b = a·(-b). The signed sin is made once a token (the layers share `sin`).
+        if rope.get("sin") is not sin:
+            rope["sin"], rope["signed"] = sin, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        qk = (qk * cos) + (qk.roll(half, -1) * rope["signed"])
         q, k = qk[:, :heads_q], qk[:, heads_q:]
         if cache is not None:
             k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
