@@ -129,7 +129,7 @@ def main() -> None:
             print(f"  moepic planned from {name}: " + ", ".join(f"{key} {value * 1e3:.4g} ms" for key, value in figures.items()))
 
 
-HOST_COSTS = ("t_host_load", "t_host_prefetch", "t_admit", "t_segment", "t_expert", "t_host_route")
+HOST_COSTS = ("t_host_load", "t_host_prefetch", "t_admit", "t_segment", "t_expert", "t_host_route", "t_host_submit")
 
 
 def plan_inputs(config_dir: Path, keep: Path | None) -> dict[str, dict[str, float]]:

@@ -303,10 +303,14 @@ class Timings:
     t_host_expert: float = 0.0
     t_host_call: float = 0.0
     t_host_sync: float = 0.0
+    # h_sub: the part of h_load spent submitting a demand load (staging slot, copy submit), before the layer's
+    # first compute: a layer submits all its demand loads, then computes, so while it submits the others the
+    # first is already on the link; 0 unless measured (profiling/model.py: host_work_s, the engine's counter).
+    t_host_submit: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("t_att", "t_moe", "t_head", "t_load", "t_host_load", "t_host_prefetch", "t_admit", "t_segment",
-                     "t_host_route", "t_host_expert", "t_host_call", "t_host_sync"):
+                     "t_host_route", "t_host_expert", "t_host_call", "t_host_sync", "t_host_submit"):
             value = getattr(self, name)
             if not value >= 0 or not math.isfinite(value):
                 raise FmoeError(f"timing {name} must be a finite number of seconds ≥ 0, got {value}")
@@ -334,9 +338,10 @@ class Timings:
         cls, *, t_att: float, t_moe: float, t_head: float, top_k: int,
         expert_bytes: int, bandwidth: float, latency: float = 0.0, t_host_load: float = 0.0,
         t_host_prefetch: float = 0.0, t_admit: float = 0.0, t_segment: float = 0.0, t_host_route: float = 0.0,
+        t_host_submit: float = 0.0,
     ) -> Timings:
         """T_load = latency + S_e / bandwidth (bandwidth in bytes/s, from the device profile's fit)."""
         if bandwidth <= 0:
             raise FmoeError(f"link bandwidth must be > 0 bytes/s, got {bandwidth}")
         return cls(t_att, t_moe, t_head, latency + expert_bytes / bandwidth, top_k, t_host_load, t_host_prefetch, t_admit, t_segment,
-                   t_host_route)
+                   t_host_route, t_host_submit=t_host_submit)

@@ -157,6 +157,24 @@ def test_the_hosts_lead_on_the_first_load_is_counted_per_forward_that_loads(mixt
     engine.close()
 
 
+def test_the_submission_of_a_layers_loads_is_counted(mixtral):
+    """submit_s / submitted (the profile's h_sub, the part of h_load spent before a layer's first compute): every
+    demand load a decode step's layer submits (its misses: the staging pool holds 2K), none where everything was on
+    the device."""
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = mixtral
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    for policy, budget in (("ondemand", 2 * lm.shape.top_k * lm.shape.expert_bytes), ("resident", 0)):
+        engine.configure(make_settings(policy, lm.shape, budget))
+        events = list(stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=3, stop_on_eos=False))
+        for c in (e.counters for e in events[1:]):  # decode steps
+            assert c.submitted == c.misses == (lm.shape.num_layers * lm.shape.top_k if policy == "ondemand" else 0)
+            assert (c.submit_s > 0) == (policy == "ondemand")
+    engine.close()
+
+
 def test_routing_and_predictor_scores_reach_the_host_in_one_copy(monkeypatch):
     from fmoe_cli.offload.engine import Routing
 

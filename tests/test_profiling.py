@@ -245,8 +245,9 @@ def test_a_measured_expert_forward_is_t_exp_and_the_rest_of_t_moe_counts_with_at
 def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
     """h_load, h_pf and c from scripted one-layer forwards (profiling/model.py: host_work_s), less what each
     waited on the link: resident 1 ms; on demand K = 4 loads, 1 + 4 h_load; with prefetch h_pf more (and 2 ms
-    waited in all); split tops, K top hits each loading its bottom, 4 c more than on demand. The resident step
-    and h_route from scripted decode steps (resident 1 s; on demand 0.18 s of lead over 6 layers)."""
+    waited in all); split tops, K top hits each loading its bottom, 4 c more than on demand. The resident step,
+    h_route and h_sub from scripted decode steps (resident 1 s; on demand 0.18 s of lead over 6 layers, 0.12 s
+    submitting 24 loads)."""
     from types import SimpleNamespace
 
     from fmoe_cli.offload.engine import Counters
@@ -261,7 +262,8 @@ def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
         if settings.plan.resident:
             return 1.0, Counters()
         # a busy machine's 0.3 s on the on-demand steps: their difference would read h_load 0.0225, not 0.01
-        return 1.0 + 0.5 + 24 * h_load + 0.3, Counters(needed_loads=24, misses=24, exposed_s=0.5, lead_s=0.18, leads=6)
+        return 1.0 + 0.5 + 24 * h_load + 0.3, Counters(needed_loads=24, misses=24, exposed_s=0.5, lead_s=0.18, leads=6,
+                                                        submit_s=0.12, submitted=24)
 
     class FakeEngine:
         def __init__(self):
@@ -300,7 +302,7 @@ def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
     monkeypatch.setattr(profiling_model, "decode_inputs", lambda *a: contextlib.nullcontext())  # no model to hook
     lm = SimpleNamespace(shape=shape, device=torch.device("cpu"), model=None)
     got = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_segment=1e-3, rounds=3)
-    assert got == pytest.approx((h_load, h_pf, c, 1.0, 0.03))  # h_route: 0.18 s over 6 forwards
+    assert got == pytest.approx((h_load, h_pf, c, 1.0, 0.03, 0.005))  # h_route: 0.18 s over 6 forwards; h_sub 0.12 / 24
     # c is at least one more segment forward (t_segment): a smaller difference is noise
     floored = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_segment=0.5, rounds=1)
     assert floored[2] == 0.5

@@ -35,6 +35,7 @@ ENGINE_COSTS = (
     ("t_host_load", "h_load (host work per loaded expert segment, beyond compute and link)"),
     ("t_host_prefetch", "h_pf (host work per MoE layer that prefetches)"),
     ("t_host_route", "h_route (host work from submitting a layer's loads to its first compute)"),
+    ("t_host_submit", "h_sub (host work per demand load submitted, before the layer's first compute; part of h_load)"),
     ("t_segment", "c (a split top hit's extra: two segment forwards and their sum)"),
     ("t_admit", "a_e (one expert copied into the cache on the device)"),
     ("t_token", "a whole decode step, every expert resident"),

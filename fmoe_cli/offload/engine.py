@@ -74,6 +74,8 @@ class Counters:
     leads: int = 0  # … forwards that submitted loads (profiling/model.py: h_route = lead_s / leads)
     host_s: float = 0.0  # the host lane's compute (offload/host.py): misses and bottoms computed on the host
     host_segments: int = 0  # … segments it computed
+    submit_s: float = 0.0  # host time submitting a forward's demand loads (slots, copy submits), before its first compute
+    submitted: int = 0  # … demand loads it submitted (profiling/model.py: h_sub = submit_s / submitted)
 
     def count(self, activated: int, hits: Hits) -> None:
         """Add one layer forward's classification (offload/hits.py)."""
@@ -434,8 +436,9 @@ class Engine:
             else:
                 if state.host:  # a prefill admits into the cache: the layer's fill lands first
                     self.host_lane.settle(self, i, wait=True)
+                start = host_now() if hits.loads else None
                 loading, waiting = self._submit(i, hits)
-                outputs = self._compute(i, experts.act_fn, hidden_states, routing, hits, loading, waiting)
+                outputs = self._compute(i, experts.act_fn, hidden_states, routing, hits, loading, waiting, start)
             return self._combine(hidden_states, routing, outputs, top_k_weights)
         finally:
             for e in pinned:
@@ -464,11 +467,15 @@ class Engine:
         assert loading or not waiting, "every slot is in use by this layer's loads"
 
     def _compute(self, i: int, act, hidden_states: torch.Tensor, routing: Routing, hits: Hits,
-                 loading: list[Staged], waiting: list[tuple[int, int]]) -> dict:
+                 loading: list[Staged], waiting: list[tuple[int, int]], submit_start: float | None = None) -> dict:
         """3. compute what is on the device, then each load as it arrives (speculating once every
-        demand load is queued); returns expert -> output rows [T_e, H]."""
+        demand load is queued); returns expert -> output rows [T_e, H]. `submit_start`: the host time before
+        the layer's demand loads were submitted (None: none were)."""
         state, pool, store = self.layers[i], self.pool, self.store
         submitted = host_now() if loading else 0.0
+        if submit_start is not None and loading:  # h_sub: the first load is on the link while the others are submitted
+            state.counters.submit_s += submitted - submit_start
+            state.counters.submitted += len(hits.loads) - len(waiting)
         k = state.top_neurons
         if hidden_states.shape[0] == 1:  # a decode step: every expert's one token is that row (no gather)
             def x_of(e: int) -> torch.Tensor:

@@ -40,11 +40,12 @@ with the link charged for the issued prefetch that still holds it when the layer
               layer (t_host_prefetch)
         C_i = argmax m_i·T_load − G_i (without the h_pf term, the same for every C)   (11)
         B_i = R_i + n_i·T_load                       the link's work once layer i has routed
-        S_i = max(R_i + min(n_i, 1)·T_load, B_i − max(0, n_i − 1)·(T_exp + h_load))
-              − m_i·T_exp − [n_i > 0]·(h_route + h_pf·[Y_i > 0])
-              (the compute side's lead on the first load: h_route, the host's work between submitting
-              the loads and the first compute, and h_pf, which the engine spends as soon as the
-              demand loads are queued, while they are on the link)
+        S_i = max(R_i + min(n_i, 1)·T_load, B_i − max(0, n_i − 1)·(T_exp + h_load − h_sub))
+              − m_i·T_exp − [n_i > 0]·(n_i·h_sub + h_route + h_pf·[Y_i > 0])
+              (the compute side's lead on the first load: n_i·h_sub, submitting the layer's loads, the
+              first on the link meanwhile; h_route, the host's work between submitting the loads and the
+              first compute; and h_pf, which the engine spends as soon as the demand loads are queued,
+              while they are on the link)
         T^i = max(0, S_i) + G_i                                                    (6)
         T_wind^{i+1} = T_moe + T^i − B_i + T_att                                   (7)
 
@@ -72,6 +73,12 @@ docs/planning.md § Where the model deviates from the paper):
 - the hit rate of a cache smaller than K (`cache_hit_rate`): such a cache holds C_i of the last token's experts,
   not the C_i of highest priority: H_i(C) = min(H_i(C), (C/K)·H_i(K)) for C < K; with H_i(C) as recorded, those
   plans were priced 2–4 % below the simulator at 4 and 16 GB/s (hit 0.32 priced, 0.24 simulated).
+- the submission of a layer's loads in the lead (n_i·h_sub, h_sub ≤ h_load the part of a load's host work spent
+  submitting it, Timings.t_host_submit): the engine submits every demand load of a layer before it computes
+  (offload/engine.py: _submit), so the first is on the link while the others are submitted. On the demo (CPU-time
+  clock) submitting 4 loads took 0.055–0.10 ms, more than one load at 16 GB/s (0.047 ms): `ondemand` measured
+  0.000 ms a token exposed where the closed form (and the simulator, which submitted for free) priced 0.249;
+  at 4 GB/s 0.46–0.64 against 0.91.
 Two guards the formulas leave implicit: m_i is capped at K (no
 layer hides more than its K experts; with product-of-marginals statistics Eq. 9 can
 exceed K), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
@@ -386,15 +393,19 @@ class _LayerModel:
         if prefetches[c] > 0:
             work += t.t_host_prefetch  # h_pf: the predictor and prefetcher's work when the layer prefetches
         loads = top_k - m  # n_i: the experts still to load, one after another on the link
+        # h_sub: the part of h_load spent submitting a demand load; the engine submits all of a layer's loads
+        # before it computes anything (offload/engine.py: _submit), so it is spent with the first on the link
+        submit = min(t.t_host_submit, t.t_host_load)
         # T^i (Eq. 6, pipelined, + G_i): the compute waits for the first load, then for each next one
         # only as far as the link is slower than the compute of the one before it
-        serve = t.t_exp + t.t_host_load  # the compute side's time per loaded segment
-        # the compute side's lead on the first load once the layer has routed: the cached segments' compute,
-        # the routing layout (h_route) and, when it prefetches, the predictor and prefetcher (h_pf: the engine
-        # runs them as soon as its demand loads are queued, offload/engine.py, while they are on the link)
+        serve = t.t_exp + t.t_host_load - submit  # the compute side's time per loaded segment once it lands
+        # the compute side's lead on the first load once the layer has routed: the submission of its loads
+        # (n_i·h_sub), the cached segments' compute, the routing layout (h_route) and, when it prefetches, the
+        # predictor and prefetcher (h_pf: the engine runs them as soon as its demand loads are queued,
+        # offload/engine.py, while they are on the link)
         lead = m * t.t_exp
         if loads > 0:
-            lead += t.t_host_route + (t.t_host_prefetch if prefetches[c] > 0 else 0.0)
+            lead += loads * submit + t.t_host_route + (t.t_host_prefetch if prefetches[c] > 0 else 0.0)
         stall = max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve) - lead
         exposed = max(0.0, stall) + work
         next_window = t.t_moe + exposed - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)

@@ -21,7 +21,8 @@ decode token; its T_load is not used: the link's bandwidth and latency time ever
     per MoE layer:  T_att, then per expert segment of n neurons c + (T_exp − c) · n / I
                     (c: a split top hit's extra, Timings.t_segment) in the engine's
                     order: whole and cached-top segments first, then each load as acquired
-                    (+ h_load of host work per loaded segment), h_pf before a prefetch is issued
+                    (+ h_load of host work per loaded segment, of which h_sub is spent submitting it, before
+                    the layer's first compute), h_pf before a prefetch is issued
                     (h_load, h_pf: the engine's host work, Timings.t_host_load and
                     t_host_prefetch; h_route of T_att is spent after the layer's loads
                     are submitted, as the engine lays out its routing)
@@ -125,6 +126,8 @@ class Simulator:
         # h_load per loaded segment (pool slot, link submit, acquire, release: the host's, not the link's)
         # and h_pf per layer that prefetches (the predictor's ranking and the prefetcher's bookkeeping).
         self.load_host = times.t_host_load
+        # h_sub, the part of h_load spent submitting a demand load, before the layer's first compute (≤ h_load)
+        self.submit_host = min(times.t_host_submit, times.t_host_load)
         self.prefetch_host = times.t_host_prefetch
         self.clock = VirtualClock()
         self.link = EmulatedLink(bandwidth / 1e9, latency, clock=self.clock)
@@ -205,7 +208,7 @@ class Simulator:
         # 2. covering prefetches become demand loads; the rest is queued ahead of any prefetch
         loading = pool.take_over(i, hits.covered, link)
         waiting = list(hits.loads)
-        self._submit_demand(i, waiting, loading)
+        self._submit_demand(i, waiting, loading)  # h_sub each, the first already on the link
         self.clock.advance(route)  # h_route: the routing layout and token gather, the loads already on the link
         # 3. compute what is on the device, then each load as it arrives
         on_device = len(hits.whole) + len(hits.top_hits)
@@ -218,7 +221,9 @@ class Simulator:
             entry = next((x for x in loading if x.transfer.ready()), loading[0])
             loading.remove(entry)
             link.acquire(entry.transfer, tag=i)
-            self.clock.advance(self.load_host + t_call + (shape.intermediate - max(entry.start, k if entry.expert in hits.top_hits else 0))
+            # h_load, less h_sub where it was spent submitting the load (a taken-over prefetch was not submitted)
+            host = self.load_host - (0.0 if entry.prefetched else self.submit_host)
+            self.clock.advance(host + t_call + (shape.intermediate - max(entry.start, k if entry.expert in hits.top_hits else 0))
                                * t_neuron)
             if entry.expert not in hits.top_hits and state.top_neurons > 0:
                 if state.cache.admit(entry.expert) is not None:  # the top copied into the cache: k/I of a_e
@@ -274,7 +279,11 @@ class Simulator:
         return torch.empty(k, *self.store.row_shape, dtype=self.store.dtype, device=META)
 
     def _submit_demand(self, i: int, waiting: list[tuple[int, int]], loading: list[Staged]) -> None:
+        """Queue the demand loads that find a slot (at the clock's time: one copy engine runs them in turn), then
+        spend h_sub on each (the engine submits them one after another before it computes)."""
+        before = len(loading)
         self.layers[i].counters.bytes_demand += self.pool.submit_demand(i, waiting, loading, self.link, self.store)
+        self.clock.advance((len(loading) - before) * self.submit_host)
 
     def _prefetch(self, i: int, token: Token, next_token: Token | None) -> None:
         if not self.settings.prefetch or self.resident:

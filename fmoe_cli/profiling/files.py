@@ -149,6 +149,9 @@ class ModelTimings:
     t_expert: float | None = None
     # h_route (Timings.t_host_route): host work from submitting a layer's loads to its first compute
     t_host_route: float | None = None
+    # h_sub (Timings.t_host_submit): host work per demand load submitted, before the layer's first compute (part of
+    # h_load); None in profiles from before it was measured
+    t_host_submit: float | None = None
 
     def timings(self, link: LinkFit, expert_bytes: int, phase: str = "decode") -> Timings:
         """The configurator's Timings: means over the MoE layers; dense layers (DeepSeek's first
@@ -183,6 +186,7 @@ class ModelTimings:
             t_admit=self.t_admit or 0.0,
             t_segment=self.t_segment or 0.0,
             t_host_route=self.t_host_route or 0.0,
+            t_host_submit=self.t_host_submit or 0.0,
         )
 
 
@@ -382,4 +386,5 @@ class _Reader:
             t_token=self.get(d, "t_token", float, optional=True),
             t_expert=self.get(d, "t_expert", float, optional=True),
             t_host_route=self.get(d, "t_host_route", float, optional=True),
+            t_host_submit=self.get(d, "t_host_submit", float, optional=True),
         )

@@ -124,13 +124,13 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
         )
         t_admit = admission_copy_s(lm, repeats=20 if quick else 100)
         t_segment = segment_call_s(lm, repeats=50 if quick else 200)
-        h_load, h_pf, c, step, route = host_work_s(
+        h_load, h_pf, c, step, route, submit = host_work_s(
             lm, engine, prompt_ids(lm, 2), block_h_load=timings.t_host_load or 0.0, t_segment=t_segment, rounds=5 if quick else 9, tokens=4 if quick else 16, budget_s=5.0 if quick else 60.0,
             whole=whole, layer_reps=10 if quick else 100,
             link_bytes=(LINK_LAYERS_BUDGET * lm.shape.num_experts * lm.shape.expert_bytes
                         - (engine.link.bytes_moved - start_bytes)) if quick else None)
         return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c, t_token=step,
-                       t_host_route=route, t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True))
+                       t_host_route=route, t_host_submit=submit, t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True))
     finally:
         engine.observers = kept
         whole.close()
@@ -143,8 +143,8 @@ SPLIT_CACHE_BYTES = 512 * 2**20
 
 def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: float, t_segment: float, rounds: int = 5, tokens: int = 8, budget_s: float = 5.0,
                 whole: WholeLayers | None = None, link_bytes: int | None = None,
-                layer_reps: int = 100) -> tuple[float, float, float, float | None, float]:
-    """(h_load, h_pf, c, resident step, h_route): the host's work per loaded segment, per MoE layer that prefetches (the
+                layer_reps: int = 100) -> tuple[float, float, float, float | None, float, float]:
+    """(h_load, h_pf, c, resident step, h_route, h_sub): the host's work per loaded segment, per MoE layer that prefetches (the
     predictor's scores and ranking, the prefetcher's submits, take-overs and drops) and per split top hit
     (two segment forwards and their sum instead of one forward), each from one MoE layer's experts forward
     (`layer_forward_s`, `layer_reps` times in all, less the time it waited on the link) in up to 5 paired rounds,
@@ -163,8 +163,9 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     medians of 4 whole steps, which moved by a millisecond on a busy machine (the demo's quick estimates read
     h_load 0.000–0.235 ms and c 0.013–0.244 where a decode step pays about 0.03 and 0.02; forwards read
     0.015–0.035 and ~0). Whole decode tokens on the engine's link in interleaved rounds (every expert resident;
-    on demand) still give the resident step and h_route, the host's lead on a layer's first load, from the
-    engine's counters of the on-demand runs. Where the model does not fit on the device (a GPU), h_load is
+    on demand) still give the resident step, h_route, the host's lead on a layer's first load, and h_sub, its work
+    per demand load submitted (the part of h_load spent before the layer's first compute), from the engine's
+    counters of the on-demand runs. Where the model does not fit on the device (a GPU), h_load is
     `block_h_load` (profiling/layers.py) and c is `t_segment` (one forward of a one-block segment). With `whole`
     only its link layer loads (every other layer whole, served without the link: each formula is per loaded
     segment, per top hit or per prefetching layer, so one layer gives it): of the two layers forwarded (the link
@@ -218,7 +219,7 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
         loading = 2 + (0.5 if "split" in forwards else 0.0)  # demand, prefetch, split
         link_bytes -= int(loading * pf_rounds * (max(pf_warm, tokens) + pf_reps)  # a warm-up of every replayed token
                           * shape.top_k * shape.expert_bytes * (1 if whole else layers))
-    h_loads, h_pfs, cs, steps, routes = [], [], [], [], []
+    h_loads, h_pfs, cs, steps, routes, submits = [], [], [], [], [], []
     start, start_bytes, round_bytes = host_now(), moved(), 0
     try:
         for r in range(rounds):
@@ -236,6 +237,7 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 net[name] = statistics.median(e.latency_s - e.counters.exposed_s for e in events)
                 if name == "demand":
                     routes += [e.counters.lead_s / e.counters.leads for e in events if e.counters.leads]
+                    submits += [e.counters.submit_s / e.counters.submitted for e in events if e.counters.submitted]
             round_bytes = max(round_bytes, moved() - start_bytes - used)
             if "resident" in net:
                 steps.append(net["resident"])
@@ -267,8 +269,9 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     c = max(statistics.median(cs), t_segment) if cs else t_segment
     step = statistics.median(steps) if steps else None
     route = statistics.median(routes) if routes else 0.0
+    submit = statistics.median(submits) if submits else 0.0
     h_load = statistics.median(h_loads) if h_loads else block_h_load
-    return max(0.0, h_load), max(0.0, statistics.median(h_pfs)), max(0.0, c), step, route
+    return max(0.0, h_load), max(0.0, statistics.median(h_pfs)), max(0.0, c), step, route, submit
 
 
 def _fitting(tokens: list, loading_at: Sequence[int], size: int | None) -> list:
