@@ -78,7 +78,8 @@ docs/planning.md § Where the model deviates from the paper):
   (offload/engine.py: _submit), so the first is on the link while the others are submitted. On the demo (CPU-time
   clock) submitting 4 loads took 0.055–0.10 ms, more than one load at 16 GB/s (0.047 ms): `ondemand` measured
   0.000 ms a token exposed where the closed form (and the simulator, which submitted for free) priced 0.249;
-  at 4 GB/s 0.46–0.64 against 0.91.
+  at 4 GB/s, with that run's quick estimate (compute between loads longer than a load), 0.46–0.64 against 0.91
+  (0.50 with h_sub).
 Two guards the formulas leave implicit: m_i is capped at K (no
 layer hides more than its K experts; with product-of-marginals statistics Eq. 9 can
 exceed K), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
