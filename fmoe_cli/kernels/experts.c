@@ -32,10 +32,10 @@
 #endif
 
 #ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 1 /* decode: groups of AXPY_ROWS neurons prefetched ahead (0: none); into L1 (see pass_chunk_one) */
+#define PREFETCH_AHEAD 8192 /* decode, int8/int4 rows: bytes the prefetch cursor runs ahead of the dots (0: none; Cursor) */
 #endif
-#ifndef PREFETCH_STRIDE
-#define PREFETCH_STRIDE 64 /* bytes between two prefetches */
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
 #endif
 #ifndef FMOE_PHASES
 #define FMOE_PHASES 3 /* a benchmark build may time one phase alone */
@@ -1118,6 +1118,33 @@ static inline void meta_floats(const uint8_t *meta, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(meta + 2 * i))));
 }
 
+/* The decode paths' prefetch cursor (int8 and int4 rows; f32 and bf16 need none: the hardware prefetcher keeps up
+   with their one stream a row). The dot loops step it by the bytes each group reads, and it prefetches the lines up to
+   PREFETCH_AHEAD bytes past them into L1: a few lines a group, spread over the work. It replaced a burst of the next
+   four neurons' rows (216 int4 lines) before each four: on the AMD EPYC (Zen 3, 32 KB L1, AVX2) one a3b int4 expert
+   from RAM on one thread took 0.65x the time with the cursor at 8 KB, 0.75x at 4 KB (docs/bench.md § CPU expert
+   kernels, 27 Nov). Prefetches change no values. */
+typedef struct { const char *next, *due, *end; } Cursor;
+
+/* A cursor over [start, end) (rows read in order from start), or NULL: no prefetching. */
+static inline Cursor *cursor_at(Cursor *c, const Format *f, const uint8_t *start, const uint8_t *end) {
+    if (!PREFETCH_AHEAD || f->fmt < FMT_INT8 || f->fmt > FMT_INT4) return NULL;
+    c->next = (const char *)((uintptr_t)start & ~(uintptr_t)63), c->due = (const char *)start + PREFETCH_AHEAD;
+    c->end = (const char *)end;
+    return c;
+}
+
+/* `bytes` more read: prefetch up to PREFETCH_AHEAD past them. */
+static inline __attribute__((always_inline)) void cursor_step(Cursor *pf, int64_t bytes) {
+    if (!pf) return;
+    pf->due += bytes;
+    const char *stop = pf->due < pf->end ? pf->due : pf->end;
+    for (; pf->next < stop; pf->next += 64) _mm_prefetch(pf->next, PREFETCH_HINT);
+}
+
+/* The code bytes of one projection row (what the dot loops step); the rest of proj_bytes is its metadata. */
+static inline int64_t code_bytes(const Format *f) { return f->fmt == FMT_INT4 ? f->hidden / 2 : f->hidden; }
+
 /* VL codes -> VL floats (int8: signed bytes; int4: bytes as int32, then the low or the high nibble). */
 #if VL == 16
 #define vq8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
@@ -1141,11 +1168,12 @@ typedef __m256i veci;
 
 /* int8 gate and up (G weights a group, a constant where inlined): Σ_g s_g·Σ_{j∈g} q_j x_j per row. */
 static inline __attribute__((always_inline)) void gate_up_int8(const uint8_t *row, const uint8_t *up, int64_t h,
-                                                                int64_t G, const float *x, float *g, float *u) {
+                                                                int64_t G, const float *x, float *g, float *u, Cursor *pf) {
     float sg[META_FLOATS], su[META_FLOATS];
     meta_floats(row + h, h / G, sg), meta_floats(up + h, h / G, su);
     vec tg = vzero(), tu = tg;
     for (int64_t g0 = 0; g0 < h; g0 += G) {
+        cursor_step(pf, 2 * G);
         vec ga = vzero(), gb = ga, ua = ga, ub = ga;
         for (int64_t j = g0; j < g0 + G; j += 2 * VL) {
             vec xa = vload(x + j), xb = vload(x + j + VL);
@@ -1162,7 +1190,7 @@ static inline __attribute__((always_inline)) void gate_up_int8(const uint8_t *ro
    Σ_g s_g·Σ_{j∈g} q_j x_j + Σ_g m_g·X_g per row. */
 static inline __attribute__((always_inline)) void gate_up_int4(const uint8_t *row, const uint8_t *up, int64_t h,
                                                                 int64_t G, const float *x, const float *xg, float *g,
-                                                                float *u) {
+                                                                float *u, Cursor *pf) {
     int64_t half = h / 2, paired = half / G;
     float mg[META_FLOATS], mu[META_FLOATS]; /* (s, m) per group */
     meta_floats(row + half, 2 * (h / G), mg), meta_floats(up + half, 2 * (h / G), mu);
@@ -1170,6 +1198,7 @@ static inline __attribute__((always_inline)) void gate_up_int4(const uint8_t *ro
     float og = 0.0f, ou = 0.0f;
     for (int64_t g = 0; g < paired; g++) {
         int64_t gh = g + paired, j0 = g * G;
+        cursor_step(pf, 2 * G);
         vec gl = vzero(), gh_ = gl, ul = gl, uh = gl;
         for (int64_t j = j0; j < j0 + G; j += VL) {
             vec xl = vload(x + j), xh = vload(x + half + j);
@@ -1187,10 +1216,11 @@ static inline __attribute__((always_inline)) void gate_up_int4(const uint8_t *ro
 
 /* int8 down rows of AXPY_ROWS neurons onto c. */
 static inline __attribute__((always_inline)) void down_int8(const uint8_t *const *rows, int64_t h, int64_t G,
-                                                             const float *a, float *restrict c, int init) {
+                                                             const float *a, float *restrict c, int init, Cursor *pf) {
     float s[AXPY_ROWS][META_FLOATS];
     for (int r = 0; r < AXPY_ROWS; r++) meta_floats(rows[r] + h, h / G, s[r]);
     for (int64_t g = 0; g < h / G; g++) {
+        cursor_step(pf, AXPY_ROWS * G);
         vec s0 = vset1(a[0] * s[0][g]), s1 = vset1(a[1] * s[1][g]), s2 = vset1(a[2] * s[2][g]), s3 = vset1(a[3] * s[3][g]);
         for (int64_t j = g * G; j < (g + 1) * G; j += VL) {
             vec v = init ? vmul(vq8(rows[0] + j), s0) : vfma(vq8(rows[0] + j), s0, vload(c + j));
@@ -1204,12 +1234,13 @@ static inline __attribute__((always_inline)) void down_int8(const uint8_t *const
 /* int4 down rows of AXPY_ROWS neurons onto c: groups g (low nibbles, c[j]) and g + H/2G (high, c[j + H/2])
    together; the rows' offsets first (Σ_r a_r·m_r of the group, once per element), then a_r·s_r·q per row. */
 static inline __attribute__((always_inline)) void down_int4(const uint8_t *const *rows, int64_t h, int64_t G,
-                                                             const float *a, float *restrict c, int init) {
+                                                             const float *a, float *restrict c, int init, Cursor *pf) {
     int64_t half = h / 2, paired = half / G;
     float m[AXPY_ROWS][META_FLOATS];
     for (int r = 0; r < AXPY_ROWS; r++) meta_floats(rows[r] + half, 2 * (h / G), m[r]);
     for (int64_t g = 0; g < paired; g++) {
         int64_t gh = g + paired;
+        cursor_step(pf, AXPY_ROWS * G);
         vec sl[AXPY_ROWS], sh[AXPY_ROWS];
         float ml = 0.0f, mh = 0.0f;
         for (int r = 0; r < AXPY_ROWS; r++) {
@@ -1230,7 +1261,7 @@ static inline __attribute__((always_inline)) void down_int4(const uint8_t *const
 }
 
 /* g = x·ŵ_gate, u = x·ŵ_up of one neuron (row: its gate row, then its up row), float32 x. */
-static void gate_up_one(const uint8_t *row, const Format *f, const float *x, const float *xg, float *g, float *u) {
+static void gate_up_one(const uint8_t *row, const Format *f, const float *x, const float *xg, float *g, float *u, Cursor *pf) {
     int64_t h = f->hidden, G = f->group;
     const uint8_t *up = row + f->proj_bytes;
     switch (f->fmt) {
@@ -1262,12 +1293,12 @@ static void gate_up_one(const uint8_t *row, const Format *f, const float *x, con
         return;
     }
     case FMT_INT8: /* a3b's G = 128: a constant, the group loop unrolled */
-        if (G == 128) gate_up_int8(row, up, h, 128, x, g, u);
-        else gate_up_int8(row, up, h, G, x, g, u);
+        if (G == 128) gate_up_int8(row, up, h, 128, x, g, u, pf);
+        else gate_up_int8(row, up, h, G, x, g, u, pf);
         return;
     default: /* FMT_INT4 */
-        if (G == 64) gate_up_int4(row, up, h, 64, x, xg, g, u);
-        else gate_up_int4(row, up, h, G, x, xg, g, u);
+        if (G == 64) gate_up_int4(row, up, h, 64, x, xg, g, u, pf);
+        else gate_up_int4(row, up, h, G, x, xg, g, u, pf);
         return;
     }
 }
@@ -1276,7 +1307,7 @@ static void gate_up_one(const uint8_t *row, const Format *f, const float *x, con
    first rows). Per element: the first row's product (or fma onto c), then one fma per row, in order. int4's
    offsets m_r,g enter once per group and element: c_j += Σ_r a_r·m_r,g(j) (a sum over the R rows, in order)
    before the rows' a_r·s_r,g·q_r,j. */
-static void down_one(const uint8_t *const *rows, const Format *f, const float *a, float *restrict c, int init) {
+static void down_one(const uint8_t *const *rows, const Format *f, const float *a, float *restrict c, int init, Cursor *pf) {
     int64_t h = f->hidden, G = f->group;
     switch (f->fmt) {
     case FMT_F32: {
@@ -1303,12 +1334,12 @@ static void down_one(const uint8_t *const *rows, const Format *f, const float *a
         return;
     }
     case FMT_INT8:
-        if (G == 128) down_int8(rows, h, 128, a, c, init);
-        else down_int8(rows, h, G, a, c, init);
+        if (G == 128) down_int8(rows, h, 128, a, c, init, pf);
+        else down_int8(rows, h, G, a, c, init, pf);
         return;
     default: /* FMT_INT4 */
-        if (G == 64) down_int4(rows, h, 64, a, c, init);
-        else down_int4(rows, h, G, a, c, init);
+        if (G == 64) down_int4(rows, h, 64, a, c, init, pf);
+        else down_int4(rows, h, G, a, c, init, pf);
         return;
     }
 }
@@ -1342,22 +1373,16 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
     const uint8_t *down[AXPY_ROWS];
     float a[AXPY_ROWS];
     int64_t i = i0;
+    Cursor cursor, *pf = cursor_at(&cursor, f, p->segment + i0 * p->row_bytes, p->segment + p->neurons * p->row_bytes);
+    int64_t meta = p->row_bytes - 3 * code_bytes(f); /* a neuron's bytes the dot loops do not step */
     for (; i + AXPY_ROWS <= i1; i += AXPY_ROWS) {
-        if (PREFETCH_AHEAD && f->fmt >= FMT_INT8) { /* int8, int4: the next AXPY_ROWS neurons' rows, into L1. One a3b
-            expert from RAM, 2 threads, CPU time (benchmarks/kernels_callgrind.c, 4 alternated runs, load 4-5): int4
-            714-808 µs without, 518-584 into L2 two groups ahead, 421-524 into L1 one group ahead; int8 736-976 into L2,
-            591-680 into L1. f32 and bf16: no gain (the hardware prefetcher keeps up with their one stream a row). */
-            int64_t ahead = i + PREFETCH_AHEAD * AXPY_ROWS, rows = p->neurons - ahead < AXPY_ROWS ? p->neurons - ahead : AXPY_ROWS;
-            const char *next = (const char *)(p->segment + ahead * p->row_bytes);
-            for (int64_t b = 0; b < rows * p->row_bytes; b += PREFETCH_STRIDE) _mm_prefetch(next + b, _MM_HINT_T0);
-        }
         for (int r = 0; r < AXPY_ROWS; r++) {
             const uint8_t *row = p->segment + (i + r) * p->row_bytes;
             float g, u;
             if (x->q8)
-                gate_up_dots(row, f, x, 0, &g, &u);
+                cursor_step(pf, 2 * code_bytes(f)), gate_up_dots(row, f, x, 0, &g, &u);
             else
-                gate_up_one(row, f, x->xf, x->xg, &g, &u);
+                gate_up_one(row, f, x->xf, x->xg, &g, &u, pf);
             if (p->x_bf16) { /* torch's bf16 ops: each result rounded to bf16 */
                 g = round_bf16(g), u = round_bf16(u);
                 a[r] = round_bf16(round_bf16(silu(g)) * u);
@@ -1365,8 +1390,9 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
                 a[r] = silu(g) * u;
             }
             down[r] = row + 2 * f->proj_bytes;
+            cursor_step(pf, meta);
         }
-        if (FMOE_PHASES & 2) down_one(down, f, a, c, i == i0);
+        if (FMOE_PHASES & 2) down_one(down, f, a, c, i == i0, pf);
     }
     for (; i < i1; i++) { /* a chunk's last neurons, fewer than AXPY_ROWS: one at a time */
         const uint8_t *row = p->segment + i * p->row_bytes;
@@ -1374,7 +1400,7 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
         if (x->q8)
             gate_up_dots(row, f, x, 0, &g, &u);
         else
-            gate_up_one(row, f, x->xf, x->xg, &g, &u);
+            gate_up_one(row, f, x->xf, x->xg, &g, &u, NULL);
         if (p->x_bf16) {
             g = round_bf16(g), u = round_bf16(u);
             one = round_bf16(round_bf16(silu(g)) * u);
@@ -1632,14 +1658,6 @@ typedef struct {
     int64_t outputs, stride;
 } Linear;
 
-#if FMOE_AVX2
-/* `bytes` of rows from `start` into L1, one prefetch per PREFETCH_STRIDE: a dense decode's next rows while these
-   compute (from RAM this VM's one thread streams int8 rows at ~6 GB/s without, ~10 with; docs/bench.md). */
-static inline void prefetch_rows(const uint8_t *start, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += PREFETCH_STRIDE) _mm_prefetch((const char *)start + b, _MM_HINT_T0);
-}
-#endif
-
 /* Output rows [32k, 32k + 32): y[t, o] = x_t·ŵ_o. */
 static void linear_chunk(void *job, int64_t k, int64_t worker) {
     const Linear *p = job;
@@ -1649,14 +1667,14 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
     int64_t o0 = k * LINEAR_ROWS, o1 = o0 + LINEAR_ROWS > p->outputs ? p->outputs : o0 + LINEAR_ROWS;
     float *w = p->scratch + worker * p->stride, *dots = w + (h + 15) / 16 * 16;
 #if FMOE_AVX2
+    Cursor cursor, *pf = tokens == 1 ? cursor_at(&cursor, f, p->rows + o0 * f->proj_bytes, p->rows + p->outputs * f->proj_bytes) : NULL;
     if (x->q8) { /* int8: 4 rows at a time, int4: 2, sharing the token's loads (each row's sum its own) */
         int64_t o = o0;
         float out[4];
         for (; o + 4 <= o1 && f->fmt == FMT_INT8; o += 4) {
             const uint8_t *rows[4] = {p->rows + o * f->proj_bytes, p->rows + (o + 1) * f->proj_bytes,
                                       p->rows + (o + 2) * f->proj_bytes, p->rows + (o + 3) * f->proj_bytes};
-            if (tokens == 1 && o + 8 <= p->outputs) /* the next 4 rows into L1, as the float path's pairs */
-                prefetch_rows(p->rows + (o + 4) * f->proj_bytes, 4 * f->proj_bytes);
+            cursor_step(pf, 4 * f->proj_bytes);
             for (int64_t t = 0; t < tokens; t++) {
                 ROWS_DOT_Q8(rows, 4, f, x, t, out);
                 for (int r = 0; r < 4; r++) p->y[t * p->outputs + o + r] = out[r];
@@ -1664,8 +1682,7 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
         }
         for (; o + 2 <= o1; o += 2) {
             const uint8_t *rows[2] = {p->rows + o * f->proj_bytes, p->rows + (o + 1) * f->proj_bytes};
-            if (tokens == 1 && o + 4 <= p->outputs)
-                prefetch_rows(p->rows + (o + 2) * f->proj_bytes, 2 * f->proj_bytes);
+            cursor_step(pf, 2 * f->proj_bytes);
             for (int64_t t = 0; t < tokens; t++) {
                 ROWS_DOT_Q8(rows, 2, f, x, t, out);
                 p->y[t * p->outputs + o] = out[0], p->y[t * p->outputs + o + 1] = out[1];
@@ -1681,11 +1698,10 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
 #if FMOE_AVX2
     if (tokens == 1 && one_shape(f, x)) { /* decode: two output rows a pass through the experts' gate/up dots (each
         row's sum its own, so the chunking changes no bits; row_dot, the old path, reads ~2-3x the instructions) */
-        int64_t o = o0;
+        int64_t o = o0, meta = 2 * (f->proj_bytes - code_bytes(f));
         for (; o + 2 <= o1; o += 2) {
-            if (f->fmt >= FMT_INT8 && o + 4 <= p->outputs) /* the next pair's rows into L1, as the experts' rows */
-                prefetch_rows(p->rows + (o + 2) * f->proj_bytes, 2 * f->proj_bytes);
-            gate_up_one(p->rows + o * f->proj_bytes, f, x->xf, x->xg, p->y + o, p->y + o + 1);
+            gate_up_one(p->rows + o * f->proj_bytes, f, x->xf, x->xg, p->y + o, p->y + o + 1, pf);
+            cursor_step(pf, meta);
         }
         for (; o < o1; o++) p->y[o] = row_dot(p->rows + o * f->proj_bytes, f, x->xf, x->xg, x->vector);
         return;
