@@ -123,10 +123,11 @@ def decoder_ops(lm, decode_forward: bool) -> float:
 # aten ops of one decode token outside the attention and the experts forward, per decoder layer (the step's own
 # ops — embedding, rotary, LM head, sampling — shared out over the 4 layers), with the decode forwards, at most, by
 # dtype; transformers' own: Mixtral 35.5, Qwen2-MoE 49.25, Qwen3-MoE 35.5, OLMoE 33.5 (float32 and bf16 alike;
-# Qwen2-MoE's model forward makes a full and a sliding-window mask every step: 7 a layer here)
-DECODE_LAYER_OPS = {"mixtral": {"float32": 29.75, "bfloat16": 34.25},
-                    "qwen2_moe": {"float32": 35.75, "bfloat16": 41.25},
-                    "qwen3_moe": {"float32": 28.75, "bfloat16": 34.25}, "olmoe": {"float32": 26.75, "bfloat16": 32.25}}
+# Qwen2-MoE's model forward makes a full and a sliding-window mask every step: 7 a layer here). bf16 +0.25 since
+# one_row_kernels: the LM head's kernel call is one op more than torch.mv's (its output's empty and rounding).
+DECODE_LAYER_OPS = {"mixtral": {"float32": 29.75, "bfloat16": 34.5},
+                    "qwen2_moe": {"float32": 35.75, "bfloat16": 41.5},
+                    "qwen3_moe": {"float32": 28.75, "bfloat16": 34.5}, "olmoe": {"float32": 26.75, "bfloat16": 32.5}}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -154,9 +154,79 @@ def _bf16_rows(lm):
             and (ATTENTION in n.split(".") or m is head)]
 
 
+@pytest.fixture
+def without_kernels(monkeypatch):
+    """FMOE_KERNELS=torch for one test (as a machine without a compiler): the library's cache cleared around it."""
+    from fmoe_cli import kernels
+
+    monkeypatch.setenv("FMOE_KERNELS", "torch")
+    kernels.library.cache_clear()
+    yield
+    monkeypatch.delenv("FMOE_KERNELS")
+    kernels.library.cache_clear()
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_a_decode_tokens_bf16_rows_are_a_matvec_with_linears_bits(checkpoints, family, monkeypatch):
-    """models/dense.py one_row_matvec: a bf16 model's attention projections without a bias and its LM head compute one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_tokens_float_rows_go_through_the_kernels(checkpoints, family, dtype, monkeypatch):
+    """models/dense.py one_row_kernels: a float model's attention projections (with a bias or not) and its LM head
+    compute one row through the CPU kernels (kernel_forward: the float32 dot rounded once to x's dtype, then the bias),
+    and nothing else does; two rows (a prefill) stay F.linear, with its bits."""
+    import fmoe_cli.models.dense as dense
+
+    monkeypatch.setattr(dense, "KERNEL_ROWS_MIN_F32", dict(in_features=0, weight_bytes=0))  # the tiny rows too
+    lm = load_model(str(checkpoints[family]), device="cpu", dtype=str(dtype).removeprefix("torch."),
+                    experts="bf16")
+    head = lm.model.get_output_embeddings()
+    linears = {m for n, m in lm.model.named_modules() if type(m) is torch.nn.Linear
+               and (ATTENTION in n.split(".") or m is head)}
+    assert head in linears and (family != "qwen2_moe" or any(m.bias is not None for m in linears))
+    calls = []
+    real = dense.kernel_forward
+    monkeypatch.setattr(dense, "kernel_forward", lambda x, rows, spec, bias: calls.append(rows.shape)
+                        or real(x, rows, spec, bias))
+    for name, module in lm.model.named_modules():
+        if type(module) is not torch.nn.Linear:
+            continue
+        x = torch.randn(1, 1, module.in_features).to(dtype)
+        calls.clear()
+        got = module(x)
+        if module not in linears:  # the router, the experts' own, the shared expert's: not served here
+            assert calls == [], name
+            continue
+        assert calls == [(module.out_features, module.in_features * dtype.itemsize)], name
+        want = torch.nn.functional.linear(x.float(), module.weight.float())
+        want = (want.to(dtype) if module.bias is None else want.to(dtype) + module.bias).view(got.shape)
+        assert got.shape == (1, 1, module.out_features) and got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+        calls.clear()
+        two = torch.randn(1, 2, module.in_features).to(dtype)
+        assert torch.equal(module(two), torch.nn.functional.linear(two, module.weight, module.bias)) and calls == []
+
+
+def test_small_float32_rows_stay_f_linear(checkpoints, monkeypatch):
+    """float32 rows below KERNEL_ROWS_MIN_F32 (the tiny checkpoints': faster in the caches with torch) stay
+    F.linear, with its bits; the same model's bf16 rows take the kernels."""
+    import fmoe_cli.models.dense as dense
+
+    calls = []
+    real = dense.kernel_forward
+    monkeypatch.setattr(dense, "kernel_forward", lambda *a: calls.append(1) or real(*a))
+    for dtype, served in [(torch.float32, False), (torch.bfloat16, True)]:
+        lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype=str(dtype).removeprefix("torch."))
+        head = lm.model.get_output_embeddings()
+        assert head.weight.nbytes < dense.KERNEL_ROWS_MIN_F32["weight_bytes"]
+        calls.clear()
+        x = torch.randn(1, 1, head.in_features).to(dtype)
+        got = head(x)
+        assert calls == ([1] if served else [])
+        if not served:
+            assert torch.equal(got, torch.nn.functional.linear(x, head.weight))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_decode_tokens_bf16_rows_are_a_matvec_with_linears_bits(checkpoints, family, monkeypatch, without_kernels):
+    """models/dense.py one_row_matvec (without the kernels): a bf16 model's attention projections without a bias and its LM head compute one
     row as torch.mv (F.linear reorders the weight for oneDNN on every call), with F.linear's bits; two rows, and the
     projections with a bias (Qwen2-MoE's q/k/v), stay F.linear."""
     lm = load_model(str(checkpoints[family]), device="cpu", dtype="bfloat16", experts="bf16")
@@ -179,9 +249,9 @@ def test_a_decode_tokens_bf16_rows_are_a_matvec_with_linears_bits(checkpoints, f
         assert torch.equal(module(two), real_linear(two, module.weight, module.bias)) and calls == []
 
 
-def test_the_matvec_is_left_out_where_its_bits_differ(checkpoints, monkeypatch):
-    """one_row_matvec probes each weight shape first: where torch.mv's bits are not F.linear's (another CPU, another
-    torch), the rows stay F.linear."""
+def test_the_matvec_is_left_out_where_its_bits_differ(checkpoints, monkeypatch, without_kernels):
+    """Without the kernels, one_row_matvec probes each weight shape first: where torch.mv's bits are not F.linear's
+    (another CPU, another torch), the rows stay F.linear."""
     real_mv = torch.mv
     monkeypatch.setattr(torch, "mv", lambda w, x: real_mv(w, x) * 1.01)
     lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="bfloat16", experts="bf16")

@@ -186,6 +186,59 @@ def one_row_matvec(model) -> int:
     return count
 
 
+# float32 rows take the kernels from this size (docs/bench.md § Float dense rows through the kernels: from RAM
+# the kernel streams f32 rows 20–40 % faster than torch's F.linear/mv on an AVX2 EPYC from 1024×1024 up, equal at
+# 512×2048, slower at 256×1024; weights that stay in the caches — the demo's — are faster with torch). bf16 rows
+# take them at every size: torch's bf16 row products are slower than the kernel's from 256×1024 up (RAM) and at
+# 256×256 (cache).
+KERNEL_ROWS_MIN_F32 = dict(in_features=1024, weight_bytes=4 << 20)
+
+
+def one_row_kernels(model) -> int:
+    """The float32 and bf16 nn.Linears on the CPU of the attention and the LM head (when `--dense` leaves them as
+    stored) compute a single row — a decode token — through the CPU kernels (`kernel_forward`: the rows read once,
+    bf16 widened in registers, the float32 sum rounded once to x's dtype, then the bias): torch's F.linear and
+    torch.mv stream these rows at 14–16 GB/s on an AVX2 EPYC where the kernel reaches 16–21 (float32 from
+    KERNEL_ROWS_MIN_F32). Not F.linear's bits: each output is one row's dot in the kernel's order, as an expert's
+    is; the tokens stay transformers' (tests/test_exactness.py), and every policy's logits stay the resident run's
+    bit for bit (the same rows in every run). Several rows (a prefill) stay F.linear. Returns how many linears took
+    it; 0 without the kernels (then `one_row_matvec` serves bf16)."""
+    if kernels.library() is None:
+        return 0
+    count = 0
+    for name, module in model.named_modules():
+        if (type(module) is not nn.Linear or module.weight.dtype not in kernels.COMPUTE_DTYPES
+                or module.weight.device.type != "cpu" or module.weight.is_meta):
+            continue
+        if not (ATTENTION in name.split(".") or module is model.get_output_embeddings()):
+            continue
+        weight = module.weight
+        if weight.dtype == torch.float32 and (weight.shape[1] < KERNEL_ROWS_MIN_F32["in_features"]
+                                              or weight.nbytes < KERNEL_ROWS_MIN_F32["weight_bytes"]):
+            continue
+        module.forward = _kernel_row_forward(module, module.forward)
+        count += 1
+    return count
+
+
+def _kernel_row_forward(linear: nn.Linear, forward):
+    spec = kernels.spec_of("", linear.weight.dtype, linear.in_features)
+    rows = []  # the weight's bytes as [O, H·itemsize] rows: a view (no copy), remade if the weight is replaced
+
+    def kernel_row(x: torch.Tensor) -> torch.Tensor:
+        weight = linear.weight
+        if x.numel() != linear.in_features or x.dtype != weight.dtype or x.device.type != "cpu" \
+                or weight.device.type != "cpu":
+            rows.clear()  # (a model moved to another device: keep no reference to its CPU weight)
+            return forward(x)
+        if not rows or rows[0].data_ptr() != weight.data_ptr():
+            rows[:] = [weight.detach().view(torch.uint8)]
+        y = kernel_forward(x.reshape(1, -1), rows[0], spec, linear.bias)
+        return y.view(*x.shape[:-1], linear.out_features)
+
+    return kernel_row
+
+
 def _matvec_forward(linear: nn.Linear, forward):
     def matvec(x: torch.Tensor) -> torch.Tensor:
         if x.numel() != linear.in_features or x.dtype != torch.bfloat16 or x.device.type != "cpu":

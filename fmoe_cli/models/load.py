@@ -22,7 +22,8 @@ from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import download, local_model_dir
 from fmoe_cli.models.attention import install_decode_attention
 from fmoe_cli.models.decoder import install_decode_layers
-from fmoe_cli.models.dense import dense_bytes_saved, flatten_head_input, one_row_matvec, quantize_dense
+from fmoe_cli.models.dense import (dense_bytes_saved, flatten_head_input, one_row_kernels, one_row_matvec,
+                                   quantize_dense)
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.models.checkpoint import check_checkpoint, check_weight_files, read_checkpoint
 from fmoe_cli.models.identity import checkpoint_fingerprint
@@ -201,7 +202,8 @@ def load_model(
         quantize_dense(model, dense, activations)  # one copy: each float weight is dropped once quantised
         flatten_head_input(model)  # a prefill's last-token slice: torch's fast bf16 matmul (models/dense.py)
         if dev.type == "cpu":
-            one_row_matvec(model)  # a decode token's bf16 rows: torch.mv, F.linear's bits sooner (models/dense.py)
+            if not one_row_kernels(model):  # a decode token's float rows through the kernels (models/dense.py)
+                one_row_matvec(model)  # without them, bf16 rows as torch.mv: F.linear's bits sooner
     except BaseException:
         store.close()
         raise
