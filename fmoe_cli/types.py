@@ -308,6 +308,11 @@ class Timings:
     # first is already on the link; 0 unless measured (profiling/model.py: host_work_s, the engine's counter).
     t_host_submit: float = 0.0
 
+    @property
+    def submit_share(self) -> float:
+        """h_sub as the closed form and the simulator spend it: at most h_load, of which it is a part."""
+        return min(self.t_host_submit, self.t_host_load)
+
     def __post_init__(self) -> None:
         for name in ("t_att", "t_moe", "t_head", "t_load", "t_host_load", "t_host_prefetch", "t_admit", "t_segment",
                      "t_host_route", "t_host_expert", "t_host_call", "t_host_sync", "t_host_submit"):

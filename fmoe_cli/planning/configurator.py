@@ -396,7 +396,7 @@ class _LayerModel:
         loads = top_k - m  # n_i: the experts still to load, one after another on the link
         # h_sub: the part of h_load spent submitting a demand load; the engine submits all of a layer's loads
         # before it computes anything (offload/engine.py: _submit), so it is spent with the first on the link
-        submit = min(t.t_host_submit, t.t_host_load)
+        submit = t.submit_share
         # T^i (Eq. 6, pipelined, + G_i): the compute waits for the first load, then for each next one
         # only as far as the link is slower than the compute of the one before it
         serve = t.t_exp + t.t_host_load - submit  # the compute side's time per loaded segment once it lands

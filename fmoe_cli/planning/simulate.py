@@ -127,7 +127,7 @@ class Simulator:
         # and h_pf per layer that prefetches (the predictor's ranking and the prefetcher's bookkeeping).
         self.load_host = times.t_host_load
         # h_sub, the part of h_load spent submitting a demand load, before the layer's first compute (≤ h_load)
-        self.submit_host = min(times.t_host_submit, times.t_host_load)
+        self.submit_host = times.submit_share
         self.prefetch_host = times.t_host_prefetch
         self.clock = VirtualClock()
         self.link = EmulatedLink(bandwidth / 1e9, latency, clock=self.clock)
