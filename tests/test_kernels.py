@@ -323,6 +323,41 @@ def test_the_gil_is_released_while_a_kernel_runs():
     assert sum(start + quarter < t < end - quarter for t in stamps) >= 3, (end - start, len(stamps))
 
 
+POOL_STRESS = """
+import sys, torch
+from torch import nn
+from fmoe_cli import kernels
+from fmoe_cli.models.dense import QuantLinear
+from fmoe_cli.types import EXPERT_FORMATS
+torch.set_num_threads(2)
+lib = kernels.library()
+x = torch.randn(1, 1024)
+lines = [QuantLinear(nn.Linear(1024, o, bias=False), EXPERT_FORMATS["int8"]) for o in (64, 1024)]  # 2, 32 chunks
+want = [q(x) for q in lines]
+start = lib.fmoe_pool_chunks_run()
+for _ in range(int(sys.argv[1])):
+    for q, w in zip(lines, want):  # a job of 2 chunks, then one of 32: a stale helper of the first sees 32
+        assert torch.equal(q(x), w)
+print(lib.fmoe_pool_chunks_run() - start)
+"""
+
+
+@needs_kernels
+def test_each_chunk_of_a_pool_job_runs_once_whatever_the_helpers_timing():
+    """The kernels' thread pool (experts.c parallel_chunks): a helper descheduled between loading the ticket of a
+    finished job and claiming from it must not claim a chunk of the next one (the race seen once as a SIGFPE: it ran
+    a chunk with the next job's function or total and counted it into that job's `done`, so the caller could return
+    before its output was complete). FMOE_POOL_STALL_NS widens both windows (the helper's, between its load and its
+    claim; the caller's, between writing a job and opening it); with the job written while the old ticket is still
+    up, about a third of these jobs gain a chunk run twice."""
+    rounds = 150
+    env = {**os.environ, "FMOE_POOL_STALL_NS": "20000", "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", POOL_STRESS, str(rounds)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == rounds * (2 + 32)
+
+
 @needs_kernels
 def test_many_tokens_of_one_expert_go_to_torchs_matmuls(monkeypatch):
     """Above MAX_TOKENS (a very long prefill's expert) torch's matmuls compute: the store takes them, for every

@@ -103,6 +103,7 @@ def library() -> ctypes.CDLL | None:
                                         ctypes.c_int, ctypes.c_int]
     lib.fmoe_linear_forward.restype = ctypes.c_int
     lib.fmoe_simd.restype = ctypes.c_int
+    lib.fmoe_pool_chunks_run.restype = ctypes.c_int64
     return lib
 
 

@@ -17,6 +17,7 @@
      int4:      ŵ = q·s + m               int2 (HQQ): ŵ = (q − z)·s, s and z decoded from 8-bit codes
    so for a group  x·ŵ = s·Σ q·x + m·X_g  (X_g = Σ_g x; int2: m = −z·s), and a·ŵ = fma(q, a·s, a·m).
 */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,6 +25,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <time.h>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define FMOE_AVX2 1
@@ -1025,25 +1027,56 @@ static void gate_up_dots(const uint8_t *row, const Format *f, const Tokens *x, i
 
 typedef void (*ChunkFn)(void *job, int64_t chunk, int64_t worker);
 
+/* A job is published in three steps, so that a helper still in claim_chunks for the job before (it loaded the
+   exhausted ticket and was descheduled) cannot claim a chunk of the next one: (1) the ticket is closed (a value
+   no generation's claim matches), (2) the job's fields are written, (3) the ticket opens at the new generation.
+   A helper reads a job's fields only between loading a ticket of its generation with a chunk left and the CAS that
+   claims that chunk, or after the CAS: had the fields changed in between, the ticket would have changed too and
+   the CAS fails. (Until 27 Nov the fields were written while the finished job's exhausted ticket was still up: a
+   stale helper could read the next job's larger total, claim chunk `total` of the old generation, run it with the
+   next job's fn — or the next fn with the previous job pointer — and count it into the next job's `done`, so the
+   caller could return before a chunk was finished. Seen once as a SIGFPE; tests/test_kernels.py's pool stress test
+   fails on that code with FMOE_POOL_STALL_NS.) */
+#define TICKET_CLOSED UINT64_MAX
+
 static struct {
     pthread_mutex_t busy, lock;
     pthread_cond_t wake;
-    _Atomic uint64_t ticket; /* generation << 32 | next chunk */
+    _Atomic uint64_t ticket; /* generation << 32 | next chunk; TICKET_CLOSED while a job is being written */
     _Atomic int64_t done;    /* chunks finished in this generation */
-    int64_t total, limit; /* chunks; helpers with an id below limit take part */
+    _Atomic int64_t total, limit; /* chunks; helpers with an id below limit take part (relaxed: the ticket orders) */
     ChunkFn fn;
     void *job;
     uint32_t generation; /* under lock */
     int64_t helpers;     /* threads started (they live as long as the process) */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
+/* FMOE_POOL_STALL_NS (tests only): a helper sleeps this long between loading the ticket and claiming, and the caller
+   between writing a job and opening it, widening the windows the protocol above must survive. */
+static long stall_ns = -1;
+
+static void stall(void) {
+    if (stall_ns > 0) {
+        struct timespec t = {0, stall_ns};
+        nanosleep(&t, NULL);
+    }
+}
+
+/* Chunks run since the library was loaded: each job's chunks run exactly once (tests/test_kernels.py). */
+static _Atomic int64_t chunks_run;
+int64_t fmoe_pool_chunks_run(void) { return atomic_load(&chunks_run); }
+
 static void claim_chunks(uint32_t generation, int64_t worker) {
     for (;;) {
-        if (worker >= pool.limit) return; /* the caller's scratch has no room for it (limit is the job's) */
         uint64_t ticket = atomic_load(&pool.ticket);
-        if ((uint32_t)(ticket >> 32) != generation || (int64_t)(ticket & 0xffffffffu) >= pool.total) return;
+        stall();
+        if (ticket == TICKET_CLOSED || (uint32_t)(ticket >> 32) != generation) return;
+        if ((int64_t)(ticket & 0xffffffffu) >= atomic_load_explicit(&pool.total, memory_order_relaxed)) return;
+        /* the caller's scratch has no room for this worker (limit is the job's) */
+        if (worker >= atomic_load_explicit(&pool.limit, memory_order_relaxed)) return;
         if (!atomic_compare_exchange_weak(&pool.ticket, &ticket, ticket + 1)) continue;
         pool.fn(pool.job, (int64_t)(ticket & 0xffffffffu), worker); /* the job stays until every chunk is done */
+        atomic_fetch_add_explicit(&chunks_run, 1, memory_order_relaxed);
         atomic_fetch_add(&pool.done, 1);
     }
 }
@@ -1063,9 +1096,14 @@ static void *helper_main(void *arg) {
 
 /* Run fn(job, k, worker) for k in [0, total) on up to `threads` threads; worker < `threads` always. */
 static void parallel_chunks(int64_t total, ChunkFn fn, void *job, int64_t threads) {
-    if (threads <= 1 || total <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+    if (threads <= 1 || total <= 1 || total > 0xffffffffLL || pthread_mutex_trylock(&pool.busy) != 0) {
         for (int64_t k = 0; k < total; k++) fn(job, k, 0);
+        atomic_fetch_add_explicit(&chunks_run, total, memory_order_relaxed);
         return;
+    }
+    if (stall_ns < 0) {
+        const char *env = getenv("FMOE_POOL_STALL_NS");
+        stall_ns = env ? atol(env) : 0;
     }
     while (pool.helpers < threads - 1) {
         pthread_t thread;
@@ -1077,11 +1115,16 @@ static void parallel_chunks(int64_t total, ChunkFn fn, void *job, int64_t thread
         if (failed) break;
         pool.helpers++;
     }
-    pool.fn = fn, pool.job = job, pool.total = total, pool.limit = threads;
+    atomic_store(&pool.ticket, TICKET_CLOSED); /* (1) */
+    pool.fn = fn, pool.job = job; /* (2) */
+    atomic_store_explicit(&pool.total, total, memory_order_relaxed);
+    atomic_store_explicit(&pool.limit, threads, memory_order_relaxed);
     atomic_store(&pool.done, 0);
+    stall();
     pthread_mutex_lock(&pool.lock);
     uint32_t generation = ++pool.generation;
-    atomic_store(&pool.ticket, (uint64_t)generation << 32);
+    if (generation == UINT32_MAX) generation = pool.generation = 1; /* never the closed ticket's generation */
+    atomic_store(&pool.ticket, (uint64_t)generation << 32); /* (3) */
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     claim_chunks(generation, 0);
