@@ -84,6 +84,61 @@ def test_fused_qkv_gives_each_projections_bits(checkpoints, family, dtype, dense
                 assert torch.equal(got, p(x)), type(attn).__name__
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if not f.startswith("deepseek")])
+def test_float_qkv_rows_are_fused_where_the_kernels_take_them(checkpoints, family, dtype):
+    """--dense bf16 (rows as stored): bf16 q/k/v rows are one kernel call at every size, each output the bits of its
+    own linear's kernel row, each weight a view of the fused rows (one copy); the tiny checkpoints' float32 rows,
+    below KERNEL_ROWS_MIN_F32, are not fused (F.linear computes them)."""
+    lm = load_perturbed(checkpoints[family], dtype, "bf16")
+    for attn in attentions(lm.model):
+        fused = attn.fused_qkv
+        if dtype == "float32":
+            assert fused is None
+            continue
+        assert isinstance(fused, attention.FusedQKV), "no fused q/k/v"
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+        assert all(p.weight.untyped_storage().data_ptr() == fused.rows.untyped_storage().data_ptr() for p in parts)
+        x = torch.randn(1, lm.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+        assert fused.takes(x) and not fused.takes(x.float())  # float rows take tokens of their own dtype
+        for got, p in zip(fused(x).split(fused.sizes, dim=-1), parts):
+            assert torch.equal(got, p(x)), type(attn).__name__  # p(x): its kernel row (models/dense.py)
+
+
+@needs_kernels
+def test_float32_qkv_rows_are_fused_from_the_threshold_on_the_fused_size():
+    """float32 q/k/v are fused where their rows together reach KERNEL_ROWS_MIN_F32 (a k or v alone below it, which
+    F.linear computed, then takes the kernel's row: each output its own row's dot, as q's); below it they are not."""
+    from torch import nn
+
+    from fmoe_cli.models.dense import KERNEL_ROWS_MIN_F32, _kernel_row_forward
+
+    hidden = KERNEL_ROWS_MIN_F32["in_features"]
+    g = torch.Generator().manual_seed(0)
+
+    def linears(q_out: int, kv_out: int):
+        parts = [nn.Linear(hidden, o, bias=True) for o in (q_out, kv_out, kv_out)]
+        with torch.no_grad():
+            for p in parts:
+                p.weight.copy_(torch.randn(p.weight.shape, generator=g))
+                p.bias.copy_(torch.randn(p.bias.shape, generator=g))
+        return parts
+
+    below = linears(512, 128)  # 768 rows of 1024 float32: 3 MB
+    assert sum(p.weight.nbytes for p in below) < KERNEL_ROWS_MIN_F32["weight_bytes"]
+    assert not attention.fusable(*below)
+    parts = linears(1024, 256)  # 6 MB
+    assert attention.fusable(*parts)
+    fused = attention.FusedQKV(*parts)
+    x = torch.randn(1, hidden, generator=g)
+    for got, p in zip(fused(x).split(fused.sizes, dim=-1), parts):
+        row = _kernel_row_forward(p, p.forward)(x)  # the kernel's row for this linear alone
+        assert torch.equal(got, row)
+        assert (got - torch.nn.functional.linear(x, p.weight, p.bias)).abs().max() < 1e-3  # the same product
+    assert parts[1].weight.untyped_storage().data_ptr() == fused.rows.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("dense", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
@@ -156,18 +211,18 @@ def attention_ops(lm, decode_forward: bool) -> dict:
 
 # aten ops of one decode token's attention with the decode forward, at most, by (dtype, dense); transformers' own
 # forward, counted the same way: Mixtral 36 / 48 / 44 / 48, Qwen2-MoE 36 / 51 / 38 / 51, Qwen3-MoE 52 / 64 / 60 / 64,
-# OLMoE 52 / 64 / 60 / 64 (bf16 rows as stored: one_row_matvec's reshape and view around torch.mv, 2 a projection;
-# since one_row_kernels, bf16 rows as stored are a kernel call: a reshape, the output's empty, its rounding to bf16,
-# a view, and the bias's add where there is one — Mixtral 33 → 37, Qwen2-MoE 27 → 40 (q/k/v with a bias), Qwen3-MoE
-# 41 → 45, OLMoE 49 → 53; the tiny checkpoints' float32 rows stay F.linear, below KERNEL_ROWS_MIN_F32).
+# OLMoE 52 / 64 / 60 / 64. bf16 rows as stored are one kernel call for q/k/v together (FusedQKV over the float rows:
+# a reshape, the output's empty, its rounding to bf16, the bias's add where there is one) and one for o: Mixtral 37
+# → 26, Qwen2-MoE 40 → 27, Qwen3-MoE 45 → 34, OLMoE 53 → 44 with the q/k/v rows fused (each projection its own call
+# before); the tiny checkpoints' float32 rows stay F.linear, below KERNEL_ROWS_MIN_F32.
 # The KV cache's update is 6 of them (generate.py's GrowingLayer: a narrow and a copy_ for each of k and v, and the
 # views handed out; DynamicLayer's was 2 torch.cats, each copying the whole cache); RoPE 4 (a roll, two products and
 # a sum), and the signed sin once a token (4 ops, shared out over the layers).
 DECODE_ATTENTION_OPS = {
-    "mixtral": {("float32", "bf16"): 25, ("float32", "int8"): 22, ("bfloat16", "bf16"): 37, ("bfloat16", "int8"): 24},
-    "qwen2_moe": {("float32", "bf16"): 25, ("float32", "int8"): 23, ("bfloat16", "bf16"): 40, ("bfloat16", "int8"): 25},
-    "qwen3_moe": {("float32", "bf16"): 31, ("float32", "int8"): 28, ("bfloat16", "bf16"): 45, ("bfloat16", "int8"): 32},
-    "olmoe": {("float32", "bf16"): 41, ("float32", "int8"): 40, ("bfloat16", "bf16"): 53, ("bfloat16", "int8"): 42},
+    "mixtral": {("float32", "bf16"): 25, ("float32", "int8"): 22, ("bfloat16", "bf16"): 26, ("bfloat16", "int8"): 24},
+    "qwen2_moe": {("float32", "bf16"): 25, ("float32", "int8"): 23, ("bfloat16", "bf16"): 27, ("bfloat16", "int8"): 25},
+    "qwen3_moe": {("float32", "bf16"): 31, ("float32", "int8"): 28, ("bfloat16", "bf16"): 34, ("bfloat16", "int8"): 32},
+    "olmoe": {("float32", "bf16"): 41, ("float32", "int8"): 40, ("bfloat16", "bf16"): 44, ("bfloat16", "int8"): 42},
 }
 
 

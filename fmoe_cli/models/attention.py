@@ -8,7 +8,11 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Two c
   each QuantLinear's `packed` becomes a view of its rows, the separate tensors are freed), so a decode token's
   three projections are one `kernels.linear_forward` call (one ctypes call, one wake of the kernels' threads). Each
   output is one row's own dot product (experts.c fmoe_linear_forward), so every output has the bits its own
-  QuantLinear gives it.
+  QuantLinear gives it. Left as stored (`--dense bf16`), float q, k and v rows are fused the same way where the
+  kernels take a decode token's float rows (models/dense.py `one_row_kernels`: bf16 at every size, float32 from
+  KERNEL_ROWS_MIN_F32, judged on the fused rows): each nn.Linear's weight becomes a view of one [Oq + Ok + Ov, H]
+  tensor, and each output has the bits its own linear's kernel row gives it (a float32 k or v below the threshold
+  alone, which F.linear computed, now takes the kernel's row order: the same class of bits as q's).
 - **A decode forward** for the standard GQA families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): transformers' steps
   in the family's order, on views of one [1, Hq + Hk + Hv, 1, D] tensor (for one token, the transposed
   [1, 1, heads, D] is that view): Qwen3-MoE's q_norm and k_norm as one RMSNorm over both (Qwen3MoeRMSNorm's ops,
@@ -30,7 +34,7 @@ import torch
 from torch import nn
 
 from fmoe_cli import kernels
-from fmoe_cli.models.dense import ATTENTION, QuantLinear, kernel_forward
+from fmoe_cli.models.dense import ATTENTION, QuantLinear, kernel_forward, kernel_rows
 
 # The decoder layers' attention classes with the decode forward, and where their q/k norms sit:
 # "heads" (Qwen3-MoE: over each head's dims, before the transpose), "projection" (OLMoE: over the whole projection),
@@ -40,31 +44,49 @@ DECODE_FAMILIES = {"Qwen3MoeAttention": "heads", "Qwen2MoeAttention": None, "Mix
 
 
 class FusedQKV:
-    """One layer's q, k and v QuantLinears computed in one kernel call (their rows in one tensor)."""
+    """One layer's q, k and v projections computed in one kernel call (their rows in one tensor): QuantLinears of one
+    format, or float nn.Linears of one dtype (`--dense bf16`)."""
 
-    def __init__(self, q: QuantLinear, k: QuantLinear, v: QuantLinear) -> None:
+    def __init__(self, q, k, v) -> None:
         parts = (q, k, v)
-        self.rows = torch.cat([p.packed.data for p in parts])  # [Oq + Ok + Ov, row bytes] uint8
-        start = 0
-        for p in parts:  # each QuantLinear's rows become a view of the fused tensor: one copy
-            p.packed = nn.Parameter(self.rows[start:start + p.out_features], requires_grad=False)
-            start += p.out_features
         self.sizes = [p.out_features for p in parts]
         self.bias = None if q.bias is None else torch.cat([p.bias.detach() for p in parts])
-        self.kernel = q.kernel
+        if isinstance(q, QuantLinear):
+            self.rows = torch.cat([p.packed.data for p in parts])  # [Oq + Ok + Ov, row bytes] uint8
+            self.kernel, self.dtype = q.kernel, None
+            for p, rows in zip(parts, self.rows.split(self.sizes)):  # each one's rows a view of the fused tensor
+                p.packed = nn.Parameter(rows, requires_grad=False)
+            return
+        weight = torch.cat([p.weight.detach() for p in parts])  # [Oq + Ok + Ov, H] float32 or bf16
+        for p, rows in zip(parts, weight.split(self.sizes)):
+            p.weight = nn.Parameter(rows, requires_grad=False)
+        self.rows = weight.view(torch.uint8)  # the kernels' view of float rows: [O, H·itemsize] bytes
+        self.kernel, self.dtype = kernels.spec_of("", weight.dtype, q.in_features), weight.dtype
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the kernels compute these tokens x [T, H] (kernels.takes; float rows: x of their dtype)."""
+        return kernels.takes(x) and (self.dtype is None or x.dtype == self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """q, k and v side by side, [T, Oq + Ok + Ov] of x's dtype, for x [T, H] (the kernels take x: kernels.takes)."""
+        """q, k and v side by side, [T, Oq + Ok + Ov] of x's dtype, for x [T, H] (the kernels take x: `takes`)."""
         return kernel_forward(x, self.rows, self.kernel, self.bias)
 
 
 def fusable(q, k, v) -> bool:
-    """Whether three projections can be one kernel call: QuantLinears of one format and kernel view, over the same
-    input width, on the CPU, with biases on all three or none."""
+    """Whether three projections can be one kernel call: on the CPU, over the same input width, with biases on all
+    three or none, and either QuantLinears of one format and kernel view, or float nn.Linears of one dtype whose
+    decode rows the kernels take (models/dense.py `kernel_rows`, on the fused rows' size)."""
     parts = (q, k, v)
-    return (all(isinstance(p, QuantLinear) and p.kernel is not None for p in parts)
-            and len({(p.format, p.kernel, p.in_features, p.packed.device.type) for p in parts}) == 1
-            and q.packed.device.type == "cpu" and len({p.bias is None for p in parts}) == 1)
+    if len({p.in_features for p in parts}) != 1 or len({p.bias is None for p in parts}) != 1:
+        return False
+    if all(isinstance(p, QuantLinear) and p.kernel is not None for p in parts):
+        return (len({(p.format, p.kernel, p.packed.device.type) for p in parts}) == 1
+                and q.packed.device.type == "cpu")
+    if not all(type(p) is nn.Linear for p in parts) or len({(p.weight.dtype, p.weight.device.type) for p in parts}) != 1:
+        return False
+    weight = q.weight
+    return (kernels.library() is not None and not weight.is_meta and weight.device.type == "cpu"
+            and kernel_rows(weight.dtype, q.in_features, sum(p.weight.nbytes for p in parts)))
 
 
 @contextlib.contextmanager
@@ -125,7 +147,7 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
             return original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                             cache=cache, **kwargs)
         x = hidden_states.view(1, -1)  # [1, H]
-        if fused is not None and kernels.takes(x):
+        if fused is not None and fused.takes(x):
             qkv = fused(x)  # [1, Oq + Ok + Ov]
             if norm == "projection":  # OLMoE: each projection's own norm, over the whole projection
                 q, k, v = qkv.split(fused.sizes, -1)

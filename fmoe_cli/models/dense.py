@@ -194,6 +194,14 @@ def one_row_matvec(model) -> int:
 KERNEL_ROWS_MIN_F32 = dict(in_features=1024, weight_bytes=4 << 20)
 
 
+def kernel_rows(dtype: torch.dtype, in_features: int, weight_bytes: int) -> bool:
+    """Whether a decode token's float rows of this dtype and size go through the kernels (KERNEL_ROWS_MIN_F32)."""
+    if dtype == torch.float32:
+        return (in_features >= KERNEL_ROWS_MIN_F32["in_features"]
+                and weight_bytes >= KERNEL_ROWS_MIN_F32["weight_bytes"])
+    return dtype in kernels.COMPUTE_DTYPES
+
+
 def one_row_kernels(model) -> int:
     """The float32 and bf16 nn.Linears on the CPU of the attention and the LM head (when `--dense` leaves them as
     stored) compute a single row — a decode token — through the CPU kernels (`kernel_forward`: the rows read once,
@@ -212,9 +220,7 @@ def one_row_kernels(model) -> int:
             continue
         if not (ATTENTION in name.split(".") or module is model.get_output_embeddings()):
             continue
-        weight = module.weight
-        if weight.dtype == torch.float32 and (weight.shape[1] < KERNEL_ROWS_MIN_F32["in_features"]
-                                              or weight.nbytes < KERNEL_ROWS_MIN_F32["weight_bytes"]):
+        if not kernel_rows(module.weight.dtype, module.in_features, module.weight.nbytes):
             continue
         module.forward = _kernel_row_forward(module, module.forward)
         count += 1
