@@ -7,6 +7,7 @@ timed around its forward (wall time, inclusive; the same spans are `record_funct
 for torch.profiler, whose top ops `--ops N` prints):
 
     attention      the decoder layers' self-attention (q/k/v/o projections, RoPE, SDPA, KV cache)
+      attention rows  inside attention: the kernel calls of its projections' rows (kernels.linear_forward)
     moe            the decoder layers' MoE blocks (router, engine, experts, combine)
       experts      inside moe: the expert segments' compute (the C kernels, or torch's matmuls)
     lm head        the last norm's output → logits
@@ -35,8 +36,9 @@ from contextlib import nullcontext
 
 import fmoe_cli  # noqa: F401  (before torch, as the CLI: it sets torch's OpenMP wait policy)
 
-PARTS = ("attention", "moe", "experts", "lm head")
+PARTS = ("attention", "attention rows", "moe", "experts", "lm head")
 SPENT: Counter = Counter()  # seconds per label since the last decode step
+OPEN: Counter = Counter()  # labels being timed (a kernel call counts as "attention rows" only inside "attention")
 
 
 def labelled(forward, label: str):
@@ -45,12 +47,22 @@ def labelled(forward, label: str):
 
     def wrapped(*args, **kwargs):
         start = time.perf_counter()
-        with torch.profiler.record_function(label):
-            out = forward(*args, **kwargs)
+        OPEN[label] += 1
+        try:
+            with torch.profiler.record_function(label):
+                out = forward(*args, **kwargs)
+        finally:
+            OPEN[label] -= 1
         SPENT[label] += time.perf_counter() - start
         return out
 
     return wrapped
+
+
+def attention_rows(forward):
+    """kernels.linear_forward, timed into SPENT["attention rows"] when called inside an attention forward."""
+    plain = labelled(forward, "attention rows")
+    return lambda *args, **kwargs: (plain if OPEN["attention"] else forward)(*args, **kwargs)
 
 
 def label_model(model) -> None:
@@ -63,6 +75,7 @@ def label_model(model) -> None:
     model.lm_head.forward = labelled(model.lm_head.forward, "lm head")
     kernels.segment_forward = labelled(kernels.segment_forward, "experts")
     kernels.segments_forward = labelled(kernels.segments_forward, "experts")  # a decode layer's experts, one call
+    kernels.linear_forward = attention_rows(kernels.linear_forward)  # the attention's projections (and fused q/k/v)
 
 
 def weight_bytes(module) -> int:
@@ -107,7 +120,8 @@ def profile_decode(args) -> dict:
         layers = lm.model.model.layers
         attention_bytes = sum(weight_bytes(layer.self_attn) for layer in layers)
         expert_bytes = lm.shape.expert_bytes * lm.shape.top_k * lm.shape.num_layers  # K routed experts per MoE layer
-        read = {"attention": attention_bytes, "experts": expert_bytes, "lm head": weight_bytes(lm.model.lm_head)}
+        read = {"attention": attention_bytes, "attention rows": attention_bytes, "experts": expert_bytes,
+                "lm head": weight_bytes(lm.model.lm_head)}
         return {"model": args.model, "dtype": str(lm.dtype).removeprefix("torch."), "experts": args.experts,
                 "dense": lm.dense, "activations": lm.activations, "threads": torch.get_num_threads(),
                 "tokens": len(decode), "tpot_ms": {"median": step * 1e3, "min": min(decode) * 1e3,
@@ -136,12 +150,12 @@ def render(report: dict) -> str:
              f"prompt; TPOT median {t['median']:.2f} ms [{t['min']:.2f}, {t['max']:.2f}], CPU time "
              f"{report['tpot_cpu_ms']:.2f} ms a token (every thread, mean)", "",
              "| part | ms / token | share | weight MB / token | GB/s |", "|---|---:|---:|---:|---:|"]
-    mean = sum(v for k, v in report["per_token_ms"].items() if k != "experts")
-    for part in ("attention", "moe", "experts", "lm head", "other"):
+    mean = sum(v for k, v in report["per_token_ms"].items() if k not in ("experts", "attention rows"))
+    for part in ("attention", "attention rows", "moe", "experts", "lm head", "other"):
         ms = report["per_token_ms"][part]
         nbytes = report["bytes_per_token"].get(part)
         rate = f"{nbytes / (ms / 1e3) / 1e9:.1f}" if nbytes and ms > 0 else ""
-        name = "  of which experts" if part == "experts" else part
+        name = {"experts": "  of which experts", "attention rows": "  of which rows (kernel calls)"}.get(part, part)
         lines.append(f"| {name} | {ms:.2f} | {ms / mean:.0%} | {'' if nbytes is None else f'{nbytes / 1e6:.1f}'} | {rate} |")
     moe, experts = report["per_token_ms"]["moe"], report["per_token_ms"]["experts"]
     lines.append(f"| moe − experts (router, engine, combine) | {moe - experts:.2f} | {(moe - experts) / mean:.0%} | | |")
