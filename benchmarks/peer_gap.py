@@ -19,6 +19,8 @@ that floor:
 
 llama.cpp's own time above its floor is printed beside them, so a part whose excess alone exceeds llama.cpp's whole
 excess is where the gap is. Each cell's raw report (with torch.profiler's top ops) goes to `--raw DIR`.
+`--activations int8` runs the q8 and q4 cells in fmoe's tolerance mode (the tokens quantised to 8 bits a block of
+32 for the integer dots, as llama.cpp's Q8_0 × Q4_0 / Q8_0 dots do; not transformers' answer: docs/quantization.md).
 
     python benchmarks/peer_gap.py ~/.cache/fmoe-peer/results/run-YYYYMMDD-HHMMSS --models a3b big --raw /tmp/gap
 """
@@ -45,6 +47,8 @@ def profile(model_dir: Path, fmt: str, args) -> dict:
     for _ in range(args.rounds):
         cmd = [sys.executable, str(PROFILE), str(model_dir), *FMOE_ARGS[fmt], "--tokens", str(args.tokens),
                "--ops", str(args.ops), "--json"]
+        if fmt in ("q8", "q4"):
+            cmd += ["--activations", args.activations]
         if args.prompt_file:
             cmd += ["--prompt-file", args.prompt_file]
         out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
@@ -95,6 +99,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="processes per cell (the median's parts are shown)")
     parser.add_argument("--ops", type=int, default=25, help="torch.profiler's top N ops in each raw report")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--activations", default="float", choices=["float", "int8"],
+                        help="fmoe's --activations for the q8 and q4 cells (int8: the tolerance mode)")
     parser.add_argument("--models-dir", type=Path, default=None, help="default: RESULTS/../../models")
     parser.add_argument("--prompt-file", default=None, help="default: RESULTS/../../prompt64.txt")
     parser.add_argument("--raw", type=Path, default=None, help="keep each cell's decode_profile report here")
@@ -117,9 +123,10 @@ def main() -> None:
             if peer is None:
                 continue
             report = profile(models_dir / model, fmt, args)
+            mode = " --activations int8" if fmt in ("q8", "q4") and args.activations == "int8" else ""
             if args.raw:
-                (args.raw / f"{model}-{fmt}.json").write_text(json.dumps(report))
-            print(render(f"{model} {fmt}", peer, report, gbps) + "\n", flush=True)
+                (args.raw / f"{model}-{fmt}{mode.replace(' --activations ', '-act')}.json").write_text(json.dumps(report))
+            print(render(f"{model} {fmt}{mode}", peer, report, gbps) + "\n", flush=True)
 
 
 if __name__ == "__main__":
