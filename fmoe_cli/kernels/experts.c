@@ -1161,8 +1161,9 @@ static inline void meta_floats(const uint8_t *meta, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(meta + 2 * i))));
 }
 
-/* The decode paths' prefetch cursor (int8 and int4 rows; f32 and bf16 need none: the hardware prefetcher keeps up
-   with their one stream a row). The dot loops step it by the bytes each group reads, and it prefetches the lines up to
+/* The decode paths' prefetch cursor (int8, int4 and bf16 rows; f32 needs none: the hardware prefetcher keeps up
+   with its one stream a row, and on the AMD EPYC the cursor made f32 rows 5–24 % slower while it made bf16 rows
+   7–12 % faster: docs/bench.md § CPU expert kernels, "bf16 rows"). The dot loops step it by the bytes each group reads, and it prefetches the lines up to
    PREFETCH_AHEAD bytes past them into L1: a few lines a group, spread over the work. It replaced a burst of the next
    four neurons' rows (216 int4 lines) before each four: on the AMD EPYC (Zen 3, 32 KB L1, AVX2) one a3b int4 expert
    from RAM on one thread took 0.65x the time with the cursor at 8 KB, 0.75x at 4 KB (docs/bench.md § CPU expert
@@ -1171,7 +1172,7 @@ typedef struct { const char *next, *due, *end; } Cursor;
 
 /* A cursor over [start, end) (rows read in order from start), or NULL: no prefetching. */
 static inline Cursor *cursor_at(Cursor *c, const Format *f, const uint8_t *start, const uint8_t *end) {
-    if (!PREFETCH_AHEAD || f->fmt < FMT_INT8 || f->fmt > FMT_INT4) return NULL;
+    if (!PREFETCH_AHEAD || f->fmt == FMT_F32 || f->fmt > FMT_INT4) return NULL;
     c->next = (const char *)((uintptr_t)start & ~(uintptr_t)63), c->due = (const char *)start + PREFETCH_AHEAD;
     c->end = (const char *)end;
     return c;
@@ -1186,7 +1187,9 @@ static inline __attribute__((always_inline)) void cursor_step(Cursor *pf, int64_
 }
 
 /* The code bytes of one projection row (what the dot loops step); the rest of proj_bytes is its metadata. */
-static inline int64_t code_bytes(const Format *f) { return f->fmt == FMT_INT4 ? f->hidden / 2 : f->hidden; }
+static inline int64_t code_bytes(const Format *f) {
+    return f->fmt == FMT_F32 ? 4 * f->hidden : f->fmt == FMT_BF16 ? 2 * f->hidden : f->fmt == FMT_INT4 ? f->hidden / 2 : f->hidden;
+}
 
 /* VL codes -> VL floats (int8: signed bytes; int4: bytes as int32, then the low or the high nibble). */
 #if VL == 16
@@ -1325,6 +1328,7 @@ static void gate_up_one(const uint8_t *row, const Format *f, const float *x, con
         const __m256i high = _mm256_set1_epi32((int)0xffff0000);
         __m256 g0 = _mm256_setzero_ps(), g1 = g0, u0 = g0, u1 = g0;
         for (int64_t j = 0; j < h; j += 16) {
+            cursor_step(pf, 2 * 16 * 2); /* 16 bf16 weights of the gate row and of the up row */
             __m256 xe = _mm256_loadu_ps(x + j), xo = _mm256_loadu_ps(x + j + 8);
             __m256i vg = _mm256_loadu_si256((const __m256i *)(row + 2 * j)), vu = _mm256_loadu_si256((const __m256i *)(up + 2 * j));
             g0 = _mm256_fmadd_ps((__m256)_mm256_slli_epi32(vg, 16), xe, g0);
@@ -1368,6 +1372,7 @@ static void down_one(const uint8_t *const *rows, const Format *f, const float *a
         __m256 a0 = _mm256_set1_ps(a[0]), a1 = _mm256_set1_ps(a[1]), a2 = _mm256_set1_ps(a[2]), a3 = _mm256_set1_ps(a[3]);
 #define BF16_8(r, j) ((__m256)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(rows[r] + 2 * (j)))), 16))
         for (int64_t j = 0; j < h; j += 8) {
+            cursor_step(pf, AXPY_ROWS * 8 * 2); /* 8 bf16 weights of each of the four down rows */
             __m256 v = init ? _mm256_mul_ps(a0, BF16_8(0, j)) : _mm256_fmadd_ps(a0, BF16_8(0, j), _mm256_loadu_ps(c + j));
             v = _mm256_fmadd_ps(a1, BF16_8(1, j), v);
             v = _mm256_fmadd_ps(a2, BF16_8(2, j), v);
