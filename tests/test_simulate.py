@@ -131,6 +131,28 @@ def test_host_work_is_paid_per_loaded_segment_and_per_prefetching_layer():
     assert d.tpot_s - c.tpot_s == pytest.approx(2 * 0.25, abs=1e-6)  # one prefetch issue per layer
 
 
+def test_a_taken_over_prefetch_is_not_submitted_again():
+    """h_pf (the engine's counter of the prefetch path) includes the prefetches' submissions; a layer takes a right
+    prefetch over instead of submitting it, so its load costs h_load − h_sub more on the host, where a demand load
+    costs h_sub as it is submitted and h_load − h_sub as it is served. prefetch-only with every prediction right,
+    over a link with no latency (everything lands): 2 loads × 2 layers a token, each h_sub = 0.2 less than with
+    h_sub = 0 (it was the same: every prefetched load paid its whole h_load = 0.5); ondemand pays h_load either way."""
+    rows = [[[0, 1], [2, 3]]] * 6
+    right = [Token(tuple(tuple(r) for r in row), ((0, 1, 2, 3), (2, 3, 0, 1))) for row in rows]
+    budget = 2 * SHAPE.top_k * SHAPE.expert_bytes
+    fast = dict(bandwidth=1e12)
+    host = replace(TIMES, t_host_load=0.5)
+    prefetching = make_settings("prefetch-only", SHAPE, budget)
+    a = simulate_policy(SHAPE, prefetching, host, [right], **fast)
+    b = simulate_policy(SHAPE, prefetching, replace(host, t_host_submit=0.2), [right], **fast)
+    assert a.prefetch_precision == 1.0
+    assert a.tpot_s - b.tpot_s == pytest.approx(4 * 0.2, abs=1e-6)
+    ondemand = make_settings("ondemand", SHAPE, budget)
+    c = simulate_policy(SHAPE, ondemand, host, [right], **fast)
+    d = simulate_policy(SHAPE, ondemand, replace(host, t_host_submit=0.2), [right], **fast)
+    assert c.tpot_s == pytest.approx(d.tpot_s, abs=1e-6)
+
+
 def test_host_figures_come_from_the_timings_and_admissions_pay_their_copy():
     """The simulator's host work defaults to the timings' measured figures (h_load, h_pf), and a
     miss whose top is admitted into the cache pays a_e·k/I: cache-only with one whole expert (k = I)

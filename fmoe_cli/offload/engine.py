@@ -76,6 +76,8 @@ class Counters:
     host_segments: int = 0  # … segments it computed
     submit_s: float = 0.0  # host time submitting a forward's demand loads (slots, copy submits), before its first compute
     submitted: int = 0  # … demand loads it submitted (profiling/model.py: h_sub = submit_s / submitted)
+    predict_s: float = 0.0  # host time of the prefetch path: the predictor's scores (device part, host part), ranking, issue
+    predicts: int = 0  # … forwards that ran it (profiling/model.py: h_pf = predict_s / predicts)
 
     def count(self, activated: int, hits: Hits) -> None:
         """Add one layer forward's classification (offload/hits.py)."""
@@ -564,14 +566,24 @@ class Engine:
 
     def _device_part(self, i: int, hidden_states: torch.Tensor) -> dict:
         """The predictor's scores from layer i's input, computed on the device (to the host with the routing)."""
-        return self.predictor.device_part(self.iteration, i, hidden_states) if self._prefetching else {}
+        if not self._prefetching:
+            return {}
+        start = host_now()
+        part = self.predictor.device_part(self.iteration, i, hidden_states)
+        self.layers[i].counters.predict_s += host_now() - start
+        return part
 
     def _prefetch(self, i: int, hidden_states: torch.Tensor, routing: Routing) -> None:
-        """Show the predictor layer i's routing (host); queue what it predicts (fmoe_cli/offload/prefetch.py)."""
+        """Show the predictor layer i's routing (host); queue what it predicts (fmoe_cli/offload/prefetch.py).
+        Its host time, with the device part's, is the layer's `predict_s` (the configurator's h_pf)."""
         if not self._prefetching:
             return
+        start = host_now()
         self.iteration.observe(i, hidden_states, routing.ids, host=routing.extra)
         self._note_rankings(self.prefetcher.issue(self.predictor.after_layer(self.iteration, i)))
+        counters = self.layers[i].counters
+        counters.predict_s += host_now() - start
+        counters.predicts += 1
 
     def _note_rankings(self, rankings: dict[int, list[int]]) -> None:
         for target, ranking in rankings.items():

@@ -282,6 +282,11 @@ class _LayerModel:
         load_share = 1.0 - curves.predicted_cached[:, sizes] * theta[None, :]  # [y, col]: 1 − PH_i(y,C)·θ_i
         cost = np.cumsum(load_share * t.t_load, axis=0)  # Σ_{y'≤y} (1 − PH·θ)·T_load
         gain = np.cumsum(load_share * curves.predicted_hit[:, None], axis=0)  # Σ_{y'≤y} (1 − PH·θ)·P(y')
+        # right prefetches issued (segments a layer then takes over instead of submitting them): Σ_{y'≤y}
+        # (1 − PH·[k_i = I])·P(y'), a whole cached expert is not prefetched (each a submission h_pf already paid)
+        whole = (k == shape.intermediate).astype(float)
+        taken = np.cumsum((1.0 - curves.predicted_cached[:, sizes] * whole[None, :]) * curves.predicted_hit[:, None],
+                          axis=0)
         cached = shape.top_k * hit * theta  # K·H_i(C)·θ_i
         # segments loaded per token: every activated expert but the whole cached ones, K − K·H_i(C)·[k_i = I]
         loaded = shape.top_k - np.where(k == shape.intermediate, shape.top_k * hit, 0.0)
@@ -294,7 +299,7 @@ class _LayerModel:
         # top hits of a split (0 < k_i < I) run two segment forwards: c more each
         split_hits = np.where((k > 0) & (k < shape.intermediate), shape.top_k * hit, 0.0)
         host = loaded * t.t_host_load + admitted * t.t_admit + split_hits * t.t_segment
-        tables = (sizes, k, theta, cost, gain, cached, host, self._host_lane(sizes, k, theta, hit))
+        tables = (sizes, k, theta, cost, gain, taken, cached, host, self._host_lane(sizes, k, theta, hit))
         if len(self._by_budget) * len(sizes) > 4_000_000:
             self._by_budget.clear()
         self._by_budget[budget] = tables
@@ -350,7 +355,7 @@ class _LayerModel:
         largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}. With the host lane
         (`host_lane`), the host path is a candidate too and the layer takes the path of the least T^i;
         `host_path` prices the host path alone."""
-        sizes, k, theta, cost, gain, cached, host, (lane_time, lane_host) = self._tables(budget)
+        sizes, k, theta, cost, gain, taken, cached, host, (lane_time, lane_host) = self._tables(budget)
         t = self.timings
         if host_path and not t.has_host:
             raise FmoeError("a plan with the host lane needs the host's timings (`fmoe profile` measures them)")
@@ -391,12 +396,19 @@ class _LayerModel:
         behind = float(link[c])  # R_i: a wrong prefetch's link time the window did not cover
         busy = behind + (top_k - m) * t.t_load  # the link's work once layer i has routed
         work = float(host[c])  # h_load per loaded segment (whole cached experts load nothing), a_e·θ per admission
-        if prefetches[c] > 0:
-            work += t.t_host_prefetch  # h_pf: the predictor and prefetcher's work when the layer prefetches
         loads = top_k - m  # n_i: the experts still to load, one after another on the link
         # h_sub: the part of h_load spent submitting a demand load; the engine submits all of a layer's loads
         # before it computes anything (offload/engine.py: _submit), so it is spent with the first on the link
         submit = t.submit_share
+        submitted = loads  # demand loads the layer submits once it has routed
+        if prefetches[c] > 0:
+            # h_pf: the predictor and prefetcher's work when the layer prefetches, its prefetches' submissions
+            # included; a right one is taken over by its layer, not submitted again: h_sub less per right prefetch
+            # (those landed and those still on the link when the layer routes)
+            right = float(taken[prefetches[c] - 1, c])
+            landed_right = float(taken[last[c], c]) if landed[c] > 0 else 0.0
+            work += t.t_host_prefetch - right * submit
+            submitted = max(0.0, loads - (right - landed_right))
         # T^i (Eq. 6, pipelined, + G_i): the compute waits for the first load, then for each next one
         # only as far as the link is slower than the compute of the one before it
         serve = t.t_exp + t.t_host_load - submit  # the compute side's time per loaded segment once it lands
@@ -406,7 +418,7 @@ class _LayerModel:
         # offload/engine.py, while they are on the link)
         lead = m * t.t_exp
         if loads > 0:
-            lead += loads * submit + t.t_host_route + (t.t_host_prefetch if prefetches[c] > 0 else 0.0)
+            lead += submitted * submit + t.t_host_route + (t.t_host_prefetch if prefetches[c] > 0 else 0.0)
         stall = max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve) - lead
         exposed = max(0.0, stall) + work
         next_window = t.t_moe + exposed - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)

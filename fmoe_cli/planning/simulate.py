@@ -221,8 +221,9 @@ class Simulator:
             entry = next((x for x in loading if x.transfer.ready()), loading[0])
             loading.remove(entry)
             link.acquire(entry.transfer, tag=i)
-            # h_load, less h_sub where it was spent submitting the load (a taken-over prefetch was not submitted)
-            host = self.load_host - (0.0 if entry.prefetched else self.submit_host)
+            # h_load, less h_sub: spent submitting the load (a taken-over prefetch's submission was the prefetcher's,
+            # in h_pf)
+            host = self.load_host - self.submit_host
             self.clock.advance(host + t_call + (shape.intermediate - max(entry.start, k if entry.expert in hits.top_hits else 0))
                                * t_neuron)
             if entry.expert not in hits.top_hits and state.top_neurons > 0:

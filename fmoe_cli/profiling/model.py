@@ -27,7 +27,7 @@ import torch
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import DEFAULT_PROMPT, stream_generate
 from fmoe_cli.offload.cache import LayerCache
-from fmoe_cli.offload.engine import Engine, LayerState
+from fmoe_cli.offload.engine import Counters, Engine, LayerState
 from fmoe_cli.offload.link import host_now
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.profiling.files import ModelTimings, model_identity
@@ -145,31 +145,33 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 whole: WholeLayers | None = None, link_bytes: int | None = None,
                 layer_reps: int = 100) -> tuple[float, float, float, float | None, float, float]:
     """(h_load, h_pf, c, resident step, h_route, h_sub): the host's work per loaded segment, per MoE layer that prefetches (the
-    predictor's scores and ranking, the prefetcher's submits, take-overs and drops) and per split top hit
-    (two segment forwards and their sum instead of one forward), each from one MoE layer's experts forward
-    (`layer_forward_s`, `layer_reps` times in all, less the time it waited on the link) in up to 5 paired rounds,
-    the median of the rounds' differences, per configuration of that layer: every expert resident, no cache loaded
-    on demand, the same with prefetch, and up to 4K experts' top halves cached. The forwards replay the decode
-    steps' own tokens (their inputs and routings, `decode_inputs`; a fixed input routed to K fixed experts when
-    there are none), so that the prefetches are right as often as in those steps: with the fixed input's
-    predictions, wrong for its fixed experts, 3 of every 4 prefetches were dropped where the demo's decode steps
-    drop 1, and with both forwarded layers predicting, every pair counted two predictor runs for one prefetching
-    layer: h_pf read 0.133 ms where the demo's decode steps pay 0.076 (4 GB/s, CPU-time clock; docs/planning.md):
+    predictor's scores and ranking, the prefetcher's submits) and per split top hit (two segment forwards and their
+    sum instead of one forward). h_load and c from one MoE layer's experts forward (`layer_forward_s`, `layer_reps`
+    times in all, less the time it waited on the link) in up to 5 paired rounds, the median of the rounds'
+    differences, per configuration of that layer: every expert resident, no cache loaded on demand, and up to 4K
+    experts' top halves cached. The forwards replay the decode steps' own tokens (their inputs and routings,
+    `decode_inputs`; a fixed input routed to K fixed experts when there are none):
         h_load = (demand − resident) / K         K segments loaded, none
-        h_pf   = prefetch − demand               the prefetch path (per prefetching layer)
         c      = (split − demand) / K            K top hits, each loading its bottom: a second segment forward,
                                                  at least `t_segment` (a smaller difference is noise)
-    Decode steps were too noisy to carry them: h_load was the difference of one layer's K loads between the
+    h_pf is the engine's own counter of the prefetch path (Counters.predict_s / predicts) in whole decode steps with
+    prefetch, of the layer that predicts for the one that loads (with `whole`: its prefetches are real loads, every
+    other layer's target is whole and issues none), the median over every step of every round. It was the
+    difference of paired forwards with and without prefetch (prefetch − demand): on the demo it read 0.000 to 0.46
+    ms a layer from one quick estimate to the next, where the path takes 0.10-0.15 (docs/planning.md); the counter
+    includes the prefetches' submissions, which a right prefetch's layer then does not make (the configurator and
+    the simulator charge its load h_load − h_sub).
+    Decode steps were too noisy to carry h_load and c as differences: h_load was the difference of one layer's K loads between the
     medians of 4 whole steps, which moved by a millisecond on a busy machine (the demo's quick estimates read
     h_load 0.000–0.235 ms and c 0.013–0.244 where a decode step pays about 0.03 and 0.02; forwards read
     0.015–0.035 and ~0). Whole decode tokens on the engine's link in interleaved rounds (every expert resident;
-    on demand) still give the resident step, h_route, the host's lead on a layer's first load, and h_sub, its work
-    per demand load submitted (the part of h_load spent before the layer's first compute), from the engine's
-    counters of the on-demand runs. Where the model does not fit on the device (a GPU), h_load is
+    on demand; on demand with prefetch) give the resident step, h_pf, h_route, the host's lead on a layer's first
+    load, and h_sub, its work per demand load submitted (the part of h_load spent before the layer's first
+    compute), from the engine's counters of the on-demand runs. Where the model does not fit on the device (a GPU), h_load is
     `block_h_load` (profiling/layers.py) and c is `t_segment` (one forward of a one-block segment). With `whole`
     only its link layer loads (every other layer whole, served without the link: each formula is per loaded
     segment, per top hit or per prefetching layer, so one layer gives it): of the two layers forwarded (the link
-    layer and the one before it, which prefetches for it) one loads. Rounds stop early once `budget_s` has
+    layer and the one before it) one loads. Rounds stop early once `budget_s` has
     passed (a model whose on-demand step takes long, on a slow link, gets one round) or before a round would
     take the link past `link_bytes` (less what the forwards will move). The engine is put back as it was."""
     shape, settings = lm.shape, engine.settings
@@ -178,8 +180,9 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     layers = len(plan.layers)
     no_cache = replace(plan, layers=tuple(LayerPlan(0, 0, 0, 0.0) for _ in plan.layers), resident=False,
                        prefetch=True, source="measurement")
-    configs = {"demand": replace(settings, plan=no_cache, prefetch=False)}  # the decode steps' configurations
-    forwards = {"demand": configs["demand"], "prefetch": replace(settings, plan=no_cache, prefetch=True)}
+    configs = {"demand": replace(settings, plan=no_cache, prefetch=False),  # the decode steps' configurations
+               "prefetch": replace(settings, plan=no_cache, prefetch=True)}
+    forwards = {"demand": configs["demand"]}
     half = shape.intermediate // 2 // shape.neuron_block * shape.neuron_block
     if _resident_fits(lm):
         full = LayerPlan(shape.num_experts * shape.expert_bytes, shape.num_experts, shape.intermediate, 1.0)
@@ -197,10 +200,10 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     keep = None if whole is None else whole.link_layer
     forwarded = None if whole is None else sorted({max(0, keep - 1), keep})  # MoE layers layer_forward_s runs
     per_layer = len(forwarded) if forwarded else 1  # forwards per loading layer: a difference per forward × this
-    # with `whole`, the layer before the link layer predicts for it and the link layer takes over or drops what was
-    # staged: one predictor run and one layer's prefetches per pair of forwards, as each layer of a decode step has
-    # (the link layer's own prediction, for a whole layer, would count a second run of the predictor)
-    predicting = forwarded[:1] if forwarded and len(forwarded) == 2 else None
+    # h_pf: the engine's own counter of the prefetch path (Counters.predict_s / predicts) in the decode steps with
+    # prefetch, of the layer that predicts for the link layer (its prefetches are real loads; every other layer's
+    # target is whole and issues none); without `whole` every layer's
+    watched = None if whole is None else [(keep - 1) % layers]
     captured: list = []  # the decode steps' tokens, replayed by the forwards (decode_inputs)
     warm = max(2, layer_reps // 10)
     # h_load, h_pf and c in paired rounds (the median of each round's difference: one round slowed by other work on
@@ -216,7 +219,7 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     link = getattr(engine, "link", None)
     moved = (lambda: link.bytes_moved) if link is not None else (lambda: 0)
     if link_bytes is not None:  # what the forwards will move: K whole experts (bottoms: split) per forward of the link layer
-        loading = 2 + (0.5 if "split" in forwards else 0.0)  # demand, prefetch, split
+        loading = 1 + (0.5 if "split" in forwards else 0.0)  # demand, split
         link_bytes -= int(loading * pf_rounds * (max(pf_warm, tokens) + pf_reps)  # a warm-up of every replayed token
                           * shape.top_k * shape.expert_bytes * (1 if whole else layers))
     h_loads, h_pfs, cs, steps, routes, submits = [], [], [], [], [], []
@@ -230,11 +233,22 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
             net = {}
             for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
                 configure(configs[name])
+                marks = []  # the watched layers' counters after each token (the first: prefill and first token)
                 with decode_inputs(lm, forwarded or range(layers), captured) if r == 0 and not captured \
                         else contextlib.nullcontext():  # the same tokens in every configuration: once
-                    events = list(stream_generate(lm.model, input_ids, engine=engine, max_new_tokens=tokens + 1,
-                                                  stop_on_eos=False))[1:]
+                    events = []
+                    for event in stream_generate(lm.model, input_ids, engine=engine, max_new_tokens=tokens + 1,
+                                                 stop_on_eos=False):
+                        events.append(event)
+                        if watched is not None:
+                            marks.append(Counters.total([engine.layers[j].counters for j in watched]))
+                    events = events[1:]
                 net[name] = statistics.median(e.latency_s - e.counters.exposed_s for e in events)
+                if name == "prefetch":  # per decode step: the prefetch path's host time per layer that ran it
+                    paths = [b - a for a, b in zip(marks, marks[1:])] if watched is not None else \
+                        [e.counters for e in events]
+                    h_pfs += [c.predict_s / c.predicts for c in paths if c.predicts]
+                    continue
                 if name == "demand":
                     routes += [e.counters.lead_s / e.counters.leads for e in events if e.counters.leads]
                     submits += [e.counters.submit_s / e.counters.submitted for e in events if e.counters.submitted]
@@ -252,13 +266,9 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 # every replayed token once before the timed forwards: the plan's views of what it loads are made (a
                 # decode step's are, after its first tokens) and, split, every token's experts admitted (tops cached)
                 warmup = max(pf_warm, len(inputs)) if inputs else pf_warm
-                seconds = layer_forward_s(lm, engine, pf_reps, layers=forwarded, warmup=warmup, inputs=inputs,
-                                          predicting=predicting)
+                seconds = layer_forward_s(lm, engine, pf_reps, layers=forwarded, warmup=warmup, inputs=inputs)
                 calls = (warmup + pf_reps) * (len(forwarded) if forwarded else layers)
                 forward[name] = seconds - (engine.counters().exposed_s - before) / calls
-            # per prefetching layer: with `whole`, the pair's one predictor run, its prefetches and what the link layer
-            # does with them (take over, drop)
-            h_pfs.append((forward["prefetch"] - forward["demand"]) * per_layer)
             if "resident" in forward:  # K segments loaded against none; K top hits against K whole loads
                 h_loads.append((forward["demand"] - forward["resident"]) * per_layer / shape.top_k)
             if "split" in forward:
@@ -271,7 +281,8 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     route = statistics.median(routes) if routes else 0.0
     submit = statistics.median(submits) if submits else 0.0
     h_load = statistics.median(h_loads) if h_loads else block_h_load
-    return max(0.0, h_load), max(0.0, statistics.median(h_pfs)), max(0.0, c), step, route, submit
+    h_pf = statistics.median(h_pfs) if h_pfs else 0.0
+    return max(0.0, h_load), h_pf, max(0.0, c), step, route, submit
 
 
 def _fitting(tokens: list, loading_at: Sequence[int], size: int | None) -> list:
@@ -290,15 +301,14 @@ def _fitting(tokens: list, loading_at: Sequence[int], size: int | None) -> list:
 
 
 def layer_forward_s(lm, engine: Engine, reps: int, layers: Sequence[int] | None = None, warmup: int = 20,
-                    inputs: Sequence[Sequence[tuple]] | None = None, predicting: Sequence[int] | None = None) -> float:
+                    inputs: Sequence[Sequence[tuple]] | None = None) -> float:
     """Seconds per experts forward of one MoE layer for one token, every layer (or the MoE layers `layers`) in
     turn, `reps` times after `warmup`: the engine's own work without attention, sampling and the model's other
     layers around it (far less noise than a decode step). The token: by default one fixed input routed to K
     fixed, distinct experts in every layer (their weights stay warm in a CPU's caches); `inputs`: real decode
     tokens instead, each the (x [1, H], ids [1, K], weights [1, K]) every forwarded layer saw (`decode_inputs`),
-    in turn (the warm-up from the first, the timed forwards from the first again), so that a predictor's
-    prefetches are as right as in those decode steps. `predicting`: the forwarded layers that run the
-    predictor when the engine prefetches (default: all); the others only take over or drop what it staged."""
+    in turn (the warm-up from the first, the timed forwards from the first again), so that a split cache holds
+    what those decode steps would have it hold."""
     shape = lm.shape
     forwarded = list(range(len(lm.layers))) if layers is None else list(layers)
     if inputs is None:
@@ -307,13 +317,11 @@ def layer_forward_s(lm, engine: Engine, reps: int, layers: Sequence[int] | None 
         x = torch.randn(1, shape.hidden, dtype=lm.dtype, generator=torch.Generator().manual_seed(0)).to(lm.device)
         inputs = [[(x, ids.to(lm.device), weights.to(lm.device))] * len(forwarded)]
     experts = [lm.layers[i].experts for i in forwarded]
-    quiet = [predicting is not None and i not in predicting for i in forwarded]  # forwarded without the predictor
     sync = (lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else (lambda: None)
 
     def one_pass(token: Sequence[tuple]) -> None:
-        for module, (x, ids, weights), off in zip(experts, token, quiet):
-            with _without_prediction(engine) if off else contextlib.nullcontext():
-                engine.experts_forward(module, x, ids, weights)
+        for module, (x, ids, weights) in zip(experts, token):
+            engine.experts_forward(module, x, ids, weights)
 
     with torch.inference_mode():
         for r in range(warmup):
@@ -324,21 +332,6 @@ def layer_forward_s(lm, engine: Engine, reps: int, layers: Sequence[int] | None 
             one_pass(inputs[r % len(inputs)])
         sync()
         return (host_now() - start) / (reps * len(experts))
-
-
-@contextlib.contextmanager
-def _without_prediction(engine: Engine) -> Iterator[None]:
-    """One forward of the engine without its predictor (no scores, no prefetches issued), whatever its plan: a
-    measurement's layer that only takes over or drops what another layer's prediction staged for it."""
-    settings = engine.settings
-    if settings is None or not settings.prefetch:
-        yield
-        return
-    engine.settings = replace(settings, prefetch=False)
-    try:
-        yield
-    finally:
-        engine.settings = settings
 
 
 @contextlib.contextmanager
