@@ -207,3 +207,33 @@ def test_auto_dtype_is_float16_on_a_card_without_native_bfloat16(capability, wan
     name = str(want).removeprefix("torch.")
     assert device_line.startswith(f"device cuda:1 ({name}")
     assert ("no native bfloat16" in device_line) == (want is torch.float16)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    import re
+
+    span = None
+    for line in open("/proc/self/smaps").read().splitlines():
+        m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            span = (int(m.group(1), 16), int(m.group(2), 16))
+        elif span and span[0] <= address < span[1] and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages: Linux")
+def test_the_store_asks_for_huge_pages_for_memory_it_allocates_not_for_a_mapped_file(tmp_path):
+    """A store's own buffers (an unconverted model's experts, written by the loader) are advised MADV_HUGEPAGE before
+    they are written ("hg" in the mapping's VmFlags: the kernel backs their whole 2 MB pages with huge pages where
+    THP is on); a memory-mapped converted store is the page cache's and is left alone."""
+    from fmoe_cli.offload.store import HUGE_PAGE, HostBuffer
+
+    own = HostBuffer(8 * HUGE_PAGE, pin=False)
+    assert "hg" in _vm_flags(own.tensor.data_ptr() + 4 * HUGE_PAGE)
+    path = tmp_path / "store.bin"
+    path.write_bytes(bytes(8 * HUGE_PAGE))
+    mapped = torch.from_file(str(path), shared=False, size=8 * HUGE_PAGE, dtype=torch.uint8)
+    HostBuffer(8 * HUGE_PAGE, pin=False, memory=mapped)
+    assert "hg" not in _vm_flags(mapped.data_ptr() + 4 * HUGE_PAGE)
