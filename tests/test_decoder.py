@@ -18,11 +18,11 @@ from test_attention import assert_decode_bits, attention_ops  # tests/test_atten
 
 
 def decode_modules(model) -> list:
-    """Every module models/decoder.py may give a decode forward: the decoder layers, their routers, the final norm,
-    the causal LM."""
+    """Every module models/decoder.py may give a decode forward: the decoder layers, their MoE blocks and routers, the
+    final norm, the causal LM."""
     layers = list(model.model.layers)
     routers = [getattr(layer.mlp, "gate", None) for layer in layers]
-    return [m for m in (*layers, *routers, model.model.norm, model) if m is not None]
+    return [m for m in (*layers, *[layer.mlp for layer in layers], *routers, model.model.norm, model) if m is not None]
 
 
 def without_decode_forwards(model) -> None:

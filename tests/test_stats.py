@@ -20,6 +20,7 @@ from fmoe_cli.planning.stats import (
     StatsRecorder,
     default_stats_path,
     lcp_ranking,
+    lcp_ranks,
     load_or_empty,
     uniform_curves,
 )
@@ -154,6 +155,24 @@ def test_vectorised_lcp_ranking_equals_policy(seed, n, steps):
         if rng.random() < 0.7:
             policy.touch(rng.randrange(n), step)
     assert lcp_ranking(policy, steps) == policy.ranking(steps)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 160), steps=st.integers(0, 3000), ties=st.booleans())
+def test_numpy_lcp_ranks_equal_the_python_ranking(seed, n, steps, ties):
+    """lcp_ranks (the recorder's decode steps) is lcp_ranking, expert for expert: the same floats and the same ties
+    (`ties`: experts touched in pairs at the same steps, so equal priorities are common; counts past the log table's
+    first sizes)."""
+    rng = random.Random(seed)
+    policy = LCP(n)
+    for step in range(steps):
+        if rng.random() < 0.7:
+            e = rng.randrange(n)
+            policy.touch(e, step)
+            if ties:
+                policy.touch((e + 1) % n, step)
+                policy.count[(e + 1) % n] = policy.count[e]
+    assert lcp_ranks(policy, steps).tolist() == lcp_ranking(policy, steps)
 
 
 def test_uniform_curves():

@@ -28,8 +28,6 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Two c
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -89,18 +87,26 @@ def fusable(q, k, v) -> bool:
             and kernel_rows(weight.dtype, q.in_features, sum(p.weight.nbytes for p in parts)))
 
 
-@contextlib.contextmanager
-def one_thread():
+class _OneThread:
+    """`one_thread`'s block: a plain context manager (a generator-based one costs a few µs more a use, and the decode
+    forwards use two a layer)."""
+
+    __slots__ = ("threads",)
+
+    def __enter__(self) -> None:
+        self.threads = torch.get_num_threads()
+        if self.threads != 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> bool:
+        if self.threads != 1:
+            torch.set_num_threads(self.threads)
+        return False
+
+
+def one_thread() -> _OneThread:
     """torch's intra-op threads set to one for the block, then back (a pair of calls costs < 1 µs)."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return _OneThread()
 
 
 def install_decode_attention(model) -> int:
@@ -142,7 +148,7 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         if (attention_mask is not None or hidden_states.shape[:-1] != (1, 1) or attn.training or clip is not None
-                or config._attn_implementation != "sdpa" or "past_key_values" in kwargs
+                or implementation(config, "attn") != "sdpa" or "past_key_values" in kwargs
                 or kwargs.get("output_attentions") or not decode_input(hidden_states)):
             return original(hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
                             cache=cache, **kwargs)
@@ -192,10 +198,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm (Qwen3MoeRMSNorm and its copies) over x's last dim: its ops in its order, without the
     casts to float32 and back that are no-ops for float32 (each value's bits are the module's)."""
     h = x if x.dtype == torch.float32 else x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
+    scale = h.pow(2).mean(-1, keepdim=True)
+    scale.add_(_epsilon(eps)).rsqrt_()  # in place on the mean's own tensor: the same kernels, no new tensors
+    if h is x:
+        h = h * scale
+    else:
+        h.mul_(scale)
+    h = h if x.dtype == torch.float32 else h.to(x.dtype)
+    if weight.dtype != h.dtype or weight.dim() > h.dim():
+        return weight * h  # (a weight of another dtype promotes: a new tensor, as the module's)
+    return h.mul_(weight)  # weight · h, into h (a new tensor here): a product's bits do not depend on its factors' order
+
+
+_EPSILONS: dict = {}
+
+
+def _epsilon(eps: float) -> torch.Tensor:
+    """eps as the float32 scalar tensor torch makes of the Python float in `variance + eps` (a float32 tensor plus a
+    Python scalar computes in float32 with the scalar rounded to it once), made once: a Python scalar is wrapped in a
+    new tensor at every op."""
+    tensor = _EPSILONS.get(eps)
+    if tensor is None:
+        tensor = _EPSILONS[eps] = torch.tensor(eps, dtype=torch.float32)
+    return tensor
 
 
 def decode_input(x: torch.Tensor) -> bool:
     """The decode forward's inputs: a float32 or bf16 token on the CPU."""
-    return x.device.type == "cpu" and x.dtype in kernels.COMPUTE_DTYPES
+    return x.is_cpu and x.dtype in kernels.COMPUTE_DTYPES
+
+
+def implementation(config, kind: str) -> str | None:
+    """`config._attn_implementation` (kind "attn") or `config._experts_implementation` ("experts"), what the modules
+    dispatch on, read where the property keeps it (`_<kind>_implementation_internal`): the property's read goes through
+    two Python `__getattribute__`s of transformers' config classes, a few µs a layer at every decode token. Through the
+    property where the config keeps it elsewhere."""
+    value = config.__dict__.get(_INTERNAL[kind], _MISSING)
+    return getattr(config, _PROPERTY[kind]) if value is _MISSING else value
+
+
+_INTERNAL = {"attn": "_attn_implementation_internal", "experts": "_experts_implementation_internal"}
+_PROPERTY = {"attn": "_attn_implementation", "experts": "_experts_implementation"}
+_MISSING = object()

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as _module
 
-from fmoe_cli.models.attention import decode_input, one_thread, rms_norm
+from fmoe_cli.models.attention import decode_input, implementation, one_thread, rms_norm
+from fmoe_cli.offload.engine import IMPLEMENTATION_NAME
 
 # The decoder layers with the decode forward, their norms' classes (the standard RMSNorm: rms_norm's steps), and
 # their routers' classes with how they turn logits into weights: "softmax-dtype" (softmax(logits, dtype=float32),
@@ -41,6 +43,8 @@ DECODE_LAYERS = {"Qwen3MoeDecoderLayer", "Qwen2MoeDecoderLayer", "MixtralDecoder
 NORMS = {"Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm", "MixtralRMSNorm", "OlmoeRMSNorm"}
 ROUTERS = {"Qwen3MoeTopKRouter": "softmax-dtype", "Qwen2MoeTopKRouter": "softmax-dtype",
            "OlmoeTopKRouter": "softmax-dtype", "MixtralTopKRouter": "mixtral"}
+# The sparse MoE blocks whose forward is the router, then the experts (Qwen2-MoE's adds a shared expert: its own).
+MOE_BLOCKS = {"Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "OlmoeSparseMoeBlock"}
 
 
 def install_decode_layers(model) -> int:
@@ -58,6 +62,8 @@ def install_decode_layers(model) -> int:
         router = getattr(layer.mlp, "gate", None)
         if type(router).__name__ in ROUTERS:
             router.forward = _decode_router(router, router.forward)
+            if type(layer.mlp).__name__ in MOE_BLOCKS and hasattr(layer.mlp, "experts"):
+                layer.mlp.forward = _decode_moe(layer.mlp, layer.mlp.forward)
     norm = getattr(inner, "norm", None)
     if installed and type(norm).__name__ in NORMS:
         norm.forward = _decode_norm(norm, norm.forward)
@@ -92,15 +98,14 @@ def _decode_model(model, original):
         cache = cache if cache is not None else past_key_values
         if (kwargs or cache is None or not use_cache or logits_to_keep not in (0, 1) or input_ids is None
                 or input_ids.shape != (1, 1) or input_ids.device.type != "cpu" or model.training
-                or config._attn_implementation != "sdpa"):
+                or implementation(config, "attn") != "sdpa"):
             if past_key_values is not None:
                 kwargs["past_key_values"] = past_key_values
             elif cache is not None:
                 kwargs["cache"] = cache
             return original(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         hidden_states = inner.embed_tokens(input_ids)  # [1, 1, H]
-        position_ids = torch.arange(1, device=hidden_states.device) + cache.get_seq_length()
-        position_ids = position_ids.unsqueeze(0)  # [1, 1]: the model's own steps (the same integers)
+        position_ids = torch.tensor([[cache.get_seq_length()]])  # [1, 1] int64: the model's arange, one op
         position_embeddings = inner.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in layers:
             hidden_states = layer(hidden_states, attention_mask=None, position_ids=position_ids, cache=cache,
@@ -131,6 +136,32 @@ def _decode_layer(layer, original):
         return residual + hidden_states
 
     return forward
+
+
+def _decode_moe(block, original):
+    """transformers' sparse MoE block forward for one token: the router (its module), then the experts — the engine's
+    experts forward called directly where the experts module's call would only reach it (the model's experts
+    implementation is fmoe's, and no hook on the module); `original` otherwise."""
+    router, experts = block.gate, block.experts
+    config = experts.config
+
+    def forward(hidden_states):
+        if hidden_states.shape[:-1] != (1, 1) or block.training or not decode_input(hidden_states):
+            return original(hidden_states)
+        x = hidden_states.view(1, -1)  # [1, H]
+        _, weights, index = router(x)
+        engine = experts.__dict__.get("_fmoe_engine")
+        if engine is None or hooked(experts) or implementation(config, "experts") != IMPLEMENTATION_NAME:
+            return experts(x, index, weights).reshape(1, 1, -1)
+        return engine.experts_forward(experts, x, index, weights).view(1, 1, -1)  # (its output: a new [1, H])
+
+    return forward
+
+
+def hooked(module) -> bool:
+    """Whether calling `module` would run a forward hook (its own or a global one) around its forward."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks)
 
 
 def _decode_norm(norm, original):

@@ -211,6 +211,7 @@ class LayerState:
     counters: Counters = field(default_factory=Counters)
     host: bool = False  # the host lane: misses and bottoms computed on the host in decode (LayerPlan.host)
     resident: bool = False  # every expert whole in `tops` (Plan.resident): nothing is ever staged, loaded or admitted
+    expert_rows: list | None = None  # resident: top_rows of each expert by id (its slot never changes), made once
 
     @classmethod
     def of(cls, cache: LayerCache, tops: torch.Tensor, top_neurons: int, store: HostStore) -> LayerState:
@@ -281,6 +282,7 @@ class Engine:
         self.layers: list[LayerState] = []
         self.pool: StagingPool | None = None
         self._predicted: list[list[int] | None] = [None] * shape.num_layers
+        self._stacks_for: dict = {}  # (dtype, activation) -> store.stacks of a CPU decode token (_stacks)
         # the host lane (offload/host.py): used by the layers whose plan computes misses and bottoms on the host
         self.host_lane = HostLane(shape.num_layers, host_threads)
 
@@ -410,6 +412,9 @@ class Engine:
         if not self.layers:
             raise FmoeError("no expert plan fits on the device (see the message above); nothing can run")
         state = self.layers[i]
+        if (state.resident and hidden_states.shape[0] == 1 and not self._prefetching
+                and self._stacks(hidden_states, experts.act_fn)):
+            return self._resident_decode(i, state, experts.act_fn, hidden_states, top_k_index, top_k_weights)
         self._collect_stalls()
         extra = self._device_part(i, hidden_states)
         routing = Routing.of(top_k_index, top_k_weights, extra)  # the one device→host copy of the layer
@@ -446,6 +451,44 @@ class Engine:
             for e in pinned:
                 cache.unpin(e)
             cache.advance()
+
+    def _resident_decode(self, i: int, state: LayerState, act, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+        """`experts_forward` of a decode step on a resident layer whose experts the store stacks (the CPU's kernels),
+        without a prefetcher: the same steps on what such a step has — the routing's host list, the observers, the
+        policy's touches, the counters of K whole experts (nothing is staged, loaded, pinned or admitted, no stall
+        to collect), one kernel call for the K experts in routing order and the weighted sum (`_combine_decode`)."""
+        routed = top_k_index.tolist()[0]  # the token's K experts, in routing order (one host list, as Routing.of)
+        cache = state.cache
+        if self.observers:
+            event = RouteEvent(i, top_k_index, top_k_weights, routed, cache, self._predicted[i])
+            for observe in self.observers:
+                observe(event)
+        self._predicted[i] = None
+        try:
+            cache.record((routed,))
+            activated = len(set(routed))
+            counters = state.counters
+            counters.activations += activated
+            counters.hits_full += activated  # every activated expert is whole (_classify's resident Hits)
+            rows = state.expert_rows
+            if rows is None:
+                slot = cache.slot
+                rows = state.expert_rows = [state.top_rows[slot(e)] for e in range(self.shape.num_experts)]
+            stacked = self.store.stacked_forward(hidden_states, [rows[e] for e in routed], act)
+            return self._combine_decode(hidden_states, stacked, top_k_weights)
+        finally:
+            cache.advance()
+
+    def _stacks(self, hidden_states: torch.Tensor, act) -> bool:
+        """`store.stacks` for a decode token of this dtype and activation on the CPU, asked once."""
+        if not hidden_states.is_cpu:
+            return False
+        key = (hidden_states.dtype, act)
+        stacks = self._stacks_for.get(key)
+        if stacks is None:
+            stacks = self._stacks_for[key] = self.store.stacks(hidden_states, act)
+        return stacks
 
     def _classify(self, i: int, active: list[int]) -> Hits:
         """1. classify the activated experts (offload/hits.py); count; drop useless staged entries."""
