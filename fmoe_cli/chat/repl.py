@@ -148,7 +148,8 @@ def held_typeahead(fd: int) -> Iterator[list[str]]:
     quiet[6][termios.VMIN], quiet[6][termios.VTIME] = 0, 0  # reads never wait
     termios.tcsetattr(fd, termios.TCSANOW, quiet)
     try:
-        yield typed
+        with ctrl_c_raises():
+            yield typed
     finally:
         data = b""
         try:
@@ -167,6 +168,26 @@ def held_typeahead(fd: int) -> Iterator[list[str]]:
             elif c in "\n\t" or c >= " ":
                 kept.append(c)
         typed.append("".join(kept).rstrip("\n"))
+
+
+@contextlib.contextmanager
+def ctrl_c_raises() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in the block, also in a chat started with SIGINT ignored (a non-interactive
+    shell starts its background commands so, and they pass it on: Python then installs no handler). prompt-toolkit
+    takes Ctrl-C at the prompt as a key whatever the signal's disposition, so the answer must stop on it too (seen:
+    a test suite started in the background, where every pseudo-terminal chat ran its whole answer through Ctrl-C).
+    The disposition is put back afterwards. Only the main thread can set a handler; elsewhere nothing changes."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # --- output ------------------------------------------------------------------
