@@ -23,6 +23,14 @@ by default. Either way the figures are measured (emulated link), not simulated.
 
     python benchmarks/link_policies.py                       # 5 rounds, links 1,4,16, CPU-time clock
     python benchmarks/link_policies.py --rounds 3 --links 4 --tokens 32 --json
+    python benchmarks/link_policies.py --pool DIR [DIR …]    # the rounds of earlier --raw runs, pooled
+
+`--pool` runs nothing: it reads the rounds several runs kept (`--raw DIR`: `roundR-linkX.json`), pools them per link
+and prints, per link, `moepic` ÷ each policy paired within each round, median and quartiles over every pooled round
+(and apart by whether `moepic`'s plan prefetched), and how often a run of `--rounds` rounds drawn from the pool (with
+replacement) shows `moepic` ≤ 1.05 × the best other policy, on the paired median and on the ratio of medians: what
+one run's verdict is worth at this noise (the best other is chosen by the run's own medians, so a tie reads above
+1 more often than below).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -77,8 +86,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile each link first (fmoe profile --model, --emulate-link X) instead of the quick estimate")
     parser.add_argument("--raw", default=None, help="a directory to keep every fmoe bench --json report in")
+    parser.add_argument("--pool", nargs="+", default=None, metavar="DIR",
+                        help="run nothing: pool the rounds of earlier runs' --raw directories")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.pool:
+        pooled = {link: pool_summary(rounds, args.rounds) for link, rounds in sorted(
+            read_rounds([Path(d) for d in args.pool]).items(), key=lambda item: float(item[0]))}
+        print(json.dumps(pooled) if args.json else render_pool(pooled, args.pool))
+        return
     links = [float(x) for x in args.links.split(",")]
     policies = args.policies.split(",")
     tpot: dict[float, dict[str, list[float]]] = {x: {p: [] for p in policies} for x in links}
@@ -166,6 +182,82 @@ def summarise(tpot: dict[str, list[float]], plans: list[str]) -> dict:
             "best_other": best, "moepic_over_best": over.get(best),
             "moepic_over_best_medians": medians["moepic"] / others[best] if best and "moepic" in medians else None,
             "moepic_plans": plans}
+
+
+TARGET = 1.05  # issue 22 §5: moepic ≤ 1.05 × the best other policy's TPOT
+
+
+def read_rounds(dirs: list[Path]) -> dict[str, list[dict]]:
+    """Every round the --raw directories kept, per link: {"4": [{"tpot": {policy: ms}, "prefetch": bool, "source":
+    "DIR/roundR-link4.json"}, …]}; `prefetch`: whether `moepic`'s plan in that round prefetched."""
+    found: dict[str, list[dict]] = {}
+    for directory in dirs:
+        for path in sorted(directory.glob("round*-link*.json")):
+            link = path.stem.split("-link", 1)[1]
+            runs = {run["policy"]: run for run in json.loads(path.read_text())["runs"]}
+            if "moepic" not in runs:
+                continue
+            found.setdefault(link, []).append({
+                "tpot": {p: run["tpot_ms"]["median"] for p, run in runs.items()},
+                "prefetch": not runs["moepic"].get("plan", "").endswith("no prefetch"),
+                "source": str(path)})
+    return found
+
+
+def run_verdict(rounds: list[dict[str, float]]) -> tuple[float, float]:
+    """One run's figures from its rounds (each {policy: TPOT}), as `summarise` gives them: `moepic` ÷ the best other
+    policy (least median TPOT, `resident` excluded), paired within each round (the median over the rounds), and
+    the ratio of the medians."""
+    medians = {p: statistics.median(r[p] for r in rounds) for p in rounds[0]}
+    others = {p: m for p, m in medians.items() if p not in ("moepic", "resident")}
+    best = min(others, key=others.get)
+    return statistics.median(r["moepic"] / r[best] for r in rounds), medians["moepic"] / others[best]
+
+
+def pass_rates(rounds: list[dict[str, float]], per_run: int, draws: int = 4000, seed: int = 0) -> dict[str, float]:
+    """How often a run of `per_run` rounds drawn from `rounds` (with replacement) meets TARGET: on the paired median,
+    on the ratio of medians, and on both."""
+    rng = random.Random(seed)
+    paired = medians = both = 0
+    for _ in range(draws):
+        p, m = run_verdict([rng.choice(rounds) for _ in range(per_run)])
+        paired += p <= TARGET
+        medians += m <= TARGET
+        both += p <= TARGET and m <= TARGET
+    return {"paired": paired / draws, "ratio_of_medians": medians / draws, "both": both / draws}
+
+
+def quartiles(values: list[float]) -> dict:
+    q1, q2, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return {"median": statistics.median(values), "q1": q1, "q3": q3, "rounds": len(values)}
+
+
+def pool_summary(rounds: list[dict], per_run: int) -> dict:
+    """One link's pooled rounds: `moepic` ÷ each policy paired within each round (median and quartiles over all
+    rounds, and over the rounds whose `moepic` plan did and did not prefetch), and `pass_rates` of a run of
+    `per_run` rounds."""
+    tpots = [r["tpot"] for r in rounds if all(p in r["tpot"] for p in rounds[0]["tpot"])]
+    policies = [p for p in rounds[0]["tpot"] if p != "moepic"]
+    kinds = {"all": tpots, "prefetch": [r["tpot"] for r in rounds if r["prefetch"]],
+             "no prefetch": [r["tpot"] for r in rounds if not r["prefetch"]]}
+    return {"rounds": len(tpots), "per_run": per_run,
+            "moepic_over": {kind: {p: quartiles([r["moepic"] / r[p] for r in chosen]) for p in policies}
+                            for kind, chosen in kinds.items() if chosen and (kind == "all" or len(chosen) < len(tpots))},
+            "pass_rates": pass_rates(tpots, per_run)}
+
+
+def render_pool(pooled: dict, dirs: list[str]) -> str:
+    lines = [f"pooled rounds of {', '.join(dirs)}; moepic ÷ P paired within each round: median (quartiles) over the rounds"]
+    for link, row in pooled.items():
+        lines.append(f"{link} GB/s, {row['rounds']} rounds:")
+        for kind, over in row["moepic_over"].items():
+            n = next(iter(over.values()))["rounds"]
+            lines.append(f"  {kind} ({n}): " + " · ".join(f"{p} {q['median']:.3f} ({q['q1']:.3f}–{q['q3']:.3f})"
+                                                         for p, q in over.items()))
+        rates = row["pass_rates"]
+        lines.append(f"  a run of {row['per_run']} rounds drawn from these meets ≤ {TARGET} × the best other: paired "
+                     f"{rates['paired']:.2f}, ratio of medians {rates['ratio_of_medians']:.2f}, both {rates['both']:.2f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

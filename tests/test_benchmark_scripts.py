@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,3 +105,54 @@ def test_link_policies_reports_the_host_costs_each_link_planned_from(tmp_path):
     found = link_policies.plan_inputs(tmp_path / "link-4", tmp_path / "raw")
     assert found == {"demo-abc.quick.json": {"t_host_load": 6e-5, "t_host_prefetch": 1.9e-4}}
     assert (tmp_path / "raw" / "fmoe" / "profiles" / "demo-abc.stats.json").exists()
+
+
+def _raw_round(directory: Path, r: int, link: str, tpot: dict[str, float], prefetch: bool = True) -> None:
+    import json
+
+    runs = [{"policy": p, "tpot_ms": {"median": t},
+             "plan": "configurator: …" + ("" if prefetch or p != "moepic" else ", no prefetch")} for p, t in tpot.items()]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"round{r}-link{link}.json").write_text(json.dumps({"runs": runs}))
+
+
+def test_link_policies_pools_the_rounds_of_earlier_runs(tmp_path):
+    """benchmarks/link_policies.py --pool: the rounds of several runs' --raw directories, per link; moepic ÷ each
+    policy paired within each round, median and quartiles over the pooled rounds, apart by whether moepic's plan
+    prefetched (its plan's summary ends in 'no prefetch' when not)."""
+    link_policies = benchmark("link_policies")
+    for n, (moepic, prefetch) in enumerate([(10.0, True), (12.0, False), (9.0, False)]):
+        _raw_round(tmp_path / f"run{n}", 1, "4", {"moepic": moepic, "ondemand": 10.0, "resident": 5.0}, prefetch)
+    _raw_round(tmp_path / "run0", 1, "16", {"moepic": 8.0, "ondemand": 10.0, "resident": 5.0})
+    rounds = link_policies.read_rounds([tmp_path / f"run{n}" for n in range(3)])
+    assert sorted(rounds) == ["16", "4"] and len(rounds["4"]) == 3
+    row = link_policies.pool_summary(rounds["4"], per_run=5)
+    assert row["rounds"] == 3
+    assert row["moepic_over"]["all"]["ondemand"]["median"] == 1.0
+    assert row["moepic_over"]["prefetch"]["ondemand"]["rounds"] == 1
+    assert row["moepic_over"]["no prefetch"]["ondemand"]["median"] == pytest.approx(1.05)  # 1.2 and 0.9
+
+
+def test_a_tie_with_the_best_of_several_policies_often_reads_above_the_target_in_one_run():
+    """What one run of 5 rounds says (link_policies.pass_rates): rounds drawn from a pool in which moepic ties every
+    other policy, each policy's TPOT ±12 % at random in each round. The best other policy is the one of least median
+    in the run, so moepic ÷ it reads above 1 more often than below: with six policies tied, a run of 5 rounds meets
+    ≤ 1.05 on both readings about half the time (0.50), though moepic loses to none of them; where moepic is 10 %
+    faster than every other policy, nearly always (0.96). (On the demo at 4 GB/s the 35 pooled rounds of seven runs gave
+    0.50, with moepic's paired medians 0.89–0.98 against every policy: docs/bench.md § `moepic` across links.)"""
+    link_policies = benchmark("link_policies")
+    rng = random.Random(7)
+    policies = ("moepic", "lru", "lfu", "uniform", "cache-only", "prefetch-only", "ondemand")
+
+    def pool(moepic_factor: float) -> list[dict[str, float]]:
+        return [{p: 10.0 * (moepic_factor if p == "moepic" else 1.0) * rng.uniform(0.88, 1.12) for p in policies}
+                for _ in range(200)]
+
+    tied = link_policies.pass_rates(pool(1.0), per_run=5, draws=2000)
+    faster = link_policies.pass_rates(pool(0.9), per_run=5, draws=2000)
+    assert tied["both"] < 0.6 and tied["both"] <= min(tied["paired"], tied["ratio_of_medians"])
+    assert faster["both"] > 0.9
+    # one run's figures: the best other by median TPOT, then moepic ÷ it paired per round and as a ratio of medians
+    paired, medians = link_policies.run_verdict([{"moepic": 10.0, "a": 9.0, "b": 12.0}, {"moepic": 11.0, "a": 12.0,
+                                                                                         "b": 10.5}])
+    assert (paired, medians) == (pytest.approx((10 / 9 + 11 / 12) / 2), pytest.approx(10.5 / 10.5))
