@@ -138,8 +138,8 @@ def test_a_tie_with_the_best_of_several_policies_often_reads_above_the_target_in
     other policy, each policy's TPOT ±12 % at random in each round. The best other policy is the one of least median
     in the run, so moepic ÷ it reads above 1 more often than below: with six policies tied, a run of 5 rounds meets
     ≤ 1.05 on both readings about half the time (0.50), though moepic loses to none of them; where moepic is 10 %
-    faster than every other policy, nearly always (0.96). (On the demo at 4 GB/s the 35 pooled rounds of seven runs gave
-    0.50, with moepic's paired medians 0.89–0.98 against every policy: docs/bench.md § `moepic` across links.)"""
+    faster than every other policy, nearly always (0.96). (On the demo at 4 GB/s the 40 pooled rounds of eight runs gave
+    0.49, with moepic's paired medians 0.89–0.98 against every policy: docs/bench.md § `moepic` across links.)"""
     link_policies = benchmark("link_policies")
     rng = random.Random(7)
     policies = ("moepic", "lru", "lfu", "uniform", "cache-only", "prefetch-only", "ondemand")
