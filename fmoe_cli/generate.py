@@ -48,17 +48,36 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        keys, values, start = self._reserve(new, key_states, value_states)
+        keys.narrow(-2, start, new).copy_(key_states)
+        values.narrow(-2, start, new).copy_(value_states)
+        self._set_length(start + new)
+        return self.keys, self.values
+
+    def reserve(self, new: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a writer that fills the next `new` positions itself (models/attention.py's decode step in C): the
+        buffers [B, H, capacity, D], grown to hold them, and the first of them; then `commit(first + new)`. None
+        before the first update (the prefill's: `update` sets the dtype and shapes)."""
+        if not self.is_initialized or self.keys is None or not self.keys.numel():
+            return None
+        return self._reserve(new, self.keys, self.values)
+
+    def commit(self, length: int) -> None:
+        """The first `length` positions of the buffers are the cache (after `reserve`)."""
+        self._set_length(length)
+
+    def _reserve(self, new: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """The buffers, grown to hold `new` positions after the cache's (shapes and dtype of key_states and
+        value_states), and where those begin."""
         if self.keys is not self._views[0] or self.values is not self._views[1]:
             self._adopt()  # first update, or keys/values assigned from outside
-        start, new = self.keys.shape[-2] if self.keys.numel() else 0, key_states.shape[-2]
+        start = self.keys.shape[-2] if self.keys.numel() else 0
         end = start + new
         if self._buffers is None or end > self._buffers[0].shape[-2]:
             self._grow(end, key_states, value_states, start)
         keys, values = self._buffers
-        keys.narrow(-2, start, new).copy_(key_states)
-        values.narrow(-2, start, new).copy_(value_states)
-        self._set_length(end)
-        return self.keys, self.values
+        return keys, values, start
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)  # its checks; keys and values become shorter views of the buffers

@@ -1,6 +1,8 @@
 """A decode token's attention on the CPU (models/attention.py): q/k/v fused into one kernel call under --dense
-int8|int4, and the decode forward of the standard GQA families. Both must give transformers' bits: the same
-loaded model with and without them gives the same logits, bit for bit, every family, dtype and dense format."""
+int8|int4, and the decode forward of the standard GQA families. With its steps as torch ops both give transformers'
+bits: the same loaded model with and without them gives the same logits, bit for bit, every family, dtype and dense
+format. A float32 token's steps in C (decode.c: kernels.attention_decode) are checked against a float64 reference
+here, and against the torch steps in tests/test_decoder.py."""
 
 from __future__ import annotations
 
@@ -148,6 +150,7 @@ def test_decode_forward_gives_transformers_bits(checkpoints, family, dtype, dens
     decode step of the standard families (never at the prefill), and never for DeepSeek's MLA."""
     if dense != "bf16" and not kernels.library():
         pytest.skip("no C compiler")
+    torch_steps(monkeypatch)
     lm = load_perturbed(checkpoints[family], dtype, dense)
 
     def transformers_forward():
@@ -155,6 +158,12 @@ def test_decode_forward_gives_transformers_bits(checkpoints, family, dtype, dens
             attn.__dict__.pop("forward", None)
 
     assert_decode_bits(lm, attention, family, transformers_forward, monkeypatch)
+
+
+def torch_steps(monkeypatch) -> None:
+    """A float32 decode token's norms and attention as torch ops (transformers' bits), not decode.c's: for the models
+    loaded after this."""
+    monkeypatch.setattr(kernels, "decode_steps_in_c", lambda: False)
 
 
 def assert_decode_bits(lm, module, family: str, transformers_forward, monkeypatch, steps: int = 6) -> None:
@@ -218,12 +227,17 @@ def attention_ops(lm, decode_forward: bool) -> dict:
 # The KV cache's update is 6 of them (generate.py's GrowingLayer: a narrow and a copy_ for each of k and v, and the
 # views handed out; DynamicLayer's was 2 torch.cats, each copying the whole cache); RoPE 4 (a roll, two products and
 # a sum), and the signed sin once a token (4 ops, shared out over the layers).
+# float32 with its steps in C (decode.c: the norms, RoPE, the cache's append and the attention one call): 25 / 22,
+# 25 / 23, 31 / 28 and 41 / 40 ops with them as torch ops → 10 / 7, 10 / 8, 10 / 7 (the tiny checkpoints' float32
+# q, k, v and o as four F.linear and a cat) and 26 / 25 (OLMoE's norms over the whole projections stay its modules).
 DECODE_ATTENTION_OPS = {
-    "mixtral": {("float32", "bf16"): 25, ("float32", "int8"): 22, ("bfloat16", "bf16"): 26, ("bfloat16", "int8"): 24},
-    "qwen2_moe": {("float32", "bf16"): 25, ("float32", "int8"): 23, ("bfloat16", "bf16"): 27, ("bfloat16", "int8"): 25},
-    "qwen3_moe": {("float32", "bf16"): 31, ("float32", "int8"): 28, ("bfloat16", "bf16"): 34, ("bfloat16", "int8"): 32},
-    "olmoe": {("float32", "bf16"): 41, ("float32", "int8"): 40, ("bfloat16", "bf16"): 44, ("bfloat16", "int8"): 42},
+    "mixtral": {("float32", "bf16"): 10, ("float32", "int8"): 7, ("bfloat16", "bf16"): 26, ("bfloat16", "int8"): 24},
+    "qwen2_moe": {("float32", "bf16"): 10, ("float32", "int8"): 8, ("bfloat16", "bf16"): 27, ("bfloat16", "int8"): 25},
+    "qwen3_moe": {("float32", "bf16"): 10, ("float32", "int8"): 7, ("bfloat16", "bf16"): 34, ("bfloat16", "int8"): 32},
+    "olmoe": {("float32", "bf16"): 26, ("float32", "int8"): 25, ("bfloat16", "bf16"): 44, ("bfloat16", "int8"): 42},
 }
+TORCH_STEPS_F32 = {"mixtral": {"bf16": 25, "int8": 22}, "qwen2_moe": {"bf16": 25, "int8": 23},
+                   "qwen3_moe": {"bf16": 31, "int8": 28}, "olmoe": {"bf16": 41, "int8": 40}}  # no kernels built
 
 
 @pytest.mark.parametrize("dense", ["bf16", "int8"])
@@ -237,6 +251,97 @@ def test_decode_attention_ops(checkpoints, family, dtype, dense):
         pytest.skip("no C compiler")
     path = str(checkpoints[family])
     ops = attention_ops(load_model(path, device="cpu", dtype=dtype, dense=dense), decode_forward=True)
-    assert ops["ops_per_attention"] <= DECODE_ATTENTION_OPS[family][dtype, dense], ops["by_op"]
+    bound = DECODE_ATTENTION_OPS[family][dtype, dense]
+    if dtype == "float32" and not kernels.decode_steps_in_c():
+        bound = TORCH_STEPS_F32[family][dense]
+    assert ops["ops_per_attention"] <= bound, ops["by_op"]
     theirs = attention_ops(load_model(path, device="cpu", dtype=dtype, dense=dense), decode_forward=False)
     assert theirs["ops_per_attention"] > ops["ops_per_attention"], theirs["by_op"]
+
+
+def reference_attention(qkv, heads_q, heads_k, dim, qk_weight, eps, cos, sin, keys, values, position, scale):
+    """kernels.attention_decode's formulas in float64 (transformers' RMSNorm, rotate_half RoPE, softmax attention over
+    positions [0, position] with the new k and v in place): (out [1, Hq·D], k [Hk, D], v [Hk, D])."""
+    h = qkv.double().view(-1, dim)
+    qk, v = h[:heads_q + heads_k], h[heads_q + heads_k:]
+    if qk_weight is not None:
+        qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps) * qk_weight.double().view(-1, dim)
+    half = dim // 2
+    rotated = torch.cat([-qk[:, half:], qk[:, :half]], -1)
+    qk = qk * cos.double().view(dim) + rotated * sin.double().view(dim)
+    q, k = qk[:heads_q], qk[heads_q:]
+    ks, vs = keys[0, :, : position + 1].double().clone(), values[0, :, : position + 1].double().clone()
+    ks[:, position], vs[:, position] = k, v
+    group = heads_q // heads_k
+    out = []
+    for head in range(heads_q):
+        p = torch.softmax((ks[head // group] @ q[head]) * scale, -1)
+        out.append(p @ vs[head // group])
+    return torch.cat(out)[None], k, v
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads_q, heads_k, dim, norm", [(16, 4, 64, True), (4, 4, 32, False), (8, 2, 128, False),
+                                                         (6, 3, 8, True)])
+def test_attention_decode_in_c_against_float64(heads_q, heads_k, dim, norm):
+    """kernels.attention_decode (decode.c): the heads' outputs within float32 rounding of the float64 formulas, the
+    token's k (normed and rotated) and v written at the position and nothing else of the cache touched, for several
+    GQA groupings, with and without Qwen3-MoE's per-head norms, at the first position, inside the buffers and at
+    their last one."""
+    g = torch.Generator().manual_seed(heads_q * dim)
+    capacity = 40
+    for position in (0, 17, capacity - 1):
+        qkv = torch.randn(1, (heads_q + 2 * heads_k) * dim, generator=g)
+        keys, values = (torch.randn(1, heads_k, capacity, dim, generator=g) for _ in range(2))
+        qk_weight = (1 + 0.5 * torch.randn(heads_q + heads_k, 1, dim, generator=g)) if norm else None
+        angles = (position + 1) * torch.rand(dim // 2, generator=g)
+        cos, sin = (torch.cat([f(angles), f(angles)])[None, None] for f in (torch.cos, torch.sin))
+        scale = dim ** -0.5
+        want, k, v = reference_attention(qkv, heads_q, heads_k, dim, qk_weight, 1e-6, cos, sin, keys, values,
+                                         position, scale)
+        before_k, before_v = keys.clone(), values.clone()
+        got = kernels.attention_decode(qkv.clone(), heads_q, heads_k, dim, qk_weight, 1e-6, cos, sin, keys, values,
+                                       position, scale)
+        assert got.shape == (1, heads_q * dim) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(keys[0, :, position].double(), k, rtol=1e-5, atol=1e-6)
+        assert torch.equal(values[0, :, position], v.float())  # v is copied as it is
+        untouched = torch.ones(capacity, dtype=torch.bool)
+        untouched[position] = False
+        assert torch.equal(keys[:, :, untouched], before_k[:, :, untouched])
+        assert torch.equal(values[:, :, untouched], before_v[:, :, untouched])
+
+
+@needs_kernels
+def test_rope_in_c_has_torchs_bits():
+    """decode.c's RoPE rounds each product and the sum as torch's elementwise ops do (no FMA contraction): without
+    norms, a token's k in the cache has the bits of the torch steps' `q·cos + rotate_half(q)·sin`."""
+    g = torch.Generator().manual_seed(0)
+    heads_q, heads_k, dim = 8, 2, 64
+    qkv = torch.randn(1, (heads_q + 2 * heads_k) * dim, generator=g)
+    keys, values = torch.zeros(1, heads_k, 4, dim), torch.zeros(1, heads_k, 4, dim)
+    angles = 5 * torch.rand(dim // 2, generator=g)
+    cos, sin = (torch.cat([f(angles), f(angles)])[None, None] for f in (torch.cos, torch.sin))
+    k = qkv.view(-1, dim)[heads_q:heads_q + heads_k]
+    want = k * cos[0, 0] + torch.cat([-k[:, dim // 2:], k[:, :dim // 2]], -1) * sin[0, 0]
+    kernels.attention_decode(qkv.clone(), heads_q, heads_k, dim, None, 0.0, cos, sin, keys, values, 2, 0.125)
+    assert torch.equal(keys[0, :, 2], want)
+
+
+@needs_kernels
+def test_rms_norm_in_c():
+    """kernels.rms_norm (decode.c): within float32 rounding of transformers' RMSNorm (its mean summed in another
+    order: at most a few units in the last place apart), and x + add with torch's bits."""
+    from fmoe_cli.models.attention import rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    for width in (64, 1000, 2048):
+        weight = 1 + 0.5 * torch.randn(width, generator=g)
+        for _ in range(8):
+            x, add = (3 * torch.randn(1, 1, width, generator=g) for _ in range(2))
+            total, got = kernels.rms_norm(x, weight, 1e-6, add=add)
+            assert torch.equal(total, x + add)
+            torch.testing.assert_close(got, rms_norm(x + add, weight, 1e-6), rtol=4e-7, atol=1e-30)
+            none, alone = kernels.rms_norm(x, weight, 1e-6)
+            assert none is None
+            torch.testing.assert_close(alone, rms_norm(x, weight, 1e-6), rtol=4e-7, atol=1e-30)

@@ -14,7 +14,8 @@ from fmoe_cli import kernels
 from fmoe_cli.models import attention, decoder
 from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
-from test_attention import assert_decode_bits, attention_ops  # tests/test_attention.py
+import test_attention  # tests/test_attention.py
+from test_attention import assert_decode_bits, attention_ops, torch_steps
 
 
 def decode_modules(model) -> list:
@@ -33,7 +34,12 @@ def without_decode_forwards(model) -> None:
 def load_perturbed(path, dtype: str, dense: str):
     """load_model with the layers' and the final norm's weights made random (a random checkpoint's are ones, under
     which a norm given the wrong weight, or none, would not show), then the decode forwards installed again."""
-    lm = load_model(str(path), device="cpu", dtype=dtype, dense=dense)
+    return perturb_norms(load_model(str(path), device="cpu", dtype=dtype, dense=dense))
+
+
+def perturb_norms(lm):
+    """The layers' and the final norm's weights of a loaded model made random, then its decode forwards installed
+    again."""
     without_decode_forwards(lm.model)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -54,6 +60,7 @@ def test_decode_layers_give_transformers_bits(checkpoints, family, dtype, dense,
     logits ran at every decode step of the standard families (never at the prefill), never for DeepSeek."""
     if dense != "bf16" and not kernels.library():
         pytest.skip("no C compiler")
+    torch_steps(monkeypatch)
     lm = load_perturbed(checkpoints[family], dtype, dense)
     inner_calls = []  # transformers' own model forward: the prefill only, where the causal LM's decode forward runs
     inner = lm.model.model
@@ -67,8 +74,50 @@ def test_decode_layers_give_transformers_bits(checkpoints, family, dtype, dense,
 def test_decode_layers_give_transformers_bits_on_two_threads(checkpoints, family, dtype, monkeypatch, two_threads):
     """As above with torch's threads at 2 (the suite runs on 1), where the router's one-thread logits are not
     torch's own thread count: still transformers' bits."""
+    torch_steps(monkeypatch)
     lm = load_perturbed(checkpoints[family], dtype, "bf16")
     assert_decode_bits(lm, decoder, family, lambda: without_decode_forwards(lm.model), monkeypatch)
+
+
+@pytest.mark.skipif(not kernels.library(), reason="no C compiler")
+@pytest.mark.parametrize("dense", ["bf16", "int8"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_float32_decode_steps_in_c(checkpoints, family, dense, monkeypatch):
+    """float32 on the CPU: a decode token's norms (the layers', the final one, Qwen3-MoE's per head) and attention steps
+    (RoPE, the KV cache's append, the attention) run in C (decode.c) — kernels.attention_decode once a layer and
+    kernels.rms_norm twice a layer and once more a decode step, never at the prefill — through the cache's growth (its
+    buffers from 4 positions: `reserve` grows them 5 times); against the same model with the torch steps
+    (transformers' bits: the tests above), the logits within float32 rounding at every step and the same greedy
+    token."""
+    from collections import Counter
+
+    from fmoe_cli import generate
+
+    monkeypatch.setattr(generate, "MIN_CAPACITY", 4)
+    steps = 20
+
+    def logits(c_steps: bool):
+        with monkeypatch.context() as m:
+            if not c_steps:
+                torch_steps(m)
+            lm = perturb_norms(test_attention.load_perturbed(checkpoints[family], "float32", dense))
+        return lm, test_attention.decode_logits(lm, steps)
+
+    calls = Counter()
+    for name in ("attention_decode", "rms_norm"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, real=real, name=name, **kw: calls.update([name]) or real(*a, **kw))
+    lm, got = logits(True)
+    layers = len(lm.model.model.layers)
+    assert calls == {"attention_decode": steps * layers, "rms_norm": steps * (2 * layers + 1)}
+    calls.clear()
+    _, want = logits(False)
+    assert not calls
+    assert len(got) == len(want) == steps + 1
+    assert torch.equal(got[0], want[0])  # the prefill: torch's steps in both
+    for step, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()), msg=f"step {step}")
+        assert int(a.argmax()) == int(b.argmax()), f"step {step}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -125,9 +174,11 @@ def decoder_ops(lm, decode_forward: bool) -> float:
 # dtype; transformers' own: Mixtral 35.5, Qwen2-MoE 49.25, Qwen3-MoE 35.5, OLMoE 33.5 (float32 and bf16 alike;
 # Qwen2-MoE's model forward makes a full and a sliding-window mask every step: 7 a layer here). bf16 +0.25 since
 # one_row_kernels: the LM head's kernel call is one op more than torch.mv's (its output's empty and rounding).
-DECODE_LAYER_OPS = {"mixtral": {"float32": 29.75, "bfloat16": 34.5},
-                    "qwen2_moe": {"float32": 35.75, "bfloat16": 41.5},
-                    "qwen3_moe": {"float32": 28.75, "bfloat16": 34.5}, "olmoe": {"float32": 26.75, "bfloat16": 32.5}}
+# float32: the norms and the first residual add in C (decode.c); TORCH_STEPS_F32 without the kernels.
+DECODE_LAYER_OPS = {"mixtral": {"float32": 18.25, "bfloat16": 34.5},
+                    "qwen2_moe": {"float32": 24.25, "bfloat16": 41.5},
+                    "qwen3_moe": {"float32": 17.25, "bfloat16": 34.5}, "olmoe": {"float32": 15.25, "bfloat16": 32.5}}
+TORCH_STEPS_F32 = {"mixtral": 29.75, "qwen2_moe": 35.75, "qwen3_moe": 28.75, "olmoe": 26.75}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -137,7 +188,8 @@ def test_decode_layer_ops(checkpoints, family, dtype):
     token dispatches at most DECODE_LAYER_OPS[family][dtype] aten ops a layer, fewer than transformers' layers."""
     path = str(checkpoints[family])
     ours = decoder_ops(load_model(path, device="cpu", dtype=dtype, dense="bf16"), decode_forward=True)
-    assert ours <= DECODE_LAYER_OPS[family][dtype]
+    in_c = dtype == "float32" and kernels.decode_steps_in_c()
+    assert ours <= (DECODE_LAYER_OPS[family][dtype] if in_c or dtype != "float32" else TORCH_STEPS_F32[family])
     theirs = decoder_ops(load_model(path, device="cpu", dtype=dtype, dense="bf16"), decode_forward=False)
     assert theirs > ours
 

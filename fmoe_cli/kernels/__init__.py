@@ -47,6 +47,7 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # what x may be (experts.c: fl
 # --tokens 16 64, docs/bench.md § CPU expert kernels); past 128 the tokens no longer stay in L2 while a row block
 # is dotted with them (measured no further).
 MAX_TOKENS = 128
+MAX_HEAD_DIM = 1024  # decode.c's MAX_DIM: the widest attention head it takes
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,11 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_linear_forward.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int, i64, ptr,
                                         ctypes.c_int, ctypes.c_int]
     lib.fmoe_linear_forward.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.fmoe_add_rms_norm.argtypes = [ptr, ptr, i64, ptr, f32, ptr, ptr]
+    lib.fmoe_add_rms_norm.restype = None
+    lib.fmoe_attention_decode.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, ptr, ptr, ptr, i64, i64, f32, ptr]
+    lib.fmoe_attention_decode.restype = ctypes.c_int
     lib.fmoe_simd.restype = ctypes.c_int
     lib.fmoe_pool_chunks_run.restype = ctypes.c_int64
     return lib
@@ -192,3 +198,42 @@ def linear_forward(x: torch.Tensor, rows: torch.Tensor, spec: Spec) -> torch.Ten
     if status != 0:
         raise MemoryError("the linear kernel could not allocate its workspace")
     return y
+
+
+# --- a float32 decode token's steps between the weights (decode.c) ------------------------------------------------
+
+
+def decode_steps_in_c() -> bool:
+    """Whether a float32 decode token's norms and attention steps run in C (models/attention.py and decoder.py ask
+    once a module, when they install its decode forward): wherever the kernels are built. Their bits are decode.c's,
+    not torch's (tests give the torch steps transformers' bits by turning this off)."""
+    return library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
+    """RMSNorm of one float32 row x [..., n] (decode.c's formula: `weight · (x · r)`, r = 1/sqrt(mean(x²) + ε), the
+    mean summed in its own order), of x + add where `add` is given. Returns (x + add or None, the norm), each shaped
+    as x. x, add and weight: float32, contiguous, n values each."""
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    total = None if add is None else torch.empty_like(x)
+    library().fmoe_add_rms_norm(x.data_ptr(), None if add is None else add.data_ptr(), n, weight.data_ptr(), eps,
+                                None if total is None else total.data_ptr(), out.data_ptr())
+    return total, out
+
+
+def attention_decode(qkv: torch.Tensor, heads_q: int, heads_k: int, dim: int, qk_weight: torch.Tensor | None,
+                     eps: float, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     position: int, scale: float) -> torch.Tensor:
+    """One float32 decode token's attention (decode.c fmoe_attention_decode): qkv [1, (Hq + 2·Hk)·D] (overwritten:
+    its q and k normed by qk_weight [Hq + Hk, D] if given, and rotated by cos, sin [D]); its k and v written into the
+    cache's buffers keys, values [1, Hk, capacity, D] at `position`; the heads' outputs over positions [0, position],
+    [1, Hq·D]."""
+    out = torch.empty(1, heads_q * dim, dtype=torch.float32)
+    status = library().fmoe_attention_decode(
+        qkv.data_ptr(), heads_q, heads_k, dim, None if qk_weight is None else qk_weight.data_ptr(), eps,
+        cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, scale,
+        out.data_ptr())
+    if status != 0:
+        raise MemoryError("the attention kernel could not allocate its scores")
+    return out

@@ -1,4 +1,4 @@
-"""Compile experts.c once per machine and load it (ctypes: no torch headers, a compile of seconds).
+"""Compile experts.c and decode.c once per machine and load it (ctypes: no torch headers, a compile of seconds).
 
 The shared library is cached under the user cache directory, named by a hash of the source, the
 compiler command and the CPU's flags, so a changed source or another CPU builds its own. Concurrent
@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("experts.c")
+SOURCES = (Path(__file__).with_name("experts.c"), Path(__file__).with_name("decode.c"))  # one library
 # -O3 and the CPU's own instruction set (AVX-512 or AVX2/FMA/F16C); no -ffast-math: the sums' order is the contract.
 COMMON_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c11"]
 FLAGS = ["-march=native", *COMMON_FLAGS]
@@ -60,8 +60,8 @@ def compiler() -> str | None:
 
 
 def library_path(cc: str) -> Path:
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, " ".join(ISA_FLAGS[isa()]), cpu_flags()]).encode()
-                         ).hexdigest()[:16]
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\n".join([*texts, cc, " ".join(ISA_FLAGS[isa()]), cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / f"experts-{key}.so"
 
 
@@ -88,7 +88,7 @@ def _compile(cc: str, target: Path) -> None:
     try:
         errors = ""
         for flags in (ISA_FLAGS[isa()], PORTABLE_FLAGS):
-            result = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+            result = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
                                     timeout=COMPILE_TIMEOUT_S)
             if result.returncode == 0:
                 os.replace(tmp, target)  # atomic: a reader sees no library or the whole one

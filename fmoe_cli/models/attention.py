@@ -1,7 +1,7 @@
 """A decode token's attention on the CPU: q/k/v in one kernel call, and fewer host steps (issue 21).
 
 At a decode step (one token) of a small model the attention's weights are not what costs: the host's steps
-around them are (docs/bench.md § The decode step's attention on the CPU). Two changes, both exact:
+around them are (docs/bench.md § The decode step's attention on the CPU). Three changes, the first two exact:
 
 - **Fused q/k/v.** Under `--dense int8|int4` the q, k and v projections of a layer are QuantLinears of one format
   over the same input; their packed rows are concatenated into one tensor [Oq + Ok + Ov, row bytes] (one host copy:
@@ -24,6 +24,11 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Two c
   than the few µs of work it splits, and it splits by head, so its bits do not depend on the thread count.
   Anything else — a prefill (more than one token), an attention mask, a device other than the CPU, OLMoE's
   `clip_qkv`, an attention implementation other than SDPA, DeepSeek's MLA — runs transformers' own forward.
+- **float32 in C.** Where the kernels are built (`kernels.decode_steps_in_c`), a float32 token's steps after its
+  projections — Qwen3-MoE's per-head norms, RoPE, the cache's append (generate.py's `GrowingLayer.reserve` and
+  `commit`) and the attention — are one call (kernels.attention_decode, decode.c). Not torch's bits: decode.c sums
+  its reductions in its own order (within float32 rounding; RoPE's products and sums are torch's); the tokens stay
+  transformers', and every policy runs the same steps (docs/architecture.md § A float32 token's steps in C).
 """
 
 from __future__ import annotations
@@ -145,6 +150,9 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
         assert k_norm.variance_epsilon == eps, "q_norm and k_norm with different epsilons"
         qk_weight = torch.cat([q_norm.weight.detach().expand(heads_q, -1),
                                k_norm.weight.detach().expand(heads_k, -1)])[:, None, :]  # [Hq + Hk, 1, D]
+    # The float32 steps in C (kernels.attention_decode): what decode.c takes of this layer's shape and norms.
+    in_c = (kernels.decode_steps_in_c() and dim % 2 == 0 and dim <= kernels.MAX_HEAD_DIM
+            and heads_q % heads_k == 0 and (qk_weight is None or qk_weight.dtype == torch.float32))
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         if (attention_mask is not None or hidden_states.shape[:-1] != (1, 1) or attn.training or clip is not None
@@ -163,12 +171,20 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
             if norm == "projection":
                 q, k = q_norm(q), k_norm(k)
             qkv = torch.cat([q, k, v], -1)
+        cos, sin = position_embeddings  # [1, 1, D]: apply_rotary_pos_emb's, broadcast over q's and k's heads at once
+        if in_c and qkv.dtype == torch.float32 and cache is not None and cos.dtype == torch.float32:
+            slots = reserve(cache, attn.layer_idx)
+            if slots is not None:  # the norms, RoPE, the cache's append and the attention: one call
+                keys, values, position = slots
+                out = kernels.attention_decode(qkv, heads_q, heads_k, dim, qk_weight, eps or 0.0, cos.contiguous(),
+                                               sin.contiguous(), keys, values, position, attn.scaling)
+                cache.layers[attn.layer_idx].commit(position + 1)
+                return project_out(out), None
         # One token: [1, 1, heads, D] transposed, as transformers has it, is this view: the same values in memory order.
         heads = qkv.view(1, -1, 1, dim)  # [1, Hq + Hk + Hv, 1, D]
         qk, v = heads[:, :heads_q + heads_k], heads[:, heads_q + heads_k:]
         if norm == "heads":  # Qwen3MoeRMSNorm's steps over each head's D values
             qk = rms_norm(qk, qk_weight, eps)
-        cos, sin = position_embeddings  # [1, 1, D]: apply_rotary_pos_emb's, broadcast over q's and k's heads at once
         # rotate_half(qk) · sin = cat(-qk₂, qk₁) · sin = roll(qk, D/2) · cat(-sin₁, sin₂), value for value: a product's
         # sign is exact, (-a)·b = a·(-b). The signed sin is made once a token (the layers share `sin`).
         if rope.get("sin") is not sin:
@@ -184,14 +200,27 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
                 out = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, attn_mask=None, dropout_p=0.0, scale=attn.scaling, is_causal=False,
                     **({"enable_gqa": True} if attn.num_key_value_groups > 1 else {}))
-        out = out.view(1, -1)  # [1, Hq·D], heads in order (transformers' transpose and reshape of one token)
+        return project_out(out.view(1, -1)), None  # [1, Hq·D], heads in order (transformers' transpose and reshape)
+
+    def project_out(out: torch.Tensor) -> torch.Tensor:
+        """o_proj of the heads' outputs [1, Hq·D] -> [1, 1, H]."""
         if o_kernel and kernels.takes(out):  # QuantLinear.forward's steps, without its reshapes
             y = kernel_forward(out, o_proj.packed, o_proj.kernel, o_proj.bias)
         else:
             y = o_proj(out)
-        return y.view(1, 1, -1), None
+        return y.view(1, 1, -1)
 
     return forward
+
+
+def reserve(cache, layer_idx: int):
+    """The cache layer's buffers for one more position, and that position (generate.py's GrowingLayer.reserve); None
+    where the layer is not one (transformers' own layers: their `update`)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return None
+    reserve_one = getattr(layers[layer_idx], "reserve", None)
+    return None if reserve_one is None else reserve_one(1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

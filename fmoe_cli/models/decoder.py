@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _module
 
+from fmoe_cli import kernels
 from fmoe_cli.models.attention import decode_input, implementation, one_thread, rms_norm
 from fmoe_cli.offload.engine import IMPLEMENTATION_NAME
 
@@ -122,11 +123,18 @@ def _decode_layer(layer, original):
     otherwise."""
     attn, mlp = layer.self_attn, layer.mlp
     before, after = layer.input_layernorm, layer.post_attention_layernorm
+    in_c = norms_in_c(before, after)
 
     def forward(hidden_states, *args, **kwargs):
         if (args or kwargs.get("attention_mask") is not None or hidden_states.shape[:-1] != (1, 1) or layer.training
                 or "past_key_values" in kwargs or not decode_input(hidden_states)):
             return original(hidden_states, *args, **kwargs)
+        if in_c and hidden_states.dtype == torch.float32:  # the norms and the first residual add in C (decode.c)
+            _, normed = kernels.rms_norm(hidden_states, before.weight, before.variance_epsilon)
+            attended, _ = attn(hidden_states=normed, **kwargs)
+            hidden_states, normed = kernels.rms_norm(hidden_states, after.weight, after.variance_epsilon,
+                                                     add=attended)
+            return hidden_states + mlp(normed)
         residual = hidden_states
         hidden_states, _ = attn(hidden_states=rms_norm(hidden_states, before.weight, before.variance_epsilon),
                                 **kwargs)
@@ -165,13 +173,24 @@ def hooked(module) -> bool:
 
 
 def _decode_norm(norm, original):
-    """An RMSNorm's forward for one token (rms_norm's steps); `original` otherwise."""
+    """An RMSNorm's forward for one token (rms_norm's steps; float32 in C); `original` otherwise."""
+    in_c = norms_in_c(norm)
+
     def forward(hidden_states):
         if hidden_states.shape[:-1] != (1, 1) or not decode_input(hidden_states):
             return original(hidden_states)
+        if in_c and hidden_states.dtype == torch.float32:
+            return kernels.rms_norm(hidden_states, norm.weight, norm.variance_epsilon)[1]
         return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
 
     return forward
+
+
+def norms_in_c(*norms) -> bool:
+    """Whether a float32 token's RMSNorms by these modules run in C (kernels.rms_norm): the kernels are built and the
+    weights are float32 rows on the CPU."""
+    return kernels.decode_steps_in_c() and all(
+        n.weight.dtype == torch.float32 and n.weight.is_contiguous() and n.weight.device.type == "cpu" for n in norms)
 
 
 def _decode_router(router, original):

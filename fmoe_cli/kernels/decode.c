@@ -1,0 +1,141 @@
+/* A float32 decode token's steps between the weights, on the CPU (fmoe_cli/models/attention.py, decoder.py).
+
+   At one token, the attention's steps around its projections (the q/k norms, RoPE, the KV cache's append, the
+   attention over the cache) and the layer's RMSNorms are a few thousand flops each; as eager torch ops they are
+   25–45 dispatches a layer at a few µs each (docs/bench.md § The decode step's glue in C). Here each is one call.
+
+   The values are transformers' formulas; the bits are not torch's everywhere (the same class as the expert
+   kernels' rows, kernels/__init__.py): every product and sum that torch computes as one elementwise op is the
+   same single rounding here (no FMA contraction: -std=c11 keeps GCC's fp-contract off), so RoPE and the norm's
+   scaling have torch's bits; a reduction's order is this file's own (the mean of squares, the dot products, the
+   softmax's sum), so values differ from torch's by float32 rounding. Nothing depends on the thread count (one
+   thread), and every policy runs the same code, so every policy gives the resident run's bits.
+
+   RMSNorm (Qwen3MoeRMSNorm and its copies), over n values x:
+     r = 1 / sqrt(mean(x²) + ε)        y_i = w_i · (x_i · r)
+   RoPE (apply_rotary_pos_emb, rotate_half), over a head's D values with the token's cos and sin:
+     y_i = x_i·cos_i − x_{i+D/2}·sin_i  (i < D/2)      y_i = x_i·cos_i + x_{i−D/2}·sin_i  (i ≥ D/2)
+   Attention of query head h (its key/value head g = h / (Hq/Hk)) over the cache's L positions:
+     s_j = (q_h · k_{g,j}) · scale     p_j = exp(s_j − max s) / Σ exp(s − max s)     o_h = Σ_j p_j · v_{g,j}
+*/
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define DECODE_AVX2 1
+#else
+#define DECODE_AVX2 0
+#endif
+
+/* Σ a_i·b_i over n floats: eight lanes, then the lanes in a fixed order (the scalar build: one accumulator). */
+static float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float total = 0.0f;
+#if DECODE_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+#endif
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* r = 1 / sqrt(mean(x²) + ε): the mean of squares summed in double (closer to the exact value than any float
+   order), rounded to float once, then ε added and the root taken in float as torch does. */
+static float rms_scale(const float *x, int64_t n, float eps) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) sum += (double)x[i] * (double)x[i];
+    float mean = (float)(sum / (double)n);
+    return 1.0f / sqrtf(mean + eps);
+}
+
+/* y = w · (x · r) over each of `rows` rows of n values; w is one row [n] (weight_rows 0) or one per row. */
+static void rms_norm_rows(const float *x, float *y, int64_t rows, int64_t n, const float *w, int64_t weight_rows,
+                          float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n, *wr = w + (weight_rows ? r * n : 0);
+        float *yr = y + r * n;
+        float s = rms_scale(xr, n, eps);
+        for (int64_t i = 0; i < n; i++) {
+            float h = xr[i] * s;
+            yr[i] = wr[i] * h;
+        }
+    }
+}
+
+/* out = rms_norm(h + add) (add may be NULL: out = rms_norm(h)); sum (if not NULL) gets h + add, the residual
+   stream's next value. One row of n floats. */
+void fmoe_add_rms_norm(const float *h, const float *add, int64_t n, const float *weight, float eps, float *sum,
+                       float *out) {
+    const float *x = h;
+    if (add != NULL) {
+        for (int64_t i = 0; i < n; i++) sum[i] = h[i] + add[i];
+        x = sum;
+    }
+    rms_norm_rows(x, out, 1, n, weight, 0, eps);
+}
+
+/* One decode token's attention on float32 rows.
+   qkv [Hq + Hk + Hv, D]: the token's projections (q heads, then k heads, then v heads), overwritten: q and k
+     normed (qk_weight [Hq + Hk, D], one row per head, or NULL: no norm) and rotated.
+   cos, sin [D]: the token's rotary embedding.
+   keys, values [Hk, capacity, D]: the cache's buffers; the token's k and v are written at position `position`,
+     and the attention reads positions [0, position].
+   out [Hq, D]: the heads' outputs, in order (transformers' transpose and reshape of one token).
+   Returns 0, or -1: D over MAX_DIM or odd, or no memory for the scores. */
+#define MAX_DIM 1024
+int fmoe_attention_decode(float *qkv, int64_t heads_q, int64_t heads_k, int64_t dim, const float *qk_weight,
+                          float eps, const float *cos, const float *sin, float *keys, float *values,
+                          int64_t capacity, int64_t position, float scale, float *out) {
+    int64_t half = dim / 2, length = position + 1, group = heads_q / heads_k;
+    if (dim > MAX_DIM || dim % 2 != 0 || heads_q % heads_k != 0 || position >= capacity) return -1;
+    float *scores = malloc((size_t)length * sizeof(float));
+    if (scores == NULL) return -1;
+    if (qk_weight != NULL) rms_norm_rows(qkv, qkv, heads_q + heads_k, dim, qk_weight, 1, eps);
+    float rotated[MAX_DIM];
+    for (int64_t h = 0; h < heads_q + heads_k; h++) { /* RoPE: x·cos + rotate_half(x)·sin, each op rounded */
+        float *x = qkv + h * dim;
+        for (int64_t i = 0; i < half; i++) {
+            float a = x[i] * cos[i], b = (-x[i + half]) * sin[i];
+            rotated[i] = a + b;
+        }
+        for (int64_t i = half; i < dim; i++) {
+            float a = x[i] * cos[i], b = x[i - half] * sin[i];
+            rotated[i] = a + b;
+        }
+        memcpy(x, rotated, (size_t)dim * sizeof(float));
+    }
+    for (int64_t g = 0; g < heads_k; g++) { /* the cache's append */
+        memcpy(keys + (g * capacity + position) * dim, qkv + (heads_q + g) * dim, (size_t)dim * sizeof(float));
+        memcpy(values + (g * capacity + position) * dim, qkv + (heads_q + heads_k + g) * dim,
+               (size_t)dim * sizeof(float));
+    }
+    for (int64_t h = 0; h < heads_q; h++) {
+        const float *q = qkv + h * dim;
+        const float *k = keys + (h / group) * capacity * dim, *v = values + (h / group) * capacity * dim;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < length; j++) {
+            scores[j] = dot(q, k + j * dim, dim) * scale;
+            if (scores[j] > top) top = scores[j];
+        }
+        double total = 0.0;
+        for (int64_t j = 0; j < length; j++) {
+            scores[j] = expf(scores[j] - top);
+            total += scores[j];
+        }
+        float inverse = (float)(1.0 / total);
+        float *o = out + h * dim;
+        memset(o, 0, (size_t)dim * sizeof(float));
+        for (int64_t j = 0; j < length; j++) {
+            float p = scores[j] * inverse;
+            const float *vj = v + j * dim;
+            for (int64_t i = 0; i < dim; i++) o[i] += p * vj[i];
+        }
+    }
+    free(scores);
+    return 0;
+}
