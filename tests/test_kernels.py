@@ -485,3 +485,35 @@ def test_torchs_openmp_threads_sleep_between_ops_unless_the_user_chose(chosen, e
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [expected, "True"]
+
+
+@needs_kernels
+def test_small_calls_run_on_the_calling_thread(monkeypatch):
+    """A call below kernels.THREADS_MIN_BYTES (bytes of rows × tokens) asks experts.c for one thread (a wake of the pool's
+    helper costs more than it saves there: docs/bench.md § Threads for small calls); a larger one for torch's
+    intra-op count. Every entry (one segment, a layer's segments, a dense projection), at the floor's edge."""
+    lib = kernels.library()
+    asked = []
+    for name, position in (("fmoe_segment_forward", -2), ("fmoe_segments_forward", -2), ("fmoe_linear_forward", -2)):
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *args, real=real, position=position: asked.append(args[position])
+                            or real(*args))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    hidden, neurons = 64, 32
+    spec = kernels.spec_of("", torch.float32, hidden)
+    segment = torch.randn(neurons, 3, hidden)
+    rows = torch.randn(48, hidden).view(torch.uint8)
+    work = {"segment": 3 * neurons * hidden * 4, "segments": 2 * 3 * neurons * hidden * 4, "linear": 48 * hidden * 4}
+    for floor, threads in ((min(work.values()), 3), (max(work.values()) + 1, 1)):
+        monkeypatch.setattr(kernels, "THREADS_MIN_BYTES", floor)
+        asked.clear()
+        x = torch.randn(1, hidden)
+        kernels.segment_forward(x, segment, spec)
+        kernels.segments_forward(x, [segment, segment], spec)
+        kernels.linear_forward(x, rows, spec)
+        assert asked == [threads] * 3
+    monkeypatch.setattr(kernels, "THREADS_MIN_BYTES", work["segments"])  # exactly at the floor: threads
+    asked.clear()
+    kernels.segments_forward(torch.randn(1, hidden), [segment, segment], spec)
+    kernels.segment_forward(torch.randn(1, hidden), segment, spec)  # below it: one
+    assert asked == [3, 1]

@@ -48,6 +48,16 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # what x may be (experts.c: fl
 # is dotted with them (measured no further).
 MAX_TOKENS = 128
 MAX_HEAD_DIM = 1024  # decode.c's MAX_DIM: the widest attention head it takes
+# A call's bytes of rows × tokens below which its chunks run on the calling thread alone: waking the pool's helper
+# costs more than it saves there (docs/bench.md § Threads for small calls: the demo's calls, 65–590 KB, 12–17 % a
+# token faster on one thread; experts.c's own floor is 65,536 weights × tokens).
+THREADS_MIN_BYTES = 1 << 20
+
+
+def threads_for(nbytes: int) -> int:
+    """The threads a kernel call over `nbytes` of rows × tokens runs on: torch's intra-op count, or one below
+    THREADS_MIN_BYTES (no bit depends on it)."""
+    return torch.get_num_threads() if nbytes >= THREADS_MIN_BYTES else 1
 
 
 @dataclass(frozen=True)
@@ -150,8 +160,8 @@ def segment_forward(x: torch.Tensor, segment: torch.Tensor, spec: Spec, acc: tor
     status = lib.fmoe_segment_forward(
         spec.code, segment.data_ptr(), segment.shape[0], hidden, spec.projection_bytes, spec.group,
         spec.meta_group, spec.chunk, x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, acc.data_ptr(),
-        int(accumulate), None if rounded is None else rounded.data_ptr(), torch.get_num_threads(),
-        int(spec.int8_activations))
+        int(accumulate), None if rounded is None else rounded.data_ptr(),
+        threads_for(3 * segment.shape[0] * spec.projection_bytes * tokens), int(spec.int8_activations))
     if status != 0:
         raise MemoryError("the expert kernel could not allocate its workspace")
     return acc if rounded is None else rounded
@@ -172,11 +182,13 @@ def segments_forward(x: torch.Tensor, segments: list[torch.Tensor], spec: Spec, 
     acc = torch.empty(shape, dtype=torch.float32)
     rounded = None if partial or x.dtype == torch.float32 else torch.empty(shape, dtype=x.dtype)
     pointers = (ctypes.c_void_p * count)(*[s.data_ptr() for s in segments])
-    neurons = (ctypes.c_int64 * count)(*[s.shape[0] for s in segments])
+    counts = [s.shape[0] for s in segments]
+    neurons = (ctypes.c_int64 * count)(*counts)
     status = library().fmoe_segments_forward(
         spec.code, count, pointers, neurons, hidden, spec.projection_bytes, spec.group, spec.meta_group, spec.chunk,
         x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, acc.data_ptr(),
-        None if rounded is None else rounded.data_ptr(), torch.get_num_threads(), int(spec.int8_activations))
+        None if rounded is None else rounded.data_ptr(), threads_for(3 * sum(counts) * spec.projection_bytes * tokens),
+        int(spec.int8_activations))
     if status != 0:
         raise MemoryError("the expert kernel could not allocate its workspace")
     out = acc if rounded is None else rounded
@@ -193,8 +205,8 @@ def linear_forward(x: torch.Tensor, rows: torch.Tensor, spec: Spec) -> torch.Ten
     y = torch.empty(tokens, rows.shape[0], dtype=torch.float32)
     status = library().fmoe_linear_forward(
         spec.code, rows.data_ptr(), rows.shape[0], hidden, spec.projection_bytes, spec.group, spec.meta_group,
-        x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, y.data_ptr(), torch.get_num_threads(),
-        int(spec.int8_activations))
+        x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, y.data_ptr(),
+        threads_for(rows.shape[0] * spec.projection_bytes * tokens), int(spec.int8_activations))
     if status != 0:
         raise MemoryError("the linear kernel could not allocate its workspace")
     return y
