@@ -83,9 +83,10 @@ def test_decode_layers_give_transformers_bits_on_two_threads(checkpoints, family
 @pytest.mark.parametrize("dense", ["bf16", "int8"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_float32_decode_steps_in_c(checkpoints, family, dense, monkeypatch):
-    """float32 on the CPU: a decode token's norms (the layers', the final one, Qwen3-MoE's per head) and attention steps
-    (RoPE, the KV cache's append, the attention) run in C (decode.c) — kernels.attention_decode once a layer and
-    kernels.rms_norm twice a layer and once more a decode step, never at the prefill — through the cache's growth (its
+    """float32 on the CPU: a decode token's norms (the layers', the final one, Qwen3-MoE's per head), attention steps
+    (RoPE, the KV cache's append, the attention), router and weighted sum of the experts run in C (decode.c) —
+    kernels.attention_decode, router_decode and combine_decode once a layer and kernels.rms_norm twice a layer and
+    once more a decode step, never at the prefill — through the cache's growth (its
     buffers from 4 positions: `reserve` grows them 5 times); against the same model with the torch steps
     (transformers' bits: the tests above), the logits within float32 rounding at every step and the same greedy
     token."""
@@ -101,15 +102,16 @@ def test_float32_decode_steps_in_c(checkpoints, family, dense, monkeypatch):
             if not c_steps:
                 torch_steps(m)
             lm = perturb_norms(test_attention.load_perturbed(checkpoints[family], "float32", dense))
-        return lm, test_attention.decode_logits(lm, steps)
+            return lm, test_attention.decode_logits(lm, steps)  # (the engine's combine asks at its start)
 
     calls = Counter()
-    for name in ("attention_decode", "rms_norm"):
+    for name in ("attention_decode", "rms_norm", "router_decode", "combine_decode"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, real=real, name=name, **kw: calls.update([name]) or real(*a, **kw))
     lm, got = logits(True)
     layers = len(lm.model.model.layers)
-    assert calls == {"attention_decode": steps * layers, "rms_norm": steps * (2 * layers + 1)}
+    assert calls == {"attention_decode": steps * layers, "rms_norm": steps * (2 * layers + 1),
+                     "router_decode": steps * layers, "combine_decode": steps * layers}
     calls.clear()
     _, want = logits(False)
     assert not calls

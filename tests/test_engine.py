@@ -4,9 +4,13 @@ prefetch move, and exposed time measured where the compute waits."""
 
 from __future__ import annotations
 
+from functools import partial
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from fmoe_cli import kernels
 from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
@@ -292,8 +296,38 @@ def test_combining_sums_each_tokens_experts_as_transformers_grouped_mm_does(dtyp
         proj = torch.stack([per_slot[t, j] for t in range(tokens) for j in range(k)])  # [T·K, H], routing order
         # transformers.integrations.moe.grouped_mm_experts_forward, after its down projection:
         expected = (proj * weights.reshape(-1).unsqueeze(-1)).view(tokens, k, hidden).sum(dim=1).to(dtype)
-        got = Engine._combine(None, state, routing, outputs, weights)
+        torch_steps = SimpleNamespace(_combine_in_c=False)  # a float32 token's sum in C: test below
+        torch_steps._combine_decode = partial(Engine._combine_decode, torch_steps)
+        got = Engine._combine(torch_steps, state, routing, outputs, weights)
         assert got.dtype == dtype and torch.equal(got, expected)
+
+
+@pytest.mark.skipif(not kernels.library(), reason="no C compiler")
+def test_a_float32_tokens_combine_in_c():
+    """A float32 decode token's weighted sum in C (kernels.combine_decode: each product rounded, then added in k
+    order) where the kernels are built: within float32 rounding of transformers' `[K, H].sum(0)` (whose order is
+    torch's own), and the same from both of the engine's decode paths (a resident layer's stacked outputs, and a
+    policy's outputs by expert), so every policy keeps the resident run's bits."""
+    from fmoe_cli.offload.engine import Routing
+
+    g = torch.Generator().manual_seed(1)
+    k, hidden = 8, 4099
+    engine = SimpleNamespace(_combine_in_c=True)
+    engine._combine_decode = partial(Engine._combine_decode, engine)
+    for _ in range(4):
+        ids = torch.randperm(16, generator=g)[:k][None]
+        weights = torch.rand(1, k, generator=g)
+        stacked = torch.randn(k, hidden, generator=g) * torch.logspace(-3, 3, k)[:, None]
+        state = torch.zeros(1, hidden)
+        want = (stacked * weights.t()).sum(0, keepdim=True)
+        got = Engine._combine_decode(engine, state, stacked, weights)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+        by_hand = torch.zeros(1, hidden)
+        for j in range(k):
+            by_hand += stacked[j] * weights[0, j]  # each product rounded, added in k order
+        assert torch.equal(got, by_hand)
+        outputs = {int(e): stacked[j:j + 1] for j, e in enumerate(ids[0])}
+        assert torch.equal(Engine._combine(engine, state, Routing.of(ids, weights), outputs, weights), got)
 
 
 @pytest.mark.parametrize("link_kind", ["emulated", "cuda"])

@@ -118,6 +118,10 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_add_rms_norm.restype = None
     lib.fmoe_attention_decode.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, ptr, ptr, ptr, i64, i64, f32, ptr]
     lib.fmoe_attention_decode.restype = ctypes.c_int
+    lib.fmoe_router_decode.argtypes = [ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
+    lib.fmoe_router_decode.restype = None
+    lib.fmoe_combine_decode.argtypes = [ptr, ptr, i64, i64, ptr]
+    lib.fmoe_combine_decode.restype = None
     lib.fmoe_simd.restype = ctypes.c_int
     lib.fmoe_pool_chunks_run.restype = ctypes.c_int64
     return lib
@@ -248,4 +252,25 @@ def attention_decode(qkv: torch.Tensor, heads_q: int, heads_k: int, dim: int, qk
         out.data_ptr())
     if status != 0:
         raise MemoryError("the attention kernel could not allocate its scores")
+    return out
+
+
+def router_decode(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalise: bool):
+    """One float32 token's router (decode.c fmoe_router_decode): x [1, H], weight [E, H] -> (logits [1, E], the top-k
+    softmax weights [1, K] (normalised to sum 1 where `normalise`), their experts [1, K] int64, highest first)."""
+    experts, hidden = weight.shape
+    logits = torch.empty(1, experts, dtype=torch.float32)
+    weights = torch.empty(1, top_k, dtype=torch.float32)
+    index = torch.empty(1, top_k, dtype=torch.int64)
+    library().fmoe_router_decode(x.data_ptr(), weight.data_ptr(), experts, hidden, top_k, int(normalise),
+                                 logits.data_ptr(), weights.data_ptr(), index.data_ptr())
+    return logits, weights, index
+
+
+def combine_decode(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_k w_k · y_k of one float32 token's K expert outputs [K, H] (routing order) with its weights [1, K] -> [1, H]
+    (decode.c fmoe_combine_decode: torch's `(y · wᵀ).sum(0)` order)."""
+    k, hidden = outputs.shape
+    out = torch.empty(1, hidden, dtype=torch.float32)
+    library().fmoe_combine_decode(outputs.data_ptr(), weights.data_ptr(), k, hidden, out.data_ptr())
     return out

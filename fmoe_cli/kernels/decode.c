@@ -139,3 +139,51 @@ int fmoe_attention_decode(float *qkv, int64_t heads_q, int64_t heads_k, int64_t 
     free(scores);
     return 0;
 }
+
+/* One decode token's router (transformers' TopKRouter, float32): logits_e = x · W_e over the E rows of W [E, H],
+   p = softmax(logits) (exp of each logit minus the largest, divided by their sum), the K largest p in descending
+   order (ties: the lower expert first, as torch.topk), divided by their sum where `normalise`.
+   logits [E], weights [K] (float32) and index [K] (int64) are written. */
+void fmoe_router_decode(const float *x, const float *w, int64_t experts, int64_t hidden, int64_t k, int normalise,
+                        float *logits, float *weights, int64_t *index) {
+    float top = -INFINITY;
+    for (int64_t e = 0; e < experts; e++) {
+        logits[e] = dot(x, w + e * hidden, hidden);
+        if (logits[e] > top) top = logits[e];
+    }
+    double total = 0.0;
+    for (int64_t e = 0; e < experts; e++) total += expf(logits[e] - top);
+    float sum = (float)total;
+    for (int64_t j = 0; j < k; j++) { /* selection: K is small (2–8 of 8–128) */
+        int64_t best = -1;
+        float best_p = 0.0f;
+        for (int64_t e = 0; e < experts; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++) taken |= index[i] == e;
+            if (taken) continue;
+            float p = expf(logits[e] - top) / sum;
+            if (best < 0 || p > best_p) best = e, best_p = p;
+        }
+        index[j] = best;
+        weights[j] = best_p;
+    }
+    if (normalise) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < k; j++) s += weights[j];
+        for (int64_t j = 0; j < k; j++) weights[j] /= s;
+    }
+}
+
+/* The weighted sum of a token's K expert outputs (float32), in routing order: out_h = Σ_k w_k · y_{k,h}, each
+   product rounded, then added in k order, as torch's `(y · w).sum(0)` over a [K, H] tensor. */
+void fmoe_combine_decode(const float *y, const float *w, int64_t k, int64_t hidden, float *out) {
+    for (int64_t h = 0; h < hidden; h++) out[h] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const float *row = y + j * hidden;
+        float wj = w[j];
+        for (int64_t h = 0; h < hidden; h++) {
+            float p = row[h] * wj;
+            out[h] += p;
+        }
+    }
+}

@@ -201,11 +201,15 @@ def _decode_router(router, original):
     normalise = kind == "mixtral" or router.norm_topk_prob
     # torch's thread count -> whether one thread gives its bits (probed once, now for the threads now)
     same_bits = {torch.get_num_threads(): one_thread_linear_same_bits(weight)}
+    in_c = (kernels.decode_steps_in_c() and weight.dtype == torch.float32 and weight.is_contiguous()
+            and weight.device.type == "cpu")
 
     def forward(hidden_states):
         if (hidden_states.dim() != 2 or hidden_states.shape[0] != 1 or router.training
                 or not decode_input(hidden_states) or hidden_states.dtype != weight.dtype):
             return original(hidden_states)
+        if in_c and hidden_states.is_contiguous():  # float32: the logits, softmax, top-k and normalisation in C
+            return kernels.router_decode(hidden_states, weight, top_k, normalise)
         threads = torch.get_num_threads()
         if threads not in same_bits:
             same_bits[threads] = one_thread_linear_same_bits(weight)

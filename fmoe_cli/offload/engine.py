@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from fmoe_cli import kernels
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, rebuild_order
 from fmoe_cli.offload.hits import Hits
@@ -268,6 +269,7 @@ class Engine:
     ) -> None:
         self.moe_layers = layers
         self.store = store
+        self._combine_in_c = kernels.decode_steps_in_c()  # a float32 token's weighted sum in C (_combine_decode)
         self.shape = shape
         self.link = link
         self.device = device
@@ -576,6 +578,8 @@ class Engine:
                         top_k_weights: torch.Tensor) -> torch.Tensor:
         """`_combine` of one token from its experts' outputs already in routing order, stacked [K, H]: the same
         ops on the same rows (the product with the weights, the sum over K), without gathering them first."""
+        if stacked.dtype == torch.float32 == top_k_weights.dtype and self._combine_in_c and stacked.is_cpu:
+            return kernels.combine_decode(stacked, top_k_weights.contiguous())  # float32: in C (decode.c)
         final = (stacked * top_k_weights.t()).sum(0, keepdim=True)
         return final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)
 
@@ -587,7 +591,7 @@ class Engine:
         every run and every policy; a handful of ops whatever K (docs/architecture.md § Host work per token)."""
         tokens, k = routing.ids.shape
         if tokens == 1:  # a decode step: the experts' one rows in routing order, [K, H] · [K, 1] summed over K
-            final = (torch.cat([outputs[e] for e in routing.flat]) * top_k_weights.t()).sum(0, keepdim=True)
+            return self._combine_decode(hidden_states, torch.cat([outputs[e] for e in routing.flat]), top_k_weights)
         else:  # every expert's rows (tokens ascending), in expert order, put back in routing order: [T, K, H]
             rows = torch.cat([outputs.pop(e) for e in routing.active])[routing.routing_order(hidden_states.device)]
             final = (rows.view(tokens, k, -1) * top_k_weights.unsqueeze(-1)).sum(1)
