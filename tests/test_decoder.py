@@ -207,3 +207,26 @@ def test_full_attention_decides_as_the_families_do():
     assert not decoder.full_attention(transformers.Qwen2MoeConfig(use_sliding_window=True, sliding_window=64,
                                                                   max_window_layers=1, num_hidden_layers=2))
     assert decoder.full_attention(transformers.Qwen3MoeConfig()) and decoder.full_attention(transformers.OlmoeConfig())
+
+
+@pytest.mark.skipif(not kernels.library(), reason="no C compiler")
+@pytest.mark.parametrize("normalise", [True, False])
+def test_router_in_c_against_torch(normalise):
+    """kernels.router_decode: the router module's formulas (F.linear, softmax in float32, top-k, the normalisation
+    where the family does it) within float32 rounding, the same experts in the same order, on routers of 8 to 128
+    experts; ties go to the lower expert."""
+    g = torch.Generator().manual_seed(2)
+    for experts, hidden, k in ((8, 64, 2), (64, 1024, 8), (128, 2048, 8), (60, 200, 4)):
+        weight = torch.randn(experts, hidden, generator=g) / hidden ** 0.5
+        for _ in range(5):
+            x = torch.randn(1, hidden, generator=g)
+            logits, weights, index = kernels.router_decode(x, weight, k, normalise)
+            want_logits = F.linear(x, weight)
+            top, want_index = torch.topk(torch.softmax(want_logits, dim=-1, dtype=torch.float32), k, dim=-1)
+            if normalise:
+                top = top / top.sum(-1, keepdim=True)
+            torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+            assert torch.equal(index, want_index)
+            torch.testing.assert_close(weights, top, rtol=1e-5, atol=1e-7)
+    tied = torch.zeros(4, 8)  # every logit equal: the lowest experts, in order
+    assert kernels.router_decode(torch.ones(1, 8), tied, 2, True)[2].tolist() == [[0, 1]]
