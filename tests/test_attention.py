@@ -230,14 +230,19 @@ def attention_ops(lm, decode_forward: bool) -> dict:
 # float32 with its steps in C (decode.c: the norms, RoPE, the cache's append and the attention one call): 25 / 22,
 # 25 / 23, 31 / 28 and 41 / 40 ops with them as torch ops → 10 / 7, 10 / 8, 10 / 7 (the tiny checkpoints' float32
 # q, k, v and o as four F.linear and a cat) and 26 / 25 (OLMoE's norms over the whole projections stay its modules).
+# bf16 likewise (decode.c's bf16 functions): 26 / 24, 27 / 25, 34 / 32, 44 / 42 → 11 / 9, 12 / 10, 11 / 9, 29 / 27.
 DECODE_ATTENTION_OPS = {
-    "mixtral": {("float32", "bf16"): 10, ("float32", "int8"): 7, ("bfloat16", "bf16"): 26, ("bfloat16", "int8"): 24},
-    "qwen2_moe": {("float32", "bf16"): 10, ("float32", "int8"): 8, ("bfloat16", "bf16"): 27, ("bfloat16", "int8"): 25},
-    "qwen3_moe": {("float32", "bf16"): 10, ("float32", "int8"): 7, ("bfloat16", "bf16"): 34, ("bfloat16", "int8"): 32},
-    "olmoe": {("float32", "bf16"): 26, ("float32", "int8"): 25, ("bfloat16", "bf16"): 44, ("bfloat16", "int8"): 42},
+    "mixtral": {("float32", "bf16"): 10, ("float32", "int8"): 7, ("bfloat16", "bf16"): 11, ("bfloat16", "int8"): 9},
+    "qwen2_moe": {("float32", "bf16"): 10, ("float32", "int8"): 8, ("bfloat16", "bf16"): 12, ("bfloat16", "int8"): 10},
+    "qwen3_moe": {("float32", "bf16"): 10, ("float32", "int8"): 7, ("bfloat16", "bf16"): 11, ("bfloat16", "int8"): 9},
+    "olmoe": {("float32", "bf16"): 26, ("float32", "int8"): 25, ("bfloat16", "bf16"): 29, ("bfloat16", "int8"): 27},
 }
-TORCH_STEPS_F32 = {"mixtral": {"bf16": 25, "int8": 22}, "qwen2_moe": {"bf16": 25, "int8": 23},
-                   "qwen3_moe": {"bf16": 31, "int8": 28}, "olmoe": {"bf16": 41, "int8": 40}}  # no kernels built
+TORCH_STEPS = {  # the steps as torch ops (no kernels built)
+    "mixtral": {("float32", "bf16"): 25, ("float32", "int8"): 22, ("bfloat16", "bf16"): 26, ("bfloat16", "int8"): 24},
+    "qwen2_moe": {("float32", "bf16"): 25, ("float32", "int8"): 23, ("bfloat16", "bf16"): 27, ("bfloat16", "int8"): 25},
+    "qwen3_moe": {("float32", "bf16"): 31, ("float32", "int8"): 28, ("bfloat16", "bf16"): 34, ("bfloat16", "int8"): 32},
+    "olmoe": {("float32", "bf16"): 41, ("float32", "int8"): 40, ("bfloat16", "bf16"): 44, ("bfloat16", "int8"): 42},
+}
 
 
 @pytest.mark.parametrize("dense", ["bf16", "int8"])
@@ -251,9 +256,7 @@ def test_decode_attention_ops(checkpoints, family, dtype, dense):
         pytest.skip("no C compiler")
     path = str(checkpoints[family])
     ops = attention_ops(load_model(path, device="cpu", dtype=dtype, dense=dense), decode_forward=True)
-    bound = DECODE_ATTENTION_OPS[family][dtype, dense]
-    if dtype == "float32" and not kernels.decode_steps_in_c():
-        bound = TORCH_STEPS_F32[family][dense]
+    bound = (DECODE_ATTENTION_OPS if kernels.decode_steps_in_c() else TORCH_STEPS)[family][dtype, dense]
     assert ops["ops_per_attention"] <= bound, ops["by_op"]
     theirs = attention_ops(load_model(path, device="cpu", dtype=dtype, dense=dense), decode_forward=False)
     assert theirs["ops_per_attention"] > ops["ops_per_attention"], theirs["by_op"]
@@ -313,15 +316,17 @@ def test_attention_decode_in_c_against_float64(heads_q, heads_k, dim, norm):
 
 
 @needs_kernels
-def test_rope_in_c_has_torchs_bits():
-    """decode.c's RoPE rounds each product and the sum as torch's elementwise ops do (no FMA contraction): without
-    norms, a token's k in the cache has the bits of the torch steps' `q·cos + rotate_half(q)·sin`."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_c_has_torchs_bits(dtype):
+    """decode.c's RoPE rounds each product and the sum as torch's elementwise ops do (no FMA contraction; bf16: each
+    to bf16): without norms, a token's k in the cache has the bits of the torch steps' `q·cos + rotate_half(q)·sin`
+    in the model's dtype."""
     g = torch.Generator().manual_seed(0)
     heads_q, heads_k, dim = 8, 2, 64
-    qkv = torch.randn(1, (heads_q + 2 * heads_k) * dim, generator=g)
-    keys, values = torch.zeros(1, heads_k, 4, dim), torch.zeros(1, heads_k, 4, dim)
+    qkv = torch.randn(1, (heads_q + 2 * heads_k) * dim, generator=g).to(dtype)
+    keys, values = torch.zeros(1, heads_k, 4, dim, dtype=dtype), torch.zeros(1, heads_k, 4, dim, dtype=dtype)
     angles = 5 * torch.rand(dim // 2, generator=g)
-    cos, sin = (torch.cat([f(angles), f(angles)])[None, None] for f in (torch.cos, torch.sin))
+    cos, sin = (torch.cat([f(angles), f(angles)])[None, None].to(dtype) for f in (torch.cos, torch.sin))
     k = qkv.view(-1, dim)[heads_q:heads_q + heads_k]
     want = k * cos[0, 0] + torch.cat([-k[:, dim // 2:], k[:, :dim // 2]], -1) * sin[0, 0]
     kernels.attention_decode(qkv.clone(), heads_q, heads_k, dim, None, 0.0, cos, sin, keys, values, 2, 0.125)
@@ -345,3 +350,100 @@ def test_rms_norm_in_c():
             none, alone = kernels.rms_norm(x, weight, 1e-6)
             assert none is None
             torch.testing.assert_close(alone, rms_norm(x, weight, 1e-6), rtol=4e-7, atol=1e-30)
+
+
+def c_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """decode.c's RMSNorm scale of each row of x [..., n]: the mean of squares summed in double, rounded to float32
+    once, then ε added and the reciprocal root in float32 (float32 [..., 1])."""
+    mean = (x.double() ** 2).mean(-1, keepdim=True).float()
+    return 1 / torch.sqrt(mean + torch.tensor(eps, dtype=torch.float32))
+
+
+def bf16_norm_with_c_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' bf16 RMSNorm, torch's ops after the scale (x.to(float32) · r, .to(bf16), weight · h), with
+    decode.c's scale: the bits decode.c must give."""
+    return weight * (x.float() * c_scale(x, eps)).to(torch.bfloat16)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart a and b are, value for value (same signs)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@needs_kernels
+def test_rms_norm_in_c_bf16():
+    """kernels.rms_norm on bf16 rows: x + add with torch's bits; the norm with torch's bits given decode.c's scale
+    (x · r rounded to bf16, then weight · h rounded: transformers' casts), and so at most one bf16 step from
+    transformers' RMSNorm (its scale summed in another order), equal for most values."""
+    from fmoe_cli.models.attention import rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    equal = total_values = 0
+    for width in (64, 1000, 2048):
+        weight = (1 + 0.5 * torch.randn(width, generator=g)).bfloat16()
+        for _ in range(8):
+            x, add = ((3 * torch.randn(1, 1, width, generator=g)).bfloat16() for _ in range(2))
+            total, got = kernels.rms_norm(x, weight, 1e-6, add=add)
+            assert total.dtype == got.dtype == torch.bfloat16
+            assert torch.equal(total, x + add)
+            assert torch.equal(got, bf16_norm_with_c_scale(x + add, weight, 1e-6))
+            none, alone = kernels.rms_norm(x, weight, 1e-6)
+            assert none is None and torch.equal(alone, bf16_norm_with_c_scale(x, weight, 1e-6))
+            theirs = rms_norm(x, weight, 1e-6)
+            assert ulps(alone, theirs).max() <= 1
+            equal += int((alone == theirs).sum())
+            total_values += width
+    assert equal >= 0.99 * total_values
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads_q, heads_k, dim, norm", [(16, 4, 64, True), (4, 4, 32, False), (8, 2, 128, False),
+                                                         (6, 3, 8, True)])
+def test_attention_decode_in_c_bf16(heads_q, heads_k, dim, norm):
+    """kernels.attention_decode on bf16 rows (a bf16 model's cache): q and k normed and rotated with torch's bf16
+    bits (decode.c's norm scale), written back into qkv and, k and v, into the cache at the position (nothing else of
+    it touched); each head's output the float64 softmax attention over those bf16 values with torch's CPU SDPA's
+    bf16 steps (the weights exp(s − max s) rounded to bf16 before they weight the values, the output rounded to
+    bf16) within one bf16 step, within bf16 rounding of the exact attention, and close to torch's SDPA itself."""
+    g = torch.Generator().manual_seed(heads_q * dim)
+    capacity, bf16, eps, half = 40, torch.bfloat16, 1e-6, dim // 2
+    for position in (0, 17, capacity - 1):
+        qkv = torch.randn(1, (heads_q + 2 * heads_k) * dim, generator=g).to(bf16)
+        keys, values = (torch.randn(1, heads_k, capacity, dim, generator=g).to(bf16) for _ in range(2))
+        qk_weight = (1 + 0.5 * torch.randn(heads_q + heads_k, 1, dim, generator=g)).to(bf16) if norm else None
+        angles = (position + 1) * torch.rand(half, generator=g)
+        cos, sin = (torch.cat([f(angles), f(angles)])[None, None].to(bf16) for f in (torch.cos, torch.sin))
+        scale = dim ** -0.5
+        heads = qkv.view(-1, dim)
+        qk, v = heads[:heads_q + heads_k], heads[heads_q + heads_k:]
+        if norm:
+            qk = bf16_norm_with_c_scale(qk, qk_weight.view(-1, dim), eps)
+        qk = qk * cos[0, 0] + torch.cat([-qk[:, half:], qk[:, :half]], -1) * sin[0, 0]  # torch's bf16 ops
+        before_k, before_v = keys.clone(), values.clone()
+        written = qkv.clone()
+        got = kernels.attention_decode(written, heads_q, heads_k, dim, qk_weight, eps, cos, sin, keys, values,
+                                       position, scale)
+        assert got.shape == (1, heads_q * dim) and got.dtype == bf16
+        assert torch.equal(written.view(-1, dim)[:heads_q + heads_k], qk)
+        assert torch.equal(keys[0, :, position], qk[heads_q:]) and torch.equal(values[0, :, position], v)
+        untouched = torch.ones(capacity, dtype=torch.bool)
+        untouched[position] = False
+        assert torch.equal(keys[:, :, untouched], before_k[:, :, untouched])
+        assert torch.equal(values[:, :, untouched], before_v[:, :, untouched])
+        group = heads_q // heads_k
+        ks, vs = keys[0, :, :position + 1].double(), values[0, :, :position + 1].double()
+        q = qk[:heads_q].double()
+        sdpa_steps, exact = [], []
+        for head in range(heads_q):
+            s = (ks[head // group] @ q[head]) * scale
+            e = torch.exp(s - s.max())
+            sdpa_steps.append((e.to(bf16).double() @ vs[head // group]) / e.sum())
+            exact.append(torch.softmax(s, -1) @ vs[head // group])
+        assert ulps(got[0], torch.cat(sdpa_steps).to(bf16)).max() <= 1
+        exact = torch.cat(exact)
+        bound = 2 ** -8 * (exact.abs() + vs.abs().max())  # the weights' and the output's roundings to bf16
+        assert ((got[0].double() - exact).abs() <= bound).all()
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            qk[None, :heads_q, None], keys[:, :, :position + 1], values[:, :, :position + 1], scale=scale,
+            enable_gqa=group > 1)
+        assert ((got[0].double() - sdpa.reshape(-1).double()).abs() <= bound).all()

@@ -79,17 +79,27 @@ def test_decode_layers_give_transformers_bits_on_two_threads(checkpoints, family
     assert_decode_bits(lm, decoder, family, lambda: without_decode_forwards(lm.model), monkeypatch)
 
 
+# How far the C steps' logits may be from the torch steps', as a share of the largest logit: (the median over the
+# steps, any step). float32: its rounding. bf16: decode.c's norm scale and attention sums, in another order than
+# torch's, flip a bf16 rounding now and then (2⁻⁸ relative), which the layers after carry on: 0.4-1.1 % a step on
+# the tiny checkpoints, where either side's logits are 1.2-1.9 % from the float32 model's (OLMoE, int8: as far for
+# the C steps as for the torch steps). A router's near-tie turns that into another expert now and then: OLMoE int8
+# at step 10, layer 3, top-2 logits 6.620 and 6.608 (torch steps) -> the C steps take the other expert, 4.2 %.
+DECODE_STEPS_TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (1.5e-2, 5e-2)}
+
+
 @pytest.mark.skipif(not kernels.library(), reason="no C compiler")
 @pytest.mark.parametrize("dense", ["bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
-def test_float32_decode_steps_in_c(checkpoints, family, dense, monkeypatch):
-    """float32 on the CPU: a decode token's norms (the layers', the final one, Qwen3-MoE's per head), attention steps
-    (RoPE, the KV cache's append, the attention), router and weighted sum of the experts run in C (decode.c) —
-    kernels.attention_decode, router_decode and combine_decode once a layer and kernels.rms_norm twice a layer and
-    once more a decode step, never at the prefill — through the cache's growth (its
+def test_decode_steps_in_c(checkpoints, family, dtype, dense, monkeypatch):
+    """float32 and bf16 on the CPU: a decode token's norms (the layers', the final one, Qwen3-MoE's per head) and
+    attention steps (RoPE, the KV cache's append, the attention) run in C (decode.c), and in float32 its router and
+    weighted sum of the experts — kernels.attention_decode (and router_decode and combine_decode) once a layer and
+    kernels.rms_norm twice a layer and once more a decode step, never at the prefill — through the cache's growth (its
     buffers from 4 positions: `reserve` grows them 5 times); against the same model with the torch steps
-    (transformers' bits: the tests above), the logits within float32 rounding at every step and the same greedy
-    token."""
+    (transformers' bits: the tests above), the logits within the dtype's rounding (DECODE_STEPS_TOLERANCE) at every
+    step and the same greedy token."""
     from collections import Counter
 
     from fmoe_cli import generate
@@ -101,7 +111,7 @@ def test_float32_decode_steps_in_c(checkpoints, family, dense, monkeypatch):
         with monkeypatch.context() as m:
             if not c_steps:
                 torch_steps(m)
-            lm = perturb_norms(test_attention.load_perturbed(checkpoints[family], "float32", dense))
+            lm = perturb_norms(test_attention.load_perturbed(checkpoints[family], dtype, dense))
             return lm, test_attention.decode_logits(lm, steps)  # (the engine's combine asks at its start)
 
     calls = Counter()
@@ -110,16 +120,22 @@ def test_float32_decode_steps_in_c(checkpoints, family, dense, monkeypatch):
         monkeypatch.setattr(kernels, name, lambda *a, real=real, name=name, **kw: calls.update([name]) or real(*a, **kw))
     lm, got = logits(True)
     layers = len(lm.model.model.layers)
-    assert calls == {"attention_decode": steps * layers, "rms_norm": steps * (2 * layers + 1),
-                     "router_decode": steps * layers, "combine_decode": steps * layers}
+    want_calls = {"attention_decode": steps * layers, "rms_norm": steps * (2 * layers + 1)}
+    if dtype == "float32":  # the router and the combine: float32 only
+        want_calls.update(router_decode=steps * layers, combine_decode=steps * layers)
+    assert calls == want_calls
     calls.clear()
     _, want = logits(False)
     assert not calls
     assert len(got) == len(want) == steps + 1
     assert torch.equal(got[0], want[0])  # the prefill: torch's steps in both
+    median, most = DECODE_STEPS_TOLERANCE[dtype]
+    apart = []
     for step, (a, b) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * float(b.abs().max()), msg=f"step {step}")
+        apart.append(float((a - b).abs().max() / b.abs().max()))
+        assert apart[-1] <= most, f"step {step}: {apart}"
         assert int(a.argmax()) == int(b.argmax()), f"step {step}"
+    assert sorted(apart)[len(apart) // 2] <= median, apart
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -176,11 +192,12 @@ def decoder_ops(lm, decode_forward: bool) -> float:
 # dtype; transformers' own: Mixtral 35.5, Qwen2-MoE 49.25, Qwen3-MoE 35.5, OLMoE 33.5 (float32 and bf16 alike;
 # Qwen2-MoE's model forward makes a full and a sliding-window mask every step: 7 a layer here). bf16 +0.25 since
 # one_row_kernels: the LM head's kernel call is one op more than torch.mv's (its output's empty and rounding).
-# float32: the norms and the first residual add in C (decode.c); TORCH_STEPS_F32 without the kernels.
-DECODE_LAYER_OPS = {"mixtral": {"float32": 18.25, "bfloat16": 34.5},
-                    "qwen2_moe": {"float32": 24.25, "bfloat16": 41.5},
-                    "qwen3_moe": {"float32": 17.25, "bfloat16": 34.5}, "olmoe": {"float32": 15.25, "bfloat16": 32.5}}
-TORCH_STEPS_F32 = {"mixtral": 29.75, "qwen2_moe": 35.75, "qwen3_moe": 28.75, "olmoe": 26.75}
+# The norms and the first residual add in C (decode.c; float32 and bf16); TORCH_STEPS without the kernels.
+DECODE_LAYER_OPS = {"mixtral": {"float32": 18.25, "bfloat16": 18.5},
+                    "qwen2_moe": {"float32": 24.25, "bfloat16": 25.5},
+                    "qwen3_moe": {"float32": 17.25, "bfloat16": 18.5}, "olmoe": {"float32": 15.25, "bfloat16": 16.5}}
+TORCH_STEPS = {"mixtral": {"float32": 29.75, "bfloat16": 34.5}, "qwen2_moe": {"float32": 35.75, "bfloat16": 41.5},
+               "qwen3_moe": {"float32": 28.75, "bfloat16": 34.5}, "olmoe": {"float32": 26.75, "bfloat16": 32.5}}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -190,8 +207,7 @@ def test_decode_layer_ops(checkpoints, family, dtype):
     token dispatches at most DECODE_LAYER_OPS[family][dtype] aten ops a layer, fewer than transformers' layers."""
     path = str(checkpoints[family])
     ours = decoder_ops(load_model(path, device="cpu", dtype=dtype, dense="bf16"), decode_forward=True)
-    in_c = dtype == "float32" and kernels.decode_steps_in_c()
-    assert ours <= (DECODE_LAYER_OPS[family][dtype] if in_c or dtype != "float32" else TORCH_STEPS_F32[family])
+    assert ours <= (DECODE_LAYER_OPS if kernels.decode_steps_in_c() else TORCH_STEPS)[family][dtype]
     theirs = decoder_ops(load_model(path, device="cpu", dtype=dtype, dense="bf16"), decode_forward=False)
     assert theirs > ours
 

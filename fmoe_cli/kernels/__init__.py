@@ -122,6 +122,10 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_router_decode.restype = None
     lib.fmoe_combine_decode.argtypes = [ptr, ptr, i64, i64, ptr]
     lib.fmoe_combine_decode.restype = None
+    lib.fmoe_add_rms_norm_bf16.argtypes = lib.fmoe_add_rms_norm.argtypes
+    lib.fmoe_add_rms_norm_bf16.restype = None
+    lib.fmoe_attention_decode_bf16.argtypes = lib.fmoe_attention_decode.argtypes
+    lib.fmoe_attention_decode_bf16.restype = ctypes.c_int
     lib.fmoe_simd.restype = ctypes.c_int
     lib.fmoe_pool_chunks_run.restype = ctypes.c_int64
     return lib
@@ -216,37 +220,44 @@ def linear_forward(x: torch.Tensor, rows: torch.Tensor, spec: Spec) -> torch.Ten
     return y
 
 
-# --- a float32 decode token's steps between the weights (decode.c) ------------------------------------------------
+# --- a decode token's steps between the weights (decode.c), float32 or bf16 compute -------------------------------
 
 
 def decode_steps_in_c() -> bool:
-    """Whether a float32 decode token's norms and attention steps run in C (models/attention.py and decoder.py ask
-    once a module, when they install its decode forward): wherever the kernels are built. Their bits are decode.c's,
-    not torch's (tests give the torch steps transformers' bits by turning this off)."""
+    """Whether a float32 or bf16 decode token's norms and attention steps run in C (models/attention.py and
+    decoder.py ask once a module, when they install its decode forward): wherever the kernels are built. Their bits
+    are decode.c's, not torch's (tests give the torch steps transformers' bits by turning this off)."""
     return library() is not None
 
 
+def _decode_function(name: str, dtype: torch.dtype):
+    """decode.c's function `name` for rows of `dtype` (float32: its own; bf16: name_bf16)."""
+    return getattr(library(), name if dtype == torch.float32 else name + "_bf16")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
-    """RMSNorm of one float32 row x [..., n] (decode.c's formula: `weight · (x · r)`, r = 1/sqrt(mean(x²) + ε), the
-    mean summed in its own order), of x + add where `add` is given. Returns (x + add or None, the norm), each shaped
-    as x. x, add and weight: float32, contiguous, n values each."""
+    """RMSNorm of one float32 or bf16 row x [..., n] (decode.c's formula: `weight · (x · r)`, r = 1/sqrt(mean(x²) +
+    ε), the mean summed in its own order; bf16: x · r and the product rounded to bf16 as transformers' steps are), of
+    x + add where `add` is given. Returns (x + add or None, the norm), each shaped as x. x, add and weight: of one
+    dtype, contiguous, n values each."""
     n = x.shape[-1]
     out = torch.empty_like(x)
     total = None if add is None else torch.empty_like(x)
-    library().fmoe_add_rms_norm(x.data_ptr(), None if add is None else add.data_ptr(), n, weight.data_ptr(), eps,
-                                None if total is None else total.data_ptr(), out.data_ptr())
+    _decode_function("fmoe_add_rms_norm", x.dtype)(
+        x.data_ptr(), None if add is None else add.data_ptr(), n, weight.data_ptr(), eps,
+        None if total is None else total.data_ptr(), out.data_ptr())
     return total, out
 
 
 def attention_decode(qkv: torch.Tensor, heads_q: int, heads_k: int, dim: int, qk_weight: torch.Tensor | None,
                      eps: float, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      position: int, scale: float) -> torch.Tensor:
-    """One float32 decode token's attention (decode.c fmoe_attention_decode): qkv [1, (Hq + 2·Hk)·D] (overwritten:
-    its q and k normed by qk_weight [Hq + Hk, D] if given, and rotated by cos, sin [D]); its k and v written into the
-    cache's buffers keys, values [1, Hk, capacity, D] at `position`; the heads' outputs over positions [0, position],
-    [1, Hq·D]."""
-    out = torch.empty(1, heads_q * dim, dtype=torch.float32)
-    status = library().fmoe_attention_decode(
+    """One float32 or bf16 decode token's attention (decode.c fmoe_attention_decode, _bf16: every tensor of qkv's
+    dtype): qkv [1, (Hq + 2·Hk)·D] (overwritten: its q and k normed by qk_weight [Hq + Hk, D] if given, and rotated
+    by cos, sin [D]); its k and v written into the cache's buffers keys, values [1, Hk, capacity, D] at `position`;
+    the heads' outputs over positions [0, position], [1, Hq·D]."""
+    out = torch.empty(1, heads_q * dim, dtype=qkv.dtype)
+    status = _decode_function("fmoe_attention_decode", qkv.dtype)(
         qkv.data_ptr(), heads_q, heads_k, dim, None if qk_weight is None else qk_weight.data_ptr(), eps,
         cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, scale,
         out.data_ptr())

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = (Path(__file__).with_name("experts.c"), Path(__file__).with_name("decode.c"))  # one library
+HEADERS = (Path(__file__).with_name("bf16.h"),)  # included by the sources: part of the library's hash
 # -O3 and the CPU's own instruction set (AVX-512 or AVX2/FMA/F16C); no -ffast-math: the sums' order is the contract.
 COMMON_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c11"]
 FLAGS = ["-march=native", *COMMON_FLAGS]
@@ -60,7 +61,7 @@ def compiler() -> str | None:
 
 
 def library_path(cc: str) -> Path:
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\n".join([*texts, cc, " ".join(ISA_FLAGS[isa()]), cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / f"experts-{key}.so"
 

@@ -1,4 +1,5 @@
-/* A float32 decode token's steps between the weights, on the CPU (fmoe_cli/models/attention.py, decoder.py).
+/* A float32 or bf16 decode token's steps between the weights, on the CPU (fmoe_cli/models/attention.py,
+   decoder.py). float32 first; bf16 compute: its section below.
 
    At one token, the attention's steps around its projections (the q/k norms, RoPE, the KV cache's append, the
    attention over the cache) and the layer's RMSNorms are a few thousand flops each; as eager torch ops they are
@@ -22,35 +23,59 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define DECODE_AVX2 1
 #else
 #define DECODE_AVX2 0
 #endif
+#define MAX_DIM 1024 /* the widest attention head (kernels.MAX_HEAD_DIM) */
 
-/* Σ a_i·b_i over n floats: eight lanes, then the lanes in a fixed order (the scalar build: one accumulator). */
-static float dot(const float *a, const float *b, int64_t n) {
+#if DECODE_AVX2
+/* The eight lanes' sum in a fixed order. */
+static inline float lanes_sum(__m256 acc) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+/* Eight bf16 values as float32 (exact). */
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+/* Σ a_i·b_i over n values, a float32, b float32 or (b_bf16) bf16: eight lanes, then the lanes in a fixed order (the
+   scalar build: one accumulator). */
+static inline float dot_of(const float *a, const void *b, int b_bf16, int64_t n) {
+    const float *bf = b;
+    const uint16_t *bh = b;
     int64_t i = 0;
     float total = 0.0f;
 #if DECODE_AVX2
     __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), b_bf16 ? load_bf16x8(bh + i) : _mm256_loadu_ps(bf + i), acc);
+    total = lanes_sum(acc);
 #endif
-    for (; i < n; i++) total += a[i] * b[i];
+    for (; i < n; i++) total += a[i] * (b_bf16 ? bf16_to_float(bh[i]) : bf[i]);
     return total;
 }
 
+static float dot(const float *a, const float *b, int64_t n) { return dot_of(a, b, 0, n); }
+
 /* r = 1 / sqrt(mean(x²) + ε): the mean of squares summed in double (closer to the exact value than any float
    order), rounded to float once, then ε added and the root taken in float as torch does. */
+static float rms_of(double sum_of_squares, int64_t n, float eps) {
+    float mean = (float)(sum_of_squares / (double)n);
+    return 1.0f / sqrtf(mean + eps);
+}
+
 static float rms_scale(const float *x, int64_t n, float eps) {
     double sum = 0.0;
     for (int64_t i = 0; i < n; i++) sum += (double)x[i] * (double)x[i];
-    float mean = (float)(sum / (double)n);
-    return 1.0f / sqrtf(mean + eps);
+    return rms_of(sum, n, eps);
 }
 
 /* y = w · (x · r) over each of `rows` rows of n values; w is one row [n] (weight_rows 0) or one per row. */
@@ -79,6 +104,118 @@ void fmoe_add_rms_norm(const float *h, const float *add, int64_t n, const float 
     rms_norm_rows(x, out, 1, n, weight, 0, eps);
 }
 
+/* The attention's scores [position + 1], or NULL: a shape the attention functions do not take (D over MAX_DIM or odd,
+   Hq not a multiple of Hk, the position outside the buffers) or no memory. */
+static float *scores_for(int64_t heads_q, int64_t heads_k, int64_t dim, int64_t capacity, int64_t position) {
+    if (dim > MAX_DIM || dim % 2 != 0 || heads_q % heads_k != 0 || position >= capacity) return NULL;
+    return malloc((size_t)(position + 1) * sizeof(float));
+}
+
+/* scores [length] -> exp(s_j − max s) in place; returns their sum (in double). */
+static double exp_scores(float *scores, int64_t length) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j < length; j++)
+        if (scores[j] > top) top = scores[j];
+    double total = 0.0;
+    for (int64_t j = 0; j < length; j++) {
+        scores[j] = expf(scores[j] - top);
+        total += scores[j];
+    }
+    return total;
+}
+
+/* ---- bf16 compute: the same steps on bf16 rows, with torch's bf16 roundings ----------------------------------
+
+   A bf16 model's hidden states, weights, cos/sin and KV cache are bf16; torch's bf16 elementwise ops compute in
+   float32 and round each result once to bf16 (bf16.h), and so does every step here that is one such op:
+     RMSNorm (transformers': x.to(float32), its scale in float32, .to(bf16), then weight · h):
+       r = 1 / sqrt(mean(x²) + ε)        y_i = bf16(w_i · bf16(x_i · r))
+     the residual add: s_i = bf16(h_i + a_i)
+     RoPE: y_i = bf16(bf16(x_i·cos_i) + bf16(−x_{i+D/2}·sin_i))  (i < D/2; and i ≥ D/2 with +x_{i−D/2})
+   The attention follows torch's CPU SDPA (flash) on bf16 inputs: scores and sums in float32, the unnormalised
+   weights exp(s_j − max s) rounded to bf16 before they weight the values, the heads' outputs divided by the sum
+   and rounded to bf16:  o_h = bf16((Σ_j bf16(e_j) · v_j) · (1 / Σ_j e_j)). The reductions are this file's order. */
+
+/* acc += p · v over n values, v bf16. */
+static void axpy_bf16(float *acc, float p, const uint16_t *v, int64_t n) {
+    int64_t i = 0;
+#if DECODE_AVX2
+    __m256 pp = _mm256_set1_ps(p);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pp, load_bf16x8(v + i), _mm256_loadu_ps(acc + i)));
+#endif
+    for (; i < n; i++) acc[i] += p * bf16_to_float(v[i]);
+}
+
+/* rms_norm_rows on bf16 rows (x and y may be the same rows). */
+static void rms_norm_rows_bf16(const uint16_t *x, uint16_t *y, int64_t rows, int64_t n, const uint16_t *w,
+                               int64_t weight_rows, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *xr = x + r * n, *wr = w + (weight_rows ? r * n : 0);
+        uint16_t *yr = y + r * n;
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            double v = bf16_to_float(xr[i]);
+            sum += v * v;
+        }
+        float s = rms_of(sum, n, eps);
+        for (int64_t i = 0; i < n; i++) {
+            float h = round_bf16(bf16_to_float(xr[i]) * s);
+            yr[i] = float_to_bf16(bf16_to_float(wr[i]) * h);
+        }
+    }
+}
+
+/* fmoe_add_rms_norm on bf16 rows. */
+void fmoe_add_rms_norm_bf16(const uint16_t *h, const uint16_t *add, int64_t n, const uint16_t *weight, float eps,
+                            uint16_t *sum, uint16_t *out) {
+    const uint16_t *x = h;
+    if (add != NULL) {
+        for (int64_t i = 0; i < n; i++) sum[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(add[i]));
+        x = sum;
+    }
+    rms_norm_rows_bf16(x, out, 1, n, weight, 0, eps);
+}
+
+/* fmoe_attention_decode on bf16 rows: qkv, qk_weight, cos, sin, keys, values and out bf16 (see it for the shapes;
+   the token's k, normed and rotated, and its v are written into the cache as they are). */
+int fmoe_attention_decode_bf16(uint16_t *qkv, int64_t heads_q, int64_t heads_k, int64_t dim,
+                               const uint16_t *qk_weight, float eps, const uint16_t *cos, const uint16_t *sin,
+                               uint16_t *keys, uint16_t *values, int64_t capacity, int64_t position, float scale,
+                               uint16_t *out) {
+    int64_t half = dim / 2, length = position + 1, group = heads_q / heads_k;
+    float *scores = scores_for(heads_q, heads_k, dim, capacity, position);
+    if (scores == NULL) return -1;
+    if (qk_weight != NULL) rms_norm_rows_bf16(qkv, qkv, heads_q + heads_k, dim, qk_weight, 1, eps);
+    uint16_t rotated[MAX_DIM];
+    for (int64_t h = 0; h < heads_q + heads_k; h++) { /* RoPE: each product and the sum rounded to bf16 */
+        uint16_t *x = qkv + h * dim;
+        for (int64_t i = 0; i < dim; i++) {
+            float c = bf16_to_float(cos[i]), s = bf16_to_float(sin[i]);
+            float other = i < half ? -bf16_to_float(x[i + half]) : bf16_to_float(x[i - half]);
+            rotated[i] = float_to_bf16(round_bf16(bf16_to_float(x[i]) * c) + round_bf16(other * s));
+        }
+        memcpy(x, rotated, (size_t)dim * sizeof(uint16_t));
+    }
+    for (int64_t g = 0; g < heads_k; g++) { /* the cache's append */
+        memcpy(keys + (g * capacity + position) * dim, qkv + (heads_q + g) * dim, (size_t)dim * sizeof(uint16_t));
+        memcpy(values + (g * capacity + position) * dim, qkv + (heads_q + heads_k + g) * dim,
+               (size_t)dim * sizeof(uint16_t));
+    }
+    float q[MAX_DIM], acc[MAX_DIM];
+    for (int64_t h = 0; h < heads_q; h++) {
+        const uint16_t *k = keys + (h / group) * capacity * dim, *v = values + (h / group) * capacity * dim;
+        for (int64_t i = 0; i < dim; i++) q[i] = bf16_to_float(qkv[h * dim + i]);
+        for (int64_t j = 0; j < length; j++) scores[j] = dot_of(q, k + j * dim, 1, dim) * scale;
+        float inverse = (float)(1.0 / exp_scores(scores, length));
+        memset(acc, 0, (size_t)dim * sizeof(float));
+        for (int64_t j = 0; j < length; j++) axpy_bf16(acc, round_bf16(scores[j]), v + j * dim, dim);
+        for (int64_t i = 0; i < dim; i++) out[h * dim + i] = float_to_bf16(acc[i] * inverse);
+    }
+    free(scores);
+    return 0;
+}
+
 /* One decode token's attention on float32 rows.
    qkv [Hq + Hk + Hv, D]: the token's projections (q heads, then k heads, then v heads), overwritten: q and k
      normed (qk_weight [Hq + Hk, D], one row per head, or NULL: no norm) and rotated.
@@ -87,13 +224,11 @@ void fmoe_add_rms_norm(const float *h, const float *add, int64_t n, const float 
      and the attention reads positions [0, position].
    out [Hq, D]: the heads' outputs, in order (transformers' transpose and reshape of one token).
    Returns 0, or -1: D over MAX_DIM or odd, or no memory for the scores. */
-#define MAX_DIM 1024
 int fmoe_attention_decode(float *qkv, int64_t heads_q, int64_t heads_k, int64_t dim, const float *qk_weight,
                           float eps, const float *cos, const float *sin, float *keys, float *values,
                           int64_t capacity, int64_t position, float scale, float *out) {
     int64_t half = dim / 2, length = position + 1, group = heads_q / heads_k;
-    if (dim > MAX_DIM || dim % 2 != 0 || heads_q % heads_k != 0 || position >= capacity) return -1;
-    float *scores = malloc((size_t)length * sizeof(float));
+    float *scores = scores_for(heads_q, heads_k, dim, capacity, position);
     if (scores == NULL) return -1;
     if (qk_weight != NULL) rms_norm_rows(qkv, qkv, heads_q + heads_k, dim, qk_weight, 1, eps);
     float rotated[MAX_DIM];
@@ -117,16 +252,8 @@ int fmoe_attention_decode(float *qkv, int64_t heads_q, int64_t heads_k, int64_t 
     for (int64_t h = 0; h < heads_q; h++) {
         const float *q = qkv + h * dim;
         const float *k = keys + (h / group) * capacity * dim, *v = values + (h / group) * capacity * dim;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < length; j++) {
-            scores[j] = dot(q, k + j * dim, dim) * scale;
-            if (scores[j] > top) top = scores[j];
-        }
-        double total = 0.0;
-        for (int64_t j = 0; j < length; j++) {
-            scores[j] = expf(scores[j] - top);
-            total += scores[j];
-        }
+        for (int64_t j = 0; j < length; j++) scores[j] = dot(q, k + j * dim, dim) * scale;
+        double total = exp_scores(scores, length);
         float inverse = (float)(1.0 / total);
         float *o = out + h * dim;
         memset(o, 0, (size_t)dim * sizeof(float));

@@ -26,6 +26,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <time.h>
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define FMOE_AVX2 1
@@ -88,22 +89,7 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-static inline float bf16_to_float(uint16_t b) {
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    bits += 0x7fff + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+/* bf16_to_float, float_to_bf16 (round to nearest even, as torch), round_bf16: bf16.h */
 
 #if FMOE_AVX2
 static inline float hsum8(__m256 v) {

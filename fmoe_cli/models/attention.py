@@ -24,11 +24,12 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Three
   than the few µs of work it splits, and it splits by head, so its bits do not depend on the thread count.
   Anything else — a prefill (more than one token), an attention mask, a device other than the CPU, OLMoE's
   `clip_qkv`, an attention implementation other than SDPA, DeepSeek's MLA — runs transformers' own forward.
-- **float32 in C.** Where the kernels are built (`kernels.decode_steps_in_c`), a float32 token's steps after its
-  projections — Qwen3-MoE's per-head norms, RoPE, the cache's append (generate.py's `GrowingLayer.reserve` and
-  `commit`) and the attention — are one call (kernels.attention_decode, decode.c). Not torch's bits: decode.c sums
-  its reductions in its own order (within float32 rounding; RoPE's products and sums are torch's); the tokens stay
-  transformers', and every policy runs the same steps (docs/architecture.md § A float32 token's steps in C).
+- **float32 and bf16 in C.** Where the kernels are built (`kernels.decode_steps_in_c`), a float32 or bf16 token's
+  steps after its projections — Qwen3-MoE's per-head norms, RoPE, the cache's append (generate.py's
+  `GrowingLayer.reserve` and `commit`) and the attention — are one call (kernels.attention_decode, decode.c). Not
+  torch's bits: decode.c sums its reductions in its own order (within float32 rounding; RoPE's products and sums
+  are torch's, bf16's rounded as torch's bf16 ops round them); the tokens stay transformers', and every policy runs
+  the same steps (docs/architecture.md § A float32 token's steps in C).
 """
 
 from __future__ import annotations
@@ -150,9 +151,10 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
         assert k_norm.variance_epsilon == eps, "q_norm and k_norm with different epsilons"
         qk_weight = torch.cat([q_norm.weight.detach().expand(heads_q, -1),
                                k_norm.weight.detach().expand(heads_k, -1)])[:, None, :]  # [Hq + Hk, 1, D]
-    # The float32 steps in C (kernels.attention_decode): what decode.c takes of this layer's shape and norms.
+    # The steps in C (kernels.attention_decode): what decode.c takes of this layer's shape; float32 or bf16 compute,
+    # a token whose q/k/v, cos and sin, cache and per-head norm weights are of one of those dtypes.
     in_c = (kernels.decode_steps_in_c() and dim % 2 == 0 and dim <= kernels.MAX_HEAD_DIM
-            and heads_q % heads_k == 0 and (qk_weight is None or qk_weight.dtype == torch.float32))
+            and heads_q % heads_k == 0)
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         if (attention_mask is not None or hidden_states.shape[:-1] != (1, 1) or attn.training or clip is not None
@@ -172,9 +174,10 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
                 q, k = q_norm(q), k_norm(k)
             qkv = torch.cat([q, k, v], -1)
         cos, sin = position_embeddings  # [1, 1, D]: apply_rotary_pos_emb's, broadcast over q's and k's heads at once
-        if in_c and qkv.dtype == torch.float32 and cache is not None and cos.dtype == torch.float32:
+        if (in_c and qkv.dtype in kernels.COMPUTE_DTYPES and cache is not None and cos.dtype == qkv.dtype
+                and (qk_weight is None or qk_weight.dtype == qkv.dtype)):
             slots = reserve(cache, attn.layer_idx)
-            if slots is not None:  # the norms, RoPE, the cache's append and the attention: one call
+            if slots is not None and slots[0].dtype == qkv.dtype:  # norms, RoPE, the cache's append, the attention
                 keys, values, position = slots
                 out = kernels.attention_decode(qkv, heads_q, heads_k, dim, qk_weight, eps or 0.0, cos.contiguous(),
                                                sin.contiguous(), keys, values, position, attn.scaling)

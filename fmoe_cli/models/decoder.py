@@ -123,13 +123,13 @@ def _decode_layer(layer, original):
     otherwise."""
     attn, mlp = layer.self_attn, layer.mlp
     before, after = layer.input_layernorm, layer.post_attention_layernorm
-    in_c = norms_in_c(before, after)
+    in_c = norms_in_c(before, after)  # the dtype of the hidden states whose norms run in C, or None
 
     def forward(hidden_states, *args, **kwargs):
         if (args or kwargs.get("attention_mask") is not None or hidden_states.shape[:-1] != (1, 1) or layer.training
                 or "past_key_values" in kwargs or not decode_input(hidden_states)):
             return original(hidden_states, *args, **kwargs)
-        if in_c and hidden_states.dtype == torch.float32:  # the norms and the first residual add in C (decode.c)
+        if hidden_states.dtype == in_c:  # the norms and the first residual add in C (decode.c)
             _, normed = kernels.rms_norm(hidden_states, before.weight, before.variance_epsilon)
             attended, _ = attn(hidden_states=normed, **kwargs)
             hidden_states, normed = kernels.rms_norm(hidden_states, after.weight, after.variance_epsilon,
@@ -173,24 +173,28 @@ def hooked(module) -> bool:
 
 
 def _decode_norm(norm, original):
-    """An RMSNorm's forward for one token (rms_norm's steps; float32 in C); `original` otherwise."""
+    """An RMSNorm's forward for one token (rms_norm's steps; float32 and bf16 in C); `original` otherwise."""
     in_c = norms_in_c(norm)
 
     def forward(hidden_states):
         if hidden_states.shape[:-1] != (1, 1) or not decode_input(hidden_states):
             return original(hidden_states)
-        if in_c and hidden_states.dtype == torch.float32:
+        if hidden_states.dtype == in_c:
             return kernels.rms_norm(hidden_states, norm.weight, norm.variance_epsilon)[1]
         return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
 
     return forward
 
 
-def norms_in_c(*norms) -> bool:
-    """Whether a float32 token's RMSNorms by these modules run in C (kernels.rms_norm): the kernels are built and the
-    weights are float32 rows on the CPU."""
-    return kernels.decode_steps_in_c() and all(
-        n.weight.dtype == torch.float32 and n.weight.is_contiguous() and n.weight.device.type == "cpu" for n in norms)
+def norms_in_c(*norms) -> torch.dtype | None:
+    """The dtype of the tokens whose RMSNorms by these modules run in C (kernels.rms_norm), or None: where the kernels
+    are built and the weights are contiguous rows on the CPU of one dtype, float32 or bf16, the tokens of theirs."""
+    dtypes = {n.weight.dtype for n in norms}
+    if not kernels.decode_steps_in_c() or len(dtypes) != 1 or not all(
+            n.weight.is_contiguous() and n.weight.device.type == "cpu" for n in norms):
+        return None
+    dtype = dtypes.pop()
+    return dtype if dtype in kernels.COMPUTE_DTYPES else None
 
 
 def _decode_router(router, original):
