@@ -75,6 +75,7 @@ def label_model(model) -> None:
     model.lm_head.forward = labelled(model.lm_head.forward, "lm head")
     kernels.segment_forward = labelled(kernels.segment_forward, "experts")
     kernels.segments_forward = labelled(kernels.segments_forward, "experts")  # a decode layer's experts, one call
+    kernels.experts_forward = labelled(kernels.experts_forward, "experts")  # a prefill layer's experts, one call
     kernels.linear_forward = attention_rows(kernels.linear_forward)  # the attention's projections (and fused q/k/v)
 
 

@@ -166,6 +166,55 @@ def test_a_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype, 
 @needs_kernels
 @pytest.mark.parametrize("name, dtype, activations", [(n, d, "float") for n, d in WITH_DTYPES]
                          + [(n, torch.float32, "int8") for n in ("int8", "int4")])
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_prefills_experts_in_one_call_give_each_experts_own_bits(name, dtype, activations, partial):
+    """A prefill's experts, each with its own tokens (1 to 14 of them: the decode path, the register tiles), in one
+    call (kernels.experts_forward, the threads taking whole experts): each output is bit for bit the expert's own
+    call's, shapes and dtypes too, with 1 or 2 threads; partial: the float32 sums a bottom continues."""
+    experts = [expert(name, 256, 48, seed=e, chunk=16, dtype=dtype, activations=activations) for e in range(5)]
+    dtype = experts[0][3]
+    segments, spec = [stored for stored, *_ in experts], experts[0][2]
+    xs = [torch.randn(tokens, 256, generator=torch.Generator().manual_seed(10 + tokens)).to(dtype)
+          for tokens in (3, 1, 14, 2, 7)]
+    alone = [kernels.segment_forward(x, s, spec, partial=partial) for x, s in zip(xs, segments)]
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            got = kernels.experts_forward(xs, segments, spec, partial=partial)
+            assert len(got) == len(alone)
+            for e, (g, want) in enumerate(zip(got, alone)):
+                assert g.dtype == want.dtype and g.shape == want.shape, e
+                assert torch.equal(g, want), f"expert {e} ({xs[e].shape[0]} tokens), {count} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_a_prefills_experts_go_to_the_kernels_in_one_call(monkeypatch):
+    """The store's segments_forward sends experts with tokens of their own (a prefill) through kernels.experts_forward
+    (one call), and the same tokens for all (a decode step) through kernels.segments_forward."""
+    from fmoe_cli.offload.quant import QuantStore
+
+    shape = ExpertShape(1, 4, 1, 256, 48, 4, "int4")
+    store = QuantStore(shape, torch.float32, pin=False)
+    segments = [expert("int4", 256, 48, seed=e, chunk=shape.neuron_block)[0] for e in range(3)]
+    calls = []
+    for entry in ("experts_forward", "segments_forward", "segment_forward"):
+        real = getattr(kernels, entry)
+        monkeypatch.setattr(kernels, entry,
+                            lambda *a, real=real, entry=entry, **k: calls.append(entry) or real(*a, **k))
+    xs = [torch.randn(t, 256) for t in (2, 5, 1)]
+    store.segments_forward(xs, segments, F.silu)
+    assert calls == ["experts_forward"]
+    calls.clear()
+    store.segments_forward([xs[2]] * 3, segments, F.silu)
+    assert calls == ["segments_forward"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("name, dtype, activations", [(n, d, "float") for n, d in WITH_DTYPES]
+                         + [(n, torch.float32, "int8") for n in ("int8", "int4")])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_a_layers_experts_in_one_call_give_each_experts_own_bits(name, dtype, activations, tokens):
     """kernels.segments_forward (a decode step's activated experts, one kernel call): each expert's output (and
@@ -447,7 +496,7 @@ def test_int8_activations_need_avx2_and_say_so_without_it(monkeypatch, capsys, s
 
 # The tests of values and bits, run again on each narrower build than this machine's (below).
 CORE_TESTS = ("computes_what_torch or top_continued or in_one_call or int8_activations_compute "
-              "or dense_projection")
+              "or dense_projection or own_bits")
 
 
 @needs_kernels

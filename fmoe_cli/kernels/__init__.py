@@ -13,7 +13,8 @@ bottom equals its whole expert, and every policy gives the resident run's tokens
 the thread count.
 
 `segments_forward` computes several segments for the same tokens in one call (a decode step's activated experts:
-one wake of the kernels' threads, one ctypes call), each with the bits segment_forward gives it alone.
+one wake of the kernels' threads, one ctypes call), each with the bits segment_forward gives it alone;
+`experts_forward` several segments each for its own tokens (a prefill's experts), likewise.
 
 `linear_forward` computes one dense projection y = x·ŵᵀ from a `--dense int8|int4` linear's rows (a row is one
 projection of the experts' layout: models/dense.py). With `--activations int8` (Spec.int8_activations) the int8
@@ -110,6 +111,9 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_segments_forward.argtypes = [ctypes.c_int, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int, i64,
                                           ptr, ptr, ctypes.c_int, ctypes.c_int]
     lib.fmoe_segments_forward.restype = ctypes.c_int
+    lib.fmoe_experts_forward.argtypes = [ctypes.c_int, i64, ptr, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int, ptr,
+                                         ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.fmoe_experts_forward.restype = ctypes.c_int
     lib.fmoe_linear_forward.argtypes = [ctypes.c_int, ptr, i64, i64, i64, i64, i64, ptr, ctypes.c_int, i64, ptr,
                                         ctypes.c_int, ctypes.c_int]
     lib.fmoe_linear_forward.restype = ctypes.c_int
@@ -201,6 +205,37 @@ def segments_forward(x: torch.Tensor, segments: list[torch.Tensor], spec: Spec, 
         raise MemoryError("the expert kernel could not allocate its workspace")
     out = acc if rounded is None else rounded
     return out if stacked else list(out.unbind(0))
+
+
+def experts_forward(xs: list[torch.Tensor], segments: list[torch.Tensor], spec: Spec, partial: bool = False) -> list:
+    """`segment_forward(x, segment, spec, partial=partial)` of each (x, segment) pair, each with its own tokens (a
+    prefill's experts), in one call: the threads take whole experts, the largest first, each computed as its own call
+    computes it (experts.c fmoe_experts_forward: the same bits), one ctypes call and one wake of the threads for all."""
+    xs = [x.contiguous() for x in xs]
+    dtype, hidden, count = xs[0].dtype, spec.hidden, len(segments)
+    assert all(x.dtype == dtype and x.shape[1] == hidden for x in xs) and len(xs) == count
+    assert all(s.is_contiguous() and s.device.type == "cpu" for s in segments)
+    sizes = [x.shape[0] for x in xs]
+    acc = torch.empty(sum(sizes), hidden, dtype=torch.float32)
+    rounded = None if partial or dtype == torch.float32 else torch.empty(sum(sizes), hidden, dtype=dtype)
+    starts, at = [], 0
+    for size in sizes:
+        starts.append(at)
+        at += size
+    pointers = ctypes.c_void_p * count
+    accs = pointers(*[acc.data_ptr() + start * hidden * 4 for start in starts])
+    outs = None if rounded is None else pointers(*[rounded.data_ptr() + start * hidden * rounded.element_size()
+                                                   for start in starts])
+    order = sorted(range(count), key=lambda e: -sizes[e])  # the largest first: the threads' shares even out
+    counts = ctypes.c_int64 * count
+    status = library().fmoe_experts_forward(
+        spec.code, count, pointers(*[s.data_ptr() for s in segments]), counts(*[s.shape[0] for s in segments]), hidden,
+        spec.projection_bytes, spec.group, spec.meta_group, spec.chunk, pointers(*[x.data_ptr() for x in xs]),
+        int(dtype == torch.bfloat16), counts(*sizes), accs, outs, counts(*order), torch.get_num_threads(),
+        int(spec.int8_activations))
+    if status != 0:
+        raise MemoryError("the expert kernel could not allocate its workspace")
+    return list((acc if rounded is None else rounded).split(sizes))
 
 
 def linear_forward(x: torch.Tensor, rows: torch.Tensor, spec: Spec) -> torch.Tensor:

@@ -1679,6 +1679,47 @@ int fmoe_segments_forward(int fmt, int64_t count, const uint8_t *const *segments
     return 0;
 }
 
+/* ---- a prefill's experts in one call ------------------------------------------------------------ */
+
+/* A prefill gives each of a layer's experts its own few tokens (a3b's 64-token prompt: 100–128 experts a layer, 1–30
+   tokens each), one kernel call each before: a ctypes call, a wake of the pool and a wait for its last chunk per
+   expert. Here the experts are the pool's job: each thread takes a whole expert at a time (the largest first, from
+   `order`) and computes it alone with fmoe_segment_forward on one thread, so each expert's output has exactly the
+   bits it has in its own call (nothing depends on the thread count), with one call and one wake a layer. */
+typedef struct {
+    int fmt, x_bf16, q8;
+    const uint8_t *const *segments;
+    const int64_t *neurons, *tokens, *order;
+    int64_t hidden, proj_bytes, group, meta_group, chunk;
+    const void *const *xs;
+    float *const *accs;
+    uint16_t *const *outs;
+    _Atomic int failed;
+} Experts;
+
+static void expert_task(void *job, int64_t k, int64_t worker) {
+    Experts *p = job;
+    int64_t e = p->order ? p->order[k] : k;
+    (void)worker;
+    if (fmoe_segment_forward(p->fmt, p->segments[e], p->neurons[e], p->hidden, p->proj_bytes, p->group, p->meta_group,
+                             p->chunk, p->xs[e], p->x_bf16, p->tokens[e], p->accs[e], 0, p->outs ? p->outs[e] : NULL, 1,
+                             p->q8))
+        atomic_store(&p->failed, 1);
+}
+
+/* accs[e] [tokens[e], H] float32 = segment e's partial output for its tokens xs[e] (float32, or bf16 when x_bf16), as
+   fmoe_segment_forward computes it alone; outs[e] (outs optional): accs[e] rounded to bf16. order (optional): the
+   experts in the order the threads take them. Returns 0, or -1 when memory runs out. */
+int fmoe_experts_forward(int fmt, int64_t count, const uint8_t *const *segments, const int64_t *neurons, int64_t hidden,
+                         int64_t proj_bytes, int64_t group, int64_t meta_group, int64_t chunk, const void *const *xs,
+                         int x_bf16, const int64_t *tokens, float *const *accs, uint16_t *const *outs,
+                         const int64_t *order, int threads, int q8) {
+    Experts job = {fmt, x_bf16, q8, segments, neurons, tokens, order, hidden, proj_bytes, group, meta_group, chunk, xs,
+                   accs, outs, 0};
+    parallel_chunks(count, expert_task, &job, threads < 1 ? 1 : threads);
+    return atomic_load(&job.failed) ? -1 : 0;
+}
+
 /* ---- one dense projection: y = x·ŵᵀ (models/dense.py) -------------------------------------- */
 
 /* Output rows handed out at a time: each output is one row's dot, so the chunking changes no bits. */

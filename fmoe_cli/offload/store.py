@@ -163,10 +163,13 @@ class HostStore:
         segments of one buffer (a layer's cache; every expert when resident) go through torch's grouped matmul,
         9–11 ops for all of them instead of 5 each (from GROUP_FROM of them). On the CPU with the kernels, the
         segments of one x (a decode step's) go in one kernel call (kernels.segments_forward: the bits of one call
-        each). Else one segment_forward each."""
-        if (len(segments) > 1 and self.kernel is not None and all(y is xs[0] for y in xs)
-                and all(isinstance(s, torch.Tensor) for s in segments) and kernels.runs(xs[0], act)):
-            return kernels.segments_forward(xs[0], segments, self.kernel, partial)
+        each), and segments of their own tokens each (a prefill's) in one too (kernels.experts_forward: likewise).
+        Else one segment_forward each."""
+        if len(segments) > 1 and self.kernel is not None and all(isinstance(s, torch.Tensor) for s in segments):
+            if all(y is xs[0] for y in xs) and kernels.runs(xs[0], act):
+                return kernels.segments_forward(xs[0], segments, self.kernel, partial)
+            if all(y.dtype == xs[0].dtype and kernels.runs(y, act) for y in xs):  # a prefill's experts, own tokens each
+                return kernels.experts_forward(xs, segments, self.kernel, partial)
         if not partial and len(segments) >= GROUP_FROM and self._groups(xs, segments):
             try:
                 return layout.grouped_forward(xs[0], segments, act)
