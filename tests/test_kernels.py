@@ -540,10 +540,12 @@ def test_torchs_openmp_threads_sleep_between_ops_unless_the_user_chose(chosen, e
 def test_small_calls_run_on_the_calling_thread(monkeypatch):
     """A call below kernels.THREADS_MIN_BYTES (bytes of rows × tokens) asks experts.c for one thread (a wake of the pool's
     helper costs more than it saves there: docs/bench.md § Threads for small calls); a larger one for torch's
-    intra-op count. Every entry (one segment, a layer's segments, a dense projection), at the floor's edge."""
+    intra-op count. Every entry (one segment, a layer's segments, a prefill's experts, a dense projection), at the
+    floor's edge."""
     lib = kernels.library()
     asked = []
-    for name, position in (("fmoe_segment_forward", -2), ("fmoe_segments_forward", -2), ("fmoe_linear_forward", -2)):
+    for name, position in (("fmoe_segment_forward", -2), ("fmoe_segments_forward", -2), ("fmoe_experts_forward", -2),
+                           ("fmoe_linear_forward", -2)):
         real = getattr(lib, name)
         monkeypatch.setattr(lib, name, lambda *args, real=real, position=position: asked.append(args[position])
                             or real(*args))
@@ -559,10 +561,12 @@ def test_small_calls_run_on_the_calling_thread(monkeypatch):
         x = torch.randn(1, hidden)
         kernels.segment_forward(x, segment, spec)
         kernels.segments_forward(x, [segment, segment], spec)
+        kernels.experts_forward([x, x.clone()], [segment, segment], spec)  # the same work as segments_forward's
         kernels.linear_forward(x, rows, spec)
-        assert asked == [threads] * 3
+        assert asked == [threads] * 4
     monkeypatch.setattr(kernels, "THREADS_MIN_BYTES", work["segments"])  # exactly at the floor: threads
     asked.clear()
     kernels.segments_forward(torch.randn(1, hidden), [segment, segment], spec)
+    kernels.experts_forward([torch.randn(1, hidden), torch.randn(1, hidden)], [segment, segment], spec)
     kernels.segment_forward(torch.randn(1, hidden), segment, spec)  # below it: one
-    assert asked == [3, 1]
+    assert asked == [3, 3, 1]

@@ -231,7 +231,8 @@ def experts_forward(xs: list[torch.Tensor], segments: list[torch.Tensor], spec: 
     status = library().fmoe_experts_forward(
         spec.code, count, pointers(*[s.data_ptr() for s in segments]), counts(*[s.shape[0] for s in segments]), hidden,
         spec.projection_bytes, spec.group, spec.meta_group, spec.chunk, pointers(*[x.data_ptr() for x in xs]),
-        int(dtype == torch.bfloat16), counts(*sizes), accs, outs, counts(*order), torch.get_num_threads(),
+        int(dtype == torch.bfloat16), counts(*sizes), accs, outs, counts(*order),
+        threads_for(sum(3 * s.shape[0] * spec.projection_bytes * size for s, size in zip(segments, sizes))),
         int(spec.int8_activations))
     if status != 0:
         raise MemoryError("the expert kernel could not allocate its workspace")
