@@ -62,9 +62,15 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     if last <= first:
         return False
+    return _madvise()(first, last - first, MADV_HUGEPAGE) == 0
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, loaded and typed once."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(first, last - first, MADV_HUGEPAGE) == 0
+    return libc.madvise
 
 
 @functools.cache
