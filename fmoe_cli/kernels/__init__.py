@@ -123,7 +123,7 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_attention_decode.argtypes = [ptr, i64, i64, i64, ptr, f32, ptr, ptr, ptr, ptr, i64, i64, f32, ptr]
     lib.fmoe_attention_decode.restype = ctypes.c_int
     lib.fmoe_router_decode.argtypes = [ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr]
-    lib.fmoe_router_decode.restype = None
+    lib.fmoe_router_decode.restype = ctypes.c_int
     lib.fmoe_combine_decode.argtypes = [ptr, ptr, i64, i64, ptr]
     lib.fmoe_combine_decode.restype = None
     lib.fmoe_add_rms_norm_bf16.argtypes = lib.fmoe_add_rms_norm.argtypes
@@ -309,8 +309,10 @@ def router_decode(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalise: 
     logits = torch.empty(1, experts, dtype=torch.float32)
     weights = torch.empty(1, top_k, dtype=torch.float32)
     index = torch.empty(1, top_k, dtype=torch.int64)
-    library().fmoe_router_decode(x.data_ptr(), weight.data_ptr(), experts, hidden, top_k, int(normalise),
-                                 logits.data_ptr(), weights.data_ptr(), index.data_ptr())
+    status = library().fmoe_router_decode(x.data_ptr(), weight.data_ptr(), experts, hidden, top_k, int(normalise),
+                                          logits.data_ptr(), weights.data_ptr(), index.data_ptr())
+    if status != 0:
+        raise MemoryError("the router kernel could not allocate its softmax")
     return logits, weights, index
 
 

@@ -270,35 +270,38 @@ int fmoe_attention_decode(float *qkv, int64_t heads_q, int64_t heads_k, int64_t 
 /* One decode token's router (transformers' TopKRouter, float32): logits_e = x · W_e over the E rows of W [E, H],
    p = softmax(logits) (exp of each logit minus the largest, divided by their sum), the K largest p in descending
    order (ties: the lower expert first, as torch.topk), divided by their sum where `normalise`.
-   logits [E], weights [K] (float32) and index [K] (int64) are written. */
-void fmoe_router_decode(const float *x, const float *w, int64_t experts, int64_t hidden, int64_t k, int normalise,
-                        float *logits, float *weights, int64_t *index) {
+   logits [E], weights [K] (float32) and index [K] (int64) are written. Returns 0, or -1: no memory for the softmax. */
+int fmoe_router_decode(const float *x, const float *w, int64_t experts, int64_t hidden, int64_t k, int normalise,
+                       float *logits, float *weights, int64_t *index) {
+    float *p = malloc((size_t)experts * sizeof(float)); /* the softmax, made once; a taken expert's set to -1 */
+    if (p == NULL) return -1;
     float top = -INFINITY;
     for (int64_t e = 0; e < experts; e++) {
         logits[e] = dot(x, w + e * hidden, hidden);
         if (logits[e] > top) top = logits[e];
     }
     double total = 0.0;
-    for (int64_t e = 0; e < experts; e++) total += expf(logits[e] - top);
+    for (int64_t e = 0; e < experts; e++) {
+        p[e] = expf(logits[e] - top);
+        total += p[e];
+    }
     float sum = (float)total;
+    for (int64_t e = 0; e < experts; e++) p[e] /= sum;
     for (int64_t j = 0; j < k; j++) { /* selection: K is small (2–8 of 8–128) */
         int64_t best = -1;
-        float best_p = 0.0f;
-        for (int64_t e = 0; e < experts; e++) {
-            int taken = 0;
-            for (int64_t i = 0; i < j; i++) taken |= index[i] == e;
-            if (taken) continue;
-            float p = expf(logits[e] - top) / sum;
-            if (best < 0 || p > best_p) best = e, best_p = p;
-        }
+        for (int64_t e = 0; e < experts; e++)
+            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
         index[j] = best;
-        weights[j] = best_p;
+        weights[j] = p[best];
+        p[best] = -1.0f;
     }
+    free(p);
     if (normalise) {
         float s = 0.0f;
         for (int64_t j = 0; j < k; j++) s += weights[j];
         for (int64_t j = 0; j < k; j++) weights[j] /= s;
     }
+    return 0;
 }
 
 /* The weighted sum of a token's K expert outputs (float32), in routing order: out_h = Σ_k w_k · y_{k,h}, each
