@@ -1449,6 +1449,251 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
 }
 
 #if FMOE_AVX2
+/* ---- several tokens, int8 and int4: ŵ in registers (no float block) -------------------------------------
+
+   prefill_chunk decodes a few rows into a float block and multiplies it in register tiles; at an expert's few
+   tokens (a3b's prefill: ~4 of 64 each) that block costs more than the products: each weight is written as a float
+   and read back from L2 (4 + 4·⌈T/3⌉ bytes a weight at 0.5 byte of codes). Here (int8 and int4, float32 tokens) the
+   codes are widened and converted in registers inside the tiles, with the very operations decode_row and the
+   tiles run, in the same order per output:
+     ŵ_j = fma(q_j, s_g, m_g) (int4) or q_j·s_g (int8), rounded once, as decode_row computes it;
+     dots: per (row, token) one VL-lane accumulator along H in j order, then its horizontal sum (dots_tile's);
+     down: per (token, column) the block's first neuron a product (or an fma onto c), then one fma per neuron in
+       order (down_tile's).
+   So every output has the bits of the float-block path (tests/test_kernels.py compares them at several T), a token's
+   outputs do not depend on the tile it falls in, and a chunk's bits on its rows and tokens alone. Tiles: gate and
+   up rows of one neuron × FUSED_TOKENS tokens (dots); DOWN_TOKENS tokens × 2·VL columns of one group (down). */
+#define FUSED_TOKENS 4
+#define FUSED_AHEAD 2 /* neurons ahead whose rows are prefetched */
+/* down tiles' tokens: with AVX2's 16 registers, 5 × 2 accumulators leave room for ŵ, s, m and a (6 spilled one) */
+#if VL == 16
+#define FUSED_DOWN_TOKENS 8
+#else
+#define FUSED_DOWN_TOKENS 5
+#endif
+
+/* Whether the fused paths serve this shape (else prefill_chunk's float block). */
+static int fused_shape(const Format *f, const Tokens *x) {
+    int64_t h = f->hidden, G = f->group;
+    if (!x->vector || x->q8) return 0;
+    if (f->fmt == FMT_BF16) return VL == 8 && h % 16 == 0; /* decode_row's AVX2 layout (x de-interleaved per 16) */
+    if (G % (2 * VL)) return 0;
+    if (f->fmt == FMT_INT8) return h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
+    if (f->fmt == FMT_INT4) return (h / 2) % G == 0 && (2 * h / G) % 8 == 0 && 2 * h / G <= META_FLOATS;
+    return 0;
+}
+
+/* The float32 metadata of one row: int8 s_g, int4 (s_g, m_g) pairs (META_FLOATS at most). */
+static inline void fused_meta(const uint8_t *row, const Format *f, float *out) {
+    int64_t h = f->hidden, G = f->group;
+    if (f->fmt == FMT_BF16) return; /* none */
+    if (f->fmt == FMT_INT8) meta_floats(row + h, h / G, out);
+    else meta_floats(row + h / 2, 2 * (h / G), out);
+}
+
+/* o0[t·ts], o1[t·ts] = ŵ_0·x_t, ŵ_1·x_t for TT tokens (x, h apart) and two rows r0, r1 (meta: their fused_meta). */
+static inline __attribute__((always_inline)) void dots_fused(const uint8_t *r0, const uint8_t *r1, int fmt, int64_t h,
+                                                              int64_t G, const float *m0, const float *m1,
+                                                              const float *x, int TT, float *o0, float *o1, int64_t ts) {
+    vec acc0[FUSED_TOKENS], acc1[FUSED_TOKENS];
+    for (int t = 0; t < TT; t++) acc0[t] = vzero(), acc1[t] = vzero();
+#if VL == 8
+    if (fmt == FMT_BF16) { /* decode_row's order: per 16, the even weights (x's first 8), then the odd ones */
+        const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+        for (int64_t j = 0; j < h; j += 16) {
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)(r0 + 2 * j)), v1 = _mm256_loadu_si256((const __m256i *)(r1 + 2 * j));
+            vec e0 = (__m256)_mm256_slli_epi32(v0, 16), e1 = (__m256)_mm256_slli_epi32(v1, 16);
+            for (int t = 0; t < TT; t++) {
+                vec xv = vload(x + t * h + j);
+                acc0[t] = vfma(e0, xv, acc0[t]), acc1[t] = vfma(e1, xv, acc1[t]);
+            }
+            vec d0 = (__m256)_mm256_and_si256(v0, high), d1 = (__m256)_mm256_and_si256(v1, high);
+            for (int t = 0; t < TT; t++) {
+                vec xv = vload(x + t * h + j + 8);
+                acc0[t] = vfma(d0, xv, acc0[t]), acc1[t] = vfma(d1, xv, acc1[t]);
+            }
+        }
+    } else
+#endif
+    if (fmt == FMT_INT8) {
+        for (int64_t g = 0; g < h / G; g++) {
+            vec s0 = vset1(m0[g]), s1 = vset1(m1[g]);
+            for (int64_t j = g * G; j < (g + 1) * G; j += VL) {
+                vec w0 = vmul(vq8(r0 + j), s0), w1 = vmul(vq8(r1 + j), s1);
+                for (int t = 0; t < TT; t++) {
+                    vec xv = vload(x + t * h + j);
+                    acc0[t] = vfma(w0, xv, acc0[t]), acc1[t] = vfma(w1, xv, acc1[t]);
+                }
+            }
+        }
+    } else { /* int4: the low half's columns (low nibbles), then the high half's (high nibbles of the same bytes) */
+        int64_t half = h / 2;
+        for (int64_t g = 0; g < half / G; g++) {
+            vec s0 = vset1(m0[2 * g]), z0 = vset1(m0[2 * g + 1]), s1 = vset1(m1[2 * g]), z1 = vset1(m1[2 * g + 1]);
+            for (int64_t j = g * G; j < (g + 1) * G; j += VL) {
+                vec w0 = vfma(vnibble_low(vu8(r0 + j)), s0, z0), w1 = vfma(vnibble_low(vu8(r1 + j)), s1, z1);
+                for (int t = 0; t < TT; t++) {
+                    vec xv = vload(x + t * h + j);
+                    acc0[t] = vfma(w0, xv, acc0[t]), acc1[t] = vfma(w1, xv, acc1[t]);
+                }
+            }
+        }
+        for (int64_t g = half / G; g < h / G; g++) {
+            vec s0 = vset1(m0[2 * g]), z0 = vset1(m0[2 * g + 1]), s1 = vset1(m1[2 * g]), z1 = vset1(m1[2 * g + 1]);
+            for (int64_t j = g * G; j < (g + 1) * G; j += VL) {
+                vec w0 = vfma(vnibble_high(vu8(r0 + j - half)), s0, z0), w1 = vfma(vnibble_high(vu8(r1 + j - half)), s1, z1);
+                for (int t = 0; t < TT; t++) {
+                    vec xv = vload(x + t * h + j);
+                    acc0[t] = vfma(w0, xv, acc0[t]), acc1[t] = vfma(w1, xv, acc1[t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < TT; t++) o0[t * ts] = vsum(acc0[t]), o1[t * ts] = vsum(acc1[t]);
+}
+
+#define DOTS_FUSED(fmt, TT) dots_fused(r0, r1, fmt, h, G, m0, m1, x + t * h, TT, o0 + t * ts, o1 + t * ts, ts)
+#define DOTS_FUSED_CASES(fmt) switch (TT) { \
+    case 4: DOTS_FUSED(fmt, 4); break; case 3: DOTS_FUSED(fmt, 3); break; \
+    case 2: DOTS_FUSED(fmt, 2); break; default: DOTS_FUSED(fmt, 1); break; }
+/* o0[t·ts], o1[t·ts] for every token x [T, H]: tiles of FUSED_TOKENS tokens (a constant shape for each inlined copy). */
+static void dots_fused_rows(const uint8_t *r0, const uint8_t *r1, const Format *f, const float *m0, const float *m1,
+                            const float *x, int64_t tokens, float *o0, float *o1, int64_t ts) {
+    int64_t h = f->hidden, G = f->group;
+    for (int64_t t = 0; t < tokens; t += FUSED_TOKENS) {
+        int TT = tokens - t < FUSED_TOKENS ? (int)(tokens - t) : FUSED_TOKENS;
+        if (f->fmt == FMT_INT8) {
+            DOTS_FUSED_CASES(FMT_INT8)
+        } else if (f->fmt == FMT_BF16) {
+            DOTS_FUSED_CASES(FMT_BF16)
+        } else {
+            DOTS_FUSED_CASES(FMT_INT4)
+        }
+    }
+}
+
+/* VL bf16 weights -> floats, in order (decode_down's; fused_shape takes bf16 rows only where VL is 8). */
+static inline vec bf16_vec(const uint16_t *b) {
+#if VL == 8
+    return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)b)), 16);
+#else
+    return (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)b)), 16);
+#endif
+}
+
+/* c[t, j:j+2VL] for TT tokens, columns j.. of one group: down_tile's sums with ŵ decoded in registers from the N
+   rows (meta: their fused_meta, ms floats apart). */
+static inline __attribute__((always_inline)) void down_fused_tile(const uint8_t *const *rows, int64_t N, int fmt,
+                                                                   const float *meta, int64_t ms, int64_t j, int64_t h,
+                                                                   int64_t G, const float *a, int64_t as, int TT,
+                                                                   float *c, int init) {
+    vec acc[FUSED_DOWN_TOKENS][2], w0, w1;
+    int64_t g = j / G, half = h / 2;
+#define DOWN_FUSED_ROW(n) do { \
+        const float *m = meta + (n) * ms; \
+        if (fmt == FMT_BF16) { /* natural order (decode_down's) */ \
+            w0 = bf16_vec((const uint16_t *)rows[n] + j), w1 = bf16_vec((const uint16_t *)rows[n] + j + VL); \
+        } else if (fmt == FMT_INT8) { \
+            vec s = vset1(m[g]); \
+            w0 = vmul(vq8(rows[n] + j), s), w1 = vmul(vq8(rows[n] + j + VL), s); \
+        } else if (j < half) { \
+            vec s = vset1(m[2 * g]), z = vset1(m[2 * g + 1]); \
+            w0 = vfma(vnibble_low(vu8(rows[n] + j)), s, z), w1 = vfma(vnibble_low(vu8(rows[n] + j + VL)), s, z); \
+        } else { \
+            vec s = vset1(m[2 * g]), z = vset1(m[2 * g + 1]); \
+            w0 = vfma(vnibble_high(vu8(rows[n] + j - half)), s, z); \
+            w1 = vfma(vnibble_high(vu8(rows[n] + j - half + VL)), s, z); \
+        } \
+    } while (0)
+    DOWN_FUSED_ROW(0);
+    for (int t = 0; t < TT; t++) {
+        vec at = vset1(a[t]);
+        if (init) {
+            acc[t][0] = vmul(at, w0), acc[t][1] = vmul(at, w1);
+        } else {
+            acc[t][0] = vfma(at, w0, vload(c + t * h + j)), acc[t][1] = vfma(at, w1, vload(c + t * h + j + VL));
+        }
+    }
+    for (int64_t n = 1; n < N; n++) {
+        DOWN_FUSED_ROW(n);
+        for (int t = 0; t < TT; t++) {
+            vec at = vset1(a[n * as + t]);
+            acc[t][0] = vfma(at, w0, acc[t][0]), acc[t][1] = vfma(at, w1, acc[t][1]);
+        }
+    }
+#undef DOWN_FUSED_ROW
+    for (int t = 0; t < TT; t++) vstore(c + t * h + j, acc[t][0]), vstore(c + t * h + j + VL, acc[t][1]);
+}
+
+#define DOWN_FUSED(fmt, TT) down_fused_tile(rows, N, fmt, meta, ms, j, h, G, a + t, as, TT, c + t * h, init)
+#if FUSED_DOWN_TOKENS == 8
+#define DOWN_FUSED_WIDE(fmt) case 8: DOWN_FUSED(fmt, 8); break; case 7: DOWN_FUSED(fmt, 7); break; \
+    case 6: DOWN_FUSED(fmt, 6); break;
+#else
+#define DOWN_FUSED_WIDE(fmt)
+#endif
+#define DOWN_FUSED_CASES(fmt) switch (TT) { DOWN_FUSED_WIDE(fmt) \
+    case 5: DOWN_FUSED(fmt, 5); break; case 4: DOWN_FUSED(fmt, 4); break; \
+    case 3: DOWN_FUSED(fmt, 3); break; case 2: DOWN_FUSED(fmt, 2); break; default: DOWN_FUSED(fmt, 1); break; }
+/* c [T, H] (init: =, else +=) Σ_n a_n[t]·ŵ_n over N down rows, in order: down_block's sums, ŵ in registers. */
+static void down_fused_block(const uint8_t *const *rows, int64_t N, const Format *f, const float *meta, int64_t ms,
+                             const float *a, int64_t as, int64_t tokens, float *c, int init) {
+    int64_t h = f->hidden, G = f->group;
+    for (int64_t t = 0; t < tokens; t += FUSED_DOWN_TOKENS) {
+        int TT = tokens - t < FUSED_DOWN_TOKENS ? (int)(tokens - t) : FUSED_DOWN_TOKENS;
+        for (int64_t j = 0; j < h; j += 2 * VL) {
+            if (f->fmt == FMT_INT8) {
+                DOWN_FUSED_CASES(FMT_INT8)
+            } else if (f->fmt == FMT_BF16) {
+                DOWN_FUSED_CASES(FMT_BF16)
+            } else {
+                DOWN_FUSED_CASES(FMT_INT4)
+            }
+        }
+    }
+}
+
+/* Floats of one thread's scratch for prefill_fused: the gate and up dots, a of a block, the down rows' metadata. */
+static int64_t fused_floats(int64_t tokens) {
+    int64_t padded = (tokens + 15) / 16 * 16;
+    return (2 + DOWN_NEURONS) * padded + DOWN_NEURONS * META_FLOATS;
+}
+
+/* prefill_chunk for fused_shape: chunk k's partial sum c, its neurons in blocks of DOWN_NEURONS. Per neuron: its gate
+   and up dots over every token (dots_fused), a[t]; per block: c (the block's first: =, else +=) Σ a·ŵ_down in
+   neuron order (down_fused_block). prefill_chunk's sums exactly. */
+static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
+    const Format *f = p->f;
+    const Tokens *x = p->x;
+    int64_t tokens = x->tokens, h = f->hidden, pb = f->proj_bytes, padded = (tokens + 15) / 16 * 16;
+    float *gu = scratch, *a = gu + 2 * padded, *meta = a + DOWN_NEURONS * padded;
+    float mg[META_FLOATS], mu[META_FLOATS];
+    float *c = p->part + k * tokens * h;
+    int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
+    const uint8_t *down[DOWN_NEURONS];
+    for (int64_t b0 = i0; b0 < i1; b0 += DOWN_NEURONS) {
+        int64_t b1 = b0 + DOWN_NEURONS < i1 ? b0 + DOWN_NEURONS : i1;
+        for (int64_t n = b0; n < b1; n++) {
+            const uint8_t *row = p->segment + n * p->row_bytes;
+#ifndef FMOE_NO_PREFETCH
+            if (n + FUSED_AHEAD < i1) { /* a later neuron's rows towards L2 while this one computes */
+                const char *from = (const char *)(row + FUSED_AHEAD * p->row_bytes), *to = from + p->row_bytes;
+                for (; from < to; from += 64) _mm_prefetch(from, _MM_HINT_T1);
+            }
+#endif
+            fused_meta(row, f, mg), fused_meta(row + pb, f, mu);
+            dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
+            float *an = a + (n - b0) * padded;
+            for (int64_t t = 0; t < tokens; t++) an[t] = gated(gu[t], gu[padded + t], p->x_bf16);
+            down[n - b0] = row + 2 * pb;
+            fused_meta(row + 2 * pb, f, meta + (n - b0) * META_FLOATS);
+        }
+        down_fused_block(down, b1 - b0, f, meta, META_FLOATS, a, padded, tokens, c, b0 == i0);
+    }
+}
+#endif
+
+#if FMOE_AVX2
 /* pass_chunk for T > PREFILL_FROM tokens (vector shapes): chunk k's partial sum c, its neurons in blocks of
    DOWN_NEURONS. Per block: each DOT_ROWS neurons' gate and up rows decoded, their dots over every token in register
    tiles (int8 activations: each token's integer dots, as decode); a[t] per neuron; the block's down rows decoded,
@@ -1514,7 +1759,10 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
     float *at = p->scratch + worker * p->stride, *ut = at + AXPY_ROWS * padded, *wt = ut + padded; /* a_r[t]: r < 4 */
 #if FMOE_AVX2
     if (tokens > PREFILL_FROM && x->vector && FMOE_PHASES == 3) { /* several tokens (a prefill): register tiles */
-        prefill_chunk(p, k, p->scratch + worker * p->stride);
+        if (fused_shape(f, x))
+            prefill_fused(p, k, p->scratch + worker * p->stride);
+        else
+            prefill_chunk(p, k, p->scratch + worker * p->stride);
         return;
     }
 #endif
@@ -1552,7 +1800,11 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
    decoded row ŵ), or prefill_chunk's, on cache lines of its own. */
 static int64_t pass_stride(int64_t tokens, int64_t hidden) {
     int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
-    return tokens > PREFILL_FROM && prefill_floats(tokens, hidden) > stride ? prefill_floats(tokens, hidden) : stride;
+    if (tokens > PREFILL_FROM && prefill_floats(tokens, hidden) > stride) stride = prefill_floats(tokens, hidden);
+#if FMOE_AVX2
+    if (tokens > PREFILL_FROM && fused_floats(tokens) > stride) stride = fused_floats(tokens);
+#endif
+    return stride;
 }
 
 /* acc [T, H] += the partial sums c_0, c_1, … of `count` chunks (part: [count, T, H]), in chunk order per element:
