@@ -89,56 +89,21 @@ def test_fused_qkv_gives_each_projections_bits(checkpoints, family, dtype, dense
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if not f.startswith("deepseek")])
-def test_float_qkv_rows_are_fused_where_the_kernels_take_them(checkpoints, family, dtype):
-    """--dense bf16 (rows as stored): bf16 q/k/v rows are one kernel call at every size, each output the bits of its
-    own linear's kernel row, each weight a view of the fused rows (one copy); the tiny checkpoints' float32 rows,
-    below KERNEL_ROWS_MIN_F32, are not fused (F.linear computes them)."""
+def test_float_qkv_rows_are_fused(checkpoints, family, dtype):
+    """--dense bf16 (rows as stored): float32 and bf16 q/k/v rows are one kernel call at every size, each output the
+    bits of its own linear's kernel row, each weight a view of the fused rows (one copy)."""
+    torch_dtype = getattr(torch, dtype)
     lm = load_perturbed(checkpoints[family], dtype, "bf16")
     for attn in attentions(lm.model):
         fused = attn.fused_qkv
-        if dtype == "float32":
-            assert fused is None
-            continue
         assert isinstance(fused, attention.FusedQKV), "no fused q/k/v"
         parts = (attn.q_proj, attn.k_proj, attn.v_proj)
         assert all(p.weight.untyped_storage().data_ptr() == fused.rows.untyped_storage().data_ptr() for p in parts)
-        x = torch.randn(1, lm.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
-        assert fused.takes(x) and not fused.takes(x.float())  # float rows take tokens of their own dtype
+        x = torch.randn(1, lm.model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch_dtype)
+        other = x.float() if dtype == "bfloat16" else x.bfloat16()
+        assert fused.takes(x) and not fused.takes(other)  # float rows take tokens of their own dtype
         for got, p in zip(fused(x).split(fused.sizes, dim=-1), parts):
             assert torch.equal(got, p(x)), type(attn).__name__  # p(x): its kernel row (models/dense.py)
-
-
-@needs_kernels
-def test_float32_qkv_rows_are_fused_from_the_threshold_on_the_fused_size():
-    """float32 q/k/v are fused where their rows together reach KERNEL_ROWS_MIN_F32 (a k or v alone below it, which
-    F.linear computed, then takes the kernel's row: each output its own row's dot, as q's); below it they are not."""
-    from torch import nn
-
-    from fmoe_cli.models.dense import KERNEL_ROWS_MIN_F32, _kernel_row_forward
-
-    hidden = KERNEL_ROWS_MIN_F32["in_features"]
-    g = torch.Generator().manual_seed(0)
-
-    def linears(q_out: int, kv_out: int):
-        parts = [nn.Linear(hidden, o, bias=True) for o in (q_out, kv_out, kv_out)]
-        with torch.no_grad():
-            for p in parts:
-                p.weight.copy_(torch.randn(p.weight.shape, generator=g))
-                p.bias.copy_(torch.randn(p.bias.shape, generator=g))
-        return parts
-
-    below = linears(512, 128)  # 768 rows of 1024 float32: 3 MB
-    assert sum(p.weight.nbytes for p in below) < KERNEL_ROWS_MIN_F32["weight_bytes"]
-    assert not attention.fusable(*below)
-    parts = linears(1024, 256)  # 6 MB
-    assert attention.fusable(*parts)
-    fused = attention.FusedQKV(*parts)
-    x = torch.randn(1, hidden, generator=g)
-    for got, p in zip(fused(x).split(fused.sizes, dim=-1), parts):
-        row = _kernel_row_forward(p, p.forward)(x)  # the kernel's row for this linear alone
-        assert torch.equal(got, row)
-        assert (got - torch.nn.functional.linear(x, p.weight, p.bias)).abs().max() < 1e-3  # the same product
-    assert parts[1].weight.untyped_storage().data_ptr() == fused.rows.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("dense", ["bf16", "int8", "int4"])
@@ -223,19 +188,20 @@ def attention_ops(lm, decode_forward: bool) -> dict:
 # OLMoE 52 / 64 / 60 / 64. bf16 rows as stored are one kernel call for q/k/v together (FusedQKV over the float rows:
 # a reshape, the output's empty, its rounding to bf16, the bias's add where there is one) and one for o: Mixtral 37
 # → 26, Qwen2-MoE 40 → 27, Qwen3-MoE 45 → 34, OLMoE 53 → 44 with the q/k/v rows fused (each projection its own call
-# before); the tiny checkpoints' float32 rows stay F.linear, below KERNEL_ROWS_MIN_F32.
+# before); float32 rows likewise (every size since the token in C, models/token.py).
 # The KV cache's update is 6 of them (generate.py's GrowingLayer: a narrow and a copy_ for each of k and v, and the
 # views handed out; DynamicLayer's was 2 torch.cats, each copying the whole cache); RoPE 4 (a roll, two products and
 # a sum), and the signed sin once a token (4 ops, shared out over the layers).
 # float32 with its steps in C (decode.c: the norms, RoPE, the cache's append and the attention one call): 25 / 22,
-# 25 / 23, 31 / 28 and 41 / 40 ops with them as torch ops → 10 / 7, 10 / 8, 10 / 7 (the tiny checkpoints' float32
-# q, k, v and o as four F.linear and a cat) and 26 / 25 (OLMoE's norms over the whole projections stay its modules).
+# 25 / 23, 31 / 28 and 41 / 40 ops with them as torch ops → 12 / 7, 10 / 8, 12 / 7 (float32 q/k/v as one fused
+# kernel call and o as its kernel row: views and the outputs' empties; four F.linear and a cat were 10 of them) and
+# 27 / 25 (OLMoE's norms over the whole projections stay its modules).
 # bf16 likewise (decode.c's bf16 functions): 26 / 24, 27 / 25, 34 / 32, 44 / 42 → 11 / 9, 12 / 10, 11 / 9, 29 / 27.
 DECODE_ATTENTION_OPS = {
-    "mixtral": {("float32", "bf16"): 10, ("float32", "int8"): 7, ("bfloat16", "bf16"): 11, ("bfloat16", "int8"): 9},
+    "mixtral": {("float32", "bf16"): 12, ("float32", "int8"): 7, ("bfloat16", "bf16"): 11, ("bfloat16", "int8"): 9},
     "qwen2_moe": {("float32", "bf16"): 10, ("float32", "int8"): 8, ("bfloat16", "bf16"): 12, ("bfloat16", "int8"): 10},
-    "qwen3_moe": {("float32", "bf16"): 10, ("float32", "int8"): 7, ("bfloat16", "bf16"): 11, ("bfloat16", "int8"): 9},
-    "olmoe": {("float32", "bf16"): 26, ("float32", "int8"): 25, ("bfloat16", "bf16"): 29, ("bfloat16", "int8"): 27},
+    "qwen3_moe": {("float32", "bf16"): 12, ("float32", "int8"): 7, ("bfloat16", "bf16"): 11, ("bfloat16", "int8"): 9},
+    "olmoe": {("float32", "bf16"): 27, ("float32", "int8"): 25, ("bfloat16", "bf16"): 29, ("bfloat16", "int8"): 27},
 }
 TORCH_STEPS = {  # the steps as torch ops (no kernels built)
     "mixtral": {("float32", "bf16"): 25, ("float32", "int8"): 22, ("bfloat16", "bf16"): 26, ("bfloat16", "int8"): 24},

@@ -174,7 +174,6 @@ def test_a_decode_tokens_float_rows_go_through_the_kernels(checkpoints, family, 
     and nothing else does; two rows (a prefill) stay F.linear, with its bits."""
     import fmoe_cli.models.dense as dense
 
-    monkeypatch.setattr(dense, "KERNEL_ROWS_MIN_F32", dict(in_features=0, weight_bytes=0))  # the tiny rows too
     lm = load_model(str(checkpoints[family]), device="cpu", dtype=str(dtype).removeprefix("torch."),
                     experts="bf16")
     head = lm.model.get_output_embeddings()
@@ -202,26 +201,6 @@ def test_a_decode_tokens_float_rows_go_through_the_kernels(checkpoints, family, 
         calls.clear()
         two = torch.randn(1, 2, module.in_features).to(dtype)
         assert torch.equal(module(two), torch.nn.functional.linear(two, module.weight, module.bias)) and calls == []
-
-
-def test_small_float32_rows_stay_f_linear(checkpoints, monkeypatch):
-    """float32 rows below KERNEL_ROWS_MIN_F32 (the tiny checkpoints': faster in the caches with torch) stay
-    F.linear, with its bits; the same model's bf16 rows take the kernels."""
-    import fmoe_cli.models.dense as dense
-
-    calls = []
-    real = dense.kernel_forward
-    monkeypatch.setattr(dense, "kernel_forward", lambda *a: calls.append(1) or real(*a))
-    for dtype, served in [(torch.float32, False), (torch.bfloat16, True)]:
-        lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype=str(dtype).removeprefix("torch."))
-        head = lm.model.get_output_embeddings()
-        assert head.weight.nbytes < dense.KERNEL_ROWS_MIN_F32["weight_bytes"]
-        calls.clear()
-        x = torch.randn(1, 1, head.in_features).to(dtype)
-        got = head(x)
-        assert calls == ([1] if served else [])
-        if not served:
-            assert torch.equal(got, torch.nn.functional.linear(x, head.weight))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])

@@ -465,6 +465,8 @@ def decode_step_ops(path: str, policy: str, grouping: bool | None = None) -> tup
     from fmoe_cli.profiling.ops import count_decode_ops
 
     lm = load_model(str(path), device="cpu", dtype="float32")
+    if hasattr(lm.model, "decode_token"):  # the per-step path's ops (a resident token in C is one call: test_token.py)
+        lm.model.decode_token.enabled = False
     lm.store.grouping = grouping
     shape = lm.shape
     engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)

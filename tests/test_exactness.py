@@ -19,6 +19,7 @@ import transformers
 from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
+from fmoe_cli.models.token import LAYERS as TOKEN_LAYERS
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import CudaLink, EmulatedLink, VirtualClock
 from fmoe_cli.planning.plan import min_staging_slots
@@ -95,9 +96,13 @@ def test_greedy_tokens_and_logits_match_transformers(family_setup, policy, budge
             plan = engine.settings.plan
             assert plan.source == "configurator" and plan.total_bytes <= budget_bytes
             assert plan.staging_slots == min_staging_slots(lm.shape) and len(plan.layers) == lm.shape.num_layers
+        token = getattr(lm.model, "decode_token", None)  # models/token.py
+        runs = token.runs if token is not None else 0
         got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine,
                                                    max_new_tokens=NEW_TOKENS, stop_on_eos=False)]
         assert got == want, f"{policy} θ={theta}: tokens differ"
+        if policy == "resident" and type(lm.model.model.layers[0]).__name__ in TOKEN_LAYERS:
+            assert token.runs - runs == NEW_TOKENS - 1  # every decode token in one C call
         # The engine's cache is warm now; a prefill of the whole sequence (every expert
         # activated, in waves through the staging pool) must give the same logits.
         with torch.no_grad():

@@ -317,3 +317,131 @@ void fmoe_combine_decode(const float *y, const float *w, int64_t k, int64_t hidd
         }
     }
 }
+
+/* ---- a resident float32 decode token in one call ------------------------------------------------------------
+
+   Every step above, and the kernels' rows (experts.c), for a whole decode token of a resident float32 model
+   (fmoe_cli/models/token.py): per decoder layer
+     n = rms_norm(h)                               input norm
+     qkv = n · Wqkvᵀ (+ b)                         the fused q/k/v rows (fmoe_linear_forward)
+     a = attention(qkv)                            q/k norms, RoPE, the KV append, the attention
+     s = h + a·Woᵀ (+ b)    n = rms_norm(s)        o_proj, residual add, post-attention norm
+     (w, e) = router(n)                            the top-k softmax
+     y_k = expert_{e_k}(n)   h = s + Σ_k w_k·y_k   the K resident experts (fmoe_segments_forward), combine, add
+   then logits = rms_norm(h) · Wheadᵀ (+ b). The same functions, in the same order, on the same values as the
+   per-step path (models/decoder.py, attention.py, offload/engine.py), so the logits are its bits; the residual
+   adds are one float32 rounding each, as torch's. Each layer's routing (experts and weights) is returned for the
+   engine's bookkeeping. */
+
+int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t hidden, int64_t proj_bytes,
+                        int64_t group, int64_t meta_group, const void *x, int x_bf16, int64_t tokens, float *y,
+                        int threads, int q8);
+int fmoe_segments_forward(int fmt, int64_t count, const uint8_t *const *segments, const int64_t *neurons,
+                          int64_t hidden, int64_t proj_bytes, int64_t group, int64_t meta_group, int64_t chunk,
+                          const void *x, int x_bf16, int64_t tokens, float *acc, uint16_t *out_bf16, int threads,
+                          int q8);
+
+/* Rows of one format (kernels.Spec) over `hidden` inputs: a dense linear's [outputs, proj_bytes], or a layer's
+   experts (each [neurons, 3, proj_bytes]). */
+typedef struct {
+    const uint8_t *rows;
+    const float *bias; /* [outputs] or NULL */
+    int64_t outputs, hidden, code, proj_bytes, group, meta_group, chunk, q8;
+} DecodeRows;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [H] */
+    float input_eps, post_eps, qk_eps, scale;
+    DecodeRows qkv, o;                   /* [(Hq + 2·Hk)·D, H] and [H, Hq·D] */
+    int64_t heads_q, heads_k, dim;
+    const float *qk_weight;              /* [Hq + Hk, D] or NULL */
+    float *keys, *values;                /* [Hk, capacity, D]: the cache's buffers, reserved for this token */
+    int64_t capacity;
+    const float *router;                 /* [E, H] */
+    int64_t experts, top_k, normalise;
+    const uint8_t *const *expert_rows;   /* [E]: each expert's rows, `neurons` of them */
+    int64_t neurons;
+    DecodeRows expert;                   /* the experts' format (rows, bias, outputs unused) */
+} DecodeLayer;
+
+typedef struct {
+    int64_t layers, hidden;
+    DecodeLayer *layer;
+    const float *norm; /* the final norm [H] */
+    float norm_eps;
+    DecodeRows head;   /* [V, H] */
+    int64_t threads, threads_min_bytes; /* kernels.threads_for: `threads` from threads_min_bytes of rows up */
+} DecodeModel;
+
+static int threads_for(const DecodeModel *m, int64_t nbytes) {
+    return nbytes >= m->threads_min_bytes ? (int)m->threads : 1;
+}
+
+/* y [outputs] = x · ŵᵀ (+ b): models/dense.py kernel_forward of one float32 row. */
+static int rows_forward(const DecodeModel *m, const DecodeRows *r, const float *x, float *y) {
+    if (fmoe_linear_forward((int)r->code, r->rows, r->outputs, r->hidden, r->proj_bytes, r->group, r->meta_group, x,
+                            0, 1, y, threads_for(m, r->outputs * r->proj_bytes), (int)r->q8))
+        return -1;
+    if (r->bias != NULL)
+        for (int64_t i = 0; i < r->outputs; i++) y[i] = y[i] + r->bias[i];
+    return 0;
+}
+
+/* One decoder layer on the residual stream h [H] (updated in place); its routing into index [K], weights [K].
+   work: floats for the layer's rows (decode_work). */
+static int decode_layer(const DecodeModel *m, const DecodeLayer *l, float *h, const float *cos, const float *sin,
+                        int64_t position, int64_t *index, float *weights, float *work) {
+    int64_t H = m->hidden, K = l->top_k;
+    float *normed = work, *sum = normed + H, *out = sum + H, *moe = out + H, *attended = moe + H;
+    float *qkv = attended + l->heads_q * l->dim, *logits = qkv + l->qkv.outputs, *experts = logits + l->experts;
+    fmoe_add_rms_norm(h, NULL, H, l->input_norm, l->input_eps, NULL, normed);
+    if (rows_forward(m, &l->qkv, normed, qkv)) return -1;
+    if (fmoe_attention_decode(qkv, l->heads_q, l->heads_k, l->dim, l->qk_weight, l->qk_eps, cos, sin, l->keys,
+                              l->values, l->capacity, position, l->scale, attended))
+        return -1;
+    if (rows_forward(m, &l->o, attended, out)) return -1;
+    fmoe_add_rms_norm(h, out, H, l->post_norm, l->post_eps, sum, normed);
+    if (fmoe_router_decode(normed, l->router, l->experts, H, K, (int)l->normalise, logits, weights, index)) return -1;
+    const uint8_t *segments[64];
+    int64_t neurons[64];
+    if (K > 64) return -1;
+    for (int64_t k = 0; k < K; k++) segments[k] = l->expert_rows[index[k]], neurons[k] = l->neurons;
+    const DecodeRows *e = &l->expert;
+    if (fmoe_segments_forward((int)e->code, K, segments, neurons, H, e->proj_bytes, e->group, e->meta_group, e->chunk,
+                              normed, 0, 1, experts, NULL, threads_for(m, 3 * K * l->neurons * e->proj_bytes),
+                              (int)e->q8))
+        return -1;
+    fmoe_combine_decode(experts, weights, K, H, moe);
+    for (int64_t i = 0; i < H; i++) h[i] = sum[i] + moe[i];
+    return 0;
+}
+
+/* Floats decode_layer's work takes for layer l. */
+static int64_t decode_work(const DecodeModel *m, const DecodeLayer *l) {
+    return 4 * m->hidden + l->heads_q * l->dim + l->qkv.outputs + l->experts + l->top_k * m->hidden;
+}
+
+/* A decode token: h [H] the token's embedding row (overwritten: the residual stream), cos and sin [D] its rotary
+   embedding, `position` its place in the cache (every layer's keys and values reserved for it); logits [V];
+   index [L, K] and weights [L, K] each layer's routing. Returns 0, or -1: no memory, or a shape not taken. */
+int fmoe_decode_token(const DecodeModel *m, float *h, const float *cos, const float *sin, int64_t position,
+                      float *logits, int64_t *index, float *weights) {
+    int64_t floats = m->hidden;
+    for (int64_t i = 0; i < m->layers; i++) {
+        int64_t need = decode_work(m, &m->layer[i]);
+        if (need > floats) floats = need;
+    }
+    float *work = malloc((size_t)floats * sizeof(float));
+    if (work == NULL) return -1;
+    int status = 0;
+    for (int64_t i = 0; i < m->layers && status == 0; i++) {
+        const DecodeLayer *l = &m->layer[i];
+        status = decode_layer(m, l, h, cos, sin, position, index + i * l->top_k, weights + i * l->top_k, work);
+    }
+    if (status == 0) {
+        fmoe_add_rms_norm(h, NULL, m->hidden, m->norm, m->norm_eps, NULL, work);
+        status = rows_forward(m, &m->head, work, logits);
+    }
+    free(work);
+    return status;
+}

@@ -9,10 +9,9 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Three
   three projections are one `kernels.linear_forward` call (one ctypes call, one wake of the kernels' threads). Each
   output is one row's own dot product (experts.c fmoe_linear_forward), so every output has the bits its own
   QuantLinear gives it. Left as stored (`--dense bf16`), float q, k and v rows are fused the same way where the
-  kernels take a decode token's float rows (models/dense.py `one_row_kernels`: bf16 at every size, float32 from
-  KERNEL_ROWS_MIN_F32, judged on the fused rows): each nn.Linear's weight becomes a view of one [Oq + Ok + Ov, H]
-  tensor, and each output has the bits its own linear's kernel row gives it (a float32 k or v below the threshold
-  alone, which F.linear computed, now takes the kernel's row order: the same class of bits as q's).
+  kernels take a decode token's float rows (models/dense.py `one_row_kernels`: float32 and bf16): each
+  nn.Linear's weight becomes a view of one [Oq + Ok + Ov, H] tensor, and each output has the bits its own linear's
+  kernel row gives it.
 - **A decode forward** for the standard GQA families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): transformers' steps
   in the family's order, on views of one [1, Hq + Hk + Hv, 1, D] tensor (for one token, the transposed
   [1, 1, heads, D] is that view): Qwen3-MoE's q_norm and k_norm as one RMSNorm over both (Qwen3MoeRMSNorm's ops,
@@ -38,7 +37,7 @@ import torch
 from torch import nn
 
 from fmoe_cli import kernels
-from fmoe_cli.models.dense import ATTENTION, QuantLinear, kernel_forward, kernel_rows
+from fmoe_cli.models.dense import ATTENTION, QuantLinear, kernel_forward, kernel_rows, ours
 
 # The decoder layers' attention classes with the decode forward, and where their q/k norms sit:
 # "heads" (Qwen3-MoE: over each head's dims, before the transpose), "projection" (OLMoE: over the whole projection),
@@ -145,12 +144,7 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
     half = dim // 2
     q_norm, k_norm, o_proj = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), attn.o_proj
     o_kernel = isinstance(o_proj, QuantLinear) and o_proj.kernel is not None
-    eps = qk_weight = None
-    if norm == "heads":  # q_norm and k_norm in one: a head's row [D] gets its own norm's weight
-        eps = q_norm.variance_epsilon
-        assert k_norm.variance_epsilon == eps, "q_norm and k_norm with different epsilons"
-        qk_weight = torch.cat([q_norm.weight.detach().expand(heads_q, -1),
-                               k_norm.weight.detach().expand(heads_k, -1)])[:, None, :]  # [Hq + Hk, 1, D]
+    qk_weight, eps = head_norms(attn) if norm == "heads" else (None, None)
     # The steps in C (kernels.attention_decode): what decode.c takes of this layer's shape; float32 or bf16 compute,
     # a token whose q/k/v, cos and sin, cache and per-head norm weights are of one of those dtypes.
     in_c = (kernels.decode_steps_in_c() and dim % 2 == 0 and dim <= kernels.MAX_HEAD_DIM
@@ -213,7 +207,18 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
             y = o_proj(out)
         return y.view(1, 1, -1)
 
-    return forward
+    return ours(forward)
+
+
+def head_norms(attn) -> tuple[torch.Tensor, float]:
+    """Qwen3-MoE's q_norm and k_norm in one: each head's row [D] with its own norm's weight, [Hq + Hk, 1, D], and
+    their epsilon."""
+    dim = attn.head_dim
+    heads_q, heads_k = attn.q_proj.out_features // dim, attn.k_proj.out_features // dim
+    eps = attn.q_norm.variance_epsilon
+    assert attn.k_norm.variance_epsilon == eps, "q_norm and k_norm with different epsilons"
+    weight = torch.cat([attn.q_norm.weight.detach().expand(heads_q, -1), attn.k_norm.weight.detach().expand(heads_k, -1)])
+    return weight[:, None, :], eps
 
 
 def reserve(cache, layer_idx: int):

@@ -34,6 +34,7 @@ from torch.nn.modules import module as _module
 
 from fmoe_cli import kernels
 from fmoe_cli.models.attention import decode_input, implementation, one_thread, rms_norm
+from fmoe_cli.models.dense import ours
 from fmoe_cli.offload.engine import IMPLEMENTATION_NAME
 
 # The decoder layers with the decode forward, their norms' classes (the standard RMSNorm: rms_norm's steps), and
@@ -92,8 +93,11 @@ def _decode_model(model, original):
     only without one). `original` otherwise."""
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
+    from fmoe_cli.models.token import TokenInC
+
     inner, config = model.model, model.config
     layers = list(inner.layers[: config.num_hidden_layers])
+    token = model.decode_token = TokenInC(model)  # where a token's steps are all the kernels' (models/token.py)
 
     def forward(input_ids=None, cache=None, past_key_values=None, use_cache=None, logits_to_keep=0, **kwargs):
         cache = cache if cache is not None else past_key_values
@@ -108,6 +112,9 @@ def _decode_model(model, original):
         hidden_states = inner.embed_tokens(input_ids)  # [1, 1, H]
         position_ids = torch.tensor([[cache.get_seq_length()]])  # [1, 1] int64: the model's arange, one op
         position_embeddings = inner.rotary_emb(hidden_states, position_ids=position_ids)
+        logits = token.forward(hidden_states, position_embeddings, cache)  # the whole token in one C call, or None
+        if logits is not None:
+            return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         for layer in layers:
             hidden_states = layer(hidden_states, attention_mask=None, position_ids=position_ids, cache=cache,
                                   use_cache=True, position_embeddings=position_embeddings)
@@ -143,7 +150,7 @@ def _decode_layer(layer, original):
         hidden_states = mlp(rms_norm(hidden_states, after.weight, after.variance_epsilon))
         return residual + hidden_states
 
-    return forward
+    return ours(forward)
 
 
 def _decode_moe(block, original):
@@ -163,7 +170,7 @@ def _decode_moe(block, original):
             return experts(x, index, weights).reshape(1, 1, -1)
         return engine.experts_forward(experts, x, index, weights).view(1, 1, -1)  # (its output: a new [1, H])
 
-    return forward
+    return ours(forward)
 
 
 def hooked(module) -> bool:
@@ -183,7 +190,7 @@ def _decode_norm(norm, original):
             return kernels.rms_norm(hidden_states, norm.weight, norm.variance_epsilon)[1]
         return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
 
-    return forward
+    return ours(forward)
 
 
 def norms_in_c(*norms) -> torch.dtype | None:
@@ -233,7 +240,7 @@ def _decode_router(router, original):
             top = top.to(logits.dtype)
         return logits, top, index
 
-    return forward
+    return ours(forward)
 
 
 def one_thread_linear_same_bits(weight: torch.Tensor) -> bool:

@@ -36,6 +36,18 @@ from fmoe_cli.types import DEFAULT_ACTIVATIONS, DENSE_FORMATS, DenseFormat, Quan
 ATTENTION = "self_attn"  # the attention module of every supported family's decoder layer
 
 
+def ours(forward):
+    """Marks a forward this package installs on a module (a decode token's: models/token.py checks that a module
+    still has it before it computes the module's steps in C)."""
+    forward.fmoe_decode = True
+    return forward
+
+
+def is_ours(module) -> bool:
+    """Whether `module`'s forward is one `ours` marked (not one put over it since)."""
+    return getattr(module.__dict__.get("forward"), "fmoe_decode", False)
+
+
 def kernel_forward(x: torch.Tensor, rows: torch.Tensor, kernel, bias: torch.Tensor | None) -> torch.Tensor:
     """y [T, O] of x's dtype = x [T, H] · ŵᵀ (+ b) for quantised `rows` [O, row bytes] through the CPU kernels (the
     float32 sum rounded once to x's dtype, then the bias added): a QuantLinear's, and a fused q/k/v's."""
@@ -186,19 +198,11 @@ def one_row_matvec(model) -> int:
     return count
 
 
-# float32 rows take the kernels from this size (docs/bench.md § Float dense rows through the kernels: from RAM
-# the kernel streams f32 rows 20–40 % faster than torch's F.linear/mv on an AVX2 EPYC from 1024×1024 up, equal at
-# 512×2048, slower at 256×1024; weights that stay in the caches — the demo's — are faster with torch). bf16 rows
-# take them at every size: torch's bf16 row products are slower than the kernel's from 256×1024 up (RAM) and at
-# 256×256 (cache).
-KERNEL_ROWS_MIN_F32 = dict(in_features=1024, weight_bytes=4 << 20)
-
-
 def kernel_rows(dtype: torch.dtype, in_features: int, weight_bytes: int) -> bool:
-    """Whether a decode token's float rows of this dtype and size go through the kernels (KERNEL_ROWS_MIN_F32)."""
-    if dtype == torch.float32:
-        return (in_features >= KERNEL_ROWS_MIN_F32["in_features"]
-                and weight_bytes >= KERNEL_ROWS_MIN_F32["weight_bytes"])
+    """Whether a decode token's float rows of this dtype and size go through the kernels: float32 and bf16, at every
+    size. (float32 rows below 1024 inputs and 4 MB stayed torch's F.linear until the token in C, models/token.py,
+    which computes every row with the kernels: the per-step path must give its bits. In the caches F.linear was
+    faster on them, docs/bench.md § Float dense rows through the kernels.)"""
     return dtype in kernels.COMPUTE_DTYPES
 
 
@@ -206,8 +210,7 @@ def one_row_kernels(model) -> int:
     """The float32 and bf16 nn.Linears on the CPU of the attention and the LM head (when `--dense` leaves them as
     stored) compute a single row — a decode token — through the CPU kernels (`kernel_forward`: the rows read once,
     bf16 widened in registers, the float32 sum rounded once to x's dtype, then the bias): torch's F.linear and
-    torch.mv stream these rows at 14–16 GB/s on an AVX2 EPYC where the kernel reaches 16–21 (float32 from
-    KERNEL_ROWS_MIN_F32). Not F.linear's bits: each output is one row's dot in the kernel's order, as an expert's
+    torch.mv stream these rows at 14–16 GB/s on an AVX2 EPYC where the kernel reaches 16–21. Not F.linear's bits: each output is one row's dot in the kernel's order, as an expert's
     is; the tokens stay transformers' (tests/test_exactness.py), and every policy's logits stay the resident run's
     bit for bit (the same rows in every run). Several rows (a prefill) stay F.linear. Returns how many linears took
     it; 0 without the kernels (then `one_row_matvec` serves bf16)."""
@@ -242,7 +245,8 @@ def _kernel_row_forward(linear: nn.Linear, forward):
         y = kernel_forward(x.reshape(1, -1), rows[0], spec, linear.bias)
         return y.view(*x.shape[:-1], linear.out_features)
 
-    return kernel_row
+    kernel_row.spec = spec
+    return ours(kernel_row)
 
 
 def _matvec_forward(linear: nn.Linear, forward):

@@ -461,26 +461,56 @@ class Engine:
         policy's touches, the counters of K whole experts (nothing is staged, loaded, pinned or admitted, no stall
         to collect), one kernel call for the K experts in routing order and the weighted sum (`_combine_decode`)."""
         routed = top_k_index.tolist()[0]  # the token's K experts, in routing order (one host list, as Routing.of)
-        cache = state.cache
-        if self.observers:
-            event = RouteEvent(i, top_k_index, top_k_weights, routed, cache, self._predicted[i])
-            for observe in self.observers:
-                observe(event)
-        self._predicted[i] = None
+        self._observe_resident(i, state, top_k_index, top_k_weights, routed)
         try:
-            cache.record((routed,))
-            activated = len(set(routed))
-            counters = state.counters
-            counters.activations += activated
-            counters.hits_full += activated  # every activated expert is whole (_classify's resident Hits)
-            rows = state.expert_rows
-            if rows is None:
-                slot = cache.slot
-                rows = state.expert_rows = [state.top_rows[slot(e)] for e in range(self.shape.num_experts)]
+            self._record_resident(state, routed)
+            rows = self.resident_rows(i)
             stacked = self.store.stacked_forward(hidden_states, [rows[e] for e in routed], act)
             return self._combine_decode(hidden_states, stacked, top_k_weights)
         finally:
-            cache.advance()
+            state.cache.advance()
+
+    def resident_routed(self, i: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """`_resident_decode`'s bookkeeping for a decode token whose layer i was computed elsewhere with this
+        routing (models/token.py: the whole token in one C call): the observers, the policy's touches, the
+        counters, the clock — the same calls with the same data."""
+        state = self.layers[i]
+        routed = top_k_index.tolist()[0]
+        self._observe_resident(i, state, top_k_index, top_k_weights, routed)
+        try:
+            self._record_resident(state, routed)
+        finally:
+            state.cache.advance()
+
+    def _observe_resident(self, i: int, state: LayerState, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                          routed: list[int]) -> None:
+        if self.observers:
+            event = RouteEvent(i, top_k_index, top_k_weights, routed, state.cache, self._predicted[i])
+            for observe in self.observers:
+                observe(event)
+        self._predicted[i] = None
+
+    @staticmethod
+    def _record_resident(state: LayerState, routed: list[int]) -> None:
+        state.cache.record((routed,))
+        activated = len(set(routed))
+        counters = state.counters
+        counters.activations += activated
+        counters.hits_full += activated  # every activated expert is whole (_classify's resident Hits)
+
+    def resident_rows(self, i: int) -> list:
+        """A resident layer's rows of each expert by id (its slot never changes), made once."""
+        state = self.layers[i]
+        if state.expert_rows is None:
+            slot = state.cache.slot
+            state.expert_rows = [state.top_rows[slot(e)] for e in range(self.shape.num_experts)]
+        return state.expert_rows
+
+    def resident_decode(self, hidden_states: torch.Tensor, act) -> bool:
+        """Whether a decode token x [1, H] of every layer takes `_resident_decode` (experts_forward's test, layer
+        by layer)."""
+        return (bool(self.layers) and all(state.resident for state in self.layers) and not self._prefetching
+                and self._stacks(hidden_states, act))
 
     def _stacks(self, hidden_states: torch.Tensor, act) -> bool:
         """`store.stacks` for a decode token of this dtype and activation on the CPU, asked once."""
