@@ -98,6 +98,32 @@ def test_a_dense_projection_through_the_kernel_is_torchs_on_the_dequantised_weig
         torch.set_num_threads(threads)
 
 
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_dense_projections_many_tokens_each_get_their_own_bits(name):
+    """From 8 tokens int8 and int4 rows take the tokens-in-lanes tiles (experts.c gemm_rows): each output one float32
+    chain in input order, so a token's outputs are the same bits among any 8 or more tokens, with 1 or 2 threads,
+    whatever tile of rows (6, then fewer; jobs of 32 rows: 70 = 32 + 32 + 6) or of tokens (16, then 8 in the lanes,
+    the padding's lanes zero) it falls in; the values are torch's on the dequantised weight."""
+    from fmoe_cli.models.dense import QuantLinear
+
+    torch.manual_seed(4)
+    q = QuantLinear(torch.nn.Linear(2048, 70, bias=False), EXPERT_FORMATS[name])
+    x = torch.randn(1, 29, 2048)
+    whole = q(x)
+    want = x @ q.dequantized(dtype=torch.float32).T
+    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for start, size in [(0, 8), (3, 9), (5, 16), (1, 17), (2, 24), (0, 29)]:
+                part = q(x[:, start:start + size])
+                assert torch.equal(part, whole[:, start:start + size]), f"tokens {start}..{start + size - 1}, {count}"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def quantised_tokens(x: torch.Tensor) -> torch.Tensor:
     """x̂ of --activations int8 (experts.c quantize_x): per block of 32, d = max|x| / 127, x̂ = round(x / d)·d."""
     blocks = x.float().reshape(x.shape[0], -1, 32)

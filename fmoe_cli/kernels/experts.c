@@ -1977,12 +1977,106 @@ int fmoe_experts_forward(int fmt, int64_t count, const uint8_t *const *segments,
 /* Output rows handed out at a time: each output is one row's dot, so the chunking changes no bits. */
 #define LINEAR_ROWS 32
 
+#if FMOE_AVX2
+/* ---- a dense projection's many tokens: tokens in the lanes (int8, int4 rows; T ≥ GEMM_FROM) -----------------------
+
+   At a prefill's 64 tokens a dense linear's rows are each dotted with every token; the tiles above decode 4 rows into
+   a float block and stream the tokens from L2 once per 3 tokens, at ~45 GFLOPS a thread. Here, per job of
+   LINEAR_ROWS rows and slice of GEMM_K inputs, the rows' slice is decoded once into an L1 block ŵ [rows, GEMM_K]
+   (decode_row's values), and a register tile of GEMM_R rows × 2·VL tokens runs over it: the tokens are the lanes
+   (x transposed once a call: xt [H, T'] with T' the tokens padded to VL, zeros after T), one broadcast of ŵ_r,k and
+   one fma per lane a step, the tile's sums kept between slices in the job's accumulator block [rows, T'].
+   Each output (o, t) is one float32 chain in input order, y = fma(ŵ_o,k, x_t,k, y) from y = 0, k = 0, 1, …, H − 1:
+   the same operations whatever tile, slice split, job or thread it falls in, and whatever the other tokens are. */
+#define GEMM_FROM 8  /* tokens from which a dense linear takes this path (fewer: the tiles above) */
+#define GEMM_K 64    /* inputs a slice: ŵ [LINEAR_ROWS, 64] and x's [64, T'] stay in L1 (T' ≤ 64: 8 + 16 KB) */
+#define GEMM_R 6     /* rows a tile: 6 × 2 accumulators, two token loads and a broadcast in AVX2's 16 registers */
+
+/* ŵ_k for k in [k0, k0 + GEMM_K) of one int8 or int4 row (decode_row's values) into w. */
+static void decode_slice(const uint8_t *row, const Format *f, int64_t k0, float *w) {
+    int64_t h = f->hidden, G = f->group;
+    int64_t g = k0 / G, next = (g + 1) * G; /* j's group, and where the next one starts (no division a vector) */
+    if (f->fmt == FMT_INT8) {
+        const uint16_t *meta = (const uint16_t *)(row + h);
+        for (int64_t j = k0; j < k0 + GEMM_K; j += VL) {
+            if (j == next) g++, next += G;
+            vstore(w + j - k0, vmul(vq8(row + j), vset1(half_to_float(meta[g]))));
+        }
+        return;
+    }
+    int64_t half = h / 2;
+    const uint16_t *meta = (const uint16_t *)(row + half);
+    for (int64_t j = k0; j < k0 + GEMM_K; j += VL) {
+        if (j == next) g++, next += G;
+        vec s = vset1(half_to_float(meta[2 * g])), m = vset1(half_to_float(meta[2 * g + 1]));
+        vec q = j < half ? vnibble_low(vu8(row + j)) : vnibble_high(vu8(row + j - half));
+        vstore(w + j - k0, vfma(q, s, m));
+    }
+}
+
+/* acc[r·T' + t..] (first: from zero) += Σ_k ŵ[r, k]·xt[k, t..] over the slice, for R rows × V·VL tokens. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *w, int R, const float *xt, int64_t padded,
+                                                             int V, float *acc, int first) {
+    vec c[GEMM_R][2];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) c[r][v] = first ? vzero() : vload(acc + r * padded + v * VL);
+    for (int64_t k = 0; k < GEMM_K; k++) {
+        vec x0 = vload(xt + k * padded), x1 = V == 2 ? vload(xt + k * padded + VL) : x0;
+        for (int r = 0; r < R; r++) {
+            vec wr = vset1(w[r * GEMM_K + k]);
+            c[r][0] = vfma(wr, x0, c[r][0]);
+            if (V == 2) c[r][1] = vfma(wr, x1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++) vstore(acc + r * padded + v * VL, c[r][v]);
+}
+
+#define GEMM_TILE_CASE(R, V) case (R) * 4 + (V): gemm_tile(w, R, xt, padded, V, acc, first); return
+#define GEMM_TILE_ROWS(R) GEMM_TILE_CASE(R, 2); GEMM_TILE_CASE(R, 1)
+static void gemm_tile_any(const float *w, int R, const float *xt, int64_t padded, int V, float *acc, int first) {
+    switch (R * 4 + V) { /* a constant shape for each inlined copy */
+    GEMM_TILE_ROWS(6); GEMM_TILE_ROWS(5); GEMM_TILE_ROWS(4); GEMM_TILE_ROWS(3); GEMM_TILE_ROWS(2);
+    GEMM_TILE_CASE(1, 2);
+    default: gemm_tile(w, 1, xt, padded, 1, acc, first); return;
+    }
+}
+
+/* Output rows [o0, o1) (at most LINEAR_ROWS) for every token: y[t, o] = Σ_k ŵ_o,k·x_t,k in k order. scratch:
+   ŵ's slice [LINEAR_ROWS, GEMM_K], then the accumulators [LINEAR_ROWS, T']. */
+static void gemm_rows(const uint8_t *rows, const Format *f, int64_t o0, int64_t o1, const float *xt, int64_t tokens,
+                      float *y, int64_t outputs, float *scratch) {
+    int64_t h = f->hidden, padded = (tokens + VL - 1) / VL * VL, n = o1 - o0;
+    float *w = scratch, *acc = w + LINEAR_ROWS * GEMM_K;
+    for (int64_t k0 = 0; k0 < h; k0 += GEMM_K) {
+        for (int64_t i = 0; i < n; i++) decode_slice(rows + (o0 + i) * f->proj_bytes, f, k0, w + i * GEMM_K);
+        for (int64_t t = 0; t < padded; t += 2 * VL) {
+            int V = padded - t >= 2 * VL ? 2 : 1;
+            for (int64_t r = 0; r < n; r += GEMM_R) {
+                int R = n - r < GEMM_R ? (int)(n - r) : GEMM_R;
+                gemm_tile_any(w + r * GEMM_K, R, xt + k0 * padded + t, padded, V, acc + r * padded + t, k0 == 0);
+            }
+        }
+    }
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t i = 0; i < n; i++) y[t * outputs + o0 + i] = acc[i * padded + t];
+}
+
+/* Whether a dense call takes gemm_rows: int8 or int4 rows of whole slices, float32 tokens, T ≥ GEMM_FROM. */
+static int gemm_shape(const Format *f, const Tokens *x) {
+    int64_t h = f->hidden, G = f->group;
+    if (!x->vector || x->q8 || x->tokens < GEMM_FROM || h % GEMM_K || G % VL) return 0;
+    return f->fmt == FMT_INT8 || (f->fmt == FMT_INT4 && (h / 2) % GEMM_K == 0);
+}
+#endif
+
 typedef struct {
     const Tokens *x;
     const Format *f;
     const uint8_t *rows; /* O rows, proj_bytes apart */
     float *y, *scratch;
     int64_t outputs, stride;
+    const float *xt; /* gemm_shape: x transposed [H, T'] (else NULL) */
 } Linear;
 
 /* Output rows [32k, 32k + 32): y[t, o] = x_t·ŵ_o. */
@@ -2023,6 +2117,10 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
     }
 #endif
 #if FMOE_AVX2
+    if (p->xt) { /* many tokens, int8/int4 rows: the tokens in the lanes */
+        gemm_rows(p->rows, f, o0, o1, p->xt, tokens, p->y, p->outputs, p->scratch + worker * p->stride);
+        return;
+    }
     if (tokens == 1 && one_shape(f, x)) { /* decode: two output rows a pass through the experts' gate/up dots (each
         row's sum its own, so the chunking changes no bits; row_dot, the old path, reads ~2-3x the instructions) */
         int64_t o = o0, meta = 2 * (f->proj_bytes - code_bytes(f));
@@ -2064,10 +2162,30 @@ int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t h
     if (threads < 1 || outputs * hidden * tokens < (1 << 16)) threads = 1;
     int64_t stride = tokens > 1 ? (hidden + 15) / 16 * 16 + (tokens + 15) / 16 * 16 : 0; /* ŵ and the dots */
     if (tokens > PREFILL_FROM) stride = DOT_ROWS * ((hidden + 15) / 16 * 16); /* DOT_ROWS rows of ŵ */
+    int64_t transposed = 0;
+#if FMOE_AVX2
+    int64_t padded = (tokens + VL - 1) / VL * VL; /* gemm_rows' T' */
+    int64_t gemm_stride = LINEAR_ROWS * (GEMM_K + padded); /* gemm_rows' ŵ slice and accumulators */
+    if (tokens >= GEMM_FROM) {
+        if (gemm_stride > stride) stride = gemm_stride;
+        transposed = hidden * padded;
+    }
+#endif
+    stride = (stride + 15) / 16 * 16; /* each thread's scratch on its own cache lines */
     Tokens xs;
-    float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride);
+    float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride + transposed);
     if (!scratch) return -1;
-    Linear job = {&xs, &f, rows, y, scratch, outputs, stride};
+    Linear job = {&xs, &f, rows, y, scratch, outputs, stride, NULL};
+#if FMOE_AVX2
+    if (transposed && gemm_shape(&f, &xs)) { /* x [T, H] -> xt [H, T'], the padding's tokens zero */
+        float *xt = scratch + threads * stride;
+        for (int64_t k = 0; k < hidden; k++) {
+            for (int64_t t = 0; t < tokens; t++) xt[k * padded + t] = xs.xf[t * hidden + k];
+            for (int64_t t = tokens; t < padded; t++) xt[k * padded + t] = 0.0f;
+        }
+        job.xt = xt;
+    }
+#endif
     parallel_chunks((outputs + LINEAR_ROWS - 1) / LINEAR_ROWS, linear_chunk, &job, threads);
     return 0;
 }
