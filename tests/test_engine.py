@@ -698,3 +698,44 @@ def test_whole_expert_policies_give_the_same_bits(mixtral):
     engine.close()
     assert torch.equal(logits["resident"], logits["ondemand"]) and torch.equal(logits["resident"],
                                                                               logits["prefetch-only"])
+
+
+def test_an_admission_on_the_cpu_runs_on_the_calling_thread(mixtral, monkeypatch):
+    """A whole loaded expert's top goes into its cache slot on the calling thread (offload/link.py `device_copy`),
+    never through torch's copy over its intra-op threads: a top is the one tensor of a decode step large enough for
+    torch to split, and the OpenMP worker it woke sleeps between ops (OMP_WAIT_POLICY=PASSIVE), so each admission
+    waited for a wake: 0.24 ms mean on the demo on a quiet machine and 0.59-0.95 ms at a load of 4-5 (2 threads),
+    against 0.09-0.11 ms on the calling thread (docs/bench.md § `moepic` across links). Spied: every Tensor.copy_
+    into a cache slot while torch has more than one thread. The slots then hold the store's rows, bit for bit."""
+    from fmoe_cli.planning.presets import make_settings
+
+    lm, shape = mixtral, mixtral.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("lru", shape, 4 * shape.top_k * shape.expert_bytes))
+    slots = {state.tops.untyped_storage().data_ptr() for state in engine.layers if state.tops.numel()}
+    assert slots
+    on_team = []
+    real = torch.Tensor.copy_
+
+    def spy(self, src, *args, **kwargs):
+        if torch.get_num_threads() > 1 and self.untyped_storage().data_ptr() in slots:
+            on_team.append(tuple(self.shape))
+        return real(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=6,
+                                                   stop_on_eos=False)]
+    finally:
+        torch.set_num_threads(threads)
+    c = engine.counters()
+    for i, state in enumerate(engine.layers):
+        for e in state.cache.cached():
+            assert torch.equal(state.tops[state.cache.slot(e)], lm.store.expert(i, e)[: state.top_neurons])
+    engine.close()
+    monkeypatch.undo()
+    assert c.misses > 0 and on_team == []
+    assert got == want_tokens(lm, 6)

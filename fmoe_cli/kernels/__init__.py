@@ -61,6 +61,28 @@ def threads_for(nbytes: int) -> int:
     return torch.get_num_threads() if nbytes >= THREADS_MIN_BYTES else 1
 
 
+class _OneThread:
+    """`one_thread`'s block (models/attention.py, models/decoder.py, offload/link.py `device_copy`): a plain context
+    manager (a generator-based one costs a few µs more a use, and the decode forwards use two a layer)."""
+
+    __slots__ = ("threads",)
+
+    def __enter__(self) -> None:
+        self.threads = torch.get_num_threads()
+        if self.threads != 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> bool:
+        if self.threads != 1:
+            torch.set_num_threads(self.threads)
+        return False
+
+
+def one_thread() -> _OneThread:
+    """torch's intra-op threads set to one for the block, then back (a pair of calls costs < 1 µs)."""
+    return _OneThread()
+
+
 @dataclass(frozen=True)
 class Spec:
     """What experts.c needs to know about one store's rows."""

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from fmoe_cli import kernels
+from fmoe_cli.kernels import one_thread
 from fmoe_cli.models.dense import ATTENTION, QuantLinear, kernel_forward, kernel_rows, ours
 
 # The decoder layers' attention classes with the decode forward, and where their q/k norms sit:
@@ -90,28 +91,6 @@ def fusable(q, k, v) -> bool:
     weight = q.weight
     return (kernels.library() is not None and not weight.is_meta and weight.device.type == "cpu"
             and kernel_rows(weight.dtype, q.in_features, sum(p.weight.nbytes for p in parts)))
-
-
-class _OneThread:
-    """`one_thread`'s block: a plain context manager (a generator-based one costs a few µs more a use, and the decode
-    forwards use two a layer)."""
-
-    __slots__ = ("threads",)
-
-    def __enter__(self) -> None:
-        self.threads = torch.get_num_threads()
-        if self.threads != 1:
-            torch.set_num_threads(1)
-
-    def __exit__(self, *exc) -> bool:
-        if self.threads != 1:
-            torch.set_num_threads(self.threads)
-        return False
-
-
-def one_thread() -> _OneThread:
-    """torch's intra-op threads set to one for the block, then back (a pair of calls costs < 1 µs)."""
-    return _OneThread()
 
 
 def install_decode_attention(model) -> int:

@@ -38,7 +38,7 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, rebuild_order
 from fmoe_cli.offload.hits import Hits
 from fmoe_cli.offload.host import HostLane
-from fmoe_cli.offload.link import Link, host_now, make_link
+from fmoe_cli.offload.link import Link, device_copy, host_now, make_link
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
@@ -373,7 +373,7 @@ class Engine:
                     cache.step = steps[i]
                     ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]  # ever activated
                     for e in rebuild_order(ranked, lp):
-                        tops[cache.insert(e)].copy_(store.expert(i, e)[: lp.top_neurons])
+                        device_copy(tops[cache.insert(e)], store.expert(i, e)[: lp.top_neurons])
             state = LayerState.of(cache, tops, lp.top_neurons, store)
             state.host = lp.host and not plan.resident
             state.resident = plan.resident
@@ -629,13 +629,14 @@ class Engine:
 
     def _offer(self, i: int, e: int, segment: torch.Tensor) -> None:
         """Offer a whole loaded expert's top segment to layer i's cache (LCP decides).
-        The copy runs on the compute stream, after every earlier read of the slot it replaces."""
+        The copy runs on the compute stream, after every earlier read of the slot it replaces (on a CPU, on the
+        calling thread: offload/link.py `device_copy`)."""
         state = self.layers[i]
         if state.top_neurons == 0:
             return
         admission = state.cache.admit(e)
         if admission is not None:
-            state.tops[admission.slot].copy_(segment[: state.top_neurons])
+            device_copy(state.tops[admission.slot], segment[: state.top_neurons])
 
     @property
     def _prefetching(self) -> bool:

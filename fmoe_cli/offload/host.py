@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fmoe_cli.offload.hits import Hits
-from fmoe_cli.offload.link import PREFETCH, Link, Transfer
+from fmoe_cli.offload.link import PREFETCH, Link, Transfer, device_copy
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class HostLane:
         got = engine.link.acquire(fill.transfer, tag=i)
         slot = engine.layers[i].tops[fill.slot]
         if got.data_ptr() != slot.data_ptr():
-            slot.copy_(got)
+            device_copy(slot, got)
 
     def clear(self, link: Link) -> None:
         self.fills.clear(link)

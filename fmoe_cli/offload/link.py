@@ -39,6 +39,7 @@ Links:
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import itertools
 import os
@@ -51,6 +52,7 @@ from typing import Protocol
 import torch
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.kernels import one_thread
 from fmoe_cli.offload import check_bandwidth
 
 DEMAND = 0  # priority of a load the current layer is waiting for
@@ -147,6 +149,27 @@ class Link(Protocol):
     def synchronize(self) -> None: ...  # block the host until every copy not cancelled has finished
 
     def close(self) -> None: ...
+
+
+def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` between two buffers on the device, in the compute's order: an admission into a cache slot
+    (offload/engine.py `_offer`), a host-lane fill, an emulated link's landing bytes. On a GPU, torch's copy on the
+    current (compute) stream. On a CPU, on the calling thread: one memmove for two contiguous tensors of one shape and
+    dtype (the cache's case), else torch's copy under `one_thread`. An expert's top is the one tensor of a decode
+    step large enough for torch to split its copy over the intra-op threads (grain 32,768 elements; the demo's top
+    is 147,456 floats), and the OpenMP worker that wakes sleeps between ops (OMP_WAIT_POLICY=PASSIVE, fmoe_cli/
+    __init__.py): in `fmoe bench demo --emulate-link 16 --policy lru` (2 threads) torch's copy took 94–141 µs median
+    and 0.59–0.95 ms mean per admission (a tail of 1.8–5 ms wakes) at a load of 4–5, 0.24 ms on the quiet machine,
+    where a memmove took 55–59 µs median and 87–91 µs mean (docs/bench.md § `moepic` across links). The same
+    bits either way."""
+    if not dst.is_cpu:
+        dst.copy_(src)
+    elif (dst.dtype == src.dtype and dst.shape == src.shape and src.is_cpu and dst.is_contiguous()
+          and src.is_contiguous()):
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.nbytes)
+    else:
+        with one_thread():
+            dst.copy_(src)
 
 
 # --- clocks ---------------------------------------------------------------------------
@@ -369,7 +392,7 @@ class EmulatedLink:
 
     def _complete(self, t: Transfer, at: float) -> None:
         if self.copy:
-            t.dst.copy_(t.src)  # the bytes land when the copy completes
+            device_copy(t.dst, t.src)  # the bytes land when the copy completes
         t.done_at = at
         t.state = TransferState.DONE
 

@@ -28,7 +28,7 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import DEFAULT_PROMPT, stream_generate
 from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.engine import Counters, Engine, LayerState
-from fmoe_cli.offload.link import host_now
+from fmoe_cli.offload.link import device_copy, host_now
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.profiling.files import ModelTimings, model_identity
 from fmoe_cli.profiling.layers import time_layers
@@ -375,9 +375,9 @@ def _loads(engine: Engine) -> tuple[int, float]:
 
 def admission_copy_s(lm, repeats: int = 20) -> float:
     """a_e: one whole expert copied into a cache slot on the device, as the engine admits a loaded expert
-    (offload/engine.py: _offer; device to device on a GPU, a memcpy on the CPU): the median over `repeats`
-    copies. On the CPU each copy reads another expert of the host store into another of 8 slots, as
-    admissions meet them (a copy between two buffers kept warm in the CPU's caches runs faster); on a
+    (offload/engine.py: _offer, link.py `device_copy`: device to device on a GPU, on the calling thread on the CPU):
+    the median over `repeats` copies. On the CPU each copy reads another expert of the host store into another of
+    8 slots, as admissions meet them (a copy between two buffers kept warm in the CPU's caches runs faster); on a
     GPU, whose L2 holds no real expert, between two device buffers."""
     shape, store = lm.shape, lm.store
     if lm.device.type == "cpu":
@@ -393,7 +393,7 @@ def admission_copy_s(lm, repeats: int = 20) -> float:
     for r in range(repeats):
         sync()
         start = host_now()
-        slots[r % len(slots)].copy_(sources[r % len(sources)])
+        device_copy(slots[r % len(slots)], sources[r % len(sources)])
         sync()
         times.append(host_now() - start)
     return statistics.median(times)
