@@ -171,7 +171,8 @@ def without_kernels(monkeypatch):
 def test_a_decode_tokens_float_rows_go_through_the_kernels(checkpoints, family, dtype, monkeypatch):
     """models/dense.py one_row_kernels: a float model's attention projections (with a bias or not) and its LM head
     compute one row through the CPU kernels (kernel_forward: the float32 dot rounded once to x's dtype, then the bias),
-    and nothing else does; two rows (a prefill) stay F.linear, with its bits."""
+    and nothing else does; two rows (a prefill) stay F.linear, with its bits, in float32 (and in the head), and the
+    attention's take the kernels in bf16 (dense.several_rows: each row the bits it gets among others, the values)."""
     import fmoe_cli.models.dense as dense
 
     lm = load_model(str(checkpoints[family]), device="cpu", dtype=str(dtype).removeprefix("torch."),
@@ -200,7 +201,16 @@ def test_a_decode_tokens_float_rows_go_through_the_kernels(checkpoints, family, 
         torch.testing.assert_close(got, want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
         calls.clear()
         two = torch.randn(1, 2, module.in_features).to(dtype)
-        assert torch.equal(module(two), torch.nn.functional.linear(two, module.weight, module.bias)) and calls == []
+        if dtype == torch.float32 or module is head:  # (a head computes a prompt's last row alone)
+            assert torch.equal(module(two), torch.nn.functional.linear(two, module.weight, module.bias)) and calls == []
+            continue
+        both = module(two)
+        assert calls == [(module.out_features, module.in_features * dtype.itemsize)], name
+        want = torch.nn.functional.linear(two.float(), module.weight.float())
+        want = want.to(dtype) if module.bias is None else want.to(dtype) + module.bias
+        torch.testing.assert_close(both, want, rtol=2e-2, atol=1e-5)
+        several = torch.randn(1, 9, module.in_features).to(dtype)  # the tiles: each row as among any other rows
+        assert torch.equal(module(several)[:, 3:5], module(several[:, 3:5])), name
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])

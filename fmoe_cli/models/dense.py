@@ -212,8 +212,9 @@ def one_row_kernels(model) -> int:
     bf16 widened in registers, the float32 sum rounded once to x's dtype, then the bias): torch's F.linear and
     torch.mv stream these rows at 14–16 GB/s on an AVX2 EPYC where the kernel reaches 16–21. Not F.linear's bits: each output is one row's dot in the kernel's order, as an expert's
     is; the tokens stay transformers' (tests/test_exactness.py), and every policy's logits stay the resident run's
-    bit for bit (the same rows in every run). Several rows (a prefill) stay F.linear. Returns how many linears took
-    it; 0 without the kernels (then `one_row_matvec` serves bf16)."""
+    bit for bit (the same rows in every run). Several rows (a prefill) stay F.linear in float32 and take the kernels
+    in bf16 (`several_rows`). Returns how many linears took it; 0 without the kernels (then `one_row_matvec` serves
+    bf16)."""
     if kernels.library() is None:
         return 0
     count = 0
@@ -225,24 +226,36 @@ def one_row_kernels(model) -> int:
             continue
         if not kernel_rows(module.weight.dtype, module.in_features, module.weight.nbytes):
             continue
-        module.forward = _kernel_row_forward(module, module.forward)
+        module.forward = _kernel_row_forward(module, module.forward, ATTENTION in name.split("."))
         count += 1
     return count
 
 
-def _kernel_row_forward(linear: nn.Linear, forward):
+def several_rows(x: torch.Tensor, in_features: int) -> bool:
+    """Whether several rows x [..., H] (a prefill) of a float linear go through the kernels too: bf16, up to
+    kernels.MAX_TOKENS rows. torch 2.13's bf16 matmul on a CPU without native bf16 is slow (a3b's fused q/k/v rows
+    5120 × 2048 at 64 tokens, 2 threads: 66 ms against the kernel's 17; docs/bench.md § Prefill: register tiles);
+    float32 prefill rows stay F.linear (MKL's sgemm is as fast as the tiles)."""
+    return (x.dtype == torch.bfloat16 and x.shape[-1] == in_features
+            and 1 < x.numel() // in_features <= kernels.MAX_TOKENS)
+
+
+def _kernel_row_forward(linear: nn.Linear, forward, prefill: bool = False):
+    """prefill: several rows too where `several_rows` takes them (the attention's projections; an LM head computes
+    the prompt's last row alone)."""
     spec = kernels.spec_of("", linear.weight.dtype, linear.in_features)
     rows = []  # the weight's bytes as [O, H·itemsize] rows: a view (no copy), remade if the weight is replaced
 
     def kernel_row(x: torch.Tensor) -> torch.Tensor:
         weight = linear.weight
-        if x.numel() != linear.in_features or x.dtype != weight.dtype or x.device.type != "cpu" \
-                or weight.device.type != "cpu":
+        if x.dtype != weight.dtype or x.device.type != "cpu" or weight.device.type != "cpu":
             rows.clear()  # (a model moved to another device: keep no reference to its CPU weight)
+            return forward(x)
+        if x.numel() != linear.in_features and not (prefill and several_rows(x, linear.in_features)):
             return forward(x)
         if not rows or rows[0].data_ptr() != weight.data_ptr():
             rows[:] = [weight.detach().view(torch.uint8)]
-        y = kernel_forward(x.reshape(1, -1), rows[0], spec, linear.bias)
+        y = kernel_forward(x.reshape(-1, linear.in_features), rows[0], spec, linear.bias)
         return y.view(*x.shape[:-1], linear.out_features)
 
     kernel_row.spec = spec
