@@ -404,7 +404,7 @@ static int decode_layer(const DecodeModel *m, const DecodeLayer *l, float *h, co
     if (fmoe_router_decode(normed, l->router, l->experts, H, K, (int)l->normalise, logits, weights, index)) return -1;
     const uint8_t *segments[64];
     int64_t neurons[64];
-    if (K > 64) return -1;
+    if (K > 64) return -1; /* models/token.py MAX_TOP_K: such a model takes the per-step path */
     for (int64_t k = 0; k < K; k++) segments[k] = l->expert_rows[index[k]], neurons[k] = l->neurons;
     const DecodeRows *e = &l->expert;
     if (fmoe_segments_forward((int)e->code, K, segments, neurons, H, e->proj_bytes, e->group, e->meta_group, e->chunk,

@@ -1552,6 +1552,9 @@ static inline __attribute__((always_inline)) void dots_fused(const uint8_t *r0, 
     for (int t = 0; t < TT; t++) o0[t * ts] = vsum(acc0[t]), o1[t * ts] = vsum(acc1[t]);
 }
 
+/* CASES(fmt) with fmt a constant for each of the fused formats (int8, bf16, int4): each inlined copy its own. */
+#define BY_FUSED_FORMAT(fmt, CASES) \
+    if ((fmt) == FMT_INT8) { CASES(FMT_INT8) } else if ((fmt) == FMT_BF16) { CASES(FMT_BF16) } else { CASES(FMT_INT4) }
 #define DOTS_FUSED(fmt, TT) dots_fused(r0, r1, fmt, h, G, m0, m1, x + t * h, TT, o0 + t * ts, o1 + t * ts, ts)
 #define DOTS_FUSED_CASES(fmt) switch (TT) { \
     case 4: DOTS_FUSED(fmt, 4); break; case 3: DOTS_FUSED(fmt, 3); break; \
@@ -1562,13 +1565,7 @@ static void dots_fused_rows(const uint8_t *r0, const uint8_t *r1, const Format *
     int64_t h = f->hidden, G = f->group;
     for (int64_t t = 0; t < tokens; t += FUSED_TOKENS) {
         int TT = tokens - t < FUSED_TOKENS ? (int)(tokens - t) : FUSED_TOKENS;
-        if (f->fmt == FMT_INT8) {
-            DOTS_FUSED_CASES(FMT_INT8)
-        } else if (f->fmt == FMT_BF16) {
-            DOTS_FUSED_CASES(FMT_BF16)
-        } else {
-            DOTS_FUSED_CASES(FMT_INT4)
-        }
+        BY_FUSED_FORMAT(f->fmt, DOTS_FUSED_CASES)
     }
 }
 
@@ -1642,13 +1639,7 @@ static void down_fused_block(const uint8_t *const *rows, int64_t N, const Format
     for (int64_t t = 0; t < tokens; t += FUSED_DOWN_TOKENS) {
         int TT = tokens - t < FUSED_DOWN_TOKENS ? (int)(tokens - t) : FUSED_DOWN_TOKENS;
         for (int64_t j = 0; j < h; j += 2 * VL) {
-            if (f->fmt == FMT_INT8) {
-                DOWN_FUSED_CASES(FMT_INT8)
-            } else if (f->fmt == FMT_BF16) {
-                DOWN_FUSED_CASES(FMT_BF16)
-            } else {
-                DOWN_FUSED_CASES(FMT_INT4)
-            }
+            BY_FUSED_FORMAT(f->fmt, DOWN_FUSED_CASES)
         }
     }
 }

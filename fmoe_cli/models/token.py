@@ -33,6 +33,7 @@ from fmoe_cli.models.dense import QuantLinear, is_ours
 from fmoe_cli.offload.engine import IMPLEMENTATION_NAME
 
 LAYERS = {"Qwen3MoeDecoderLayer", "MixtralDecoderLayer"}  # their MoE blocks: the router, then the engine's experts
+MAX_TOP_K = 64  # decode.c decode_layer's routed experts a layer (its stack arrays); more: the per-step path
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -217,7 +218,7 @@ class TokenInC:
             if not isinstance(attn.o_proj, QuantLinear):
                 called.append(attn.o_proj)
                 forwards.append(attn.o_proj)
-        if len({layer.top_k for layer in layers}) != 1:
+        if len({layer.top_k for layer in layers}) != 1 or layers[0].top_k > MAX_TOP_K:
             return False
         head, norm = model.lm_head, inner.norm
         head_rows = linear_rows(head, keep)
