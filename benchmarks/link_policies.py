@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
 """Issue 22 §5: does `moepic` follow the link? TPOT of every policy on the demo at several emulated links.
 
-For each round r = 1..R and each link X (GB/s, emulated), one process runs
+For each link X (GB/s, emulated), one process runs
 
-    fmoe bench demo --emulate-link X --vram-budget 25% --policy P1 --policy P2 … --json
+    fmoe bench demo --emulate-link X --vram-budget 25% --policy P1 --policy P2 … --rounds R --json
 
-with every policy (the order reversed on every other round, so no policy always runs first or last);
-rounds are interleaved (round r runs every link before round r + 1). Each link has its own config
-directory, kept across rounds as a user on that link would have it (its routing statistics grow, its
-quick timing estimate is measured once and kept; `--profile` profiles each link once first instead,
-`fmoe profile --model demo --emulate-link X`). Printed per link: each policy's median TPOT over the
-rounds with the spread (min–max), and `moepic` ÷ each other policy paired within each round (the same
-process, minutes apart at most: a machine whose load drifts moves both alike), median and min–max over
-the rounds; `moepic` ÷ the best other policy (`resident` excluded: it ignores the budget; the best is the
-one of least median TPOT) is the issue's figure, target ≤ 1.05 at 1, 4 and 16 GB/s.
+with every policy: R rounds inside the one process, each round running every policy once (the order reversed
+every other round, so no policy always runs first or last), each run re-planned from the statistics so far and
+its cache warmed afresh. `--processes` runs the older way instead: one `fmoe bench` process per link and round
+(`--rounds 1`), rounds interleaved across links (round r runs every link before round r + 1). Separate
+processes on this VM move a policy's TPOT by 30–50 % from one to the next even on a quiet machine (docs/bench.md
+§ `moepic` across links), which no 5-round run resolves to 5 %; inside one process every policy shares the
+process's placement and drift. Each link has its own config directory, kept across runs as a user on that
+link would have it (its routing statistics grow, its quick timing estimate is measured once and kept;
+`--profile` profiles each link once first instead, `fmoe profile --model demo --emulate-link X`). Printed per
+link: each policy's median TPOT over the rounds with the spread (min–max), and `moepic` ÷ each other policy
+paired within each round, median and min–max over the rounds; `moepic` ÷ the best other policy (`resident`
+excluded: it ignores the budget; the best is the one of least median TPOT) is the issue's figure, target ≤ 1.05
+at 1, 4 and 16 GB/s.
 
 `--clock cpu` (the default) runs the emulated link on the process's CPU time (FMOE_EMULATED_CLOCK=cpu,
 offload/link.py: CpuClock; one compute thread): a token's time is the CPU time the process spent on it
@@ -21,11 +25,13 @@ plus the link's modelled waits, so the other work of a shared machine does not e
 slows the process's caches a little). `--clock wall` is the wall clock, as `fmoe bench` measures
 by default. Either way the figures are measured (emulated link), not simulated.
 
-    python benchmarks/link_policies.py                       # 5 rounds, links 1,4,16, CPU-time clock
+    python benchmarks/link_policies.py                       # 5 rounds in a process a link, links 1,4,16, CPU-time clock
+    python benchmarks/link_policies.py --processes           # a process per link and round
     python benchmarks/link_policies.py --rounds 3 --links 4 --tokens 32 --json
     python benchmarks/link_policies.py --pool DIR [DIR …]    # the rounds of earlier --raw runs, pooled
 
-`--pool` runs nothing: it reads the rounds several runs kept (`--raw DIR`: `roundR-linkX.json`), pools them per link
+`--pool` runs nothing: it reads the rounds several runs kept (`--raw DIR`: `roundR-linkX.json`, one round's report,
+cut out of the link's whole report `linkX.json` when the rounds ran in one process), pools them per link
 and prints, per link, `moepic` ÷ each policy paired within each round, median and quartiles over every pooled round
 (and apart by whether `moepic`'s plan prefetched), and how often a run of `--rounds` rounds drawn from the pool (with
 replacement) shows `moepic` ≤ 1.05 × the best other policy, on the paired median and on the ratio of medians: what
@@ -60,10 +66,11 @@ def profile(link: float, config_dir: Path, model: str, clock: str) -> None:
         raise SystemExit(f"fmoe profile failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
 
 
-def bench(link: float, policies: list[str], config_dir: Path, tokens: int | None, model: str, clock: str) -> dict:
-    """One `fmoe bench` process; its --json object."""
+def bench(link: float, policies: list[str], config_dir: Path, tokens: int | None, model: str, clock: str,
+          rounds: int = 1) -> dict:
+    """One `fmoe bench` process (`--rounds`: its rounds inside it); its --json object."""
     args = [sys.executable, "-m", "fmoe_cli.cli", "bench", model, "--emulate-link", f"{link:g}", "--vram-budget", "25%",
-            "--json"]
+            "--rounds", str(rounds), "--json"]
     for policy in policies:
         args += ["--policy", policy]
     if tokens is not None:
@@ -85,6 +92,8 @@ def main() -> None:
                         help="the emulated link's clock: the process's CPU time (default) or wall time")
     parser.add_argument("--profile", action="store_true",
                         help="profile each link first (fmoe profile --model, --emulate-link X) instead of the quick estimate")
+    parser.add_argument("--processes", action="store_true",
+                        help="one fmoe bench process per link and round (the default: a process per link, rounds inside)")
     parser.add_argument("--raw", default=None, help="a directory to keep every fmoe bench --json report in")
     parser.add_argument("--pool", nargs="+", default=None, metavar="DIR",
                         help="run nothing: pool the rounds of earlier runs' --raw directories")
@@ -104,31 +113,46 @@ def main() -> None:
         if args.profile:
             for x in links:
                 profile(x, Path(tmp) / f"link-{x:g}", args.model, args.clock)
-        for r in range(args.rounds):
-            order = policies if r % 2 == 0 else list(reversed(policies))
+        def record(x: float, r: int, report: dict) -> None:
+            """Round r's report at link x (one process's, or one round cut out of a process's rounds)."""
+            if args.raw:
+                Path(args.raw).mkdir(parents=True, exist_ok=True)
+                (Path(args.raw) / f"round{r + 1}-link{x:g}.json").write_text(json.dumps(report))
+            for run in report["runs"]:
+                tpot[x][run["policy"]].append(run["tpot_ms"]["median"])
+                if run["policy"] == "moepic":
+                    plans[x].append(run.get("plan", ""))
+            print(f"round {r + 1}/{args.rounds}, {x:g} GB/s: "
+                  + ", ".join(f"{run['policy']} {run['tpot_ms']['median']:.1f}" for run in report["runs"]),
+                  file=sys.stderr, flush=True)
+
+        if args.processes:
+            for r in range(args.rounds):
+                order = policies if r % 2 == 0 else list(reversed(policies))
+                for x in links:
+                    record(x, r, bench(x, order, Path(tmp) / f"link-{x:g}", args.tokens, args.model, args.clock))
+                    loads.append(os.getloadavg()[0])
+        else:
             for x in links:
-                report = bench(x, order, Path(tmp) / f"link-{x:g}", args.tokens, args.model, args.clock)
+                report = bench(x, policies, Path(tmp) / f"link-{x:g}", args.tokens, args.model, args.clock, args.rounds)
                 loads.append(os.getloadavg()[0])
                 if args.raw:
                     Path(args.raw).mkdir(parents=True, exist_ok=True)
-                    (Path(args.raw) / f"round{r + 1}-link{x:g}.json").write_text(json.dumps(report))
-                for run in report["runs"]:
-                    tpot[x][run["policy"]].append(run["tpot_ms"]["median"])
-                    if run["policy"] == "moepic":
-                        plans[x].append(run.get("plan", ""))
-                print(f"round {r + 1}/{args.rounds}, {x:g} GB/s: "
-                      + ", ".join(f"{run['policy']} {run['tpot_ms']['median']:.1f}" for run in report["runs"]),
-                      file=sys.stderr, flush=True)
+                    (Path(args.raw) / f"link{x:g}.json").write_text(json.dumps(report))
+                for r in range(args.rounds):
+                    record(x, r, one_round(report, r))
         inputs = {x: plan_inputs(Path(tmp) / f"link-{x:g}", Path(args.raw) / f"link{x:g}-config" if args.raw else None)
                   for x in links}
-    out = {"command": " ".join(sys.argv), "rounds": args.rounds, "clock": args.clock, "tokens": args.tokens,
+    out = {"command": " ".join(sys.argv), "rounds": args.rounds, "processes": args.processes, "clock": args.clock,
+           "tokens": args.tokens,
            "load_average": {"min": min(loads), "max": max(loads)}, "links": {}}
     for x in links:
         out["links"][f"{x:g}"] = dict(summarise(tpot[x], plans[x]), plan_inputs=inputs[x])
     if args.json:
         print(json.dumps(out))
         return
-    print(f"emulated links (GB/s), the demo at --vram-budget 25%, {args.rounds} interleaved rounds, "
+    print(f"emulated links (GB/s), the demo at --vram-budget 25%, {args.rounds} interleaved rounds "
+          f"({'a process each' if args.processes else 'in one process a link'}), "
           f"{args.clock} clock, load average {min(loads):.1f}–{max(loads):.1f}; TPOT ms: median (min–max); "
           f"moepic ÷ P: the per-round ratio's median (min–max)")
     for x, row in out["links"].items():
@@ -143,6 +167,13 @@ def main() -> None:
         print(f"  moepic's plans: {sorted(set(row['moepic_plans']))}")
         for name, figures in row["plan_inputs"].items():
             print(f"  moepic planned from {name}: " + ", ".join(f"{key} {value * 1e3:.4g} ms" for key, value in figures.items()))
+
+
+def one_round(report: dict, r: int) -> dict:
+    """Round r of an `fmoe bench --rounds N` report, as a one-round report reads (each run's figures that round)."""
+    if report.get("rounds", 1) == 1:
+        return report
+    return dict(report, rounds=1, runs=[dict(run, **run["rounds"][r]) for run in report["runs"]])
 
 
 HOST_COSTS = ("t_host_load", "t_host_prefetch", "t_admit", "t_segment", "t_expert", "t_host_route", "t_host_submit")

@@ -165,6 +165,8 @@ def bench(
     vram_budget: BudgetOpt = DEFAULT_BUDGET,
     tokens: Annotated[int, typer.Option(help="Tokens to generate per policy.")] = 32,
     warmup: Annotated[int, typer.Option(help="Tokens generated before measuring (same prompt).")] = 4,
+    rounds: Annotated[int, typer.Option(help="Run every policy this many times, rounds interleaved in this process "
+                                              "(order reversed every other round); figures are the rounds' medians.")] = 1,
     prompt: Annotated[str | None, typer.Option(help="Prompt (default: a short question).")] = None,
     prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from this text file.")] = None,
     trace_out: TraceOpt = None,
@@ -191,12 +193,12 @@ def bench(
                        trust_remote_code=trust_remote_code, shape_link=True, context=context,
                        host_threads=host_threads,
                        if_fits=("resident",) if policy is None and compare is None else ())
-    check_counts(tokens, warmup)
+    check_counts(tokens, warmup, rounds)
     prompt_text = read_prompt(prompt, prompt_file)
     _quiet_libraries()
     from fmoe_cli.bench.run import render, run_bench  # torch: only once the options read
 
-    report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=prompt_text, console=err_console)
+    report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=prompt_text, console=err_console, rounds=rounds)
     if as_json:
         print(json.dumps(report))
     else:

@@ -72,11 +72,14 @@ class Run:
     timing_source: str | None = None  # the configurator's timings: "profile" or "quick estimate" (None: no plan needs them)
     context: int | None = None  # tokens the KV cache is reserved for (--context): chat keeps its window inside
 
-    def settings_for(self, index: int) -> EngineSettings:
+    def settings_for(self, index: int, *, replan: bool | None = None) -> EngineSettings:
         """Policy `index`'s settings, planned now from the statistics so far when its plan reads them
-        (bench: a later policy's configurator plan sees the earlier runs' routing)."""
+        (bench: a later policy's configurator plan sees the earlier runs' routing; a later round's, every
+        run's). `replan` defaults to index > 0: the first policy's plan was made when the run opened."""
         s = self.settings[index]
-        if index == 0 or self.replanner is None or not PRESETS[s.policy].configured:
+        if replan is None:
+            replan = index > 0
+        if not replan or self.replanner is None or not PRESETS[s.policy].configured:
             return s
         return settings_for(s.policy, self.replanner.plan_inputs(), omega=s.omega, rho=s.rho)
 

@@ -173,3 +173,76 @@ def test_lcp_omega_and_rho_are_settable(checkpoints, compare_all):
         result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--device", "cpu", *bad])
         assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
         assert "LCP needs" in result.output
+
+
+def test_rounds_interleave_the_policies_in_one_process_and_replan_each_run(checkpoints, monkeypatch, tmp_path):
+    """Issue 22 §5: `--rounds N` runs every policy once a round in this process, the order reversed every other
+    round; each run after the first is configured afresh (its cache warmed again) and a configured plan (`moepic`)
+    is made again from the statistics so far; the figures are the medians of the rounds', the ratio also paired
+    within each round; every round's tokens are the same; the trace keeps each measured run apart."""
+    import statistics
+
+    import fmoe_cli.bench.run as bench_run
+    import fmoe_cli.run as run_module
+
+    calls, planned = [], []
+    real_bench, real_plan = bench_run.bench_policy, run_module.settings_for
+
+    def spy_bench(lm, engine, settings, *args, configure=True, **kwargs):
+        calls.append((settings.policy, configure))
+        return real_bench(lm, engine, settings, *args, configure=configure, **kwargs)
+
+    def spy_plan(policy, *args, **kwargs):
+        planned.append(policy)
+        return real_plan(policy, *args, **kwargs)
+
+    monkeypatch.setattr(bench_run, "bench_policy", spy_bench)
+    monkeypatch.setattr(run_module, "settings_for", spy_plan)
+    trace = tmp_path / "rounds.jsonl"
+    result = CliRunner().invoke(app, [
+        "bench", str(checkpoints["mixtral"]), "--policy", "moepic", "--policy", "lru", "--policy", "ondemand",
+        "--rounds", "3", "--tokens", "3", "--warmup", "1", "--device", "cpu", "--emulate-link", "20", "--json",
+        "--trace-out", str(trace)])
+    assert result.exit_code == 0, result.output
+    order = ["moepic", "lru", "ondemand"]
+    assert [p for p, _ in calls] == order + order[::-1] + order
+    assert [c for _, c in calls] == [False] + [True] * 8  # only the first run takes open_run's configuration
+    assert planned.count("moepic") == 3  # when the run opened, then in rounds 2 and 3
+    report = json.loads(result.stdout)
+    assert report["rounds"] == 3 and [r["policy"] for r in report["runs"]] == order
+    base = report["runs"][0]
+    for run in report["runs"]:
+        medians = [x["tpot_ms"]["median"] for x in run["rounds"]]
+        assert len(medians) == 3 and run["tpot_ms"]["median"] == statistics.median(medians)
+        assert run["hit_rate"] == statistics.median(x["hit_rate"] for x in run["rounds"])
+        paired = [m / b["tpot_ms"]["median"] for m, b in zip(medians, base["rounds"])]
+        assert run["ratios"]["tpot_paired"] == {"median": statistics.median(paired), "min": min(paired),
+                                                "max": max(paired), "rounds": 3}
+    assert next(r for r in report["runs"] if r["policy"] == "ondemand")["hit_rate"] == 0.0
+    assert report["token_ids_identical"] is True
+    assert [s.id for s in read_trace(trace).sequences] == [f"{p}-round{n}" for n, names in
+                                                           enumerate([order, order[::-1], order], 1) for p in names]
+    out = io.StringIO()
+    render(report, Console(file=out, width=80, color_system=None))
+    assert all(len(line) <= 80 for line in out.getvalue().splitlines())
+    assert re.search(r"lru +3 rounds, [0-9.]+–[0-9.]+ ms · paired [0-9.]+ \([0-9.]+–[0-9.]+\)", out.getvalue())
+
+
+def test_combine_rounds_takes_each_figure_s_median():
+    """A policy's rounds as one row: medians (not means) of every figure, the highest peak, the last plan, the first
+    round's tokens; a round cut short by Ctrl-C marks the row partial. One round is returned as it is."""
+    from fmoe_cli.bench.run import RunResult, combine_rounds
+
+    def result(tpot: float, hit: float, peak: int, plan: str, measured=None) -> RunResult:
+        return RunResult(policy="lru", ttft_ms=tpot * 10, tpot_ms={"median": tpot, "p90": tpot + 1},
+                         tokens_per_s=1000 / tpot, hit_rate=hit, prefetch_precision=0.5, prefetch_recall=0.5,
+                         exposed_load_ms_per_token=tpot / 10, bytes_per_token=100.0, peak_device_bytes=peak, plan=plan,
+                         token_ids=[int(tpot)], measured=measured)
+
+    one = result(5.0, 0.1, 10, "a")
+    assert combine_rounds([one]) is one
+    row = combine_rounds([result(10.0, 0.2, 30, "a"), result(1.0, 0.9, 10, "b"), result(4.0, 0.3, 20, "c", 2)])
+    assert row.tpot_ms == {"median": 4.0, "p90": 5.0} and row.ttft_ms == 40.0 and row.hit_rate == 0.3
+    assert row.tokens_per_s == 250.0 and row.exposed_load_ms_per_token == 0.4
+    assert row.peak_device_bytes == 30 and row.plan == "c" and row.token_ids == [10] and row.measured == 2
+    assert [r["plan"] for r in row.rounds] == ["a", "b", "c"] and row.rounds[0]["tpot_ms"]["median"] == 10.0

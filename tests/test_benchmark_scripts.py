@@ -107,6 +107,23 @@ def test_link_policies_reports_the_host_costs_each_link_planned_from(tmp_path):
     assert (tmp_path / "raw" / "fmoe" / "profiles" / "demo-abc.stats.json").exists()
 
 
+def test_link_policies_cuts_one_round_out_of_a_process_s_rounds():
+    """benchmarks/link_policies.py: the rounds of one `fmoe bench --rounds N` process read as N one-round reports
+    (what summarise and --pool take), each run's figures that round's; a one-round report is itself."""
+    link_policies = benchmark("link_policies")
+    report = {"rounds": 2, "runs": [
+        {"policy": "moepic", "tpot_ms": {"median": 9.0, "p90": 9.0}, "plan": "b", "rounds": [
+            {"tpot_ms": {"median": 8.0, "p90": 8.5}, "plan": "a"}, {"tpot_ms": {"median": 10.0, "p90": 11.0}, "plan": "b"}]},
+        {"policy": "ondemand", "tpot_ms": {"median": 7.0, "p90": 7.0}, "plan": "o", "rounds": [
+            {"tpot_ms": {"median": 6.0, "p90": 6.0}, "plan": "o"}, {"tpot_ms": {"median": 7.5, "p90": 8.0}, "plan": "o"}]}]}
+    first = link_policies.one_round(report, 0)
+    assert [(r["policy"], r["tpot_ms"]["median"], r["plan"]) for r in first["runs"]] == [("moepic", 8.0, "a"),
+                                                                                        ("ondemand", 6.0, "o")]
+    assert [r["tpot_ms"]["median"] for r in link_policies.one_round(report, 1)["runs"]] == [10.0, 7.5]
+    single = {"rounds": 1, "runs": [{"policy": "lru", "tpot_ms": {"median": 3.0}}]}
+    assert link_policies.one_round(single, 0) is single
+
+
 def _raw_round(directory: Path, r: int, link: str, tpot: dict[str, float], prefetch: bool = True) -> None:
     import json
 

@@ -156,6 +156,42 @@ def test_ctrl_c_mid_bench_prints_the_finished_policies_as_partial(checkpoints, m
     assert "PARTIAL: interrupted (Ctrl-C) after 1 of 3 policies; not run: lfu, uniform" in result.stdout
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_in_a_later_round_reports_every_round_measured(checkpoints, monkeypatch, as_json):
+    """`--rounds 2`: Ctrl-C in round 2 (run lfu, lru) cuts lru's second run short: both rows print, each the
+    medians of the rounds it has, lru marked partial, and exit 130."""
+    import fmoe_cli.bench.run as bench_run
+
+    real_bench, real_generate = bench_run.bench_policy, bench_run.stream_generate
+    runs = []
+
+    def count_runs(*args, **kwargs):
+        runs.append(args[2].policy)
+        return real_bench(*args, **kwargs)
+
+    def cut_in_the_fourth_run(*args, **kwargs):
+        for n, event in enumerate(real_generate(*args, **kwargs)):
+            if len(runs) == 4 and n == 2:
+                raise KeyboardInterrupt
+            yield event
+
+    monkeypatch.setattr(bench_run, "bench_policy", count_runs)
+    monkeypatch.setattr(bench_run, "stream_generate", cut_in_the_fourth_run)
+    result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--policy", "lfu",
+                                      "--rounds", "2", "--tokens", "4", "--warmup", "0", "--device", "cpu",
+                                      *(["--json"] if as_json else [])])
+    assert result.exit_code == 130, result.output
+    assert runs == ["lru", "lfu", "lfu", "lru"]
+    if as_json:
+        report = json.loads(result.stdout)
+        assert [(r["policy"], r["measured"], [x["measured"] for x in r["rounds"]]) for r in report["runs"]] == [
+            ("lru", 2, [None, 2]), ("lfu", None, [None, None])]
+        assert report["interrupted"] == {"finished": ["lfu"], "requested": ["lru", "lfu"]}
+    else:
+        assert "PARTIAL: interrupted (Ctrl-C) in round 2 of 2; rounds measured: lru* 2, lfu 2" in \
+            result.stdout.replace("\n", " "), result.stdout
+
+
 def test_bench_shows_progress_per_token(checkpoints, monkeypatch):
     import io
 

@@ -37,6 +37,7 @@ def existing(tmp_path):
     (("bench", "demo", "--prompt-file", "/nonexistent/prompt.txt"), "prompt file /nonexistent/prompt.txt does not exist"),
     (("bench", "demo", "--prompt-file", "/dev/zero"), "prompt file /dev/zero is larger than 16 MiB"),
     (("bench", "demo", "--tokens", "0"), "--tokens must be at least 1"),
+    (("bench", "demo", "--rounds", "0"), "--rounds must be at least 1"),
     (("bench", "demo", "--dtype", "int3"), "unknown dtype 'int3'"),
     (("bench", "demo", "--experts", "int3"), "unknown expert format 'int3'"),
     (("bench", "demo", "--dense", "int2"), "unknown dense format 'int2'"),

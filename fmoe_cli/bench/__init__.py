@@ -25,11 +25,13 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str | None:
     return text
 
 
-def check_counts(tokens: int, warmup: int) -> None:
+def check_counts(tokens: int, warmup: int, rounds: int = 1) -> None:
     if tokens < 1:
         raise FmoeError("--tokens must be at least 1")
     if warmup < 0:
         raise FmoeError("--warmup must be 0 or more")
+    if rounds < 1:
+        raise FmoeError("--rounds must be at least 1")
 
 
 def check_profile_options(*, out: str | Path | None, emulate_link: float | None, prefill_len: int, device: str) -> None:

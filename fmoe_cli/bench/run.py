@@ -58,6 +58,48 @@ class RunResult:
     engine_device_bytes: int = 0  # what the engine accounts on the device: non-expert weights + caches + staging
     measured: int | None = None  # Ctrl-C cut the run short after this many measured tokens (None: it finished)
     host_ms_per_token: float = 0.0  # the host lane's compute (offload/host.py), beside the exposed load
+    rounds: list[dict] | None = None  # --rounds N > 1: each round's figures (round_figures); the fields above are their medians
+
+
+ROUND_KEYS = ("ttft_ms", "tpot_ms", "tokens_per_s", "hit_rate", "prefetch_precision", "prefetch_recall",
+              "exposed_load_ms_per_token", "bytes_per_token", "host_ms_per_token", "plan", "measured")
+
+
+def round_figures(result: RunResult) -> dict:
+    """One round of a policy, as the report keeps it under the policy's `rounds`."""
+    return {key: getattr(result, key) for key in ROUND_KEYS}
+
+
+def combine_rounds(results: list[RunResult]) -> RunResult:
+    """A policy's rounds (in the order run) as one result: every figure the median of its rounds' (TPOT: the
+    median of the rounds' medians, and of their p90s), the peak the highest, the plan and tokens the last and
+    first round's; `rounds` keeps each round's figures. One round: itself."""
+    if len(results) == 1:
+        return results[0]
+
+    def median(key: str) -> float:
+        return statistics.median(getattr(r, key) for r in results)
+
+    cut = [r.measured for r in results if r.measured is not None]
+    return RunResult(
+        policy=results[0].policy,
+        ttft_ms=median("ttft_ms"),
+        tpot_ms={"median": statistics.median(r.tpot_ms["median"] for r in results),
+                 "p90": statistics.median(r.tpot_ms["p90"] for r in results)},
+        tokens_per_s=median("tokens_per_s"),
+        hit_rate=median("hit_rate"),
+        prefetch_precision=median("prefetch_precision"),
+        prefetch_recall=median("prefetch_recall"),
+        exposed_load_ms_per_token=median("exposed_load_ms_per_token"),
+        bytes_per_token=median("bytes_per_token"),
+        peak_device_bytes=max(r.peak_device_bytes for r in results),
+        plan=results[-1].plan,
+        token_ids=results[0].token_ids,
+        engine_device_bytes=max(r.engine_device_bytes for r in results),
+        measured=cut[0] if cut else None,
+        host_ms_per_token=median("host_ms_per_token"),
+        rounds=[round_figures(r) for r in results],
+    )
 
 
 class PartialRun(KeyboardInterrupt):
@@ -140,23 +182,35 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
 
 
 def ratios(run: dict, base: dict) -> dict:
-    """Run ÷ base (the first policy): TTFT, TPOT median and p90, tokens/s, bytes/token."""
+    """Run ÷ base (the first policy): TTFT, TPOT median and p90, tokens/s, bytes/token; with rounds, also
+    TPOT paired within each round (`tpot_paired`: median, min and max over the rounds both ran)."""
     def div(a: float, b: float) -> float | None:
         return a / b if b else None
 
-    return {
+    out = {
         "ttft": div(run["ttft_ms"], base["ttft_ms"]),
         "tpot_median": div(run["tpot_ms"]["median"], base["tpot_ms"]["median"]),
         "tpot_p90": div(run["tpot_ms"]["p90"], base["tpot_ms"]["p90"]),
         "tokens_per_s": div(run["tokens_per_s"], base["tokens_per_s"]),
         "bytes_per_token": div(run["bytes_per_token"], base["bytes_per_token"]),
     }
+    if run.get("rounds") and base.get("rounds"):
+        paired = [a["tpot_ms"]["median"] / b["tpot_ms"]["median"] for a, b in zip(run["rounds"], base["rounds"])]
+        out["tpot_paired"] = {"median": statistics.median(paired), "min": min(paired), "max": max(paired),
+                              "rounds": len(paired)}
+    return out
 
 
 def bench_report(lm: LoadedModel, link, budget_bytes: int, runs: list[RunResult], *,
-                 prompt_tokens: int | None = None, tokens: int | None = None, warmup: int | None = None) -> dict:
-    """The `--json` object: {"model", "device", "link": {"kind", "gbps"}, "runs": [...]} plus extra keys."""
+                 prompt_tokens: int | None = None, tokens: int | None = None, warmup: int | None = None,
+                 token_ids: list[list[int]] | None = None, rounds: int = 1) -> dict:
+    """The `--json` object: {"model", "device", "link": {"kind", "gbps"}, "runs": [...]} plus extra keys.
+    `token_ids`: every run's tokens, every round's (default: the runs')."""
     run_dicts = [asdict(r) for r in runs]
+    if rounds == 1:
+        for r in run_dicts:
+            del r["rounds"]
+    token_ids = token_ids or [r["token_ids"] for r in run_dicts]
     for r in run_dicts:
         r["ratios"] = ratios(r, run_dicts[0])
     return {
@@ -174,10 +228,10 @@ def bench_report(lm: LoadedModel, link, budget_bytes: int, runs: list[RunResult]
         "prompt_tokens": prompt_tokens,
         "tokens": tokens,
         "warmup": warmup,
+        "rounds": rounds,
         "ratios_to": run_dicts[0]["policy"] if run_dicts else None,
-        # (a partial run is compared over the tokens it measured)
-        "token_ids_identical": len({tuple(r["token_ids"][:min(len(d["token_ids"]) for d in run_dicts)])
-                                    for r in run_dicts}) <= 1,
+        # (a partial run is compared over the tokens it measured; with rounds, every round of every policy)
+        "token_ids_identical": len({tuple(ids[:min(map(len, token_ids))]) for ids in token_ids}) <= 1,
         "runs": run_dicts,
     }
 
@@ -228,9 +282,25 @@ def render(report: dict, console: Console) -> None:
     console.print(f"[dim]ms: TTFT, TPOT median, p90, exp = exposed load per token, host = the host lane's compute per token. hit = hit rate; prec/rec = "
                   f"prefetch precision/recall; MiB/t = moved per token; peak = {peak}, MiB; "
                   f"ratio = TPOT ÷ TPOT of {report['ratios_to']}.[/dim]", highlight=False)
+    if report.get("rounds", 1) > 1:
+        console.print(f"[dim]{report['rounds']} rounds interleaved in this process (the order reversed every other "
+                      f"round); TPOT, the other figures and ratio are medians of the rounds'. Per policy: TPOT min–max "
+                      f"over the rounds; TPOT ÷ {report['ratios_to']}'s paired within each round, median (min–max):[/dim]",
+                      highlight=False)
+        for r in report["runs"]:
+            per_round = [x["tpot_ms"]["median"] for x in r["rounds"]]
+            paired = r["ratios"].get("tpot_paired")
+            console.print(f"  {r['policy']:<14} {len(per_round)} rounds, {min(per_round):.1f}–{max(per_round):.1f} ms"
+                          + ("" if paired is None else f" · paired {paired['median']:.3f} "
+                                                       f"({paired['min']:.3f}–{paired['max']:.3f})"), highlight=False)
     console.print("token ids identical across policies" if report["token_ids_identical"] else
                   "[red]token ids DIFFER across policies[/red]")
-    if report.get("interrupted"):
+    if report.get("interrupted") and report.get("rounds", 1) > 1:
+        done = max(len(r["rounds"]) for r in report["runs"])
+        console.print(f"[yellow]PARTIAL: interrupted (Ctrl-C) in round {done} of {report['rounds']}; rounds measured: "
+                      + ", ".join(f"{r['policy']}{'*' if r.get('measured') is not None else ''} {len(r['rounds'])}"
+                                  for r in report["runs"]) + "[/yellow]", highlight=False)
+    elif report.get("interrupted"):
         done, asked = report["interrupted"]["finished"], report["interrupted"]["requested"]
         cut = [r for r in report["runs"] if r.get("measured") is not None]
         during = "".join(f"; {r['policy']}* cut short after {r['measured']} of {report['tokens']} measured tokens"
@@ -250,51 +320,68 @@ def check_context(limit: int | None, prompt_tokens: int, new_tokens: int, option
                         f"the context of {limit} tokens (--context); use {option} {max(limit - prompt_tokens, 0)} or less")
 
 
-def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None = None, console: Console | None = None) -> dict:
-    """`fmoe bench`: set up the run, run every policy on the same prompt, return the report (the --json object)."""
+def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None = None, console: Console | None = None,
+              rounds: int = 1) -> dict:
+    """`fmoe bench`: set up the run, run every policy on the same prompt, return the report (the --json object).
+
+    `rounds` > 1: every policy runs once a round, rounds one after another in this process, the order reversed
+    every other round (no policy always first or last); each run re-plans its policy from the statistics so far
+    (a configured plan) and warms its cache afresh, as the first round's did. A policy's figures are then the
+    medians of its rounds' (combine_rounds), and its ratio to the first policy is also paired within each round:
+    what a machine's drift between processes or minutes moves, it moves for every policy alike."""
     console = console or Console(stderr=True)
-    check_counts(tokens, warmup)
+    check_counts(tokens, warmup, rounds)
     prompt = DEFAULT_PROMPT if prompt is None else prompt
-    runs = []
     interrupted = False
     with open_run(opts, console) as run:
         lm, engine = run.lm, run.engine
         prompt_ids = encode_prompt(lm, prompt)
         check_context(run.context or context_length(lm), prompt_ids.shape[-1], max(tokens, warmup), "--tokens" if tokens >= warmup else "--warmup")
         recorder = RouteRecorder(run.writer) if run.writer is not None else None
+        measured: list[list[RunResult]] = [[] for _ in run.settings]  # per policy, its rounds in order
+        index = 0
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
             try:
-                for index in range(len(run.settings)):
-                    s = run.settings_for(index)
-                    def start(seq: str = s.policy) -> None:
-                        run.idle()  # after the warm-up: a plan made without recorded routing is made again
-                        if recorder is not None:  # one trace sequence per policy: its measured run
-                            recorder.start_sequence(seq)
-                            engine.observers.append(recorder)
-                    task = bar.add_task(f"{s.policy}: {warmup} warm-up + {tokens} tokens", total=warmup + tokens)
-                    # open_run configured the engine for the first policy: that run starts from it as it is
-                    runs.append(bench_policy(lm, engine, s, prompt_ids, tokens, warmup, before_measure=start,
-                                             configure=index > 0, advance=lambda task=task: bar.advance(task)))
-                    bar.remove_task(task)
-                    if recorder is not None:
-                        engine.observers.remove(recorder)
-                    run.idle()  # the device is idle between runs: statistics saved, re-planned if due
+                for round_index in range(rounds):
+                    order = range(len(run.settings))
+                    for index in (order if round_index % 2 == 0 else reversed(order)):
+                        first = round_index == 0 and index == 0  # open_run configured the engine for it
+                        s = run.settings_for(index, replan=not first)
+                        seq = s.policy if rounds == 1 else f"{s.policy}-round{round_index + 1}"
+
+                        def start(seq: str = seq) -> None:
+                            run.idle()  # after the warm-up: a plan made without recorded routing is made again
+                            if recorder is not None:  # one trace sequence per measured run
+                                recorder.start_sequence(seq)
+                                engine.observers.append(recorder)
+                        label = s.policy if rounds == 1 else f"{s.policy} (round {round_index + 1}/{rounds})"
+                        task = bar.add_task(f"{label}: {warmup} warm-up + {tokens} tokens", total=warmup + tokens)
+                        measured[index].append(bench_policy(lm, engine, s, prompt_ids, tokens, warmup,
+                                                            before_measure=start, configure=not first,
+                                                            advance=lambda task=task: bar.advance(task)))
+                        bar.remove_task(task)
+                        if recorder is not None:
+                            engine.observers.remove(recorder)
+                        run.idle()  # the device is idle between runs: statistics saved, re-planned if due
             except KeyboardInterrupt as exc:  # Ctrl-C: what was measured is reported, marked partial
                 if isinstance(exc, PartialRun):
-                    runs.append(exc.result)
-                if not runs:
+                    measured[index].append(exc.result)  # the policy it cut short
+                if not any(measured):
                     raise
                 interrupted = True
+    runs = [combine_rounds(results) for results in measured if results]
     report = bench_report(lm, engine.link, run.budget_bytes, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens,
-                          warmup=warmup)
+                          warmup=warmup, token_ids=[r.token_ids for results in measured for r in results],
+                          rounds=rounds)
     report["timings"] = run.timing_source  # the configurator's: "profile", "quick estimate", or None
     host = saved_host_profile()  # this machine's host profile (`fmoe profile`), for the host lane's figures
     fit = None if host is None else host.fit(host_format(lm.shape))
     report["host_profile"] = {"line": host_line(host, host_format(lm.shape)),
                               "fit": None if fit is None else asdict(fit)}
     if interrupted:
-        report["interrupted"] = {"finished": [r.policy for r in runs if r.measured is None],
+        report["interrupted"] = {"finished": [results[0].policy for results in measured if len(results) == rounds
+                                              and all(r.measured is None for r in results)],
                                  "requested": list(opts.policies)}
     report["predictor"] = opts.predictor
     if run.writer is not None and run.writer.error is not None:  # reported after the results (fmoe_cli/cli.py)
