@@ -244,8 +244,8 @@ def test_a_measured_expert_forward_is_t_exp_and_the_rest_of_t_moe_counts_with_at
 
 def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
     """h_load and c from scripted one-layer forwards (profiling/model.py: host_work_s), less what each waited on
-    the link: resident 1 ms; on demand K = 4 loads, 1 + 4 h_load; split tops, K top hits each loading its bottom,
-    4 c more than on demand. The resident step, h_route, h_sub and h_pf from scripted decode steps (resident 1 s;
+    the link: resident 1 ms; whole tops cached, K whole hits on the general path, 0.5 ms more; on demand K = 4
+    loads, 4 h_load more than whole hits; split tops, K top hits each loading its bottom, 4 c more than on demand. The resident step, h_route, h_sub and h_pf from scripted decode steps (resident 1 s;
     on demand 0.18 s of lead over 6 layers, 0.12 s submitting 24 loads; with prefetch 0.3 s in the prefetch path
     of 6 layers, the engine's counter)."""
     from types import SimpleNamespace
@@ -280,15 +280,19 @@ def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
         def counters(self):
             return Counters(exposed_s=self.exposed)
 
+    general = 5e-4  # the general path's own work beside resident's fast path: whole hits pay it too, loads too
+
     def fake_layer_forward(lm, engine, reps, layers=None, warmup=20, **_):  # 1 ms resident
         assert layers is None  # no WholeLayers: every layer forwarded
         assert not engine.settings.prefetch  # h_pf is the decode steps' counter: no forward prefetches
         plan = engine.settings.plan
         if plan.resident:
             return 1e-3
+        if plan.layers[0].top_neurons == shape.intermediate:  # whole tops cached: every one of the K a whole hit
+            return 1e-3 + general
         if plan.layers[0].cache_size:  # split tops: every one of the K experts a top hit
-            return 1e-3 + 4 * h_load + 4 * c
-        return 1e-3 + 4 * h_load
+            return 1e-3 + general + 4 * h_load + 4 * c
+        return 1e-3 + general + 4 * h_load
 
     engine = FakeEngine()
     original = engine.settings
@@ -307,7 +311,8 @@ def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
     floored = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_segment=0.5, rounds=1)
     assert floored[2] == 0.5
     assert engine.settings is original  # put back as it was
-    assert {s.plan.layers[0].top_neurons for s in engine.configured if not s.plan.resident} == {0, 128}
+    # on demand, split tops, whole tops (h_load against whole hits, not resident's fast path: 0.01, not 0.01 + general / 4)
+    assert {s.plan.layers[0].top_neurons for s in engine.configured if not s.plan.resident} == {0, 128, 256}
     # where every expert cannot be resident (a GPU), h_load is the block's and c one segment forward's
     monkeypatch.setattr(profiling_model, "_resident_fits", lambda lm: False)
     gpu = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_segment=1e-3, rounds=1)

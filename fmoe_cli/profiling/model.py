@@ -148,10 +148,11 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
     predictor's scores and ranking, the prefetcher's submits) and per split top hit (two segment forwards and their
     sum instead of one forward). h_load and c from one MoE layer's experts forward (`layer_forward_s`, `layer_reps`
     times in all, less the time it waited on the link) in up to 5 paired rounds, the median of the rounds'
-    differences, per configuration of that layer: every expert resident, no cache loaded on demand, and up to 4K
-    experts' top halves cached. The forwards replay the decode steps' own tokens (their inputs and routings,
-    `decode_inputs`; a fixed input routed to K fixed experts when there are none):
-        h_load = (demand − resident) / K         K segments loaded, none
+    differences, per configuration of that layer: up to 4K whole experts cached (every expert resident where
+    those do not fit in SPLIT_CACHE_BYTES), no cache loaded on demand, and as many experts' top halves cached. The
+    forwards replay the decode steps' own tokens (their inputs and routings, `decode_inputs`; a fixed input routed
+    to K fixed experts when there are none), those whose experts all fit in the caches, so that each is a hit:
+        h_load = (demand − cached) / K           K segments loaded, K whole hits (resident: none loaded)
         c      = (split − demand) / K            K top hits, each loading its bottom: a second segment forward,
                                                  at least `t_segment` (a smaller difference is noise)
     h_pf is the engine's own counter of the prefetch path (Counters.predict_s / predicts) in whole decode steps with
@@ -197,6 +198,15 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
             split_size = size
             tops = LayerPlan(size * half * shape.neuron_bytes, size, half, half / shape.intermediate)
             forwards["split"] = replace(settings, plan=replace(no_cache, layers=(tops,) * layers), prefetch=False)
+        # the same number of whole experts cached, on the general path: a whole hit is what a load is measured
+        # against (h_load: the work a hit saves). The resident plan's decode takes a fast path of its own
+        # (offload/engine.py: _resident_decode) that no cache plan takes; against it, h_load also counted the
+        # general path's own work, which every hit pays too (the demo at 16 GB/s: a whole hit saved 0.045 ms a
+        # layer where the quick estimate read h_load 0.056–0.107 ms, docs/planning.md)
+        if split_size is not None and split_size * layers * shape.expert_bytes <= SPLIT_CACHE_BYTES:
+            wholes = LayerPlan(split_size * shape.expert_bytes, split_size, shape.intermediate, 1.0)
+            forwards["cached"] = replace(settings, plan=replace(no_cache, layers=(wholes,) * layers), prefetch=False)
+            del forwards["resident"]  # (its decode steps, configs["resident"], still give the resident step)
     keep = None if whole is None else whole.link_layer
     forwarded = None if whole is None else sorted({max(0, keep - 1), keep})  # MoE layers layer_forward_s runs
     per_layer = len(forwarded) if forwarded else 1  # forwards per loading layer: a difference per forward × this
@@ -269,8 +279,10 @@ def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: fl
                 seconds = layer_forward_s(lm, engine, pf_reps, layers=forwarded, warmup=warmup, inputs=inputs)
                 calls = (warmup + pf_reps) * (len(forwarded) if forwarded else layers)
                 forward[name] = seconds - (engine.counters().exposed_s - before) / calls
-            if "resident" in forward:  # K segments loaded against none; K top hits against K whole loads
-                h_loads.append((forward["demand"] - forward["resident"]) * per_layer / shape.top_k)
+            # K segments loaded against K whole hits (else against resident); K top hits against K whole loads
+            hits = forward.get("cached", forward.get("resident"))
+            if hits is not None:
+                h_loads.append((forward["demand"] - hits) * per_layer / shape.top_k)
             if "split" in forward:
                 cs.append((forward["split"] - forward["demand"]) * per_layer / shape.top_k)
     finally:
