@@ -230,7 +230,7 @@ def test_rounds_interleave_the_policies_in_one_process_and_replan_each_run(check
 
 def test_combine_rounds_takes_each_figure_s_median():
     """A policy's rounds as one row: medians (not means) of every figure, the highest peak, the last plan, the first
-    round's tokens; a round cut short by Ctrl-C marks the row partial. One round is returned as it is."""
+    round's tokens; a round cut short by Ctrl-C marks the row partial. One round keeps its `rounds` too."""
     from fmoe_cli.bench.run import RunResult, combine_rounds
 
     def result(tpot: float, hit: float, peak: int, plan: str, measured=None) -> RunResult:
@@ -239,8 +239,8 @@ def test_combine_rounds_takes_each_figure_s_median():
                          exposed_load_ms_per_token=tpot / 10, bytes_per_token=100.0, peak_device_bytes=peak, plan=plan,
                          token_ids=[int(tpot)], measured=measured)
 
-    one = result(5.0, 0.1, 10, "a")
-    assert combine_rounds([one]) is one
+    one = combine_rounds([result(5.0, 0.1, 10, "a")])  # Ctrl-C left one round of this policy
+    assert one.tpot_ms == {"median": 5.0, "p90": 6.0} and [r["plan"] for r in one.rounds] == ["a"]
     row = combine_rounds([result(10.0, 0.2, 30, "a"), result(1.0, 0.9, 10, "b"), result(4.0, 0.3, 20, "c", 2)])
     assert row.tpot_ms == {"median": 4.0, "p90": 5.0} and row.ttft_ms == 40.0 and row.hit_rate == 0.3
     assert row.tokens_per_s == 250.0 and row.exposed_load_ms_per_token == 0.4

@@ -157,9 +157,11 @@ def test_ctrl_c_mid_bench_prints_the_finished_policies_as_partial(checkpoints, m
 
 
 @pytest.mark.parametrize("as_json", [False, True])
-def test_ctrl_c_in_a_later_round_reports_every_round_measured(checkpoints, monkeypatch, as_json):
-    """`--rounds 2`: Ctrl-C in round 2 (run lfu, lru) cuts lru's second run short: both rows print, each the
-    medians of the rounds it has, lru marked partial, and exit 130."""
+@pytest.mark.parametrize("cut_run, cut_at", [(4, 2), (3, 0)])
+def test_ctrl_c_in_a_later_round_reports_every_round_measured(checkpoints, monkeypatch, as_json, cut_run, cut_at):
+    """`--rounds 2` (round 2 runs lfu, then lru): Ctrl-C in lru's second run after 2 tokens, both rows print, each
+    the medians of the rounds it has, lru marked partial; Ctrl-C before lfu's second run measured anything, each
+    row is its one round. Exit 130 either way."""
     import fmoe_cli.bench.run as bench_run
 
     real_bench, real_generate = bench_run.bench_policy, bench_run.stream_generate
@@ -169,26 +171,29 @@ def test_ctrl_c_in_a_later_round_reports_every_round_measured(checkpoints, monke
         runs.append(args[2].policy)
         return real_bench(*args, **kwargs)
 
-    def cut_in_the_fourth_run(*args, **kwargs):
+    def cut(*args, **kwargs):
         for n, event in enumerate(real_generate(*args, **kwargs)):
-            if len(runs) == 4 and n == 2:
+            if len(runs) == cut_run and n == cut_at:
                 raise KeyboardInterrupt
             yield event
 
     monkeypatch.setattr(bench_run, "bench_policy", count_runs)
-    monkeypatch.setattr(bench_run, "stream_generate", cut_in_the_fourth_run)
+    monkeypatch.setattr(bench_run, "stream_generate", cut)
     result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--policy", "lfu",
                                       "--rounds", "2", "--tokens", "4", "--warmup", "0", "--device", "cpu",
                                       *(["--json"] if as_json else [])])
     assert result.exit_code == 130, result.output
-    assert runs == ["lru", "lfu", "lfu", "lru"]
+    assert runs == ["lru", "lfu", "lfu", "lru"][:cut_run]
+    if cut_run == 4:
+        rows, finished, line = [("lru", 2, [None, 2]), ("lfu", None, [None, None])], ["lfu"], "lru* 2, lfu 2"
+    else:
+        rows, finished, line = [("lru", None, [None]), ("lfu", None, [None])], [], "lru 1, lfu 1"
     if as_json:
         report = json.loads(result.stdout)
-        assert [(r["policy"], r["measured"], [x["measured"] for x in r["rounds"]]) for r in report["runs"]] == [
-            ("lru", 2, [None, 2]), ("lfu", None, [None, None])]
-        assert report["interrupted"] == {"finished": ["lfu"], "requested": ["lru", "lfu"]}
+        assert [(r["policy"], r["measured"], [x["measured"] for x in r["rounds"]]) for r in report["runs"]] == rows
+        assert report["interrupted"] == {"finished": finished, "requested": ["lru", "lfu"], "round": 2}
     else:
-        assert "PARTIAL: interrupted (Ctrl-C) in round 2 of 2; rounds measured: lru* 2, lfu 2" in \
+        assert f"PARTIAL: interrupted (Ctrl-C) in round 2 of 2; rounds measured: {line}" in \
             result.stdout.replace("\n", " "), result.stdout
 
 

@@ -73,10 +73,7 @@ def round_figures(result: RunResult) -> dict:
 def combine_rounds(results: list[RunResult]) -> RunResult:
     """A policy's rounds (in the order run) as one result: every figure the median of its rounds' (TPOT: the
     median of the rounds' medians, and of their p90s), the peak the highest, the plan and tokens the last and
-    first round's; `rounds` keeps each round's figures. One round: itself."""
-    if len(results) == 1:
-        return results[0]
-
+    first round's; `rounds` keeps each round's figures (one round, when Ctrl-C left only one: its own)."""
     def median(key: str) -> float:
         return statistics.median(getattr(r, key) for r in results)
 
@@ -296,8 +293,8 @@ def render(report: dict, console: Console) -> None:
     console.print("token ids identical across policies" if report["token_ids_identical"] else
                   "[red]token ids DIFFER across policies[/red]")
     if report.get("interrupted") and report.get("rounds", 1) > 1:
-        done = max(len(r["rounds"]) for r in report["runs"])
-        console.print(f"[yellow]PARTIAL: interrupted (Ctrl-C) in round {done} of {report['rounds']}; rounds measured: "
+        console.print(f"[yellow]PARTIAL: interrupted (Ctrl-C) in round {report['interrupted']['round']} of "
+                      f"{report['rounds']}; rounds measured: "
                       + ", ".join(f"{r['policy']}{'*' if r.get('measured') is not None else ''} {len(r['rounds'])}"
                                   for r in report["runs"]) + "[/yellow]", highlight=False)
     elif report.get("interrupted"):
@@ -339,7 +336,7 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
         check_context(run.context or context_length(lm), prompt_ids.shape[-1], max(tokens, warmup), "--tokens" if tokens >= warmup else "--warmup")
         recorder = RouteRecorder(run.writer) if run.writer is not None else None
         measured: list[list[RunResult]] = [[] for _ in run.settings]  # per policy, its rounds in order
-        index = 0
+        index = round_index = 0
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
             try:
@@ -370,7 +367,7 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
                 if not any(measured):
                     raise
                 interrupted = True
-    runs = [combine_rounds(results) for results in measured if results]
+    runs = [combine_rounds(results) if rounds > 1 else results[0] for results in measured if results]
     report = bench_report(lm, engine.link, run.budget_bytes, runs, prompt_tokens=prompt_ids.shape[-1], tokens=tokens,
                           warmup=warmup, token_ids=[r.token_ids for results in measured for r in results],
                           rounds=rounds)
@@ -383,6 +380,8 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
         report["interrupted"] = {"finished": [results[0].policy for results in measured if len(results) == rounds
                                               and all(r.measured is None for r in results)],
                                  "requested": list(opts.policies)}
+        if rounds > 1:
+            report["interrupted"]["round"] = round_index + 1  # the round Ctrl-C came in
     report["predictor"] = opts.predictor
     if run.writer is not None and run.writer.error is not None:  # reported after the results (fmoe_cli/cli.py)
         report["trace_error"] = run.writer.error
