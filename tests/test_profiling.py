@@ -281,6 +281,7 @@ def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
             return Counters(exposed_s=self.exposed)
 
     general = 5e-4  # the general path's own work beside resident's fast path: whole hits pay it too, loads too
+    forwards = {"h_load": h_load}  # what the forwards show per load (below: noise that reads it negative)
 
     def fake_layer_forward(lm, engine, reps, layers=None, warmup=20, **_):  # 1 ms resident
         assert layers is None  # no WholeLayers: every layer forwarded
@@ -291,8 +292,8 @@ def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
         if plan.layers[0].top_neurons == shape.intermediate:  # whole tops cached: every one of the K a whole hit
             return 1e-3 + general
         if plan.layers[0].cache_size:  # split tops: every one of the K experts a top hit
-            return 1e-3 + general + 4 * h_load + 4 * c
-        return 1e-3 + general + 4 * h_load
+            return 1e-3 + general + 4 * forwards["h_load"] + 4 * c
+        return 1e-3 + general + 4 * forwards["h_load"]
 
     engine = FakeEngine()
     original = engine.settings
@@ -313,6 +314,10 @@ def test_host_work_follows_its_formulas_from_paired_forwards(monkeypatch):
     assert engine.settings is original  # put back as it was
     # on demand, split tops, whole tops (h_load against whole hits, not resident's fast path: 0.01, not 0.01 + general / 4)
     assert {s.plan.layers[0].top_neurons for s in engine.configured if not s.plan.resident} == {0, 128, 256}
+    # forwards that read a load cheaper than its submission (h_sub 0.005, the engine's counter): h_load is h_sub
+    forwards["h_load"] = -0.002
+    assert profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_segment=1e-3, rounds=1)[0] == \
+        pytest.approx(0.005)
     # where every expert cannot be resident (a GPU), h_load is the block's and c one segment forward's
     monkeypatch.setattr(profiling_model, "_resident_fits", lambda lm: False)
     gpu = profiling_model.host_work_s(lm, engine, None, block_h_load=9.0, t_segment=1e-3, rounds=1)
