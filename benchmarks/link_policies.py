@@ -113,11 +113,14 @@ def main() -> None:
         if args.profile:
             for x in links:
                 profile(x, Path(tmp) / f"link-{x:g}", args.model, args.clock)
-        def record(x: float, r: int, report: dict) -> None:
-            """Round r's report at link x (one process's, or one round cut out of a process's rounds)."""
+        def keep(name: str, report: dict) -> None:
             if args.raw:
                 Path(args.raw).mkdir(parents=True, exist_ok=True)
-                (Path(args.raw) / f"round{r + 1}-link{x:g}.json").write_text(json.dumps(report))
+                (Path(args.raw) / name).write_text(json.dumps(report))
+
+        def record(x: float, r: int, report: dict) -> None:
+            """Round r's report at link x (one process's, or one round cut out of a process's rounds)."""
+            keep(f"round{r + 1}-link{x:g}.json", report)
             for run in report["runs"]:
                 tpot[x][run["policy"]].append(run["tpot_ms"]["median"])
                 if run["policy"] == "moepic":
@@ -136,9 +139,7 @@ def main() -> None:
             for x in links:
                 report = bench(x, policies, Path(tmp) / f"link-{x:g}", args.tokens, args.model, args.clock, args.rounds)
                 loads.append(os.getloadavg()[0])
-                if args.raw:
-                    Path(args.raw).mkdir(parents=True, exist_ok=True)
-                    (Path(args.raw) / f"link{x:g}.json").write_text(json.dumps(report))
+                keep(f"link{x:g}.json", report)
                 for r in range(args.rounds):
                     record(x, r, one_round(report, r))
         inputs = {x: plan_inputs(Path(tmp) / f"link-{x:g}", Path(args.raw) / f"link{x:g}-config" if args.raw else None)

@@ -72,13 +72,11 @@ class Run:
     timing_source: str | None = None  # the configurator's timings: "profile" or "quick estimate" (None: no plan needs them)
     context: int | None = None  # tokens the KV cache is reserved for (--context): chat keeps its window inside
 
-    def settings_for(self, index: int, *, replan: bool | None = None) -> EngineSettings:
-        """Policy `index`'s settings, planned now from the statistics so far when its plan reads them
-        (bench: a later policy's configurator plan sees the earlier runs' routing; a later round's, every
-        run's). `replan` defaults to index > 0: the first policy's plan was made when the run opened."""
+    def settings_for(self, index: int, *, replan: bool) -> EngineSettings:
+        """Policy `index`'s settings, planned now from the statistics so far when its plan reads them and
+        `replan` (bench: every run but the first, whose plan was made when the run opened; a later policy's
+        configurator plan sees the earlier runs' routing, a later round's every run's)."""
         s = self.settings[index]
-        if replan is None:
-            replan = index > 0
         if not replan or self.replanner is None or not PRESETS[s.policy].configured:
             return s
         return settings_for(s.policy, self.replanner.plan_inputs(), omega=s.omega, rho=s.rho)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import psutil
 import torch
@@ -61,8 +61,9 @@ class RunResult:
     rounds: list[dict] | None = None  # --rounds N > 1: each round's figures (round_figures); the fields above are their medians
 
 
-ROUND_KEYS = ("ttft_ms", "tpot_ms", "tokens_per_s", "hit_rate", "prefetch_precision", "prefetch_recall",
-              "exposed_load_ms_per_token", "bytes_per_token", "host_ms_per_token", "plan", "measured")
+MEDIAN_KEYS = ("ttft_ms", "tokens_per_s", "hit_rate", "prefetch_precision", "prefetch_recall",
+               "exposed_load_ms_per_token", "bytes_per_token", "host_ms_per_token")  # a row's: its rounds' median
+ROUND_KEYS = MEDIAN_KEYS + ("tpot_ms", "plan", "measured")  # what the report keeps of each round
 
 
 def round_figures(result: RunResult) -> dict:
@@ -74,27 +75,15 @@ def combine_rounds(results: list[RunResult]) -> RunResult:
     """A policy's rounds (in the order run) as one result: every figure the median of its rounds' (TPOT: the
     median of the rounds' medians, and of their p90s), the peak the highest, the plan and tokens the last and
     first round's; `rounds` keeps each round's figures (one round, when Ctrl-C left only one: its own)."""
-    def median(key: str) -> float:
-        return statistics.median(getattr(r, key) for r in results)
-
     cut = [r.measured for r in results if r.measured is not None]
-    return RunResult(
-        policy=results[0].policy,
-        ttft_ms=median("ttft_ms"),
-        tpot_ms={"median": statistics.median(r.tpot_ms["median"] for r in results),
-                 "p90": statistics.median(r.tpot_ms["p90"] for r in results)},
-        tokens_per_s=median("tokens_per_s"),
-        hit_rate=median("hit_rate"),
-        prefetch_precision=median("prefetch_precision"),
-        prefetch_recall=median("prefetch_recall"),
-        exposed_load_ms_per_token=median("exposed_load_ms_per_token"),
-        bytes_per_token=median("bytes_per_token"),
+    return replace(
+        results[0],
+        **{key: statistics.median(getattr(r, key) for r in results) for key in MEDIAN_KEYS},
+        tpot_ms={q: statistics.median(r.tpot_ms[q] for r in results) for q in ("median", "p90")},
         peak_device_bytes=max(r.peak_device_bytes for r in results),
-        plan=results[-1].plan,
-        token_ids=results[0].token_ids,
         engine_device_bytes=max(r.engine_device_bytes for r in results),
+        plan=results[-1].plan,
         measured=cut[0] if cut else None,
-        host_ms_per_token=median("host_ms_per_token"),
         rounds=[round_figures(r) for r in results],
     )
 
