@@ -97,8 +97,15 @@ def main() -> None:
     parser.add_argument("--raw", default=None, help="a directory to keep every fmoe bench --json report in")
     parser.add_argument("--pool", nargs="+", default=None, metavar="DIR",
                         help="run nothing: pool the rounds of earlier runs' --raw directories")
+    parser.add_argument("--aa", default=None, metavar="POLICY",
+                        help="an A/A test instead: this one policy, --copies × --rounds runs a link in one process, "
+                             "dealt out to copies as rounds interleave policies; each copy read as moepic")
+    parser.add_argument("--copies", type=int, default=7, help="--aa: stand-in policies (7: moepic and six others)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.aa:
+        run_aa(args)
+        return
     if args.pool:
         pooled = {link: pool_summary(rounds, args.rounds) for link, rounds in sorted(
             read_rounds([Path(d) for d in args.pool]).items(), key=lambda item: float(item[0]))}
@@ -148,7 +155,9 @@ def main() -> None:
            "tokens": args.tokens,
            "load_average": {"min": min(loads), "max": max(loads)}, "links": {}}
     for x in links:
-        out["links"][f"{x:g}"] = dict(summarise(tpot[x], plans[x]), plan_inputs=inputs[x])
+        rounds = [{p: v[r] for p, v in tpot[x].items() if v} for r in range(args.rounds)]
+        out["links"][f"{x:g}"] = dict(summarise(tpot[x], plans[x]), plan_inputs=inputs[x],
+                                      interval=interval(rounds) if "moepic" in tpot[x] and len(tpot[x]) > 2 else None)
     if args.json:
         print(json.dumps(out))
         return
@@ -165,9 +174,41 @@ def main() -> None:
         print(f"  moepic ÷ best other ({row['best_other']}): " + ("—" if ratio is None else
               f"{ratio['median']:.3f} ({ratio['min']:.3f}–{ratio['max']:.3f}) paired per round; "
               f"{row['moepic_over_best_medians']:.3f} as the ratio of medians"))
+        if row["interval"]:
+            band = row["interval"]
+            print(f"  the run's rounds resampled ({band['level']:.0%} of resamples): paired "
+                  f"{band['paired'][0]:.3f}–{band['paired'][1]:.3f}, ratio of medians "
+                  f"{band['ratio_of_medians'][0]:.3f}–{band['ratio_of_medians'][1]:.3f}")
         print(f"  moepic's plans: {sorted(set(row['moepic_plans']))}")
         for name, figures in row["plan_inputs"].items():
             print(f"  moepic planned from {name}: " + ", ".join(f"{key} {value * 1e3:.4g} ms" for key, value in figures.items()))
+
+
+def run_aa(args) -> None:
+    """`--aa POLICY`: per link, one `fmoe bench --policy POLICY --rounds copies·rounds` process; `aa_summary`."""
+    out = {"command": " ".join(sys.argv), "policy": args.aa, "clock": args.clock, "tokens": args.tokens, "links": {}}
+    loads = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory(prefix="fmoe-link-aa-") as tmp:
+        for x in [float(v) for v in args.links.split(",")]:
+            report = bench(x, [args.aa], Path(tmp) / f"link-{x:g}", args.tokens, args.model, args.clock,
+                           args.copies * args.rounds)
+            loads.append(os.getloadavg()[0])
+            if args.raw:
+                Path(args.raw).mkdir(parents=True, exist_ok=True)
+                (Path(args.raw) / f"aa-link{x:g}.json").write_text(json.dumps(report))
+            values = [r["tpot_ms"]["median"] for r in report["runs"][0]["rounds"]]
+            out["links"][f"{x:g}"] = aa_summary(values, args.copies)
+    out["load_average"] = {"min": min(loads), "max": max(loads)}
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"A/A: {args.aa} as {args.copies} copies × {args.rounds} interleaved rounds in one process a link, "
+          f"{args.clock} clock, load average {min(loads):.1f}–{max(loads):.1f}; each copy read as moepic: its median "
+          f"TPOT ÷ the least other copy's (the issue's figure, target ≤ {TARGET})")
+    for x, row in out["links"].items():
+        print(f"{x} GB/s: medians " + " ".join(f"{m:.2f}" for m in row["medians"]) + " ms; ÷ least other "
+              + " ".join(f"{r:.3f}" for r in row["ratio_of_medians"])
+              + f"; above {TARGET}: {row['above_target']} of {row['copies']}")
 
 
 def one_round(report: dict, r: int) -> dict:
@@ -257,6 +298,47 @@ def pass_rates(rounds: list[dict[str, float]], per_run: int, draws: int = 4000, 
         medians += m <= TARGET
         both += p <= TARGET and m <= TARGET
     return {"paired": paired / draws, "ratio_of_medians": medians / draws, "both": both / draws}
+
+
+def interval(rounds: list[dict[str, float]], draws: int = 2000, seed: int = 0, level: float = 0.9) -> dict:
+    """How far one run's figures could move with its own rounds drawn again: `draws` resamples of the run's rounds
+    (with replacement, each round kept whole so the pairs stay paired), `run_verdict` of each; the central `level`
+    share of each figure's resamples ({"paired": (low, high), "ratio_of_medians": (low, high)})."""
+    rng = random.Random(seed)
+    verdicts = [run_verdict([rng.choice(rounds) for _ in rounds]) for _ in range(draws)]
+    cut = int(draws * (1 - level) / 2)
+
+    def central(values: list[float]) -> tuple[float, float]:
+        ordered = sorted(values)
+        return ordered[cut], ordered[draws - 1 - cut]
+
+    return {"paired": central([v[0] for v in verdicts]), "ratio_of_medians": central([v[1] for v in verdicts]),
+            "level": level}
+
+
+def aa_copies(values: list[float], copies: int) -> list[list[float]]:
+    """One policy's runs of an A/A test (`--aa`), in the order they ran, dealt out to `copies` stand-in policies as
+    `fmoe bench --rounds` interleaves policies: super-round r holds runs r·copies … r·copies + copies − 1, in copy
+    order when r is even and reversed when odd (a run left over at the end is dropped)."""
+    rounds = len(values) // copies
+    return [[values[r * copies + (j if r % 2 == 0 else copies - 1 - j)] for r in range(rounds)] for j in range(copies)]
+
+
+def aa_summary(values: list[float], copies: int) -> dict:
+    """The issue's figure with nothing to find: each copy of one policy read as `moepic` against the other copies,
+    its median TPOT ÷ the least of theirs (and paired within each round against that copy); how many copies read
+    above TARGET. A machine on which a policy reads above TARGET against copies of itself cannot show ≤ TARGET
+    with this many rounds."""
+    groups = aa_copies(values, copies)
+    medians = [statistics.median(g) for g in groups]
+    over = []
+    for j in range(copies):
+        rounds = [{"moepic": groups[j][r], **{f"copy{i + 1}": groups[i][r] for i in range(copies) if i != j}}
+                  for r in range(len(groups[j]))]
+        over.append(run_verdict(rounds))
+    return {"copies": copies, "rounds": len(groups[0]), "medians": medians,
+            "ratio_of_medians": [o[1] for o in over], "paired": [o[0] for o in over],
+            "above_target": sum(o[1] > TARGET for o in over)}
 
 
 def quartiles(values: list[float]) -> dict:

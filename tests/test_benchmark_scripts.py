@@ -173,3 +173,35 @@ def test_a_tie_with_the_best_of_several_policies_often_reads_above_the_target_in
     paired, medians = link_policies.run_verdict([{"moepic": 10.0, "a": 9.0, "b": 12.0}, {"moepic": 11.0, "a": 12.0,
                                                                                          "b": 10.5}])
     assert (paired, medians) == (pytest.approx((10 / 9 + 11 / 12) / 2), pytest.approx(10.5 / 10.5))
+
+
+def test_a_run_s_interval_resamples_whole_rounds():
+    """link_policies.interval: the run's rounds drawn again with replacement, each round whole (its policies stay
+    paired): where moepic equals the best other in every round, however far the rounds' levels move, every
+    resample reads 1; where it is slower in some rounds, the band spans the run's own reading."""
+    link_policies = benchmark("link_policies")
+    rng = random.Random(3)
+    levels = [rng.uniform(5, 15) for _ in range(9)]
+    tied = [{"moepic": v, "ondemand": v, "lru": v * 1.2} for v in levels]
+    band = link_policies.interval(tied, draws=500)
+    assert band["paired"] == (1.0, 1.0) and band["ratio_of_medians"] == (1.0, 1.0)
+    mixed = [{"moepic": v * (1.1 if r % 3 == 0 else 0.97), "ondemand": v, "lru": v * 1.2} for r, v in enumerate(levels)]
+    band = link_policies.interval(mixed, draws=500)
+    paired, _ = link_policies.run_verdict(mixed)
+    assert band["paired"][0] <= paired <= band["paired"][1] and band["paired"][0] < band["paired"][1]
+
+
+def test_an_aa_test_deals_one_policy_s_runs_out_to_copies_as_rounds_interleave():
+    """link_policies --aa: the runs of one policy, in the order they ran, dealt out to copies as `fmoe bench
+    --rounds` orders policies (reversed every other round); each copy then read as moepic against the others."""
+    link_policies = benchmark("link_policies")
+    assert link_policies.aa_copies([1, 2, 3, 4, 5, 6, 7], 3) == [[1, 6], [2, 5], [3, 4]]
+    # copy 0 is 10 % slower than the others in every round: it reads 1.1; each other copy 1.0 (the third ties it)
+    values = []
+    for r in range(4):
+        row = [11.0, 10.0, 10.0]
+        values += row if r % 2 == 0 else row[::-1]
+    row = link_policies.aa_summary(values, 3)
+    assert row["rounds"] == 4 and row["medians"] == [11.0, 10.0, 10.0]
+    assert row["ratio_of_medians"] == [pytest.approx(1.1), 1.0, 1.0] and row["above_target"] == 1
+    assert row["paired"] == [pytest.approx(1.1), 1.0, 1.0]

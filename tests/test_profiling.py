@@ -535,3 +535,42 @@ def test_fmoe_profile_labels_each_time_per_layer_expert_or_token(config):
     assert "T_exp per expert (one expert's forward alone" in text and "0.100 ms" in text
     assert "the configurator uses (means over the MoE layers): T_att 0.550 ms per layer" in text  # 0.15 + (0.6 − 2·0.1)
     assert "T_exp 0.100 ms per expert, T_moe = K·T_exp 0.200 ms per layer" in text
+
+
+def test_an_admission_is_timed_between_expert_forwards_as_a_decode_step_pays_it(monkeypatch):
+    """a_e (profiling/model.py: admission_in_context): two expert forwards with the admission's copy between them
+    against the same two without, in alternate repeats, on a scripted clock. The copy takes 0.25 and leaves the next
+    forward 0.5 slower (the caches it evicted): a_e reads 0.75, not the copy's own 0.25 (what timing it alone gave).
+    Where the forwards beside a copy happen to run faster (noise), a_e is still at least the copy's own time."""
+    from fmoe_cli.profiling import model as profiling_model
+
+    def scripted(forward_s, copy_s, after_copy_s):
+        clock = {"now": 0.0, "copied": False}
+        monkeypatch.setattr(profiling_model, "host_now", lambda: clock["now"])
+
+        def forward(_):
+            clock["now"] += after_copy_s if clock["copied"] else forward_s
+            clock["copied"] = False
+
+        def copy(_):
+            clock["now"] += copy_s
+            clock["copied"] = True
+
+        return profiling_model.admission_in_context(forward, copy, repeats=10)
+
+    assert scripted(1.0, 0.25, 1.5) == pytest.approx(0.75)
+    assert scripted(1.0, 0.25, 0.9) == pytest.approx(0.25)  # the difference reads 0.15: the copy alone is the floor
+
+
+def test_the_admission_cost_is_measured_on_the_demo_cpu_as_a_positive_time():
+    """admission_copy_s on the demo's real store: the CPU path (cold slots, LCP's victim, the copy between two
+    forwards) runs and reads a positive time of the order of a copy of one expert."""
+    import io
+
+    from rich.console import Console
+
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.profiling.model import admission_copy_s
+
+    lm = load_model("demo", device="cpu", console=Console(file=io.StringIO()))
+    assert 0 < admission_copy_s(lm, repeats=4) < 1.0

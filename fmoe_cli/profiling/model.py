@@ -387,30 +387,75 @@ def _loads(engine: Engine) -> tuple[int, float]:
     return counters.needed_loads, counters.exposed_s
 
 
+ADMISSION_SLOTS_BYTES = 64 << 20  # the CPU's admission slots span this much (more than its last-level cache)
+
+
 def admission_copy_s(lm, repeats: int = 20) -> float:
     """a_e: one whole expert copied into a cache slot on the device, as the engine admits a loaded expert
-    (offload/engine.py: _offer, link.py `device_copy`: device to device on a GPU, on the calling thread on the CPU):
-    the median over `repeats` copies. On the CPU each copy reads another expert of the host store into another of
-    8 slots, as admissions meet them (a copy between two buffers kept warm in the CPU's caches runs faster); on a
-    GPU, whose L2 holds no real expert, between two device buffers."""
+    (offload/engine.py: _offer, link.py `device_copy`: device to device on a GPU, on the calling thread on the CPU).
+
+    On the CPU, as a decode step pays it: the copy reads a cold expert of the host store into a cold slot (slots
+    spanning ADMISSION_SLOTS_BYTES, more than a last-level cache holds) and leaves the caches to the expert
+    forward after it (`admission_in_context`: two forwards with a copy between them against the same two without,
+    in alternate repeats). Timed alone, between slots the caches keep warm, the copy read 0.05–0.07 ms on the demo
+    where the engine's admissions cost 0.11 ms each and a cache that admits on every miss measured 1.1 ms a token
+    slower than the same cache left as warmed (docs/planning.md § `fmoe profile`). On a GPU, whose L2 holds no real
+    expert, the median of copies between two device buffers."""
     shape, store = lm.shape, lm.store
-    if lm.device.type == "cpu":
-        sources = [store.expert(j, e) for j in range(shape.num_layers) for e in range(shape.num_experts)]
-        slots = [torch.empty_like(sources[0]) for _ in range(8)]
-    else:
-        sources = [store.expert(0, 0).to(lm.device)]
-        slots = [torch.empty_like(sources[0])]
-    sync = (lambda: torch.cuda.synchronize(lm.device)) if lm.device.type == "cuda" else (lambda: None)
+    if lm.device.type != "cpu":
+        sources, slots = [store.expert(0, 0).to(lm.device)], [torch.empty_like(store.expert(0, 0), device=lm.device)]
+        sync = lambda: torch.cuda.synchronize(lm.device)  # noqa: E731
+        slots[0].copy_(sources[0])
+        times = []
+        for r in range(repeats):
+            sync()
+            start = host_now()
+            device_copy(slots[0], sources[0])
+            sync()
+            times.append(host_now() - start)
+        return statistics.median(times)
+    sources = [store.expert(j, e) for j in range(shape.num_layers) for e in range(shape.num_experts)]
+    count = max(2, min(128, ADMISSION_SLOTS_BYTES // max(1, sources[0].nbytes)))
+    slots = [torch.empty_like(sources[0]) for _ in range(count)]
     for slot in slots:
-        slot.copy_(sources[0])  # warm-up (first touch of every slot's pages)
-    times = []
+        slot.copy_(sources[0])  # first touch of every slot's pages
+    # the engine's bookkeeping of an admission (offload/engine.py: _offer): LCP's victim in a full cache of half
+    # the layer's experts, then the copy into its slot
+    n = shape.num_experts
+    cache = LayerCache(max(1, n // 2), make_policy("lcp", n))
+    for e in range(n):
+        cache.policy.touch(e, e)
+    for e in range(cache.capacity):
+        cache.insert(e)
+
+    def admit(r: int) -> None:
+        cache.advance()
+        newcomer = next((e for e in range(n) if e not in cache), None)
+        admission = cache.admit(newcomer) if newcomer is not None else None
+        slot = (5 * r + (admission.slot if admission else 0)) % count
+        device_copy(slots[slot], sources[(3 * r + 1) % len(sources)])
+
+    x = torch.randn(1, shape.hidden, dtype=lm.dtype)
+    act = torch.nn.functional.silu
+    return admission_in_context(lambda r: store.segment_forward(x, sources[(7 * r + 3) % len(sources)], act), admit,
+                                2 * repeats)
+
+
+def admission_in_context(forward: Callable[[int], object], copy: Callable[[int], object], repeats: int) -> float:
+    """An admission's cost where it happens, between expert forwards: each repeat r times forward(2r), then in odd
+    repeats copy(r), then forward(2r + 1); a_e is the median of the repeats with a copy less the median of those
+    without, and at least the median time of the copies themselves (a noisy difference never reads below them)."""
+    with_copy, without, copies = [], [], []
     for r in range(repeats):
-        sync()
         start = host_now()
-        device_copy(slots[r % len(slots)], sources[r % len(sources)])
-        sync()
-        times.append(host_now() - start)
-    return statistics.median(times)
+        forward(2 * r)
+        if r % 2:
+            before = host_now()
+            copy(r)
+            copies.append(host_now() - before)
+        forward(2 * r + 1)
+        (with_copy if r % 2 else without).append(host_now() - start)
+    return max(statistics.median(with_copy) - statistics.median(without), statistics.median(copies))
 
 
 def segment_call_s(lm, repeats: int = 200) -> float:
