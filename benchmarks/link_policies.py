@@ -121,9 +121,7 @@ def main() -> None:
             for x in links:
                 profile(x, Path(tmp) / f"link-{x:g}", args.model, args.clock)
         def keep(name: str, report: dict) -> None:
-            if args.raw:
-                Path(args.raw).mkdir(parents=True, exist_ok=True)
-                (Path(args.raw) / name).write_text(json.dumps(report))
+            keep_raw(args.raw, name, report)
 
         def record(x: float, r: int, report: dict) -> None:
             """Round r's report at link x (one process's, or one round cut out of a process's rounds)."""
@@ -184,6 +182,13 @@ def main() -> None:
             print(f"  moepic planned from {name}: " + ", ".join(f"{key} {value * 1e3:.4g} ms" for key, value in figures.items()))
 
 
+def keep_raw(raw: str | None, name: str, report: dict) -> None:
+    """With --raw DIR: one `fmoe bench --json` report kept as DIR/name."""
+    if raw:
+        Path(raw).mkdir(parents=True, exist_ok=True)
+        (Path(raw) / name).write_text(json.dumps(report))
+
+
 def run_aa(args) -> None:
     """`--aa POLICY`: per link, one `fmoe bench --policy POLICY --rounds copies·rounds` process; `aa_summary`."""
     out = {"command": " ".join(sys.argv), "policy": args.aa, "clock": args.clock, "tokens": args.tokens, "links": {}}
@@ -193,9 +198,7 @@ def run_aa(args) -> None:
             report = bench(x, [args.aa], Path(tmp) / f"link-{x:g}", args.tokens, args.model, args.clock,
                            args.copies * args.rounds)
             loads.append(os.getloadavg()[0])
-            if args.raw:
-                Path(args.raw).mkdir(parents=True, exist_ok=True)
-                (Path(args.raw) / f"aa-link{x:g}.json").write_text(json.dumps(report))
+            keep_raw(args.raw, f"aa-link{x:g}.json", report)
             values = [r["tpot_ms"]["median"] for r in report["runs"][0]["rounds"]]
             out["links"][f"{x:g}"] = aa_summary(values, args.copies)
     out["load_average"] = {"min": min(loads), "max": max(loads)}
