@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=7, help="--aa: stand-in policies (7: moepic and six others)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.rounds < 1 or args.copies < 2:
+        parser.error(f"--rounds must be at least 1 and --copies at least 2, got {args.rounds} and {args.copies}")
     if args.aa:
         run_aa(args)
         return

@@ -205,3 +205,12 @@ def test_an_aa_test_deals_one_policy_s_runs_out_to_copies_as_rounds_interleave()
     assert row["rounds"] == 4 and row["medians"] == [11.0, 10.0, 10.0]
     assert row["ratio_of_medians"] == [pytest.approx(1.1), 1.0, 1.0] and row["above_target"] == 1
     assert row["paired"] == [pytest.approx(1.1), 1.0, 1.0]
+
+
+def test_link_policies_refuses_too_few_rounds_or_copies_in_one_line():
+    """link_policies: --rounds 0 or --copies 1 (an A/A test needs two copies) is one argparse error, exit 2, before
+    anything runs."""
+    for flags in (["--rounds", "0"], ["--aa", "ondemand", "--copies", "1"]):
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "link_policies.py"), *flags],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "at least" in done.stderr and "Traceback" not in done.stderr
