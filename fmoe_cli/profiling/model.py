@@ -403,7 +403,8 @@ def admission_copy_s(lm, repeats: int = 20) -> float:
     expert, the median of copies between two device buffers."""
     shape, store = lm.shape, lm.store
     if lm.device.type != "cpu":
-        sources, slots = [store.expert(0, 0).to(lm.device)], [torch.empty_like(store.expert(0, 0), device=lm.device)]
+        sources = [store.expert(0, 0).to(lm.device)]
+        slots = [torch.empty_like(sources[0])]
         sync = lambda: torch.cuda.synchronize(lm.device)  # noqa: E731
         slots[0].copy_(sources[0])
         times = []
