@@ -199,14 +199,15 @@ def test_the_prefetch_path_is_counted_per_layer_that_runs_it(mixtral):
 
 
 def test_routing_and_predictor_scores_reach_the_host_in_one_copy(monkeypatch):
+    from fmoe_cli.offload import engine as engine_module
     from fmoe_cli.offload.engine import Routing
 
     ids = torch.tensor([[3, 1], [1, 0], [7, 3]])
     weights = torch.tensor([[0.7, 0.3], [0.55, 0.45], [0.9, 0.1]], dtype=torch.bfloat16)
     scores = {("speculative", 2): torch.rand(8), ("mol", 2): torch.rand(3, 8)}
     copies = []
-    real_cpu = torch.Tensor.cpu
-    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **k: copies.append(t.shape) or real_cpu(t, *a, **k))
+    real_read = engine_module.read_to_host  # link.read_to_host: the one device→host read (tests/test_host_waits.py)
+    monkeypatch.setattr(engine_module, "read_to_host", lambda t: copies.append(t.shape) or real_read(t))
     r = Routing.of(ids, weights, scores, pack=True)
     assert len(copies) == 1  # one device→host copy for all of it
     assert torch.equal(r.ids, ids) and torch.equal(r.weights, weights) and r.weights.dtype == torch.bfloat16

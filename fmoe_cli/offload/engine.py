@@ -38,7 +38,8 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import LayerCache, rebuild_order
 from fmoe_cli.offload.hits import Hits
 from fmoe_cli.offload.host import HostLane
-from fmoe_cli.offload.link import Link, device_copy, host_now, make_link
+from fmoe_cli.offload import layout
+from fmoe_cli.offload.link import HostCopy, Link, device_copy, host_now, make_link, read_to_host
 from fmoe_cli.offload.policies import make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
@@ -79,6 +80,7 @@ class Counters:
     submitted: int = 0  # … demand loads it submitted (profiling/model.py: h_sub = submit_s / submitted)
     predict_s: float = 0.0  # host time of the prefetch path: the predictor's scores (device part, host part), ranking, issue
     predicts: int = 0  # … forwards that ran it (profiling/model.py: h_pf = predict_s / predicts)
+    host_waits: int = 0  # times the host waited for the device's results (link.read_to_host; a deferred copy not done)
 
     def count(self, activated: int, hits: Hits) -> None:
         """Add one layer forward's classification (offload/hits.py)."""
@@ -154,7 +156,7 @@ class Routing:
             return cls._make(top_k_index, top_k_weights,  # (inference: nothing to detach from, no op)
                              {key: t.detach() if t.requires_grad else t for key, t in extra.items()})
         parts = [top_k_index.reshape(-1), top_k_weights.reshape(-1), *(t.reshape(-1) for t in extra.values())]
-        host = torch.cat([t.detach().double() for t in parts]).cpu()
+        host = read_to_host(torch.cat([t.detach().double() for t in parts]))  # the layer's one wait for the device
         pieces = iter(host.split([t.numel() for t in parts]))
         ids = next(pieces).long().view(top_k_index.shape)
         weights = next(pieces).to(top_k_weights.dtype).view(top_k_weights.shape)
@@ -213,6 +215,7 @@ class LayerState:
     host: bool = False  # the host lane: misses and bottoms computed on the host in decode (LayerPlan.host)
     resident: bool = False  # every expert whole in `tops` (Plan.resident): nothing is ever staged, loaded or admitted
     expert_rows: list | None = None  # resident: top_rows of each expert by id (its slot never changes), made once
+    slot_table: torch.Tensor | None = None  # resident, device side: [N] each expert's slot, on the device, made once
 
     @classmethod
     def of(cls, cache: LayerCache, tops: torch.Tensor, top_neurons: int, store: HostStore) -> LayerState:
@@ -287,6 +290,11 @@ class Engine:
         self._stacks_for: dict = {}  # (dtype, activation) -> store.stacks of a CPU decode token (_stacks)
         # the host lane (offload/host.py): used by the layers whose plan computes misses and bottoms on the host
         self.host_lane = HostLane(shape.num_layers, host_threads)
+        # The device's code path (a GPU; tests on the CPU set it): a resident layer's decode computes on the device
+        # from the routing there (`_resident_device_decode`) and its bookkeeping waits until the token is done.
+        self.device_side = device.type == "cuda"
+        self._deferred: list[int] = []  # layers whose routing is on its way to the host (`_defer`, `_settle`)
+        self._route_copies: dict[int, tuple[HostCopy, HostCopy]] = {}  # per layer: its ids' and weights' copies
 
     # --- set-up --------------------------------------------------------------
     def install(self, model) -> None:
@@ -339,6 +347,7 @@ class Engine:
     def _release_buffers(self) -> None:
         """Drop the cached tops and the staging pool: every copy into them stopped (released) or finished,
         so the link holds no view of them, and they are freed before anything new is allocated."""
+        self._settle()
         self._collect_stalls()
         self.host_lane.clear(self.link)  # the cache fills in flight stop (they write into the tops)
         if self.pool is not None:
@@ -392,10 +401,12 @@ class Engine:
         return tops + (self.pool.nbytes if self.pool else 0)
 
     def counters(self) -> Counters:
+        self._settle()
         self._collect_stalls()
         return Counters.total([state.counters for state in self.layers])
 
     def close(self) -> None:
+        self._settle()
         if self._embedding_hook is not None:
             self._embedding_hook.remove()
             self._embedding_hook = None
@@ -414,19 +425,20 @@ class Engine:
         if not self.layers:
             raise FmoeError("no expert plan fits on the device (see the message above); nothing can run")
         state = self.layers[i]
-        if (state.resident and hidden_states.shape[0] == 1 and not self._prefetching
-                and self._stacks(hidden_states, experts.act_fn)):
-            return self._resident_decode(i, state, experts.act_fn, hidden_states, top_k_index, top_k_weights)
+        decode = hidden_states.shape[0] == 1
+        if state.resident and decode and not self._prefetching:
+            if self.device_side and self._routed_on_device(state):
+                return self._resident_device_decode(i, state, experts.act_fn, hidden_states, top_k_index,
+                                                    top_k_weights)
+            if self._stacks(hidden_states, experts.act_fn):
+                return self._resident_decode(i, state, experts.act_fn, hidden_states, top_k_index, top_k_weights)
+        self._settle()
         self._collect_stalls()
         extra = self._device_part(i, hidden_states)
-        routing = Routing.of(top_k_index, top_k_weights, extra)  # the one device→host copy of the layer
-        if self.observers:
-            event = RouteEvent(i, routing.ids, routing.weights, routing.flat, state.cache, self._predicted[i])
-            for observe in self.observers:
-                observe(event)
-        self._predicted[i] = None  # a prediction is for one routing
+        routing = Routing.of(top_k_index, top_k_weights, extra,  # the one device→host copy of the layer
+                             pack=True if self.device_side else None)
+        state.counters.host_waits += self.device_side or not top_k_index.is_cpu
         cache = state.cache
-        cache.record(routing.tokens())  # token by token: ν counts prompt tokens too (from the host list: no op)
         pinned = ()
         try:
             hits = self._classify(i, routing.active)
@@ -434,11 +446,12 @@ class Engine:
                 pinned = routing.active
                 for e in pinned:
                     cache.pin(e)
-            decode = hidden_states.shape[0] == 1
             if state.host and decode:  # decode on a host-lane layer (prefill: the device)
+                self._bookkeep(i, state, routing)
                 outputs = self.host_lane.forward(self, i, experts.act_fn, hidden_states, routing, hits)
                 self._prefetch(i, hidden_states, routing)
             elif decode and len(hits.whole) == len(routing.flat) and self.store.stacks(hidden_states, experts.act_fn):
+                self._bookkeep(i, state, routing)
                 stacked = self._whole_decode(state, experts.act_fn, hidden_states, routing)
                 self._prefetch(i, hidden_states, routing)  # what _compute does once nothing is left to load
                 return self._combine_decode(hidden_states, stacked, top_k_weights)
@@ -453,6 +466,76 @@ class Engine:
             for e in pinned:
                 cache.unpin(e)
             cache.advance()
+
+    def _bookkeep(self, i: int, state: LayerState, routing: Routing) -> None:
+        """A layer's routing shown to the observers (statistics, traces: the policy's state before this forward) and
+        recorded by its cache policy (LCP's priorities), token by token (ν counts prompt tokens too). On the device
+        path it runs once the layer's work on what is already on the device has been issued (`_compute`), so it
+        overlaps the GPU instead of delaying it; always before an admission (which reads the priorities)."""
+        if self.observers:
+            event = RouteEvent(i, routing.ids, routing.weights, routing.flat, state.cache, self._predicted[i])
+            for observe in self.observers:
+                observe(event)
+        self._predicted[i] = None  # a prediction is for one routing
+        state.cache.record(routing.tokens())  # from the host list: no op
+
+    @staticmethod
+    def _routed_on_device(state: LayerState) -> bool:
+        """Whether a resident layer's experts are one Stack torch's grouped matmul reads (layout.routed_forward)."""
+        rows = state.top_rows[0] if state.top_rows else None
+        return isinstance(rows, layout.Rows) and rows.stack is not None
+
+    def _resident_device_decode(self, i: int, state: LayerState, act, hidden_states: torch.Tensor,
+                                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A decode step of a resident layer on the device's path, with no host wait (issue 37 §1): the routing
+        stays on the device, its experts' slots looked up there (`slot_table`), the K experts computed by one
+        grouped matmul per projection (layout.routed_forward) in routing order and weighted as `_combine_decode`
+        does. Its bookkeeping (observers, the policy's touches, counters) follows once the token is done: the
+        routing goes to the host without a wait (`_defer`) and is taken up by `_settle`. Nothing here depends on a
+        value on the device, so the step can be captured in a CUDA graph (models/graphs.py)."""
+        if state.slot_table is None:
+            slot = state.cache.slot
+            state.slot_table = torch.tensor([slot(e) for e in range(self.shape.num_experts)], dtype=torch.long,
+                                            device=hidden_states.device)
+        slots = state.slot_table[top_k_index[0]]  # [K]: the token's experts' slots, in routing order
+        stacked = layout.routed_forward(hidden_states, state.top_rows[0].stack, slots, act)  # [K, H]
+        self._defer(i, top_k_index, top_k_weights)
+        return self._combine_decode(hidden_states, stacked, top_k_weights)
+
+    def _defer(self, i: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """Layer i's routing on its way to the host (link.HostCopy: no wait); its bookkeeping runs at `_settle`."""
+        if i in self._deferred:  # a second forward of layer i before the first was settled
+            self._settle()
+        copies = self._route_copies.get(i)
+        if copies is None or copies[0].host.shape != top_k_index.shape or copies[1].host.dtype != top_k_weights.dtype:
+            copies = self._route_copies[i] = (HostCopy(top_k_index), HostCopy(top_k_weights))
+        copies[0].copy(top_k_index)
+        copies[1].copy(top_k_weights)
+        self._deferred.append(i)
+
+    def deferred_copies(self, i: int) -> tuple[HostCopy, HostCopy] | None:
+        """Layer i's routing copies (a CUDA graph's replay writes into them: models/graphs.py)."""
+        return self._route_copies.get(i)
+
+    def defer_replayed(self, layers: list[int]) -> None:
+        """A replayed CUDA graph copied these layers' routing into their `deferred_copies`: their bookkeeping is due."""
+        for i in layers:
+            if i in self._deferred:
+                self._settle()
+            self._route_copies[i][0].record()
+            self._route_copies[i][1].record()
+            self._deferred.append(i)
+
+    def _settle(self) -> None:
+        """The deferred layers' bookkeeping, in the order they ran: what `_resident_decode` does on the host
+        (`resident_routed`), from the routing's host copies (a wait only if a copy has not finished yet)."""
+        if not self._deferred:
+            return
+        pending, self._deferred = self._deferred, []
+        for i in pending:
+            (ids, waited), (weights, waited_too) = (copy.result() for copy in self._route_copies[i])
+            self.layers[i].counters.host_waits += waited or waited_too
+            self.resident_routed(i, ids.clone(), weights.clone())  # observers may keep them; the buffers are reused
 
     def _resident_decode(self, i: int, state: LayerState, act, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -572,6 +655,7 @@ class Engine:
         top_outputs = dict(zip(hits.top_hits, store.segments_forward(  # partial: the bottom continues them
             [x_of(e) for e in hits.top_hits], [state.top_rows[state.cache.slot(e)] for e in hits.top_hits], act,
             partial=True)))
+        self._bookkeep(i, state, routing)  # while the GPU computes what is on it; before any admission (`_offer`)
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
@@ -675,6 +759,7 @@ class Engine:
 
     def _begin_pass(self, module, args, output) -> None:
         """Forward hook on the embedding layer: a new pass; its output is the predictors' semantic hint."""
+        self._settle()  # the previous pass's deferred bookkeeping, before this pass overwrites its copies
         if not self._prefetching:
             return
         self.iteration.begin(output.detach())

@@ -157,4 +157,37 @@ def bottom_forward(x: torch.Tensor, bottom, act, top: Top) -> torch.Tensor:
     ws = top.workspace
     torch.matmul(x, rows.gate_up, out=ws.bottom)  # [2, T, I - k]
     torch.mul(act(ws.gate), ws.up, out=ws.gate)  # h [T, I]
-    return torch.addmm(ws.top_hidden @ top.down, ws.bottom_hidden, rows.down)  # [T, H]
+    if x.dtype == torch.float32:
+        return torch.addmm(ws.top_hidden @ top.down, ws.bottom_hidden, rows.down)  # [T, H]
+    # bf16 / fp16: the two partial down projections summed in float32 and rounded once, as the whole expert's one
+    # matmul (float32 accumulation) rounds once; the top's partial rounded to bf16 first would be a second rounding
+    # (27-30 % of the outputs off by an ulp in tests/test_engine.py's check, and other greedy tokens on a GPU:
+    # mixtral `uniform` in bf16 departed at token 12 on the first H200 run).
+    return (matmul_f32(ws.top_hidden, top.down) + matmul_f32(ws.bottom_hidden, rows.down)).to(x.dtype)
+
+
+def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (bf16 or fp16) accumulated and returned in float32, not rounded to a's dtype: on CUDA torch's mm with
+    out_dtype where this torch has it, else the operands widened first."""
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    return a.float() @ b.float()
+
+
+def routed_forward(x: torch.Tensor, stack: Stack, slots: torch.Tensor, act) -> torch.Tensor:
+    """A decode token's experts, whole segments of one Stack, chosen on the device: x [1, H], `slots` [K] (on x's
+    device, the routing's experts' slots in routing order) -> their outputs [K, H] in routing order. grouped_forward's
+    9 ops and 5 more to build the groups and put the rows back in routing order, none of which reads a value on the
+    host: no wait for the GPU, and the same launches whatever the routing (a CUDA graph can replay them)."""
+    k = slots.shape[0]
+    order = torch.argsort(slots)  # [K]: grouped_mm's groups go in slot order
+    counts = torch.zeros(stack.down.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, slots, torch.ones(k, dtype=torch.int32, device=x.device))  # [C]: 1 per routed slot
+    ends = counts.cumsum(0, dtype=torch.int32)  # [C]: each slot's last row + 1
+    xs = x.repeat(k, 1)  # [K, H]: the token once per routed slot
+    h = act(grouped_mm(xs, stack.gate, ends)) * grouped_mm(xs, stack.up, ends)  # [K, n], by slot
+    rows = grouped_mm(h, stack.down, ends)  # [K, H], by slot
+    return torch.empty_like(rows).index_copy_(0, order, rows)  # row order[j] of the output is the j-th by slot

@@ -172,6 +172,44 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
             dst.copy_(src)
 
 
+# --- the device's results on the host ---------------------------------------------------
+def read_to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host, now: the one way the engine reads a device result it must act on (a layer's routing,
+    offload/engine.py `Routing.of`), and so the one place a decode step's host waits for the GPU: on CUDA the
+    copy returns once the compute stream has drained up to `t` (every launch after it starts from an idle GPU).
+    profiling/ops.py `count_host_waits` counts these calls. On the CPU, `t` itself."""
+    return t if t.is_cpu else t.cpu()
+
+
+class HostCopy:
+    """A device result copied to the host without waiting for it (a resident layer's routing, whose bookkeeping
+    can wait until the token is done: offload/engine.py `_defer`). On CUDA a non-blocking copy into a pinned
+    buffer made once per (shape, dtype) and reused (`slot`), and an event after it: `result()` waits on the event
+    only if the copy has not finished already (the token's sampling has usually synchronised by then). Inside a
+    CUDA graph the copy is one of the graph's nodes; `record()` after the replay. On the CPU, a copy of `t`."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.cuda = like.is_cuda
+        self.host = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def copy(self, t: torch.Tensor) -> None:
+        self.host.copy_(t, non_blocking=self.cuda)
+        self.record()
+
+    def record(self) -> None:
+        if self.event is not None:
+            self.event.record()
+
+    def result(self) -> tuple[torch.Tensor, bool]:
+        """The host copy, and whether the host had to wait for it."""
+        waited = False
+        if self.event is not None and not self.event.query():
+            self.event.synchronize()
+            waited = True
+        return self.host, waited
+
+
 # --- clocks ---------------------------------------------------------------------------
 WAKE_SPIN_S = 200e-6  # the last stretch of an emulated wait is polled, not slept (MonotonicClock)
 

@@ -25,7 +25,11 @@ from __future__ import annotations
 import collections
 import contextlib
 
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.store import HostStore
@@ -126,3 +130,108 @@ def count_decode_ops(step, model=None) -> dict:
         "ops_outside_experts": counter.total("other"),
         "by_op": {f"{place}:{name}": n for (place, name), n in counter.ops.most_common()},
     }
+
+
+# --- host waits ----------------------------------------------------------------------------------------------------
+# What makes the host wait for a GPU: reading a value computed there (the Tensor methods below on a device tensor).
+HOST_READS = (torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+              torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__)
+
+
+class HostWaitCounter(TorchFunctionMode):
+    """Counts the points where a GPU's host would wait for the device, on the CPU (issue 37 §2): every tensor that
+    would live on the device — the model's parameters and buffers, the engine's cached tops, the step's input, and
+    whatever an op computes from one of them — is marked, and a read of a marked tensor on the host (HOST_READS) is
+    a wait. The engine's sanctioned reads are counted as what they are: `link.read_to_host` one wait (its result is
+    on the host), `link.HostCopy.copy` none (a copy the host does not wait for; its buffer is on the host).
+    `place` is set while the engine's experts forward runs (`moe`) or its deferred bookkeeping (`settle`)."""
+
+    def __init__(self, device_tensors) -> None:
+        super().__init__()
+        self.marked = WeakIdKeyDictionary()
+        for t in device_tensors:
+            self.marked[t] = True
+        self.waits: collections.Counter = collections.Counter()  # place -> waits
+        self.where: collections.Counter = collections.Counter()  # (place, what) -> waits
+        self.place = "other"
+        self.sanctioned = 0  # inside read_to_host / HostCopy.copy: nothing is marked, nothing counted
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.sanctioned:
+            return func(*args, **kwargs)
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        from_device = any(t in self.marked for t in inputs)
+        if from_device and func in HOST_READS:
+            self.note(func.__name__)
+        out = func(*args, **kwargs)
+        if from_device:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.marked[t] = True
+        return out
+
+    def note(self, what: str) -> None:
+        self.waits[self.place] += 1
+        self.where[(self.place, what)] += 1
+
+    @contextlib.contextmanager
+    def reading(self, what: str | None):
+        """A sanctioned read: one wait (`what`) or none; its result is not marked."""
+        if what is not None:
+            self.note(what)
+        self.sanctioned += 1
+        try:
+            yield
+        finally:
+            self.sanctioned -= 1
+
+
+def count_host_waits(step, engine: Engine, model, inputs=()) -> dict:
+    """Run `step()` (decode steps through `engine`, installed in `model`, on the device's path:
+    `engine.device_side`) under a HostWaitCounter: the host's waits for the device, by place (`moe`: inside the
+    experts forward; `settle`: the deferred bookkeeping; `other`: attention, norms, head, sampling, the loop)."""
+    from fmoe_cli.offload import engine as engine_module
+    from fmoe_cli.offload import link
+
+    device_tensors = [*model.parameters(), *model.buffers(), *inputs, *(s.tops for s in engine.layers)]
+    counter = HostWaitCounter(device_tensors)
+    calls = collections.Counter()
+    real_read, real_copy = link.read_to_host, link.HostCopy.copy
+
+    def read_to_host(t):
+        with counter.reading("read_to_host"):
+            host = real_read(t)
+        counter.marked.pop(host, None)  # on the host now (on the CPU, `t` itself)
+        return host
+
+    def host_copy(self, t):
+        with counter.reading(None):
+            return real_copy(self, t)
+
+    def placed(name, place):
+        real = getattr(Engine, name)
+
+        def wrapper(*args, **kwargs):
+            previous, counter.place = counter.place, place
+            calls[place] += 1
+            try:
+                return real(*args, **kwargs)
+            finally:
+                counter.place = previous
+        return real, wrapper
+
+    patches = [(engine_module, "read_to_host", read_to_host), (link.HostCopy, "copy", host_copy)]
+    for name, place in (("experts_forward", "moe"), ("_settle", "settle")):
+        patches.append((Engine, name, placed(name, place)[1]))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        with counter:
+            step()
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+    return {"moe_layers": calls["moe"], "waits": dict(counter.waits),
+            "where": {f"{place}:{what}": n for (place, what), n in counter.where.most_common()}}
