@@ -6,8 +6,10 @@ first: prefill + first token) and the engine's counters for that token.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -15,7 +17,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload.engine import Counters, Engine
 from fmoe_cli.offload.link import host_now
 
@@ -128,6 +130,130 @@ def cache_kwarg(model) -> str:
 @functools.cache
 def _cache_kwarg(model_class) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+class DecodeGraph:
+    """A resident decode step replayed from one CUDA graph (issue 37 §1): attention, norms, routers, experts and the
+    LM head of a token in one launch, where the eager step launches several hundred ops from Python one by one.
+
+    Possible because nothing in such a step reads a value back on the host: the routing stays on the device
+    (Engine._resident_device_decode) and the KV cache is transformers' StaticCache (a fixed [B, H, capacity, D] per
+    layer, the next position a device tensor), so the same launches serve every token. A generation's prefill runs
+    eagerly into that cache; the graph is captured on the first decode step (after two warm-up steps, as torch asks)
+    and replayed for the others and for later generations of the same capacity. A replay runs no Python: the engine
+    is told which layers' routing it copied to the host (`Engine.defer_replayed`), and their bookkeeping follows.
+
+    Where capture fails, the step runs eagerly on the same StaticCache and one line says why. The graph is
+    torch.cuda.CUDAGraph on a GPU (`CudaGraph`); tests give a stand-in that runs the step eagerly
+    (tests/test_decode_graph.py). The tokens are transformers' with its StaticCache: attention over a static
+    cache's masked positions sums in another order than over a dynamic one, so the logits may differ in the last
+    bits from the eager path's (the GPU check compares the tokens with transformers' generate)."""
+
+    def __init__(self, model, engine: Engine, capacity: int, graph_factory) -> None:
+        from transformers import StaticCache
+
+        self.model, self.engine, self.capacity = model, engine, capacity
+        device = next(model.parameters()).device
+        self.cache = StaticCache(config=model.config, max_cache_len=capacity)
+        self.ids = torch.zeros(1, 1, dtype=torch.long, device=device)  # the step's token, written before each replay
+        self.position = torch.zeros(1, 1, dtype=torch.long, device=device)  # … and its position
+        self.length = 0  # positions in the cache
+        self.graph_factory = graph_factory
+        self.graph = None
+        self.logits: torch.Tensor | None = None  # [V]: the graph's output, overwritten by each replay
+        self.eager = False  # capture failed: the step runs eagerly
+        self.moe_layers = list(range(len(engine.layers)))
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, position_ids=positions, **{cache_kwarg(self.model): self.cache},
+                          use_cache=True, logits_to_keep=1).logits[0, -1]
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """A new generation from ids [1, T]: the cache emptied, the prompt's keys and values written eagerly."""
+        self.cache.reset()
+        tokens = ids.shape[1]
+        self.length = tokens
+        return self._forward(ids, torch.arange(tokens, device=ids.device).view(1, -1))
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """One decode token ids [1, 1] at the next position: the graph's replay (captured on first use)."""
+        if self.length >= self.capacity:
+            raise FmoeError(f"the static KV cache holds {self.capacity} positions; the generation went past them")
+        self.ids.copy_(ids)
+        self.position.fill_(self.length)
+        if self.graph is None and not self.eager:
+            self._capture()
+        self.length += 1
+        if self.eager:
+            return self._forward(self.ids, self.position)
+        self.graph.replay()
+        self.engine.defer_replayed(self.moe_layers)
+        return self.logits
+
+    def _capture(self) -> None:
+        """Two warm-up steps on a side stream, then the capture, at the current position: each writes this position's
+        keys and values (the replay writes them again) and moves the cache's length, which is put back after."""
+        engine, cache = self.engine, self.cache
+        lengths = [layer.cumulative_length.clone() for layer in cache.layers]
+        try:
+            graph = self.graph_factory(self)
+            side = torch.cuda.Stream() if self.ids.is_cuda else None
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                for _ in range(2):
+                    engine.discard_deferred()
+                    self._forward(self.ids, self.position)
+                    for layer, length in zip(cache.layers, lengths):
+                        layer.cumulative_length.copy_(length)
+            if side is not None:
+                torch.cuda.current_stream().wait_stream(side)
+            engine.discard_deferred()
+            with graph.capture():
+                logits = self._forward(self.ids, self.position)
+            self.graph, self.logits = graph, logits
+        except Exception as exc:  # torch refuses what a capture cannot hold (a host read, a pageable copy)
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            warn(f"CUDA graphs: the decode step could not be captured ({first[:160]}); it runs eagerly")
+            self.eager = True
+        finally:
+            engine.discard_deferred()
+            for layer, length in zip(cache.layers, lengths):
+                layer.cumulative_length.copy_(length)
+
+
+class CudaGraph:
+    """torch.cuda.CUDAGraph with a `capture()` context (DecodeGraph's graph on a GPU; made for the DecodeGraph it
+    will replay, which a stand-in needs and this does not)."""
+
+    def __init__(self, decode: DecodeGraph) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self):
+        return torch.cuda.graph(self.graph)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+GRAPH_CAPACITY_STEP = 256  # a DecodeGraph's KV capacity is a multiple of this many positions
+
+
+def decode_graph(model, engine: Engine | None, capacity: int) -> DecodeGraph | None:
+    """The DecodeGraph a generation of `capacity` positions replays its decode steps from, or None (the eager step):
+    a CUDA device (or the engine's `graph_factory`: tests), a plan whose every layer decodes on the device without a
+    host wait (Engine.decode_graphable), and FMOE_CUDA_GRAPHS not 0. One per capacity (rounded up), kept by the
+    engine until it is configured again (the graph reads its buffers)."""
+    if engine is None or os.environ.get("FMOE_CUDA_GRAPHS", "1").strip() == "0":
+        return None
+    factory = engine.graph_factory or (CudaGraph if engine.device.type == "cuda" else None)
+    if factory is None or not engine.decode_graphable():
+        return None
+    capacity = -(-capacity // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
+    graph = engine.decode_graphs.get(capacity)
+    if graph is None:
+        graph = engine.decode_graphs[capacity] = DecodeGraph(model, engine, capacity, factory)
+    return graph
 
 
 # What `fmoe bench` and `fmoe profile` generate from when no prompt is given.
@@ -258,14 +384,18 @@ def stream_generate(
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
     device = next(model.parameters()).device
     ids = input_ids.reshape(1, -1).to(device)
-    cache = past_key_values if past_key_values is not None else new_cache(model)
+    graph = decode_graph(model, engine, ids.shape[1] + max_new_tokens) if past_key_values is None else None
+    cache = past_key_values if past_key_values is not None or graph is not None else new_cache(model)
     stops = eos_ids(model, tokenizer) if stop_on_eos else set()
     detok = _Detokenizer(tokenizer)
 
     for index in range(max_new_tokens):
         before = engine.counters() if engine is not None else None
         start = host_now()
-        logits = next_logits(model, ids, cache)
+        if graph is not None:  # a resident plan on a GPU: the decode steps replayed from one CUDA graph
+            logits = graph.prefill(ids) if index == 0 else graph.step(ids)
+        else:
+            logits = next_logits(model, ids, cache)
         token = sample_next(logits.cpu() if generator is not None else logits, sampling, generator)
         latency = host_now() - start
         counters = engine.counters() - before if engine is not None else None

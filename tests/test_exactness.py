@@ -12,9 +12,14 @@ The prompt activates more experts than the staging pool has slots, so prefill ru
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers
+
+from fmoe_cli import kernels
+from fmoe_cli.offload import layout
 
 from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.demo import TINY_FAMILIES
@@ -42,9 +47,10 @@ MOVED: set[int] = set()  # id() of the engines of the tests that moved bytes (fa
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def family_setup(request, checkpoints):
     family, link_kind = request.param
-    if link_kind == "cuda":
-        with fake_gpu.installed() as gpu:
-            for setup in _family_setup(checkpoints[family], CudaLink(torch.device("cuda"), chunk_bytes=4096)):
+    if link_kind == "cuda":  # the device's code path: torch's matmuls (no C kernels), the engine's device side
+        with fake_gpu.installed() as gpu, torch_path():
+            for setup in _family_setup(checkpoints[family], CudaLink(torch.device("cuda"), chunk_bytes=4096),
+                                       device_side=True):
                 yield setup
             assert gpu.chunks_played == gpu.chunks_issued
             # copies were played wherever a test on this worker moved bytes (pytest-xdist may give a worker only
@@ -62,7 +68,18 @@ def reference_answer(reference, prompt: torch.Tensor, new_tokens: int):
         return want, full_sequence, reference(full_sequence).logits
 
 
-def _family_setup(path, link):
+@contextlib.contextmanager
+def torch_path():
+    """The experts computed as on a GPU: torch's matmuls, not the CPU's C kernels."""
+    real = kernels.library
+    kernels.library = lambda: None
+    try:
+        yield
+    finally:
+        kernels.library = real
+
+
+def _family_setup(path, link, device_side: bool = False):
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # No EOS for the comparison: both sides generate exactly NEW_TOKENS greedy tokens
     # (min_new_tokens would mask EOS in the reference and change the argmax).
@@ -70,6 +87,7 @@ def _family_setup(path, link):
     want, full_sequence, want_logits = reference_answer(reference, PROMPT, NEW_TOKENS)
     lm = load_model(str(path), device="cpu", dtype="float32")
     engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype)
+    engine.device_side = device_side  # resident layers: routing used on the device (layout.routed_forward)
     engine.install(lm.model)
     yield lm, engine, want, full_sequence, want_logits
     engine.close()
@@ -83,8 +101,11 @@ def budgets(shape):
 
 @pytest.mark.parametrize("policy", list(PRESETS))
 @pytest.mark.parametrize("budget", ["tight", "loose"])
-def test_greedy_tokens_and_logits_match_transformers(family_setup, policy, budget):
+def test_greedy_tokens_and_logits_match_transformers(family_setup, policy, budget, monkeypatch):
     lm, engine, want, full_sequence, want_logits = family_setup
+    routed = []  # the device path's resident decode layers (layout.routed_forward)
+    real_routed = layout.routed_forward
+    monkeypatch.setattr(layout, "routed_forward", lambda *args: routed.append(1) or real_routed(*args))
     thetas = [0.25, 0.5] if policy in SPLIT_POLICIES else [None]
     for theta in thetas:
         budget_bytes = budgets(lm.shape)[budget]
@@ -101,7 +122,9 @@ def test_greedy_tokens_and_logits_match_transformers(family_setup, policy, budge
         got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine,
                                                    max_new_tokens=NEW_TOKENS, stop_on_eos=False)]
         assert got == want, f"{policy} θ={theta}: tokens differ"
-        if policy == "resident" and type(lm.model.model.layers[0]).__name__ in TOKEN_LAYERS:
+        if policy == "resident" and engine.device_side:  # every decode layer routed on the device (no host wait)
+            assert len(routed) == (NEW_TOKENS - 1) * lm.shape.num_layers
+        elif policy == "resident" and type(lm.model.model.layers[0]).__name__ in TOKEN_LAYERS:
             assert token.runs - runs == NEW_TOKENS - 1  # every decode token in one C call
         # The engine's cache is warm now; a prefill of the whole sequence (every expert
         # activated, in waves through the staging pool) must give the same logits.

@@ -295,6 +295,8 @@ class Engine:
         self.device_side = device.type == "cuda"
         self._deferred: list[int] = []  # layers whose routing is on its way to the host (`_defer`, `_settle`)
         self._route_copies: dict[int, tuple[HostCopy, HostCopy]] = {}  # per layer: its ids' and weights' copies
+        self.decode_graphs: dict = {}  # capacity -> generate.DecodeGraph: replayed decode steps (read the buffers)
+        self.graph_factory = None  # what DecodeGraph captures with (None: torch's CUDA graphs on a GPU; tests set it)
 
     # --- set-up --------------------------------------------------------------
     def install(self, model) -> None:
@@ -355,6 +357,7 @@ class Engine:
         self.pool, self.prefetcher, self.layers = None, None, []
         self.link.synchronize()  # what is still on the link finishes; the link drops its transfers
         self._predicted = [None] * self.shape.num_layers
+        self.decode_graphs.clear()  # they read the buffers being freed
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -492,7 +495,7 @@ class Engine:
         grouped matmul per projection (layout.routed_forward) in routing order and weighted as `_combine_decode`
         does. Its bookkeeping (observers, the policy's touches, counters) follows once the token is done: the
         routing goes to the host without a wait (`_defer`) and is taken up by `_settle`. Nothing here depends on a
-        value on the device, so the step can be captured in a CUDA graph (models/graphs.py)."""
+        value on the host, so the step can be captured in a CUDA graph (generate.DecodeGraph)."""
         if state.slot_table is None:
             slot = state.cache.slot
             state.slot_table = torch.tensor([slot(e) for e in range(self.shape.num_experts)], dtype=torch.long,
@@ -513,12 +516,18 @@ class Engine:
         copies[1].copy(top_k_weights)
         self._deferred.append(i)
 
-    def deferred_copies(self, i: int) -> tuple[HostCopy, HostCopy] | None:
-        """Layer i's routing copies (a CUDA graph's replay writes into them: models/graphs.py)."""
-        return self._route_copies.get(i)
+    def decode_graphable(self) -> bool:
+        """Whether a decode step of this plan runs without a host wait in any layer, so that a CUDA graph can replay
+        it (generate.DecodeGraph): every layer resident and routed on the device, no prefetcher."""
+        return (bool(self.layers) and self.device_side and not self._prefetching
+                and all(state.resident and self._routed_on_device(state) for state in self.layers))
+
+    def discard_deferred(self) -> None:
+        """Forget the routing copies pending bookkeeping: a CUDA graph's warm-up and capture ran them, no token did."""
+        self._deferred = []
 
     def defer_replayed(self, layers: list[int]) -> None:
-        """A replayed CUDA graph copied these layers' routing into their `deferred_copies`: their bookkeeping is due."""
+        """A replayed CUDA graph copied these layers' routing into their host copies: their bookkeeping is due."""
         for i in layers:
             if i in self._deferred:
                 self._settle()

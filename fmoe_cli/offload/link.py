@@ -198,7 +198,7 @@ class HostCopy:
         self.record()
 
     def record(self) -> None:
-        if self.event is not None:
+        if self.event is not None and not torch.cuda.is_current_stream_capturing():  # a replay records after it
             self.event.record()
 
     def result(self) -> tuple[torch.Tensor, bool]:

@@ -1,0 +1,96 @@
+"""Issue 37 §1: a resident decode step replayed from one CUDA graph (generate.DecodeGraph). This machine has no GPU:
+the graph is a stand-in that runs the captured step eagerly on each replay and then forgets what the engine's Python
+did in it (a real replay runs no Python), so what is checked is DecodeGraph's own logic — the static KV cache and its
+positions, capture after warm-up steps, the engine told which layers' routing the replay copied — and the eager
+fallback when capture fails. Whether CUDA captures the step only a GPU can say (benchmarks/gpu_check.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from fmoe_cli import kernels
+from fmoe_cli.generate import DecodeGraph, stream_generate
+from fmoe_cli.models.load import load_model
+from fmoe_cli.offload.engine import Engine
+from fmoe_cli.offload.link import EmulatedLink
+from fmoe_cli.planning.presets import make_settings
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
+NEW_TOKENS = 12
+
+
+class EagerGraph:
+    """A CUDA graph's stand-in: capture runs the step eagerly; replay runs it again into the captured logits and
+    drops the engine's own deferrals (DecodeGraph then defers every layer, as after a real replay)."""
+
+    replays = 0
+
+    def __init__(self, decode: DecodeGraph) -> None:
+        self.decode = decode
+
+    def capture(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def replay(self) -> None:
+        decode = self.decode
+        decode.logits.copy_(decode._forward(decode.ids, decode.position))
+        decode.engine.discard_deferred()
+        EagerGraph.replays += 1
+
+
+class FailingGraph(EagerGraph):
+    def capture(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def generate(path, graph_factory, monkeypatch, family_tokens=NEW_TOKENS):
+    monkeypatch.setattr(kernels, "library", lambda: None)  # torch's matmuls: the device's path
+    lm = load_model(str(path), device="cpu", dtype="float32")
+    if hasattr(lm.model, "decode_token"):
+        lm.model.decode_token.enabled = False
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.device_side = True
+    engine.graph_factory = graph_factory
+    engine.install(lm.model)
+    engine.configure(make_settings("resident", shape, shape.all_experts_bytes))
+    runs, counted = [], []
+    for _ in range(2):  # the second generation replays the first one's graph
+        before = engine.counters()
+        runs.append([e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine,
+                                                         max_new_tokens=family_tokens, stop_on_eos=False)])
+        counted.append(engine.counters() - before)
+    graphs = dict(engine.decode_graphs)
+    engine.close()
+    assert runs[0] == runs[1] and counted[0].activations == counted[1].activations
+    # every layer's routing bookkept (all whole); the host waited only in the prefill (one read a layer)
+    assert counted[0].hits_full == counted[0].activations > 0 and counted[0].host_waits == shape.num_layers
+    return runs[0], graphs, counted[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_replayed_decode_steps_give_the_eager_tokens(checkpoints, family, monkeypatch):
+    path = checkpoints[family]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    want = reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1]:].tolist()
+    eager, none, eager_counted = generate(path, None, monkeypatch)  # no factory on the CPU: the eager step
+    assert not none and eager == want
+    EagerGraph.replays = 0
+    replayed, graphs, counted = generate(path, EagerGraph, monkeypatch)
+    assert replayed == want and counted.activations == eager_counted.activations
+    assert len(graphs) == 1 and EagerGraph.replays == 2 * (NEW_TOKENS - 1)  # one graph, every decode step replayed
+
+
+def test_a_capture_that_fails_runs_the_step_eagerly_with_one_line(checkpoints, monkeypatch, capsys):
+    path = checkpoints["qwen3_moe"]
+    eager, _, _ = generate(path, None, monkeypatch)
+    got, graphs, _ = generate(path, FailingGraph, monkeypatch)
+    assert got == eager
+    assert all(graph.eager for graph in graphs.values())
+    err = capsys.readouterr().err
+    assert err.count("CUDA graphs: the decode step could not be captured") == 1
