@@ -246,3 +246,32 @@ def test_combine_rounds_takes_each_figure_s_median():
     assert row.tokens_per_s == 250.0 and row.exposed_load_ms_per_token == 0.4
     assert row.peak_device_bytes == 30 and row.plan == "c" and row.token_ids == [10] and row.measured == 2
     assert [r["plan"] for r in row.rounds] == ["a", "b", "c"] and row.rounds[0]["tpot_ms"]["median"] == 10.0
+
+
+def test_a_gpu_runs_every_policy_once_unmeasured_before_the_rounds(checkpoints, monkeypatch, tmp_path):
+    """Issue 37 §6: on a GPU (`warm_round_tokens` > 0; here patched, the CPU has none) every policy first runs once,
+    unmeasured, so that the process's warm-up is not the first measured policy's; then the rounds run as without it,
+    each configured afresh, and the trace and the report hold only the measured runs."""
+    import fmoe_cli.bench.run as bench_run
+
+    calls = []
+    real_bench = bench_run.bench_policy
+
+    def spy_bench(lm, engine, settings, prompt_ids, tokens, *args, configure=True, **kwargs):
+        calls.append((settings.policy, tokens, configure))
+        return real_bench(lm, engine, settings, prompt_ids, tokens, *args, configure=configure, **kwargs)
+
+    monkeypatch.setattr(bench_run, "bench_policy", spy_bench)
+    monkeypatch.setattr(bench_run, "warm_round_tokens", lambda device: 2)
+    trace = tmp_path / "warm.jsonl"
+    result = CliRunner().invoke(app, [
+        "bench", str(checkpoints["mixtral"]), "--policy", "lru", "--policy", "ondemand", "--rounds", "2",
+        "--tokens", "3", "--warmup", "1", "--device", "cpu", "--emulate-link", "20", "--json", "--trace-out", str(trace)])
+    assert result.exit_code == 0, result.output
+    assert calls == [("lru", 2, False), ("ondemand", 2, True),  # the warm round: open_run configured lru
+                     ("lru", 3, True), ("ondemand", 3, True), ("ondemand", 3, True), ("lru", 3, True)]
+    report = json.loads(result.stdout)
+    assert report["warm_round_tokens"] == 2 and all(len(r["rounds"]) == 2 for r in report["runs"])
+    assert all(len(r["token_ids"]) == 3 for r in report["runs"])
+    assert [s.id for s in read_trace(trace).sequences] == ["lru-round1", "ondemand-round1", "ondemand-round2",
+                                                           "lru-round2"]

@@ -264,6 +264,9 @@ def render(report: dict, console: Console) -> None:
     if report.get("tokens") is not None:
         console.print(f"{report['prompt_tokens']} prompt tokens, {report['tokens']} measured after "
                       f"{report['warmup']} warm-up tokens, greedy", highlight=False)
+    if report.get("warm_round_tokens"):
+        console.print(f"every policy ran once unmeasured first ({report['warm_round_tokens']} tokens): the device's "
+                      f"warm-up is no policy's", highlight=False)
     console.print(bench_table(report))
     console.print(f"[dim]ms: TTFT, TPOT median, p90, exp = exposed load per token, host = the host lane's compute per token. hit = hit rate; prec/rec = "
                   f"prefetch precision/recall; MiB/t = moved per token; peak = {peak}, MiB; "
@@ -306,6 +309,18 @@ def check_context(limit: int | None, prompt_tokens: int, new_tokens: int, option
                         f"the context of {limit} tokens (--context); use {option} {max(limit - prompt_tokens, 0)} or less")
 
 
+WARM_ROUND_TOKENS = 16  # a GPU's unmeasured round: every policy, its warm-up and this many tokens
+
+
+def warm_round_tokens(device: torch.device) -> int:
+    """Tokens of the unmeasured round `fmoe bench` runs first on this device (0: none). On a GPU the first policy
+    run in a process paid its warm-up (CUDA context, cuBLAS handles and workspaces, the caching allocator's first
+    blocks, the clocks ramping up), which the warm-up tokens did not cover: on the first H200 run two policies with
+    one plan read 20.4 and 16.2 ms a token, and single rounds ran 5x slower than others (issue 37 §6). The CPU has
+    none of it (and its runs are the suite's and the benchmarks': no round is added there)."""
+    return WARM_ROUND_TOKENS if device.type == "cuda" else 0
+
+
 def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None = None, console: Console | None = None,
               rounds: int = 1) -> dict:
     """`fmoe bench`: set up the run, run every policy on the same prompt, return the report (the --json object).
@@ -328,11 +343,21 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
         index = round_index = 0
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
+            warm = warm_round_tokens(lm.device)
+            if warm:  # every policy once, unmeasured: the process's warm-up is not the first measured policy's
+                task = bar.add_task(f"warm-up round (unmeasured): {len(run.settings)} policies",
+                                    total=len(run.settings))
+                for index in range(len(run.settings)):
+                    bench_policy(lm, engine, run.settings_for(index, replan=index > 0), prompt_ids, warm, warmup,
+                                 configure=index > 0)
+                    bar.advance(task)
+                    run.idle()
+                bar.remove_task(task)
             try:
                 for round_index in range(rounds):
                     order = range(len(run.settings))
                     for index in (order if round_index % 2 == 0 else reversed(order)):
-                        first = round_index == 0 and index == 0  # open_run configured the engine for it
+                        first = round_index == 0 and index == 0 and not warm  # open_run configured the engine for it
                         s = run.settings_for(index, replan=not first)
                         seq = s.policy if rounds == 1 else f"{s.policy}-round{round_index + 1}"
 
@@ -372,6 +397,7 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
         if rounds > 1:
             report["interrupted"]["round"] = round_index + 1  # the round Ctrl-C came in
     report["predictor"] = opts.predictor
+    report["warm_round_tokens"] = warm
     if run.writer is not None and run.writer.error is not None:  # reported after the results (fmoe_cli/cli.py)
         report["trace_error"] = run.writer.error
     return report
