@@ -58,6 +58,7 @@ class RunResult:
     engine_device_bytes: int = 0  # what the engine accounts on the device: non-expert weights + caches + staging
     measured: int | None = None  # Ctrl-C cut the run short after this many measured tokens (None: it finished)
     host_ms_per_token: float = 0.0  # the host lane's compute (offload/host.py), beside the exposed load
+    decode_graph: bool = False  # its decode steps replayed from a CUDA graph (generate.DecodeGraph)
     rounds: list[dict] | None = None  # --rounds N > 1: each round's figures (round_figures); the fields above are their medians
 
 
@@ -161,6 +162,7 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
         engine_device_bytes=engine_bytes,
         measured=len(events) if cut else None,
         host_ms_per_token=steady.host_s * 1000 / n,
+        decode_graph=any(g.graph is not None for g in engine.decode_graphs.values()),
     )
     if cut:
         raise PartialRun(result)

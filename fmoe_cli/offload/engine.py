@@ -34,7 +34,7 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from fmoe_cli import kernels
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload.cache import LayerCache, rebuild_order
 from fmoe_cli.offload.hits import Hits
 from fmoe_cli.offload.host import HostLane
@@ -293,6 +293,7 @@ class Engine:
         # The device's code path (a GPU; tests on the CPU set it): a resident layer's decode computes on the device
         # from the routing there (`_resident_device_decode`) and its bookkeeping waits until the token is done.
         self.device_side = device.type == "cuda"
+        self._grouped_on_device = True  # False once torch's grouped matmul refused this device (routed_forward)
         self._deferred: list[int] = []  # layers whose routing is on its way to the host (`_defer`, `_settle`)
         self._route_copies: dict[int, tuple[HostCopy, HostCopy]] = {}  # per layer: its ids' and weights' copies
         self.decode_graphs: dict = {}  # capacity -> generate.DecodeGraph: replayed decode steps (read the buffers)
@@ -431,8 +432,10 @@ class Engine:
         decode = hidden_states.shape[0] == 1
         if state.resident and decode and not self._prefetching:
             if self.device_side and self._routed_on_device(state):
-                return self._resident_device_decode(i, state, experts.act_fn, hidden_states, top_k_index,
-                                                    top_k_weights)
+                out = self._resident_device_decode(i, state, experts.act_fn, hidden_states, top_k_index,
+                                                   top_k_weights)
+                if out is not None:
+                    return out
             if self._stacks(hidden_states, experts.act_fn):
                 return self._resident_decode(i, state, experts.act_fn, hidden_states, top_k_index, top_k_weights)
         self._settle()
@@ -482,26 +485,35 @@ class Engine:
         self._predicted[i] = None  # a prediction is for one routing
         state.cache.record(routing.tokens())  # from the host list: no op
 
-    @staticmethod
-    def _routed_on_device(state: LayerState) -> bool:
-        """Whether a resident layer's experts are one Stack torch's grouped matmul reads (layout.routed_forward)."""
+    def _routed_on_device(self, state: LayerState) -> bool:
+        """Whether a resident layer's experts are one Stack torch's grouped matmul reads (layout.routed_forward), and
+        this device's grouped matmul has not refused it."""
         rows = state.top_rows[0] if state.top_rows else None
-        return isinstance(rows, layout.Rows) and rows.stack is not None
+        return self._grouped_on_device and isinstance(rows, layout.Rows) and rows.stack is not None
 
     def _resident_device_decode(self, i: int, state: LayerState, act, hidden_states: torch.Tensor,
-                                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+                                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor | None:
         """A decode step of a resident layer on the device's path, with no host wait (issue 37 §1): the routing
         stays on the device, its experts' slots looked up there (`slot_table`), the K experts computed by one
         grouped matmul per projection (layout.routed_forward) in routing order and weighted as `_combine_decode`
         does. Its bookkeeping (observers, the policy's touches, counters) follows once the token is done: the
         routing goes to the host without a wait (`_defer`) and is taken up by `_settle`. Nothing here depends on a
-        value on the host, so the step can be captured in a CUDA graph (generate.DecodeGraph)."""
+        value on the host, so the step can be captured in a CUDA graph (generate.DecodeGraph). None: this device's
+        grouped matmul refused the call (said once); the general path computes the layer."""
         if state.slot_table is None:
             slot = state.cache.slot
             state.slot_table = torch.tensor([slot(e) for e in range(self.shape.num_experts)], dtype=torch.long,
                                             device=hidden_states.device)
         slots = state.slot_table[top_k_index[0]]  # [K]: the token's experts' slots, in routing order
-        stacked = layout.routed_forward(hidden_states, state.top_rows[0].stack, slots, act)  # [K, H]
+        try:
+            stacked = layout.routed_forward(hidden_states, state.top_rows[0].stack, slots, act)  # [K, H]
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:  # torch's checks refuse a card,
+            if hidden_states.is_cpu:  # dtype or stride (TORCH_CHECK*), found on the first call: the general path
+                raise
+            warn(f"torch's grouped matmul does not run here ({str(exc).splitlines()[0][:120]}); resident layers read "
+                 f"their routing on the host")
+            self._grouped_on_device = False
+            return None
         self._defer(i, top_k_index, top_k_weights)
         return self._combine_decode(hidden_states, stacked, top_k_weights)
 

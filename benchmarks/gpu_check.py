@@ -1,0 +1,264 @@
+"""The GPU check (issue 37 §3): what only a GPU can confirm, in one command that fits inside 7 minutes on an H100.
+
+    python benchmarks/gpu_check.py --out DIR               # on a machine with a GPU
+    python benchmarks/gpu_check.py --device cpu --parts a --families mixtral --dtypes float32   # dry run here
+
+A. Exactness on the device: tiny random checkpoints of every family (fmoe_cli.models.demo, hidden 128), every policy
+   at a 4 MiB expert budget over the real copy stream, float32 and bfloat16; each policy's greedy tokens against
+   transformers' own `generate` on the same device and dtype (and whether the resident run replayed its decode steps
+   from a CUDA graph).
+B. Speed on a real link: a checkpoint at Qwen3-30B-A3B's layer shape with --layers layers (bf16, random weights made on
+   the device), `fmoe profile --quick`, then `fmoe bench` with resident, moepic, lru, ondemand and hybrid at --budget
+   of the expert bytes, --tokens tokens, --rounds interleaved rounds; beside it transformers' `generate` (resident).
+   The issue's targets: resident <= 2.0 ms a token at 8 layers; moepic <= resident + 1.25 x (bytes moved / link).
+
+Every step runs in its own process with a time limit; what a step could not do is one line, and the check goes on.
+The summary (markdown, the table docs/bench.md § On a GPU keeps) goes to stdout and DIR/gpu_check.md, the raw
+reports to DIR/*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+POLICIES_A = ("resident", "ondemand", "lru", "lfu", "cache-only", "prefetch-only", "uniform", "moepic")
+POLICIES_B = ("resident", "moepic", "lru", "ondemand", "hybrid")
+PROMPT = "the quick brown fox"
+A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, moe_inter=768, experts=128, top_k=8, vocab=32000)
+
+
+def fmoe(args: list[str], timeout: float, out: Path | None = None, **environ: str) -> tuple[int, str]:
+    """`fmoe ARGS` in a process of its own (this checkout's code); stdout to `out` if given. (rc, stderr's tail)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
+               **environ)
+    try:
+        done = subprocess.run([sys.executable, "-m", "fmoe_cli.cli", *args], capture_output=True, text=True,
+                              timeout=timeout, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout:.0f} s"
+    if out is not None:
+        out.write_text(done.stdout)
+    return done.returncode, "\n".join(done.stderr.strip().splitlines()[-4:])
+
+
+def report_of(path: Path) -> dict | None:
+    try:
+        text = path.read_text()[:50_000_000]
+        return json.loads(text[text.find("{"):])
+    except (OSError, ValueError):
+        return None
+
+
+def reference_tokens(path: Path, device: str, dtype: str, tokens: int) -> list[int]:
+    """transformers' greedy tokens for PROMPT, encoded as fmoe bench encodes it (generate.encode_messages)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fmoe_cli.generate import encode_messages
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = encode_messages(tokenizer, [{"role": "user", "content": PROMPT}], str(path), plain=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    model.generation_config.eos_token_id = None
+    x = torch.tensor([ids], device=device)
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=tokens, do_sample=False)
+    return out[0, x.shape[1]:].tolist()
+
+
+def part_a(args, work: Path, out: Path, deadline: float) -> list[str]:
+    from fmoe_cli.models.demo import build_random_moe
+
+    lines = ["| family | dtype | policies giving transformers' tokens | resident from a CUDA graph | TPOT resident / moepic (ms) |",
+             "|---|---|---|---|---|"]
+    for family in args.families:
+        path = work / f"tiny-{family}"
+        if not path.exists():
+            build_random_moe(path, family=family, seed=1, hidden_size=128)
+        for dtype in args.dtypes:
+            if time.monotonic() > deadline:
+                lines.append(f"| {family} | {dtype} | skipped: the check's time | | |")
+                continue
+            target = out / f"exact-{family}-{dtype}.json"
+            policies = [a for p in POLICIES_A for a in ("--policy", p)]
+            rc, err = fmoe(["bench", str(path), "--device", args.device, "--dtype", dtype, *policies,
+                            "--vram-budget", "4MiB", "--tokens", str(args.exact_tokens), "--prompt", PROMPT, "--json"],
+                           timeout=150, out=target)
+            report = report_of(target)
+            if rc != 0 or report is None:
+                lines.append(f"| {family} | {dtype} | fmoe bench failed (rc {rc}): {err.splitlines()[-1] if err else ''} | | |")
+                continue
+            want = reference_tokens(path, args.device, dtype, args.exact_tokens)
+            runs = {r["policy"]: r for r in report["runs"]}
+            same = [p for p, r in runs.items() if r["token_ids"] == want]
+            differ = [f"{p} at {next((i for i, (a, b) in enumerate(zip(r['token_ids'], want)) if a != b), len(want))}"
+                      for p, r in runs.items() if p not in same]
+            tpot = " / ".join(f"{runs[p]['tpot_ms']['median']:.2f}" for p in ("resident", "moepic") if p in runs)
+            lines.append(f"| {family} | {dtype} | {len(same)}/{len(runs)}" + (f" (differ: {', '.join(differ)})" if differ
+                         else "") + f" | {runs.get('resident', {}).get('decode_graph')} | {tpot} |")
+    return lines
+
+
+def build_a3b(path: Path, layers: int, device: str, experts: int) -> None:
+    """Random weights at Qwen3-30B-A3B's layer shape, `layers` layers, bf16 safetensors, made on the device; the
+    shipped demo's tokenizer."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3MoeConfig
+
+    s = dict(A3B, experts=experts)
+    h, nq, nkv, hd, inter, e, vocab = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], s["moe_inter"], s["experts"], s["vocab"]
+    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers,
+                            num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd, moe_intermediate_size=inter,
+                            num_experts=e, num_experts_per_tok=s["top_k"], norm_topk_prob=True, decoder_sparse_step=1,
+                            mlp_only_layers=[], max_position_embeddings=4096, tie_word_embeddings=False,
+                            rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.dtype = "bfloat16"
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    demo = ROOT / "fmoe_cli" / "models" / "demo_model"
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (demo / name).exists():
+            shutil.copy(demo / name, path)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=generator, device=device) * std).to(torch.bfloat16).cpu()
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    weights = {"model.embed_tokens.weight": rnd(vocab, h), "lm_head.weight": rnd(vocab, h), "model.norm.weight": ones(h)}
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        weights.update({p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+                        p + "self_attn.q_proj.weight": rnd(nq * hd, h), p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
+                        p + "self_attn.v_proj.weight": rnd(nkv * hd, h), p + "self_attn.o_proj.weight": rnd(h, nq * hd),
+                        p + "self_attn.q_norm.weight": ones(hd), p + "self_attn.k_norm.weight": ones(hd),
+                        p + "mlp.gate.weight": rnd(e, h, std=0.5)})
+        for expert in range(e):
+            q = f"{p}mlp.experts.{expert}."
+            weights.update({q + "gate_proj.weight": rnd(inter, h), q + "up_proj.weight": rnd(inter, h),
+                            q + "down_proj.weight": rnd(h, inter)})
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def transformers_tpot(path: Path, device: str, tokens: int) -> float:
+    """transformers' own generate on the whole model (resident), bf16: ms a decode token (the step's median)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    model.generation_config.eos_token_id = None
+    x = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11]], device=device)
+    times = []
+    with torch.no_grad():
+        for n in (2, 2 + tokens):  # the difference of two lengths: decode steps alone
+            model.generate(x, max_new_tokens=n, do_sample=False)  # warm
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(x, max_new_tokens=n, do_sample=False)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return (times[1] - times[0]) * 1000 / tokens
+
+
+def part_b(args, work: Path, out: Path, deadline: float) -> list[str]:
+    path = work / f"a3b-x{args.layers}"
+    started = time.monotonic()
+    if not (path / "model.safetensors").exists():
+        build_a3b(path, args.layers, args.device, args.experts)
+    lines = [f"a3b-shaped model, {args.layers} layers, {args.experts} experts of 2048 x 768, bf16 "
+             f"(built in {time.monotonic() - started:.0f} s)", ""]
+    rc, err = fmoe(["profile", "--quick", "--device", args.device], timeout=120, out=out / "profile.txt")
+    profile = (out / "profile.txt").read_text()[:20000] if (out / "profile.txt").exists() else ""
+    link = next((line.strip() for line in profile.splitlines() if "GB/s" in line), f"profile failed (rc {rc}): {err}")
+    lines.append(f"`fmoe profile --quick`: {link}")
+    left = deadline - time.monotonic()
+    target = out / "a3b.json"
+    policies = [a for p in POLICIES_B for a in ("--policy", p)]
+    rc, err = fmoe(["bench", str(path), "--device", args.device, *policies, "--vram-budget", args.budget,
+                    "--tokens", str(args.tokens), "--rounds", str(args.rounds), "--json"], timeout=max(left - 40, 30),
+                   out=target)
+    report = report_of(target)
+    if rc != 0 or report is None:
+        return lines + [f"fmoe bench failed (rc {rc}): {err}"]
+    lines += ["", f"| policy (budget {args.budget} of the expert bytes) | TPOT ms (rounds' min-max) | link MB/token | "
+              f"CUDA graph |", "|---|---:|---:|---|"]
+    for r in report["runs"]:
+        per_round = [x["tpot_ms"]["median"] for x in r.get("rounds", [r])]
+        lines.append(f"| {r['policy']} | {r['tpot_ms']['median']:.2f} ({min(per_round):.2f}-{max(per_round):.2f}) | "
+                     f"{r['bytes_per_token'] / 1e6:.0f} | {r.get('decode_graph')} |")
+    lines.append(f"token ids identical across policies: {report['token_ids_identical']}; plan of moepic: "
+                 + next((r["plan"] for r in report["runs"] if r["policy"] == "moepic"), "-"))
+    if time.monotonic() < deadline - 40:  # the resident step without its CUDA graph: what the graph saves
+        target = out / "a3b-eager.json"
+        rc, err = fmoe(["bench", str(path), "--device", args.device, "--policy", "resident", "--tokens",
+                        str(args.tokens), "--json"], timeout=max(deadline - time.monotonic() - 20, 20), out=target,
+                       FMOE_CUDA_GRAPHS="0")
+        eager = report_of(target)
+        lines.append(f"resident with FMOE_CUDA_GRAPHS=0 (eager steps, one round): " + (
+            f"{eager['runs'][0]['tpot_ms']['median']:.2f} ms a token" if rc == 0 and eager else f"failed (rc {rc}): {err}"))
+    if time.monotonic() < deadline - 20:
+        try:
+            lines.append(f"transformers' generate (resident, bf16): {transformers_tpot(path, args.device, 16):.2f} ms "
+                         f"a token")
+        except Exception as exc:  # the comparison is a side figure: the check goes on
+            lines.append(f"transformers' generate: failed ({str(exc).splitlines()[0][:120]})")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--parts", default="ab", help="a: exactness, b: speed, in the order given (default: ab)")
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    parser.add_argument("--exact-tokens", type=int, default=24)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128, help="experts a layer of the a3b-shaped model (dry runs: fewer)")
+    parser.add_argument("--budget", default="20%")
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=400, help="the whole check's time; steps past it are skipped")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not set(args.parts) <= set("ab") or args.layers < 1 or args.experts < 8 or args.rounds < 1 or args.tokens < 2:
+        parser.error("--parts takes a and b; --layers >= 1, --experts >= 8, --rounds >= 1, --tokens >= 2")
+    out = args.out or Path(tempfile.mkdtemp(prefix="fmoe-gpu-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.gettempdir()) / "fmoe-gpu-check"
+    start = time.monotonic()
+    deadline = start + args.seconds
+    import torch
+
+    name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu (dry run)"
+    lines = [f"# GPU check, {time.strftime('%Y-%m-%d')}, {name}, torch {torch.__version__}", ""]
+    print("\n".join(lines), flush=True)
+    for part in args.parts:  # in the order given
+        if part == "a":
+            section = ["## A. Exactness against transformers on the device", ""] + part_a(args, work, out, deadline)
+        else:
+            section = ["## B. Speed on the real link", ""] + part_b(args, work, out, deadline)
+        lines += section + [""]
+        print("\n".join(section), flush=True)
+    lines.append(f"(the check took {time.monotonic() - start:.0f} s)")
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    print(lines[-1])
+
+
+if __name__ == "__main__":
+    main()
