@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's fmoe_cli, installed or not (a GPU machine's bare image)
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
 POLICIES_A = ("resident", "ondemand", "lru", "lfu", "cache-only", "prefetch-only", "uniform", "moepic")
 POLICIES_B = ("resident", "moepic", "lru", "ondemand", "hybrid")

@@ -149,7 +149,7 @@ class DecodeGraph:
     cache's masked positions sums in another order than over a dynamic one, so the logits may differ in the last
     bits from the eager path's (the GPU check compares the tokens with transformers' generate)."""
 
-    def __init__(self, model, engine: Engine, capacity: int, graph_factory) -> None:
+    def __init__(self, model, engine: Engine, capacity: int, graph_factory, capture: bool = True) -> None:
         from transformers import StaticCache
 
         self.model, self.engine, self.capacity = model, engine, capacity
@@ -161,7 +161,7 @@ class DecodeGraph:
         self.graph_factory = graph_factory
         self.graph = None
         self.logits: torch.Tensor | None = None  # [V]: the graph's output, overwritten by each replay
-        self.eager = False  # capture failed: the step runs eagerly
+        self.eager = not capture  # the step runs eagerly (a plan that reads its routing on the host; a failed capture)
         self.moe_layers = list(range(len(engine.layers)))
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -240,19 +240,24 @@ GRAPH_CAPACITY_STEP = 256  # a DecodeGraph's KV capacity is a multiple of this m
 
 
 def decode_graph(model, engine: Engine | None, capacity: int) -> DecodeGraph | None:
-    """The DecodeGraph a generation of `capacity` positions replays its decode steps from, or None (the eager step):
-    a CUDA device (or the engine's `graph_factory`: tests), a plan whose every layer decodes on the device without a
-    host wait (Engine.decode_graphable), and FMOE_CUDA_GRAPHS not 0. One per capacity (rounded up), kept by the
-    engine until it is configured again (the graph reads its buffers)."""
-    if engine is None or os.environ.get("FMOE_CUDA_GRAPHS", "1").strip() == "0":
+    """The DecodeGraph a generation of `capacity` positions decodes through on a CUDA device (or where the engine has
+    a `graph_factory`: tests), every plan alike, or None (the CPU: transformers' DynamicCache, `new_cache`). Its steps
+    are replayed from a CUDA graph where the plan's every layer decodes on the device without a host wait
+    (Engine.decode_graphable) and FMOE_CUDA_GRAPHS is not 0; else they run eagerly on the same StaticCache. Every
+    policy on a GPU thus attends over the same static cache, with the same kernels: a static cache's attention sums
+    in another order than a dynamic one's, and on the first H200 run the graphed `resident` (static) left the other
+    policies (dynamic) at token 30 of a bf16 a3b-shaped model. One per capacity (rounded up), kept by the engine until
+    it is configured again (the graph reads its buffers)."""
+    if engine is None:
         return None
     factory = engine.graph_factory or (CudaGraph if engine.device.type == "cuda" else None)
-    if factory is None or not engine.decode_graphable():
+    if factory is None:
         return None
+    capture = engine.decode_graphable() and os.environ.get("FMOE_CUDA_GRAPHS", "1").strip() != "0"
     capacity = -(-capacity // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
     graph = engine.decode_graphs.get(capacity)
     if graph is None:
-        graph = engine.decode_graphs[capacity] = DecodeGraph(model, engine, capacity, factory)
+        graph = engine.decode_graphs[capacity] = DecodeGraph(model, engine, capacity, factory, capture)
     return graph
 
 
