@@ -40,6 +40,7 @@ def test_simulate_paper_prints_the_issue_s_json_shape(capsys):
 
     simulate = benchmark("simulate")
     defaults = simulate.parser().parse_args(["paper"])
+    assert defaults.trace is None  # $FMOE_MIXTRAL_TRACE, else traces/demo.jsonl (said in one line)
     assert defaults.mixtral_budgets == [96, 160] and defaults.qwen_budgets == [240, 480]
     simulate.main(["paper", "--json", "--limit", "12", "--sequences", "2", "--tokens", "12", "--prompt", "4",
                    "--mixtral-budgets", "160", "--qwen-budgets", "480"])
@@ -53,6 +54,27 @@ def test_simulate_paper_prints_the_issue_s_json_shape(capsys):
                 assert set(policy) == {"tpot_ms", "ttft_ms"} and policy["tpot_ms"] > 0 and policy["ttft_ms"] > 0
     resident = report["mixtral-int2"]["160"]["resident"]["tpot_ms"]
     assert all(p["tpot_ms"] >= resident * 0.999 for p in report["mixtral-int2"]["160"].values())
+
+
+def test_the_mixtral_trace_is_found_by_option_or_environment_and_refused_when_missing(tmp_path, monkeypatch, capsys):
+    """benchmarks/mixtral_trace.py: --trace first, then $FMOE_MIXTRAL_TRACE, else None (the benchmark says so in one
+    line and runs on traces/demo.jsonl); a path given that is not a file is one `error:` line, exit 2."""
+    trace = benchmark("mixtral_trace")
+    here, there = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    here.write_text("{}\n")
+    there.write_text("{}\n")
+    monkeypatch.delenv(trace.ENV, raising=False)
+    assert trace.find(None) is None
+    monkeypatch.setenv(trace.ENV, str(there))
+    assert trace.find(None) == there and trace.find(str(here)) == here
+    line = trace.absent_line("the demo trace alone")
+    assert "\n" not in line and trace.ENV in line and "Mario928/speculative-moe" in line and "216e26e" in line
+    for option, env, named in ((str(tmp_path / "none.jsonl"), str(there), "--trace"), (None, str(tmp_path), trace.ENV)):
+        monkeypatch.setenv(trace.ENV, env)
+        with pytest.raises(SystemExit) as stop:
+            trace.find(option)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.startswith(f"error: {named} ")
 
 
 def test_synthetic_routing_has_the_shape_it_was_fitted_to():
