@@ -14,7 +14,7 @@ for torch.profiler, whose top ops `--ops N` prints):
     other          the rest of a step: embedding, norms, residual adds, sampling, Python between
 
 Wrapping the parts' forwards turns off the resident float32 token in one C call (models/token.py), so these are
-the per-step path's parts; benchmarks/decode_token.py times the one call against it.
+the per-step path's parts (the one call against them: docs/bench.md § Retired studies, `decode_token.py`).
 
 `other` is the step's wall time minus the labelled parts; `moe − experts` is the engine's own
 work per layer (routing, bookkeeping, the combine). Shares are of the median step. The bytes a

@@ -13,10 +13,10 @@ host lane honestly on this machine, where both lanes share two CPU cores. Every 
 - Hosts: this machine's measured host profile (`fmoe profile`: --host-profile, default the saved
   one), and the documented estimate of a desktop with dual-channel DDR5 (the profile's `host`).
   The host lane's round trip per layer: 30 µs (an estimate, profiling/host.py: HOST_ROUND_TRIP_S).
-- Routing: the real Mixtral-8x7B trace (/work/shared/traces/mixtral-8x7b-humaneval.jsonl, vLLM, no
-  rankings: the routing-only `eam` predictor) and the demo-recorded trace (traces/demo.jsonl, with the
+- Routing: the real Mixtral-8x7B trace (not shipped: --trace or FMOE_MIXTRAL_TRACE, benchmarks/mixtral_trace.py;
+  vLLM, no rankings: the routing-only `eam` predictor) and the demo-recorded trace (traces/demo.jsonl, with the
   prefetcher's rankings dropped: they rank the demo's experts). A trace of another shape is mapped
-  (`map_routing`): layer j plays the trace's layer j mod L; with fewer experts, expert e is e mod N (the
+  (mixtral_trace.map_routing): layer j plays the trace's layer j mod L; with fewer experts, expert e is e mod N (the
   first K distinct kept); with more, each traced expert stands for a block of N/N' experts of which
   K/K' are activated, chosen afresh every token (a hash of token, layer and expert): the block's
   share keeps the trace's skew and locality, the choice inside it has neither (pessimistic for every
@@ -24,14 +24,13 @@ host lane honestly on this machine, where both lanes share two CPU cores. Every 
 - Policies: hybrid, moepic, lru (each its own plan at the budget) and llama.cpp's pattern (every
   routed expert on the host, the rest on the device: configurator.host_baselines).
 
-    python benchmarks/hybrid.py [--tokens 200] [--context 4096] [--host-profile PATH] [--json OUT]
+    python benchmarks/hybrid.py [--tokens 200] [--context 4096] [--host-profile PATH] [--trace MIXTRAL] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 from pathlib import Path
@@ -42,7 +41,9 @@ from rich.table import Table
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from simulate import MIXTRAL_CONFIG, SHARED_TRACE  # noqa: E402 (benchmarks/simulate.py)
+import mixtral_trace  # noqa: E402 (benchmarks/mixtral_trace.py)
+from mixtral_trace import DEMO_TRACE, read_routing  # noqa: E402
+from simulate import MIXTRAL_CONFIG  # noqa: E402 (benchmarks/simulate.py)
 
 QWEN3_30B_A3B_CONFIG = {  # Qwen/Qwen3-30B-A3B config.json (the figures that matter here)
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
@@ -59,48 +60,8 @@ MODELS = {"Mixtral-8x7B": MIXTRAL_CONFIG, "Qwen3-30B-A3B": QWEN3_30B_A3B_CONFIG}
 FORMATS = ("bf16", "int4")
 CARDS_GIB = (8, 12, 24)
 DESKTOP = REPO / "profiles" / "desktop-ddr5-rtx-3060-12gb.json"
-DEMO_TRACE = REPO / "traces" / "demo.jsonl"
 WORKSPACE = 512 << 20
 TARGET = 0.8  # hybrid ≤ 0.8 × llama.cpp's pattern at 8 and 12 GB
-
-
-def map_routing(sequences, num_layers: int, num_experts: int, top_k: int, tokens: int, source_experts: int,
-                source_top_k: int):
-    """Traced routing (planning/simulate.py Tokens) onto another shape (the module docstring); at most `tokens` tokens."""
-    from fmoe_cli.planning.simulate import Token
-
-    ratio = max(1, num_experts // source_experts)
-    per = max(1, min(ratio, top_k // source_top_k))  # experts of a block activated per traced expert
-    out, left = [], tokens
-    for s, seq in enumerate(sequences):
-        mapped = []
-        for t, token in enumerate(seq[:left]):
-            layers = []
-            for j in range(num_layers):
-                src = token.experts[j % len(token.experts)]
-                if num_experts <= source_experts:
-                    chosen = list(dict.fromkeys(e % num_experts for e in src))[:top_k]
-                else:  # a block per traced expert, `per` of it chosen afresh every token (seeded: deterministic)
-                    chosen = sorted({e * ratio + o for e in src
-                                     for o in random.Random(f"{s}/{t}/{j}/{e}").sample(range(ratio), per)})[:top_k]
-                layers.append(tuple(sorted(chosen)))
-            mapped.append(Token(tuple(layers)))
-        out.append(mapped)
-        left -= len(mapped)
-        if left <= 0:
-            break
-    return out
-
-
-def read_routing(path: Path, shape, tokens: int):
-    from fmoe_cli.planning.simulate import Token, tokens_of
-    from fmoe_cli.trace import read_trace
-
-    trace = read_trace(str(path))
-    sequences = [[Token(t.experts) for t in seq] for seq in tokens_of(trace)]  # rankings dropped (see the docstring)
-    source_top_k = max(len(layer) for seq in sequences for t in seq for layer in t.experts)
-    return map_routing(sequences, shape.num_layers, shape.num_experts, shape.top_k, tokens, trace.num_experts,
-                       source_top_k)
 
 
 def main() -> None:
@@ -113,9 +74,13 @@ def main() -> None:
     p.add_argument("--measured-llama-only", action="store_true",
                    help="with this machine's host profile simulate llama.cpp's pattern only (hybrid, moepic, lru: the "
                         "estimate's rows); for time on a busy machine")
+    p.add_argument("--trace", default=None, help=f"the Mixtral trace (default: ${mixtral_trace.ENV})")
     p.add_argument("--json", default=None, help="also write every row to this file")
     args = p.parse_args()
     console = Console(width=200)
+    mixtral = mixtral_trace.find(args.trace)
+    if mixtral is None:
+        console.print(mixtral_trace.absent_line("the demo trace alone"), highlight=False, soft_wrap=True)
 
     from fmoe_cli.planning.configurator import LLAMA_CPP, host_baselines
     from fmoe_cli.planning.plan import kv_cache_bytes  # noqa: F401 (the run's KV formula; facts carry it per token)
@@ -148,8 +113,8 @@ def main() -> None:
             facts = model_facts(str(directory / model), "bfloat16", fmt)
             shape = facts.shape
             base, source = plan_timings(facts, link.bandwidth, link.latency or 0.0, desktop)
-            traces = {"Mixtral trace": read_routing(SHARED_TRACE, shape, args.tokens),
-                      "demo trace": read_routing(DEMO_TRACE, shape, args.tokens)}
+            traces = {"Mixtral trace": read_routing(mixtral, shape, args.tokens)} if mixtral else {}
+            traces["demo trace"] = read_routing(DEMO_TRACE, shape, args.tokens)
             console.print(f"{model} {fmt}: {shape.num_layers} layers × {shape.num_experts} experts top-{shape.top_k}, "
                           f"expert {shape.expert_bytes / 2**20:.1f} MiB, non-expert {facts.non_expert_bytes / 2**30:.2f} GiB, "
                           f"T_att {base.t_att * 1e3:.3f} ms, T_exp {base.t_exp * 1e3:.3f} ms, T_head {base.t_head * 1e3:.3f} ms, "

@@ -2,7 +2,7 @@
 """The gap to llama.cpp, part by part (issue 21, "Done when": where a target is not met, the remaining gap
 explained kernel by kernel with a measured CPU profile).
 
-For each model and format of a peer run (`../shared/bench/peer_llamacpp.sh`, its results directory), one
+For each model and format of a peer run (`benchmarks/peer_llamacpp.py`, its results directory), one
 `benchmarks/decode_profile.py` run of the same fmoe command the peer script times (`fmoe bench --policy resident`'s
 options: f32 = `--dtype float32 --experts bf16`, bf16 = `--dtype bfloat16 --experts bf16`, q8 = `--experts int8`,
 q4 = `--experts int4`), each in its own process, under torch.profiler (`--ops`). Printed per cell: llama.cpp's

@@ -15,8 +15,9 @@ Per MoE layer i it prints
   layer 0 has none.
 
 and the model's validation loss / perplexity on held-out text. The Mixtral
-columns come from ``/work/shared/traces/mixtral-8x7b-humaneval.jsonl`` (real
-Mixtral-8x7B-Instruct routing, top-2 of 8): the most-used expert's share and
+columns come from the real Mixtral-8x7B-Instruct routing trace (top-2 of 8; not
+shipped: --trace or FMOE_MIXTRAL_TRACE, see benchmarks/mixtral_trace.py; without it
+one line says so and the columns are left out): the most-used expert's share and
 the consecutive-token overlap per layer (the trace has no hidden states, so no
 prediction recall).
 
@@ -42,7 +43,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "fmoe_cli" / "models" / "demo_model"
-DEFAULT_TRACE = Path("/work/shared/traces/mixtral-8x7b-humaneval.jsonl")
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import mixtral_trace  # noqa: E402 (benchmarks/mixtral_trace.py)
 
 
 # ------------------------------------------------------------------- the model
@@ -210,11 +212,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint directory (default: the shipped demo)")
     p.add_argument("--text", help="text file to run (default: the held-out KJV chapters of the training split)")
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="real routing trace (JSONL); '' to skip")
+    p.add_argument("--trace", default=None,
+                   help=f"the real Mixtral routing trace (JSONL; default: ${mixtral_trace.ENV}); '' to skip")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=20000)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    trace = None if args.trace == "" else mixtral_trace.find(args.trace)
+    if trace is None and args.trace != "":
+        print(mixtral_trace.absent_line("the report without its Mixtral columns"), file=sys.stderr)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -224,9 +230,9 @@ def main(argv=None) -> int:
     else:
         text, text_name = held_out_text(model_dir)
     m = model_routing(model_dir, text, args.seq_len, args.max_tokens)
-    t = trace_routing(Path(args.trace)) if args.trace and Path(args.trace).exists() else None
+    t = trace_routing(trace) if trace else None
     name = "fmoe_cli/models/demo_model" if model_dir.resolve() == DEFAULT_MODEL.resolve() else str(model_dir)
-    print(report(m, t, name, text_name, Path(args.trace).name if t else ""))
+    print(report(m, t, name, text_name, trace.name if t else ""))
     return 0
 
 

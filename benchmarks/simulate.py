@@ -14,14 +14,15 @@
    (1) with the profile's figures alone, (2) with compute fitted to resident, (3) with the host
    work fitted to ondemand and prefetch-only instead of measured, (4) without host work.
 
-2. `mixtral`: Mixtral-8x7B's config.json (written here), the shared HumanEval routing
-   trace (vLLM format: no rankings, so the routing-only `eam` predictor), the RTX A6000 /
+2. `mixtral`: Mixtral-8x7B's config.json (written here), the real HumanEval routing
+   trace (not shipped: --trace or FMOE_MIXTRAL_TRACE, benchmarks/mixtral_trace.py; without it
+   traces/demo.jsonl mapped onto Mixtral's shape; vLLM format: no rankings, so the routing-only `eam` predictor), the RTX A6000 /
    PCIe 4.0 x16 reference profile (compute from its memory bandwidth), an expert budget
    of 160 experts (MoEpic's): simulated TPOT of moepic, lru, lfu, prefetch-only (and the
    rest) beside the paper's 85 / 162 / 136 / 248 ms.
 
     python benchmarks/simulate.py validate [--rounds 3 --tokens 32 --load-ratio 3 --budget 25%]
-    python benchmarks/simulate.py mixtral [--experts 160 --profile profiles/rtx-a6000.json]
+    python benchmarks/simulate.py mixtral [--experts 160 --profile profiles/rtx-a6000.json --trace MIXTRAL]
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from rich.table import Table
 
 POLICIES = ["moepic", "lru", "lfu", "uniform", "cache-only", "prefetch-only", "resident"]
 HERE = Path(__file__).resolve().parent
-SHARED_TRACE = Path("/work/shared/traces/mixtral-8x7b-humaneval.jsonl")
+sys.path.insert(0, str(HERE))
+import mixtral_trace  # noqa: E402 (benchmarks/mixtral_trace.py: where the trace comes from, the fallback)
 # MoEpic (Mixtral-8x7B, RTX A6000, 160 experts): TPOT of each system, ms; the fmoe policy standing in for it.
 PAPER = {"moepic": ("MoEpic", 85), "lru": ("Mixtral-offloading", 162), "lfu": ("MoE-Infinity", 136),
          "prefetch-only": ("Pre-gated MoE", 248)}
@@ -246,8 +248,23 @@ def simulated_matrix(console, lm, shape, timings, t_exp, tokens, prompt_len, war
     console.print(table)
 
 
-def mixtral(args, console: Console) -> None:
+def mixtral_routing(option: str | None, shape, console: Console):
+    """Mixtral's routing for the simulator, and its name: the real trace (--trace, $FMOE_MIXTRAL_TRACE), else the
+    demo trace mapped onto `shape` (one line says so)."""
+    from fmoe_cli.planning.simulate import tokens_of
     from fmoe_cli.trace import read_trace
+
+    path = mixtral_trace.find(option)
+    if path is not None:
+        return tokens_of(read_trace(path)), str(path)
+    console.print(mixtral_trace.absent_line("replaying traces/demo.jsonl mapped onto Mixtral's shape instead, its one "
+                                            "sequence cut in two as the real trace's two (the paper's figures do not "
+                                            "apply)"), highlight=False, soft_wrap=True)
+    (demo,) = mixtral_trace.read_routing(mixtral_trace.DEMO_TRACE, shape, 10**9)
+    return [demo[:len(demo) // 2], demo[len(demo) // 2:]], "traces/demo.jsonl (mapped, cut in two)"
+
+
+def mixtral(args, console: Console) -> None:
     from fmoe_cli.planning.report import model_facts, plan_timings
     from fmoe_cli.planning.simulate import predict_policies, tokens_of
     from fmoe_cli.profiling.files import Profile
@@ -267,14 +284,13 @@ def mixtral(args, console: Console) -> None:
                           t_head=timings.t_head * scale)
         source += f", every compute time × {scale:.1f} so that one expert's load = {args.load_ratio:g} × T_exp"
     budget = args.experts * shape.expert_bytes  # staging pool included, as every policy's budget
-    trace = read_trace(args.trace)
-    sequences = tokens_of(trace)
+    sequences, routing_name = mixtral_routing(args.trace, shape, console)
     results = predict_policies(shape, budget, timings, link.bandwidth, link.latency or 0.0, sequences=sequences,
                                policies=POLICIES + ["ondemand"],
                                progress=lambda name: console.print(f"simulating {name} …", highlight=False))
     table = Table(title=f"simulated TPOT, Mixtral-8x7B (bf16 experts {shape.expert_bytes / 2**20:.0f} MiB), "
                         f"{profile.device.device.name}, link {link.bandwidth / 1e9:.1f} GB/s ({link.kind}), "
-                        f"budget {args.experts} experts, {trace.num_tokens} HumanEval tokens, predictor eam")
+                        f"budget {args.experts} experts, {sum(map(len, sequences))} tokens of {routing_name}, predictor eam")
     for col in ("policy", "simulated ms", "hit", "exposed ms", "MiB/token", "paper system", "paper ms"):
         table.add_column(col, justify="left" if col in ("policy", "paper system") else "right")
     for name, r in results.items():
@@ -326,11 +342,8 @@ def resident_tpot(shape, timings) -> float:
     return shape.num_layers * (timings.t_att + timings.t_moe) + timings.t_head
 
 
-def routing_shape(trace) -> dict:
+def routing_shape(sequences, num_experts: int) -> dict:
     """Per layer: the top expert's share of the activations, and |A_t ∩ A_t−1| / K; means over layers."""
-    from fmoe_cli.planning.simulate import tokens_of
-
-    sequences = tokens_of(trace)
     layers = len(sequences[0][0].experts)
     k = len(sequences[0][0].experts[0])
     shares, overlaps = [], []
@@ -346,7 +359,7 @@ def routing_shape(trace) -> dict:
                     pairs += 1
         shares.append(max(counts.values()) / sum(counts.values()))
         overlaps.append(same / (pairs * k))
-    return {"top_share": statistics.fmean(shares), "overlap": statistics.fmean(overlaps), "experts": trace.num_experts,
+    return {"top_share": statistics.fmean(shares), "overlap": statistics.fmean(overlaps), "experts": num_experts,
             "top_k": k}
 
 
@@ -456,9 +469,7 @@ def paper_run(shape, budget_bytes: int, timings, bandwidth: float, latency: floa
 
 def paper(args, console: Console) -> None:
     from fmoe_cli.planning.report import model_facts, plan_timings
-    from fmoe_cli.planning.simulate import tokens_of
     from fmoe_cli.profiling.files import Profile
-    from fmoe_cli.trace import read_trace
 
     profile = Profile.load(Path(args.profile))
     link = profile.device.link
@@ -473,13 +484,13 @@ def paper(args, console: Console) -> None:
     mixtral_roofline, _ = plan_timings(mixtral, bandwidth, latency, profile)
     mixtral_times = scaled(mixtral_roofline, factor)
     # 2. Routing: the real Mixtral trace; for Qwen1.5-MoE (no trace of it here) routing of the Mixtral trace's shape.
-    trace = read_trace(args.trace)
-    mixtral_routing = [seq[:args.limit] for seq in tokens_of(trace)] if args.limit else tokens_of(trace)
-    real = routing_shape(trace)
+    traced, routing_name = mixtral_routing(args.trace, mixtral.shape, console)
+    routing = [seq[:args.limit] for seq in traced] if args.limit else traced
+    real = routing_shape(traced, mixtral.shape.num_experts)
     zipf, stick = fit_synthetic(real, qwen.shape.num_experts, qwen.shape.top_k)
     qwen_routing = synthetic_routing(qwen.shape.num_layers, qwen.shape.num_experts, qwen.shape.top_k, args.sequences,
                                      args.tokens, zipf=zipf, stick=stick, seed=args.seed)
-    runs = {"mixtral-int2": (mixtral, mixtral_times, mixtral_routing, args.mixtral_budgets),
+    runs = {"mixtral-int2": (mixtral, mixtral_times, routing, args.mixtral_budgets),
             "qwen1.5-moe-bf16": (qwen, qwen_times, qwen_routing, args.qwen_budgets)}
     result: dict = {}
     for key, (facts, times, routing, budgets) in runs.items():
@@ -527,7 +538,7 @@ def paper(args, console: Console) -> None:
                   f"{latency * 1e6:.0f} µs; compute: {source}, × {factor:.2f} so that Qwen1.5-MoE bf16 resident = the "
                   f"paper's GPU-rich {GPU_RICH_TPOT_S * 1e3:.0f} ms (calibrated once, the same factor for Mixtral)",
                   highlight=False)
-    console.print(f"routing: Mixtral: {args.trace} ({sum(map(len, mixtral_routing))} tokens, {len(mixtral_routing)} sequences; "
+    console.print(f"routing: Mixtral: {routing_name} ({sum(map(len, routing))} tokens, {len(routing)} sequences; "
                   f"predictor eam, no rankings in a vLLM trace); Qwen1.5-MoE: synthetic (no trace of it exists here), "
                   f"{args.sequences} sequences × {args.tokens} tokens, seed {args.seed}, with the Mixtral trace's shape: "
                   f"top-expert share {real['top_share']:.3f} of the activations at N = {real['experts']} (× uniform "
@@ -556,14 +567,14 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--policies", default=",".join(POLICIES + ["ondemand"]),
                    help="comma-separated; resident, ondemand and prefetch-only are the fits' anchors (needed)")
     m = sub.add_parser("mixtral")
-    m.add_argument("--trace", default=str(SHARED_TRACE))
+    m.add_argument("--trace", default=None, help=f"the Mixtral trace (default: ${mixtral_trace.ENV})")
     m.add_argument("--profile", default=str(HERE.parent / "profiles" / "rtx-a6000.json"))
     m.add_argument("--experts", type=int, default=160)
     m.add_argument("--load-ratio", type=float, default=None,
                    help="scale compute so that one expert's load takes this many times its compute (default: roofline)")
     q = sub.add_parser("paper", help="MoEpic's own settings: Mixtral int2/int4 at 96 and 160 experts, "
                                      "Qwen1.5-MoE bf16 at 240 and 480")
-    q.add_argument("--trace", default=str(SHARED_TRACE))
+    q.add_argument("--trace", default=None, help=f"the Mixtral trace (default: ${mixtral_trace.ENV})")
     q.add_argument("--profile", default=str(HERE.parent / "profiles" / "rtx-a6000.json"))
     q.add_argument("--mixtral-budgets", type=int, nargs="+", default=[96, 160])
     q.add_argument("--qwen-budgets", type=int, nargs="+", default=[240, 480])

@@ -71,6 +71,7 @@ class Run:
     profile: str | None = None
     timing_source: str | None = None  # the configurator's timings: "profile" or "quick estimate" (None: no plan needs them)
     context: int | None = None  # tokens the KV cache is reserved for (--context): chat keeps its window inside
+    timing_note: str | None = None  # quick_estimate_note's, where a profile could change the plan
 
     def settings_for(self, index: int, *, replan: bool) -> EngineSettings:
         """Policy `index`'s settings, planned now from the statistics so far when its plan reads them and
@@ -85,6 +86,15 @@ class Run:
         """The device is idle (between turns or runs): statistics saved, re-planned if due."""
         if self.replanner is not None:
             self.replanner.on_idle()
+
+
+def quick_estimate_note(model: str, shape, budget_bytes: int) -> str | None:
+    """What a run whose configured plan rests on a quick timing estimate says, once: that the estimate varies and
+    how to make it firm. None where no profile could change the plan: the budget holds every expert."""
+    if budget_bytes >= shape.all_experts_bytes:
+        return None
+    return (f"the configured plan rests on a quick timing estimate, which varies from run to run on a busy machine; "
+            f"`fmoe profile --model {model}` measures this model once and makes it firm")
 
 
 def context_length(lm: LoadedModel) -> int | None:
@@ -228,8 +238,10 @@ def _saved_timings(path: Path, lm: LoadedModel):
 
 
 @contextmanager
-def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
-    """Set up a run (see the module's docstring); on exit save the statistics and close everything."""
+def open_run(opts: RunOptions, console: Console | None = None, *, say_timing_note: bool = True) -> Iterator[Run]:
+    """Set up a run (see the module's docstring); on exit save the statistics and close everything.
+    say_timing_note: the quick estimate's note (Run.timing_note) is printed here, at the start; False: the caller
+    says it where its figures are (bench: under its table)."""
     opts.check()
     check_device(opts)
     sweep()  # what interrupted work left behind (a killed conversion's temporary)
@@ -295,7 +307,7 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             note = CONSUMER_CARD.note()
         link = make_link(lm.device, gbps, note)
         step("loaded the model", started)
-        timing_source = None
+        timing_source, timing_note = None, None
         try:
             if configured:
                 started = time.perf_counter()
@@ -308,9 +320,9 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
                     timing_source = "quick estimate"
                     step("timed the model for the configurator (a quick estimate, kept for the next run)"
                          if quick[0] == "measured" else "read the quick estimate an earlier run kept", started)
-                    console.print(f"[dim]note: the configured plan rests on a quick timing estimate, which varies "
-                                  f"from run to run on a busy machine; `fmoe profile --model {opts.model}` measures this model "
-                                  f"once and makes it firm[/dim]", highlight=False, soft_wrap=True)
+                    timing_note = quick_estimate_note(opts.model, shape, budget)
+                    if timing_note is not None and say_timing_note:
+                        console.print(f"[dim]note: {timing_note}[/dim]", highlight=False, soft_wrap=True)
                 else:
                     timing_source = "profile"
                     step("read the model's profile", started)
@@ -328,4 +340,4 @@ def open_run(opts: RunOptions, console: Console | None = None) -> Iterator[Run]:
             stack.callback(replanner.close)  # saves the statistics (runs before engine.close)
         engine.configure(settings[0])
         yield Run(opts, lm, engine, budget, inputs, settings, replanner, writer, opts.profile, timing_source,
-                  context=plans["context"])
+                  context=plans["context"], timing_note=timing_note)

@@ -76,3 +76,15 @@ def checkpoints(tmp_path_factory):
             return self[family]
 
     return Checkpoints(built)
+
+
+@pytest.fixture
+def mixtral_trace():
+    """The real Mixtral-8x7B routing trace (not shipped, no open licence: docs/traces.md § Real routing says where to
+    get it), named by $FMOE_MIXTRAL_TRACE; the test skips without it."""
+    from pathlib import Path
+
+    given = os.environ.get("FMOE_MIXTRAL_TRACE")
+    if not given or not Path(given).is_file():
+        pytest.skip("the Mixtral trace is not here (set FMOE_MIXTRAL_TRACE: docs/traces.md § Real routing)")
+    return Path(given)

@@ -188,9 +188,17 @@ def test_trace_writer_on_a_full_disk_keeps_the_reason_and_never_raises():
 # --- what a prompt, a system prompt and a tokenizer need --------------------------------------
 
 
-def test_a_deleted_tokenizer_is_named(checkpoints, tmp_path):
-    path = copy_checkpoint(checkpoints["mixtral"], tmp_path / "model")
-    (path / "tokenizer.json").unlink()
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("keep", ["tokenizer_config.json", "nothing"])
+def test_a_deleted_tokenizer_is_named(checkpoints, tmp_path, family, keep):
+    """tokenizer.json gone, its config kept; or a directory of config.json and weights alone (transformers then
+    builds an empty tokenizer that encodes every prompt to nothing): either way the line names the files it lacks."""
+    path = copy_checkpoint(checkpoints[family], tmp_path / "model")
+    for file in path.iterdir():
+        if file.name != "config.json" and not file.name.endswith(".safetensors") and file.name != keep:
+            file.unlink()
+    assert (keep == "nothing") == (sorted(f.name for f in path.iterdir() if f.name != "config.json"
+                                          and not f.name.endswith(".safetensors")) == [])
     line = one_error(fmoe_here("bench", str(path), "--policy", "lru", "--tokens", "1", "--warmup", "0",
                                "--device", "cpu"))
     assert "has no tokenizer: none of tokenizer.json" in line and str(path) in line, line

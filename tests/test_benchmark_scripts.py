@@ -40,6 +40,7 @@ def test_simulate_paper_prints_the_issue_s_json_shape(capsys):
 
     simulate = benchmark("simulate")
     defaults = simulate.parser().parse_args(["paper"])
+    assert defaults.trace is None  # $FMOE_MIXTRAL_TRACE, else traces/demo.jsonl (said in one line)
     assert defaults.mixtral_budgets == [96, 160] and defaults.qwen_budgets == [240, 480]
     simulate.main(["paper", "--json", "--limit", "12", "--sequences", "2", "--tokens", "12", "--prompt", "4",
                    "--mixtral-budgets", "160", "--qwen-budgets", "480"])
@@ -53,6 +54,27 @@ def test_simulate_paper_prints_the_issue_s_json_shape(capsys):
                 assert set(policy) == {"tpot_ms", "ttft_ms"} and policy["tpot_ms"] > 0 and policy["ttft_ms"] > 0
     resident = report["mixtral-int2"]["160"]["resident"]["tpot_ms"]
     assert all(p["tpot_ms"] >= resident * 0.999 for p in report["mixtral-int2"]["160"].values())
+
+
+def test_the_mixtral_trace_is_found_by_option_or_environment_and_refused_when_missing(tmp_path, monkeypatch, capsys):
+    """benchmarks/mixtral_trace.py: --trace first, then $FMOE_MIXTRAL_TRACE, else None (the benchmark says so in one
+    line and runs on traces/demo.jsonl); a path given that is not a file is one `error:` line, exit 2."""
+    trace = benchmark("mixtral_trace")
+    here, there = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    here.write_text("{}\n")
+    there.write_text("{}\n")
+    monkeypatch.delenv(trace.ENV, raising=False)
+    assert trace.find(None) is None
+    monkeypatch.setenv(trace.ENV, str(there))
+    assert trace.find(None) == there and trace.find(str(here)) == here
+    line = trace.absent_line("the demo trace alone")
+    assert "\n" not in line and trace.ENV in line and "Mario928/speculative-moe" in line and "216e26e" in line
+    for option, env, named in ((str(tmp_path / "none.jsonl"), str(there), "--trace"), (None, str(tmp_path), trace.ENV)):
+        monkeypatch.setenv(trace.ENV, env)
+        with pytest.raises(SystemExit) as stop:
+            trace.find(option)
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.startswith(f"error: {named} ")
 
 
 def test_synthetic_routing_has_the_shape_it_was_fitted_to():
@@ -214,3 +236,93 @@ def test_link_policies_refuses_too_few_rounds_or_copies_in_one_line():
         done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "link_policies.py"), *flags],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and "at least" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_peer_llamacpp_options_quick_and_bad_input():
+    """benchmarks/peer_llamacpp.py: --quick is the smallest run (demo, f32 and q4, one round of 16 tokens, no waiting),
+    an option given beside it wins; without it every model and format, 3 rounds of 64. A model or format it does not
+    know, or 0 rounds, is one argparse error, exit 2, before anything is built."""
+    peer = benchmark("peer_llamacpp")
+    quick = peer.options(["--quick", "--cache-dir", "x"])
+    assert (quick.models, quick.formats, quick.rounds, quick.tokens, quick.max_wait, quick.run_wait) == \
+        (["demo"], ["f32", "q4"], 1, 16, 0, 0)
+    assert quick.cache_dir == Path("x").resolve()
+    assert peer.options(["--quick", "--rounds", "2", "--models", "big,demo"]).rounds == 2
+    assert peer.options(["--quick", "--models", "big,demo"]).models == ["big", "demo"]
+    full = peer.options(["--formats", "q4 q8,q4"])
+    assert (full.models, full.formats, full.rounds, full.tokens, full.max_wait) == (["a3b", "big", "demo"],
+                                                                                   ["q4", "q8"], 3, 64, 600)
+    for flags in (["--models", "mixtral"], ["--formats", "q2"], ["--rounds", "0"], ["--tokens", "x"]):
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peer_llamacpp.py"), *flags],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "error:" in done.stderr and "Traceback" not in done.stderr, flags
+        assert not done.stdout
+
+
+def test_peer_llamacpp_counts_the_bytes_a_decode_token_reads():
+    """fmoe_bytes against a plain count of a Qwen3-MoE checkpoint's tensors: a decode token reads every non-expert
+    tensor (the LM head whole, one row of the embedding) and top-k of each layer's E experts, each in its format."""
+    peer = benchmark("peer_llamacpp")
+    h, layers, heads, kv, hd, width, experts, k, vocab = 64, 3, 4, 2, 16, 32, 8, 2, 100
+    config = {"hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+              "head_dim": hd, "moe_intermediate_size": width, "num_experts": experts, "num_experts_per_tok": k,
+              "vocab_size": vocab}
+    per_layer = {"q": heads * hd * h, "k": kv * hd * h, "v": kv * hd * h, "o": h * heads * hd, "q_norm": hd,
+                 "k_norm": hd, "input_norm": h, "post_norm": h, "router": experts * h}
+    expert = 3 * width * h
+    for label, dtype_bytes, expert_bits in (("f32", 4, 32), ("bf16", 2, 16), ("q4", 4, 4.5)):
+        dense = sum(per_layer.values()) * layers + h + vocab * h + h  # final norm, LM head, one embedding row
+        want = dense * dtype_bytes + layers * k * expert * expert_bits / 8
+        assert peer.fmoe_bytes(config, *peer.FMOE_BITS[label]) == pytest.approx(want), label
+    # int8 attention (--dense int8): its rows and the head at 8 + 16/128 bits, the small tensors in the dtype
+    rows = (per_layer["q"] + per_layer["k"] + per_layer["v"] + per_layer["o"]) * layers + vocab * h
+    small = (sum(per_layer.values()) * layers + 2 * h) - (rows - vocab * h)
+    assert peer.fmoe_bytes(config, 4, 32, "int8") == pytest.approx(rows * (8 + 16 / 128) / 8 + small * 4
+                                                                   + layers * k * expert * 4)
+
+
+def _peer_run(directory: Path, model: str, label: str, r: int, llama_ms: float, fmoe_ms: float, others: float):
+    """A round's raw files as peer_llamacpp writes them: llama-bench's JSON, fmoe bench's, and each run's .cpu line
+    (wall, own CPU, the machine's busy CPU, the others' cores before), `others` being the others' share of 2 cores."""
+    import json
+
+    wall, cpu = 10.0, 20.0 * (1 - others)
+    busy = cpu + others * wall * os.cpu_count()
+    for tool in ("llama", "fmoe"):
+        (directory / f"{tool}_{model}-{label}_r{r}.cpu").write_text(f"{wall} {cpu} {busy} 0.1\n")
+    (directory / f"llama_{model}-{label}_r{r}.json").write_text(json.dumps([
+        {"n_prompt": 64, "n_gen": 0, "avg_ns": 1e8, "avg_ts": 640.0},
+        {"n_prompt": 0, "n_gen": 16, "avg_ns": llama_ms * 16 * 1e6, "avg_ts": 1000 / llama_ms}]))
+    (directory / f"fmoe_{model}-{label}_r{r}.json").write_text(json.dumps(
+        {"dense": "bf16", "prompt_tokens": 64, "runs": [{"tpot_ms": {"median": fmoe_ms}, "ttft_ms": 200.0}]}))
+
+
+def test_peer_llamacpp_summarises_the_clean_rounds_of_each_cell(tmp_path, monkeypatch):
+    """A cell's TPOT is the median of its rounds in which the other processes left the run its cores (all rounds when
+    none did); one line per cell says both tools' decode and prefill and fmoe ÷ llama.cpp of each."""
+    import argparse
+    import json
+
+    peer = benchmark("peer_llamacpp")
+    (tmp_path / "models" / "demo").mkdir(parents=True)
+    (tmp_path / "models" / "demo" / "config.json").write_text((ROOT / "fmoe_cli" / "models" / "demo_model" /
+                                                               "config.json").read_text())
+    out = tmp_path / "results" / "run-1"
+    out.mkdir(parents=True)
+    _peer_run(out, "demo", "q4", 1, llama_ms=2.0, fmoe_ms=3.0, others=0.0)
+    _peer_run(out, "demo", "q4", 2, llama_ms=2.5, fmoe_ms=9.0, others=0.6)  # a busy round: left out
+    _peer_run(out, "demo", "q4", 3, llama_ms=3.0, fmoe_ms=3.6, others=0.02)
+    for r in (1, 2):
+        _peer_run(out, "demo", "f32", r, llama_ms=4.0, fmoe_ms=5.0 + r, others=0.7)  # none clean: all rounds
+    monkeypatch.setattr(peer, "gguf_bytes", lambda path, config: 1e6)
+    args = argparse.Namespace(models=["demo"], formats=["f32", "q4"], rounds=3, threads=2)
+    rows = {r["fmt"]: r for r in peer.summarise(args, tmp_path, out, 10e9)}
+    q4 = rows["q4"]
+    assert (q4["llama_tpot"], q4["fmoe_tpot"]) == (2.5, 3.3) and q4["fmoe_clean"] == "2/3"
+    assert q4["decode_ratio"] == pytest.approx(3.3 / 2.5) and q4["prefill_ratio"] == pytest.approx(320 / 640)
+    assert q4["llama_floor"] == pytest.approx(0.1)  # 1 MB at 10 GB/s: 0.1 ms
+    assert rows["f32"]["fmoe_tpot"] == 6.5 and rows["f32"]["fmoe_clean"] == "0/2"
+    line = peer.cell_line(q4)
+    assert "\n" not in line and line.startswith("demo-q4: decode fmoe 3.30 ms, llama.cpp 2.50 ms")
+    assert "fmoe ÷ llama.cpp 1.32" in line and "fmoe ÷ llama.cpp 0.50" in line
+    json.dumps(rows)  # the summary is JSON

@@ -81,5 +81,6 @@ def test_training_script_runs_a_few_steps(tmp_path: Path) -> None:
     assert (final / "config.json").exists() and list(final.glob("*.safetensors"))
     info = json.loads((final / "training_info.json").read_text())
     assert info["steps_done"] == 2 and len(info["history"]) == 1
+    assert info["args"]["out"] == "run"  # the run directory's name, no path of this machine
     lm = load_model(str(final), device="cpu", dtype="float32")  # loads through the same path as a hub model
     assert lm.shape.num_experts == 4 and lm.shape.top_k == 2

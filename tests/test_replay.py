@@ -26,7 +26,6 @@ from fmoe_cli.bench.replay import (
 from fmoe_cli.trace import TraceWriter, read_trace
 from fmoe_cli.errors import FmoeError
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mixtral-8x7b-humaneval.jsonl"
 POLICIES = ("lru", "lfu", "lcp", "random")
 
 
@@ -263,9 +262,8 @@ def test_run_replay_errors(tmp_path: Path) -> None:
         run_replay(str(bad), "1-3", "lru", True)
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared Mixtral trace not present")
-def test_shared_trace_replay() -> None:
-    obj = run_replay(str(SHARED), "2,4,6", "lru,lcp", True, console=Console(file=io.StringIO()))
+def test_shared_trace_replay(mixtral_trace: Path) -> None:
+    obj = run_replay(str(mixtral_trace), "2,4,6", "lru,lcp", True, console=Console(file=io.StringIO()))
     assert (obj["sequences"], obj["tokens"], obj["layers"], obj["experts"]) == (2, 333, 32, 8)
     lru, lcp, opt = obj["hit_rate"]["lru"], obj["hit_rate"]["lcp"], obj["hit_rate"]["belady"]
     # The values in docs/traces.md.

@@ -54,20 +54,42 @@ def test_an_emulated_profile_is_kept_apart(loaded, tmp_path, monkeypatch, capsys
 
 
 def test_a_quick_estimate_says_so_and_a_profile_makes_it_firm(checkpoints, tmp_path, monkeypatch):
-    """Without a saved profile the configured plan rests on a quick measurement: the run says so and
-    how to make it firm; after `fmoe profile --model` it says nothing and the report names the profile."""
+    """Without a saved profile the configured plan rests on a quick measurement: the run says so, once, under
+    its table (--json: in the report, not on stderr), and how to make it firm; after `fmoe profile --model` it says
+    nothing and the report names the profile."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     model = str(checkpoints["mixtral"])
-    bench = ["bench", model, "--policy", "moepic", "--tokens", "2", "--warmup", "0", "--device", "cpu", "--json"]
-    first = CliRunner().invoke(app, bench)
+    bench = ["bench", model, "--policy", "moepic", "--tokens", "2", "--warmup", "0", "--device", "cpu"]
+    first = CliRunner().invoke(app, [*bench, "--json"])
     assert first.exit_code == 0, first.output
-    assert json.loads(first.stdout)["timings"] == "quick estimate"
-    assert f"`fmoe profile --model {model}` measures this model once" in first.stderr
+    report = json.loads(first.stdout)
+    assert report["timings"] == "quick estimate"
+    assert f"`fmoe profile --model {model}` measures this model once" in report["timing_note"]
+    assert "quick timing estimate" not in first.stderr
+    shown = CliRunner().invoke(app, bench)  # the estimate the first run kept: still the plan's, still said
+    assert shown.exit_code == 0, shown.output
+    assert shown.stdout.count("quick timing estimate") == 1 and "quick timing estimate" not in shown.stderr
+    assert shown.stdout.index("token ids identical") < shown.stdout.index("quick timing estimate")  # under the table
     profiled = CliRunner().invoke(app, ["profile", "--model", model, "--quick", "--prefill-len", "4", "--device", "cpu"])
     assert profiled.exit_code == 0, profiled.output
-    second = CliRunner().invoke(app, bench)
+    second = CliRunner().invoke(app, [*bench, "--json"])
     assert second.exit_code == 0, second.output
-    assert json.loads(second.stdout)["timings"] == "profile" and "quick timing estimate" not in second.stderr
+    report = json.loads(second.stdout)
+    assert report["timings"] == "profile" and report["timing_note"] is None
+    assert "quick timing estimate" not in second.stderr
+
+
+def test_no_quick_estimate_note_where_a_profile_could_not_change_the_plan(checkpoints, tmp_path, monkeypatch):
+    """A budget that holds every expert: the configured plan caches them all whatever the timings, so a quick
+    estimate is not worth a note (the report still says where its timings came from)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    model = str(checkpoints["mixtral"])
+    done = CliRunner().invoke(app, ["bench", model, "--policy", "moepic", "--tokens", "2", "--warmup", "0",
+                                    "--device", "cpu", "--vram-budget", "100%", "--json"])
+    assert done.exit_code == 0, done.output
+    report = json.loads(done.stdout)
+    assert report["timings"] == "quick estimate" and report["timing_note"] is None
+    assert "quick timing estimate" not in done.stderr
 
 
 def test_a_first_start_shows_each_step_and_keeps_the_quick_estimate(checkpoints, tmp_path, monkeypatch):

@@ -12,8 +12,6 @@ from hypothesis import strategies as st
 from fmoe_cli.trace import TraceRecord, TraceWriter, read_trace, write_trace
 from fmoe_cli.errors import FmoeError
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mixtral-8x7b-humaneval.jsonl"
-
 
 def _write(path: Path, lines: list[object]) -> Path:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines), encoding="utf-8")
@@ -152,9 +150,8 @@ def test_vllm_format(tmp_path: Path) -> None:
     assert trace.num_tokens == 4
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="shared Mixtral trace not present")
-def test_shared_mixtral_trace() -> None:
-    trace = read_trace(SHARED)
+def test_shared_mixtral_trace(mixtral_trace: Path) -> None:
+    trace = read_trace(mixtral_trace)
     assert trace.format == "vllm"
     assert len(trace.sequences) == 2
     assert trace.num_tokens == 333  # README: 333 complete tokens

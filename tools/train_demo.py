@@ -332,7 +332,8 @@ def main(argv=None) -> int:
     info = {
         "corpus": source, "corpus_sha256": digest,
         "licence": "King James Version text: public domain (copyright expired)" if not args.corpus else "see corpus",
-        "args": vars(args), "parameters": n_params, "train_tokens": len(train), "val_tokens": len(val),
+        # the run directory by its name only: the shipped file names no path of the machine it was trained on
+        "args": {**vars(args), "out": Path(args.out).name}, "parameters": n_params, "train_tokens": len(train), "val_tokens": len(val),
     }
     history = []
     model.train()

@@ -286,6 +286,8 @@ def render(report: dict, console: Console) -> None:
                                                        f"({paired['min']:.3f}–{paired['max']:.3f})"), highlight=False)
     console.print("token ids identical across policies" if report["token_ids_identical"] else
                   "[red]token ids DIFFER across policies[/red]")
+    if report.get("timing_note"):
+        console.print(f"[dim]note: {report['timing_note']}[/dim]", highlight=False)
     if report.get("interrupted") and report.get("rounds", 1) > 1:
         console.print(f"[yellow]PARTIAL: interrupted (Ctrl-C) in round {report['interrupted']['round']} of "
                       f"{report['rounds']}; rounds measured: "
@@ -336,7 +338,7 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
     check_counts(tokens, warmup, rounds)
     prompt = DEFAULT_PROMPT if prompt is None else prompt
     interrupted = False
-    with open_run(opts, console) as run:
+    with open_run(opts, console, say_timing_note=False) as run:  # the note goes under the table (render)
         lm, engine = run.lm, run.engine
         prompt_ids = encode_prompt(lm, prompt)
         check_context(run.context or context_length(lm), prompt_ids.shape[-1], max(tokens, warmup), "--tokens" if tokens >= warmup else "--warmup")
@@ -388,6 +390,7 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
                           warmup=warmup, token_ids=[r.token_ids for results in measured for r in results],
                           rounds=rounds)
     report["timings"] = run.timing_source  # the configurator's: "profile", "quick estimate", or None
+    report["timing_note"] = run.timing_note  # how to make a quick estimate firm, where that could change the plan
     host = saved_host_profile()  # this machine's host profile (`fmoe profile`), for the host lane's figures
     fit = None if host is None else host.fit(host_format(lm.shape))
     report["host_profile"] = {"line": host_line(host, host_format(lm.shape)),

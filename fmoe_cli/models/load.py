@@ -221,17 +221,22 @@ def load_model(
 
 def load_tokenizer(path: Path, model_id: str, trust_remote_code: bool = False):
     """The model's tokenizer; None when it has no tokenizer file at all (the weights still load: encoding a
-    prompt then names the files it lacks, generate.no_tokenizer); a file that does not load: one line."""
+    prompt then names the files it lacks, generate.no_tokenizer); a file that does not load: one line.
+    Without any vocabulary file transformers may still build the config's tokenizer class with an empty
+    vocabulary, which encodes every prompt to nothing: that is no tokenizer either."""
     from transformers import AutoTokenizer
 
+    present = [name for name in TOKENIZER_FILES if (path / name).exists()]
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        present = [name for name in TOKENIZER_FILES if (path / name).exists()]
         if not present:
             return None
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise FmoeError(f"{model_id}: its tokenizer ({', '.join(present)}) does not load: {reason}") from None
+    if not present and not tokenizer("a")["input_ids"]:
+        return None
+    return tokenizer
 
 
 def _save_converted(path: Path, store, fingerprint: str, shape: ExpertShape, console: Console) -> None:
