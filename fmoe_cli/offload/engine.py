@@ -27,6 +27,7 @@ finished load takes the next one).
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
@@ -290,9 +291,10 @@ class Engine:
         self._stacks_for: dict = {}  # (dtype, activation) -> store.stacks of a CPU decode token (_stacks)
         # the host lane (offload/host.py): used by the layers whose plan computes misses and bottoms on the host
         self.host_lane = HostLane(shape.num_layers, host_threads)
-        # The device's code path (a GPU; tests on the CPU set it): a resident layer's decode computes on the device
-        # from the routing there (`_resident_device_decode`) and its bookkeeping waits until the token is done.
-        self.device_side = device.type == "cuda"
+        # The device's code path (a GPU; tests on the CPU set it, FMOE_DEVICE_PATH=1 for measurements): a resident
+        # layer's decode computes on the device from the routing there (`_resident_device_decode`), its bookkeeping
+        # waits until the token is done, and a layer's routing is read through `read_to_host`.
+        self.device_side = device.type == "cuda" or os.environ.get("FMOE_DEVICE_PATH", "").strip() == "1"
         self._grouped_on_device = True  # False once torch's grouped matmul refused this device (routed_forward)
         self._deferred: list[int] = []  # layers whose routing is on its way to the host (`_defer`, `_settle`)
         self._route_copies: dict[int, tuple[HostCopy, HostCopy]] = {}  # per layer: its ids' and weights' copies
