@@ -10,7 +10,8 @@ What it does, each step only where its result is not already in the cache direct
 $XDG_CACHE_HOME/fmoe-peer; a second run costs only the measuring):
 
 1. llama.cpp: the llama-cpp-python sdist (it vendors llama.cpp), fetched with pip from the package registry, and
-   its `llama-bench` and `llama-quantize` built for this CPU with cmake (ninja where present; ~4 min on 2 cores).
+   its `llama-bench` and `llama-quantize` built for this CPU with cmake (ninja where present; ~4 min on 2 idle
+   cores): `-march=native`, or where the CPU lists AMX every other extension it has (`cpu_flags`).
 2. Checkpoints (bf16 safetensors, per-expert keys, the demo's tokenizer): `demo` (fmoe's shipped demo model),
    `big` (random weights: hidden 1024, 8 layers, 16/4 heads × 64, 64 experts × 512, top-8: 0.89 B parameters) and
    `a3b` (random weights, Qwen3-30B-A3B's layer shape: hidden 2048, 32/4 heads × 128, 128 experts × 768, top-8,
@@ -49,8 +50,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "fmoe_cli" / "models" / "demo_model"
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
-CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+               "-DLLAMA_BUILD_SERVER=OFF"]
+# /proc/cpuinfo flag: ggml's option, for a build of every vector extension the CPU has but AMX (cpu_flags)
+GGML_EXTENSIONS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2",
+                   "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI", "avx512_vnni": "GGML_AVX512_VNNI",
+                   "avx512_bf16": "GGML_AVX512_BF16", "avx_vnni": "GGML_AVX_VNNI"}
 MODELS = ("a3b", "big", "demo")
 # name: (hidden, layers, q heads, kv heads, head dim, expert width, experts, top-k)
 SHAPES = {"big": (1024, 8, 16, 4, 64, 512, 64, 8), "a3b": (2048, 4, 32, 4, 128, 768, 128, 8)}
@@ -98,16 +103,31 @@ def llama_source(cache: Path) -> Path:
     return llama
 
 
-def build_llama(cache: Path, llama: Path) -> Path:
-    """llama-bench and llama-quantize for this CPU; the build directory's bin/."""
+def cpu_flags(cpuinfo: str) -> list[str]:
+    """ggml's options for this CPU: -march=native, except where the CPU lists AMX. A VM may list AMX without granting
+    its tile state, and a native build's quantised prefill then dies in ggml's AMX matmul (SIGSEGV or SIGILL): there,
+    every other vector extension the CPU lists, named one by one."""
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
+    if not any(f.startswith("amx") for f in flags):
+        return ["-DGGML_NATIVE=ON"]
+    return ["-DGGML_NATIVE=OFF"] + [f"-D{option}={'ON' if flag in flags else 'OFF'}"
+                                    for flag, option in GGML_EXTENSIONS.items()]
+
+
+def build_llama(cache: Path, llama: Path, flags: list[str]) -> Path:
+    """llama-bench and llama-quantize for this CPU; the build directory's bin/. Built again when the flags differ
+    from the build's (build/fmoe-cmake-flags.txt)."""
     build = cache / "build"
     tools = build / "bin"
-    if not ((tools / "llama-bench").exists() and (tools / "llama-quantize").exists()):
+    stamp = build / "fmoe-cmake-flags.txt"
+    built = stamp.read_text() if stamp.is_file() else None
+    if not ((tools / "llama-bench").exists() and (tools / "llama-quantize").exists()) or built != " ".join(flags):
         generator = ["-G", "Ninja"] if shutil.which("ninja") and not (build / "CMakeCache.txt").exists() else []
         log(f"building llama.cpp (log: {cache / 'build.log'})")
-        run(["cmake", "-B", str(build), "-S", str(llama), *generator, *CMAKE_FLAGS], cache / "cmake_configure.log")
+        run(["cmake", "-B", str(build), "-S", str(llama), *generator, *flags], cache / "cmake_configure.log")
         run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 1), "--target", "llama-bench",
              "llama-quantize"], cache / "build.log")
+        stamp.write_text(" ".join(flags))
     return tools
 
 
@@ -587,7 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"cache {cache}: ~{need:.1f} GB to write, {free:.1f} GB free")
 
     llama = llama_source(cache)
-    tools = build_llama(cache, llama)
+    flags = CMAKE_FLAGS + cpu_flags(Path("/proc/cpuinfo").read_text())
+    tools = build_llama(cache, llama, flags)
     version, commit = llama_version(tools, llama)
     convert = converter(cache, llama)
     for model in args.models:
@@ -611,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(args, cache, out, copy["GBps"] * 1e9)
     summary = {"rows": rows, "bandwidth_GBps": copy["GBps"], "load_start": load_start, "load_end": load_average(),
                "threads": args.threads, "rounds": args.rounds, "tokens": args.tokens, "llama_version": version,
-               "llama_commit": commit, "cmake_flags": " ".join(CMAKE_FLAGS), "results": str(out)}
+               "llama_commit": commit, "cmake_flags": " ".join(flags), "results": str(out)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print_table(rows, summary)
     if args.json:

@@ -326,3 +326,35 @@ def test_peer_llamacpp_summarises_the_clean_rounds_of_each_cell(tmp_path, monkey
     assert "\n" not in line and line.startswith("demo-q4: decode fmoe 3.30 ms, llama.cpp 2.50 ms")
     assert "fmoe ÷ llama.cpp 1.32" in line and "fmoe ÷ llama.cpp 0.50" in line
     json.dumps(rows)  # the summary is JSON
+
+
+def test_peer_llamacpp_builds_without_amx_where_the_cpu_lists_it():
+    """A CPU without AMX: llama.cpp's native build. One that lists AMX (a VM may list it without granting its tile
+    state, and a native build's quantised prefill then dies in ggml's AMX matmul): every other extension the CPU
+    lists, one by one, and the rest off."""
+    peer = benchmark("peer_llamacpp")
+    epyc = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c bmi2\n"
+    xeon = "processor\t: 0\nflags\t\t: fpu avx avx2 fma f16c bmi2 avx512f avx512_vnni amx_tile amx_int8\n"
+    assert peer.cpu_flags(epyc) == ["-DGGML_NATIVE=ON"]
+    flags = peer.cpu_flags(xeon)
+    assert flags[0] == "-DGGML_NATIVE=OFF" and not any("AMX" in f for f in flags)
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX2=ON", "-DGGML_AVX512_BF16=OFF",
+            "-DGGML_AVX_VNNI=OFF"} <= set(flags)
+
+
+def test_peer_llamacpp_writes_a_random_checkpoint_fmoe_and_transformers_load(tmp_path, monkeypatch):
+    """The random-weight checkpoints (a3b, big) at a tiny shape: the keys a Qwen3-MoE checkpoint has (transformers
+    loads it with nothing missing or unexpected), the demo's tokenizer beside it, and fmoe loads it as that shape."""
+    from transformers import AutoModelForCausalLM
+
+    from fmoe_cli.models.load import load_model
+
+    peer = benchmark("peer_llamacpp")
+    monkeypatch.setitem(peer.SHAPES, "tiny", (64, 2, 4, 2, 16, 32, 8, 2))
+    out = tmp_path / "tiny"
+    peer.write_random_model("tiny", out)
+    assert (out / "tokenizer.json").is_file() and not list(out.glob("*.tmp"))
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    lm = load_model(str(out), device="cpu", dtype="float32")
+    assert (lm.shape.num_layers, lm.shape.num_experts, lm.shape.top_k, lm.shape.hidden) == (2, 8, 2, 64)
