@@ -105,3 +105,14 @@ def test_fmoe_profile_measures_the_host_and_plan_shows_it(tmp_path, monkeypatch)
     assert {"hybrid", "llama.cpp pattern", "moepic", "lru"} <= set(report["tpot"]["policies"])
     shown = runner.invoke(app, ["plan", "demo", "--vram", "1GiB"])
     assert shown.exit_code == 0 and "per-layer plan of hybrid" in shown.output and "llama.cpp" in shown.output
+
+
+def test_a_quick_profile_measures_bf16_too():
+    """Issue 37 §5: `fmoe profile --quick` measures the host lane in bf16 beside f32 (a GPU's default dtype: without
+    it `hybrid` could not plan a bf16 model there), and in the model's own format."""
+    from fmoe_cli.bench.profile import quick_host_formats
+    from fmoe_cli.types import ExpertShape
+
+    assert quick_host_formats(None) == ("f32", "bf16")
+    shape = ExpertShape(num_layers=2, num_experts=8, top_k=2, hidden=64, intermediate=64, dtype_bytes=2, experts="int4")
+    assert quick_host_formats(shape) == ("f32", "bf16", "int4")

@@ -47,6 +47,12 @@ PER_LAYER_LEGEND = ("per layer: T_att (attention and norms) and T_moe (the layer
                     "(T_exp below) by the router's and combine's share")
 
 
+
+def quick_host_formats(shape) -> tuple[str, ...]:
+    """The host formats `fmoe profile --quick` measures: f32 and bf16 always (on the first H200 run a quick profile
+    had f32 alone and `hybrid` ran moepic's plan on a bf16 model: "host: no figures for bf16"), and the model's."""
+    return tuple(dict.fromkeys(("f32", "bf16") + (() if shape is None else (host_format(shape),))))
+
 def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: float | None, prefill_len: int,
                 quick: bool, as_json: bool, device: str, console: Console) -> Path | None:
     """`fmoe profile`: the device's link and memory; with a model (`opts`), its per-layer timings too."""
@@ -62,9 +68,9 @@ def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: floa
             link_task = progress.add_task("host → device link", total=link_steps(dev, quick, emulate_link is not None))
             device_profile = profile_device(emulate_link, quick=quick, device=dev,
                                             advance=lambda: progress.advance(link_task))
-            # the host's expert compute per format (--quick: f32 and the model's format only)
-            formats = HOST_FORMATS if not quick else tuple(dict.fromkeys(
-                ("f32",) + (() if run is None else (host_format(run.lm.shape),))))
+            # the host's expert compute per format (--quick: f32, bf16 (a GPU's default dtype: without its figures
+            # `hybrid` cannot plan a bf16 model there) and the model's format)
+            formats = HOST_FORMATS if not quick else quick_host_formats(None if run is None else run.lm.shape)
             host_task = progress.add_task("host expert compute", total=len(formats))
             host = measure_host(formats, quick=quick, prefill_tokens=prefill_len,
                                 advance=lambda: progress.advance(host_task))
