@@ -134,8 +134,8 @@ def test_decode_steps_in_c(checkpoints, family, dtype, dense, monkeypatch):
     for step, (a, b) in enumerate(zip(got, want)):
         apart.append(float((a - b).abs().max() / b.abs().max()))
         assert apart[-1] <= most, f"step {step}: {apart}"
-        if int(a.argmax()) != int(b.argmax()):  # only a near tie may go either way within the dtype's rounding (bf16
-            # on a CPU whose torch matmuls use AMX: mixtral left torch's token at step 15 by 0.35 % of the largest
+        if int(a.argmax()) != int(b.argmax()):  # only a near tie may go either way within the dtype's rounding (bf16:
+            # on an Intel Xeon with AVX-512 and AMX, mixtral left torch's token at step 15 by 0.35 % of the largest
             # logit); the greedy runs part there, so the comparison ends with it
             flat = b.flatten()
             margin = float(flat[b.argmax()] - flat[a.argmax()]) / float(b.abs().max())
