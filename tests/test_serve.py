@@ -611,13 +611,14 @@ def stream_content(events: list) -> str:
     return "".join(e["choices"][0]["delta"].get("content", "") for e in events if isinstance(e, dict) and e.get("choices"))
 
 
-@pytest.mark.parametrize("grace_s", [30.0, 0.0])
-def test_shutdown_ends_the_answer_as_a_stream_and_refuses_the_queue(chat_run, server, reference, gate, grace_s):
-    """The answer in progress finishes within the grace period, or ends with an error event and [DONE] (a
-    complete chunked body: read() returns); requests still waiting, streamed or not, get a 503 in JSON."""
+@pytest.mark.parametrize("grace_s, stream", [(30.0, True), (0.0, True), (0.0, False)])
+def test_shutdown_ends_the_answer_as_a_response_and_refuses_the_queue(chat_run, server, reference, gate, grace_s, stream):
+    """The answer in progress finishes within the grace period, or ends: a stream with an error event and
+    [DONE] (a complete chunked body: read() returns), a JSON answer as a 503. Requests still waiting,
+    streamed or not, get a 503 in JSON."""
     own = Server(start_service(chat_run.session, "demo", ServeOptions(port=0, grace_s=grace_s)))
     try:
-        conn = raw_stream(own, {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "stream": True})
+        conn = raw_stream(own, {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "stream": stream})
         wait_for(lambda: gate.arrivals == 1, "the answer to begin")
         waiting = [in_thread(own.request, "POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "stream": s}))
                    for s in (True, False)]
@@ -632,16 +633,47 @@ def test_shutdown_ends_the_answer_as_a_stream_and_refuses_the_queue(chat_run, se
             events = sse_events(conn.getresponse().read().decode())
             assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
             assert stream_content(events) == decode(server, reference(chat_ids(server, MESSAGES), 6))
-        else:  # ended at once, as a stream: an error event, [DONE], the end of the chunked body
+        else:  # ended at once, while the engine is still held
             job = own.service.worker.current
-            events = sse_events(conn.getresponse().read().decode())  # while the engine is still held
-            assert events[-1] == "[DONE]" and events[-2]["error"]["message"].startswith("the server is shutting down")
+            response = conn.getresponse()
+            if stream:  # as a stream: an error event, [DONE], the end of the chunked body
+                events = sse_events(response.read().decode())
+                assert events[-1] == "[DONE]" and events[-2]["error"]["message"].startswith("the server is shutting down")
+            else:
+                reply = json.loads(response.read())
+                assert response.status == 503 and reply["error"]["message"].startswith("the server is shutting down")
             assert job.cancelled.is_set()
             gate.open()
             wait_for(lambda: own.service.worker.current is None, "the engine to be free")
             assert job.generated == job.generated_at_cancel == 1  # within one token
         own.thread.join(WAIT_S)
         assert not own.thread.is_alive()
+    finally:
+        own.stop()
+
+
+def test_a_body_still_arriving_when_the_grace_is_over_gets_a_503(chat_run, server, monkeypatch, caplog):
+    import logging
+
+    import fmoe_cli.serve.app as app_module
+
+    monkeypatch.setattr(app_module, "SHUTDOWN_SLACK_S", 0.05)  # uvicorn cancels what still runs after it
+    own = Server(start_service(chat_run.session, "demo", ServeOptions(port=0, grace_s=0.0)))
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", own.port, timeout=WAIT_S)
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Length", "1000")
+        conn.endheaders(b'{"messages": [')  # and the rest never comes
+        wait_for(lambda: own.server.server_state.tasks, "the request to be read")
+        with caplog.at_level(logging.WARNING, logger="fmoe.serve"):
+            own.server.should_exit = True
+            response = conn.getresponse()
+            reply = json.loads(response.read())
+            own.thread.join(WAIT_S)
+        assert response.status == 503 and reply["error"]["message"] == "the server is shutting down"
+        assert [r.getMessage() for r in caplog.records if r.name == "fmoe.serve"] == [
+            "POST /v1/chat/completions cancelled at shutdown"]
+        assert not any(r.exc_info for r in caplog.records)
     finally:
         own.stop()
 

@@ -192,7 +192,7 @@ class Gate:
             # uvicorn cancels what still runs SHUTDOWN_SLACK_S after the grace period (a body still arriving):
             # a 503 if nothing was sent yet, one log line, and the request ends here (no traceback)
             log.warning("%s %s cancelled at shutdown", scope.get("method"), path)
-            if status["code"] == 500 and not status.get("started"):
+            if not status.get("started"):
                 response = JSONResponse(error_body("the server is shutting down", "server_error"), status_code=503)
                 with contextlib.suppress(Exception):
                     await response(scope, receive, counted)
@@ -209,7 +209,7 @@ class Gate:
         return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), key.encode())
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytearray:
     """The body's bytes, at most `limit` (413 beyond, on the declared length and as it arrives)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -219,7 +219,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         body += chunk
         if len(body) > limit:
             raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-    return bytes(body)
+    return body
 
 
 def sse(data: dict | str) -> str:

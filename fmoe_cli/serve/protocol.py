@@ -43,7 +43,7 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 # --- requests -----------------------------------------------------------------
 
 
-def decode_body(raw: bytes) -> object:
+def decode_body(raw: bytes | bytearray) -> object:
     """A request body as JSON, or a 400 that says what is wrong with it: not UTF-8, not JSON (NaN and
     Infinity are not JSON; nor is an integer of more than 4300 digits), nested deeper than MAX_DEPTH,
     or a string holding half of a UTF-16 surrogate pair (no tokenizer takes one)."""
