@@ -276,6 +276,7 @@ def create_app(service: Service) -> FastAPI:
         except BaseException:
             service.worker.release()
             raise
+        del raw  # not kept while the request waits and is answered
         return await respond(service, request, req, ids, max_tokens, Reply(chat=kind is ChatRequest,
                                                                            model=service.model_id))
 
