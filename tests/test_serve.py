@@ -773,6 +773,31 @@ def test_worker_is_fifo_refuses_when_full_and_runs_idle_only_with_an_empty_queue
     assert isinstance(got[4], Done) and order == [0, 2, 4]
 
 
+def test_worker_counts_reserved_places_against_the_queue():
+    from fmoe_cli.serve.worker import Closed
+
+    release = threading.Event()
+    worker = Worker(lambda job: release.wait(WAIT_S) and job.emit(Done("eos", "", None)), max_queue=2).start()
+    running = Job([0], 1, None, lambda m: None)
+    worker.submit(running)
+    wait_for(lambda: worker.current is running, "a job to run")
+    worker.reserve()  # a prompt being tokenised
+    worker.submit(Job([1], 1, None, lambda m: None))
+    assert worker.queue_length == 2
+    with pytest.raises(QueueFull):
+        worker.reserve()
+    worker.release()  # its body was bad: the place is free again
+    worker.reserve()
+    worker.close()
+    with pytest.raises(Closed):
+        worker.submit(Job([2], 1, None, lambda m: None), reserved=True)  # tokenised while the server closed
+    with pytest.raises(Closed):
+        worker.reserve()
+    assert worker.queue_length == 0
+    release.set()
+    worker.join(WAIT_S)
+
+
 # --- the command ------------------------------------------------------------------------
 
 
