@@ -289,6 +289,7 @@ def serve(
                        trust_remote_code=trust_remote_code,
                        profile=profile, context=context, host_threads=host_threads)
     sock = options.bind()  # a port in use is one line too, before anything slow is imported
+    serve_defaults.limit_malloc_arenas()  # before torch's and the server's threads exist
     try:
         _quiet_libraries()
         from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the options read

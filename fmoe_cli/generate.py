@@ -319,6 +319,10 @@ class TokenEvent:
     finish_reason: str | None  # "eos" or "length" on the last event, else None
 
 
+TINY_TEMPERATURE = torch.finfo(torch.float32).tiny  # below it (0 included) float32 cannot divide by it: greedy,
+# which is what sampling at such a temperature is (but among exactly tied logits)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -329,12 +333,14 @@ class SamplingParams:
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Greedy at temperature 0; otherwise temperature + nucleus (top-p) sampling."""
     logits = logits.float()
-    if params.temperature <= 0:
+    if params.temperature < TINY_TEMPERATURE:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    # less the largest first: a tiny temperature sends the others to -inf, never inf - inf
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p  # always keeps the top token
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+        keep[0] = True  # the top token always (a top_p below float32's smallest number keeps nothing else)
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
     return int(torch.multinomial(probs, 1, generator=generator))
 

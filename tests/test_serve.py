@@ -16,6 +16,7 @@ import time
 import openai
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from rich.console import Console
 from transformers import AutoModelForCausalLM
 
@@ -26,7 +27,7 @@ from fmoe_cli.generate import encode_messages, encode_text
 from fmoe_cli.models.demo import SHIPPED
 from fmoe_cli.options import RunOptions
 from fmoe_cli.serve import ServeOptions
-from fmoe_cli.serve.app import serve_in, start_service
+from fmoe_cli.serve.app import SHUTDOWN_SLACK_S, serve_in, start_service
 
 WAIT_S = 60  # a generous bound on waiting for an event (a failing test, not a slow one, reaches it)
 
@@ -37,6 +38,22 @@ def wait_for(condition, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.005)
+
+
+def http_request(port: int, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
+    """(status, headers, decoded JSON or text) over plain HTTP."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        data = response.read().decode()
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError:
+            pass
+        return response.status, response.headers, data  # headers: case-insensitive
+    finally:
+        conn.close()
 
 
 class Server:
@@ -59,19 +76,7 @@ class Server:
         return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", "none"), max_retries=0, **kwargs)
 
     def request(self, method: str, path: str, body: bytes | str | None = None, headers: dict | None = None):
-        """(status, headers, decoded JSON or text) over plain HTTP."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=WAIT_S)
-        try:
-            conn.request(method, path, body=body, headers=headers or {})
-            response = conn.getresponse()
-            data = response.read().decode()
-            try:
-                data = json.loads(data)
-            except json.JSONDecodeError:
-                pass
-            return response.status, response.headers, data  # headers: case-insensitive
-        finally:
-            conn.close()
+        return http_request(self.port, method, path, body, headers)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -444,12 +449,33 @@ def test_oversize_body(server, monkeypatch):
     ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "only text"),
     ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400, "context is 1024 tokens"),
     ('{"messages": [{"role": "user", "content": "hi"}], "stop": ""}', 400, "stop string"),
+    # hostile bodies: nesting (json's own recursion limit, then ours), encoding, numbers, ranges
+    ("[" * 10_000 + "]" * 10_000, 400, "nested more than 32 levels"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "metadata": ' + "[" * 40 + "]" * 40 + "}", 400,
+     "nested more than 32 levels"),
+    ('{"messages": [{"role": "user", "content": "caf\xe9"}]}'.encode("latin-1"), 400, "not UTF-8"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}'.encode("utf-16"), 400, "not UTF-8"),
+    ('{"messages": [{"role": "user", "content": "half a pair \\ud800"}]}', 400, "lone UTF-16 surrogate"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "NaN is not a JSON value"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1' + "0" * 5000 + "}", 400, "4300 digits"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "seed": 18446744073709551616}', 400, "seed"),
 ])
 def test_bad_requests_get_openai_errors(server, jobs, body, status, fragment):
     got, _, reply = server.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
     assert got == status and fragment in reply["error"]["message"] and reply["error"]["type"], reply
     assert set(reply["error"]) == {"message", "type", "param", "code"}
     assert jobs == []  # refused before the queue
+
+
+def test_hostile_completions_and_sampling_edges(server, reference):
+    status, _, reply = server.request("POST", "/v1/completions", '{"prompt": "half a pair \\udfff", "max_tokens": 2}')
+    assert status == 400 and "surrogate" in reply["error"]["message"]
+    # a temperature or top_p too small for float32: greedy, and the same answer as temperature 0
+    prompt = "In the beginning"
+    expected = decode(server, reference(encode_text(server.service.session.lm.tokenizer, prompt, "demo"), 6))
+    for extreme in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-320}):
+        done = server.client().completions.create(model="demo", prompt=prompt, max_tokens=6, **extreme)
+        assert done.choices[0].text == expected, extreme
 
 
 def test_a_prompt_longer_than_the_context_and_unknown_paths(server):
@@ -459,6 +485,82 @@ def test_a_prompt_longer_than_the_context_and_unknown_paths(server):
     assert status == 404 and "error" in reply
     status, _, reply = server.request("GET", "/v1/chat/completions")
     assert status == 405 and "error" in reply
+
+
+def test_a_prompt_too_long_in_characters_or_messages_is_refused_before_tokenising(server, jobs, monkeypatch):
+    import fmoe_cli.serve.app as app_module
+
+    tokenised = []  # characters of each completion prompt tokenised; conversations templated
+    monkeypatch.setattr(app_module, "encode_text", lambda tok, text, model: tokenised.append(len(text))
+                        or encode_text(tok, text, model))
+    monkeypatch.setattr(app_module, "encode_messages", lambda tok, messages, model: tokenised.append(messages)
+                        or encode_messages(tok, messages, model))
+    service = server.service
+    assert service.longest_token == max(map(len, service.session.lm.tokenizer.get_vocab())) == 15
+    bound = (service.context - 1) * service.longest_token  # 1023 tokens of at most 15 characters
+
+    def complete(chars: int):
+        return server.request("POST", "/v1/completions", json.dumps({"prompt": "a" * chars}))
+
+    status, _, reply = complete(bound + 1)
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert f"the prompt is {bound + 1} characters" in reply["error"]["message"] and tokenised == []
+    status, _, reply = complete(bound)  # could fit, in characters: tokenised, then refused by its tokens
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded" and tokenised == [bound]
+    assert "characters" not in reply["error"]["message"]
+    tokenised.clear()
+    many = [{"role": "user", "content": ""}] * service.context  # a token a message at least: cannot fit
+    status, _, reply = server.request("POST", "/v1/chat/completions", json.dumps({"messages": many}))
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert f"{service.context} messages" in reply["error"]["message"] and tokenised == []
+    parts = [{"type": "text", "text": "a" * (bound // 2 + 1)}] * 2  # the characters of every part count
+    status, _, reply = server.request("POST", "/v1/chat/completions",
+                                      json.dumps({"messages": [{"role": "user", "content": parts}]}))
+    assert status == 400 and "characters" in reply["error"]["message"] and tokenised == []
+    assert jobs == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(pieces=st.lists(st.one_of(st.sampled_from(["Nebuchadnezzar", " transgressions", "<|user|>", " ", "\n", "é"]),
+                                 st.text(max_size=8)), max_size=40))
+def test_no_token_of_the_demo_stands_for_more_characters_than_the_longest_entry(chat_run, pieces):
+    """What the refusal by characters stands on: a prompt of n characters is at least n / longest_token tokens."""
+    from fmoe_cli.serve.app import longest_token
+
+    tok = chat_run.session.lm.tokenizer
+    text = "".join(pieces)
+    assert len(tok(text, add_special_tokens=False)["input_ids"]) * longest_token(tok) >= len(text)
+
+
+def test_tokenising_waits_for_a_place_in_the_queue(server, reference, gate, jobs, monkeypatch):
+    """Tokenising and templating are admitted as the queue is: with --max-queue 1, one answer running
+    and one prompt being tokenised, a third request is a 429 and is never tokenised."""
+    import fmoe_cli.serve.app as app_module
+
+    monkeypatch.setattr(server.service.worker, "max_queue", 1)
+    first = in_thread(chat_text, server, MESSAGES, 3)
+    wait_for(lambda: gate.arrivals == 1, "the first request to be answered")
+    hold, tokenised = threading.Event(), []
+
+    def held_encode(tok, messages, model):
+        tokenised.append(messages)
+        assert hold.wait(WAIT_S)
+        return encode_messages(tok, messages, model)
+
+    monkeypatch.setattr(app_module, "encode_messages", held_encode)
+    second = in_thread(chat_text, server, MESSAGES, 4)
+    wait_for(lambda: len(tokenised) == 1, "the second prompt to be tokenised")
+    assert server.service.worker.queue_length == 1  # its place is held while it is tokenised
+    third = in_thread(server.request, "POST", "/v1/chat/completions",
+                      json.dumps({"messages": [{"role": "user", "content": "never tokenised"}], "max_tokens": 2}))
+    status, headers, body = third()
+    assert status == 429 and body["error"]["code"] == "queue_full" and int(headers["Retry-After"]) >= 1
+    assert len(tokenised) == 1
+    hold.set()
+    gate.open()
+    expected = reference(chat_ids(server, MESSAGES), 4)
+    assert first() == decode(server, expected[:3]) and second() == decode(server, expected)
+    assert len(jobs) == 2 and server.service.worker.queue_length == 0
 
 
 def test_metrics_parse_and_count(server):
@@ -499,30 +601,101 @@ def test_metrics_parse_and_count(server):
 # --- shutdown -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("grace_s", [30.0, 0.0])
-def test_shutdown_finishes_or_cancels_the_answer_and_refuses_the_queue(chat_run, server, reference, gate, grace_s):
+def sse_events(text: str) -> list:
+    """The data of each SSE event: decoded JSON, or the string (`[DONE]`)."""
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in text.splitlines()
+            if line.startswith("data: ")]
+
+
+def stream_content(events: list) -> str:
+    return "".join(e["choices"][0]["delta"].get("content", "") for e in events if isinstance(e, dict) and e.get("choices"))
+
+
+@pytest.mark.parametrize("grace_s, stream", [(30.0, True), (0.0, True), (0.0, False)])
+def test_shutdown_ends_the_answer_as_a_response_and_refuses_the_queue(chat_run, server, reference, gate, grace_s, stream):
+    """The answer in progress finishes within the grace period, or ends: a stream with an error event and
+    [DONE] (a complete chunked body: read() returns), a JSON answer as a 503. Requests still waiting,
+    streamed or not, get a 503 in JSON."""
     own = Server(start_service(chat_run.session, "demo", ServeOptions(port=0, grace_s=grace_s)))
     try:
-        conn = raw_stream(own, {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "stream": True})
+        conn = raw_stream(own, {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "stream": stream})
         wait_for(lambda: gate.arrivals == 1, "the answer to begin")
-        waiting = in_thread(own.request, "POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES}))
-        wait_for(lambda: own.service.worker.queue_length == 1, "a request to wait")
+        waiting = [in_thread(own.request, "POST", "/v1/chat/completions", json.dumps({"messages": MESSAGES, "stream": s}))
+                   for s in (True, False)]
+        wait_for(lambda: own.service.worker.queue_length == 2, "two requests to wait")
         own.server.should_exit = True  # as Ctrl-C or SIGTERM do
-        status, _, reply = waiting()
-        assert status == 503 and "shutting down" in reply["error"]["message"]
+        for result in waiting:
+            status, headers, reply = result()
+            assert status == 503 and headers["Content-Type"] == "application/json", (status, reply)
+            assert "shutting down" in reply["error"]["message"]
         if grace_s:  # the answer in progress finishes
             gate.open()
-            text = conn.getresponse().read().decode()
-            assert text.rstrip().endswith("data: [DONE]")
-            content = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
-                              for line in text.splitlines() if line.startswith("data: {"))
-            assert content == decode(server, reference(chat_ids(server, MESSAGES), 6))
-        else:  # cancelled: within one token once the grace period is over
+            events = sse_events(conn.getresponse().read().decode())
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+            assert stream_content(events) == decode(server, reference(chat_ids(server, MESSAGES), 6))
+        else:  # ended at once, while the engine is still held
             job = own.service.worker.current
-            wait_for(job.cancelled.is_set, "the answer to be cancelled")
+            response = conn.getresponse()
+            if stream:  # as a stream: an error event, [DONE], the end of the chunked body
+                events = sse_events(response.read().decode())
+                assert events[-1] == "[DONE]" and events[-2]["error"]["message"].startswith("the server is shutting down")
+            else:
+                reply = json.loads(response.read())
+                assert response.status == 503 and reply["error"]["message"].startswith("the server is shutting down")
+            assert job.cancelled.is_set()
             gate.open()
             wait_for(lambda: own.service.worker.current is None, "the engine to be free")
-            assert job.generated == job.generated_at_cancel == 1
+            assert job.generated == job.generated_at_cancel == 1  # within one token
+        own.thread.join(WAIT_S)
+        assert not own.thread.is_alive()
+    finally:
+        own.stop()
+
+
+def test_a_body_still_arriving_when_the_grace_is_over_gets_a_503(chat_run, server, monkeypatch, caplog):
+    import logging
+
+    import fmoe_cli.serve.app as app_module
+
+    monkeypatch.setattr(app_module, "SHUTDOWN_SLACK_S", 0.05)  # uvicorn cancels what still runs after it
+    own = Server(start_service(chat_run.session, "demo", ServeOptions(port=0, grace_s=0.0)))
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", own.port, timeout=WAIT_S)
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Length", "1000")
+        conn.endheaders(b'{"messages": [')  # and the rest never comes
+        wait_for(lambda: own.server.server_state.tasks, "the request to be read")
+        with caplog.at_level(logging.WARNING, logger="fmoe.serve"):
+            own.server.should_exit = True
+            response = conn.getresponse()
+            reply = json.loads(response.read())
+            own.thread.join(WAIT_S)
+        assert response.status == 503 and reply["error"]["message"] == "the server is shutting down"
+        assert [r.getMessage() for r in caplog.records if r.name == "fmoe.serve"] == [
+            "POST /v1/chat/completions cancelled at shutdown"]
+        assert not any(r.exc_info for r in caplog.records)
+    finally:
+        own.stop()
+
+
+def test_a_second_ctrl_c_ends_the_answer_at_once_as_a_stream(chat_run, server, gate):
+    import signal
+
+    own = Server(start_service(chat_run.session, "demo", ServeOptions(port=0, grace_s=WAIT_S)))
+    try:
+        conn = raw_stream(own, {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "stream": True})
+        gate.release(2)
+        wait_for(lambda: gate.arrivals == 3, "two tokens out, the third held")
+        for _ in range(2):
+            own.server.handle_exit(signal.SIGINT, None)
+        events = sse_events(conn.getresponse().read().decode())
+        assert events[-1] == "[DONE]" and "shutting down" in events[-2]["error"]["message"]
+        assert stream_content(events)  # what was answered before is there
+        job = own.service.worker.current
+        assert job.cancelled.is_set()
+        gate.open()
+        wait_for(lambda: own.service.worker.current is None, "the engine to be free")
+        assert job.generated == job.generated_at_cancel == 3  # the token in progress, then no more
         own.thread.join(WAIT_S)
         assert not own.thread.is_alive()
     finally:
@@ -531,8 +704,6 @@ def test_shutdown_finishes_or_cancels_the_answer_and_refuses_the_queue(chat_run,
 
 # --- pure logic: stop strings and the queue -----------------------------------------------
 
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from fmoe_cli.serve.protocol import StopText, first_stop  # noqa: E402
 from fmoe_cli.serve.worker import Done, Failed, Job, QueueFull, Worker  # noqa: E402
@@ -577,7 +748,7 @@ def test_worker_is_fifo_refuses_when_full_and_runs_idle_only_with_an_empty_queue
 
     worker = Worker(handle, max_queue=2, idle=idle).start()
     got = {}
-    jobs = [Job([i], 1, None, lambda m, i=i: got.setdefault(i, m)) for i in range(4)]
+    jobs = [Job([i], 1, None, lambda m, i=i: got.update({i: m})) for i in range(4)]
     worker.submit(jobs[0])
     wait_for(lambda: worker.current is jobs[0], "the first job to run")
     worker.submit(jobs[1])
@@ -590,9 +761,9 @@ def test_worker_is_fifo_refuses_when_full_and_runs_idle_only_with_an_empty_queue
     release.set()
     wait_for(lambda: worker.answered == 2 and idle_seen, "the jobs to finish")
     assert order == [0, 2] and idle_seen == [(0, None)]  # idle once, after the last job, nothing waiting
-    hold = Job([5], 1, None, lambda m: got.setdefault(5, m))
+    hold = Job([5], 1, None, lambda m: got.update({5: m}))
     release.clear()
-    worker.submit(Job([4], 1, None, lambda m: got.setdefault(4, m)))
+    worker.submit(Job([4], 1, None, lambda m: got.update({4: m})))
     wait_for(lambda: worker.current is not None, "a job to run")
     worker.submit(hold)
     worker.close()
@@ -600,6 +771,31 @@ def test_worker_is_fifo_refuses_when_full_and_runs_idle_only_with_an_empty_queue
     release.set()
     worker.join(WAIT_S)
     assert isinstance(got[4], Done) and order == [0, 2, 4]
+
+
+def test_worker_counts_reserved_places_against_the_queue():
+    from fmoe_cli.serve.worker import Closed
+
+    release = threading.Event()
+    worker = Worker(lambda job: release.wait(WAIT_S) and job.emit(Done("eos", "", None)), max_queue=2).start()
+    running = Job([0], 1, None, lambda m: None)
+    worker.submit(running)
+    wait_for(lambda: worker.current is running, "a job to run")
+    worker.reserve()  # a prompt being tokenised
+    worker.submit(Job([1], 1, None, lambda m: None))
+    assert worker.queue_length == 2
+    with pytest.raises(QueueFull):
+        worker.reserve()
+    worker.release()  # its body was bad: the place is free again
+    worker.reserve()
+    worker.close()
+    with pytest.raises(Closed):
+        worker.submit(Job([2], 1, None, lambda m: None), reserved=True)  # tokenised while the server closed
+    with pytest.raises(Closed):
+        worker.reserve()
+    assert worker.queue_length == 0
+    release.set()
+    worker.join(WAIT_S)
 
 
 # --- the command ------------------------------------------------------------------------
@@ -625,9 +821,7 @@ def test_serve_option_errors_are_one_line_and_fast():
         assert time.monotonic() - start < WAIT_S
 
 
-def test_fmoe_serve_command_key_from_env_sigterm_saves_statistics(tmp_path):
-    import os
-    import signal
+def test_a_port_in_use_is_one_line_before_torch():
     import subprocess
     import sys
 
@@ -640,29 +834,140 @@ def test_fmoe_serve_command_key_from_env_sigterm_saves_statistics(tmp_path):
     assert result.stderr.strip() == f"error: cannot listen on 127.0.0.1:{used}: Address already in use", result.stderr
     assert result.stdout.split() == ["False", "2"], result.stdout
 
-    env = dict(os.environ, FMOE_API_KEY="from-env", XDG_CONFIG_HOME=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "fmoe_cli.cli", "serve", "demo", "--port", "0", "--device", "cpu",
-                             "--host", "0.0.0.0", "--policy", "lru"],  # a fixed plan: no timing at start-up
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    try:
-        lines = []
-        while not any("listening on" in line for line in lines):
-            line = proc.stderr.readline()
-            assert line, "".join(lines)
-            lines.append(line)
-        port = int(lines[-1].split("http://")[1].split("/")[0].rsplit(":", 1)[1])
-        assert not any("warning" in line for line in lines)  # a key is set: no exposure warning
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="from-env", max_retries=0)
-        assert client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3).choices
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="nope", max_retries=0).models.list()
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=WAIT_S)[1]
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, rest
-    assert "statistics saved" in rest and "Traceback" not in rest
-    assert list(tmp_path.rglob("*.stats.json"))  # the routing statistics of the answers, saved on the way out
+
+COMMAND_KEY = "from-env"
+COMMAND_GRACE_S = 0.5
+
+
+class Command:
+    """`fmoe serve demo` in a process of its own (the key from the environment, reachable from other
+    machines), its log read as it comes. Started once for the module, again if a test stopped it."""
+
+    def __init__(self, config_dir) -> None:
+        self.config_dir, self.proc, self.lines = config_dir, None, []
+
+    def running(self) -> Command:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        return self
+
+    def _start(self) -> None:
+        import os
+        import subprocess
+        import sys
+
+        env = dict(os.environ, FMOE_API_KEY=COMMAND_KEY, XDG_CONFIG_HOME=str(self.config_dir))
+        self.proc = subprocess.Popen([sys.executable, "-m", "fmoe_cli.cli", "serve", "demo", "--port", "0", "--device",
+                                      "cpu", "--host", "0.0.0.0", "--policy", "lru",  # a fixed plan: no timing at start-up
+                                      "--grace", str(COMMAND_GRACE_S)],
+                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        self.lines = []
+        while not any("listening on" in line for line in self.lines):
+            line = self.proc.stderr.readline()
+            assert line, "".join(self.lines)
+            self.lines.append(line)
+        self.port = int(self.lines[-1].split("http://")[1].split("/")[0].rsplit(":", 1)[1])
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
+        self.reader.start()  # the pipe never fills
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def request(self, method: str, path: str, body: bytes | str | None = None):
+        return http_request(self.port, method, path, body, {"Authorization": f"Bearer {COMMAND_KEY}"})
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(WAIT_S)
+
+
+@pytest.fixture(scope="module")
+def command(tmp_path_factory):
+    c = Command(tmp_path_factory.mktemp("serve-config"))
+    yield c
+    c.stop()
+
+
+def test_fmoe_serve_command_takes_its_key_from_the_environment(command):
+    command.running()
+    assert not any("warning" in line for line in command.lines)  # a key is set: no exposure warning
+    client = openai.OpenAI(base_url=command.url, api_key=COMMAND_KEY, max_retries=0)
+    assert client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3).choices
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=command.url, api_key="nope", max_retries=0).models.list()
+
+
+def test_fmoe_serve_command_answers_hostile_bodies_with_openai_errors(command):
+    command.running()
+    for path, body, status, fragment in (
+            ("/v1/chat/completions", "[" * 10_000 + "]" * 10_000, 400, "nested more than 32 levels"),
+            ("/v1/completions", b'{"prompt": "caf\xe9"}', 400, "not UTF-8"),
+            ("/v1/completions", '{"prompt": "x", "max_tokens": 1' + "0" * 5000 + "}", 400, "not valid JSON"),
+            ("/v1/completions", json.dumps({"prompt": "x" * (5 * 1024**2)}), 413, "larger than")):
+        got, headers, reply = command.request("POST", path, body)
+        assert got == status and headers["Content-Type"] == "application/json", (got, reply)
+        assert set(reply["error"]) == {"message", "type", "param", "code"} and fragment in reply["error"]["message"]
+    assert command.request("GET", "/health")[0] == 200  # and it goes on
+    assert not any("Traceback" in line or "RecursionError" in line for line in command.lines)
+
+
+def test_fmoe_serve_command_memory_returns_after_a_burst_of_oversized_prompts(command):
+    """Three 2 MB prompts at a time, three rounds of each endpoint: each is refused by its length in characters,
+    never tokenised (tokenising one took ~1 GB at its peak and left ~300 MB behind), and RSS ends where it began."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+
+    process = psutil.Process(command.running().proc.pid)
+    command.request("POST", "/v1/completions", json.dumps({"prompt": "In the beginning", "max_tokens": 2}))
+    before = peak = process.memory_info().rss
+    prompt = "and " * 500_000
+    bodies = [("/v1/completions", json.dumps({"prompt": prompt})),
+              ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": prompt}]}))]
+    with ThreadPoolExecutor(3) as pool:
+        for path, body in bodies * 3:
+            replies = [pool.submit(command.request, "POST", path, body) for _ in range(3)]
+            while not all(r.done() for r in replies):
+                peak = max(peak, process.memory_info().rss)  # sampled while the burst is in the server
+                time.sleep(0.005)
+            for status, _, reply in (r.result() for r in replies):
+                assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+                assert "characters" in reply["error"]["message"]
+    after = process.memory_info().rss
+    mib = 1024**2
+    assert (peak - before) / mib < 100 and (after - before) / mib < 32, (before / mib, peak / mib, after / mib)
+
+
+def test_fmoe_serve_command_sigterm_mid_stream_ends_it_as_a_stream_and_saves_statistics(command):
+    import signal
+
+    command.running()
+    conn = http.client.HTTPConnection("127.0.0.1", command.port, timeout=WAIT_S)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "In the beginning", "max_tokens": 1000,
+                                                        "temperature": 0, "stream": True}),
+                 {"Authorization": f"Bearer {COMMAND_KEY}"})  # 1000 tokens: seconds of work, far beyond the grace
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: {")
+    waiting = in_thread(command.request, "POST", "/v1/chat/completions",
+                        json.dumps({"messages": MESSAGES, "stream": True}))
+    wait_for(lambda: "fmoe_queue_length 1.0" in command.request("GET", "/metrics")[2], "a request to wait")
+    sent = time.monotonic()
+    command.proc.send_signal(signal.SIGTERM)
+    status, headers, reply = waiting()
+    assert status == 503 and headers["Content-Type"] == "application/json" and "shutting down" in reply["error"]["message"]
+    events = sse_events(response.read().decode())  # read() returns: the chunked body was ended properly
+    ended = time.monotonic() - sent
+    assert events[-1] == "[DONE]", events[-3:]
+    assert events[-2]["error"]["message"].startswith("the server is shutting down: the answer was stopped after")
+    assert all("choices" in e for e in events[:-2])
+    assert ended < COMMAND_GRACE_S + SHUTDOWN_SLACK_S  # ended by fmoe at the grace's end, not cut by uvicorn after it
+    assert command.proc.wait(WAIT_S) == 0
+    command.reader.join(WAIT_S)  # the last lines, up to the pipe's end
+    log = "".join(command.lines)
+    assert "statistics saved" in log and "Traceback" not in log and "CancelledError" not in log, log
+    assert list(command.config_dir.rglob("*.stats.json"))  # the routing statistics of the answers, saved on the way out
 
 
 def test_failures_are_one_log_line_and_openai_errors_and_the_engine_recovers(server, reference, monkeypatch, caplog):
@@ -700,7 +1005,8 @@ def test_failures_are_one_log_line_and_openai_errors_and_the_engine_recovers(ser
         assert status == 500 and "device on fire" in reply["error"]["message"]
         conn = raw_stream(server, {"messages": MESSAGES, "max_tokens": 6, "stream": True})
         lines = [line for line in conn.getresponse().read().decode().splitlines() if line.startswith("data: ")]
-        assert json.loads(lines[-1][6:])["error"]["message"].endswith("device on fire")  # an error event ends it
+        assert json.loads(lines[-2][6:])["error"]["message"].endswith("device on fire")  # an error event ends it
+        assert lines[-1] == "data: [DONE]"
     assert len([r for r in caplog.records if r.levelno >= logging.ERROR]) == 2
     monkeypatch.undo()
     assert server.service.session._kv is None  # dropped: the forward stopped half-way

@@ -6,9 +6,12 @@ options here before anything slow is imported. docs/serve.md describes the serve
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import ipaddress
 import math
 import socket
+import sys
 from dataclasses import dataclass
 
 from fmoe_cli.errors import FmoeError
@@ -19,6 +22,8 @@ MAX_QUEUE = 16  # requests waiting behind the one being answered; more get a 429
 GRACE_S = 10.0  # on Ctrl-C / SIGTERM: how long the answer in progress may take to finish before it is cancelled
 MAX_BODY = 4 * 1024**2  # bytes of a request body (a long conversation in JSON is well under this)
 API_KEY_ENV = "FMOE_API_KEY"
+MALLOC_ARENAS = 2  # glibc's malloc arenas in `fmoe serve` (its default: 8 a core; see limit_malloc_arenas)
+M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
 
 
 @dataclass(frozen=True)
@@ -80,3 +85,38 @@ class ServeOptions:
             raise FmoeError(f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from None
         sock.setblocking(False)
         return sock
+
+
+# --- the allocator: memory a burst of large requests used goes back ------------------------------
+
+
+@functools.cache
+def _glibc():
+    """glibc through ctypes, or None elsewhere (macOS, musl: nothing to tune there)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim, libc.mallopt  # noqa: B018 - both exist, or this is not glibc
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> None:
+    """At most `arenas` malloc arenas (as MALLOC_ARENA_MAX). glibc gives a thread that finds the arenas
+    busy one of its own, up to 8 a core, and keeps what each held: the server's threads (the event
+    loop, the tokenizer's, the worker, torch's) would each keep their peak. An arena is made when a
+    thread first needs one, so this must run before the threads start: `fmoe serve` calls it before
+    importing torch."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_ARENA_MAX, arenas)
+
+
+def return_freed_memory() -> None:
+    """Give the pages that free() kept back to the system (malloc_trim): after a large request the
+    tokenizer's buffers are freed but stay in the process's heap otherwise."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -31,20 +32,25 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import SamplingParams, encode_messages, encode_text
 from fmoe_cli.offload.engine import Counters
 from fmoe_cli.options import RunOptions
-from fmoe_cli.serve import ServeOptions
+from fmoe_cli.serve import ServeOptions, return_freed_memory
 from fmoe_cli.serve.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
     Reply,
     answer_budget,
+    decode_body,
     error_body,
     parse,
+    refuse_long_conversation,
+    refuse_long_prompt,
 )
-from fmoe_cli.serve.worker import Closed, Done, Failed, Job, Piece, QueueFull, Worker, answer
+from fmoe_cli.serve.worker import Closed, Done, Failed, Job, Piece, QueueFull, Started, Stopped, Worker, answer
 
 log = logging.getLogger("fmoe.serve")
 OPEN = ("/health",)  # the paths that need no API key
+SHUTDOWN_SLACK_S = 2.0  # after --grace, how long uvicorn still waits for connections before it cancels them
+TRIM_AFTER_BYTES = 256 * 1024  # a body this large: the memory its reading and tokenising used goes back after
 # Histogram buckets, seconds: TTFT from a prompt's arrival (queue wait included); TPOT per decode step.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -105,15 +111,38 @@ class Service:
     options: ServeOptions = field(default_factory=ServeOptions)
     metrics: Metrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    longest_token: int | None = None  # characters of the tokenizer's longest token (None: no tokenizer)
+    # Reading, checking and tokenising a request's body, one request at a time, each admitted as the queue admits.
+    preparing: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="fmoe-tokenize"))
+    inboxes: set = field(default_factory=set)  # of the requests in progress (event-loop side)
+    closing: bool = False  # shutdown has begun
 
     @property
     def context(self) -> int | None:
         return self.session.context_limit
 
+    def end_answers(self) -> None:
+        """The grace period is over: the answer in progress stops (within one token) and every
+        response still open ends now (a stream with its final event and [DONE])."""
+        self.worker.close(cancel_current=True)
+        for inbox in list(self.inboxes):
+            inbox.put_nowait(Stopped())
+
+
+def longest_token(tokenizer) -> int | None:
+    """Characters of the vocabulary's longest entry: no token stands for more characters of a prompt
+    (a byte-level entry has a character a byte, so at least one a character; a SentencePiece
+    entry's ▁ is its space)."""
+    if tokenizer is None:
+        return None
+    return max(map(len, tokenizer.get_vocab()), default=None)
+
 
 def start_service(session: ChatSession, model_id: str, options: ServeOptions, idle=None) -> Service:
     """The worker thread started on `session`, with its metrics."""
     service = Service(session, None, model_id, options)  # type: ignore[arg-type]
+    service.longest_token = longest_token(session.lm.tokenizer)
     metrics = Metrics(lambda: service.worker.queue_length)
 
     def handle(job: Job) -> None:
@@ -143,7 +172,7 @@ class Gate:
 
         async def counted(message) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"], status["started"] = message["status"], True
             await send(message)
 
         try:
@@ -157,6 +186,16 @@ class Gate:
         except Exception as exc:  # the response (a 500 in OpenAI's shape) is sent; the log gets one line, no traceback
             first = str(exc).splitlines()[0] if str(exc) else ""
             log.error("%s %s failed: %s: %s", scope.get("method"), path, exc.__class__.__name__, first)
+        except asyncio.CancelledError:
+            if not self.service.closing:
+                raise
+            # uvicorn cancels what still runs SHUTDOWN_SLACK_S after the grace period (a body still arriving):
+            # a 503 if nothing was sent yet, one log line, and the request ends here (no traceback)
+            log.warning("%s %s cancelled at shutdown", scope.get("method"), path)
+            if not status.get("started"):
+                response = JSONResponse(error_body("the server is shutting down", "server_error"), status_code=503)
+                with contextlib.suppress(Exception):
+                    await response(scope, receive, counted)
         finally:
             if self.service.metrics is not None:
                 known = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
@@ -170,8 +209,8 @@ class Gate:
         return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), key.encode())
 
 
-async def read_json(request: Request, limit: int) -> object:
-    """The body as JSON, at most `limit` bytes (413 beyond), 400 if it is not JSON."""
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The body's bytes, at most `limit` (413 beyond, on the declared length and as it arrives)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
@@ -180,10 +219,7 @@ async def read_json(request: Request, limit: int) -> object:
         body += chunk
         if len(body) > limit:
             raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    return body
 
 
 def sse(data: dict | str) -> str:
@@ -232,10 +268,17 @@ def create_app(service: Service) -> FastAPI:
         return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     async def generation(request: Request, kind, encode, prompt_of) -> Response:
-        req = parse(kind, await read_json(request, service.options.max_body), service.model_id)
-        lm = service.session.lm
-        ids = await asyncio.to_thread(_encode, encode, lm.tokenizer, prompt_of(req), lm.model_id)
-        return await respond(service, request, req, ids, Reply(chat=kind is ChatRequest, model=service.model_id))
+        raw = await read_body(request, service.options.max_body)
+        admit(service)  # a place in the queue before anything that grows with what the body asks for
+        try:
+            req, ids, max_tokens = await asyncio.get_running_loop().run_in_executor(
+                service.preparing, prepare, service, raw, kind, encode, prompt_of)
+        except BaseException:
+            service.worker.release()
+            raise
+        del raw  # not kept while the request waits and is answered
+        return await respond(service, request, req, ids, max_tokens, Reply(chat=kind is ChatRequest,
+                                                                           model=service.model_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -253,16 +296,64 @@ def model_card(service: Service) -> dict:
             "context_length": service.context}
 
 
-def _encode(encode, *args) -> list[int]:
+def admit(service: Service) -> None:
+    """Reserve a place in the queue (429 when it is full, 503 when the server is closing)."""
     try:
-        return encode(*args)
-    except FmoeError as exc:
-        raise ApiError(400, str(exc)) from None
+        service.worker.reserve()
+    except QueueFull as exc:
+        raise ApiError(429, f"the server is busy: {service.worker.queue_length} requests wait; retry after "
+                            f"{exc.retry_after} s", kind="rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+    except Closed:
+        raise ApiError(503, "the server is shutting down", kind="server_error") from None
 
 
-async def respond(service: Service, request: Request, req, ids: list[int], reply: Reply) -> Response:
-    """Queue the request and answer it: one JSON body, or an SSE stream."""
-    max_tokens = answer_budget(req.requested_tokens(), len(ids), service.context, MAX_NEW_TOKENS)
+def prepare(service: Service, raw: bytes, kind, encode, prompt_of) -> tuple:
+    """(request, prompt ids, longest answer) from a body, on the one tokenising thread: the JSON read and
+    checked; a prompt that cannot fit refused by its number of messages, then of characters, before it is
+    templated and tokenised. After a large body the memory its reading used goes back to the system."""
+    try:
+        body = decode_body(raw)
+        if kind is ChatRequest:
+            refuse_long_conversation(body, service.context)
+        req = parse(kind, body, service.model_id)
+        del body
+        prompt = prompt_of(req)
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        param = "messages" if kind is ChatRequest else "prompt"
+        refuse_long_prompt(chars, service.context, service.longest_token, param)
+        lm = service.session.lm
+        try:
+            ids = encode(lm.tokenizer, prompt, lm.model_id)
+        except FmoeError as exc:
+            raise ApiError(400, str(exc), param=param) from None
+        return req, ids, answer_budget(req.requested_tokens(), len(ids), service.context, MAX_NEW_TOKENS)
+    finally:
+        if len(raw) > TRIM_AFTER_BYTES:
+            return_freed_memory()
+
+
+async def next_message(inbox: asyncio.Queue, watcher: asyncio.Future):
+    """The worker's next message, or `watcher` itself if it is done first (the client has gone)."""
+    if not inbox.empty():
+        return inbox.get_nowait()
+    getter = asyncio.ensure_future(inbox.get())
+    try:
+        await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not getter.done():
+            getter.cancel()
+    return getter.result() if getter.done() and not getter.cancelled() else watcher
+
+
+def shutdown_error(job: Job) -> ApiError:
+    return ApiError(503, f"the server is shutting down: the answer was stopped after {job.generated} tokens",
+                    kind="server_error")
+
+
+async def respond(service: Service, request: Request, req, ids: list[int], max_tokens: int, reply: Reply) -> Response:
+    """Queue the request (its place is reserved) and answer it: one JSON body, or an SSE stream whose
+    headers go out when the worker takes it (a request refused while it waits is a plain error)."""
     sampling = SamplingParams(1.0 if req.temperature is None else req.temperature,
                               1.0 if req.top_p is None else req.top_p, req.seed)
     loop = asyncio.get_running_loop()
@@ -276,44 +367,46 @@ async def respond(service: Service, request: Request, req, ids: list[int], reply
 
     job = Job(ids, max_tokens, sampling, emit, stops=req.stop_strings())
     try:
-        service.worker.submit(job)
-    except QueueFull as exc:
-        raise ApiError(429, f"the server is busy: {service.worker.queue_length} requests wait; retry after "
-                            f"{exc.retry_after} s", kind="rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(exc.retry_after)}) from None
+        service.worker.submit(job, reserved=True)
     except Closed:
         raise ApiError(503, "the server is shutting down", kind="server_error") from None
-    if req.stream:
-        return StreamingResponse(stream(service, job, inbox, reply, req.include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    service.inboxes.add(inbox)
     watcher = asyncio.ensure_future(until_disconnected(request))
-    finished = False
+    streaming = finished = False
     try:
         pieces = []
         while True:
-            getter = asyncio.ensure_future(inbox.get())
-            await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():  # the client has gone: nobody to answer
-                getter.cancel()
+            message = await next_message(inbox, watcher)
+            if message is watcher:  # the client has gone: nobody to answer
                 return Response(status_code=499)
-            message = getter.result()
+            if isinstance(message, Started) and req.stream:
+                streaming = True
+                return StreamingResponse(stream(service, job, inbox, reply, req.include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             if isinstance(message, Piece):
                 pieces.append(message.text)
             elif isinstance(message, Failed):
                 finished = True
                 raise ApiError(message.status, message.message, kind="server_error")
+            elif isinstance(message, Stopped) or isinstance(message, Done) and message.finish == "cancelled":
+                finished = True
+                raise shutdown_error(job)
             elif isinstance(message, Done):
                 finished = True
                 return JSONResponse(reply.whole(message.text, message.finish, message.usage))
     finally:
         watcher.cancel()
-        if not finished:
-            service.worker.cancel(job)
+        if not streaming:
+            service.inboxes.discard(inbox)
+            if not finished:
+                service.worker.cancel(job)
 
 
 async def stream(service: Service, job: Job, inbox: asyncio.Queue, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    """The SSE chunks of one answer, then `[DONE]`. If the client goes, Starlette cancels this
-    generator: the job is cancelled (within one token if it runs, dropped if it waits)."""
+    """The SSE chunks of one answer, then `[DONE]`; an answer that fails or is stopped at shutdown ends
+    with an error event, then `[DONE]`. If the client goes, Starlette cancels this generator: the job is
+    cancelled (within one token)."""
     finished = False
     try:
         if reply.chat:
@@ -322,18 +415,20 @@ async def stream(service: Service, job: Job, inbox: asyncio.Queue, reply: Reply,
             message = await inbox.get()
             if isinstance(message, Piece):
                 yield sse(reply.chunk(message.text, include_usage=include_usage))
-            elif isinstance(message, Failed):
-                finished = True
+                continue
+            finished = True
+            if isinstance(message, Failed):
                 yield sse(error_body(message.message, "server_error"))
-                return
-            elif isinstance(message, Done):
-                finished = True
+            elif isinstance(message, Stopped) or message.finish == "cancelled":
+                yield sse(shutdown_error(job).body())
+            else:
                 yield sse(reply.chunk(finish=message.finish, include_usage=include_usage))
                 if include_usage:
                     yield sse(reply.chunk(usage=message.usage))
-                yield sse("[DONE]")
-                return
+            yield sse("[DONE]")
+            return
     finally:
+        service.inboxes.discard(inbox)
         if not finished:
             service.worker.cancel(job)
 
@@ -342,9 +437,10 @@ async def stream(service: Service, job: Job, inbox: asyncio.Queue, reply: Reply,
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, but: on shutdown the queue closes first (waiting requests get a 503, the
-    answer in progress has the grace period), and a Ctrl-C or SIGTERM ends `fmoe serve` with
-    code 0 after the statistics are saved (uvicorn would re-raise the signal instead)."""
+    """uvicorn's server, but: on shutdown the queue closes first (waiting requests get a 503), the answer
+    in progress has the grace period and then ends as a response should (a stream with its final event and
+    [DONE]), and a Ctrl-C or SIGTERM ends `fmoe serve` with code 0 after the statistics are saved (uvicorn
+    would re-raise the signal instead). A second Ctrl-C ends the grace period at once."""
 
     def __init__(self, config, service: Service) -> None:
         super().__init__(config)
@@ -363,13 +459,33 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     async def shutdown(self, sockets=None) -> None:
-        self.service.worker.close()
-        await super().shutdown(sockets)
+        self.service.closing = True
+        self.service.worker.close()  # the requests still waiting: a 503 each
+        ender = asyncio.ensure_future(self._end_answers_after(self.service.options.grace_s))
+        try:
+            await super().shutdown(sockets)  # waits for the connections, at most --grace + SHUTDOWN_SLACK_S
+            if self.force_exit:  # a second Ctrl-C: uvicorn waits no more; the answers still end as responses
+                self.service.end_answers()
+                await self._connections_closed(SHUTDOWN_SLACK_S)
+        finally:
+            ender.cancel()
+
+    async def _end_answers_after(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(min(0.05, deadline - time.monotonic()))
+        self.service.end_answers()
+
+    async def _connections_closed(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.server_state.connections and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
 
 def serve_in(service: Service, sock, *, log_level: str = "info") -> _Server:
     """The uvicorn server of `service` on the bound socket `sock` (not yet running)."""
-    config = uvicorn.Config(create_app(service), log_level=log_level, timeout_graceful_shutdown=service.options.grace_s,
+    config = uvicorn.Config(create_app(service), log_level=log_level,
+                            timeout_graceful_shutdown=service.options.grace_s + SHUTDOWN_SLACK_S,
                             lifespan="off", access_log=True)  # one line per request (uvicorn prints it at info)
     return _Server(config, service)
 
@@ -397,6 +513,7 @@ def run_serve(run: RunOptions, options: ServeOptions, sock: socket.socket, err_c
         server = serve_in(service, sock)
         server.run(sockets=[sock])
         service.worker.close(cancel_current=True)
+        service.preparing.shutdown(wait=False, cancel_futures=True)
         service.worker.join()
     finally:
         sock.close()

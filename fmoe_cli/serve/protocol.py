@@ -8,6 +8,8 @@ that change nothing (`user`, `metadata`, `store`, …) are accepted and ignored.
 
 from __future__ import annotations
 
+import itertools
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,6 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOPS = 16  # stop strings per request (OpenAI allows 4; more cost nothing here)
+MAX_DEPTH = 32  # nesting of a request body's arrays and objects (OpenAI's requests need 5; json's recursion stops near 1000)
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 class ApiError(Exception):
@@ -37,6 +41,54 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 # --- requests -----------------------------------------------------------------
+
+
+def decode_body(raw: bytes | bytearray) -> object:
+    """A request body as JSON, or a 400 that says what is wrong with it: not UTF-8, not JSON (NaN and
+    Infinity are not JSON; nor is an integer of more than 4300 digits), nested deeper than MAX_DEPTH,
+    or a string holding half of a UTF-16 surrogate pair (no tokenizer takes one)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not UTF-8: {exc}") from None
+    try:
+        value = json.loads(text, parse_constant=_not_json)
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep") from None
+    except ValueError as exc:  # JSONDecodeError, a constant, an integer too long to read
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    _check_value(value)
+    return value
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def _check_value(value: object) -> None:
+    """Depth within MAX_DEPTH and every string (keys too) encodable as UTF-8; iterative, linear in the body."""
+    if not isinstance(value, (dict, list)):
+        _check_text(value)
+        return
+    pending = [(value, 1)]
+    while pending:
+        container, depth = pending.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"the request body is nested more than {MAX_DEPTH} levels deep")
+        for child in itertools.chain(container, container.values()) if isinstance(container, dict) else container:
+            if isinstance(child, (dict, list)):
+                pending.append((child, depth + 1))
+            else:
+                _check_text(child)
+
+
+def _check_text(value: object) -> None:
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                                "without its pair): it is not text") from None
 
 
 class _Strict(BaseModel):
@@ -66,7 +118,7 @@ class _Generation(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1)
     logprobs: Any = None
@@ -185,6 +237,27 @@ def parse(kind: type[_Generation], body: object, served: str) -> _Generation:
     request.refuse_unsupported()
     request.stop_strings()
     return request
+
+
+def refuse_long_prompt(chars: int, context: int | None, longest_token: int | None, param: str) -> None:
+    """Refuse, before tokenising it, a prompt of `chars` characters that cannot fit: no token stands for
+    more than `longest_token` characters, so it is at least chars / longest_token tokens, and a prompt of
+    `context` tokens leaves no room for an answer (the same 400 as `answer_budget` would give)."""
+    if context is None or longest_token is None or chars <= (context - 1) * longest_token:
+        return
+    raise ApiError(400, f"the prompt is {chars} characters: the model's context is {context} tokens, which hold at "
+                        f"most {(context - 1) * longest_token} characters of prompt (a token of this model is at most "
+                        f"{longest_token} characters)", code="context_length_exceeded", param=param)
+
+
+def refuse_long_conversation(body: object, context: int | None) -> None:
+    """Refuse, before its messages are read, a conversation of `context` messages or more: a chat template
+    marks every message with at least one token (its role), so it cannot fit."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if context is None or not isinstance(messages, list) or len(messages) < context:
+        return
+    raise ApiError(400, f"the conversation has {len(messages)} messages: the model's context is {context} tokens, "
+                        f"at least one a message", code="context_length_exceeded", param="messages")
 
 
 def answer_budget(requested: int | None, prompt_tokens: int, context: int | None, default: int) -> int:

@@ -31,6 +31,11 @@ log = logging.getLogger("fmoe.serve")
 
 
 @dataclass
+class Started:
+    """The worker has taken the job (a stream's headers go out now, not while it waits)."""
+
+
+@dataclass
 class Piece:
     text: str  # new answer text (stop strings already cut)
 
@@ -49,11 +54,17 @@ class Failed:
 
 
 @dataclass
+class Stopped:
+    """Not from the worker: the server's grace period is over, the answer ends now (the worker,
+    told at the same time, stops within one token)."""
+
+
+@dataclass
 class Job:
     ids: list[int]  # the prompt's token ids
     max_tokens: int
     sampling: object  # generate.SamplingParams
-    emit: Callable[[object], None]  # Piece…, then Done or Failed; called from the worker thread
+    emit: Callable[[object], None]  # Started, Piece…, then Done or Failed (a job refused while it waits: Failed alone)
     stops: tuple[str, ...] = ()
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
@@ -76,12 +87,13 @@ class Closed(Exception):
 class Worker:
     """The FIFO queue and the one thread that answers from it. `handle(job)` answers a job (and
     must emit Done or Failed); `idle()` runs after a job when nothing is waiting (re-planning and
-    saving the statistics: never while a request waits). `max_queue`: jobs waiting behind the
-    one being answered."""
+    saving the statistics: never while a request waits). `max_queue`: requests waiting behind the
+    one being answered, counting those `reserve`d (admitted, their prompt still being tokenised)."""
 
     def __init__(self, handle: Callable[[Job], None], max_queue: int, idle: Callable[[], object] | None = None) -> None:
         self.handle, self.max_queue, self.idle = handle, max_queue, idle
         self._waiting: collections.deque[Job] = collections.deque()
+        self._reserved = 0  # places held by requests whose prompt is being tokenised
         self._cond = threading.Condition()
         self._closed = False
         self.current: Job | None = None
@@ -96,23 +108,46 @@ class Worker:
 
     @property
     def queue_length(self) -> int:
-        return len(self._waiting)
+        """Requests admitted and not yet answered: waiting, or their prompt still being tokenised."""
+        return len(self._waiting) + self._reserved
 
     def retry_after(self) -> int:
         """Seconds until a place is likely free: the typical answer's time, at least 1."""
         typical = statistics.median(self.durations) if self.durations else 1.0
         return max(1, math.ceil(typical))
 
-    def submit(self, job: Job) -> None:
+    def reserve(self) -> None:
+        """Hold a place in the queue for a request about to be tokenised (the work before the queue
+        is admitted as the queue is): QueueFull or Closed as `submit`. `submit(job, reserved=True)`
+        takes the place, `release()` gives it back."""
         with self._cond:
-            if self._closed:
-                raise Closed
-            if len(self._waiting) >= self.max_queue and (self.current is not None or self._waiting):
-                raise QueueFull(self.retry_after())
+            self._admit()
+            self._reserved += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._reserved -= 1
+
+    def submit(self, job: Job, reserved: bool = False) -> None:
+        with self._cond:
+            if reserved:
+                self._reserved -= 1  # the place is the job's now, or nobody's if the server is closing
+                if self._closed:
+                    raise Closed
+            else:
+                self._admit()
             self._numbers += 1
             job.number = self._numbers
             self._waiting.append(job)
             self._cond.notify()
+
+    def _admit(self) -> None:
+        """Whether one more request may wait (called holding the lock)."""
+        if self._closed:
+            raise Closed
+        waiting = len(self._waiting) + self._reserved
+        if waiting >= self.max_queue and (self.current is not None or waiting):
+            raise QueueFull(self.retry_after())
 
     def cancel(self, job: Job) -> None:
         """Nobody is listening for `job` any more: drop it if it waits, stop it within one token if it runs."""
@@ -147,6 +182,7 @@ class Worker:
                 job = self.current = self._waiting.popleft()
             start = time.perf_counter()
             try:
+                job.emit(Started())
                 self.handle(job)
             except BaseException as exc:  # handle reports its own failures; this is the last guard
                 log.error("request %d failed: %s: %s", job.number, exc.__class__.__name__, exc)
