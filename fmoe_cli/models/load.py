@@ -29,7 +29,7 @@ from fmoe_cli.models.checkpoint import check_checkpoint, check_weight_files, rea
 from fmoe_cli.models.identity import checkpoint_fingerprint
 from fmoe_cli.offload.converted import converted_path, open_converted, save_converted
 from fmoe_cli.offload.quant import make_store
-from fmoe_cli.offload.store import HostStore
+from fmoe_cli.offload.store import HostStore, trim_heap
 from fmoe_cli.types import (
     DEFAULT_ACTIVATIONS,
     DEFAULT_DENSE,
@@ -196,6 +196,7 @@ def load_model(
                 to_save = (converted, fingerprint)
         store.allocate(mapped)
         read_checkpoint(path, model, layers, store if mapped is None else None, torch_dtype, console)
+        store.end_load()
         for layer in layers:
             _free_expert_weights(layer.experts, torch_dtype)
         _finish_skeleton(model, model_id)
@@ -215,6 +216,7 @@ def load_model(
         install_decode_attention(model)  # q/k/v in one kernel call, a decode token's attention (models/attention.py)
         install_decode_layers(model)  # a decode token's norms, residual adds and router (models/decoder.py)
     non_expert = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    trim_heap()  # the load's freed temporaries back to the system, not resident for the run
     return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert, dense,
                        activations)
 
