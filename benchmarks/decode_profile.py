@@ -181,7 +181,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--experts", default="bf16")
     parser.add_argument("--dense", default=None, help="as fmoe's --dense (default: fmoe's)")
-    parser.add_argument("--activations", default="float", help="as fmoe's --activations (float or int8)")
+    parser.add_argument("--activations", default="auto", help="as fmoe's --activations (float, int8; default: "
+                                                               "fmoe's, int8 beside int8/int4 experts)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--prompt-file", default=None)

@@ -20,8 +20,9 @@ gap):
 
 The header gives the bandwidth floor too (the peer run's copy figure, which no read loop reaches on the 2-core VM:
 docs/bench.md § CPU expert kernels, "bf16 rows"). Each cell's raw report (with torch.profiler's top ops) goes to `--raw DIR`.
-`--activations int8` runs the q8 and q4 cells in fmoe's tolerance mode (the tokens quantised to 8 bits a block of
-32 for the integer dots, as llama.cpp's Q8_0 × Q4_0 / Q8_0 dots do; not transformers' answer: docs/quantization.md).
+The q8 and q4 cells run as `fmoe bench` does by default there: `--activations int8`, fmoe's tolerance mode (the tokens
+quantised to 8 bits a block of 32 for the integer dots, as llama.cpp's Q8_0 × Q4_0 / Q8_0 dots do; not transformers'
+answer: docs/quantization.md); `--activations float` the exact mode.
 
     python benchmarks/peer_gap.py ~/.cache/fmoe-peer/results/run-YYYYMMDD-HHMMSS --models a3b big --raw /tmp/gap
 """
@@ -103,8 +104,9 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=0,
                         help="torch.profiler's top N ops in each raw report (its few µs an op inflate the glue parts)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--activations", default="float", choices=["float", "int8"],
-                        help="fmoe's --activations for the q8 and q4 cells (int8: the tolerance mode)")
+    parser.add_argument("--activations", default="int8", choices=["float", "int8"],
+                        help="fmoe's --activations for the q8 and q4 cells (int8, fmoe's default there on the CPU: "
+                             "the tolerance mode; float: the exact one)")
     parser.add_argument("--models-dir", type=Path, default=None, help="default: RESULTS/../../models")
     parser.add_argument("--prompt-file", default=None, help="default: RESULTS/../../prompt64.txt")
     parser.add_argument("--raw", type=Path, default=None, help="keep each cell's decode_profile report here")
@@ -127,7 +129,7 @@ def main() -> None:
             if peer is None:
                 continue
             report = profile(models_dir / model, fmt, args)
-            mode = " --activations int8" if fmt in ("q8", "q4") and args.activations == "int8" else ""
+            mode = f" --activations {args.activations}" if fmt in ("q8", "q4") else ""
             if args.raw:
                 (args.raw / f"{model}-{fmt}{mode.replace(' --activations ', '-act')}.json").write_text(json.dumps(report))
             print(render(f"{model} {fmt}{mode}", peer, report, gbps) + "\n", flush=True)

@@ -25,7 +25,7 @@ from fmoe_cli.options import RunOptions
 from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_plan_options
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
-from fmoe_cli.types import DEFAULT_ACTIVATIONS, DEFAULT_DENSE, DEFAULT_EXPERTS
+from fmoe_cli.types import AUTO_ACTIVATIONS, DEFAULT_DENSE, DEFAULT_EXPERTS
 
 try:  # typer ≥ 0.20 carries its own copy of click
     from typer._click.exceptions import ClickException
@@ -132,8 +132,9 @@ DenseOpt = Annotated[str, typer.Option(
 
 ActivationsOpt = Annotated[str, typer.Option(
     "--activations", help="What the CPU kernels multiply int8/int4 weights with: float (the tokens in --dtype: the "
-                          "dequantised weights' result) or int8 (quantised per block of 32 and integer dot products, "
-                          "as llama.cpp's Q8_0: faster, within a stated tolerance).")]
+                          "dequantised weights' result, exact) or int8 (quantised per block of 32 and integer dot "
+                          "products, as llama.cpp's Q8_0: faster, within a stated tolerance). Default (auto): int8 on "
+                          "the CPU beside int8 and int4 experts (with AVX2), else float.")]
 
 
 HostThreadsOpt = Annotated[int, typer.Option(
@@ -178,7 +179,7 @@ def bench(
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
     dense: DenseOpt = DEFAULT_DENSE,
-    activations: ActivationsOpt = DEFAULT_ACTIVATIONS,
+    activations: ActivationsOpt = AUTO_ACTIVATIONS,
     device: DeviceOpt = "auto",
     context: ContextOpt = None,
     host_threads: HostThreadsOpt = 1,
@@ -225,7 +226,7 @@ def chat(
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
     dense: DenseOpt = DEFAULT_DENSE,
-    activations: ActivationsOpt = DEFAULT_ACTIVATIONS,
+    activations: ActivationsOpt = AUTO_ACTIVATIONS,
     predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
@@ -269,7 +270,7 @@ def serve(
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
     dense: DenseOpt = DEFAULT_DENSE,
-    activations: ActivationsOpt = DEFAULT_ACTIVATIONS,
+    activations: ActivationsOpt = AUTO_ACTIVATIONS,
     predictor: PredictorOpt = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
@@ -364,7 +365,7 @@ def profile(
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,
     dense: DenseOpt = DEFAULT_DENSE,
-    activations: ActivationsOpt = DEFAULT_ACTIVATIONS,
+    activations: ActivationsOpt = AUTO_ACTIVATIONS,
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
     as_json: JsonOpt = False,

@@ -23,7 +23,7 @@ from fmoe_cli.planning.presets import DEFAULT_POLICY, preset
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
 from fmoe_cli.profiling.files import Profile
 from fmoe_cli.trace import check_trace_out
-from fmoe_cli.types import (DEFAULT_ACTIVATIONS, DEFAULT_DENSE, DEFAULT_EXPERTS, check_activations, check_dense_format,
+from fmoe_cli.types import (AUTO_ACTIVATIONS, DEFAULT_DENSE, DEFAULT_EXPERTS, check_activations, check_dense_format,
                             check_dtype, check_expert_format)
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -60,7 +60,7 @@ class RunOptions:
     dtype: str | None = None  # None: auto
     experts: str = DEFAULT_EXPERTS  # storage of the routed experts: bf16 (unquantised, in dtype), int8, int4, int2
     dense: str = DEFAULT_DENSE  # storage of the attention projections (and LM head): bf16 (unquantised), int8, int4
-    activations: str = DEFAULT_ACTIVATIONS  # what the CPU kernels multiply int8/int4 rows with: float, or int8 (Q8)
+    activations: str = AUTO_ACTIVATIONS  # what the CPU kernels multiply int8/int4 rows with: float, int8 (Q8) or auto
     trust_remote_code: bool = False
     trace_out: str | None = None  # JSONL routing trace
     overwrite_trace: bool = False  # --force: trace_out may replace an existing file

@@ -118,12 +118,25 @@ def resolve_dense(dense: str, device_type: str, experts: str) -> str:
 # dequantised weights' result to float rounding: the exactness contract); "int8": x quantised per block of 32
 # (llama.cpp's Q8_0) and integer dot products, within a stated tolerance (docs/quantization.md).
 ACTIVATIONS = ("float", "int8")
-DEFAULT_ACTIVATIONS = "float"
+DEFAULT_ACTIVATIONS = "float"  # a store, kernel or load_model not told otherwise: the exact path
+AUTO_ACTIVATIONS = "auto"  # --activations left out: resolve_activations picks per device and expert format
+# --activations left out on the CPU: int8 beside these expert formats, as every llama.cpp Q8_0 / Q4_0 run multiplies
+# (issue 39 §1); int2 (HQQ) has no integer dots (experts.c q8_shape), bf16 rows none to make.
+CPU_INT8_ACTIVATIONS_BESIDE = ("int8", "int4")
+
+
+def resolve_activations(activations: str, device_type: str, experts: str, int8_dots: bool = True) -> str:
+    """--activations as the model computes: "auto" is int8 on the CPU beside int8/int4 experts where the kernels
+    have their integer dots (`int8_dots`: AVX2), else float. An explicit mode stays."""
+    if activations != AUTO_ACTIVATIONS:
+        return activations
+    return "int8" if device_type == "cpu" and experts in CPU_INT8_ACTIVATIONS_BESIDE and int8_dots else "float"
 
 
 def check_activations(activations: str) -> None:
-    if activations not in ACTIVATIONS:
-        raise FmoeError(f"unknown activations {activations!r} (--activations); use {' or '.join(ACTIVATIONS)}")
+    if activations != AUTO_ACTIVATIONS and activations not in ACTIVATIONS:
+        raise FmoeError(f"unknown activations {activations!r} (--activations); use {', '.join(ACTIVATIONS)} "
+                        f"or {AUTO_ACTIVATIONS}")
 
 
 # --dtype: the names fmoe accepts, each to torch's name (auto: chosen per device, models/load.py)

@@ -333,6 +333,52 @@ def test_every_policy_gives_the_resident_logits_bit_for_bit(checkpoints, experts
         assert got_tokens == tokens and torch.equal(got_logits, logits), policy
 
 
+@needs_kernels
+@pytest.mark.parametrize("experts, dtype", [("int4", "float32"), ("int8", "bfloat16"), ("int4", "bfloat16")])
+def test_int8_activations_keep_every_policy_on_the_resident_tokens_bit_for_bit(checkpoints, experts, dtype):
+    """--activations int8, the CPU's default beside int8/int4 experts (issue 39 §1): every preset policy (splits,
+    misses loaded whole, prefetch, the host lane) gives that mode's resident run's tokens, and the logits of a prefill
+    over them, bit for bit: x̂ depends on x alone, so a top and its bottom quantise the same tokens. The prompt
+    routes more experts than the staging pool holds, so the prefill runs in waves."""
+    from fmoe_cli.generate import stream_generate
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.link import EmulatedLink, VirtualClock
+    from fmoe_cli.planning.presets import PRESETS, make_settings
+    from fmoe_cli.types import Timings
+
+    if kernels.library().fmoe_simd() == 0:
+        pytest.skip("no AVX2: --activations int8 runs the float dots here")
+    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype=dtype, experts=experts, activations="int8")
+    assert lm.activations == "int8" and lm.store.kernel.int8_activations
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20, clock=VirtualClock(), copy=True),
+                    lm.device, lm.dtype, host_threads=1)
+    engine.install(lm.model)
+    shape = lm.shape
+    prompt = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
+    budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 3
+    timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=shape.top_k)  # as test_exactness
+    results, split = {}, False
+    try:
+        for policy in ["resident"] + [p for p in PRESETS if p != "resident"]:
+            for theta in ([0.25, 0.5] if policy == "uniform" else [None]):
+                engine.configure(make_settings(policy, shape, budget, theta=theta, timings=timings))
+                before = engine.counters().hits_top
+                tokens = [e.token_id for e in stream_generate(lm.model, prompt, engine=engine, max_new_tokens=12,
+                                                              stop_on_eos=False)]
+                split |= engine.counters().hits_top > before
+                with torch.no_grad():
+                    logits = lm.model(torch.cat([prompt, torch.tensor([tokens])], 1)).logits
+                results[policy, theta] = tokens, logits
+    finally:
+        engine.close()
+    assert split  # a top + bottom ran somewhere
+    tokens, logits = results.pop(("resident", None))
+    for (policy, theta), (got_tokens, got_logits) in results.items():
+        assert got_tokens == tokens, f"{policy} θ={theta}: tokens differ from the resident run's"
+        assert torch.equal(got_logits, logits), f"{policy} θ={theta}: logits differ from the resident run's"
+
+
 def test_without_the_kernels_the_stores_compute_with_torch(monkeypatch):
     """FMOE_KERNELS=torch (or no compiler): the torch path, the same values to rounding."""
     shape = ExpertShape(1, 2, 1, 64, 32, 4, "int4")

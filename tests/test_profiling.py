@@ -574,3 +574,71 @@ def test_the_admission_cost_is_measured_on_the_demo_cpu_as_a_positive_time():
 
     lm = load_model("demo", device="cpu", console=Console(file=io.StringIO()))
     assert 0 < admission_copy_s(lm, repeats=4) < 1.0
+
+
+def test_the_admission_slots_are_in_proportion_to_the_host_store():
+    """The quick estimate's a_e copies into cold slots of host memory (issue 39 §6): they span at most 1/16 of the
+    host store and ADMISSION_SLOTS_BYTES, and hold at least two experts. A fixed 64 MiB was 10 slots of a 576 MiB
+    bf16 store (0.10 × it) and 113 of the demo's 0.56 MiB experts (more than its 54 MiB store)."""
+    from types import SimpleNamespace
+
+    from fmoe_cli.profiling.model import ADMISSION_SLOTS_BYTES, admission_slots
+
+    MiB = 1 << 20
+
+    def store(experts: int, hidden: int, intermediate: int, dtype=torch.bfloat16):
+        expert = torch.ones(intermediate, 3, hidden, dtype=dtype)
+        return SimpleNamespace(expert=lambda layer, e: expert, nbytes=experts * expert.nbytes)
+
+    m614 = store(96, 1024, 1024)  # 6 layers × 16 experts of hidden 1024: 576 MiB
+    slots = admission_slots(m614)
+    assert slots.shape == (6, 1024, 3, 1024) and slots.nbytes == 36 * MiB  # 576 / 16
+    assert torch.equal(slots[-1], m614.expert(0, 0))  # every slot's pages touched
+    assert admission_slots(store(32, 256, 256, torch.float32)).shape[0] == 2  # 24 MiB of 0.75 MiB experts: 1.5 MiB, two
+    assert admission_slots(store(2, 1024, 1024)).shape[0] == 2  # at least two, even beyond 1/16
+    huge = admission_slots(store(48 * 128, 2048, 768))  # a3b's bf16 store (54 GiB): the fixed cap
+    assert huge.shape[0] == ADMISSION_SLOTS_BYTES // (9 * MiB) and huge.nbytes <= ADMISSION_SLOTS_BYTES
+
+
+def test_the_admission_cost_on_the_demo_copies_into_slots_of_its_own_store(monkeypatch):
+    """admission_copy_s allocates its slots through admission_slots, for the model's own host store: the demo's
+    54 MiB store gets 6 slots of one expert (3.4 MiB), not 64 MiB."""
+    import io
+
+    from rich.console import Console
+
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.profiling import model as profiling_model
+
+    lm = load_model("demo", device="cpu", console=Console(file=io.StringIO()))
+    made = []
+    real = profiling_model.admission_slots
+    monkeypatch.setattr(profiling_model, "admission_slots", lambda store: made.append(real(store)) or made[-1])
+    assert profiling_model.admission_copy_s(lm, repeats=2) > 0
+    (slots,) = made
+    expert = lm.store.expert(0, 0)
+    assert slots.shape[1:] == expert.shape
+    assert 2 * expert.nbytes <= slots.nbytes <= lm.store.nbytes // 16
+
+
+def test_the_unquantised_expert_timing_dequantises_one_expert_not_a_layer(monkeypatch, tmp_path):
+    """expert_compute_s(unquantised=True) (the CPU's stand-in link is shaped from it on every bench and chat start)
+    dequantises one expert of an int4 store: I rows, where the whole first layer (N·I rows in float32, then in the
+    compute dtype) was 318 MiB of transient host memory beside a 165 MiB int4 store (issue 39 §6). The one expert is
+    the layer's expert 0, bit for bit."""
+    import io
+
+    from rich.console import Console
+
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload import quant
+    from fmoe_cli.profiling.model import expert_compute_s
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the converted store: not the user's cache
+    lm = load_model("demo", device="cpu", experts="int4", console=Console(file=io.StringIO()))
+    rows = []
+    real = quant.dequantize
+    monkeypatch.setattr(quant, "dequantize", lambda segment, *a, **k: rows.append(segment.shape[0]) or real(segment, *a, **k))
+    assert expert_compute_s(lm, repeats=2, unquantised=True) > 0
+    assert rows == [lm.shape.intermediate]
+    assert torch.equal(lm.store.dequantized(1, expert=3)[0], lm.store.dequantized(1)[3])

@@ -169,8 +169,41 @@ def test_a_model_that_does_not_fit_in_host_ram_is_refused_before_loading(checkpo
     assert_one_line_error(result, text, "host RAM", "--experts bf16", "free here")
 
 
+@pytest.mark.parametrize("asked, device, experts, int8_dots, runs", [
+    ("auto", "cpu", "int4", True, "int8"), ("auto", "cpu", "int8", True, "int8"),  # llama.cpp's Q4_0 / Q8_0 way
+    ("auto", "cpu", "int2", True, "float"),  # HQQ rows have no integer dots
+    ("auto", "cpu", "bf16", True, "float"),  # nothing quantised to dot
+    ("auto", "cuda", "int4", True, "float"),  # the GPU computes with torch: the kernels are the CPU's
+    ("auto", "cpu", "int4", False, "float"),  # no AVX2: the float dots, and the label says so
+    ("float", "cpu", "int4", True, "float"), ("int8", "cpu", "int8", True, "int8"),  # asked: as asked
+])
+def test_activations_left_out_are_int8_beside_int8_and_int4_experts_on_the_cpu(asked, device, experts, int8_dots, runs):
+    from fmoe_cli.types import resolve_activations
+
+    assert resolve_activations(asked, device, experts, int8_dots) == runs
+
+
+def test_a_load_resolves_auto_activations_and_its_store_computes_so(checkpoints, tmp_path, monkeypatch):
+    """load_model(activations="auto"), as the CLI passes it: the model, its store and its dense rows compute in
+    the resolved mode (int8 beside int4 experts with AVX2); left out, load_model keeps the exact float path (the
+    exactness tests against transformers load so)."""
+    from fmoe_cli.models.dense import QuantLinear
+    from fmoe_cli.models.load import has_int8_dots
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = str(checkpoints["qwen3_moe"])
+    for asked, want in (("auto", "int8" if has_int8_dots() else "float"), (None, "float")):
+        lm = load_model(path, device="cpu", dtype="float32", experts="int4",
+                        **({} if asked is None else {"activations": asked}))
+        assert lm.activations == want and lm.store.kernel.int8_activations == (want == "int8")
+        dense = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
+        assert dense and all(m.kernel.int8_activations == (want == "int8") for m in dense)
+
+
 def test_bench_and_chat_run_with_int4_experts(checkpoints):
     import json
+
+    from fmoe_cli.models.load import has_int8_dots
 
     from test_cli_errors import run
 
@@ -180,15 +213,20 @@ def test_bench_and_chat_run_with_int4_experts(checkpoints):
     assert result.exit_code == 0, text
     report = json.loads(result.stdout)
     assert report["experts"] == "int4" and report["dense"] == "int4"  # --dense left out: int4 on the CPU beside int4
+    # --activations left out: int8 on the CPU beside int4 experts where the kernels have AVX2's integer dots
+    assert report["activations"] == ("int8" if has_int8_dots() else "float")
     shape = ExpertShape(4, 8, 2, 64, 64, 4, experts="int4")
     assert report["runs"][0]["bytes_per_token"] % shape.neuron_bytes == 0  # the link moves int4 rows
     result, text = run("chat", path, "--experts", "int8", "--temperature", "0", input="hello\n/exit\n")
     assert result.exit_code == 0, text
-    assert "int8 experts, int8 dense" in text
-    result, text = run("bench", path, "--experts", "int4", "--activations", "int8", "--tokens", "2", "--warmup", "0",
-                       "--policy", "resident")
-    assert result.exit_code == 0, text
-    assert "int4 experts, int4 dense, int8 activations" in text and "activations int8" in " ".join(text.split())
+    assert f"int8 experts, int8 dense, {'int8' if has_int8_dots() else 'float'} activations" in text
+    # the table's header and formats line say which mode ran, either way
+    for activations in ("int8", "float"):
+        result, text = run("bench", path, "--experts", "int4", "--activations", activations, "--tokens", "2",
+                           "--warmup", "0", "--policy", "resident")
+        assert result.exit_code == 0, text
+        assert f"int4 experts, int4 dense, {activations} activations" in text
+        assert f"activations {activations}" in " ".join(text.split())
     result, text = run("bench", path, "--experts", "fp4", "--tokens", "2")
     assert result.exit_code == 2 and text.startswith("error:") and "fp4" in text
 

@@ -1,7 +1,7 @@
-"""A resident float32 decode token in one C call (models/token.py, decode.c fmoe_decode_token): the per-step path's
-logits bit for bit, every expert format and dense format, through the KV cache's growth; the engine's bookkeeping
-(observers, policies, counters) as the per-step path leaves it; the one call ran for every decode token (a silent
-fallback fails); anything it does not take (a hook, a prefetching plan, bf16, another family) runs the per-step
+"""A resident float32 or bf16 decode token in one C call (models/token.py, decode.c fmoe_decode_token, _bf16): the
+per-step path's logits bit for bit, every expert format and dense format, through the KV cache's growth; the engine's
+bookkeeping (observers, policies, counters) as the per-step path leaves it; the one call ran for every decode token
+(a silent fallback fails); anything it does not take (a hook, a prefetching plan, another family) runs the per-step
 path."""
 
 from __future__ import annotations
@@ -72,13 +72,15 @@ def routing_log(engine) -> list:
 @pytest.mark.parametrize("dense", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("experts", ["bf16", "int8", "int4", "int2"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_token_in_c_gives_the_per_step_bits(checkpoints, family, experts, dense, monkeypatch):
-    """float32 compute, each expert format (bf16 stored experts computed as float32 rows) and dense format (bf16:
-    the float32 rows as stored): the same logits bit for bit as the per-step path at every decode token, the KV
-    cache's buffers grown under it (from 4 positions), the same routing seen by an observer, the same counters and
-    policy state; the one call ran for every decode token, never for the prompt."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_token_in_c_gives_the_per_step_bits(checkpoints, dtype, family, experts, dense, monkeypatch):
+    """float32 and bf16 compute, each expert format (bf16 stored experts computed as rows of the compute dtype) and
+    dense format (bf16: the rows as stored, in the compute dtype): the same logits bit for bit as the per-step path
+    at every decode token, the KV cache's buffers grown under it (from 4 positions), the same routing (and router
+    weights: bf16 beside Qwen's routers, float32 beside Mixtral's) seen by an observer, the same counters and policy
+    state; the one call ran for every decode token, never for the prompt."""
     monkeypatch.setattr(generate, "MIN_CAPACITY", 4)
-    lm = load_perturbed(checkpoints[family], dtype="float32", experts=experts, dense=dense)
+    lm = load_perturbed(checkpoints[family], dtype=dtype, experts=experts, dense=dense)
     results = {}
     for in_c in (True, False):
         engine = engine_for(lm)
@@ -98,8 +100,8 @@ def test_token_in_c_gives_the_per_step_bits(checkpoints, family, experts, dense,
 
 
 def test_what_it_does_not_take_runs_the_per_step_path(checkpoints):
-    """A forward hook on a layer's MoE block, a forward put over a module's, a prefetching plan, bf16 compute, a family
-    it does not take: no token in C, the per-step path's logits."""
+    """A forward hook on a layer's MoE block, a forward put over a module's, a prefetching plan, a family it does not
+    take: no token in C, the per-step path's logits."""
     path = str(checkpoints["qwen3_moe"])
     lm = load_model(path, device="cpu", dtype="float32", experts="int8", dense="int8")
     engine = engine_for(lm)
@@ -124,8 +126,57 @@ def test_what_it_does_not_take_runs_the_per_step_path(checkpoints):
     engine = engine_for(lm, "prefetch-only")
     assert greedy(lm, engine, True, steps=3)[1] == 0
     engine.close()
-    for dtype, family in (("bfloat16", "qwen3_moe"), ("float32", "qwen2_moe"), ("float32", "olmoe")):
+    for dtype, family in (("bfloat16", "qwen2_moe"), ("float32", "qwen2_moe"), ("float32", "olmoe")):
         lm = load_model(str(checkpoints[family]), device="cpu", dtype=dtype, experts="int8", dense="int8")
         engine = engine_for(lm)
         assert greedy(lm, engine, True, steps=2)[1] == 0, (dtype, family)
         engine.close()
+
+
+def test_a_bf16_routers_exception_comes_out_of_the_token_in_c(checkpoints, monkeypatch):
+    """At bf16 decode.c calls each layer's router module back (models/token.py `_router_callback`): an exception
+    there comes out of the model's forward as itself (not swallowed by the C frames, not a MemoryError), and the
+    next token runs in C again."""
+    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype="bfloat16", experts="int8", dense="int8")
+    engine = engine_for(lm)
+    assert greedy(lm, engine, True, steps=2)[1] == 2
+    real = torch.topk
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):  # the prompt's routers pass; the first decode token's first router raises, once
+        calls["n"] += 1  # (a swallowed exception would let the per-step path compute the token: no error)
+        if calls["n"] == len(lm.model.model.layers) + 1:
+            raise RuntimeError("router failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "topk", failing)
+    with pytest.raises(RuntimeError, match="router failed"):
+        greedy(lm, engine, True, steps=1)
+    monkeypatch.setattr(torch, "topk", real)
+    assert greedy(lm, engine, True, steps=2)[1] == 2
+    engine.close()
+
+
+def test_a_new_plan_is_built_after_the_old_plans_caches_are_freed(checkpoints):
+    """Engine.configure frees the old plan's buffers before it builds the new one's; the token in C, which checks
+    each token whether the plan changed, must not keep them alive (it held the plan's layers: fmoe bench, which
+    re-plans between its policies, peaked with two policies' caches at once, issue 39 §6)."""
+    import weakref
+
+    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype="float32", experts="int8", dense="int8")
+    shape = lm.shape
+    engine = engine_for(lm)
+    engine.configure(make_settings("lru", shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 2))
+    assert greedy(lm, engine, True, steps=3)[1] == 0  # an offloaded plan: the per-step path, the plan checked each token
+    old = weakref.ref(engine.layers[0].tops)  # lru's cache (a resident plan's tops are the host store itself)
+    alive_at_build = []
+    build = engine._build
+
+    def watched(*args, **kwargs):
+        alive_at_build.append(old() is not None)
+        return build(*args, **kwargs)
+
+    engine._build = watched
+    engine.configure(make_settings("uniform", shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 3))
+    assert alive_at_build == [False]
+    engine.close()

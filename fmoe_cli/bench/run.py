@@ -257,7 +257,7 @@ def render(report: dict, console: Console) -> None:
     console.print(f"device {report['device']} ({precision}) · {report['link']['label']}", highlight=False)
     console.print(f"formats: experts {report['experts']} ({weights['experts_bytes'] / MiB:.1f} MiB in host RAM) · "
                   f"dense {report['dense']} (non-expert weights {weights['non_expert_bytes'] / MiB:.1f} MiB on the "
-                  f"device)" + (f" · activations {activations}" if activations != DEFAULT_ACTIVATIONS else ""),
+                  f"device) · activations {activations}",
                   highlight=False)
     console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
                   f"predictor {report.get('predictor', 'speculative')}", highlight=False)

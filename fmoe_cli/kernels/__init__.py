@@ -154,6 +154,8 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_attention_decode_bf16.restype = ctypes.c_int
     lib.fmoe_decode_token.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]  # models/token.py
     lib.fmoe_decode_token.restype = ctypes.c_int
+    lib.fmoe_decode_token_bf16.argtypes = lib.fmoe_decode_token.argtypes
+    lib.fmoe_decode_token_bf16.restype = ctypes.c_int
     lib.fmoe_simd.restype = ctypes.c_int
     lib.fmoe_pool_chunks_run.restype = ctypes.c_int64
     return lib

@@ -318,6 +318,24 @@ void fmoe_combine_decode(const float *y, const float *w, int64_t k, int64_t hidd
     }
 }
 
+/* fmoe_combine_decode of bf16 outputs y [K, H] as torch computes `(y · wᵀ).sum(0)` on them: each product in float32,
+   rounded to bf16 where the weights are bf16 (`weights_bf16`: Qwen's routers) and left float32 where they are
+   float32 (Mixtral's: the product promotes), added in k order in float32, the sum rounded once to bf16 (torch's bf16
+   sum accumulates in float32; the `.to(bf16)` of a float32 sum rounds the same once). */
+static void combine_bf16(const uint16_t *y, const float *w, int weights_bf16, int64_t k, int64_t hidden, float *acc,
+                         uint16_t *out) {
+    for (int64_t h = 0; h < hidden; h++) acc[h] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const uint16_t *row = y + j * hidden;
+        float wj = w[j];
+        for (int64_t h = 0; h < hidden; h++) {
+            float p = bf16_to_float(row[h]) * wj;
+            acc[h] += weights_bf16 ? round_bf16(p) : p;
+        }
+    }
+    for (int64_t h = 0; h < hidden; h++) out[h] = float_to_bf16(acc[h]);
+}
+
 /* ---- a resident float32 decode token in one call ------------------------------------------------------------
 
    Every step above, and the kernels' rows (experts.c), for a whole decode token of a resident float32 model
@@ -362,6 +380,7 @@ typedef struct {
     const uint8_t *const *expert_rows;   /* [E]: each expert's rows, `neurons` of them */
     int64_t neurons;
     DecodeRows expert;                   /* the experts' format (rows, bias, outputs unused) */
+    int64_t weights_bf16;                /* bf16 compute: the router's weights rounded to bf16 (Qwen's; Mixtral's not) */
 } DecodeLayer;
 
 typedef struct {
@@ -371,6 +390,11 @@ typedef struct {
     float norm_eps;
     DecodeRows head;   /* [V, H] */
     int64_t threads, threads_min_bytes; /* kernels.threads_for: `threads` from threads_min_bytes of rows up */
+    /* bf16 compute: layer i's router on its normed token x [H] (bf16), writing index [K] and weights [K] (float32,
+       the router's values): the caller's own (models/token.py: transformers' router module, torch's bits, which
+       no C sum order reproduces at bf16: its F.linear's rounding, its softmax's exp, torch.topk's order among the
+       ties bf16 logits often have). Returns 0, or nonzero: the token fails. */
+    int (*route)(int64_t layer, const uint16_t *x, int64_t *index, float *weights);
 } DecodeModel;
 
 static int threads_for(const DecodeModel *m, int64_t nbytes) {
@@ -385,6 +409,23 @@ static int rows_forward(const DecodeModel *m, const DecodeRows *r, const float *
     if (r->bias != NULL)
         for (int64_t i = 0; i < r->outputs; i++) y[i] = y[i] + r->bias[i];
     return 0;
+}
+
+/* Layer l's K routed experts (index [K], routing order) on its normed token x (float32, or bf16: x_bf16): their
+   outputs acc [K, H] float32 and, where out_bf16 is given, each rounded to bf16 (kernels.segments_forward's stacked
+   outputs, the per-step path's `_resident_decode`). */
+static int routed_experts(const DecodeModel *m, const DecodeLayer *l, const void *x, int x_bf16, const int64_t *index,
+                          float *acc, uint16_t *out_bf16) {
+    int64_t K = l->top_k;
+    const uint8_t *segments[64];
+    int64_t neurons[64];
+    if (K > 64) return -1; /* models/token.py MAX_TOP_K: such a model takes the per-step path */
+    for (int64_t k = 0; k < K; k++) segments[k] = l->expert_rows[index[k]], neurons[k] = l->neurons;
+    const DecodeRows *e = &l->expert;
+    return fmoe_segments_forward((int)e->code, K, segments, neurons, m->hidden, e->proj_bytes, e->group, e->meta_group,
+                                 e->chunk, x, x_bf16, 1, acc, out_bf16,
+                                 threads_for(m, 3 * K * l->neurons * e->proj_bytes), (int)e->q8)
+               ? -1 : 0;
 }
 
 /* One decoder layer on the residual stream h [H] (updated in place); its routing into index [K], weights [K].
@@ -402,15 +443,7 @@ static int decode_layer(const DecodeModel *m, const DecodeLayer *l, float *h, co
     if (rows_forward(m, &l->o, attended, out)) return -1;
     fmoe_add_rms_norm(h, out, H, l->post_norm, l->post_eps, sum, normed);
     if (fmoe_router_decode(normed, l->router, l->experts, H, K, (int)l->normalise, logits, weights, index)) return -1;
-    const uint8_t *segments[64];
-    int64_t neurons[64];
-    if (K > 64) return -1; /* models/token.py MAX_TOP_K: such a model takes the per-step path */
-    for (int64_t k = 0; k < K; k++) segments[k] = l->expert_rows[index[k]], neurons[k] = l->neurons;
-    const DecodeRows *e = &l->expert;
-    if (fmoe_segments_forward((int)e->code, K, segments, neurons, H, e->proj_bytes, e->group, e->meta_group, e->chunk,
-                              normed, 0, 1, experts, NULL, threads_for(m, 3 * K * l->neurons * e->proj_bytes),
-                              (int)e->q8))
-        return -1;
+    if (routed_experts(m, l, normed, 0, index, experts, NULL)) return -1;
     fmoe_combine_decode(experts, weights, K, H, moe);
     for (int64_t i = 0; i < H; i++) h[i] = sum[i] + moe[i];
     return 0;
@@ -421,26 +454,111 @@ static int64_t decode_work(const DecodeModel *m, const DecodeLayer *l) {
     return 4 * m->hidden + l->heads_q * l->dim + l->qkv.outputs + l->experts + l->top_k * m->hidden;
 }
 
+/* A decode token of `bf16` compute or float32 (decode_layer_bf16 or decode_layer, each layer in turn, then the final
+   norm and the head), in one workspace of the largest layer's size. */
+static int decode_walk(const DecodeModel *m, int bf16, void *h, const void *cos, const void *sin, int64_t position,
+                       void *logits, int64_t *index, float *weights);
+
 /* A decode token: h [H] the token's embedding row (overwritten: the residual stream), cos and sin [D] its rotary
    embedding, `position` its place in the cache (every layer's keys and values reserved for it); logits [V];
    index [L, K] and weights [L, K] each layer's routing. Returns 0, or -1: no memory, or a shape not taken. */
 int fmoe_decode_token(const DecodeModel *m, float *h, const float *cos, const float *sin, int64_t position,
                       float *logits, int64_t *index, float *weights) {
-    int64_t floats = m->hidden;
-    for (int64_t i = 0; i < m->layers; i++) {
-        int64_t need = decode_work(m, &m->layer[i]);
-        if (need > floats) floats = need;
+    return decode_walk(m, 0, h, cos, sin, position, logits, index, weights);
+}
+
+/* ---- a resident bf16 decode token in one call ---------------------------------------------------------------
+
+   fmoe_decode_token's steps on a bf16 model (the same DecodeModel and DecodeLayer, every pointer of theirs that is
+   float * there pointing to bf16 here: the norms' weights, the router's, the q/k norm weights, the biases, the
+   cache's buffers), as the per-step path computes them at bf16 (models/decoder.py, attention.py,
+   offload/engine.py): each row's float32 dot rounded once to bf16, then its bias added in bf16 (models/dense.py
+   kernel_forward); the norms, the first residual add and the attention as fmoe_*_bf16 above; the router the
+   caller's (DecodeModel.route: transformers' own module, called back once a layer); each expert's output rounded to bf16 (kernels.segments_forward), their weighted sum as combine_bf16
+   (torch's ops on them in engine._combine_decode), the second residual add one bf16 rounding (torch's `h + moe`);
+   the LM head's logits rounded to bf16. */
+
+/* y [outputs] bf16 = x · ŵᵀ (+ b) for bf16 x; `f` [outputs] float32 scratch. */
+static int rows_forward_bf16(const DecodeModel *m, const DecodeRows *r, const uint16_t *x, float *f, uint16_t *y) {
+    if (fmoe_linear_forward((int)r->code, r->rows, r->outputs, r->hidden, r->proj_bytes, r->group, r->meta_group, x,
+                            1, 1, f, threads_for(m, r->outputs * r->proj_bytes), (int)r->q8))
+        return -1;
+    const uint16_t *bias = (const uint16_t *)r->bias;
+    for (int64_t i = 0; i < r->outputs; i++) {
+        y[i] = float_to_bf16(f[i]);
+        if (bias != NULL) y[i] = float_to_bf16(bf16_to_float(y[i]) + bf16_to_float(bias[i]));
     }
-    float *work = malloc((size_t)floats * sizeof(float));
+    return 0;
+}
+
+/* Bytes of decode_layer_bf16's work for layer l: bf16 rows, then float32 scratch. */
+static int64_t decode_work_bf16(const DecodeModel *m, const DecodeLayer *l) {
+    int64_t H = m->hidden, K = l->top_k, widest = l->qkv.outputs > H ? l->qkv.outputs : H;
+    int64_t halves = 4 * H + l->heads_q * l->dim + l->qkv.outputs + K * H + 8;
+    int64_t floats = widest + K * H + 16;
+    if (floats < m->head.outputs) floats = m->head.outputs;
+    return halves * 2 + floats * 4 + 64;
+}
+
+static int decode_layer_bf16(const DecodeModel *m, const DecodeLayer *l, uint16_t *h, const uint16_t *cos,
+                             const uint16_t *sin, int64_t position, int64_t *index, float *weights, char *work) {
+    int64_t H = m->hidden, K = l->top_k;
+    uint16_t *normed = (uint16_t *)work, *sum = normed + H, *out = sum + H, *moe = out + H, *attended = moe + H;
+    uint16_t *qkv = attended + l->heads_q * l->dim, *experts = qkv + l->qkv.outputs;
+    uintptr_t after = (uintptr_t)(experts + K * H);
+    float *f = (float *)((after + 63) & ~(uintptr_t)63); /* float32 scratch: the rows' sums, the experts' */
+    fmoe_add_rms_norm_bf16(h, NULL, H, (const uint16_t *)l->input_norm, l->input_eps, NULL, normed);
+    if (rows_forward_bf16(m, &l->qkv, normed, f, qkv)) return -1;
+    if (fmoe_attention_decode_bf16(qkv, l->heads_q, l->heads_k, l->dim, (const uint16_t *)l->qk_weight, l->qk_eps,
+                                   cos, sin, (uint16_t *)l->keys, (uint16_t *)l->values, l->capacity, position,
+                                   l->scale, attended))
+        return -1;
+    if (rows_forward_bf16(m, &l->o, attended, f, out)) return -1;
+    fmoe_add_rms_norm_bf16(h, out, H, (const uint16_t *)l->post_norm, l->post_eps, sum, normed);
+    if (m->route == NULL || m->route(l - m->layer, normed, index, weights)) return 1;
+    for (int64_t k = 0; k < K; k++)
+        if (index[k] < 0 || index[k] >= l->experts) return 1;
+    if (routed_experts(m, l, normed, 1, index, f, experts)) return -1;
+    combine_bf16(experts, weights, (int)l->weights_bf16, K, H, f, moe);
+    for (int64_t i = 0; i < H; i++) h[i] = float_to_bf16(bf16_to_float(sum[i]) + bf16_to_float(moe[i]));
+    return 0;
+}
+
+/* fmoe_decode_token at bf16: h [H], cos and sin [D], logits [V] bf16; index [L, K] and weights [L, K] (float32) each
+   layer's routing. Returns 0; -1: no memory, or a shape not taken; 1: a router (DecodeModel.route) declined or
+   failed, or gave an expert out of range (the token's cache positions written so far are not committed: the caller
+   may compute the token again, as models/token.py does on the per-step path). */
+int fmoe_decode_token_bf16(const DecodeModel *m, uint16_t *h, const uint16_t *cos, const uint16_t *sin,
+                           int64_t position, uint16_t *logits, int64_t *index, float *weights) {
+    return decode_walk(m, 1, h, cos, sin, position, logits, index, weights);
+}
+
+static int decode_walk(const DecodeModel *m, int bf16, void *h, const void *cos, const void *sin, int64_t position,
+                       void *logits, int64_t *index, float *weights) {
+    int64_t bytes = m->hidden * (int64_t)sizeof(float);
+    for (int64_t i = 0; i < m->layers; i++) {
+        int64_t need = bf16 ? decode_work_bf16(m, &m->layer[i]) : decode_work(m, &m->layer[i]) * (int64_t)sizeof(float);
+        if (need > bytes) bytes = need;
+    }
+    char *work = malloc((size_t)bytes);
     if (work == NULL) return -1;
     int status = 0;
     for (int64_t i = 0; i < m->layers && status == 0; i++) {
         const DecodeLayer *l = &m->layer[i];
-        status = decode_layer(m, l, h, cos, sin, position, index + i * l->top_k, weights + i * l->top_k, work);
+        int64_t *e = index + i * l->top_k;
+        float *w = weights + i * l->top_k;
+        status = bf16 ? decode_layer_bf16(m, l, h, cos, sin, position, e, w, work)
+                      : decode_layer(m, l, h, cos, sin, position, e, w, (float *)work);
     }
-    if (status == 0) {
-        fmoe_add_rms_norm(h, NULL, m->hidden, m->norm, m->norm_eps, NULL, work);
-        status = rows_forward(m, &m->head, work, logits);
+    if (status == 0 && bf16) {
+        uint16_t *normed = (uint16_t *)work;
+        uintptr_t after = (uintptr_t)(normed + m->hidden);
+        float *f = (float *)((after + 63) & ~(uintptr_t)63);
+        fmoe_add_rms_norm_bf16(h, NULL, m->hidden, (const uint16_t *)m->norm, m->norm_eps, NULL, normed);
+        status = rows_forward_bf16(m, &m->head, normed, f, logits);
+    } else if (status == 0) {
+        fmoe_add_rms_norm(h, NULL, m->hidden, m->norm, m->norm_eps, NULL, (float *)work);
+        status = rows_forward(m, &m->head, (float *)work, logits);
     }
     free(work);
     return status;

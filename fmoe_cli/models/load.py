@@ -29,7 +29,7 @@ from fmoe_cli.models.checkpoint import check_checkpoint, check_weight_files, rea
 from fmoe_cli.models.identity import checkpoint_fingerprint
 from fmoe_cli.offload.converted import converted_path, open_converted, save_converted
 from fmoe_cli.offload.quant import make_store
-from fmoe_cli.offload.store import HostStore
+from fmoe_cli.offload.store import HostStore, trim_heap
 from fmoe_cli.types import (
     DEFAULT_ACTIVATIONS,
     DEFAULT_DENSE,
@@ -42,6 +42,7 @@ from fmoe_cli.types import (
     check_dense_format,
     check_dtype,
     check_expert_format,
+    resolve_activations,
     resolve_dense,
 )
 
@@ -66,23 +67,30 @@ class LoadedModel:
     activations: str = DEFAULT_ACTIVATIONS  # what the CPU kernels multiply int8/int4 rows with (types.ACTIVATIONS)
 
 
-def warn_without_int8_dots() -> None:
-    """--activations int8 needs the CPU kernels' AVX2 integer dots (experts.c q8_shape); without them the float32
-    dots run (exact), and one line says so rather than the mode silently not happening."""
+def has_int8_dots() -> bool:
+    """The CPU kernels' AVX2 integer dots are here (experts.c q8_shape), which --activations int8 needs."""
     from fmoe_cli import kernels
 
     lib = kernels.library()
-    if lib is None or lib.fmoe_simd() == 0:
+    return lib is not None and lib.fmoe_simd() > 0
+
+
+def warn_without_int8_dots() -> None:
+    """--activations int8 needs the CPU kernels' AVX2 integer dots (experts.c q8_shape); without them the float32
+    dots run (exact), and one line says so rather than the mode silently not happening."""
+    if not has_int8_dots():
         warn("--activations int8 needs the CPU kernels with AVX2, which this machine has not: the experts and dense "
              "rows multiply float activations (the exact path)")
 
 
 def precision_label(dtype: str, experts: str, dense: str = "bf16", activations: str = DEFAULT_ACTIVATIONS) -> str:
-    """What the user sees of the numbers: 'float32', 'bfloat16, int4 experts', 'float32, int4 experts, int4 dense'
-    or '…, int8 activations'."""
+    """What the user sees of the numbers: 'float32', 'bfloat16, int4 experts, int4 dense, int8 activations' or
+    'float32, int8 experts, float activations': the activations wherever a row is quantised (the mode changes
+    the numbers there, and neither mode is everywhere the default)."""
+    quantised = EXPERT_FORMATS[experts] is not None or DENSE_FORMATS[dense] is not None
     parts = [dtype] + ([f"{experts} experts"] if EXPERT_FORMATS[experts] is not None else []) \
         + ([f"{dense} dense"] if DENSE_FORMATS[dense] is not None else []) \
-        + ([f"{activations} activations"] if activations != DEFAULT_ACTIVATIONS else [])
+        + ([f"{activations} activations"] if quantised else [])
     return ", ".join(parts)
 
 
@@ -154,7 +162,9 @@ def load_model(
     activations: str = DEFAULT_ACTIVATIONS,
 ) -> LoadedModel:
     """`experts`: how the routed experts are stored (types.EXPERT_FORMATS): bf16 = unquantised, in `dtype`;
-    `dense`: the attention projections (and LM head) (types.DENSE_FORMATS, models/dense.py).
+    `dense`: the attention projections (and LM head) (types.DENSE_FORMATS, models/dense.py);
+    `activations`: what the CPU kernels multiply quantised rows with (types.ACTIVATIONS; "auto": the CLI's default,
+    int8 on the CPU beside int8/int4 experts; left out here: float, the exact path).
     `before_read(shape, non_expert_bytes, config, device)`: the caller's checks once the sizes are
     known and before a weight is read (run.py: the expert budget against the device)."""
     from transformers import AutoConfig
@@ -169,6 +179,7 @@ def load_model(
     dense = resolve_dense(dense, dev.type, experts)
     if activations == "int8" and dev.type == "cpu":
         warn_without_int8_dots()
+    activations = resolve_activations(activations, dev.type, experts, int8_dots=dev.type == "cpu" and has_int8_dots())
     check_config_file(path / "config.json")  # every field a plan needs, as written, before transformers reads it
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -196,6 +207,7 @@ def load_model(
                 to_save = (converted, fingerprint)
         store.allocate(mapped)
         read_checkpoint(path, model, layers, store if mapped is None else None, torch_dtype, console)
+        store.end_load()
         for layer in layers:
             _free_expert_weights(layer.experts, torch_dtype)
         _finish_skeleton(model, model_id)
@@ -215,6 +227,7 @@ def load_model(
         install_decode_attention(model)  # q/k/v in one kernel call, a decode token's attention (models/attention.py)
         install_decode_layers(model)  # a decode token's norms, residual adds and router (models/decoder.py)
     non_expert = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    trim_heap()  # the load's freed temporaries back to the system, not resident for the run
     return LoadedModel(model_id, path, label, model, tokenizer, layers, shape, store, dev, torch_dtype, non_expert, dense,
                        activations)
 

@@ -170,9 +170,10 @@ class QuantStore(HostStore):
     def rows(self, segment: torch.Tensor) -> torch.Tensor:
         return segment  # bytes: read by the kernels, or dequantised block by block in torch_forward
 
-    def dequantized(self, layer: int) -> torch.Tensor:
-        """[N, I, 3, H] of the compute dtype: the weights this store computes with (for the reference model)."""
-        packed = self.layers[layer]
+    def dequantized(self, layer: int, expert: int | None = None) -> torch.Tensor:
+        """[N, I, 3, H] of the compute dtype: the weights this store computes with (for the reference model);
+        [1, I, 3, H] of `expert` alone (one expert's memory, not a layer's: profiling/model.py expert_compute_s)."""
+        packed = self.layers[layer] if expert is None else self.layers[layer][expert:expert + 1]
         n, i = packed.shape[:2]
         return dequantize(packed.reshape(n * i, *packed.shape[2:]), self.format, self.shape.hidden,
                           self.compute_dtype).reshape(n, i, 3, self.shape.hidden)
@@ -187,6 +188,11 @@ class QuantStore(HostStore):
         for start in range(0, block.shape[0], QUANTIZE_ROWS):  # a few rows at a time: small temporaries
             target[start:start + QUANTIZE_ROWS].copy_(quantize(block[start:start + QUANTIZE_ROWS], self.format))
         self._blocks.append(block)
+
+    def end_load(self) -> None:
+        """The float32 blocks the loader quantised from go (one expert each: 12 MiB at H = I = 1024, kept for
+        the whole run before)."""
+        self._blocks.clear()
 
 
 def make_store(shape: ExpertShape, dtype: torch.dtype, pin: bool, activations: str = DEFAULT_ACTIVATIONS) -> HostStore:

@@ -108,6 +108,17 @@ class HostBuffer:
             self.registered = False
 
 
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing). A load frees many
+    small and mid-sized temporaries (float32 non-expert weights before their conversion, the reader's pieces) that
+    glibc otherwise keeps resident for the whole run: 18 MiB after a 614 MiB bf16 load, 33 MiB after its int4 store's
+    (issue 39 §6)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class HostStore:
     """Unquantised experts: rows of (gate row n, up row n, down column n), (3, H) of the compute dtype."""
 
@@ -248,6 +259,9 @@ class HostStore:
         target = self.layers[layer][expert]
         if block.data_ptr() != target.data_ptr():
             target.copy_(block)
+
+    def end_load(self) -> None:
+        """Every expert is `put`: the loader's scratch goes (here none: blocks are the store's own memory)."""
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         """Expert `expert` of MoE layer `layer`: [I, *row_shape], a view made at allocation."""

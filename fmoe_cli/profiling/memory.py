@@ -9,16 +9,22 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _status_kib(field: str, pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
 
 
 def rss() -> int:
     """Resident bytes now."""
     return _status_kib("VmRSS") * 1024
+
+
+def anon_rss(pid: int | str = "self") -> int:
+    """Anonymous resident bytes of a process now: its own memory, without mapped files (a converted store, the
+    libraries), which VmRSS and VmHWM count. Linux keeps no peak of it: benchmarks/host_memory.py polls."""
+    return _status_kib("RssAnon", pid) * 1024
 
 
 def reset_peak_rss() -> int:

@@ -387,15 +387,30 @@ def _loads(engine: Engine) -> tuple[int, float]:
     return counters.needed_loads, counters.exposed_s
 
 
-ADMISSION_SLOTS_BYTES = 64 << 20  # the CPU's admission slots span this much (more than its last-level cache)
+ADMISSION_SLOTS_BYTES = 64 << 20  # the CPU's admission slots span at most this much (more than its last-level cache) …
+ADMISSION_SLOTS_SHARE = 16  # … and at most 1/16 of the host store: the quick estimate's memory in proportion to the model
+
+
+def admission_slots(store) -> torch.Tensor:
+    """[count, *expert]: the cold cache slots admission_copy_s copies into on the CPU, one expert each, their pages
+    touched. They span at most ADMISSION_SLOTS_BYTES and 1/ADMISSION_SLOTS_SHARE of the host store's bytes, and
+    hold at least 2 experts: transient host memory in proportion to the model (issue 39 §6). A fixed 64 MiB was 0.10 ×
+    a 576 MiB bf16 store, 0.32 × its int4 store (165 MiB) and nearly the demo's whole store again; 1/16 of the store
+    is 36 MiB (6 slots) of the former, 10 MiB of the int4 one."""
+    expert = store.expert(0, 0)
+    span = min(ADMISSION_SLOTS_BYTES, store.nbytes // ADMISSION_SLOTS_SHARE)
+    count = max(2, min(128, span // max(1, expert.nbytes)))
+    slots = torch.empty((count, *expert.shape), dtype=expert.dtype)
+    slots.copy_(expert.expand_as(slots))  # first touch of every slot's pages
+    return slots
 
 
 def admission_copy_s(lm, repeats: int = 20) -> float:
     """a_e: one whole expert copied into a cache slot on the device, as the engine admits a loaded expert
     (offload/engine.py: _offer, link.py `device_copy`: device to device on a GPU, on the calling thread on the CPU).
 
-    On the CPU, as a decode step pays it: the copy reads a cold expert of the host store into a cold slot (slots
-    spanning ADMISSION_SLOTS_BYTES, more than a last-level cache holds) and leaves the caches to the expert
+    On the CPU, as a decode step pays it: the copy reads a cold expert of the host store into a cold slot (`admission_slots`:
+    up to ADMISSION_SLOTS_BYTES, more than a last-level cache holds, and 1/16 of the store) and leaves the caches to the expert
     forward after it (`admission_in_context`: two forwards with a copy between them against the same two without,
     in alternate repeats). Timed alone, between slots the caches keep warm, the copy read 0.05–0.07 ms on the demo
     where the engine's admissions cost 0.11 ms each and a cache that admits on every miss measured 1.1 ms a token
@@ -416,10 +431,8 @@ def admission_copy_s(lm, repeats: int = 20) -> float:
             times.append(host_now() - start)
         return statistics.median(times)
     sources = [store.expert(j, e) for j in range(shape.num_layers) for e in range(shape.num_experts)]
-    count = max(2, min(128, ADMISSION_SLOTS_BYTES // max(1, sources[0].nbytes)))
-    slots = [torch.empty_like(sources[0]) for _ in range(count)]
-    for slot in slots:
-        slot.copy_(sources[0])  # first touch of every slot's pages
+    slots = admission_slots(store)
+    count = len(slots)
     # the engine's bookkeeping of an admission (offload/engine.py: _offer): LCP's victim in a full cache of half
     # the layer's experts, then the copy into its slot
     n = shape.num_experts
@@ -488,7 +501,7 @@ def expert_compute_s(lm, repeats: int = 200, unquantised: bool = False, cold: bo
     packed = lm.store.expert(0, 0).to(lm.device)
     forward = lm.store.segment_forward
     if unquantised and hasattr(lm.store, "dequantized"):
-        packed, forward = lm.store.dequantized(0)[0].to(lm.device), segment_forward
+        packed, forward = lm.store.dequantized(0, expert=0)[0].to(lm.device), segment_forward  # one expert's memory
     x = torch.randn(1, lm.shape.hidden, dtype=lm.dtype, device=lm.device)
     act = torch.nn.functional.silu
     experts = [packed]
