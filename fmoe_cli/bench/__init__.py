@@ -34,6 +34,16 @@ def check_counts(tokens: int, warmup: int, rounds: int = 1) -> None:
         raise FmoeError("--rounds must be at least 1")
 
 
+def check_replay_counts(trace_tokens: int, trace: str, tokens: int, warmup: int) -> None:
+    """--replay-routing: the trace must hold the tokens a run routes (a prompt of at least one token and --tokens,
+    or --warmup, less one); the exact count once the prompt is encoded (bench/routing.py: check_replay_length)."""
+    longest = max(tokens, warmup)
+    if longest > trace_tokens:
+        option = "--tokens" if tokens >= warmup else "--warmup"
+        raise FmoeError(f"--replay-routing {trace} holds {trace_tokens} tokens, fewer than {option} {longest} and "
+                        f"a prompt route; use {option} {max(trace_tokens - 1, 1)} or less")
+
+
 def check_profile_options(*, out: str | Path | None, emulate_link: float | None, prefill_len: int, device: str) -> None:
     """`fmoe profile`'s own options (a model's are RunOptions'): the file asked for must be writable
     before anything is measured."""
