@@ -15,7 +15,7 @@ from rich.console import Console
 # Only modules without torch here: every option is checked before anything heavy is imported.
 from fmoe_cli import chat as chat_defaults
 from fmoe_cli import serve as serve_defaults
-from fmoe_cli.bench import check_counts, check_profile_options, check_replay_counts, read_prompt
+from fmoe_cli.bench import check_counts, check_profile_options, check_replay, read_prompt
 from fmoe_cli.chat import ChatOptions
 from fmoe_cli.disk import run_cache
 from fmoe_cli.errors import FmoeError
@@ -205,7 +205,7 @@ def bench(
     replay = None
     if replay_routing is not None:  # (the standard library alone: a malformed trace is one line at once)
         replay = read_trace(replay_routing)
-        check_replay_counts(replay.num_tokens, replay_routing, tokens, warmup)
+        check_replay(replay, tokens, warmup, predictor)
     _quiet_libraries()
     from fmoe_cli.bench.run import render, run_bench  # torch: only once the options read
 

@@ -66,11 +66,13 @@ def check_replay_length(trace: Trace, prompt_tokens: int, tokens: int, warmup: i
     """A generation of `tokens` new tokens after a prompt of `prompt_tokens` routes prompt + tokens − 1 tokens (the
     last one is never fed back): the trace must hold them (the longer of the warm-up and the measured run)."""
     need = prompt_tokens + max(tokens, warmup) - 1
-    if need > trace.num_tokens:
-        option = "--tokens" if tokens >= warmup else "--warmup"
-        raise FmoeError(f"--replay-routing {trace.path} holds {trace.num_tokens} tokens; the prompt ({prompt_tokens} "
-                        f"tokens) and {option} {max(tokens, warmup)} route {need}: use {option} "
-                        f"{max(trace.num_tokens - prompt_tokens + 1, 0)} or less, or a shorter prompt")
+    if need <= trace.num_tokens:
+        return
+    option = "--tokens" if tokens >= warmup else "--warmup"
+    fix = (f"use {option} {trace.num_tokens - prompt_tokens + 1} or less, or a shorter prompt"
+           if prompt_tokens <= trace.num_tokens else "use a shorter prompt (--prompt)")
+    raise FmoeError(f"--replay-routing {trace.path} holds {trace.num_tokens} tokens; the prompt ({prompt_tokens} "
+                    f"tokens) and {option} {max(tokens, warmup)} route {need}: {fix}")
 
 
 @dataclass
@@ -97,7 +99,6 @@ class ReplayedRouting:
         self.ids = [torch.tensor([r.experts for r in layer], dtype=torch.long) for layer in records]
         self.weights = [torch.tensor([r.probs for r in layer], dtype=torch.float64) for layer in records]
         self.rankings = [[r.predicted for r in layer] for layer in records]  # [layer][token] or None
-        self.has_rankings = any(p is not None for layer in self.rankings for p in layer)
         self._next = [0] * shape.num_layers
         self.last = [_Forward() for _ in range(shape.num_layers)]
         self._installed: list[tuple[torch.nn.Module, object]] = []
@@ -186,11 +187,7 @@ class ReplayedRouting:
     def predictor(self, name: str, layers: list[MoeLayer], shape: ExpertShape):
         """A fresh predictor for one run (no run learns from an earlier one's identical routing): `trace`: the
         trace's own rankings; else the table's (fmoe_cli/prediction)."""
-        if name == TRACE_PREDICTOR:
-            if not self.has_rankings:
-                raise FmoeError(f"--predictor {TRACE_PREDICTOR}: the trace {self.path} has no rankings (`predicted`: "
-                                f"an fmoe trace of a run that prefetched has them; a vLLM trace has none); use "
-                                f"--predictor eam")
+        if name == TRACE_PREDICTOR:  # (a trace with rankings: bench/__init__.py, check_replay)
             return TracePredictor(self)
         return make_predictor(name, layers, shape.num_experts, shape.top_k)
 

@@ -269,7 +269,7 @@ def render(report: dict, console: Console) -> None:
     console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
                   f"predictor {report.get('predictor', 'speculative')}", highlight=False)
     if report.get("routing"):
-        console.print(report["routing"]["note"], highlight=False)
+        console.print(report["routing"]["note"], highlight=False, soft_wrap=True)
     if report.get("host_profile"):
         console.print(report["host_profile"]["line"], highlight=False)
     if report.get("tokens") is not None:
