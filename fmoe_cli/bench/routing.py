@@ -102,6 +102,7 @@ class ReplayedRouting:
         self._next = [0] * shape.num_layers
         self.last = [_Forward() for _ in range(shape.num_layers)]
         self._installed: list[tuple[torch.nn.Module, object]] = []
+        self._served: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, as the router returns them
 
     # --- the tokens ------------------------------------------------------------
     def restart(self) -> None:
@@ -110,14 +111,16 @@ class ReplayedRouting:
         self.last = [_Forward() for _ in range(self.num_layers)]
 
     def take(self, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next `tokens` tokens' ids [T, K] (long) and weights [T, K] (float64) of MoE layer `layer`."""
+        """The next `tokens` tokens' ids [T, K] and weights [T, K] of MoE layer `layer`: as its router returns them
+        (dtype, device) once installed, else long and float64 on the host."""
         start = self._next[layer]
         if start + tokens > self.num_tokens:
             raise FmoeError(f"--replay-routing {self.path}: the run routes more than the trace's {self.num_tokens} "
                             f"tokens (layer {layer})")
         self._next[layer] = start + tokens
         self.last[layer] = _Forward(start, tokens)
-        return self.ids[layer][start:start + tokens].clone(), self.weights[layer][start:start + tokens]
+        ids, weights = self._served[layer] if self._served else (self.ids[layer], self.weights[layer])
+        return ids[start:start + tokens].clone(), weights[start:start + tokens].clone()
 
     def tokens(self, limit: int | None = None) -> list[list[Token]]:
         """The replayed routing as the simulator's token sequences (planning/simulate.py), the model's layers only;
@@ -147,12 +150,18 @@ class ReplayedRouting:
     def install(self, layers: Sequence[MoeLayer]) -> None:
         """Wrap every MoE layer's router forward: its top-k ids and weights become the trace's. A router whose
         forward does not return (logits, weights, ids) is refused in one line."""
+        served = []
+        for layer in layers:
+            _, weights, index = self._check_router(layer, layer.router.forward)
+            # the trace's routing where the router puts its own (a GPU's: no copy a forward)
+            served.append((self.ids[layer.index].to(device=index.device, dtype=index.dtype),
+                           self.weights[layer.index].to(weights.dtype).to(weights.device)))
         for layer in layers:
             router = layer.router
             original = router.forward
-            self._check_router(layer, original)
             self._installed.append((router, router.__dict__.get("forward")))
             router.forward = self._replaying(layer.index, original)
+        self._served = served
 
     def uninstall(self) -> None:
         for router, previous in reversed(self._installed):
@@ -160,19 +169,20 @@ class ReplayedRouting:
                 del router.forward
             else:
                 router.forward = previous
-        self._installed = []
+        self._installed, self._served = [], []
 
     def _replaying(self, layer: int, original):
         def forward(hidden_states, *args, **kwargs):
             logits, weights, index = original(hidden_states, *args, **kwargs)  # the router's work, as always
             ids, probs = self.take(layer, index.shape[0])
-            return logits, probs.to(weights.dtype).to(weights.device), ids.to(index.device)
+            return logits, probs, ids
 
         forward.fmoe_replay = True
         return forward
 
     @staticmethod
-    def _check_router(layer: MoeLayer, forward) -> None:
+    def _check_router(layer: MoeLayer, forward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's output for one token of zeros: (logits, weights [1, K], ids [1, K]), else one line."""
         hidden = layer.router.weight.shape[-1]
         probe = torch.zeros(1, hidden, dtype=layer.router.weight.dtype, device=layer.router.weight.device)
         with torch.inference_mode():
@@ -182,6 +192,7 @@ class ReplayedRouting:
             raise FmoeError(f"--replay-routing: the router of {layer.name} ({type(layer.router).__name__}) does not "
                             f"return its top-k weights and ids; fmoe replays routing on routers that do "
                             f"(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3)")
+        return out
 
     # --- the predictor ---------------------------------------------------------
     def predictor(self, name: str, layers: list[MoeLayer], shape: ExpertShape):
