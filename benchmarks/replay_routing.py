@@ -61,9 +61,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--per-layer", type=int, default=5, help="experts a layer in the budget (MoEpic: 160 of 32 = 5)")
     p.add_argument("--card", type=Path, default=HERE.parent / "profiles" / "rtx-a6000.json")
+    p.add_argument("--load-ratio", type=float, default=None,
+                   help="one expert's load ÷ T_exp instead of the card's memory ÷ link bandwidth (2.6: the A6000 as "
+                        "benchmarks/simulate.py paper calibrates its compute)")
+    p.add_argument("--deeper", type=int, default=None, metavar="N",
+                   help="also simulate (no measurement) the trace's first N layers with the run's per-layer timings")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
+                   help="measure nothing: the report a --json run printed, simulated again (with --deeper) and shown")
     args = p.parse_args(argv)
     os.environ["FMOE_EMULATED_CLOCK"] = args.clock  # before any fmoe clock is read
 
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     shape = lm.shape
     budget = (args.per_layer * shape.num_layers + shape.min_staging_slots) * shape.expert_bytes
     name, ratio = card_ratio(args.card)
+    if args.load_ratio is not None:
+        name, ratio = f"{name}, load ÷ compute set to {args.load_ratio:g}", args.load_ratio
     t_exp = find_timings(lm, EmulatedLink(1.0)).t_exp  # the quick estimate, measured once and kept
     gbps = shape.expert_bytes / (ratio * t_exp) / 1e9
     policies = tuple(args.policies.split(","))
@@ -89,20 +98,39 @@ def main(argv: list[str] | None = None) -> None:
                f"--predictor eam --vram-budget {budget}B --emulate-link {gbps:.4g} --compare {','.join(policies)} "
                f"--rounds {args.rounds} --tokens {args.tokens} --warmup {args.warmup} --prompt '{args.prompt}' "
                f"--device cpu (FMOE_EMULATED_CLOCK={args.clock})")
+    if args.from_json is not None:  # the measured run as it was (its link and tokens), simulated again
+        report = json.loads(args.from_json.read_text())
+        measured = report["replay_routing"]
+        name, ratio, t_exp, gbps = measured["card"], measured["load_over_compute"], measured["t_exp_s"], measured["gbps"]
+        args.tokens, args.warmup, command = report["tokens"], report["warmup"], measured["command"]
     console.print(f"link shaped like {name}: load ÷ compute {ratio:.1f}, T_exp {t_exp * 1e3:.1f} ms → "
                   f"{gbps:.4g} GB/s; budget {budget / shape.expert_bytes:.0f} experts", highlight=False)
     console.print(command, highlight=False, soft_wrap=True)
-    opts = RunOptions(model=args.model, policies=policies, vram_budget=f"{budget}B", predictor="eam",
-                      emulate_link=gbps, device="cpu", experts=args.experts, dense=args.dense, shape_link=True)
-    report = run_bench(opts, tokens=args.tokens, warmup=args.warmup, prompt=args.prompt, console=console,
-                       rounds=args.rounds, replay=trace)
+    if args.from_json is None:
+        opts = RunOptions(model=args.model, policies=policies, vram_budget=f"{budget}B", predictor="eam",
+                          emulate_link=gbps, device="cpu", experts=args.experts, dense=args.dense, shape_link=True)
+        report = run_bench(opts, tokens=args.tokens, warmup=args.warmup, prompt=args.prompt, console=console,
+                           rounds=args.rounds, replay=trace)
     sims = simulate(lm, trace, report, budget, gbps, args)
     report["replay_routing"] = {"command": command, "card": name, "load_over_compute": ratio, "t_exp_s": t_exp,
                                 "gbps": gbps, "budget_experts": budget / shape.expert_bytes, "simulated": sims}
+    if args.deeper:
+        report["replay_routing"]["simulated_deeper"] = deeper(lm, trace, report, gbps, args)
     if args.json:
         print(json.dumps(report))
     else:
-        table(report, sims, Console(width=max(Console().width, 150)))
+        table(report, Console(width=max(Console().width, 150)))
+
+
+def simulated(policy: str, shape, budget: int, timings, stats, window, link, prompt_tokens: int, warmup: int):
+    """planning/simulate.py's prediction of one policy's run: its plan made from these timings and statistics,
+    the bench's warm-up and measured decode tokens over `window`, on `link`'s bandwidth and latency."""
+    from fmoe_cli.planning.presets import PlanInputs, settings_for
+    from fmoe_cli.planning.simulate import predictor_for, simulate_policy
+
+    settings = settings_for(policy, PlanInputs(shape, budget, timings, stats))
+    return simulate_policy(shape, settings, timings, window, bandwidth=link.gbps * 1e9, latency=link.latency_s,
+                           prompt_tokens=prompt_tokens, warmup=warmup, predictor_factory=predictor_for(window, shape))
 
 
 def simulate(lm, trace, report: dict, budget: int, gbps: float, args) -> dict:
@@ -112,8 +140,6 @@ def simulate(lm, trace, report: dict, budget: int, gbps: float, args) -> dict:
 
     from fmoe_cli.bench.routing import ReplayedRouting
     from fmoe_cli.offload.link import EmulatedLink
-    from fmoe_cli.planning.presets import PlanInputs, settings_for
-    from fmoe_cli.planning.simulate import predictor_for, simulate_policy
     from fmoe_cli.run import find_timings
 
     shape = lm.shape
@@ -131,19 +157,44 @@ def simulate(lm, trace, report: dict, budget: int, gbps: float, args) -> dict:
     for name in runs:
         out[name] = {}
         for label, times in fits.items():
-            settings = settings_for(name, PlanInputs(shape, budget, times, stats, lm.model_id))
-            result = simulate_policy(shape, settings, times, window, bandwidth=gbps * 1e9, latency=link.latency_s,
-                                     prompt_tokens=report["prompt_tokens"], warmup=args.warmup,
-                                     predictor_factory=predictor_for(window, shape))
+            result = simulated(name, shape, budget, times, stats, window, link, report["prompt_tokens"], args.warmup)
             out[name][label] = {"tpot_ms": result.tpot_s * 1e3, "mean_tpot_ms": result.mean_tpot_s * 1e3,
                                 "hit_rate": result.hit_rate, "plan": result.plan}
     return out
 
 
-def table(report: dict, sims: dict, console) -> None:
+def deeper(lm, trace, report: dict, gbps: float, args) -> dict:
+    """Simulated only: the trace's first `args.deeper` layers, each with the run's per-layer timings, MoEpic's budget
+    scaled to them: per policy TPOT median and mean (ms) and hit rate."""
+    from dataclasses import replace
+
+    from fmoe_cli.bench.routing import ReplayedRouting
+    from fmoe_cli.offload.link import EmulatedLink
+    from fmoe_cli.run import find_timings
+
+    link = EmulatedLink(gbps)
+    timings = find_timings(lm, link)
+    shape = replace(lm.shape, num_layers=args.deeper)
+    replay = ReplayedRouting(trace, shape)
+    stats = replay.statistics(shape, lm.model_id)
+    window = [[token for seq in replay.tokens(limit=report["prompt_tokens"] + args.tokens - 1) for token in seq]]
+    budget = (args.per_layer * shape.num_layers + shape.min_staging_slots) * shape.expert_bytes
+    out = {}
+    for run in report["runs"]:
+        result = simulated(run["policy"], shape, budget, timings, stats, window, link, report["prompt_tokens"],
+                           args.warmup)
+        out[run["policy"]] = {"layers": shape.num_layers, "tpot_ms": result.tpot_s * 1e3,
+                              "mean_tpot_ms": result.mean_tpot_s * 1e3, "hit_rate": result.hit_rate,
+                              "plan": result.plan}
+    return out
+
+
+def table(report: dict, console) -> None:
     from rich.table import Table
 
     from simulate import PAPER  # benchmarks/simulate.py: MoEpic's figures
+
+    sims = report["replay_routing"]["simulated"]
 
     runs = {r["policy"]: r for r in report["runs"]}
     labels = list(next(iter(sims.values())))
@@ -174,6 +225,9 @@ def table(report: dict, sims: dict, console) -> None:
     for name, r in runs.items():
         console.print(f"  {name}: measured plan {r['plan']}; simulated {sims[name][labels[0]]['plan']}",
                       highlight=False)
+    for name, sim in report["replay_routing"].get("simulated_deeper", {}).items():
+        console.print(f"  simulated only, the trace's first {sim['layers']} layers: {name} TPOT {sim['tpot_ms']:.0f} "
+                      f"ms (mean {sim['mean_tpot_ms']:.0f}), hit {sim['hit_rate']:.2f}", highlight=False)
 
 
 if __name__ == "__main__":
