@@ -142,12 +142,7 @@ def compare(console, args, lm, label, stat, timings, measured, measured_hit, mea
     profiled = timings  # the quick profile's figures, as `fmoe plan` uses them: nothing fitted to these runs
     # Compute calibrated on the measured resident run (no loads): the engine's per-layer host work
     # around the layer times the configurator measured goes into T_att; the other policies are predictions.
-    resident_s = stat(measured["resident"]) / 1e3
-    experts_s = shape.num_layers * timings.t_moe  # T_exp: the expert compute the loads race against
-    rest = max(0.0, resident_s - experts_s)  # attention, head and the engine's host work, per token
-    share = timings.t_head / (timings.t_head + shape.num_layers * timings.t_att) if timings.t_head else 0.0
-    extra = rest * (1 - share) / shape.num_layers - timings.t_att
-    timings = replace(timings, t_att=rest * (1 - share) / shape.num_layers, t_head=rest * share)
+    timings, extra = fitted_to_resident(timings, shape, stat(measured["resident"]) / 1e3)
     bare_times = replace(timings, t_host_load=0.0, t_host_prefetch=0.0, t_admit=0.0, t_segment=0.0)
     table = Table(title=f"simulated vs measured TPOT: {lm.label} ({precision_label(str(lm.dtype).removeprefix('torch.'), shape.experts, lm.dense)}), link: emulated {gbps:.3g} GB/s "
                         f"(expert load {args.load_ratio:g} × T_exp), budget {args.budget}, "
@@ -211,6 +206,19 @@ def compare(console, args, lm, label, stat, timings, measured, measured_hit, mea
                   f"T_exp {timings.t_exp * 1e3:.3f} ms, T_head {timings.t_head * 1e3:.3f} ms; "
                   f"moepic plan: {used['moepic'][-1].plan.summary()}", highlight=False)
     return rows
+
+
+def fitted_to_resident(timings, shape, resident_s: float):
+    """Compute calibrated on a measured resident TPOT (no loads): T_exp kept (the expert compute the loads race
+    against), the rest of the token (attention, head and the engine's host work) shared between T_att and T_head in
+    the profile's proportion. Returns (timings, the change of T_att per layer)."""
+    from dataclasses import replace
+
+    experts_s = shape.num_layers * timings.t_moe
+    rest = max(0.0, resident_s - experts_s)
+    share = timings.t_head / (timings.t_head + shape.num_layers * timings.t_att) if timings.t_head else 0.0
+    extra = rest * (1 - share) / shape.num_layers - timings.t_att
+    return replace(timings, t_att=rest * (1 - share) / shape.num_layers, t_head=rest * share), extra
 
 
 def simulated_matrix(console, lm, shape, timings, t_exp, tokens, prompt_len, warmup, latency) -> None:

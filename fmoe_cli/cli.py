@@ -15,7 +15,7 @@ from rich.console import Console
 # Only modules without torch here: every option is checked before anything heavy is imported.
 from fmoe_cli import chat as chat_defaults
 from fmoe_cli import serve as serve_defaults
-from fmoe_cli.bench import check_counts, check_profile_options, read_prompt
+from fmoe_cli.bench import check_counts, check_profile_options, check_replay, read_prompt
 from fmoe_cli.chat import ChatOptions
 from fmoe_cli.disk import run_cache
 from fmoe_cli.errors import FmoeError
@@ -24,7 +24,8 @@ from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, POLICIES
 from fmoe_cli.options import RunOptions
 from fmoe_cli.planning.plan import DEFAULT_BUDGET, check_plan_options
 from fmoe_cli.planning.presets import DEFAULT_POLICY, PRESETS, parse_policies
-from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
+from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS, TRACE_PREDICTOR, TRACE_PREDICTOR_HELP
+from fmoe_cli.trace import read_trace
 from fmoe_cli.types import AUTO_ACTIVATIONS, DEFAULT_DENSE, DEFAULT_EXPERTS
 
 try:  # typer ≥ 0.20 carries its own copy of click
@@ -172,7 +173,13 @@ def bench(
     prompt_file: Annotated[str | None, typer.Option(help="Read the prompt from this text file.")] = None,
     trace_out: TraceOpt = None,
     force: ForceOpt = False,
-    predictor: PredictorOpt = DEFAULT_PREDICTOR,
+    replay_routing: Annotated[str | None, typer.Option(
+        "--replay-routing", metavar="TRACE",
+        help="Take every MoE layer's top-k experts and weights from this routing trace (fmoe JSONL or vLLM) instead "
+             "of the router, token by token; the tokens generated are then meaningless.")] = None,
+    predictor: Annotated[str, typer.Option(
+        help=f"Expert predictor of the prefetcher: {', '.join(PREDICTORS)}; {TRACE_PREDICTOR} "
+             f"({TRACE_PREDICTOR_HELP}).")] = DEFAULT_PREDICTOR,
     lcp_omega: OmegaOpt = LCP_OMEGA,
     lcp_rho: RhoOpt = LCP_RHO,
     emulate_link: LinkOpt = None,
@@ -192,14 +199,19 @@ def bench(
                        overwrite_trace=force, dtype=dtype, experts=experts, dense=dense, activations=activations,
                        device=device,
                        trust_remote_code=trust_remote_code, shape_link=True, context=context,
-                       host_threads=host_threads,
+                       host_threads=host_threads, replay_routing=replay_routing,
                        if_fits=("resident",) if policy is None and compare is None else ())
     check_counts(tokens, warmup, rounds)
     prompt_text = read_prompt(prompt, prompt_file)
+    replay = None
+    if replay_routing is not None:  # (the standard library alone: a malformed trace is one line at once)
+        replay = read_trace(replay_routing)
+        check_replay(replay, tokens, warmup, predictor)
     _quiet_libraries()
     from fmoe_cli.bench.run import render, run_bench  # torch: only once the options read
 
-    report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=prompt_text, console=err_console, rounds=rounds)
+    report = run_bench(opts, tokens=tokens, warmup=warmup, prompt=prompt_text, console=err_console, rounds=rounds,
+                       replay=replay)
     if as_json:
         print(json.dumps(report))
     else:
@@ -343,9 +355,7 @@ def plan(
     (from config.json alone, no weights)."""
     check_plan_options(model, vram=vram, profile_path=profile, context=context, dtype=dtype, workspace=workspace,
                        experts=experts, trace=trace, dense=dense)
-    from fmoe_cli.trace import read_trace  # the standard library alone: a malformed trace is one line at once
-
-    routing = None if trace is None else read_trace(trace)
+    routing = None if trace is None else read_trace(trace)  # (the standard library alone: one line at once)
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan  # torch and transformers: only once the options and trace read
 

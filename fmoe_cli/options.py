@@ -74,6 +74,7 @@ class RunOptions:
     if_fits: tuple[str, ...] = ()  # policies left out (with a note) when their plan does not fit the device
     context: int | None = None  # tokens of KV cache reserved (--context); None: planning.plan.resolve_context's default
     host_threads: int = 1  # CPU threads of the engine's host lane (hybrid plans: misses and bottoms on the host)
+    replay_routing: str | None = None  # fmoe bench: a routing trace every router's top-k is taken from (bench/routing.py)
 
     def check(self) -> None:
         """Refuse bad options in one line without importing torch: names, numbers, paths and files
@@ -82,7 +83,7 @@ class RunOptions:
             raise FmoeError("no policy to run")
         for name in self.policies:
             preset(name)
-        check_predictor(self.predictor)
+        check_predictor(self.predictor, replay=self.replay_routing is not None)
         check_dtype(self.dtype)
         check_expert_format(self.experts)
         check_dense_format(self.dense)

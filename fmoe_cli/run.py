@@ -55,7 +55,8 @@ from fmoe_cli.profiling.host import host_timings, saved_host_profile
 from fmoe_cli.profiling.files import DeviceProfile, LinkFit, Profile, default_profile_path, model_identity, now_iso
 from fmoe_cli.profiling.model import expert_compute_s, model_timings
 from fmoe_cli.profiling.reference import CONSUMER_CARD
-from fmoe_cli.types import Timings
+from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
+from fmoe_cli.types import ExpertShape, Timings
 
 
 @dataclass
@@ -238,10 +239,13 @@ def _saved_timings(path: Path, lm: LoadedModel):
 
 
 @contextmanager
-def open_run(opts: RunOptions, console: Console | None = None, *, say_timing_note: bool = True) -> Iterator[Run]:
+def open_run(opts: RunOptions, console: Console | None = None, *, say_timing_note: bool = True,
+             check_model: Callable[[ExpertShape], None] | None = None) -> Iterator[Run]:
     """Set up a run (see the module's docstring); on exit save the statistics and close everything.
     say_timing_note: the quick estimate's note (Run.timing_note) is printed here, at the start; False: the caller
-    says it where its figures are (bench: under its table)."""
+    says it where its figures are (bench: under its table).
+    `check_model(shape)`: the caller's own check of the model, once its shape is known, before a weight is read
+    (fmoe bench --replay-routing: the trace's shape)."""
     opts.check()
     check_device(opts)
     sweep()  # what interrupted work left behind (a killed conversion's temporary)
@@ -254,6 +258,8 @@ def open_run(opts: RunOptions, console: Console | None = None, *, say_timing_not
         against the device's free memory (minus the non-expert weights still to load, the KV
         cache and the workspace; `resident` when the model does not fit), one line each."""
         nonlocal presets
+        if check_model is not None:
+            check_model(shape)
         beside = device_room(device, 0, non_expert_pending=non_expert_bytes)  # the room before the KV cache
         context = resolve_context(opts.context, config_context(config), kv_cache_bytes(config, 1, shape.dtype_bytes),
                                   None if beside is None else beside.bytes)
@@ -330,7 +336,9 @@ def open_run(opts: RunOptions, console: Console | None = None, *, say_timing_not
             settings = [fixed.get(p.name) or settings_for(p.name, inputs, omega=opts.omega, rho=opts.rho)
                         for p in presets]
             step("planned " + ", ".join(p.name for p in presets), started)
-            engine = open_engine(lm, predictor=opts.predictor, link=link, host_threads=opts.host_threads)
+            # (`trace`, the replayed trace's rankings, is the bench's own: it sets it for every run)
+            predictor = opts.predictor if opts.predictor in PREDICTORS else DEFAULT_PREDICTOR
+            engine = open_engine(lm, predictor=predictor, link=link, host_threads=opts.host_threads)
         except BaseException:
             link.close()
             raise

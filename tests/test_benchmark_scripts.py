@@ -358,3 +358,29 @@ def test_peer_llamacpp_writes_a_random_checkpoint_fmoe_and_transformers_load(tmp
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     lm = load_model(str(out), device="cpu", dtype="float32")
     assert (lm.shape.num_layers, lm.shape.num_experts, lm.shape.top_k, lm.shape.hidden) == (2, 8, 2, 64)
+
+
+def test_replay_routing_measures_and_simulates_every_policy(checkpoints, tmp_path, monkeypatch, capsys):
+    """`benchmarks/replay_routing.py MODEL TRACE --json`: the bench's report with the replayed routing, and per
+    policy the simulator's TPOT with the profile's timings and with compute fitted to the measured resident run
+    (which the fit then gives back: a check that the simulation replays what was measured)."""
+    import json
+
+    from test_replay_routing import write_trace
+
+    monkeypatch.setenv("FMOE_EMULATED_CLOCK", "cpu")  # (main sets it; restored after the test)
+    trace = write_trace(tmp_path / "t.jsonl", sequences=(40,))
+    replay_routing = benchmark("replay_routing")
+    replay_routing.main([str(checkpoints["mixtral"]), str(trace), "--rounds", "1", "--tokens", "4", "--warmup", "1",
+                         "--policies", "lru,resident", "--per-layer", "2", "--prompt", "Hi", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["routing"]["replayed_from"] == str(trace) and report["predictor"] == "eam"
+    extra = report["replay_routing"]
+    assert extra["load_over_compute"] == pytest.approx(768 / 31.5077, rel=1e-3)  # the A6000's, profiles/
+    assert extra["budget_experts"] == 2 * 4 + 4  # two a layer and the staging pool (2 × top-2)
+    assert "--replay-routing" in extra["command"]
+    sims = extra["simulated"]
+    assert set(sims) == {"lru", "resident"} and set(sims["lru"]) == {"profile", "resident fit"}
+    resident = {r["policy"]: r for r in report["runs"]}["resident"]["tpot_ms"]["median"]
+    assert sims["resident"]["resident fit"]["tpot_ms"] == pytest.approx(resident, rel=1e-6)
+    assert sims["lru"]["profile"]["tpot_ms"] > sims["resident"]["profile"]["tpot_ms"]

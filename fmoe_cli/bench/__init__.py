@@ -9,6 +9,8 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.files import read_text, writable_dir
 from fmoe_cli.offload import check_bandwidth
 from fmoe_cli.options import check_device_text
+from fmoe_cli.prediction import TRACE_PREDICTOR
+from fmoe_cli.trace import Trace
 
 PROMPT_LIMIT = 16 << 20  # bytes: a prompt file longer than any model's context by far
 
@@ -32,6 +34,21 @@ def check_counts(tokens: int, warmup: int, rounds: int = 1) -> None:
         raise FmoeError("--warmup must be 0 or more")
     if rounds < 1:
         raise FmoeError("--rounds must be at least 1")
+
+
+def check_replay(trace: Trace, tokens: int, warmup: int, predictor: str) -> None:
+    """--replay-routing: the trace must hold the tokens a run routes (a prompt of at least one token and --tokens,
+    or --warmup, less one; the exact count once the prompt is encoded: bench/routing.py, check_replay_length), and
+    rankings for --predictor trace."""
+    longest = max(tokens, warmup)
+    if longest > trace.num_tokens:
+        option = "--tokens" if tokens >= warmup else "--warmup"
+        raise FmoeError(f"--replay-routing {trace.path} holds {trace.num_tokens} tokens, fewer than {option} "
+                        f"{longest} and a prompt route; use {option} {max(trace.num_tokens - 1, 1)} or less")
+    if predictor == TRACE_PREDICTOR and not any(r.predicted is not None for seq in trace.sequences
+                                                for layer in seq.records for r in layer):
+        raise FmoeError(f"--predictor {TRACE_PREDICTOR}: the trace {trace.path} has no rankings (`predicted`: an fmoe "
+                        f"trace of a run that prefetched has them; a vLLM trace has none); use --predictor eam")
 
 
 def check_profile_options(*, out: str | Path | None, emulate_link: float | None, prefill_len: int, device: str) -> None:

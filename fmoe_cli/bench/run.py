@@ -18,8 +18,11 @@ the first policy is the base of the ratios. Figures per run:
 from __future__ import annotations
 
 import statistics
+import tempfile
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import psutil
 import torch
@@ -29,8 +32,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fmoe_cli.bench import check_counts, read_prompt  # noqa: F401 (read_prompt: re-exported)
+from fmoe_cli.bench.routing import (ROUTING_ONLY_PREDICTORS, ReplayedRouting, check_replay_length,
+                                    replay_note)
 from fmoe_cli.profiling.host import host_format, host_line, saved_host_profile
-from fmoe_cli.trace import RouteRecorder
+from fmoe_cli.trace import RouteRecorder, Trace
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import DEFAULT_PROMPT, SamplingParams, encode_messages, stream_generate
 from fmoe_cli.models.load import LoadedModel, precision_label
@@ -110,16 +115,19 @@ def percentile(values: list[float], q: float) -> float:
 
 def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prompt_ids: torch.Tensor,
                  tokens: int, warmup: int = 0, *, before_measure: Callable[[], None] | None = None,
-                 configure: bool = True, advance: Callable[[], object] = lambda: None) -> RunResult:
+                 configure: bool = True, advance: Callable[[], object] = lambda: None,
+                 on_generate: Callable[[], object] = lambda: None) -> RunResult:
     """Configure the engine for one policy (unless `configure` is False: it is, and unused), warm it up
     on the prompt, then measure `tokens` tokens (greedy).
 
     `before_measure` runs after the warm-up, right before the measured generation (a trace recorder
     starts its sequence there, so the trace holds the measured run only). `advance` runs after every
-    token (a progress bar)."""
+    token (a progress bar); `on_generate` before each generation, the warm-up's and the measured one
+    (replayed routing starts again at the trace's first token)."""
     if configure:
         engine.configure(settings)
     if warmup:
+        on_generate()
         for _ in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=warmup, stop_on_eos=False):
             advance()
     if before_measure is not None:
@@ -130,6 +138,7 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
     rss = process.memory_info().rss
     events = []
     cut = False
+    on_generate()
     try:
         for event in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=tokens, stop_on_eos=False,
                                      sampling=SamplingParams()):
@@ -261,6 +270,8 @@ def render(report: dict, console: Console) -> None:
                   highlight=False)
     console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
                   f"predictor {report.get('predictor', 'speculative')}", highlight=False)
+    if report.get("routing"):
+        console.print(report["routing"]["note"], highlight=False, soft_wrap=True)
     if report.get("host_profile"):
         console.print(report["host_profile"]["line"], highlight=False)
     if report.get("tokens") is not None:
@@ -326,22 +337,55 @@ def warm_round_tokens(device: torch.device) -> int:
 
 
 def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None = None, console: Console | None = None,
-              rounds: int = 1) -> dict:
+              rounds: int = 1, replay: Trace | None = None) -> dict:
     """`fmoe bench`: set up the run, run every policy on the same prompt, return the report (the --json object).
 
     `rounds` > 1: every policy runs once a round, rounds one after another in this process, the order reversed
     every other round (no policy always first or last); each run re-plans its policy from the statistics so far
     (a configured plan) and warms its cache afresh, as the first round's did. A policy's figures are then the
     medians of its rounds' (combine_rounds), and its ratio to the first policy is also paired within each round:
-    what a machine's drift between processes or minutes moves, it moves for every policy alike."""
+    what a machine's drift between processes or minutes moves, it moves for every policy alike.
+
+    `replay`: every router's top-k taken from this trace (bench/routing.py); the statistics the plans are made
+    from are the trace's (a scratch file: the model's own are neither read nor written), and every run starts
+    with a fresh predictor."""
     console = console or Console(stderr=True)
     check_counts(tokens, warmup, rounds)
     prompt = DEFAULT_PROMPT if prompt is None else prompt
+    if replay is None:
+        return _run_bench(opts, tokens, warmup, prompt, console, rounds, None)
+    with tempfile.TemporaryDirectory(prefix="fmoe-replay-") as scratch:
+        opts = replace(opts, replay_routing=replay.path, stats_path=Path(scratch) / "routing.stats.json")
+        return _run_bench(opts, tokens, warmup, prompt, console, rounds, replay)
+
+
+def _run_bench(opts: RunOptions, tokens: int, warmup: int, prompt: str, console: Console, rounds: int,
+               trace: Trace | None) -> dict:
     interrupted = False
-    with open_run(opts, console, say_timing_note=False) as run:  # the note goes under the table (render)
+    replay: list[ReplayedRouting] = []
+
+    def check_model(shape) -> None:
+        """Before a weight is read: the trace's shape against the model's, and the trace's statistics saved
+        where this run reads its statistics from."""
+        if trace is not None:
+            replay.append(ReplayedRouting(trace, shape))
+            replay[0].statistics(shape, opts.model).save(opts.stats_path)
+
+    with open_run(opts, console, say_timing_note=False, check_model=check_model) as run, ExitStack() as hooks:  # the note: under the table
         lm, engine = run.lm, run.engine
         prompt_ids = encode_prompt(lm, prompt)
         check_context(run.context or context_length(lm), prompt_ids.shape[-1], max(tokens, warmup), "--tokens" if tokens >= warmup else "--warmup")
+        routing = replay[0] if replay else None
+        if routing is not None:
+            check_replay_length(trace, prompt_ids.shape[-1], tokens, warmup)
+            routing.install(lm.layers)
+            hooks.callback(routing.uninstall)
+            console.print(replay_note(routing), highlight=False, soft_wrap=True)
+            if opts.predictor not in ROUTING_ONLY_PREDICTORS:
+                console.print(f"[dim]note: --predictor {opts.predictor} reads the model's hidden states, which did "
+                              f"not make the replayed routing: its predictions run but are not the traced model's; "
+                              f"{' and '.join(ROUTING_ONLY_PREDICTORS)} predict from the routing "
+                              f"(docs/replay-routing.md)[/dim]", highlight=False, soft_wrap=True)
         recorder = RouteRecorder(run.writer) if run.writer is not None else None
         measured: list[list[RunResult]] = [[] for _ in run.settings]  # per policy, its rounds in order
         index = round_index = 0
@@ -370,11 +414,15 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
                             if recorder is not None:  # one trace sequence per measured run
                                 recorder.start_sequence(seq)
                                 engine.observers.append(recorder)
+                        if routing is not None:  # a fresh predictor: no run learns from an earlier one's routing
+                            engine.predictor = routing.predictor(opts.predictor, lm.layers, lm.shape)
+                            engine.predictor.replan()
                         label = s.policy if rounds == 1 else f"{s.policy} (round {round_index + 1}/{rounds})"
                         task = bar.add_task(f"{label}: {warmup} warm-up + {tokens} tokens", total=warmup + tokens)
                         measured[index].append(bench_policy(lm, engine, s, prompt_ids, tokens, warmup,
                                                             before_measure=start, configure=not first,
-                                                            advance=lambda task=task: bar.advance(task)))
+                                                            advance=lambda task=task: bar.advance(task),
+                                                            on_generate=routing.restart if routing else lambda: None))
                         bar.remove_task(task)
                         if recorder is not None:
                             engine.observers.remove(recorder)
@@ -403,6 +451,10 @@ def run_bench(opts: RunOptions, *, tokens: int, warmup: int, prompt: str | None 
             report["interrupted"]["round"] = round_index + 1  # the round Ctrl-C came in
     report["predictor"] = opts.predictor
     report["warm_round_tokens"] = warm
+    if routing is not None:
+        report["routing"] = {"replayed_from": str(routing.path), "note": replay_note(routing),
+                             "layers": routing.num_layers, "trace_layers": routing.trace_layers,
+                             "trace_tokens": routing.num_tokens, "sequences": len(routing.sequences)}
     if run.writer is not None and run.writer.error is not None:  # reported after the results (fmoe_cli/cli.py)
         report["trace_error"] = run.writer.error
     return report

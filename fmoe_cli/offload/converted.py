@@ -55,30 +55,72 @@ def _metadata(fingerprint: str, shape: ExpertShape) -> dict[str, str]:
 
 def save_converted(path: Path, layers: list[torch.Tensor], fingerprint: str, shape: ExpertShape) -> None:
     """Write the store's layers (uint8 tensors) as safetensors, atomically, without copying them in memory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header: dict = {"__metadata__": _metadata(fingerprint, shape)}
-    offset = 0
-    for i, t in enumerate(layers):
-        offset = -(-offset // ALIGN) * ALIGN
-        nbytes = t.numel() * t.element_size()
-        header[f"layer.{i}"] = {"dtype": "U8", "shape": [nbytes], "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % ALIGN)  # the data starts aligned
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(text)))
-            f.write(text)
-            start = 8 + len(text)
-            for i, t in enumerate(layers):
-                f.seek(start + header[f"layer.{i}"]["data_offsets"][0])
-                f.write(memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with ConvertedWriter(path, fingerprint, shape) as writer:
+        for i, t in enumerate(layers):
+            writer.write(i, 0, t)
+
+
+class ConvertedWriter:
+    """A converted store written piece by piece (a builder that never holds a layer: tools/random_checkpoint.py),
+    atomically: under a temporary name until `close` after a complete write (fsync, rename); an error or an
+    interrupt leaves no file under the final name.
+
+        with ConvertedWriter(path, fingerprint, shape) as w:
+            w.write(layer, byte_offset_in_layer, uint8_tensor)   # any order, every byte of every layer once
+    """
+
+    def __init__(self, path: Path, fingerprint: str, shape: ExpertShape) -> None:
+        self.path = Path(path)
+        self.layer_bytes = shape.num_experts * shape.intermediate * shape.neuron_bytes
+        header: dict = {"__metadata__": _metadata(fingerprint, shape)}
+        offset = 0
+        self.offsets = []
+        for i in range(shape.num_layers):
+            offset = -(-offset // ALIGN) * ALIGN
+            header[f"layer.{i}"] = {"dtype": "U8", "shape": [self.layer_bytes],
+                                    "data_offsets": [offset, offset + self.layer_bytes]}
+            self.offsets.append(offset)
+            offset += self.layer_bytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-(8 + len(text)) % ALIGN)  # the data starts aligned
+        self.start = 8 + len(text)
+        self.size = self.start + offset
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        self._file = open(self.tmp, "wb")
+        self._file.write(struct.pack("<Q", len(text)))
+        self._file.write(text)
+
+    def write(self, layer: int, offset: int, data: torch.Tensor) -> None:
+        raw = data.contiguous().view(torch.uint8).reshape(-1)
+        assert offset + raw.numel() <= self.layer_bytes, (layer, offset, raw.numel())
+        self._file.seek(self.start + self.offsets[layer] + offset)
+        self._file.write(memoryview(raw.numpy()))
+
+    def close(self) -> None:
+        """Finish: the file complete under its final name (on an error, no file left at all)."""
+        try:
+            self._file.truncate(self.size)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self.tmp, self.path)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Give up: the temporary removed (nothing once `close` renamed it)."""
+        self._file.close()
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> ConvertedWriter:
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
 
 
 def open_converted(path: Path, fingerprint: str, shape: ExpertShape, console: Console) -> list[torch.Tensor] | None:

@@ -51,7 +51,7 @@ from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.stats import RoutingStats, lcp_ranking
-from fmoe_cli.prediction.base import Iteration, Prediction
+from fmoe_cli.prediction.base import Iteration, Prediction, ranked_prediction
 from fmoe_cli.prediction.eam import EamPredictor
 from fmoe_cli.types import EngineSettings, ExpertShape, Timings
 
@@ -101,14 +101,6 @@ class _MetaStore:
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         return self._expert
-
-
-def _ranked(target: int, ranking: Sequence[int], num_experts: int) -> Prediction:
-    """A recorded ranking as the speculative prediction it came from (scores by rank, distance 1)."""
-    scores = torch.zeros(num_experts)
-    for rank, e in enumerate(ranking):
-        scores[e] = float(num_experts - rank)
-    return Prediction(target, scores, distance=1)
 
 
 class Simulator:
@@ -295,7 +287,7 @@ class Simulator:
         else:  # the recorded ranking for the next MoE layer (the last layer: layer 0 of the next token)
             target, source = (i + 1, token) if i + 1 < len(self.layers) else (0, next_token)
             ranking = source.predicted[target] if source is not None and source.predicted is not None else None
-            predictions = [_ranked(target, ranking, self.shape.num_experts)] if ranking else []
+            predictions = [ranked_prediction(target, ranking, self.shape.num_experts)] if ranking else []
         self.prefetcher.issue(predictions)
 
     def counters(self) -> Counters:

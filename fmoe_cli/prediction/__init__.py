@@ -20,7 +20,15 @@ PREDICTORS = {
 }
 
 
-def check_predictor(name: str) -> None:
-    """Refuse an unknown predictor name (before a long model load)."""
-    if name not in PREDICTORS:
+# Only where routing is replayed from a trace (fmoe bench --replay-routing): the trace's own recorded rankings.
+TRACE_PREDICTOR = "trace"
+TRACE_PREDICTOR_HELP = "with --replay-routing: the trace's own recorded rankings (`predicted`)"
+
+
+def check_predictor(name: str, replay: bool = False) -> None:
+    """Refuse an unknown predictor name (before a long model load); `trace` only where routing is replayed."""
+    if name == TRACE_PREDICTOR and not replay:
+        raise FmoeError(f"--predictor {TRACE_PREDICTOR} replays a routing trace's own rankings: it needs "
+                        f"fmoe bench --replay-routing TRACE")
+    if name not in PREDICTORS and name != TRACE_PREDICTOR:
         raise FmoeError(f"unknown predictor {name!r}; choose from {', '.join(PREDICTORS)}")

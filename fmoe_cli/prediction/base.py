@@ -28,6 +28,7 @@ multi-token forward (the next chat turn, a new prompt) starts a new request.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,6 +67,15 @@ class Prediction:
     @property
     def priority_weight(self) -> float:
         return self.weight if self.weight is not None else 1.0 / self.distance
+
+
+def ranked_prediction(target: int, ranking: Sequence[int], num_experts: int) -> Prediction:
+    """A recorded ranking (a trace's `predicted`) as the speculative prediction it came from: scores by rank, best
+    first, distance 1."""
+    scores = torch.zeros(num_experts)
+    for rank, e in enumerate(ranking):
+        scores[e] = float(num_experts - rank)
+    return Prediction(target, scores, distance=1)
 
 
 @dataclass
