@@ -47,7 +47,7 @@ class FailingGraph(EagerGraph):
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
-def generate(path, graph_factory, monkeypatch, family_tokens=NEW_TOKENS, policy="resident"):
+def generate(path, graph_factory, monkeypatch, family_tokens=NEW_TOKENS, policy="resident", veto=None):
     monkeypatch.setattr(kernels, "library", lambda: None)  # torch's matmuls: the device's path
     lm = load_model(str(path), device="cpu", dtype="float32")
     if hasattr(lm.model, "decode_token"):
@@ -56,6 +56,7 @@ def generate(path, graph_factory, monkeypatch, family_tokens=NEW_TOKENS, policy=
     engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
     engine.device_side = True
     engine.graph_factory = graph_factory
+    engine.graph_veto = veto
     engine.install(lm.model)
     engine.configure(make_settings(policy, shape, shape.all_experts_bytes // 2 + 2 * shape.top_k * shape.expert_bytes))
     runs, counted = [], []
@@ -107,3 +108,15 @@ def test_a_plan_that_cannot_be_replayed_decodes_eagerly_on_the_same_static_cache
     assert lru == resident and EagerGraph.replays == replays  # no replay: eager steps
     assert len(graphs) == 1 and all(g.eager and g.graph is None and g.length > 0 for g in graphs.values())
     assert counted.misses > 0  # it really loaded
+
+
+def test_a_veto_keeps_a_resident_plan_eager(checkpoints, monkeypatch):
+    """`Engine.graph_veto` (fmoe bench --replay-routing: a routing Python picks token by token, which a graph would
+    freeze at the capture's token): the resident plan's steps run eagerly on the static cache, none replayed."""
+    path = checkpoints["qwen3_moe"]
+    EagerGraph.replays = 0
+    replayed, _, _ = generate(path, EagerGraph, monkeypatch)
+    assert EagerGraph.replays > 0
+    EagerGraph.replays = 0
+    vetoed, graphs, _ = generate(path, EagerGraph, monkeypatch, veto="routing replayed")
+    assert vetoed == replayed and EagerGraph.replays == 0 and all(g.eager for g in graphs.values())

@@ -380,6 +380,8 @@ def _run_bench(opts: RunOptions, tokens: int, warmup: int, prompt: str, console:
             check_replay_length(trace, prompt_ids.shape[-1], tokens, warmup)
             routing.install(lm.layers)
             hooks.callback(routing.uninstall)
+            engine.graph_veto = "the routing is replayed from a trace, token by token, by Python"  # a graph: frozen
+            hooks.callback(setattr, engine, "graph_veto", None)
             console.print(replay_note(routing), highlight=False, soft_wrap=True)
             if opts.predictor not in ROUTING_ONLY_PREDICTORS:
                 console.print(f"[dim]note: --predictor {opts.predictor} reads the model's hidden states, which did "

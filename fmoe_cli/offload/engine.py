@@ -300,6 +300,9 @@ class Engine:
         self._route_copies: dict[int, tuple[HostCopy, HostCopy]] = {}  # per layer: its ids' and weights' copies
         self.decode_graphs: dict = {}  # capacity -> generate.DecodeGraph: replayed decode steps (read the buffers)
         self.graph_factory = None  # what DecodeGraph captures with (None: torch's CUDA graphs on a GPU; tests set it)
+        # Why a decode step must not be replayed from a graph, whatever the plan (None: it may): a routing that Python
+        # picks per token (fmoe bench --replay-routing) would be frozen at the capture's token.
+        self.graph_veto: str | None = None
 
     # --- set-up --------------------------------------------------------------
     def install(self, model) -> None:
@@ -533,7 +536,7 @@ class Engine:
     def decode_graphable(self) -> bool:
         """Whether a decode step of this plan runs without a host wait in any layer, so that a CUDA graph can replay
         it (generate.DecodeGraph): every layer resident and routed on the device, no prefetcher."""
-        return (bool(self.layers) and self.device_side and not self._prefetching
+        return (bool(self.layers) and self.device_side and not self._prefetching and self.graph_veto is None
                 and all(state.resident and self._routed_on_device(state) for state in self.layers))
 
     def discard_deferred(self) -> None:
