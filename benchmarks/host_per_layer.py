@@ -46,7 +46,10 @@ def checkpoint(path: Path) -> Path:
 
 
 def bench(tree: Path, model: Path, device_path: bool, tokens: int, rounds: int) -> dict:
-    env = dict(os.environ, FMOE_KERNELS="torch", PYTHONPATH=str(tree), FMOE_DEVICE_PATH="1" if device_path else "0")
+    # one torch thread: the host work of one thread, as a GPU's host thread does it (not the wake-ups of an OpenMP team,
+    # which doubled single readings whenever the other core was busy)
+    env = dict(os.environ, FMOE_KERNELS="torch", PYTHONPATH=str(tree), FMOE_DEVICE_PATH="1" if device_path else "0",
+               OMP_NUM_THREADS="1")
     policies = [a for p in POLICIES for a in ("--policy", p)]
     done = subprocess.run([sys.executable, "-m", "fmoe_cli.cli", "bench", str(model), *policies, "--vram-budget", "40%",
                            "--emulate-link", "100", "--tokens", str(tokens), "--rounds", str(rounds), "--json"],
