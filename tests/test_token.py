@@ -155,3 +155,28 @@ def test_a_bf16_routers_exception_comes_out_of_the_token_in_c(checkpoints, monke
     monkeypatch.setattr(torch, "topk", real)
     assert greedy(lm, engine, True, steps=2)[1] == 2
     engine.close()
+
+
+def test_a_new_plan_is_built_after_the_old_plans_caches_are_freed(checkpoints):
+    """Engine.configure frees the old plan's buffers before it builds the new one's; the token in C, which checks
+    each token whether the plan changed, must not keep them alive (it held the plan's layers: fmoe bench, which
+    re-plans between its policies, peaked with two policies' caches at once, issue 39 §6)."""
+    import weakref
+
+    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype="float32", experts="int8", dense="int8")
+    shape = lm.shape
+    engine = engine_for(lm)
+    engine.configure(make_settings("lru", shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 2))
+    assert greedy(lm, engine, True, steps=3)[1] == 0  # an offloaded plan: the per-step path, the plan checked each token
+    old = weakref.ref(engine.layers[0].tops)  # lru's cache (a resident plan's tops are the host store itself)
+    alive_at_build = []
+    build = engine._build
+
+    def watched(*args, **kwargs):
+        alive_at_build.append(old() is not None)
+        return build(*args, **kwargs)
+
+    engine._build = watched
+    engine.configure(make_settings("uniform", shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 3))
+    assert alive_at_build == [False]
+    engine.close()

@@ -30,6 +30,7 @@ token. Anything else runs the per-step path unchanged.
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 from torch.nn.modules import module as _module
@@ -106,7 +107,7 @@ class TokenInC:
         self.layers = list(self.inner.layers[: model.config.num_hidden_layers])
         self.runs = 0
         self.enabled = True
-        self._engine_layers = None  # the engine's plan the structure was made for
+        self._plan = _NO_PLAN  # the engine's plan the structure was made for: a weak reference to its first layer
         self._dtype = None  # and the tokens' dtype
         self._struct = None  # Model, or False: this model's steps are not the kernels' (decided once a plan)
 
@@ -138,7 +139,8 @@ class TokenInC:
         k = struct.layer_list[0].top_k
         index = torch.empty(len(self.layers), k, dtype=torch.int64)
         weights = torch.empty(len(self.layers), k, dtype=torch.float32)
-        call = kernels.library().fmoe_decode_token if dtype == torch.float32 else kernels.library().fmoe_decode_token_bf16
+        lib = kernels.library()
+        call = lib.fmoe_decode_token if dtype == torch.float32 else lib.fmoe_decode_token_bf16
         status = call(ctypes.byref(struct.model), h.data_ptr(), cos.data_ptr(), sin.data_ptr(), position,
                       logits.data_ptr(), index.data_ptr(), weights.data_ptr())
         if struct.error is not None:  # a router raised (in the callback): as the per-step path would raise it
@@ -150,9 +152,9 @@ class TokenInC:
             raise MemoryError("the decode token's kernel could not allocate its workspace")
         for attn in self.attentions:
             cache.layers[attn.layer_idx].commit(position + 1)
-        for i, (moe, layer) in enumerate(zip(self.moe_index, struct.layer_list)):  # the weights as the router gives them
+        for i, (moe, cast) in enumerate(zip(self.moe_index, struct.bf16_weights)):  # the weights as the router gives them
             w = weights[i:i + 1]
-            engine.resident_routed(moe, index[i:i + 1], w.to(torch.bfloat16) if layer.weights_bf16 else w)
+            engine.resident_routed(moe, index[i:i + 1], w.to(torch.bfloat16) if cast else w)
         self.runs += 1
         return logits
 
@@ -167,8 +169,11 @@ class TokenInC:
     def ready(self, engine, dtype: torch.dtype = torch.float32) -> bool:
         """Whether this token's per-step path is exactly decode.c's steps: the structure made for the engine's plan
         and tokens of `dtype`, and nothing changed since in what the per-step path would call (forwards, hooks)."""
-        if self._engine_layers is not engine.layers or self._dtype != dtype:
-            self._engine_layers, self._dtype = engine.layers, dtype
+        first = engine.layers[0] if engine.layers else None
+        if self._plan() is not first or self._dtype != dtype:  # a new plan (or none), or another dtype
+            # weak: a strong reference to the plan's layers kept its caches alive through the next Engine.configure,
+            # the old plan's beside the new one's (issue 39 §6: fmoe bench re-plans between its policies)
+            self._plan, self._dtype = (_NO_PLAN if first is None else weakref.ref(first)), dtype
             self._struct = self._make(engine, dtype)
         if not self._struct or not engine.resident_decode(self._probe, self.act):
             return False
@@ -265,14 +270,14 @@ class TokenInC:
         """decode.c's DecodeModel.route at bf16: layer i's router module on the token's normed row, as the per-step
         path calls it (models/decoder.py `_decode_moe`: its F.linear, softmax, top-k and cast, torch's bits), its
         experts and weights written where decode.c reads them. A router's exception is kept for the caller to raise;
-        weights of another dtype than the structure's (struct.layer_list[i].weights_bf16): declined (1)."""
+        weights of another dtype than the structure's (struct.bf16_weights[i]): declined (1)."""
         routers = [layer.mlp.gate for layer in self.layers]
 
         def route(i: int, x: int, index: int, weights: int) -> int:
             try:
                 row = torch.frombuffer((ctypes.c_uint16 * hidden).from_address(x), dtype=torch.bfloat16).view(1, hidden)
                 _, top, chosen = routers[i](row)
-                if chosen.shape != (1, k) or (top.dtype == torch.bfloat16) != bool(struct.layer_list[i].weights_bf16):
+                if chosen.shape != (1, k) or (top.dtype == torch.bfloat16) != struct.bf16_weights[i]:
                     return 1
                 torch.frombuffer((ctypes.c_int64 * k).from_address(index), dtype=torch.int64).copy_(chosen[0])
                 torch.frombuffer((ctypes.c_float * k).from_address(weights), dtype=torch.float32).copy_(top[0])
@@ -284,9 +289,14 @@ class TokenInC:
         return route
 
 
+def _NO_PLAN():
+    return None
+
+
 class _Struct:
     """The structure decode.c reads, its layers (to set their cache buffers each token) and what it points into."""
 
     def __init__(self, model: Model | None, layer_list: list, keep: list) -> None:
         self.model, self.layer_list, self.keep = model, layer_list, keep
+        self.bf16_weights = [bool(layer.weights_bf16) for layer in layer_list]  # each layer's router weights are bf16
         self.error: BaseException | None = None  # a bf16 router's exception in decode.c's callback
