@@ -483,11 +483,7 @@ class Engine:
         recorded by its cache policy (LCP's priorities), token by token (ν counts prompt tokens too). On the device
         path it runs once the layer's work on what is already on the device has been issued (`_compute`), so it
         overlaps the GPU instead of delaying it; always before an admission (which reads the priorities)."""
-        if self.observers:
-            event = RouteEvent(i, routing.ids, routing.weights, routing.flat, state.cache, self._predicted[i])
-            for observe in self.observers:
-                observe(event)
-        self._predicted[i] = None  # a prediction is for one routing
+        self._observe(i, state, routing.ids, routing.weights, routing.flat)
         state.cache.record(routing.tokens())  # from the host list: no op
 
     def _routed_on_device(self, state: LayerState) -> bool:
@@ -570,7 +566,7 @@ class Engine:
         policy's touches, the counters of K whole experts (nothing is staged, loaded, pinned or admitted, no stall
         to collect), one kernel call for the K experts in routing order and the weighted sum (`_combine_decode`)."""
         routed = top_k_index.tolist()[0]  # the token's K experts, in routing order (one host list, as Routing.of)
-        self._observe_resident(i, state, top_k_index, top_k_weights, routed)
+        self._observe(i, state, top_k_index, top_k_weights, routed)
         try:
             self._record_resident(state, routed)
             rows = self.resident_rows(i)
@@ -585,19 +581,20 @@ class Engine:
         counters, the clock — the same calls with the same data."""
         state = self.layers[i]
         routed = top_k_index.tolist()[0]
-        self._observe_resident(i, state, top_k_index, top_k_weights, routed)
+        self._observe(i, state, top_k_index, top_k_weights, routed)
         try:
             self._record_resident(state, routed)
         finally:
             state.cache.advance()
 
-    def _observe_resident(self, i: int, state: LayerState, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                          routed: list[int]) -> None:
+    def _observe(self, i: int, state: LayerState, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 routed: list[int]) -> None:
+        """Layer i's routing shown to the observers, before its cache policy sees it; the layer's prediction spent."""
         if self.observers:
             event = RouteEvent(i, top_k_index, top_k_weights, routed, state.cache, self._predicted[i])
             for observe in self.observers:
                 observe(event)
-        self._predicted[i] = None
+        self._predicted[i] = None  # a prediction is for one routing
 
     @staticmethod
     def _record_resident(state: LayerState, routed: list[int]) -> None:
