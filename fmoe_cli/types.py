@@ -60,6 +60,12 @@ class QuantFormat:
             m //= 2
         return max(m, 1)
 
+    def down_by_neuron(self, hidden: int, intermediate: int) -> bool:
+        """Whether the down projection is quantised in groups along the neurons (DOWN_GROUP of them × G/DOWN_GROUP
+        hidden values a group, offload/quant.py), so that its sum over the neurons is an integer dot with int8
+        activations: int8 and int4 where I and G are multiples of DOWN_GROUP; else (int2, odd shapes) along H."""
+        return self.scheme != "hqq" and intermediate % DOWN_GROUP == 0 and self.group_size(hidden) % DOWN_GROUP == 0
+
     def projection_bytes(self, hidden: int) -> int:
         """One projection's row: H codes of `bits`, then H/G groups of metadata (hqq: and the float16
         (σ, z) of each 8-bit scale group and of the row's zeros)."""
@@ -67,6 +73,8 @@ class QuantFormat:
         second_level = 4 * (groups // self.meta_group_size(groups) + 1) if self.meta_group else 0
         return hidden * self.bits // 8 + groups * self.meta_bytes + second_level
 
+
+DOWN_GROUP = 32  # neurons a down-projection group spans (QuantFormat.down_by_neuron): llama.cpp's Q8_0 block
 
 # --experts: "bf16" is unquantised (stored in the compute dtype, --dtype); int8 ≈ 8.1 bits, int4 ≈ 4.5 bits,
 # int2 ≈ 3.0 bits a weight (HQQ's 2-bit setting for Mixtral's experts: G = 16, 8-bit scales in groups of 128, 8-bit zeros).
@@ -194,12 +202,19 @@ class ExpertShape:
         return self.num_layers * self.num_experts * self.expert_bytes
 
     @property
+    def down_by_neuron(self) -> bool:
+        """Whether the quantised down projections are grouped along the neurons (QuantFormat.down_by_neuron)."""
+        fmt = EXPERT_FORMATS[self.experts]
+        return fmt is not None and fmt.down_by_neuron(self.hidden, self.intermediate)
+
+    @property
     def neuron_block(self) -> int:
-        """Granularity of k: whole blocks keep the matmuls efficient (docs/architecture.md § The split expert)."""
-        for block in (64, 16):
-            if self.intermediate % block == 0 and self.intermediate >= 8 * block:
-                return block
-        return 1
+        """Granularity of k: whole blocks keep the matmuls efficient (docs/architecture.md § The split expert); a
+        multiple of DOWN_GROUP where the down projections are grouped along the neurons (a split never cuts a group)."""
+        block = next((b for b in (64, 16) if self.intermediate % b == 0 and self.intermediate >= 8 * b), 1)
+        if self.down_by_neuron and block % DOWN_GROUP:
+            return DOWN_GROUP
+        return block
 
     def top_neurons(self, theta: float) -> int:
         """k = θ·I rounded to whole blocks; never 0 < k < block, never 0 for θ > 0."""

@@ -39,9 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from fmoe_cli.errors import warn
-from fmoe_cli.types import DEFAULT_ACTIVATIONS, EXPERT_FORMATS, QuantFormat
+from fmoe_cli.types import DEFAULT_ACTIVATIONS, DOWN_GROUP, EXPERT_FORMATS, QuantFormat
 
 FORMAT_CODES = {torch.float32: 0, torch.bfloat16: 1, "int8": 2, "int4": 3, "int2": 4}  # experts.c's enum
+DOWN_BY_NEURON = 16  # added to an int8/int4 code: the down rows are grouped along the neurons (experts.c FMT_DOWN_BY_NEURON)
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # what x may be (experts.c: float32 or bf16 activations)
 # Tokens of one expert (or one dense linear's call) above which torch's matmuls on dequantised blocks compute
 # instead: the kernels' register tiles (T > 4) cost no more CPU than torch up to 64 tokens (benchmarks/kernels.py
@@ -87,7 +88,7 @@ def one_thread() -> _OneThread:
 class Spec:
     """What experts.c needs to know about one store's rows."""
 
-    code: int  # FORMAT_CODES
+    code: int  # FORMAT_CODES (+ DOWN_BY_NEURON)
     hidden: int  # H
     projection_bytes: int  # one projection row: H·itemsize, or the quantised codes + metadata
     group: int = 0  # G (quantised)
@@ -97,21 +98,25 @@ class Spec:
 
 
 def spec_of(experts: str, dtype: torch.dtype, hidden: int, chunk: int = 1,
-            activations: str = DEFAULT_ACTIVATIONS) -> Spec | None:
+            activations: str = DEFAULT_ACTIVATIONS, down_by_neuron: bool = False) -> Spec | None:
     """The Spec for rows of `dtype` (unquantised) or of the quantised format `experts`; None: not served here.
-    chunk: the granularity of the splits the segments will see (ExpertShape.neuron_block)."""
+    chunk: the granularity of the splits the segments will see (ExpertShape.neuron_block); down_by_neuron: the
+    down rows are grouped along the neurons (ExpertShape.down_by_neuron: chunk a multiple of DOWN_GROUP)."""
     fmt = EXPERT_FORMATS.get(experts)
     if fmt is None:
         code = FORMAT_CODES.get(dtype)
         return None if code is None else Spec(code, hidden, hidden * dtype.itemsize, chunk=chunk)
-    return quant_spec(fmt, hidden, chunk, activations)
+    return quant_spec(fmt, hidden, chunk, activations, down_by_neuron)
 
 
-def quant_spec(fmt: QuantFormat, hidden: int, chunk: int = 1, activations: str = DEFAULT_ACTIVATIONS) -> Spec:
+def quant_spec(fmt: QuantFormat, hidden: int, chunk: int = 1, activations: str = DEFAULT_ACTIVATIONS,
+               down_by_neuron: bool = False) -> Spec:
     """The Spec for rows of H = `hidden` weights quantised in `fmt` (--activations: types.ACTIVATIONS)."""
     groups = hidden // fmt.group_size(hidden)
-    return Spec(FORMAT_CODES[f"int{fmt.bits}"], hidden, fmt.projection_bytes(hidden), fmt.group_size(hidden),
-                fmt.meta_group_size(groups) if fmt.meta_group else 0, chunk, activations == "int8")
+    assert not down_by_neuron or chunk % DOWN_GROUP == 0, (chunk, "a split would cut a down group")
+    return Spec(FORMAT_CODES[f"int{fmt.bits}"] + (DOWN_BY_NEURON if down_by_neuron else 0), hidden,
+                fmt.projection_bytes(hidden), fmt.group_size(hidden), fmt.meta_group_size(groups) if fmt.meta_group else 0,
+                chunk, activations == "int8")
 
 
 @functools.cache
@@ -179,6 +184,14 @@ def runs(x: torch.Tensor, act) -> bool:
     return is_silu(act) and takes(x)
 
 
+def check(status: int) -> None:
+    """An expert kernel's status: 0 fine, -1 out of memory, -2 a segment that cuts a down group (a caller's bug)."""
+    if status == -2:
+        raise ValueError("a segment of down-by-neuron rows must be whole groups of DOWN_GROUP neurons")
+    if status != 0:
+        raise MemoryError("the expert kernel could not allocate its workspace")
+
+
 def segment_forward(x: torch.Tensor, segment: torch.Tensor, spec: Spec, acc: torch.Tensor | None = None,
                     partial: bool = False) -> torch.Tensor:
     """Partial output of the neurons of `segment` ([n, 3, row] contiguous, on the CPU) for x [T, H].
@@ -200,8 +213,7 @@ def segment_forward(x: torch.Tensor, segment: torch.Tensor, spec: Spec, acc: tor
         spec.meta_group, spec.chunk, x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, acc.data_ptr(),
         int(accumulate), None if rounded is None else rounded.data_ptr(),
         threads_for(3 * segment.shape[0] * spec.projection_bytes * tokens), int(spec.int8_activations))
-    if status != 0:
-        raise MemoryError("the expert kernel could not allocate its workspace")
+    check(status)
     return acc if rounded is None else rounded
 
 
@@ -227,8 +239,7 @@ def segments_forward(x: torch.Tensor, segments: list[torch.Tensor], spec: Spec, 
         x.data_ptr(), int(x.dtype == torch.bfloat16), tokens, acc.data_ptr(),
         None if rounded is None else rounded.data_ptr(), threads_for(3 * sum(counts) * spec.projection_bytes * tokens),
         int(spec.int8_activations))
-    if status != 0:
-        raise MemoryError("the expert kernel could not allocate its workspace")
+    check(status)
     out = acc if rounded is None else rounded
     return out if stacked else list(out.unbind(0))
 
@@ -260,8 +271,7 @@ def experts_forward(xs: list[torch.Tensor], segments: list[torch.Tensor], spec: 
         int(dtype == torch.bfloat16), counts(*sizes), accs, outs, counts(*order),
         threads_for(sum(3 * s.shape[0] * spec.projection_bytes * size for s, size in zip(segments, sizes))),
         int(spec.int8_activations))
-    if status != 0:
-        raise MemoryError("the expert kernel could not allocate its workspace")
+    check(status)
     return list((acc if rounded is None else rounded).split(sizes))
 
 

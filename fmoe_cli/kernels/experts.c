@@ -45,6 +45,7 @@
 #endif
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_INT8 = 2, FMT_INT4 = 3, FMT_INT2 = 4 };
+#define FMT_DOWN_BY_NEURON 16 /* added to FMT_INT8 or FMT_INT4: down rows grouped along the neurons (§ down by neuron) */
 
 typedef struct {
     int fmt;
@@ -52,7 +53,15 @@ typedef struct {
     int64_t proj_bytes; /* bytes of one projection row */
     int64_t group;      /* G (quantised formats) */
     int64_t meta_group; /* int2: scales per 8-bit scale group (M) */
+    int down_by_neuron; /* FMT_DOWN_BY_NEURON was given */
 } Format;
+
+/* The Format of an entry point's arguments (fmt: a FMT_ code, + FMT_DOWN_BY_NEURON). */
+static Format format_of(int fmt, int64_t hidden, int64_t proj_bytes, int64_t group, int64_t meta_group) {
+    Format f = {fmt & (FMT_DOWN_BY_NEURON - 1), hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1,
+                (fmt & FMT_DOWN_BY_NEURON) != 0};
+    return f;
+}
 
 /* The vector paths built (kernels/build.py SIMD_LEVELS): 0 scalar, 1 AVX2 (8 lanes), 2 AVX-512 (16 lanes). */
 int fmoe_simd(void) {
@@ -1735,11 +1744,328 @@ static void prefill_chunk(const Pass *p, int64_t k, float *scratch) {
 }
 #endif
 
+/* ---- down projections grouped along the neurons (FMT_DOWN_BY_NEURON; offload/quant.py quantize_down) ----------
+
+   int8 and int4 experts whose I and G are multiples of DOWN_GROUP = 32 store the down projection in groups of 32
+   neurons: a tile of R = G/32 hidden values × 32 neurons shares s (int8) or (s, m) (int4), and the group's down
+   weights lie in its 32 rows' down projections, row p ("piece" p) holding the hidden values [p·hp, (p+1)·hp),
+   hp = H/32, as blocks of W = gcd(16, hp) hidden values: for block b, neuron quad k, value i, neuron j of the quad
+     int8: byte ((b·8 + k)·W + i)·4 + j   (neuron 4k + j)
+     int4: byte ((b·4 + k)·W + i)·4 + j   (low nibble: neuron 4k + j, high nibble: neuron 16 + 4k + j)
+   then the piece's hp/R tiles' metadata. One int32 lane is four neurons of one hidden value. For one token, with
+   a_n the group's gated activations, the group adds to c[h]
+     float activations:  v = s·Σ_n q_n·a_n                (int4: v = fma(s, Σ_n q_n·a_n, m·Σ_n a_n))
+     int8 activations:   a quantised per group as x is per block (d = max|a| / 127, ã = round(a / d)), and
+                         v = Σ_n q_n·ã_n · (s·d)            (int4: v = fma(s, Σ q ã, m·Σ ã)·d)
+   each Σ over n = 0, 1, …, 31 in order (float: one fma per neuron from zero; int8 activations: an exact integer),
+   then c[h] = v (the chunk's first group) or c[h] + v. Every build (scalar, AVX2, AVX-512) computes these very
+   operations per h, so a group's contribution has the same bits in all of them (tests/test_kernels.py). A split is
+   at a multiple of the chunk, itself a multiple of 32 (kernels.quant_spec checks): groups are never cut. */
+#define DOWN_GROUP 32
+
+static inline int64_t down_width(int64_t hp) { /* W = gcd(16, hp) */
+    int64_t w = 16;
+    while (hp % w) w /= 2;
+    return w;
+}
+
+static inline int64_t down_code_bytes(const Format *f) { return f->fmt == FMT_INT8 ? f->hidden : f->hidden / 2; }
+
+/* q of neuron n (< 32) at hidden value i (< hp) of one piece. */
+static inline int down_code(const uint8_t *piece, const Format *f, int64_t i, int n) {
+    int64_t W = down_width(f->hidden / DOWN_GROUP), b = i / W, ii = i % W;
+    if (f->fmt == FMT_INT8) return (int8_t)piece[((b * 8 + n / 4) * W + ii) * 4 + n % 4];
+    uint8_t byte = piece[((b * 4 + (n % 16) / 4) * W + ii) * 4 + n % 4];
+    return n < 16 ? byte & 15 : byte >> 4;
+}
+
+/* s and m (int8: 0) of hidden value i of one piece. */
+static inline void down_meta(const uint8_t *piece, const Format *f, int64_t i, float *s, float *m) {
+    const uint16_t *meta = (const uint16_t *)(piece + down_code_bytes(f));
+    int64_t t = i / (f->group / DOWN_GROUP);
+    if (f->fmt == FMT_INT8) *s = half_to_float(meta[t]), *m = 0.0f;
+    else *s = half_to_float(meta[2 * t]), *m = half_to_float(meta[2 * t + 1]);
+}
+
+/* The group's a quantised as quantize_x quantises a block of x: d = max|a| / 127, ã = a·(1/d) rounded to nearest
+   even; returns d and the exact Σ ã in *sum. */
+static float quantize_group(const float *a, int8_t *aq, int *sum) {
+    float amax = 0.0f;
+    for (int n = 0; n < DOWN_GROUP; n++) amax = fmaxf(amax, fabsf(a[n]));
+    float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    int total = 0;
+    for (int n = 0; n < DOWN_GROUP; n++) aq[n] = (int8_t)lrintf(a[n] * id), total += aq[n];
+    *sum = total;
+    return d;
+}
+
+/* One piece's hidden values [i0, i1) (scalar: the reference every vector path matches bit for bit). a: float
+   activations, or (aq) the quantised ones with d and asum. */
+static void down_piece_scalar(const uint8_t *piece, const Format *f, int64_t i0, int64_t i1, const float *a,
+                              float asum_f, const int8_t *aq, float d, int asum, float *c, int init) {
+    for (int64_t i = i0; i < i1; i++) {
+        float s, m, v;
+        down_meta(piece, f, i, &s, &m);
+        if (aq) {
+            int32_t dot = 0;
+            for (int n = 0; n < DOWN_GROUP; n++) dot += down_code(piece, f, i, n) * aq[n];
+            v = f->fmt == FMT_INT8 ? (float)dot * (s * d) : fmaf(s, (float)dot, m * (float)asum) * d;
+        } else {
+            float acc = 0.0f;
+            for (int n = 0; n < DOWN_GROUP; n++) acc = fmaf((float)down_code(piece, f, i, n), a[n], acc);
+            v = f->fmt == FMT_INT8 ? s * acc : fmaf(s, acc, m * asum_f);
+        }
+        c[i] = init ? v : c[i] + v;
+    }
+}
+
+/* Whether the vector paths below serve this shape: blocks of 16 hidden values, a3b's tiles (int8 R = 4, int4 R = 2). */
+static int down_vector_shape(const Format *f) {
+#if FMOE_AVX2
+    int64_t hp = f->hidden / DOWN_GROUP, R = f->group / DOWN_GROUP;
+    return hp % 16 == 0 && R == (f->fmt == FMT_INT8 ? 4 : 2);
+#else
+    (void)f;
+    return 0;
+#endif
+}
+
+#if FMOE_AVX2
+#if VL == 16
+/* s (and m) per lane of block b's 16 hidden values. */
+static inline void down_meta_lanes(const uint8_t *meta, int fmt, int64_t b, __m512 *s, __m512 *m) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    if (fmt == FMT_INT8) { /* 4 tiles of 4 values */
+        __m128 t = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(meta + 8 * b)));
+        *s = _mm512_permutexvar_ps(_mm512_srli_epi32(lane, 2), _mm512_castps128_ps512(t));
+    } else { /* 8 tiles of 2 values, (s, m) each */
+        __m512 t = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(meta + 32 * b)));
+        __m512i pair = _mm512_slli_epi32(_mm512_srli_epi32(lane, 1), 1);
+        *s = _mm512_permutexvar_ps(pair, t);
+        *m = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(1)), t);
+    }
+}
+#else
+static inline void down_meta_lanes(const uint8_t *meta, int fmt, int64_t b8, __m256 *s, __m256 *m) {
+    /* b8: the block of 8 hidden values */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    if (fmt == FMT_INT8) { /* 2 tiles of 4 values */
+        uint32_t two;
+        memcpy(&two, meta + 4 * b8, 4);
+        __m256 t = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128((int)two)));
+        *s = _mm256_permutevar8x32_ps(t, _mm256_srli_epi32(lane, 2));
+    } else { /* 4 tiles of 2 values */
+        __m256 t = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(meta + 16 * b8)));
+        __m256i pair = _mm256_slli_epi32(_mm256_srli_epi32(lane, 1), 1);
+        *s = _mm256_permutevar8x32_ps(t, pair);
+        *m = _mm256_permutevar8x32_ps(t, _mm256_add_epi32(pair, _mm256_set1_epi32(1)));
+    }
+}
+#endif
+
+/* down_piece_scalar over the whole piece, VL hidden values a step (down_vector_shape). */
+static void down_piece_vector(const uint8_t *piece, const Format *f, const float *a, float asum_f, const int8_t *aq,
+                              float d, int asum, float *c, int init) {
+    int64_t hp = f->hidden / DOWN_GROUP;
+    const uint8_t *meta = piece + down_code_bytes(f);
+    int int8 = f->fmt == FMT_INT8;
+    int32_t quad[8];
+    if (aq) memcpy(quad, aq, DOWN_GROUP);
+#if VL == 16
+    for (int64_t b = 0; b < hp / 16; b++) {
+        const uint8_t *codes = piece + b * (int8 ? 512 : 256);
+        __m512 s, m = _mm512_setzero_ps(), v;
+        down_meta_lanes(meta, f->fmt, b, &s, &m);
+        if (aq) {
+#if FMOE_VNNI
+            __m512i dot = _mm512_setzero_si512();
+            if (int8) { /* (q + 128)·ã, then − 128·Σ ã: unsigned × signed bytes */
+                const __m512i bias = _mm512_set1_epi8((char)0x80);
+                for (int k = 0; k < 8; k++)
+                    dot = _mm512_dpbusd_epi32(dot, _mm512_xor_si512(_mm512_loadu_si512((const void *)(codes + 64 * k)), bias),
+                                              _mm512_set1_epi32(quad[k]));
+                dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * asum));
+            } else {
+                const __m512i nibble = _mm512_set1_epi8(15);
+                for (int k = 0; k < 4; k++) {
+                    __m512i w = _mm512_loadu_si512((const void *)(codes + 64 * k));
+                    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(w, nibble), _mm512_set1_epi32(quad[k]));
+                    dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble),
+                                              _mm512_set1_epi32(quad[4 + k]));
+                }
+            }
+#else /* AVX-512 without VNNI: each 256-bit half as AVX2 does */
+            __m256i half[2];
+            const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
+            for (int h2 = 0; h2 < 2; h2++) {
+                __m256i acc = _mm256_setzero_si256();
+                for (int k = 0; k < (int8 ? 8 : 4); k++) {
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(codes + 64 * k + 32 * h2));
+                    __m256i x = _mm256_set1_epi32(quad[k]);
+                    if (int8) {
+                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)), ones));
+                    } else {
+                        __m256i xh = _mm256_set1_epi32(quad[4 + k]);
+                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, nibble), x), ones));
+                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nibble), xh), ones));
+                    }
+                }
+                half[h2] = acc;
+            }
+            __m512i dot = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+#endif
+            __m512 sum = _mm512_cvtepi32_ps(dot), dd = _mm512_set1_ps(d);
+            v = int8 ? _mm512_mul_ps(sum, _mm512_mul_ps(s, dd))
+                     : _mm512_mul_ps(_mm512_fmadd_ps(s, sum, _mm512_mul_ps(m, _mm512_set1_ps((float)asum))), dd);
+        } else {
+            __m512 acc = _mm512_setzero_ps();
+            if (int8) {
+                for (int k = 0; k < 8; k++) {
+                    __m512i w = _mm512_loadu_si512((const void *)(codes + 64 * k));
+                    for (int j = 0; j < 4; j++)
+                        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * j), 24)),
+                                              _mm512_set1_ps(a[4 * k + j]), acc);
+                }
+            } else {
+                const __m512i low = _mm512_set1_epi32(15);
+                __m512i w[4];
+                for (int k = 0; k < 4; k++) w[k] = _mm512_loadu_si512((const void *)(codes + 64 * k));
+                for (int hi = 0; hi < 2; hi++) /* neurons 0..15 (low nibbles), then 16..31 */
+                    for (int k = 0; k < 4; k++)
+                        for (int j = 0; j < 4; j++)
+                            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[k], 8 * j + 4 * hi), low)),
+                                                  _mm512_set1_ps(a[16 * hi + 4 * k + j]), acc);
+            }
+            v = int8 ? _mm512_mul_ps(s, acc) : _mm512_fmadd_ps(s, acc, _mm512_mul_ps(m, _mm512_set1_ps(asum_f)));
+        }
+        float *o = c + 16 * b;
+        _mm512_storeu_ps(o, init ? v : _mm512_add_ps(_mm512_loadu_ps(o), v));
+    }
+#else /* AVX2: each block of 16 as two halves of 8 */
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15), low = _mm256_set1_epi32(15);
+    for (int64_t b8 = 0; b8 < hp / 8; b8++) {
+        int64_t b = b8 / 2, h2 = b8 % 2;
+        const uint8_t *codes = piece + b * (int8 ? 512 : 256) + 32 * h2;
+        __m256 s, m = _mm256_setzero_ps(), v;
+        down_meta_lanes(meta, f->fmt, b8, &s, &m);
+        if (aq) {
+            __m256i dot = _mm256_setzero_si256();
+            for (int k = 0; k < (int8 ? 8 : 4); k++) {
+                __m256i w = _mm256_loadu_si256((const __m256i *)(codes + 64 * k)), x = _mm256_set1_epi32(quad[k]);
+                if (int8) {
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)), ones));
+                } else {
+                    __m256i xh = _mm256_set1_epi32(quad[4 + k]);
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, nibble), x), ones));
+                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nibble), xh), ones));
+                }
+            }
+            __m256 sum = _mm256_cvtepi32_ps(dot), dd = _mm256_set1_ps(d);
+            v = int8 ? _mm256_mul_ps(sum, _mm256_mul_ps(s, dd))
+                     : _mm256_mul_ps(_mm256_fmadd_ps(s, sum, _mm256_mul_ps(m, _mm256_set1_ps((float)asum))), dd);
+        } else {
+            __m256 acc = _mm256_setzero_ps();
+            if (int8) {
+                for (int k = 0; k < 8; k++) {
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(codes + 64 * k));
+                    for (int j = 0; j < 4; j++)
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * j), 24)),
+                                              _mm256_set1_ps(a[4 * k + j]), acc);
+                }
+            } else {
+                __m256i w[4];
+                for (int k = 0; k < 4; k++) w[k] = _mm256_loadu_si256((const __m256i *)(codes + 64 * k));
+                for (int hi = 0; hi < 2; hi++)
+                    for (int k = 0; k < 4; k++)
+                        for (int j = 0; j < 4; j++)
+                            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[k], 8 * j + 4 * hi), low)),
+                                                  _mm256_set1_ps(a[16 * hi + 4 * k + j]), acc);
+            }
+            v = int8 ? _mm256_mul_ps(s, acc) : _mm256_fmadd_ps(s, acc, _mm256_mul_ps(m, _mm256_set1_ps(asum_f)));
+        }
+        float *o = c + 8 * b8;
+        _mm256_storeu_ps(o, init ? v : _mm256_add_ps(_mm256_loadu_ps(o), v));
+    }
+#endif
+}
+#endif
+
+/* c [H] (init: =, else +=) the down projection of one group of 32 neurons (`rows`: its first neuron's row, row_bytes
+   apart) for one token with gated activations a [32]; q8: a quantised (the int8-activation mode). */
+static void down_group(const uint8_t *rows, int64_t row_bytes, const Format *f, const float *a, int q8, float *c,
+                       int init) {
+    int64_t hp = f->hidden / DOWN_GROUP;
+    int8_t aq[DOWN_GROUP];
+    int asum = 0;
+    float d = 0.0f, asum_f = 0.0f;
+    if (q8) d = quantize_group(a, aq, &asum);
+    else
+        for (int n = 0; n < DOWN_GROUP; n++) asum_f += a[n];
+    int vector = down_vector_shape(f);
+    for (int64_t p = 0; p < DOWN_GROUP; p++) {
+        const uint8_t *piece = rows + p * row_bytes + 2 * f->proj_bytes;
+#if FMOE_AVX2
+        if (vector) {
+            down_piece_vector(piece, f, a, asum_f, q8 ? aq : NULL, d, asum, c + p * hp, init);
+            continue;
+        }
+#endif
+        (void)vector;
+        down_piece_scalar(piece, f, 0, hp, a, asum_f, q8 ? aq : NULL, d, asum, c + p * hp, init);
+    }
+}
+
+/* pass_chunk for FMT_DOWN_BY_NEURON rows: chunk k's partial sum c [T, H], its neurons a group of 32 at a time: each
+   neuron's gate and up dots per token (gate_up_dots; decode with float32 x: gate_up_one, prefetching), a[t], then the
+   group's down for each token (down_group; a token's bits do not depend on the others). scratch: 32·T floats. */
+static void pass_chunk_by_neuron(const Pass *p, int64_t k, float *scratch) {
+    const Format *f = p->f;
+    const Tokens *x = p->x;
+    int64_t tokens = x->tokens, h = f->hidden;
+    float *c = p->part + k * tokens * h, *a = scratch; /* a[t·32 + n] */
+    int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
+#if FMOE_AVX2
+    Cursor cursor, *pf = tokens == 1 ? cursor_at(&cursor, f, p->segment + i0 * p->row_bytes,
+                                                 p->segment + p->neurons * p->row_bytes) : NULL;
+    int one = one_shape(f, x) && !x->q8;
+#endif
+    for (int64_t g0 = i0; g0 < i1; g0 += DOWN_GROUP) {
+        const uint8_t *rows = p->segment + g0 * p->row_bytes;
+        for (int n = 0; n < DOWN_GROUP; n++) {
+            const uint8_t *row = rows + n * p->row_bytes;
+            for (int64_t t = 0; t < tokens; t++) {
+                float g, u;
+#if FMOE_AVX2
+                if (one) {
+                    gate_up_one(row, f, x->xf, x->xg, &g, &u, pf);
+                    cursor_step(pf, p->row_bytes - 2 * code_bytes(f));
+                } else {
+                    cursor_step(pf, p->row_bytes);
+                    gate_up_dots(row, f, x, t, &g, &u);
+                }
+#else
+                gate_up_dots(row, f, x, t, &g, &u);
+#endif
+                a[t * DOWN_GROUP + n] = gated(g, u, p->x_bf16);
+            }
+        }
+        if (FMOE_PHASES & 2)
+            for (int64_t t = 0; t < tokens; t++)
+                down_group(rows, p->row_bytes, f, a + t * DOWN_GROUP, x->q8, c + t * h, g0 == i0);
+        else if (g0 == i0)
+            memset(c, 0, sizeof(float) * tokens * h);
+    }
+}
+
 /* Chunk first + k: its partial sum c = Σ over its neurons, in order, of a[t]·ŵ_down (from zero). */
 static void pass_chunk(void *job, int64_t k, int64_t worker) {
     const Pass *p = job;
     const Format *f = p->f;
     const Tokens *x = p->x;
+    if (f->down_by_neuron) {
+        pass_chunk_by_neuron(p, k, p->scratch + worker * p->stride);
+        return;
+    }
     if (one_shape(f, x) && (FMOE_PHASES & 1)) {
         pass_chunk_one(p, k);
         return;
@@ -1792,6 +2118,7 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
 static int64_t pass_stride(int64_t tokens, int64_t hidden) {
     int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
     if (tokens > PREFILL_FROM && prefill_floats(tokens, hidden) > stride) stride = prefill_floats(tokens, hidden);
+    if (stride < DOWN_GROUP * tokens) stride = DOWN_GROUP * tokens; /* pass_chunk_by_neuron's a */
 #if FMOE_AVX2
     if (tokens > PREFILL_FROM && fused_floats(tokens) > stride) stride = fused_floats(tokens);
 #endif
@@ -1822,12 +2149,13 @@ static void round_out_bf16(uint16_t *out_bf16, const float *acc, int64_t n) {
    of C, the second part continuing the first's acc, gives the whole's bits (with q8 too: x̂ depends on x
    alone). A thread takes whole chunks and streams each chunk's rows in memory order (gate, up, down of
    each neuron in turn). q8: the int8-activation dots for gate and up where they serve the format.
-   Returns 0, or -1 when memory runs out. */
+   Returns 0, -1 when memory runs out, or -2 when FMT_DOWN_BY_NEURON rows would be cut inside a group. */
 int fmoe_segment_forward(int fmt, const uint8_t *segment, int64_t neurons, int64_t hidden, int64_t proj_bytes,
                          int64_t group, int64_t meta_group, int64_t chunk, const void *x, int x_bf16,
                          int64_t tokens, float *acc, int accumulate, uint16_t *out_bf16, int threads, int q8) {
-    Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
+    Format f = format_of(fmt, hidden, proj_bytes, group, meta_group);
     if (chunk < 1) chunk = 1;
+    if (f.down_by_neuron && (chunk % DOWN_GROUP || neurons % DOWN_GROUP)) return -2; /* would cut a down group */
     int64_t chunks = (neurons + chunk - 1) / chunk;
     if (threads < 1 || neurons * hidden * tokens < (1 << 16)) threads = 1; /* small: threads cost more than they save */
     int64_t width = threads; /* threads taking part: the per-thread scratch */
@@ -1879,14 +2207,16 @@ static void group_chunk(void *job, int64_t k, int64_t worker) {
    acc [count, T, H] float32 = each segment's partial output, exactly as fmoe_segment_forward computes it
    alone (its chunks counted from its own start, each from zero, then added in order into its acc from
    zero), so the grouping changes no bit; out_bf16 (optional): acc rounded to bf16. The chunks of every
-   segment are one job for the threads: one wake of the pool, one ctypes call. Returns 0, or -1 when memory
-   runs out. */
+   segment are one job for the threads: one wake of the pool, one ctypes call. Returns 0, -1 when memory
+   runs out, or -2 (fmoe_segment_forward). */
 int fmoe_segments_forward(int fmt, int64_t count, const uint8_t *const *segments, const int64_t *neurons,
                           int64_t hidden, int64_t proj_bytes, int64_t group, int64_t meta_group, int64_t chunk,
                           const void *x, int x_bf16, int64_t tokens, float *acc, uint16_t *out_bf16, int threads,
                           int q8) {
     int64_t size = tokens * hidden, total = 0, work = 0;
     if (chunk < 1) chunk = 1;
+    for (int64_t e = 0; e < count; e++)
+        if ((fmt & FMT_DOWN_BY_NEURON) && (chunk % DOWN_GROUP || neurons[e] % DOWN_GROUP)) return -2; /* a cut group */
     for (int64_t e = 0; e < count; e++) total += (neurons[e] + chunk - 1) / chunk, work += neurons[e];
     if (count > GROUP_SEGMENTS || total * size > GROUP_PARTIAL_FLOATS) { /* one call each */
         for (int64_t e = 0; e < count; e++)
@@ -1896,7 +2226,7 @@ int fmoe_segments_forward(int fmt, int64_t count, const uint8_t *const *segments
                 return -1;
         return 0;
     }
-    Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
+    Format f = format_of(fmt, hidden, proj_bytes, group, meta_group);
     if (threads < 1 || work * hidden * tokens < (1 << 16)) threads = 1;
     int64_t width = threads;
     int64_t stride = pass_stride(tokens, hidden);
@@ -2149,7 +2479,7 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
 int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t hidden, int64_t proj_bytes,
                         int64_t group, int64_t meta_group, const void *x, int x_bf16, int64_t tokens, float *y,
                         int threads, int q8) {
-    Format f = {fmt, hidden, proj_bytes, group > 0 ? group : 1, meta_group > 0 ? meta_group : 1};
+    Format f = format_of(fmt, hidden, proj_bytes, group, meta_group);
     if (threads < 1 || outputs * hidden * tokens < (1 << 16)) threads = 1;
     int64_t stride = tokens > 1 ? (hidden + 15) / 16 * 16 + (tokens + 15) / 16 * 16 : 0; /* ŵ and the dots */
     if (tokens > PREFILL_FROM) stride = DOT_ROWS * ((hidden + 15) / 16 * 16); /* DOT_ROWS rows of ŵ */

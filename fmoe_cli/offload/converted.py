@@ -3,7 +3,7 @@
 The first quantised (int8/int4/int2) load of a checkpoint quantises every expert (minutes for a large
 model); it then writes the packed store to the user cache as one safetensors file,
 
-    <cache>/converted/<checkpoint fingerprint[:20]>-<format>-v<FORMAT_VERSION>.safetensors
+    <cache>/converted/<checkpoint fingerprint[:20]>-<format>-v<format_version(format)>.safetensors
 
 with one uint8 tensor [N, I, 3, row bytes] per MoE layer and, in its metadata, the
 format version, the fingerprint, the format and the expert shape. Later loads map the
@@ -32,7 +32,11 @@ from safetensors import SafetensorError, safe_open
 
 from fmoe_cli.types import ExpertShape
 
-FORMAT_VERSION = 2  # 2: int4 rows pack code j with code j + H/2 (1 packed neighbours)
+# 2: int4 rows pack code j with code j + H/2 (1 packed neighbours); 3: int8 and int4 down projections grouped along
+# the neurons (offload/quant.py quantize_down). A format the last change left alone keeps its version (KEPT_VERSIONS:
+# an int2 store takes hours to convert), so only the changed formats' stores are rebuilt.
+FORMAT_VERSION = 3
+KEPT_VERSIONS = {"int2": 2}
 ALIGN = 64  # data offsets of every tensor: page-friendly, and any dtype view is aligned
 
 
@@ -42,14 +46,19 @@ def converted_dir() -> Path:
     return Path(platformdirs.user_cache_dir("fmoe")) / "converted"
 
 
+def format_version(experts: str) -> int:
+    """The version of `experts`' stored rows (in the store's name and metadata: an older one is never read)."""
+    return KEPT_VERSIONS.get(experts, FORMAT_VERSION)
+
+
 def converted_path(fingerprint: str, experts: str, directory: Path | None = None) -> Path:
-    return (directory or converted_dir()) / f"{fingerprint[:20]}-{experts}-v{FORMAT_VERSION}.safetensors"
+    return (directory or converted_dir()) / f"{fingerprint[:20]}-{experts}-v{format_version(experts)}.safetensors"
 
 
 def _metadata(fingerprint: str, shape: ExpertShape) -> dict[str, str]:
     geometry = {"num_layers": shape.num_layers, "num_experts": shape.num_experts, "hidden": shape.hidden,
                 "intermediate": shape.intermediate, "neuron_bytes": shape.neuron_bytes}
-    return {"fmoe_converted_store": str(FORMAT_VERSION), "fingerprint": fingerprint, "experts": shape.experts,
+    return {"fmoe_converted_store": str(format_version(shape.experts)), "fingerprint": fingerprint, "experts": shape.experts,
             "shape": json.dumps(geometry, sort_keys=True)}
 
 
@@ -157,8 +166,9 @@ def _check(path: Path, fingerprint: str, shape: ExpertShape) -> str | None:
             sizes = {k: f.get_slice(k).get_shape() for k in keys}
     except (SafetensorError, OSError, ValueError) as exc:
         return f"corrupt ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-    if metadata.get("fmoe_converted_store") != str(FORMAT_VERSION):
-        return f"stale (format version {metadata.get('fmoe_converted_store')!r}, this fmoe writes {FORMAT_VERSION})"
+    if metadata.get("fmoe_converted_store") != str(format_version(shape.experts)):
+        return (f"stale (format version {metadata.get('fmoe_converted_store')!r}, this fmoe writes "
+                f"{format_version(shape.experts)})")
     want = _metadata(fingerprint, shape)
     for key in ("fingerprint", "experts", "shape"):
         if metadata.get(key) != want[key]:

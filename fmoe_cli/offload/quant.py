@@ -38,15 +38,18 @@ checkpoint with its experts replaced by `dequantize` of the stored rows.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fmoe_cli.offload import hqq, layout
 from fmoe_cli.offload.store import HostStore
-from fmoe_cli.types import DEFAULT_ACTIVATIONS, EXPERT_FORMATS, MiB, ExpertShape, QuantFormat
+from fmoe_cli.types import DEFAULT_ACTIVATIONS, DOWN_GROUP, EXPERT_FORMATS, MiB, ExpertShape, QuantFormat
 
 
-def quantize(block: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """[n, 3, H] float -> [n, 3, projection_bytes] uint8."""
+def quantize(block: torch.Tensor, fmt: QuantFormat, down_by_neuron: bool = False) -> torch.Tensor:
+    """[n, 3, H] float -> [n, 3, projection_bytes] uint8. down_by_neuron (ExpertShape.down_by_neuron; n a multiple
+    of DOWN_GROUP, the rows starting at a group): the down columns quantised in groups along the neurons."""
     if fmt.scheme == "hqq":
         return hqq.quantize(block, fmt)
     n, three, hidden = block.shape
@@ -65,15 +68,20 @@ def quantize(block: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
         q = q.reshape(n, three, hidden)
         codes = q[..., : hidden // 2] | (q[..., hidden // 2:] << 4)  # byte j: code j (low nibble), code j + H/2
         meta = torch.stack([scale, offset], dim=-1).view(torch.uint8).reshape(n, three, -1)  # (s, m) per group
-    return torch.cat([codes, meta.reshape(n, three, -1)], dim=-1)
+    rows = torch.cat([codes, meta.reshape(n, three, -1)], dim=-1)
+    if down_by_neuron and three == 3:
+        rows[:, layout.DOWN] = quantize_down(block[:, layout.DOWN], fmt)
+    return rows
 
 
 def dequantize(segment: torch.Tensor, fmt: QuantFormat, hidden: int, dtype: torch.dtype,
-               workspace: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+               workspace: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               down_by_neuron: bool = False) -> torch.Tensor:
     """[n, 3, projection_bytes] uint8 -> [n, 3, H] of `dtype` (ŵ computed in float32, then rounded to dtype once).
 
     `workspace`: float32 memory of at least n·3·H elements to compute in, and `out`: `dtype` memory of as
-    many for the result (both reused: no fresh pages per call)."""
+    many for the result (both reused: no fresh pages per call). down_by_neuron: the down rows are quantize_down's
+    (whole groups of DOWN_GROUP neurons)."""
     n, three, _ = segment.shape
     size = n * three * hidden
     if fmt.scheme == "hqq":
@@ -98,6 +106,8 @@ def dequantize(segment: torch.Tensor, fmt: QuantFormat, hidden: int, dtype: torc
         meta = meta.reshape(n, three, groups, 2)
         w.mul_(meta[..., 0:1]).add_(meta[..., 1:2])
     w = w.view(n, three, hidden)
+    if down_by_neuron and three == 3:
+        w[:, layout.DOWN] = dequantize_down(segment[:, layout.DOWN], fmt, hidden)
     if dtype == torch.float32:
         return w
     if out is None:
@@ -107,15 +117,83 @@ def dequantize(segment: torch.Tensor, fmt: QuantFormat, hidden: int, dtype: torc
     return result
 
 
+# ---- the down projection grouped along the neurons (ExpertShape.down_by_neuron) ---------------------------------
+#
+# A group is DOWN_GROUP = 32 consecutive neurons (a split never cuts one: ExpertShape.neuron_block). Its down weights
+# W[h, n] (h < H, n < 32) are stored in its 32 neurons' down projection rows: row p ("piece" p) holds the hidden values
+# h ∈ [p·H/32, (p+1)·H/32) of all 32 neurons, so a group's bytes are its rows' and every row has the size it has
+# along H. A tile of R = G/32 consecutive h × 32 neurons (G weights, as a group along H) shares its metadata:
+#     int8: ŵ = q·s, s = max|w| / 127        int4: ŵ = q·s + m, s = (max − min) / 15, m = min
+# so for one h the sum over the group's neurons is s·Σ_n q_n·a_n (+ m·Σ_n a_n): an integer dot when a is quantised
+# per group (experts.c § down by neuron). Piece p: its codes, then its H/G tiles' metadata (float16 s, or (s, m)).
+# Codes of the piece's hp = H/32 hidden values, in blocks of W = gcd(16, hp) of them (16 lanes of int32): for block b,
+# neuron quad k (neurons 4k..4k+3), hidden value i of the block, neuron j of the quad,
+#     int8: byte ((b·8 + k)·W + i)·4 + j                      (neuron 4k + j)
+#     int4: byte ((b·4 + k)·W + i)·4 + j, low nibble neuron 4k + j, high nibble neuron 16 + 4k + j
+# so one 4-byte lane is four neurons of one h: the operand of one vpdpbusd lane.
+
+
+def _down_blocks(hidden: int) -> tuple[int, int]:
+    """(hp, W): hidden values a piece holds, and a code block's width."""
+    hp = hidden // DOWN_GROUP
+    return hp, math.gcd(16, hp)
+
+
+def quantize_down(down: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """Down columns [n, H] float (n a multiple of DOWN_GROUP) -> their down projection rows [n, projection_bytes]."""
+    n, hidden = down.shape
+    groups, tile = n // DOWN_GROUP, fmt.group_size(hidden) // DOWN_GROUP  # R = G/32 hidden values a tile
+    hp, width = _down_blocks(hidden)
+    w = down.float().reshape(groups, DOWN_GROUP, DOWN_GROUP, hp).permute(0, 2, 3, 1)  # [groups, piece, hp, neuron]
+    tiles = w.reshape(groups, DOWN_GROUP, hp // tile, tile * DOWN_GROUP)
+    if fmt.bits == 8:
+        scale = (tiles.abs().amax(-1) / 127).clamp(min=1e-8).half()  # [groups, piece, hp/R]
+        q = torch.round(tiles / scale.float()[..., None]).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        q = q.reshape(groups, DOWN_GROUP, hp // width, width, 8, 4).permute(0, 1, 2, 4, 3, 5)
+        codes, meta = q.reshape(groups, DOWN_GROUP, -1), scale.view(torch.uint8)
+    else:
+        low, high = tiles.amin(-1), tiles.amax(-1)
+        scale, offset = ((high - low) / 15).clamp(min=1e-8).half(), low.half()
+        q = torch.round((tiles - offset.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
+        q = q.reshape(groups, DOWN_GROUP, hp // width, width, 2, 4, 4).permute(0, 1, 2, 5, 3, 6, 4)
+        codes = q[..., 0] | (q[..., 1] << 4)
+        codes = codes.reshape(groups, DOWN_GROUP, -1)
+        meta = torch.stack([scale, offset], dim=-1).view(torch.uint8)
+    return torch.cat([codes, meta.reshape(groups, DOWN_GROUP, -1)], dim=-1).reshape(n, -1)
+
+
+def dequantize_down(rows: torch.Tensor, fmt: QuantFormat, hidden: int) -> torch.Tensor:
+    """Down projection rows [n, projection_bytes] (quantize_down's) -> the down columns ŵ [n, H] float32."""
+    n = rows.shape[0]
+    groups, tile = n // DOWN_GROUP, fmt.group_size(hidden) // DOWN_GROUP
+    hp, width = _down_blocks(hidden)
+    code_bytes = hidden * fmt.bits // 8
+    pieces = rows.reshape(groups, DOWN_GROUP, -1)
+    meta = pieces[..., code_bytes:].contiguous().view(torch.float16).float()
+    codes = pieces[..., :code_bytes]
+    if fmt.bits == 8:
+        q = codes.contiguous().view(torch.int8).reshape(groups, DOWN_GROUP, hp // width, 8, width, 4)
+        q = q.permute(0, 1, 2, 4, 3, 5).reshape(groups, DOWN_GROUP, hp // tile, tile * DOWN_GROUP).float()
+        w = q * meta[..., None]
+    else:
+        b = codes.reshape(groups, DOWN_GROUP, hp // width, 4, width, 4)
+        q = torch.stack([b & 0xF, b >> 4], dim=-1)  # [.., k, i, j, nibble]
+        q = q.permute(0, 1, 2, 4, 6, 3, 5).reshape(groups, DOWN_GROUP, hp // tile, tile * DOWN_GROUP).float()
+        meta = meta.reshape(groups, DOWN_GROUP, hp // tile, 2)
+        w = q * meta[..., :1] + meta[..., 1:]
+    return w.reshape(groups, DOWN_GROUP, hp, DOWN_GROUP).permute(0, 3, 1, 2).reshape(n, hidden)
+
+
 QUANTIZE_ROWS = 128  # neurons quantised at once while loading (bounds the load's transient memory)
 DEQUANT_WORKSPACE_BYTES = 64 * MiB  # a quantised forward's dequantisation memory (part of plan.WORKSPACE_BYTES)
 
 
-def block_rows(hidden: int, dtype: torch.dtype, budget: int = DEQUANT_WORKSPACE_BYTES) -> int:
+def block_rows(hidden: int, dtype: torch.dtype, budget: int = DEQUANT_WORKSPACE_BYTES, down_group: int = 1) -> int:
     """Neurons dequantised at once: a row costs 3·H elements of float32 (ŵ), of `dtype` (the result, unless
-    float32) and at most one byte of unpacking temporaries."""
+    float32) and at most one byte of unpacking temporaries; whole down groups (`down_group` neurons) at least."""
     per_element = 4 + (0 if dtype == torch.float32 else dtype.itemsize) + 1
-    return max(1, budget // (3 * hidden * per_element))
+    rows = max(1, budget // (3 * hidden * per_element))
+    return max(down_group, rows // down_group * down_group)
 
 
 class QuantStore(HostStore):
@@ -127,6 +205,7 @@ class QuantStore(HostStore):
         self.format = EXPERT_FORMATS[shape.experts]
         assert self.format is not None, shape.experts
         self.compute_dtype = compute_dtype
+        self.down_group = DOWN_GROUP if shape.down_by_neuron else 1  # neurons that dequantise together
         # float32 [I, 3, H] blocks the loader assembles experts in: the codes do not depend on --dtype
         self._blocks: list[torch.Tensor] = []
         # Where a block of a segment is dequantised: float32 ŵ, and the compute dtype's copy ([block_rows·3·H] each).
@@ -139,11 +218,11 @@ class QuantStore(HostStore):
     def torch_forward(self, x: torch.Tensor, segment: torch.Tensor, act) -> torch.Tensor:
         """Dequantise `segment` block by block into the workspace, then torch's matmuls (a GPU; no kernels)."""
         hidden = self.shape.hidden
-        rows = block_rows(hidden, x.dtype)
+        rows = block_rows(hidden, x.dtype, down_group=self.down_group)
         ws, out = self._workspaces(segment.device, x.dtype, min(rows, segment.shape[0]) * 3 * hidden)
         result = None
         for start in range(0, segment.shape[0], rows):  # Σ over neuron blocks: exact partial sums
-            w = dequantize(segment[start:start + rows], self.format, hidden, x.dtype, ws, out)
+            w = dequantize(segment[start:start + rows], self.format, hidden, x.dtype, ws, out, self.shape.down_by_neuron)
             part = layout.segment_forward(x, w, act)  # [T, H]
             result = part if result is None else result.add_(part)
         return result
@@ -176,7 +255,7 @@ class QuantStore(HostStore):
         packed = self.layers[layer] if expert is None else self.layers[layer][expert:expert + 1]
         n, i = packed.shape[:2]
         return dequantize(packed.reshape(n * i, *packed.shape[2:]), self.format, self.shape.hidden,
-                          self.compute_dtype).reshape(n, i, 3, self.shape.hidden)
+                          self.compute_dtype, down_by_neuron=self.shape.down_by_neuron).reshape(n, i, 3, self.shape.hidden)
 
     def block(self, layer: int, expert: int) -> torch.Tensor:
         if self._blocks:
@@ -186,7 +265,8 @@ class QuantStore(HostStore):
     def put(self, layer: int, expert: int, block: torch.Tensor) -> None:
         target = self.layers[layer][expert]
         for start in range(0, block.shape[0], QUANTIZE_ROWS):  # a few rows at a time: small temporaries
-            target[start:start + QUANTIZE_ROWS].copy_(quantize(block[start:start + QUANTIZE_ROWS], self.format))
+            target[start:start + QUANTIZE_ROWS].copy_(quantize(block[start:start + QUANTIZE_ROWS], self.format,
+                                                               self.shape.down_by_neuron))
         self._blocks.append(block)
 
     def end_load(self) -> None:

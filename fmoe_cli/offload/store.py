@@ -129,7 +129,8 @@ class HostStore:
         self.layers: list[torch.Tensor] = []  # [N, I, *row_shape] per MoE layer
         self._experts: list[tuple[torch.Tensor, ...]] = []  # each layer's [I, *row_shape] per expert, made once
         self._buffers: list[HostBuffer] = []
-        self.kernel = kernels.spec_of(shape.experts, dtype, shape.hidden, shape.neuron_block, activations)  # the kernels' view
+        self.kernel = kernels.spec_of(shape.experts, dtype, shape.hidden, shape.neuron_block, activations,
+                                      shape.down_by_neuron)  # the kernels' view
         self._split_workspaces: dict[tuple, layout.SplitWorkspace] = {}  # torch's path: a split expert's gate and up
         self.grouping: bool | None = None  # segments_forward groups (None: decided on the first call, by device)
 
