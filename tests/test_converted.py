@@ -155,3 +155,39 @@ def test_a_mapped_store_is_page_locked_read_only_and_portable(model, monkeypatch
     assert [c[2] for c in cudart.calls] == [HOST_REGISTER_PORTABLE | HOST_REGISTER_READ_ONLY,
                                             HOST_REGISTER_PORTABLE] * lm.shape.num_layers
     assert all(buffer.registered for buffer in again._buffers)
+
+
+def test_a_store_of_the_previous_format_is_rebuilt_not_misread(model, monkeypatch):
+    """Format version 3 groups the int8/int4 down projections along the neurons (offload/quant.py quantize_down): a
+    version-2 store (down rows grouped along H, as the last release wrote them) has the very same size and shape, so
+    only its version tells it apart. Its name carries the version, so this fmoe never opens it: the load quantises
+    again and writes a version-3 store whose rows are the new layout's, and the old file is left as it was. int2's
+    rows did not change: its stores keep version 2 (hours of HQQ conversion are not thrown away)."""
+    from fmoe_cli.offload import converted
+    from fmoe_cli.types import ExpertShape
+
+    monkeypatch.setattr(converted_module, "FORMAT_VERSION", 2)
+    monkeypatch.setattr(ExpertShape, "down_by_neuron", property(lambda self: False))  # the version-2 rows
+    old_lm, _ = load(model)
+    old = converted_path(checkpoint_fingerprint(model), "int4")
+    assert old.name.endswith("-int4-v2.safetensors") and old.exists()
+    old_bytes = old.read_bytes()
+    monkeypatch.undo()
+    monkeypatch.setattr(converted_module, "converted_dir", lambda: old.parent)
+    new = converted_path(checkpoint_fingerprint(model), "int4")
+    assert new != old and new.name.endswith("-int4-v3.safetensors") and not new.exists()
+    puts, put = [], QuantStore.put
+    monkeypatch.setattr(QuantStore, "put", lambda self, *a: puts.append(1) or put(self, *a))
+    lm, text = load(model)
+    assert puts, "quantised again, not read from the old store"
+    monkeypatch.setattr(QuantStore, "put", put)
+    assert lm.shape.down_by_neuron and new.exists() and old.read_bytes() == old_bytes
+    assert "stale" not in text and "corrupt" not in text
+    for was, now in zip(old_lm.store.layers, lm.store.layers):
+        assert was.shape == now.shape
+        assert torch.equal(was[..., :2, :], now[..., :2, :])  # gate and up rows as before
+        assert not torch.equal(was[..., 2, :], now[..., 2, :])  # the down rows in the new layout
+    again, _ = load(model)  # and maps the new store on the next start
+    for a, b in zip(lm.store.layers, again.store.layers):
+        assert torch.equal(a, b)
+    assert converted.format_version("int2") == 2 and converted.format_version("int8") == 3

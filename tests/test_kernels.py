@@ -26,9 +26,10 @@ needs_kernels = pytest.mark.skipif(kernels.library() is None, reason="no C compi
 
 
 def expert(name: str, hidden: int, intermediate: int, seed: int = 0, chunk: int = 1, dtype=None,
-           activations: str = "float"):
+           activations: str = "float", by_neuron: bool = False):
     """(stored rows, the weights they stand for [n, 3, H] float32, Spec, compute dtype); dtype: the compute
-    dtype of quantised rows (default float32); activations: --activations of quantised rows."""
+    dtype of quantised rows (default float32); activations: --activations of quantised rows; by_neuron: int8/int4
+    down rows grouped along the neurons (ExpertShape.down_by_neuron, the stores' layout where I and G allow it)."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(intermediate, 3, hidden, generator=g) * 0.05
     fmt = EXPERT_FORMATS.get(name)
@@ -36,9 +37,9 @@ def expert(name: str, hidden: int, intermediate: int, seed: int = 0, chunk: int 
         dtype = torch.bfloat16 if name == "bf16" else torch.float32
         stored = w.to(dtype)
         return stored, stored.float(), kernels.spec_of("bf16", dtype, hidden, chunk), dtype
-    stored = quant.quantize(w, fmt)
-    spec = kernels.spec_of(name, None, hidden, chunk, activations)
-    return stored, quant.dequantize(stored, fmt, hidden, torch.float32), spec, dtype or torch.float32
+    stored = quant.quantize(w, fmt, by_neuron)
+    spec = kernels.spec_of(name, None, hidden, chunk, activations, by_neuron)
+    return stored, quant.dequantize(stored, fmt, hidden, torch.float32, down_by_neuron=by_neuron), spec, dtype or torch.float32
 
 
 WITH_DTYPES = [("f32", None), ("bf16", None), *[(q, d) for q in ("int8", "int4", "int2")
@@ -156,6 +157,87 @@ def test_int8_activations_compute_the_quantised_tokens_result(name, hidden, toke
     rows = stored[:, 0].contiguous()  # the gate rows as a dense linear's
     y = kernels.linear_forward(x, rows, spec)
     torch.testing.assert_close(y, x_hat @ w[:, 0].T, rtol=1e-5, atol=1e-5 * y.abs().max().item())
+
+
+def quantised_groups(a: torch.Tensor) -> torch.Tensor:
+    """â of the down projection's activations [T, I] in the int8 mode: quantised per group of 32 neurons as x is."""
+    return quantised_tokens(a)
+
+
+# Down rows grouped along the neurons (offload/quant.py quantize_down, experts.c § down by neuron): H = 2048 and 512
+# take the vector paths (blocks of 16 hidden values a piece), 256 and 64 the scalar one (8 and 2 a piece).
+BY_NEURON_SHAPES = [(2048, 64, 64), (512, 96, 32), (256, 96, 32), (64, 64, 32)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden, intermediate, chunk", BY_NEURON_SHAPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_down_by_neuron_rows_computes_what_torch_computes(name, dtype, hidden, intermediate, chunk, tokens):
+    """Float activations: the result of the dequantised weights (quantize_down's grouping) to float rounding."""
+    stored, w, spec, dtype = expert(name, hidden, intermediate, chunk=chunk, dtype=dtype, by_neuron=True)
+    assert spec.code & kernels.DOWN_BY_NEURON
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = kernels.segment_forward(x, stored, spec)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    want = layout.segment_forward(x, w if dtype == torch.float32 else w.to(dtype), F.silu)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("hidden, intermediate, chunk", BY_NEURON_SHAPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_down_by_neuron_int8_activations_compute_the_quantised_result(name, hidden, intermediate, chunk, tokens):
+    """--activations int8 with down rows grouped along the neurons: gate and up multiply x̂ (x per block of 32), and
+    the down projection multiplies â, the gated activations quantised per group of 32 neurons, with integer dots: the
+    result is â·ŵ_down to float rounding; not a's (the second quantisation really happens)."""
+    stored, w, spec, _ = expert(name, hidden, intermediate, chunk=chunk, activations="int8", by_neuron=True)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(4))
+    got = kernels.segment_forward(x, stored, spec)
+    if kernels.library().fmoe_simd() == 0:  # a CPU without AVX2 runs the float32 dots (experts.c q8_shape)
+        want = layout.segment_forward(x, w, F.silu)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        return
+    x_hat = quantised_tokens(x)
+    a = F.silu(x_hat @ w[:, 0].T) * (x_hat @ w[:, 1].T)
+    want = quantised_groups(a) @ w[:, 2]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert (got - a @ w[:, 2]).abs().max() > 1e-4 * want.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_down_by_neuron_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(name, dtype, activations, tokens):
+    """Down rows grouped along the neurons, split at every multiple of the chunk (whole groups of 32), in one call
+    or one each, with 1 or 2 threads: the whole's bits (every policy's tokens are the resident run's). A segment
+    that would cut a group is refused."""
+    for hidden, intermediate, chunk in [(2048, 256, 64), (256, 128, 32)]:
+        stored, _, spec, dtype = expert(name, hidden, intermediate, chunk=chunk, dtype=dtype, activations=activations,
+                                        by_neuron=True)
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(dtype)
+        whole = kernels.segment_forward(x, stored, spec)
+        for k in range(chunk, intermediate, chunk):
+            top = kernels.segment_forward(x, stored[:k], spec, partial=True)
+            assert torch.equal(kernels.segment_forward(x, stored[k:], spec, acc=top), whole), f"split at {k}"
+        together = kernels.segments_forward(x, [stored, stored[:chunk]], spec)
+        assert torch.equal(together[0], whole)
+        assert torch.equal(together[1], kernels.segment_forward(x, stored[:chunk], spec))
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            two = kernels.segment_forward(x, stored, spec)
+            torch.set_num_threads(1)
+            assert torch.equal(kernels.segment_forward(x, stored, spec), two)
+        finally:
+            torch.set_num_threads(threads)
+        with pytest.raises(ValueError, match="whole groups"):
+            kernels.segment_forward(x, stored[:16], replace(spec, chunk=16))
 
 
 @needs_kernels
@@ -587,7 +669,7 @@ def test_int8_activations_need_avx2_and_say_so_without_it(monkeypatch, capsys, s
 
 # The tests of values and bits, run again on each narrower build than this machine's (below).
 CORE_TESTS = ("computes_what_torch or top_continued or in_one_call or int8_activations_compute "
-              "or dense_projection or own_bits")
+              "or dense_projection or own_bits or down_by_neuron")
 
 
 @needs_kernels

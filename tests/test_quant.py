@@ -286,15 +286,17 @@ def test_a_segment_computed_in_neuron_blocks_sums_to_the_whole(monkeypatch, expe
     from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
 
     shape = ExpertShape(1, 2, 1, 64, 96, 2, experts)
+    assert shape.down_by_neuron  # blocks of whole down groups: 64 and 32 neurons
     store = quant.QuantStore(shape, torch.bfloat16, pin=False)
     g = torch.Generator().manual_seed(0)
-    segment = quant.quantize(torch.randn(96, 3, 64, generator=g) * 0.1, EXPERT_FORMATS[experts])
+    segment = quant.quantize(torch.randn(96, 3, 64, generator=g) * 0.1, EXPERT_FORMATS[experts], True)
     x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
-    whole = segment_forward(x, quant.dequantize(segment, store.format, 64, torch.bfloat16), F.silu)
-    monkeypatch.setattr(quant, "block_rows", lambda hidden, dtype: 20)  # 5 blocks, the last one short
+    whole = segment_forward(x, quant.dequantize(segment, store.format, 64, torch.bfloat16, down_by_neuron=True),
+                            F.silu)
+    monkeypatch.setattr(quant, "block_rows", lambda hidden, dtype, down_group: 64)  # 2 blocks, the last one short
     calls = []
     real = quant.dequantize
     monkeypatch.setattr(quant, "dequantize", lambda seg, *a, **k: calls.append(seg.shape[0]) or real(seg, *a, **k))
     blocked = store.torch_forward(x, segment, F.silu)  # torch's path (a GPU's; the CPU's without the kernels)
-    assert calls == [20, 20, 20, 20, 16]
+    assert calls == [64, 32]
     torch.testing.assert_close(blocked, whole, rtol=2e-2, atol=2e-2)

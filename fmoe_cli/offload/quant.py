@@ -107,7 +107,7 @@ def dequantize(segment: torch.Tensor, fmt: QuantFormat, hidden: int, dtype: torc
         w.mul_(meta[..., 0:1]).add_(meta[..., 1:2])
     w = w.view(n, three, hidden)
     if down_by_neuron and three == 3:
-        w[:, layout.DOWN] = dequantize_down(segment[:, layout.DOWN], fmt, hidden)
+        dequantize_down(segment[:, layout.DOWN], fmt, hidden, w[:, layout.DOWN])
     if dtype == torch.float32:
         return w
     if out is None:
@@ -162,26 +162,33 @@ def quantize_down(down: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return torch.cat([codes, meta.reshape(groups, DOWN_GROUP, -1)], dim=-1).reshape(n, -1)
 
 
-def dequantize_down(rows: torch.Tensor, fmt: QuantFormat, hidden: int) -> torch.Tensor:
-    """Down projection rows [n, projection_bytes] (quantize_down's) -> the down columns ŵ [n, H] float32."""
+def dequantize_down(rows: torch.Tensor, fmt: QuantFormat, hidden: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Down projection rows [n, projection_bytes] (quantize_down's) -> the down columns ŵ [n, H] float32, written
+    into `out` (any [n, H] float32 view with unit stride along H: a workspace's down rows) through views: no float
+    temporaries."""
     n = rows.shape[0]
     groups, tile = n // DOWN_GROUP, fmt.group_size(hidden) // DOWN_GROUP
     hp, width = _down_blocks(hidden)
     code_bytes = hidden * fmt.bits // 8
+    if out is None:
+        out = torch.empty(n, hidden, dtype=torch.float32, device=rows.device)
     pieces = rows.reshape(groups, DOWN_GROUP, -1)
-    meta = pieces[..., code_bytes:].contiguous().view(torch.float16).float()
+    meta = pieces[..., code_bytes:].contiguous().view(torch.float16).float()  # [groups, piece, hp/R (·2)]
     codes = pieces[..., :code_bytes]
+    target = out.view(groups, DOWN_GROUP, DOWN_GROUP, hp).permute(0, 2, 3, 1)  # [groups, piece, hp, neuron]
+    blocks = target.view(groups, DOWN_GROUP, hp // width, width, 8, 4).permute(0, 1, 2, 4, 3, 5)  # the codes' order
     if fmt.bits == 8:
-        q = codes.contiguous().view(torch.int8).reshape(groups, DOWN_GROUP, hp // width, 8, width, 4)
-        q = q.permute(0, 1, 2, 4, 3, 5).reshape(groups, DOWN_GROUP, hp // tile, tile * DOWN_GROUP).float()
-        w = q * meta[..., None]
+        blocks.copy_(codes.view(torch.int8).reshape(groups, DOWN_GROUP, hp // width, 8, width, 4))
+        target.view(groups, DOWN_GROUP, hp // tile, tile, DOWN_GROUP).mul_(meta[..., None, None])
     else:
-        b = codes.reshape(groups, DOWN_GROUP, hp // width, 4, width, 4)
-        q = torch.stack([b & 0xF, b >> 4], dim=-1)  # [.., k, i, j, nibble]
-        q = q.permute(0, 1, 2, 4, 6, 3, 5).reshape(groups, DOWN_GROUP, hp // tile, tile * DOWN_GROUP).float()
-        meta = meta.reshape(groups, DOWN_GROUP, hp // tile, 2)
-        w = q * meta[..., :1] + meta[..., 1:]
-    return w.reshape(groups, DOWN_GROUP, hp, DOWN_GROUP).permute(0, 3, 1, 2).reshape(n, hidden)
+        nibbles = codes.reshape(groups, DOWN_GROUP, hp // width, 4, width, 4)
+        halves = target.view(groups, DOWN_GROUP, hp // width, width, 2, 4, 4)  # neuron = 16·nibble + 4k + j
+        halves[:, :, :, :, 0].permute(0, 1, 2, 4, 3, 5).copy_(nibbles & 0xF)
+        halves[:, :, :, :, 1].permute(0, 1, 2, 4, 3, 5).copy_(nibbles >> 4)
+        meta = meta.reshape(groups, DOWN_GROUP, hp // tile, 1, 1, 2)
+        tiles = target.view(groups, DOWN_GROUP, hp // tile, tile, DOWN_GROUP)
+        tiles.mul_(meta[..., 0]).add_(meta[..., 1])
+    return out
 
 
 QUANTIZE_ROWS = 128  # neurons quantised at once while loading (bounds the load's transient memory)
