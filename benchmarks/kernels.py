@@ -60,7 +60,9 @@ def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens
     from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
 
     torch.manual_seed(0)
-    chunk = ExpertShape(1, 1, 1, hidden, intermediate, 4).neuron_block  # the engine's split granularity
+    shape = ExpertShape(1, 1, 1, hidden, intermediate, 4, name if name in EXPERT_FORMATS else "bf16")
+    chunk = shape.neuron_block  # the engine's split granularity
+    by_neuron = shape.down_by_neuron  # the stores' layout: int8/int4 down rows grouped along the neurons
     dtype = torch.bfloat16 if name == "bf16" else torch.float32
     x = torch.randn(tokens, hidden).to(dtype)
     fmt = EXPERT_FORMATS.get(name)
@@ -74,9 +76,9 @@ def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens
         def torch_path(seg):
             return layout.segment_forward(x, seg, F.silu)
     else:
-        packed = [quantize(b, fmt) for b in blocks]
+        packed = [quantize(b, fmt, by_neuron) for b in blocks]
         stored = [packed[i % 2].clone() for i in range(copies)]
-        spec = kernels.spec_of(name, dtype, hidden, chunk)
+        spec = kernels.spec_of(name, dtype, hidden, chunk, down_by_neuron=by_neuron)
         store = QuantStore(ExpertShape(1, copies, 1, hidden, intermediate, 4, name), dtype, pin=False)
 
         def torch_path(seg):

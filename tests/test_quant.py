@@ -300,3 +300,46 @@ def test_a_segment_computed_in_neuron_blocks_sums_to_the_whole(monkeypatch, expe
     blocked = store.torch_forward(x, segment, F.silu)  # torch's path (a GPU's; the CPU's without the kernels)
     assert calls == [64, 32]
     torch.testing.assert_close(blocked, whole, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("experts", ["int8", "int4"])
+@pytest.mark.parametrize("hidden", [2048, 256, 64])
+def test_down_rows_grouped_along_the_neurons_hold_what_the_docs_say(experts, hidden):
+    """offload/quant.py quantize_down (docs/quantization.md § Layout): tiles of G/32 hidden values × 32 neurons, each
+    quantised alone (int8: its largest |w| is ±127·s; every weight within s/2 of ŵ), the codes at the documented
+    bytes of the documented rows (what experts.c reads), the metadata after them; dequantize_down inverts it."""
+    from fmoe_cli.offload.quant import dequantize_down, quantize_down
+    from fmoe_cli.types import DOWN_GROUP
+
+    fmt = EXPERT_FORMATS[experts]
+    g = torch.Generator().manual_seed(7)
+    down = torch.randn(64, hidden, generator=g) * torch.rand(64, 1, generator=g)  # neurons of different scales
+    rows = quantize_down(down, fmt)
+    assert rows.shape == (64, fmt.projection_bytes(hidden))
+    w = dequantize_down(rows, fmt, hidden)
+    hp, tile = hidden // DOWN_GROUP, fmt.group_size(hidden) // DOWN_GROUP
+    width = next(b for b in (16, 8, 4, 2, 1) if hp % b == 0)
+    code_bytes = hidden * fmt.bits // 8
+    for n, h in [(0, 0), (5, hidden - 1), (37, hidden // 3), (63, 17 % hidden), (16, 1), (47, hidden // 2 + 1)]:
+        group, neuron, piece, i = n // DOWN_GROUP, n % DOWN_GROUP, h // hp, h % hp
+        row = rows[group * DOWN_GROUP + piece]
+        b, k, j, ii = i // width, neuron % 16 // 4 if experts == "int4" else neuron // 4, neuron % 4, i % width
+        meta = row[code_bytes:].view(torch.float16).float()
+        if experts == "int8":
+            at = ((b * 8 + k) * width + ii) * 4 + j
+            q = int(row[at:at + 1].view(torch.int8))
+            want = q * meta[i // tile]
+        else:
+            byte = int(row[((b * 4 + k) * width + ii) * 4 + j])
+            q = byte & 15 if neuron < 16 else byte >> 4
+            want = q * meta[2 * (i // tile)] + meta[2 * (i // tile) + 1]
+        assert w[n, h].item() == pytest.approx(want.item(), rel=1e-6, abs=1e-7), (n, h)
+    # each tile alone: R hidden values × 32 neurons
+    tiles = down.reshape(2, DOWN_GROUP, DOWN_GROUP, hp // tile, tile).permute(0, 2, 3, 1, 4).reshape(2, DOWN_GROUP, hp // tile, -1)
+    errors = (w - down).reshape(2, DOWN_GROUP, DOWN_GROUP, hp // tile, tile).permute(0, 2, 3, 1, 4).reshape(tiles.shape)
+    if experts == "int8":
+        s = tiles.abs().amax(-1) / 127
+    else:
+        s = (tiles.amax(-1) - tiles.amin(-1)) / 15
+    assert (errors.abs().amax(-1) <= s * 0.5 * 1.01 + 1e-6).all()
+    assert (errors.abs().amax(-1) > 0).any()

@@ -1769,6 +1769,7 @@ static inline int64_t down_width(int64_t hp) { /* W = gcd(16, hp) */
     return w;
 }
 
+/* The code bytes of one int8 or int4 projection row (code_bytes' for these formats, in every build). */
 static inline int64_t down_code_bytes(const Format *f) { return f->fmt == FMT_INT8 ? f->hidden : f->hidden / 2; }
 
 /* q of neuron n (< 32) at hidden value i (< hp) of one piece. */
@@ -1991,9 +1992,10 @@ static void down_piece_vector(const uint8_t *piece, const Format *f, const float
 #endif
 
 /* c [H] (init: =, else +=) the down projection of one group of 32 neurons (`rows`: its first neuron's row, row_bytes
-   apart) for one token with gated activations a [32]; q8: a quantised (the int8-activation mode). */
+   apart) for one token with gated activations a [32]; q8: a quantised (the int8-activation mode). cursor (decode's
+   prefetch Cursor, or NULL): stepped by `step` bytes before each piece, so its prefetches spread over the pieces. */
 static void down_group(const uint8_t *rows, int64_t row_bytes, const Format *f, const float *a, int q8, float *c,
-                       int init) {
+                       int init, void *cursor, int64_t step) {
     int64_t hp = f->hidden / DOWN_GROUP;
     int8_t aq[DOWN_GROUP];
     int asum = 0;
@@ -2005,42 +2007,69 @@ static void down_group(const uint8_t *rows, int64_t row_bytes, const Format *f, 
     for (int64_t p = 0; p < DOWN_GROUP; p++) {
         const uint8_t *piece = rows + p * row_bytes + 2 * f->proj_bytes;
 #if FMOE_AVX2
+        cursor_step(cursor, step);
         if (vector) {
             down_piece_vector(piece, f, a, asum_f, q8 ? aq : NULL, d, asum, c + p * hp, init);
             continue;
         }
 #endif
-        (void)vector;
+        (void)vector, (void)cursor, (void)step;
         down_piece_scalar(piece, f, 0, hp, a, asum_f, q8 ? aq : NULL, d, asum, c + p * hp, init);
     }
 }
 
+/* Floats of one thread's scratch for pass_chunk_by_neuron: a of a group for every token, and (several tokens, float32
+   dots) DOT_ROWS neurons' decoded gate and up rows and their dots. */
+static int64_t by_neuron_floats(int64_t tokens, int64_t hidden) {
+    int64_t padded = (tokens + 15) / 16 * 16;
+    return DOWN_GROUP * padded + 2 * DOT_ROWS * ((hidden + 15) / 16 * 16 + padded) + 16;
+}
+
 /* pass_chunk for FMT_DOWN_BY_NEURON rows: chunk k's partial sum c [T, H], its neurons a group of 32 at a time: each
-   neuron's gate and up dots per token (gate_up_dots; decode with float32 x: gate_up_one, prefetching), a[t], then the
-   group's down for each token (down_group; a token's bits do not depend on the others). scratch: 32·T floats. */
+   neuron's gate and up dots per token (int8 activations: gate_up_dots; one float32 token: gate_up_one, prefetching;
+   several: prefill_chunk's decoded rows in register tiles), a[t], then the group's down for each token (down_group; a
+   token's down has the same bits whatever the other tokens). scratch: by_neuron_floats. */
 static void pass_chunk_by_neuron(const Pass *p, int64_t k, float *scratch) {
     const Format *f = p->f;
     const Tokens *x = p->x;
-    int64_t tokens = x->tokens, h = f->hidden;
+    int64_t tokens = x->tokens, h = f->hidden, padded = (tokens + 15) / 16 * 16;
     float *c = p->part + k * tokens * h, *a = scratch; /* a[t·32 + n] */
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
 #if FMOE_AVX2
     Cursor cursor, *pf = tokens == 1 ? cursor_at(&cursor, f, p->segment + i0 * p->row_bytes,
                                                  p->segment + p->neurons * p->row_bytes) : NULL;
     int one = one_shape(f, x) && !x->q8;
+    int tiles = tokens > 1 && !x->q8 && x->vector;
+    float *wg = a + DOWN_GROUP * padded, *gu = wg + 2 * DOT_ROWS * ((h + 15) / 16 * 16);
 #endif
     for (int64_t g0 = i0; g0 < i1; g0 += DOWN_GROUP) {
         const uint8_t *rows = p->segment + g0 * p->row_bytes;
+#if FMOE_AVX2
+        if (tiles) { /* DOT_ROWS neurons: gate rows, then up rows, decoded; their dots over every token */
+            for (int n0 = 0; n0 < DOWN_GROUP; n0 += DOT_ROWS) {
+                for (int i = 0; i < DOT_ROWS; i++) {
+                    const uint8_t *row = rows + (n0 + i) * p->row_bytes;
+                    decode_row(row, f, wg + i * h, 1);
+                    decode_row(row + f->proj_bytes, f, wg + (DOT_ROWS + i) * h, 1);
+                }
+                dots_rows(wg, 2 * DOT_ROWS, x->xf, tokens, h, gu, padded, 1);
+                for (int i = 0; i < DOT_ROWS; i++)
+                    for (int64_t t = 0; t < tokens; t++)
+                        a[t * DOWN_GROUP + n0 + i] = gated(gu[i * padded + t], gu[(DOT_ROWS + i) * padded + t], p->x_bf16);
+            }
+        } else
+#endif
         for (int n = 0; n < DOWN_GROUP; n++) {
             const uint8_t *row = rows + n * p->row_bytes;
             for (int64_t t = 0; t < tokens; t++) {
                 float g, u;
 #if FMOE_AVX2
+                Cursor *lead = g0 == i0 ? pf : NULL; /* later groups were prefetched during the down before */
                 if (one) {
-                    gate_up_one(row, f, x->xf, x->xg, &g, &u, pf);
-                    cursor_step(pf, p->row_bytes - 2 * code_bytes(f));
+                    gate_up_one(row, f, x->xf, x->xg, &g, &u, lead); /* steps by the gate and up codes */
+                    cursor_step(lead, p->row_bytes - 2 * down_code_bytes(f));
                 } else {
-                    cursor_step(pf, p->row_bytes);
+                    cursor_step(lead, p->row_bytes);
                     gate_up_dots(row, f, x, t, &g, &u);
                 }
 #else
@@ -2049,9 +2078,13 @@ static void pass_chunk_by_neuron(const Pass *p, int64_t k, float *scratch) {
                 a[t * DOWN_GROUP + n] = gated(g, u, p->x_bf16);
             }
         }
+        void *cursor = NULL; /* the down's pieces read L1/L2: meanwhile the cursor fetches the next group's rows */
+#if FMOE_AVX2
+        cursor = pf;
+#endif
         if (FMOE_PHASES & 2)
             for (int64_t t = 0; t < tokens; t++)
-                down_group(rows, p->row_bytes, f, a + t * DOWN_GROUP, x->q8, c + t * h, g0 == i0);
+                down_group(rows, p->row_bytes, f, a + t * DOWN_GROUP, x->q8, c + t * h, g0 == i0, cursor, p->row_bytes);
         else if (g0 == i0)
             memset(c, 0, sizeof(float) * tokens * h);
     }
@@ -2118,7 +2151,7 @@ static void pass_chunk(void *job, int64_t k, int64_t worker) {
 static int64_t pass_stride(int64_t tokens, int64_t hidden) {
     int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
     if (tokens > PREFILL_FROM && prefill_floats(tokens, hidden) > stride) stride = prefill_floats(tokens, hidden);
-    if (stride < DOWN_GROUP * tokens) stride = DOWN_GROUP * tokens; /* pass_chunk_by_neuron's a */
+    if (by_neuron_floats(tokens, hidden) > stride) stride = by_neuron_floats(tokens, hidden); /* FMT_DOWN_BY_NEURON */
 #if FMOE_AVX2
     if (tokens > PREFILL_FROM && fused_floats(tokens) > stride) stride = fused_floats(tokens);
 #endif
