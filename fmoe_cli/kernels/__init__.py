@@ -19,8 +19,9 @@ one wake of the kernels' threads, one ctypes call), each with the bits segment_f
 `linear_forward` computes one dense projection y = x·ŵᵀ from a `--dense int8|int4` linear's rows (a row is one
 projection of the experts' layout: models/dense.py). With `--activations int8` (Spec.int8_activations) the int8
 and int4 rows' dot products over x use x quantised per block of 32 and integer arithmetic (experts.c § phase 1
-with int8 activations: faster, within the tolerance docs/quantization.md states); the split stays exact, since
-x̂ depends on x alone.
+with int8 activations: faster, within the tolerance docs/quantization.md states), and so does the down projection
+where its rows are grouped along the neurons (Spec.code + DOWN_BY_NEURON: the gated activations quantised per group
+of 32 neurons, experts.c § down by neuron); the split stays exact, since x̂ depends on x alone and â on its group.
 
 The device path (torch on a GPU) and the CPU path call the stores' segment_forward, which comes here on
 the CPU (x on the CPU, float32 or bf16, a SiLU-gated expert) and otherwise computes with torch. The

@@ -268,7 +268,8 @@ static float row_dot(const uint8_t *row, const Format *f, const float *x, const 
 
    each inner Σ an exact integer (AVX2 maddubs: unsigned × signed bytes into int16 pairs, at most
    2·127·127 < 2¹⁵; int8's signed codes go through |q̃|, sign(q, q̃)). Only gate and up (and a dense
-   linear's rows) are dots over x; the down projection stays float32 (its scales vary along the sum). */
+   linear's rows) are dots over x; a down projection grouped along the neurons is an integer dot over the gated
+   activations (§ down by neuron), one grouped along H stays float32 (its scales vary along the sum). */
 #define QBLOCK 32
 
 #if FMOE_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && !defined(FMOE_NO_AVX512)
