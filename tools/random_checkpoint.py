@@ -57,7 +57,7 @@ from fmoe_cli.models.load import build_skeleton, expert_shape  # noqa: E402
 from fmoe_cli.offload.converted import ConvertedWriter, converted_path  # noqa: E402
 from fmoe_cli.offload.layout import DOWN, GATE, UP  # noqa: E402
 from fmoe_cli.offload.quant import QUANTIZE_ROWS, quantize  # noqa: E402
-from fmoe_cli.types import EXPERT_FORMATS  # noqa: E402
+from fmoe_cli.types import DOWN_GROUP, EXPERT_FORMATS  # noqa: E402
 
 GiB = 1024**3
 STD = 0.02  # every drawn weight: normal(0, STD) (routers: ROUTER_STD, so that random routing varies)
@@ -170,7 +170,7 @@ def seconds_per_expert(build: Build, quantize_mode: str, device: str) -> float:
         start = time.perf_counter()
         _, rows = next(blocks)
         if build.quantised:
-            quantize(rows.float(), EXPERT_FORMATS[build.experts])
+            quantize(rows.float(), EXPERT_FORMATS[build.experts], shape.down_by_neuron)
         elapsed = time.perf_counter() - start
     blocks = -(-shape.intermediate // QUANTIZE_ROWS)
     if build.quantised and quantize_mode == "pool":  # the pool once, then copies
@@ -253,19 +253,24 @@ def _write_store(build: Build, writer: ConvertedWriter, seed: int, quantize_mode
     row = shape.neuron_bytes
     pool = None
     if quantize_mode == "pool":
-        pool = torch.cat([quantize(rows.float(), fmt).cpu() for _, rows in
+        pool = torch.cat([quantize(rows.float(), fmt, shape.down_by_neuron).cpu() for _, rows in
                           expert_rows(seed, 1 << 16, 0, POOL_ROWS, shape.hidden, device)])  # [POOL_ROWS, 3, bytes]
     for layer in range(shape.num_layers):
         for e in range(shape.num_experts):
             bar.update(task, description=f"layer {layer} expert {e}")
             base = e * shape.intermediate * row
             if pool is not None:
-                pick = torch.randint(0, POOL_ROWS, (shape.intermediate,), generator=generator(seed, layer, e))
+                if shape.down_by_neuron:  # whole down groups (their rows hold each other's down weights)
+                    groups = torch.randint(0, POOL_ROWS // DOWN_GROUP, (shape.intermediate // DOWN_GROUP,),
+                                           generator=generator(seed, layer, e))
+                    pick = (groups[:, None] * DOWN_GROUP + torch.arange(DOWN_GROUP)).reshape(-1)
+                else:
+                    pick = torch.randint(0, POOL_ROWS, (shape.intermediate,), generator=generator(seed, layer, e))
                 writer.write(layer, base, pool[pick])
                 bar.advance(task, shape.expert_bytes)
                 continue
             for start, rows in expert_rows(seed, layer, e, shape.intermediate, shape.hidden, device):
-                codes = quantize(rows.float(), fmt).cpu()  # as QuantStore.put: the loader's blocks, from float32
+                codes = quantize(rows.float(), fmt, shape.down_by_neuron).cpu()  # as QuantStore.put: the loader's blocks
                 writer.write(layer, base + start * row, codes)
                 bar.advance(task, codes.numel())
 

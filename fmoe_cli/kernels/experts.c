@@ -1928,14 +1928,14 @@ static void down_piece_vector(const uint8_t *piece, const Format *f, const float
                         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * j), 24)),
                                               _mm512_set1_ps(a[4 * k + j]), acc);
                 }
-            } else {
-                const __m512i low = _mm512_set1_epi32(15);
+            } else { /* a nibble as a float in one step: vpermps reads the low 4 bits of the lane (vnibble_low's trick) */
+                const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
                 __m512i w[4];
                 for (int k = 0; k < 4; k++) w[k] = _mm512_loadu_si512((const void *)(codes + 64 * k));
                 for (int hi = 0; hi < 2; hi++) /* neurons 0..15 (low nibbles), then 16..31 */
                     for (int k = 0; k < 4; k++)
                         for (int j = 0; j < 4; j++)
-                            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w[k], 8 * j + 4 * hi), low)),
+                            acc = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(w[k], 8 * j + 4 * hi), values),
                                                   _mm512_set1_ps(a[16 * hi + 4 * k + j]), acc);
             }
             v = int8 ? _mm512_mul_ps(s, acc) : _mm512_fmadd_ps(s, acc, _mm512_mul_ps(m, _mm512_set1_ps(asum_f)));
@@ -1993,10 +1993,9 @@ static void down_piece_vector(const uint8_t *piece, const Format *f, const float
 #endif
 
 /* c [H] (init: =, else +=) the down projection of one group of 32 neurons (`rows`: its first neuron's row, row_bytes
-   apart) for one token with gated activations a [32]; q8: a quantised (the int8-activation mode). cursor (decode's
-   prefetch Cursor, or NULL): stepped by `step` bytes before each piece, so its prefetches spread over the pieces. */
+   apart) for one token with gated activations a [32]; q8: a quantised (the int8-activation mode). */
 static void down_group(const uint8_t *rows, int64_t row_bytes, const Format *f, const float *a, int q8, float *c,
-                       int init, void *cursor, int64_t step) {
+                       int init) {
     int64_t hp = f->hidden / DOWN_GROUP;
     int8_t aq[DOWN_GROUP];
     int asum = 0;
@@ -2008,13 +2007,12 @@ static void down_group(const uint8_t *rows, int64_t row_bytes, const Format *f, 
     for (int64_t p = 0; p < DOWN_GROUP; p++) {
         const uint8_t *piece = rows + p * row_bytes + 2 * f->proj_bytes;
 #if FMOE_AVX2
-        cursor_step(cursor, step);
         if (vector) {
             down_piece_vector(piece, f, a, asum_f, q8 ? aq : NULL, d, asum, c + p * hp, init);
             continue;
         }
 #endif
-        (void)vector, (void)cursor, (void)step;
+        (void)vector;
         down_piece_scalar(piece, f, 0, hp, a, asum_f, q8 ? aq : NULL, d, asum, c + p * hp, init);
     }
 }
@@ -2065,12 +2063,11 @@ static void pass_chunk_by_neuron(const Pass *p, int64_t k, float *scratch) {
             for (int64_t t = 0; t < tokens; t++) {
                 float g, u;
 #if FMOE_AVX2
-                Cursor *lead = g0 == i0 ? pf : NULL; /* later groups were prefetched during the down before */
-                if (one) {
-                    gate_up_one(row, f, x->xf, x->xg, &g, &u, lead); /* steps by the gate and up codes */
-                    cursor_step(lead, p->row_bytes - 2 * down_code_bytes(f));
+                if (one) { /* the cursor steps a row a neuron: its down piece is read from L1/L2 after the group */
+                    gate_up_one(row, f, x->xf, x->xg, &g, &u, pf); /* steps by the gate and up codes */
+                    cursor_step(pf, p->row_bytes - 2 * down_code_bytes(f));
                 } else {
-                    cursor_step(lead, p->row_bytes);
+                    cursor_step(pf, p->row_bytes);
                     gate_up_dots(row, f, x, t, &g, &u);
                 }
 #else
@@ -2079,13 +2076,9 @@ static void pass_chunk_by_neuron(const Pass *p, int64_t k, float *scratch) {
                 a[t * DOWN_GROUP + n] = gated(g, u, p->x_bf16);
             }
         }
-        void *cursor = NULL; /* the down's pieces read L1/L2: meanwhile the cursor fetches the next group's rows */
-#if FMOE_AVX2
-        cursor = pf;
-#endif
         if (FMOE_PHASES & 2)
             for (int64_t t = 0; t < tokens; t++)
-                down_group(rows, p->row_bytes, f, a + t * DOWN_GROUP, x->q8, c + t * h, g0 == i0, cursor, p->row_bytes);
+                down_group(rows, p->row_bytes, f, a + t * DOWN_GROUP, x->q8, c + t * h, g0 == i0);
         else if (g0 == i0)
             memset(c, 0, sizeof(float) * tokens * h);
     }
