@@ -24,6 +24,7 @@ max abs logit error and top-1 agreement (docs/quantization.md § Exactness contr
     python benchmarks/kernels.py --tokens 1 4 16 64 --rounds 7 --threads 2
     python benchmarks/kernels.py --dense 4096 2048 --formats f32 int8 int4
     python benchmarks/kernels.py --layer 8 --formats int4 --threads 2
+    python benchmarks/kernels.py --layer 8 --formats int4 int8 --threads 1 --down-along-h --rounds 11
     python benchmarks/kernels.py --tolerance 2048
 """
 
@@ -51,9 +52,12 @@ def spread(values, fmt="{:.0f}"):
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
 
 
-def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens: int, layer: int = 1):
+def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens: int, layer: int = 1,
+               along_h: bool = False):
     """(stored bytes of one expert, {path: call}) for format `name`; each call takes the next copy. layer > 1: the
-    bytes of `layer` experts, and the kernels' two ways of computing them (one call each, one call for all)."""
+    bytes of `layer` experts, and the kernels' two ways of computing them (one call each, one call for all).
+    along_h (int8, int4): the same weights with their down rows grouped along H too (the store's layout before
+    version 3: docs/quantization.md § Layout), the kernel paths of both in one process ("…, down along H")."""
     from fmoe_cli import kernels
     from fmoe_cli.offload import layout
     from fmoe_cli.offload.quant import QuantStore, quantize
@@ -77,13 +81,13 @@ def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens
             return layout.segment_forward(x, seg, F.silu)
     else:
         packed = [quantize(b, fmt, by_neuron) for b in blocks]
+        packed_blocks = blocks
         stored = [packed[i % 2].clone() for i in range(copies)]
         spec = kernels.spec_of(name, dtype, hidden, chunk, down_by_neuron=by_neuron)
         store = QuantStore(ExpertShape(1, copies, 1, hidden, intermediate, 4, name), dtype, pin=False)
 
         def torch_path(seg):
             return QuantStore.segment_forward(store, x, seg, F.silu, kernel=False)
-    del blocks
     assert stored[0].numel() * stored[0].element_size() == nbytes
     turn = [0]
 
@@ -94,22 +98,45 @@ def make_cases(name: str, hidden: int, intermediate: int, pool_mb: float, tokens
         return run
 
     calls = {"kernel": rotate(lambda seg: kernels.segment_forward(x, seg, spec)), "torch": rotate(torch_path)}
+    layouts = {"": (stored, spec)}
+    if along_h and by_neuron:  # the previous layout of the same weights, its own copies
+        packed_h = [quantize(b, fmt) for b in packed_blocks]
+        layouts[", down along H"] = ([packed_h[i % 2].clone() for i in range(copies)],
+                                     kernels.spec_of(name, dtype, hidden, chunk))
     if layer > 1:  # a decode step's K activated experts: K calls, or one (kernels.segments_forward)
-        def experts(call):
+        def experts(rows, call):
             def run():
                 segs = []
                 for _ in range(layer):
                     turn[0] = (turn[0] + 1) % copies
-                    segs.append(stored[turn[0]])
+                    segs.append(rows[turn[0]])
                 return call(segs)
             return run
 
-        return nbytes * layer, {f"kernel, {layer} calls": experts(lambda segs: [kernels.segment_forward(x, s, spec)
-                                                                                for s in segs]),
-                                f"kernel, {layer} in one call": experts(lambda segs: kernels.segments_forward(x, segs, spec))}
-    if name in ("int8", "int4"):  # --activations int8: x quantised per block of 32, integer dots
-        q8 = replace(spec, int8_activations=True)
-        calls["kernel, int8 activations"] = rotate(lambda seg: kernels.segment_forward(x, seg, q8))
+        cases = {}
+        for label, (rows, layout_spec) in layouts.items():
+            specs = {"": layout_spec}
+            if name in ("int8", "int4"):
+                specs[", int8 activations"] = replace(layout_spec, int8_activations=True)
+            for mode, sp in specs.items():
+                if not label and not mode:
+                    cases[f"kernel, {layer} calls"] = experts(rows, lambda segs, sp=sp: [kernels.segment_forward(x, s, sp)
+                                                                                         for s in segs])
+                cases[f"kernel, {layer} in one call{label}{mode}"] = experts(
+                    rows, lambda segs, sp=sp: kernels.segments_forward(x, segs, sp))
+        return nbytes * layer, cases
+    for label, (rows, layout_spec) in layouts.items():
+        def rotate_in(call, rows=rows):
+            def run():
+                turn[0] = (turn[0] + 1) % copies
+                return call(rows[turn[0]])
+            return run
+
+        if label:
+            calls[f"kernel{label}"] = rotate_in(lambda seg, sp=layout_spec: kernels.segment_forward(x, seg, sp))
+        if name in ("int8", "int4"):  # --activations int8: x quantised per block of 32, integer dots
+            q8 = replace(layout_spec, int8_activations=True)
+            calls[f"kernel{label}, int8 activations"] = rotate_in(lambda seg, q8=q8: kernels.segment_forward(x, seg, q8))
     return nbytes, calls
 
 
@@ -204,6 +231,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--layer", type=int, default=1, metavar="K",
                    help="instead: K experts a call (a decode step's top-K), one kernel call each against one for all")
+    p.add_argument("--down-along-h", action="store_true",
+                   help="int8/int4: also the same weights with their down rows grouped along H (the previous store "
+                        "layout), both layouts in this one process")
     p.add_argument("--paths", nargs="+", default=None, metavar="PATH",
                    help="only these paths (kernel, torch, 'kernel, int8 activations', F.linear), e.g. --paths kernel "
                         "under valgrind --tool=callgrind --toggle-collect=fmoe_segment_forward (instructions per weight)")
@@ -234,7 +264,8 @@ def main() -> None:
             if args.dense:
                 nbytes, calls = make_dense_cases(name, *args.dense, args.pool_mb, tokens)
             else:
-                nbytes, calls = make_cases(name, args.hidden, args.intermediate, args.pool_mb, tokens, args.layer)
+                nbytes, calls = make_cases(name, args.hidden, args.intermediate, args.pool_mb, tokens, args.layer,
+                                           args.down_along_h)
             sizes[name] = nbytes
             for path, call in calls.items():
                 if args.paths is None or path in args.paths:
