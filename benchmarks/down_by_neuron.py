@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""The down projection grouped along the neurons against the previous layout, a decode token end to end (issue 39 §2).
+
+One process, one compiled library, the same checkpoint loaded twice: once from its converted store of version 3
+(int8/int4 down rows grouped along the neurons: the integer down dots, experts.c § down by neuron) and once from its
+version-2 store (down rows grouped along H: the float32 down, the code path before), each a `resident` engine; then
+rounds of greedy decoding, the two loads alternating (order reversed every other round). Printed: the median decode
+step's CPU time of the calling thread (one thread: the kernels run on it; on a machine shared with other work the
+CPU time is what a token costs, the wall time what share of the CPU it got), median [min–max] over the rounds, and
+the ratio round by round. The version-2 store must already be in the cache (an fmoe from before 28 Nov wrote it; this
+script converts the version-3 one on its first load, as fmoe does).
+
+    XDG_CACHE_HOME=… python benchmarks/down_by_neuron.py ~/.cache/fmoe-peer/models/a3b --experts int4 --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fmoe_cli  # noqa: E402,F401  (before torch: the OpenMP policy)
+
+
+def load(model: str, experts: str, activations: str, previous: bool):
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload import converted
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.link import EmulatedLink
+    from fmoe_cli.planning.presets import make_settings
+    from fmoe_cli.types import ExpertShape
+
+    saved = converted.FORMAT_VERSION, ExpertShape.down_by_neuron
+    if previous:  # the version-2 store and the spec of its rows: down grouped along H
+        converted.FORMAT_VERSION, ExpertShape.down_by_neuron = 2, property(lambda self: False)
+    try:
+        lm = load_model(model, device="cpu", dtype="float32", experts=experts, activations=activations)
+    finally:
+        converted.FORMAT_VERSION, ExpertShape.down_by_neuron = saved
+    if not previous and not lm.shape.down_by_neuron:
+        raise SystemExit(f"error: {model}'s {experts} experts are not grouped along the neurons (I or G not a multiple of 32)")
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("resident", lm.shape, 0))
+    return lm, engine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--experts", default="int4", choices=["int8", "int4"])
+    p.add_argument("--activations", default="int8", choices=["int8", "float"])
+    p.add_argument("--tokens", type=int, default=16, help="decode steps a round (after two unmeasured)")
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    import torch
+
+    from fmoe_cli.generate import stream_generate
+
+    torch.set_num_threads(1)
+    models = {"along H (v2)": load(args.model, args.experts, args.activations, True),
+              "by neuron (v3)": load(args.model, args.experts, args.activations, False)}
+    prompt = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
+    cpu = {key: [] for key in models}
+    for r in range(args.rounds):
+        for key in (list(models) if r % 2 == 0 else list(models)[::-1]):
+            lm, engine = models[key]
+            steps, start = [], time.thread_time()
+            for i, _ in enumerate(stream_generate(lm.model, prompt, engine=engine, max_new_tokens=args.tokens + 2,
+                                                  stop_on_eos=False)):
+                now = time.thread_time()
+                if i >= 2:
+                    steps.append((now - start) * 1e3)
+                start = now
+            cpu[key].append(statistics.median(steps))
+    for lm, engine in models.values():
+        engine.close()
+    old, new = cpu["along H (v2)"], cpu["by neuron (v3)"]
+    ratios = [b / a for a, b in zip(old, new)]
+    print(f"{args.experts} experts, {args.activations} activations, 1 thread: ms of CPU a decode token, down along H "
+          f"{statistics.median(old):.2f} [{min(old):.2f}–{max(old):.2f}], by neuron {statistics.median(new):.2f} "
+          f"[{min(new):.2f}–{max(new):.2f}]; by neuron ÷ along H {statistics.median(ratios):.3f} "
+          f"[{min(ratios):.3f}–{max(ratios):.3f}] ({args.rounds} interleaved rounds of {args.tokens} tokens)")
+
+
+if __name__ == "__main__":
+    main()
