@@ -363,7 +363,8 @@ class Engine:
         self.pool, self.prefetcher, self.layers = None, None, []
         self.link.synchronize()  # what is still on the link finishes; the link drops its transfers
         self._predicted = [None] * self.shape.num_layers
-        self.decode_graphs.clear()  # they read the buffers being freed
+        for graph in self.decode_graphs.values():  # their graphs read the buffers being freed; their KV caches
+            graph.release()  # (a conversation's) stay
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
