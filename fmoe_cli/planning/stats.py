@@ -345,6 +345,29 @@ class RoutingStats:
         return cls.from_dict(read_json(path, "routing statistics", limit=STATS_LIMIT), source=f"routing statistics {path}", expect=expect)
 
 
+MAX_PENDING = 512  # decode tokens a layer's observations wait at most before the recorder takes them in
+
+
+@dataclass
+class _Pending:
+    """A layer's tokens observed since the recorder last took them in, and what their rankings are made from: the
+    policy's μ and last steps and the layer's clock before the first of them (each later token's follow from these by
+    the touches of the ones before: only `LayerCache.record` touches a policy)."""
+
+    policy: EvictionPolicy  # whose state it is: another (a new plan) ends the run of tokens
+    count: list[int]  # μ before the first token
+    last: list[int]  # the last steps before it
+    step: int  # the layer's clock at the first token
+    log_rho_per_token: float  # log ρ / ω, LCP's (MoEpic's defaults for another policy)
+    rows: list[list[int]] = field(default_factory=list)  # each token's activated experts
+    predicted: list = field(default_factory=list)  # each token's predicted ranking (int16), or None
+
+    @property
+    def next_step(self) -> int:
+        """The layer's clock at the next token, if nothing but these tokens moved it."""
+        return self.step + len(self.rows)
+
+
 class StatsRecorder:
     """An engine observer (`engine.observers.append(recorder)`) that feeds RoutingStats.
 
@@ -353,44 +376,83 @@ class StatsRecorder:
     prefill token by token, so token t is ranked after the touches of tokens 0..t-1),
     and a decode token also with the prefetcher's ranking for the layer (P_i, PH_i).
     `tokens` counts the tokens that passed the first MoE layer (for τ).
+
+    Out of the hot path (issue 39 §5): an event only notes its tokens (their experts, the prediction) and, at the
+    first of a run, the policy's μ, last steps and clock; the rankings and histograms are made when the statistics
+    are read (`stats`, `save`, `flush`: a re-plan, the idle device, the end of a run), by replaying the run's
+    touches on those copies — the same floats as at each token (`lcp_ranks`). A run of tokens ends where the policy
+    changed (a new plan) or the layer's clock moved otherwise, and after MAX_PENDING tokens.
     """
 
     def __init__(self, stats: RoutingStats, path: Path | None = None) -> None:
-        self.stats = stats
+        self._stats = stats
         self.path = path
         self.tokens = 0
         self._saved = [layer.copy() for layer in stats.layers]  # the counts as last read or written
+        self._pending: list[_Pending | None] = [None] * len(stats.layers)
+
+    @property
+    def stats(self) -> RoutingStats:
+        """The statistics, every token observed so far taken in."""
+        self.flush()
+        return self._stats
 
     def __call__(self, event) -> None:  # event: offload.engine.RouteEvent
         cache = event.cache
         policy = cache.policy
         k = event.top_k_index.shape[-1]
         routed = event.routed  # top_k_index on the host, token-major (the engine's list: no op)
-        rows = [routed] if len(routed) == k else [routed[t:t + k] for t in range(0, len(routed), k)]
-        predicted = event.predicted if len(rows) == 1 else None
-        layer = self.stats.layers[event.layer]
-        if len(rows) == 1:
-            layer.observe(rows[0], lcp_ranks(policy, cache.step), predicted)
-        else:  # a prefill: replay its touches on a copy of μ and the last steps, as LayerCache.record does
+        rows = [list(routed)] if len(routed) == k else [routed[t:t + k] for t in range(0, len(routed), k)]
+        pending = self._pending[event.layer]
+        if pending is None or pending.policy is not policy or pending.next_step != cache.step:
+            self._take_in(event.layer)
             omega = getattr(policy, "omega", None) or LCP_OMEGA
             rho = getattr(policy, "rho", None) or LCP_RHO
-            count, last = list(policy.count), list(policy.last)
-            for t, row in enumerate(rows):
-                step = cache.step + t
-                layer.observe(row, _lcp_order(count, last, step, math.log(rho) / omega), None)
-                for e in row:
-                    count[e] += 1
-                    last[e] = step
+            pending = self._pending[event.layer] = _Pending(policy, list(policy.count), list(policy.last), cache.step,
+                                                            math.log(rho) / omega)
+        pending.rows.extend(rows)
+        predicted = event.predicted if len(rows) == 1 else None
+        if predicted is None:
+            pending.predicted.extend([None] * len(rows))
+        else:
+            pending.predicted.append(np.asarray(predicted, dtype=np.int16))
+        if len(pending.rows) >= MAX_PENDING:
+            self._take_in(event.layer)
         if event.layer == 0:
             self.tokens += len(rows)
+
+    def flush(self) -> None:
+        """Take in every layer's observed tokens (the statistics are then up to date)."""
+        for layer in range(len(self._pending)):
+            self._take_in(layer)
+
+    def _take_in(self, layer: int) -> None:
+        """Layer `layer`'s pending tokens into its statistics, each with the LCP ranking of its moment: `lcp_ranks`'s
+        expression on the copies of μ and the last steps, touched token by token as `LayerCache.record` touches them."""
+        pending, self._pending[layer] = self._pending[layer], None
+        if pending is None:
+            return
+        stats = self._stats.layers[layer]
+        count = np.array(pending.count, dtype=np.int64)
+        last = np.array(pending.last, dtype=np.int64)
+        step, per_token = pending.step, pending.log_rho_per_token
+        for row, predicted in zip(pending.rows, pending.predicted):
+            priority = _log_counts(count) + (step - last) * per_token
+            stats.observe(row, np.argsort(-priority, kind="stable"), predicted)
+            for e in row:  # EvictionPolicy.touch
+                count[e] += 1
+                last[e] = step
+            step += 1
 
     def save(self) -> Path | None:
         """Add this session's new counts to the file, under its lock: what other sessions saved since
         this one read it is kept (concurrent sessions add up), and this session's statistics become
-        the sum. A save that cannot be written is skipped with one warning (and not tried again)."""
+        the sum. A save that cannot be written is skipped with one warning (and not tried again). The observed
+        tokens are taken in first, saved or not (`flush`: the save is called when the device is idle)."""
+        stats = self.stats
         if self.path is None:
             return None
-        path, stats = Path(self.path), self.stats
+        path = Path(self.path)
         try:
             with locked(path):
                 disk = _read_saved(path, (stats.num_layers, stats.num_experts, stats.top_k))
