@@ -11,6 +11,7 @@ B. Speed on a real link: a checkpoint at Qwen3-30B-A3B's layer shape with --laye
    the device), `fmoe profile --quick`, then `fmoe bench` with resident, moepic, lru, ondemand and hybrid at --budget
    of the expert bytes, --tokens tokens, --rounds interleaved rounds; beside it transformers' `generate` (resident).
    The issue's targets: resident <= 2.0 ms a token at 8 layers; moepic <= resident + 1.25 x (bytes moved / link).
+   Then `fmoe chat` on the same model, two messages from a pipe (resident): each answer's TPOT.
 
 Every step runs in its own process with a time limit; what a step could not do is one line, and the check goes on.
 The summary (markdown, the table docs/bench.md § On a GPU keeps) goes to stdout and DIR/gpu_check.md, the raw
@@ -38,13 +39,15 @@ PROMPT = "the quick brown fox"
 A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, moe_inter=768, experts=128, top_k=8, vocab=32000)
 
 
-def fmoe(args: list[str], timeout: float, out: Path | None = None, **environ: str) -> tuple[int, str]:
-    """`fmoe ARGS` in a process of its own (this checkout's code); stdout to `out` if given. (rc, stderr's tail)."""
+def fmoe(args: list[str], timeout: float, out: Path | None = None, stdin: str | None = None,
+         **environ: str) -> tuple[int, str]:
+    """`fmoe ARGS` in a process of its own (this checkout's code), `stdin` its input; stdout to `out` if given. (rc,
+    stderr's tail)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
                **environ)
     try:
         done = subprocess.run([sys.executable, "-m", "fmoe_cli.cli", *args], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=ROOT)
+                              timeout=timeout, env=env, cwd=ROOT, input=stdin if stdin is not None else "")
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {timeout:.0f} s"
     if out is not None:
@@ -213,6 +216,8 @@ def part_b(args, work: Path, out: Path, deadline: float) -> list[str]:
         eager = report_of(target)
         lines.append(f"resident with FMOE_CUDA_GRAPHS=0 (eager steps, one round): " + (
             f"{eager['runs'][0]['tpot_ms']['median']:.2f} ms a token" if rc == 0 and eager else f"failed (rc {rc}): {err}"))
+    if time.monotonic() < deadline - 40:  # a conversation: its second turn continues the first's static cache
+        lines.append(chat_line(path, args, out, deadline))
     if time.monotonic() < deadline - 20:
         try:
             lines.append(f"transformers' generate (resident, bf16): {transformers_tpot(path, args.device, 16):.2f} ms "
@@ -220,6 +225,22 @@ def part_b(args, work: Path, out: Path, deadline: float) -> list[str]:
         except Exception as exc:  # the comparison is a side figure: the check goes on
             lines.append(f"transformers' generate: failed ({str(exc).splitlines()[0][:120]})")
     return lines
+
+
+def chat_line(path: Path, args, out: Path, deadline: float) -> str:
+    """`fmoe chat` (resident, greedy) answering two messages from a pipe: each answer's TPOT from its footer. On a GPU
+    the conversation's KV cache is the engine's static cache, its decode steps replayed from the CUDA graph captured in
+    the first answer (generate.conversation_cache): both answers should read about bench's graphed resident TPOT."""
+    target = out / "chat.txt"
+    rc, err = fmoe(["chat", str(path), "--device", args.device, "--policy", "resident", "--temperature", "0",
+                    "--max-new-tokens", str(args.tokens), "--context", "1024"],
+                   timeout=max(deadline - time.monotonic() - 20, 20), out=target,
+                   stdin="Explain what an expert is.\nAnd a router?\n")
+    text = target.read_text()[:200_000] if target.exists() else ""
+    tpots = [part.split("TPOT", 1)[1].split("ms", 1)[0].strip() for part in text.splitlines() if "TPOT" in part]
+    if rc != 0 or len(tpots) != 2:
+        return f"fmoe chat (resident, two messages): failed (rc {rc}, {len(tpots)} footers): {err}"
+    return f"fmoe chat (resident, two messages, the second on the first's cache): TPOT {tpots[0]} / {tpots[1]} ms"
 
 
 def main() -> None:
