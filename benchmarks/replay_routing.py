@@ -22,6 +22,11 @@ a token costs its compute in wall time and the other work of a shared machine do
 figures are measured on the engine (emulated link), not simulated, except the simulator's columns.
 
     python benchmarks/replay_routing.py MODEL TRACE [--rounds 3 --tokens 32 --warmup 4 --per-layer 5] [--json]
+
+`--gap` (with `--from-json RUN`, the report of such a run) measures nothing: the simulator walked from MoEpic's setting
+as `benchmarks/simulate.py paper` models it to the run's, one change at a time (the admission copy at the card's
+bandwidth, this machine's timings, the run's tokens, layers and link), and the run's setting at other load ratios
+(`--gap-ratios`); per row moepic ÷ lru, the best of LCP's fixed splits ÷ lru (a bound, not a policy) and resident ÷ lru.
 """
 
 from __future__ import annotations
