@@ -26,7 +26,8 @@ figures are measured on the engine (emulated link), not simulated, except the si
 `--gap` (with `--from-json RUN`, the report of such a run) measures nothing: the simulator walked from MoEpic's setting
 as `benchmarks/simulate.py paper` models it to the run's, one change at a time (the admission copy at the card's
 bandwidth, this machine's timings, the run's tokens, layers and link), and the run's setting at other load ratios
-(`--gap-ratios`); per row moepic ÷ lru, the best of LCP's fixed splits ÷ lru (a bound, not a policy) and resident ÷ lru.
+(`--gap-ratios`); per row moepic ÷ lru, the best of LCP's fixed splits ÷ lru (a diagnostic, not a policy) and
+resident ÷ lru.
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def deeper(lm, trace, report: dict, gbps: float, args) -> dict:
     return out
 
 
-GAP_THETAS = (0.6, 0.7, 0.8, 1.0)  # the fixed splits --gap also prices: a diagnostic bound, not a policy
+GAP_THETAS = (0.6, 0.7, 0.8, 1.0)  # the fixed splits --gap also prices: a diagnostic, not a policy
 
 
 def gap_setting(label: str, timings, load_ratio: float, layers: int, tokens: str) -> dict:
@@ -336,8 +337,8 @@ def gap_table(rows: list[dict], console) -> None:
                       str(p["moepic"]["plan"]))
         console.print(t)
     console.print("T_att and a_e as multiples of T_exp; best fixed split: the least TPOT of LCP at θ "
-                  f"{', '.join(f'{x:g}' for x in GAP_THETAS)} with and without prefetch (a bound on what a plan could "
-                  "do, not a policy); resident ÷ lru: the floor no plan goes under", highlight=False)
+                  f"{', '.join(f'{x:g}' for x in GAP_THETAS)} with and without prefetch (what simple plans reach, a "
+                  "diagnostic, not a policy); resident ÷ lru: the floor no plan goes under", highlight=False)
 
 
 def table(report: dict, console) -> None:
