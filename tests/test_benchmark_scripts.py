@@ -384,3 +384,40 @@ def test_replay_routing_measures_and_simulates_every_policy(checkpoints, tmp_pat
     resident = {r["policy"]: r for r in report["runs"]}["resident"]["tpot_ms"]["median"]
     assert sims["resident"]["resident fit"]["tpot_ms"] == pytest.approx(resident, rel=1e-6)
     assert sims["lru"]["profile"]["tpot_ms"] > sims["resident"]["profile"]["tpot_ms"]
+
+
+def test_replay_routing_gap_walks_from_the_paper_setting_to_the_measured_run(checkpoints, tmp_path, monkeypatch,
+                                                                            capsys):
+    """`replay_routing.py … --from-json RUN --gap`: the simulator walked from `simulate.py paper`'s setting to the
+    measured run's, one change at a time, and a sweep of the load ratio. The walk's last row is the run's own
+    setting: it gives the same simulated TPOT as the run's simulation; the first prices the admission copy as the
+    paper setting does (2 × the roofline T_exp, both × the compute factor), the second at the card's bandwidth."""
+    import json
+
+    from test_replay_routing import write_trace
+
+    monkeypatch.setenv("FMOE_EMULATED_CLOCK", "cpu")
+    trace = write_trace(tmp_path / "t.jsonl", sequences=(40, 36))  # the paper setting: a 32-token prompt
+    replay_routing = benchmark("replay_routing")
+    common = [str(checkpoints["mixtral"]), str(trace), "--rounds", "1", "--tokens", "4", "--warmup", "1",
+              "--per-layer", "2", "--prompt", "Hi", "--json"]
+    replay_routing.main([*common, "--policies", "lru,moepic"])
+    run = tmp_path / "run.json"
+    run.write_text(capsys.readouterr().out.strip().splitlines()[-1])
+    replay_routing.main([*common, "--from-json", str(run), "--gap", "--gap-ratios", "3,24.375"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["gap"]
+    walk = [r for r in rows if r["part"] == "walk"]
+    sweep = [r for r in rows if r["part"] == "sweep"]
+    assert len(walk) == 6 and [r["load_over_compute"] for r in sweep] == [3, 24.375]
+    assert walk[0]["a_e_over_t_exp"] == pytest.approx(2.0)
+    factor = float(walk[0]["label"].split("× ")[1].split(",")[0])
+    assert walk[1]["a_e_over_t_exp"] == pytest.approx(2.0 / factor, rel=1e-2)
+    assert walk[0]["tokens"] == "paper" and walk[-1]["tokens"] == "run" and walk[-1]["layers"] == 4
+    simulated = json.loads(run.read_text())["replay_routing"]["simulated"]
+    for policy in ("lru", "moepic"):  # the walk ends at the run's setting: the run's own simulation
+        assert walk[-1]["policies"][policy]["tpot_ms"] == pytest.approx(simulated[policy]["profile"]["tpot_ms"],
+                                                                        rel=1e-6)
+    for r in rows:
+        p = r["policies"]
+        assert r["moepic_over_lru"] == pytest.approx(p["moepic"]["tpot_ms"] / p["lru"]["tpot_ms"])
+        assert r["resident_over_lru"] <= min(v["tpot_ms"] for v in p.values()) / p["lru"]["tpot_ms"] + 1e-9
