@@ -24,8 +24,8 @@ figures are measured on the engine (emulated link), not simulated, except the si
     python benchmarks/replay_routing.py MODEL TRACE [--rounds 3 --tokens 32 --warmup 4 --per-layer 5] [--json]
 
 `--gap` (with `--from-json RUN`, the report of such a run) measures nothing: the simulator walked from MoEpic's setting
-as `benchmarks/simulate.py paper` models it to the run's, one change at a time (the admission copy at the card's
-bandwidth, this machine's timings, the run's tokens, layers and link), and the run's setting at other load ratios
+as `benchmarks/simulate.py paper` modelled it until 28 Nov to the run's, one change at a time (the admission copy at the
+card's bandwidth, as `simulate.py paper` has it now, this machine's timings, the run's tokens, layers and link), and the run's setting at other load ratios
 (`--gap-ratios`); per row moepic ÷ lru, the best of LCP's fixed splits ÷ lru (a diagnostic, not a policy) and
 resident ÷ lru.
 """
@@ -296,12 +296,12 @@ def gap(lm, trace, args, ratio: float, gbps: float, prompt_tokens: int, console)
     ours = find_timings(lm, EmulatedLink(gbps))
     deep = min(len(trace.layers), paper.mixtral.shape.num_layers)
     layers = lm.shape.num_layers
-    faithful_copy = replace(paper_t, t_admit=paper_t.t_admit / paper.factor)
+    copy_as_compute = replace(paper_t, t_admit=paper_t.t_admit * paper.factor)  # simulate.py paper until 28 Nov
     walk = [
-        gap_setting(f"MoEpic's setting (simulate.py paper): roofline × {paper.factor:.2f}, a_e × {paper.factor:.2f}",
-                    paper_t, paper_ratio, deep, "paper"),
-        gap_setting("+ a_e at the card's memory bandwidth (not × the compute factor)", faithful_copy, paper_ratio, deep,
-                    "paper"),
+        gap_setting(f"MoEpic's setting as simulate.py paper had it until 28 Nov: roofline × {paper.factor:.2f}, a_e × "
+                    f"{paper.factor:.2f}", copy_as_compute, paper_ratio, deep, "paper"),
+        gap_setting("+ a_e at the card's memory bandwidth (not × the compute factor): simulate.py paper now", paper_t,
+                    paper_ratio, deep, "paper"),
         gap_setting(f"+ this machine's timings (load kept {paper_ratio:.2f} × T_exp)", ours, paper_ratio, deep, "paper"),
         gap_setting("+ the run's tokens, budget, staging pool and link latency", ours, paper_ratio, deep, "run"),
         gap_setting(f"+ the run's {layers} layers", ours, paper_ratio, layers, "run"),

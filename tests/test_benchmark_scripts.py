@@ -391,7 +391,8 @@ def test_replay_routing_gap_walks_from_the_paper_setting_to_the_measured_run(che
     """`replay_routing.py … --from-json RUN --gap`: the simulator walked from `simulate.py paper`'s setting to the
     measured run's, one change at a time, and a sweep of the load ratio. The walk's last row is the run's own
     setting: it gives the same simulated TPOT as the run's simulation; the first prices the admission copy as the
-    paper setting does (2 × the roofline T_exp, both × the compute factor), the second at the card's bandwidth."""
+    paper setting did until 28 Nov (2 × the roofline T_exp, both × the compute factor), the second at the card's
+    bandwidth, as `simulate.py paper` does now."""
     import json
 
     from test_replay_routing import write_trace
