@@ -127,6 +127,7 @@ class Link(Protocol):
     kind: str  # "emulated", "host", "cuda"
     gbps: float | None
     bytes_moved: int
+    copy: bool  # bytes land in `dst`; False: `acquire` hands out `src`, the host store's own rows (the CPU)
 
     def label(self) -> str: ...
 
@@ -536,6 +537,7 @@ class CudaLink:
     """
 
     kind = "cuda"
+    copy = True
 
     def __init__(self, device: torch.device, max_in_flight_bytes: int | None = None, chunk_bytes: int = CHUNK_BYTES,
                  throttle_gbps: float | None = None, pump_thread: bool = True) -> None:
