@@ -135,7 +135,7 @@ def quantised_tokens(x: torch.Tensor) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("hidden", [2048, 128])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 13])  # 3, 13 at H = 2048: experts.c dots_q8's tiles (4, 4, 4, 1 tokens)
 def test_int8_activations_compute_the_quantised_tokens_result(name, hidden, tokens):
     """--activations int8: gate and up (and a dense row) multiply x̂, the tokens quantised per block of 32, with
     integer dot products; the down projection is float32. So the result is x̂'s through the dequantised
@@ -159,18 +159,24 @@ def test_int8_activations_compute_the_quantised_tokens_result(name, hidden, toke
 
 
 @needs_kernels
-@pytest.mark.parametrize("name, dtype", WITH_DTYPES)
-def test_a_tokens_outputs_do_not_depend_on_the_tile_it_falls_in(name, dtype):
+@pytest.mark.parametrize("name, dtype, activations", [(n, d, "float") for n, d in WITH_DTYPES]
+                         + [(n, d, "int8") for n in ("int8", "int4") for d in (torch.float32, torch.bfloat16)])
+def test_a_tokens_outputs_do_not_depend_on_the_tile_it_falls_in(name, dtype, activations):
     """Several tokens (T > 1: the register tiles; int8 and int4 at H = 2048, ŵ decoded in the tiles' registers,
-    experts.c prefill_fused) give each token the bits it gets among any other tokens: every output's operations are
-    the same in every tile shape and position (the remainder tiles of 1-4 tokens for the dots, 1-5 for the down rows),
-    so an expert's result for a token is a function of that token's x alone. A bit that depended on where a tile
-    starts or how wide it is would fail here."""
-    stored, w, spec, dtype = expert(name, 2048, 40, chunk=32, dtype=dtype)  # chunks of 32 and 8: blocks of 16, 16, 8
+    experts.c prefill_fused; with --activations int8 the integer dots of dots_q8, 1-4 tokens a tile) give each token
+    the bits it gets among any other tokens: every output's operations are the same in every tile shape and position
+    (the remainder tiles of 1-4 tokens for the dots, 1-5 for the down rows), so an expert's result for a token is a
+    function of that token's x alone. A bit that depended on where a tile starts or how wide it is would fail here."""
+    # chunks of 32 and 8: blocks of 16, 16, 8
+    stored, w, spec, dtype = expert(name, 2048, 40, chunk=32, dtype=dtype, activations=activations)
     x = torch.randn(13, 2048, generator=torch.Generator().manual_seed(3)).to(dtype)
     whole = kernels.segment_forward(x, stored, spec)
     if dtype == torch.float32:  # the values too (the invariance alone would pass a kernel wrong in every tile alike)
-        want = layout.segment_forward(x, w, F.silu)
+        if activations == "int8" and kernels.library().fmoe_simd() > 0:
+            x_hat = quantised_tokens(x)
+            want = (F.silu(x_hat @ w[:, 0].T) * (x_hat @ w[:, 1].T)) @ w[:, 2]
+        else:
+            want = layout.segment_forward(x, w, F.silu)
         torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     for start, count in [(0, 2), (1, 3), (2, 4), (3, 5), (0, 6), (5, 7), (4, 9), (1, 12)]:
         part = kernels.segment_forward(x[start:start + count], stored, spec)

@@ -1475,7 +1475,7 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
 /* Whether the fused paths serve this shape (else prefill_chunk's float block). */
 static int fused_shape(const Format *f, const Tokens *x) {
     int64_t h = f->hidden, G = f->group;
-    if (!x->vector || x->q8) return 0;
+    if (!x->vector || (x->q8 && !(FMOE_VNNI && G % (2 * QBLOCK) == 0))) return 0; /* q8: dots_q8's tiles */
     if (f->fmt == FMT_BF16) return VL == 8 && h % 16 == 0; /* decode_row's AVX2 layout (x de-interleaved per 16) */
     if (G % (2 * VL)) return 0;
     if (f->fmt == FMT_INT8) return h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
@@ -1644,21 +1644,165 @@ static void down_fused_block(const uint8_t *const *rows, int64_t N, const Format
     }
 }
 
-/* Floats of one thread's scratch for prefill_fused: the gate and up dots, a of a block, the down rows' metadata. */
-static int64_t fused_floats(int64_t tokens) {
+#if FMOE_VNNI
+/* ---- several tokens with int8 activations (AVX-512 VNNI): a neuron's gate and up rows × Q8_TOKENS tokens -------------
+
+   With --activations int8 the gate and up dots over several tokens ran rows_dot_q8 once per token: every token
+   unpacked the rows' codes again (int4: an and, a shift and an and per 64 code bytes; int8: the rows' loads) and built
+   its block scales again. dots_q8 unpacks each 64 code bytes once for a tile of up to Q8_TOKENS tokens, and reads each
+   token's block scales from vectors laid out once a chunk (block_scale_vectors: d_b in lanes 0–7, d_{b+1} in 8–15, as
+   rows_dot_q8_vnni pairs them). Per (row, token) the operations are rows_dot_q8_vnni's, in its order: the integer
+   block sums (exact, whatever the tile), then the same float32 fmas per group, the same horizontal sum and the same
+   offsets. So a token's g and u have the bits decode (T = 1) gives them, whatever tile it falls in, and
+   prefill_fused's down rows follow (prefill_chunk's sums): tests/test_kernels.py compares both. */
+#define Q8_TOKENS 4
+
+/* Token t's block scales as vectors: dv[(t·S + s)·16 + lane] = d_{2s + lane/8} (S = H/64 steps of 64 inputs). */
+static void block_scale_vectors(const Tokens *x, int64_t h, float *dv) {
+    int64_t steps = h / (2 * QBLOCK);
+    for (int64_t t = 0; t < x->tokens; t++) {
+        const float *xd = x->xd + t * (h / QBLOCK);
+        for (int64_t s = 0; s < steps; s++)
+            _mm512_storeu_ps(dv + (t * steps + s) * 16, _mm512_insertf32x8(_mm512_castps256_ps512(
+                _mm256_set1_ps(xd[2 * s])), _mm256_set1_ps(xd[2 * s + 1]), 1));
+    }
+}
+
+/* o0[t], o1[t] = x̂_t·ŵ_0, x̂_t·ŵ_1 for tokens t0 … t0 + TT − 1 and two rows r0, r1 (m0, m1: their fused_meta; dv:
+   block_scale_vectors); rows_dot_q8_vnni's operations per (row, token). TT, fmt: constants where inlined. */
+static inline __attribute__((always_inline)) void dots_q8(const uint8_t *r0, const uint8_t *r1, int fmt, int64_t h,
+                                                           int64_t G, const float *m0, const float *m1, const Tokens *x,
+                                                           int64_t t0, int TT, const float *dv, float *o0, float *o1) {
+    const __m512i zero = _mm512_setzero_si512();
+    int64_t steps = h / (2 * QBLOCK);
+    const int8_t *xq[Q8_TOKENS];
+    const float *d[Q8_TOKENS];
+    __m512 total0[Q8_TOKENS], total1[Q8_TOKENS], lo0[Q8_TOKENS], lo1[Q8_TOKENS];
+    for (int t = 0; t < TT; t++) {
+        xq[t] = x->xq + (t0 + t) * h, d[t] = dv + (t0 + t) * steps * 16;
+        total0[t] = total1[t] = _mm512_setzero_ps();
+    }
+    if (fmt == FMT_INT8) { /* Σ q q̃ = Σ |q̃|·(q negated where q̃ < 0) */
+        const uint8_t *xa[Q8_TOKENS];
+        for (int t = 0; t < TT; t++) xa[t] = x->xa + (t0 + t) * h;
+        for (int64_t g = 0; g < h / G; g++) {
+            for (int t = 0; t < TT; t++) lo0[t] = lo1[t] = _mm512_setzero_ps();
+            for (int64_t j = g * G; j < (g + 1) * G; j += 2 * QBLOCK) {
+                __m512i w0 = _mm512_loadu_si512((const void *)(r0 + j)), w1 = _mm512_loadu_si512((const void *)(r1 + j));
+                for (int t = 0; t < TT; t++) {
+                    __m512i a = _mm512_loadu_si512((const void *)(xa[t] + j));
+                    __mmask64 negative = _mm512_movepi8_mask(_mm512_loadu_si512((const void *)(xq[t] + j)));
+                    __m512 dt = _mm512_loadu_ps(d[t] + j / (2 * QBLOCK) * 16);
+                    __m512i p0 = _mm512_dpbusd_epi32(zero, a, _mm512_mask_sub_epi8(w0, negative, zero, w0));
+                    __m512i p1 = _mm512_dpbusd_epi32(zero, a, _mm512_mask_sub_epi8(w1, negative, zero, w1));
+                    lo0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), dt, lo0[t]);
+                    lo1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), dt, lo1[t]);
+                }
+            }
+            __m512 s0 = _mm512_set1_ps(m0[g]), s1 = _mm512_set1_ps(m1[g]);
+            for (int t = 0; t < TT; t++)
+                total0[t] = _mm512_fmadd_ps(s0, lo0[t], total0[t]), total1[t] = _mm512_fmadd_ps(s1, lo1[t], total1[t]);
+        }
+        for (int t = 0; t < TT; t++) o0[t] = _mm512_reduce_add_ps(total0[t]), o1[t] = _mm512_reduce_add_ps(total1[t]);
+        return;
+    }
+    /* int4: byte j holds code j (low nibble) and code j + H/2 (high): groups g and g + H/2G together */
+    int64_t half = h / 2, paired = half / G;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 hi0[Q8_TOKENS], hi1[Q8_TOKENS];
+    for (int64_t g = 0; g < paired; g++) {
+        int64_t gh = g + paired;
+        for (int t = 0; t < TT; t++) lo0[t] = lo1[t] = hi0[t] = hi1[t] = _mm512_setzero_ps();
+        for (int64_t j = g * G; j < (g + 1) * G; j += 2 * QBLOCK) {
+            __m512i c0 = _mm512_loadu_si512((const void *)(r0 + j)), c1 = _mm512_loadu_si512((const void *)(r1 + j));
+            __m512i l0 = _mm512_and_si512(c0, nibble), h0 = _mm512_and_si512(_mm512_srli_epi16(c0, 4), nibble);
+            __m512i l1 = _mm512_and_si512(c1, nibble), h1 = _mm512_and_si512(_mm512_srli_epi16(c1, 4), nibble);
+            for (int t = 0; t < TT; t++) {
+                __m512i xl = _mm512_loadu_si512((const void *)(xq[t] + j));
+                __m512i xh = _mm512_loadu_si512((const void *)(xq[t] + half + j));
+                __m512 dl = _mm512_loadu_ps(d[t] + j / (2 * QBLOCK) * 16);
+                __m512 dh = _mm512_loadu_ps(d[t] + (half + j) / (2 * QBLOCK) * 16);
+                lo0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, l0, xl)), dl, lo0[t]);
+                hi0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, h0, xh)), dh, hi0[t]);
+                lo1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, l1, xl)), dl, lo1[t]);
+                hi1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, h1, xh)), dh, hi1[t]);
+            }
+        }
+        __m512 sl0 = _mm512_set1_ps(m0[2 * g]), sh0 = _mm512_set1_ps(m0[2 * gh]);
+        __m512 sl1 = _mm512_set1_ps(m1[2 * g]), sh1 = _mm512_set1_ps(m1[2 * gh]);
+        for (int t = 0; t < TT; t++) {
+            total0[t] = _mm512_fmadd_ps(sh0, hi0[t], _mm512_fmadd_ps(sl0, lo0[t], total0[t]));
+            total1[t] = _mm512_fmadd_ps(sh1, hi1[t], _mm512_fmadd_ps(sl1, lo1[t], total1[t]));
+        }
+    }
+    for (int t = 0; t < TT; t++) o0[t] = _mm512_reduce_add_ps(total0[t]), o1[t] = _mm512_reduce_add_ps(total1[t]);
+}
+
+/* The tokens' group sums X̂_g (int4) as vectors over tokens: xgt[(b·groups + g)·16 + lane] = X̂_g of token 16b + lane
+   (zero past T), so that q8_offsets takes 16 tokens an fma. */
+static void group_sum_vectors(const Tokens *x, float *xgt) {
+    int64_t groups = x->groups, padded = (x->tokens + 15) / 16 * 16;
+    for (int64_t t = 0; t < padded; t++)
+        for (int64_t g = 0; g < groups; g++)
+            xgt[((t / 16) * groups + g) * 16 + t % 16] = t < x->tokens ? x->xg[t * groups + g] : 0.0f;
+}
+
+/* o[t] += Σ_g m_g·X̂_g of an int4 row (m: its fused_meta) for every token: rows_dot_q8_vnni's offsets (a float32 fma
+   chain over the groups g, g + H/2G, g + 1, …, from zero), 16 tokens at a time in the lanes, then added to the dot. */
+static void q8_offsets(const float *m, const Tokens *x, const float *xgt, float *o) {
+    int64_t groups = x->groups, paired = groups / 2;
+    for (int64_t t0 = 0; t0 < x->tokens; t0 += 16) {
+        const float *xb = xgt + (t0 / 16) * groups * 16;
+        __m512 off = _mm512_setzero_ps();
+        for (int64_t g = 0; g < paired; g++) {
+            off = _mm512_fmadd_ps(_mm512_set1_ps(m[2 * g + 1]), _mm512_loadu_ps(xb + g * 16), off);
+            off = _mm512_fmadd_ps(_mm512_set1_ps(m[2 * (g + paired) + 1]), _mm512_loadu_ps(xb + (g + paired) * 16), off);
+        }
+        float lanes[16];
+        _mm512_storeu_ps(lanes, off);
+        for (int64_t t = t0; t < x->tokens && t < t0 + 16; t++) o[t] += lanes[t - t0];
+    }
+}
+
+#define DOTS_Q8(fmt, TT) dots_q8(r0, r1, fmt, h, G, m0, m1, x, t, TT, dv, o0 + t, o1 + t)
+#define DOTS_Q8_CASES(fmt) switch (TT) { \
+    case 4: DOTS_Q8(fmt, 4); break; case 3: DOTS_Q8(fmt, 3); break; \
+    case 2: DOTS_Q8(fmt, 2); break; default: DOTS_Q8(fmt, 1); break; }
+/* o0[t], o1[t] for every token: tiles of Q8_TOKENS tokens (a constant shape for each inlined copy), then int4's
+   offsets (xgt: group_sum_vectors). */
+static void dots_q8_rows(const uint8_t *r0, const uint8_t *r1, const Format *f, const float *m0, const float *m1,
+                         const Tokens *x, const float *dv, const float *xgt, float *o0, float *o1) {
+    int64_t h = f->hidden, G = f->group;
+    for (int64_t t = 0; t < x->tokens; t += Q8_TOKENS) {
+        int TT = x->tokens - t < Q8_TOKENS ? (int)(x->tokens - t) : Q8_TOKENS;
+        if (f->fmt == FMT_INT8) { DOTS_Q8_CASES(FMT_INT8) } else { DOTS_Q8_CASES(FMT_INT4) }
+    }
+    if (f->fmt == FMT_INT4) q8_offsets(m0, x, xgt, o0), q8_offsets(m1, x, xgt, o1);
+}
+#endif
+
+/* Floats of one thread's scratch for prefill_fused: the gate and up dots, a of a block, the down rows' metadata (and
+   with int8 activations the tokens' block scale vectors, H/4 floats a token, and their group sums, H/32 at most). */
+static int64_t fused_floats(int64_t tokens, int64_t hidden) {
     int64_t padded = (tokens + 15) / 16 * 16;
-    return (2 + DOWN_NEURONS) * padded + DOWN_NEURONS * META_FLOATS;
+    return (2 + DOWN_NEURONS) * padded + DOWN_NEURONS * META_FLOATS + tokens * (hidden / 4 + 16) + padded * hidden / 32;
 }
 
 /* prefill_chunk for fused_shape: chunk k's partial sum c, its neurons in blocks of DOWN_NEURONS. Per neuron: its gate
-   and up dots over every token (dots_fused), a[t]; per block: c (the block's first: =, else +=) Σ a·ŵ_down in
+   and up dots over every token (dots_fused; int8 activations: dots_q8), a[t]; per block: c (the block's first: =, else +=) Σ a·ŵ_down in
    neuron order (down_fused_block). prefill_chunk's sums exactly. */
 static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
     const Format *f = p->f;
     const Tokens *x = p->x;
     int64_t tokens = x->tokens, h = f->hidden, pb = f->proj_bytes, padded = (tokens + 15) / 16 * 16;
-    float *gu = scratch, *a = gu + 2 * padded, *meta = a + DOWN_NEURONS * padded;
+    float *gu = scratch, *a = gu + 2 * padded, *meta = a + DOWN_NEURONS * padded, *dv = meta + DOWN_NEURONS * META_FLOATS;
+    float *xgt = dv + tokens * (h / 4 + 16);
     float mg[META_FLOATS], mu[META_FLOATS];
+#if FMOE_VNNI
+    if (x->q8) block_scale_vectors(x, h, dv), group_sum_vectors(x, xgt);
+#else
+    (void)dv, (void)xgt;
+#endif
     float *c = p->part + k * tokens * h;
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
     const uint8_t *down[DOWN_NEURONS];
@@ -1673,7 +1817,12 @@ static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
             }
 #endif
             fused_meta(row, f, mg), fused_meta(row + pb, f, mu);
-            dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
+#if FMOE_VNNI
+            if (x->q8)
+                dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded);
+            else
+#endif
+                dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
             float *an = a + (n - b0) * padded;
             for (int64_t t = 0; t < tokens; t++) an[t] = gated(gu[t], gu[padded + t], p->x_bf16);
             down[n - b0] = row + 2 * pb;
@@ -1793,7 +1942,7 @@ static int64_t pass_stride(int64_t tokens, int64_t hidden) {
     int64_t stride = ((tokens + 15) / 16 * 16) * (AXPY_ROWS + 1) + (tokens > 1 ? (hidden + 15) / 16 * 16 : 0);
     if (tokens > PREFILL_FROM && prefill_floats(tokens, hidden) > stride) stride = prefill_floats(tokens, hidden);
 #if FMOE_AVX2
-    if (tokens > PREFILL_FROM && fused_floats(tokens) > stride) stride = fused_floats(tokens);
+    if (tokens > PREFILL_FROM && fused_floats(tokens, hidden) > stride) stride = fused_floats(tokens, hidden);
 #endif
     return stride;
 }
