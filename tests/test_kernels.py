@@ -100,24 +100,33 @@ def test_a_dense_projection_through_the_kernel_is_torchs_on_the_dequantised_weig
 
 @needs_kernels
 @pytest.mark.parametrize("name", ["int8", "int4"])
-def test_a_dense_projections_many_tokens_each_get_their_own_bits(name):
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_a_dense_projections_many_tokens_each_get_their_own_bits(name, activations):
     """From 8 tokens int8 and int4 rows take the tokens-in-lanes tiles (experts.c gemm_rows): each output one float32
     chain in input order, so a token's outputs are the same bits among any 8 or more tokens, with 1 or 2 threads,
     whatever tile of rows (6, then fewer; jobs of 32 rows: 70 = 32 + 32 + 6) or of tokens (16, then 8 in the lanes,
-    the padding's lanes zero) it falls in; the values are torch's on the dequantised weight."""
+    the padding's lanes zero) it falls in; the values are torch's on the dequantised weight. --activations int8: from
+    2 tokens dots_q8's tiles (two rows × 1-4 tokens; 70 rows: pairs only), each row and token rows_dot_q8's own
+    operations, so the same holds from 2 tokens on, and a token among others has its bits alone (1 token: decode's
+    path); the values are x̂'s."""
     from fmoe_cli.models.dense import QuantLinear
 
     torch.manual_seed(4)
-    q = QuantLinear(torch.nn.Linear(2048, 70, bias=False), EXPERT_FORMATS[name])
+    q = QuantLinear(torch.nn.Linear(2048, 71 if activations == "int8" else 70, bias=False), EXPERT_FORMATS[name],
+                    activations)  # int8: 71, an odd row left after the pairs
     x = torch.randn(1, 29, 2048)
     whole = q(x)
-    want = x @ q.dequantized(dtype=torch.float32).T
-    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    quantised = activations == "int8" and kernels.library().fmoe_simd() > 0
+    want = (quantised_tokens(x[0]) if quantised else x) @ q.dequantized(dtype=torch.float32).T
+    torch.testing.assert_close(whole, want.reshape(whole.shape), rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    spans = [(0, 8), (3, 9), (5, 16), (1, 17), (2, 24), (0, 29)]
+    if activations == "int8":
+        spans += [(0, 1), (7, 1), (4, 2), (9, 3), (11, 5)]
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            for start, size in [(0, 8), (3, 9), (5, 16), (1, 17), (2, 24), (0, 29)]:
+            for start, size in spans:
                 part = q(x[:, start:start + size])
                 assert torch.equal(part, whole[:, start:start + size]), f"tokens {start}..{start + size - 1}, {count}"
     finally:

@@ -1472,10 +1472,20 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
 #define FUSED_DOWN_TOKENS 5
 #endif
 
-/* Whether the fused paths serve this shape (else prefill_chunk's float block). */
+/* Whether dots_q8's tiles (int8 activations, AVX-512 VNNI) serve these rows and tokens: whole steps of 64 inputs a
+   group, fused_meta's metadata. */
+static int q8_tile_shape(const Format *f, const Tokens *x) {
+    int64_t h = f->hidden, G = f->group;
+    if (!FMOE_VNNI || !x->vector || !x->q8 || G % (2 * QBLOCK)) return 0;
+    if (f->fmt == FMT_INT8) return h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
+    return f->fmt == FMT_INT4 && (h / 2) % G == 0 && (2 * h / G) % 8 == 0 && 2 * h / G <= META_FLOATS;
+}
+
+/* Whether the fused paths serve this shape (else prefill_chunk's float block; int8 activations: dots_q8's tiles). */
 static int fused_shape(const Format *f, const Tokens *x) {
     int64_t h = f->hidden, G = f->group;
-    if (!x->vector || (x->q8 && !(FMOE_VNNI && G % (2 * QBLOCK) == 0))) return 0; /* q8: dots_q8's tiles */
+    if (x->q8) return q8_tile_shape(f, x);
+    if (!x->vector) return 0;
     if (f->fmt == FMT_BF16) return VL == 8 && h % 16 == 0; /* decode_row's AVX2 layout (x de-interleaved per 16) */
     if (G % (2 * VL)) return 0;
     if (f->fmt == FMT_INT8) return h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
@@ -1672,7 +1682,8 @@ static void block_scale_vectors(const Tokens *x, int64_t h, float *dv) {
    block_scale_vectors); rows_dot_q8_vnni's operations per (row, token). TT, fmt: constants where inlined. */
 static inline __attribute__((always_inline)) void dots_q8(const uint8_t *r0, const uint8_t *r1, int fmt, int64_t h,
                                                            int64_t G, const float *m0, const float *m1, const Tokens *x,
-                                                           int64_t t0, int TT, const float *dv, float *o0, float *o1) {
+                                                           int64_t t0, int TT, const float *dv, float *o0, float *o1,
+                                                           int64_t ts) {
     const __m512i zero = _mm512_setzero_si512();
     int64_t steps = h / (2 * QBLOCK);
     const int8_t *xq[Q8_TOKENS];
@@ -1703,7 +1714,7 @@ static inline __attribute__((always_inline)) void dots_q8(const uint8_t *r0, con
             for (int t = 0; t < TT; t++)
                 total0[t] = _mm512_fmadd_ps(s0, lo0[t], total0[t]), total1[t] = _mm512_fmadd_ps(s1, lo1[t], total1[t]);
         }
-        for (int t = 0; t < TT; t++) o0[t] = _mm512_reduce_add_ps(total0[t]), o1[t] = _mm512_reduce_add_ps(total1[t]);
+        for (int t = 0; t < TT; t++) o0[t * ts] = _mm512_reduce_add_ps(total0[t]), o1[t * ts] = _mm512_reduce_add_ps(total1[t]);
         return;
     }
     /* int4: byte j holds code j (low nibble) and code j + H/2 (high): groups g and g + H/2G together */
@@ -1735,7 +1746,7 @@ static inline __attribute__((always_inline)) void dots_q8(const uint8_t *r0, con
             total1[t] = _mm512_fmadd_ps(sh1, hi1[t], _mm512_fmadd_ps(sl1, lo1[t], total1[t]));
         }
     }
-    for (int t = 0; t < TT; t++) o0[t] = _mm512_reduce_add_ps(total0[t]), o1[t] = _mm512_reduce_add_ps(total1[t]);
+    for (int t = 0; t < TT; t++) o0[t * ts] = _mm512_reduce_add_ps(total0[t]), o1[t * ts] = _mm512_reduce_add_ps(total1[t]);
 }
 
 /* The tokens' group sums X̂_g (int4) as vectors over tokens: xgt[(b·groups + g)·16 + lane] = X̂_g of token 16b + lane
@@ -1747,9 +1758,10 @@ static void group_sum_vectors(const Tokens *x, float *xgt) {
             xgt[((t / 16) * groups + g) * 16 + t % 16] = t < x->tokens ? x->xg[t * groups + g] : 0.0f;
 }
 
-/* o[t] += Σ_g m_g·X̂_g of an int4 row (m: its fused_meta) for every token: rows_dot_q8_vnni's offsets (a float32 fma
-   chain over the groups g, g + H/2G, g + 1, …, from zero), 16 tokens at a time in the lanes, then added to the dot. */
-static void q8_offsets(const float *m, const Tokens *x, const float *xgt, float *o) {
+/* o[t·ts] += Σ_g m_g·X̂_g of an int4 row (m: its fused_meta) for every token: rows_dot_q8_vnni's offsets (a float32
+   fma chain over the groups g, g + H/2G, g + 1, …, from zero), 16 tokens at a time in the lanes, then added to the
+   dot. */
+static void q8_offsets(const float *m, const Tokens *x, const float *xgt, float *o, int64_t ts) {
     int64_t groups = x->groups, paired = groups / 2;
     for (int64_t t0 = 0; t0 < x->tokens; t0 += 16) {
         const float *xb = xgt + (t0 / 16) * groups * 16;
@@ -1760,24 +1772,24 @@ static void q8_offsets(const float *m, const Tokens *x, const float *xgt, float 
         }
         float lanes[16];
         _mm512_storeu_ps(lanes, off);
-        for (int64_t t = t0; t < x->tokens && t < t0 + 16; t++) o[t] += lanes[t - t0];
+        for (int64_t t = t0; t < x->tokens && t < t0 + 16; t++) o[t * ts] += lanes[t - t0];
     }
 }
 
-#define DOTS_Q8(fmt, TT) dots_q8(r0, r1, fmt, h, G, m0, m1, x, t, TT, dv, o0 + t, o1 + t)
+#define DOTS_Q8(fmt, TT) dots_q8(r0, r1, fmt, h, G, m0, m1, x, t, TT, dv, o0 + t * ts, o1 + t * ts, ts)
 #define DOTS_Q8_CASES(fmt) switch (TT) { \
     case 4: DOTS_Q8(fmt, 4); break; case 3: DOTS_Q8(fmt, 3); break; \
     case 2: DOTS_Q8(fmt, 2); break; default: DOTS_Q8(fmt, 1); break; }
-/* o0[t], o1[t] for every token: tiles of Q8_TOKENS tokens (a constant shape for each inlined copy), then int4's
-   offsets (xgt: group_sum_vectors). */
+/* o0[t·ts], o1[t·ts] for every token: tiles of Q8_TOKENS tokens (a constant shape for each inlined copy), then
+   int4's offsets (xgt: group_sum_vectors). */
 static void dots_q8_rows(const uint8_t *r0, const uint8_t *r1, const Format *f, const float *m0, const float *m1,
-                         const Tokens *x, const float *dv, const float *xgt, float *o0, float *o1) {
+                         const Tokens *x, const float *dv, const float *xgt, float *o0, float *o1, int64_t ts) {
     int64_t h = f->hidden, G = f->group;
     for (int64_t t = 0; t < x->tokens; t += Q8_TOKENS) {
         int TT = x->tokens - t < Q8_TOKENS ? (int)(x->tokens - t) : Q8_TOKENS;
         if (f->fmt == FMT_INT8) { DOTS_Q8_CASES(FMT_INT8) } else { DOTS_Q8_CASES(FMT_INT4) }
     }
-    if (f->fmt == FMT_INT4) q8_offsets(m0, x, xgt, o0), q8_offsets(m1, x, xgt, o1);
+    if (f->fmt == FMT_INT4) q8_offsets(m0, x, xgt, o0, ts), q8_offsets(m1, x, xgt, o1, ts);
 }
 #endif
 
@@ -1819,7 +1831,7 @@ static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
             fused_meta(row, f, mg), fused_meta(row + pb, f, mu);
 #if FMOE_VNNI
             if (x->q8)
-                dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded);
+                dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded, 1);
             else
 #endif
                 dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
@@ -2217,6 +2229,7 @@ typedef struct {
     float *y, *scratch;
     int64_t outputs, stride;
     const float *xt; /* gemm_shape: x transposed [H, T'] (else NULL) */
+    const float *dv, *xgt; /* q8_tile_shape: the tokens' block scale and group sum vectors for dots_q8 (else NULL) */
 } Linear;
 
 /* Output rows [32k, 32k + 32): y[t, o] = x_t·ŵ_o. */
@@ -2232,6 +2245,16 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
     if (x->q8) { /* int8: 4 rows at a time, int4: 2, sharing the token's loads (each row's sum its own) */
         int64_t o = o0;
         float out[4];
+#if FMOE_VNNI
+        if (p->dv) { /* several tokens: dots_q8's tiles, two rows × 4 tokens (rows_dot_q8's bits per row and token) */
+            float m0[META_FLOATS], m1[META_FLOATS];
+            for (; o + 2 <= o1; o += 2) {
+                const uint8_t *r0 = p->rows + o * f->proj_bytes, *r1 = r0 + f->proj_bytes;
+                fused_meta(r0, f, m0), fused_meta(r1, f, m1);
+                dots_q8_rows(r0, r1, f, m0, m1, x, p->dv, p->xgt, p->y + o, p->y + o + 1, p->outputs);
+            }
+        }
+#endif
         for (; o + 4 <= o1 && f->fmt == FMT_INT8; o += 4) {
             const uint8_t *rows[4] = {p->rows + o * f->proj_bytes, p->rows + (o + 1) * f->proj_bytes,
                                       p->rows + (o + 2) * f->proj_bytes, p->rows + (o + 3) * f->proj_bytes};
@@ -2313,9 +2336,17 @@ int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t h
 #endif
     stride = (stride + 15) / 16 * 16; /* each thread's scratch on its own cache lines */
     Tokens xs;
-    float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride + transposed);
+    int64_t q8_vectors = tokens * (hidden / 4 + 16) + (tokens + 15) / 16 * 16 * (hidden / 32); /* dots_q8's */
+    float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride + transposed + q8_vectors);
     if (!scratch) return -1;
-    Linear job = {&xs, &f, rows, y, scratch, outputs, stride, NULL};
+    Linear job = {&xs, &f, rows, y, scratch, outputs, stride, NULL, NULL, NULL};
+#if FMOE_VNNI
+    if (tokens > 1 && q8_tile_shape(&f, &xs)) { /* dots_q8's vectors, once a call */
+        float *dv = scratch + threads * stride + transposed, *xgt = dv + tokens * (hidden / 4 + 16);
+        block_scale_vectors(&xs, hidden, dv), group_sum_vectors(&xs, xgt);
+        job.dv = dv, job.xgt = xgt;
+    }
+#endif
 #if FMOE_AVX2
     if (transposed && gemm_shape(&f, &xs)) { /* x [T, H] -> xt [H, T'], the padding's tokens zero */
         float *xt = scratch + threads * stride;
