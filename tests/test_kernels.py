@@ -602,7 +602,7 @@ def test_int8_activations_need_avx2_and_say_so_without_it(monkeypatch, capsys, s
 
 # The tests of values and bits, run again on each narrower build than this machine's (below).
 CORE_TESTS = ("computes_what_torch or top_continued or in_one_call or int8_activations_compute "
-              "or dense_projection or own_bits")
+              "or dense_projection or own_bits or tile_it_falls_in")
 
 
 @needs_kernels

@@ -1481,10 +1481,10 @@ static int q8_tile_shape(const Format *f, const Tokens *x) {
     return f->fmt == FMT_INT4 && (h / 2) % G == 0 && (2 * h / G) % 8 == 0 && 2 * h / G <= META_FLOATS;
 }
 
-/* Whether the fused paths serve this shape (else prefill_chunk's float block; int8 activations: dots_q8's tiles). */
+/* Whether the fused paths serve this shape (else prefill_chunk's float block). int8 activations: the gate and up dots
+   in dots_q8's tiles where q8_tile_shape, else rows_dot_q8 token by token (prefill_chunk's). */
 static int fused_shape(const Format *f, const Tokens *x) {
     int64_t h = f->hidden, G = f->group;
-    if (x->q8) return q8_tile_shape(f, x);
     if (!x->vector) return 0;
     if (f->fmt == FMT_BF16) return VL == 8 && h % 16 == 0; /* decode_row's AVX2 layout (x de-interleaved per 16) */
     if (G % (2 * VL)) return 0;
@@ -1801,8 +1801,8 @@ static int64_t fused_floats(int64_t tokens, int64_t hidden) {
 }
 
 /* prefill_chunk for fused_shape: chunk k's partial sum c, its neurons in blocks of DOWN_NEURONS. Per neuron: its gate
-   and up dots over every token (dots_fused; int8 activations: dots_q8), a[t]; per block: c (the block's first: =, else +=) Σ a·ŵ_down in
-   neuron order (down_fused_block). prefill_chunk's sums exactly. */
+   and up dots over every token (dots_fused; int8 activations: dots_q8, or rows_dot_q8 a token), a[t]; per block: c
+   (the block's first: =, else +=) Σ a·ŵ_down in neuron order (down_fused_block). prefill_chunk's sums exactly. */
 static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
     const Format *f = p->f;
     const Tokens *x = p->x;
@@ -1810,8 +1810,9 @@ static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
     float *gu = scratch, *a = gu + 2 * padded, *meta = a + DOWN_NEURONS * padded, *dv = meta + DOWN_NEURONS * META_FLOATS;
     float *xgt = dv + tokens * (h / 4 + 16);
     float mg[META_FLOATS], mu[META_FLOATS];
+    int q8_tiles = q8_tile_shape(f, x);
 #if FMOE_VNNI
-    if (x->q8) block_scale_vectors(x, h, dv), group_sum_vectors(x, xgt);
+    if (q8_tiles) block_scale_vectors(x, h, dv), group_sum_vectors(x, xgt);
 #else
     (void)dv, (void)xgt;
 #endif
@@ -1829,12 +1830,15 @@ static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
             }
 #endif
             fused_meta(row, f, mg), fused_meta(row + pb, f, mu);
-#if FMOE_VNNI
-            if (x->q8)
-                dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded, 1);
-            else
-#endif
+            if (!x->q8) {
                 dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
+            } else if (q8_tiles) {
+#if FMOE_VNNI
+                dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded, 1);
+#endif
+            } else {
+                for (int64_t t = 0; t < tokens; t++) gate_up_dots(row, f, x, t, gu + t, gu + padded + t);
+            }
             float *an = a + (n - b0) * padded;
             for (int64_t t = 0; t < tokens; t++) an[t] = gated(gu[t], gu[padded + t], p->x_bf16);
             down[n - b0] = row + 2 * pb;
