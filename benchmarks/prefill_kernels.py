@@ -8,7 +8,8 @@ What a 64-token prompt asks of experts.c in one layer of `a3b` (hidden 2048, 128
 - `q rows`: the attention's widest projection as a `--dense` linear (a3b 4096 × 2048, big 1024 × 1024) over the
   prompt's tokens (kernels.linear_forward).
 Each path runs in the work tree's build and in `--against REV`'s (experts.c, decode.c and bf16.h as committed there),
-interleaved round by round; the CPU time of the calling thread per call (one thread: on a machine shared with other
+interleaved round by round (in turns first: on this project's shared machine the first of a pair ran ~2 % faster
+whichever it was); the CPU time of the calling thread per call (one thread: on a machine shared with other
 work the CPU time is what the call costs), median [min–max] over the rounds, and whether both builds give the same
 bits (they must where a change claims to keep them).
 
@@ -124,8 +125,8 @@ def main() -> None:
                             old_out, new_out = outs.values()
                             same = torch.equal(old_out, new_out)
                             times = {name: [] for name in libs}
-                            for _ in range(args.rounds):
-                                for name, lib in libs.items():
+                            for round_ in range(args.rounds):  # the order alternates: the first of a pair runs faster
+                                for name, lib in list(libs.items())[::1 if round_ % 2 == 0 else -1]:
                                     start = time.thread_time()
                                     for _ in range(args.repeats):
                                         call(on(lib))

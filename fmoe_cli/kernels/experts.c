@@ -400,6 +400,13 @@ static inline __attribute__((always_inline)) void rows_dot_q8(const uint8_t *con
 }
 #endif
 
+/* Floats of dots_q8's per-token vectors (q8_vectors) for T tokens of H inputs, and with the group sums'
+   (group_sum_vectors: groups of 64 inputs at least, tokens padded to 16) after them. */
+static int64_t q8_vector_floats(int64_t tokens, int64_t hidden) { return tokens * (hidden / 2 + 16); }
+static int64_t q8_scratch_floats(int64_t tokens, int64_t hidden) {
+    return q8_vector_floats(tokens, hidden) + (tokens + 15) / 16 * 16 * (hidden / 64);
+}
+
 /* Whether the int8-activation dots serve this format and shape (else the float32 ones run). */
 static int q8_shape(const Format *f) {
     if (!FMOE_AVX2) return 0;
@@ -1658,28 +1665,40 @@ static void down_fused_block(const uint8_t *const *rows, int64_t N, const Format
 /* ---- several tokens with int8 activations (AVX-512 VNNI): a neuron's gate and up rows × Q8_TOKENS tokens -------------
 
    With --activations int8 the gate and up dots over several tokens ran rows_dot_q8 once per token: every token
-   unpacked the rows' codes again (int4: an and, a shift and an and per 64 code bytes; int8: the rows' loads) and built
-   its block scales again. dots_q8 unpacks each 64 code bytes once for a tile of up to Q8_TOKENS tokens, and reads each
-   token's block scales from vectors laid out once a chunk (block_scale_vectors: d_b in lanes 0–7, d_{b+1} in 8–15, as
-   rows_dot_q8_vnni pairs them). Per (row, token) the operations are rows_dot_q8_vnni's, in its order: the integer
-   block sums (exact, whatever the tile), then the same float32 fmas per group, the same horizontal sum and the same
-   offsets. So a token's g and u have the bits decode (T = 1) gives them, whatever tile it falls in, and
-   prefill_fused's down rows follow (prefill_chunk's sums): tests/test_kernels.py compares both. */
+   unpacked the rows' codes again (int4: an and, a shift and an and per 64 code bytes; int8: a sign flip per row and
+   token) and built its block scales again. dots_q8 unpacks each 64 code bytes once for a tile of up to Q8_TOKENS
+   tokens, and reads each token's block scales from vectors laid out once a call (q8_vectors: d_b in lanes 0–7,
+   d_{b+1} in 8–15, as rows_dot_q8_vnni pairs them). int8's signed codes: vpdpbusd multiplies unsigned by signed bytes,
+   so a row's codes go in as q + 128 (one xor per 64 codes, shared by the tile's tokens) onto an accumulator that starts
+   at −128·Σ q̃ of the lane's four inputs (q8_vectors, once a token): each lane's sum is Σ q q̃ exactly, the integer
+   rows_dot_q8_vnni gets with |q̃| and the flipped signs. Per (row, token) the operations are then rows_dot_q8_vnni's,
+   in its order: the integer block sums (exact, whatever the tile), the same float32 fmas per group, the same
+   horizontal sum and the same offsets. So a token's g and u have the bits decode (T = 1) gives them, whatever tile it
+   falls in, and prefill_fused's down rows follow (prefill_chunk's sums): tests/test_kernels.py compares both. */
 #define Q8_TOKENS 4
 
-/* Token t's block scales as vectors: dv[(t·S + s)·16 + lane] = d_{2s + lane/8} (S = H/64 steps of 64 inputs). */
-static void block_scale_vectors(const Tokens *x, int64_t h, float *dv) {
-    int64_t steps = h / (2 * QBLOCK);
+/* Token t's vectors for step s of 64 inputs (S = H/64 steps), 32 floats at dv + (t·S + s)·32: its block scales,
+   lane l = d_{2s + l/8}, then (int8 rows) 16 int32, lane l = −128·Σ_{k<4} q̃_{64s + 4l + k}. */
+static void q8_vectors(const Tokens *x, const Format *f, float *dv) {
+    int64_t h = f->hidden, steps = h / (2 * QBLOCK);
+    const __m512i offset = _mm512_set1_epi8((char)0x80); /* 128 as an unsigned byte */
     for (int64_t t = 0; t < x->tokens; t++) {
         const float *xd = x->xd + t * (h / QBLOCK);
-        for (int64_t s = 0; s < steps; s++)
-            _mm512_storeu_ps(dv + (t * steps + s) * 16, _mm512_insertf32x8(_mm512_castps256_ps512(
-                _mm256_set1_ps(xd[2 * s])), _mm256_set1_ps(xd[2 * s + 1]), 1));
+        for (int64_t s = 0; s < steps; s++) {
+            float *v = dv + (t * steps + s) * 32;
+            _mm512_storeu_ps(v, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(xd[2 * s])),
+                                                   _mm256_set1_ps(xd[2 * s + 1]), 1));
+            if (f->fmt == FMT_INT8) {
+                __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset,
+                                                   _mm512_loadu_si512((const void *)(x->xq + t * h + 64 * s)));
+                _mm512_storeu_si512((void *)(v + 16), _mm512_sub_epi32(_mm512_setzero_si512(), sums));
+            }
+        }
     }
 }
 
 /* o0[t], o1[t] = x̂_t·ŵ_0, x̂_t·ŵ_1 for tokens t0 … t0 + TT − 1 and two rows r0, r1 (m0, m1: their fused_meta; dv:
-   block_scale_vectors); rows_dot_q8_vnni's operations per (row, token). TT, fmt: constants where inlined. */
+   q8_vectors); rows_dot_q8_vnni's operations per (row, token). TT, fmt: constants where inlined. */
 static inline __attribute__((always_inline)) void dots_q8(const uint8_t *r0, const uint8_t *r1, int fmt, int64_t h,
                                                            int64_t G, const float *m0, const float *m1, const Tokens *x,
                                                            int64_t t0, int TT, const float *dv, float *o0, float *o1,
@@ -1690,22 +1709,22 @@ static inline __attribute__((always_inline)) void dots_q8(const uint8_t *r0, con
     const float *d[Q8_TOKENS];
     __m512 total0[Q8_TOKENS], total1[Q8_TOKENS], lo0[Q8_TOKENS], lo1[Q8_TOKENS];
     for (int t = 0; t < TT; t++) {
-        xq[t] = x->xq + (t0 + t) * h, d[t] = dv + (t0 + t) * steps * 16;
+        xq[t] = x->xq + (t0 + t) * h, d[t] = dv + (t0 + t) * steps * 32;
         total0[t] = total1[t] = _mm512_setzero_ps();
     }
-    if (fmt == FMT_INT8) { /* Σ q q̃ = Σ |q̃|·(q negated where q̃ < 0) */
-        const uint8_t *xa[Q8_TOKENS];
-        for (int t = 0; t < TT; t++) xa[t] = x->xa + (t0 + t) * h;
+    if (fmt == FMT_INT8) { /* Σ q q̃ = −128·Σ q̃ + Σ (q + 128)·q̃ per lane */
+        const __m512i offset = _mm512_set1_epi8((char)0x80);
         for (int64_t g = 0; g < h / G; g++) {
             for (int t = 0; t < TT; t++) lo0[t] = lo1[t] = _mm512_setzero_ps();
             for (int64_t j = g * G; j < (g + 1) * G; j += 2 * QBLOCK) {
-                __m512i w0 = _mm512_loadu_si512((const void *)(r0 + j)), w1 = _mm512_loadu_si512((const void *)(r1 + j));
+                __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(r0 + j)), offset);
+                __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(r1 + j)), offset);
                 for (int t = 0; t < TT; t++) {
-                    __m512i a = _mm512_loadu_si512((const void *)(xa[t] + j));
-                    __mmask64 negative = _mm512_movepi8_mask(_mm512_loadu_si512((const void *)(xq[t] + j)));
-                    __m512 dt = _mm512_loadu_ps(d[t] + j / (2 * QBLOCK) * 16);
-                    __m512i p0 = _mm512_dpbusd_epi32(zero, a, _mm512_mask_sub_epi8(w0, negative, zero, w0));
-                    __m512i p1 = _mm512_dpbusd_epi32(zero, a, _mm512_mask_sub_epi8(w1, negative, zero, w1));
+                    const float *v = d[t] + j / (2 * QBLOCK) * 32;
+                    __m512i xt = _mm512_loadu_si512((const void *)(xq[t] + j));
+                    __m512i start = _mm512_loadu_si512((const void *)(v + 16));
+                    __m512 dt = _mm512_loadu_ps(v);
+                    __m512i p0 = _mm512_dpbusd_epi32(start, w0, xt), p1 = _mm512_dpbusd_epi32(start, w1, xt);
                     lo0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), dt, lo0[t]);
                     lo1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), dt, lo1[t]);
                 }
@@ -1731,8 +1750,8 @@ static inline __attribute__((always_inline)) void dots_q8(const uint8_t *r0, con
             for (int t = 0; t < TT; t++) {
                 __m512i xl = _mm512_loadu_si512((const void *)(xq[t] + j));
                 __m512i xh = _mm512_loadu_si512((const void *)(xq[t] + half + j));
-                __m512 dl = _mm512_loadu_ps(d[t] + j / (2 * QBLOCK) * 16);
-                __m512 dh = _mm512_loadu_ps(d[t] + (half + j) / (2 * QBLOCK) * 16);
+                __m512 dl = _mm512_loadu_ps(d[t] + j / (2 * QBLOCK) * 32);
+                __m512 dh = _mm512_loadu_ps(d[t] + (half + j) / (2 * QBLOCK) * 32);
                 lo0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, l0, xl)), dl, lo0[t]);
                 hi0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, h0, xh)), dh, hi0[t]);
                 lo1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, l1, xl)), dl, lo1[t]);
@@ -1794,10 +1813,10 @@ static void dots_q8_rows(const uint8_t *r0, const uint8_t *r1, const Format *f, 
 #endif
 
 /* Floats of one thread's scratch for prefill_fused: the gate and up dots, a of a block, the down rows' metadata (and
-   with int8 activations the tokens' block scale vectors, H/4 floats a token, and their group sums, H/32 at most). */
+   with int8 activations dots_q8's token vectors: q8_scratch_floats). */
 static int64_t fused_floats(int64_t tokens, int64_t hidden) {
     int64_t padded = (tokens + 15) / 16 * 16;
-    return (2 + DOWN_NEURONS) * padded + DOWN_NEURONS * META_FLOATS + tokens * (hidden / 4 + 16) + padded * hidden / 32;
+    return (2 + DOWN_NEURONS) * padded + DOWN_NEURONS * META_FLOATS + q8_scratch_floats(tokens, hidden);
 }
 
 /* prefill_chunk for fused_shape: chunk k's partial sum c, its neurons in blocks of DOWN_NEURONS. Per neuron: its gate
@@ -1808,11 +1827,11 @@ static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
     const Tokens *x = p->x;
     int64_t tokens = x->tokens, h = f->hidden, pb = f->proj_bytes, padded = (tokens + 15) / 16 * 16;
     float *gu = scratch, *a = gu + 2 * padded, *meta = a + DOWN_NEURONS * padded, *dv = meta + DOWN_NEURONS * META_FLOATS;
-    float *xgt = dv + tokens * (h / 4 + 16);
+    float *xgt = dv + q8_vector_floats(tokens, h);
     float mg[META_FLOATS], mu[META_FLOATS];
     int q8_tiles = q8_tile_shape(f, x);
 #if FMOE_VNNI
-    if (q8_tiles) block_scale_vectors(x, h, dv), group_sum_vectors(x, xgt);
+    if (q8_tiles) q8_vectors(x, f, dv), group_sum_vectors(x, xgt);
 #else
     (void)dv, (void)xgt;
 #endif
@@ -2340,14 +2359,13 @@ int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t h
 #endif
     stride = (stride + 15) / 16 * 16; /* each thread's scratch on its own cache lines */
     Tokens xs;
-    int64_t q8_vectors = tokens * (hidden / 4 + 16) + (tokens + 15) / 16 * 16 * (hidden / 32); /* dots_q8's */
-    float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride + transposed + q8_vectors);
+    float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride + transposed + q8_scratch_floats(tokens, hidden));
     if (!scratch) return -1;
     Linear job = {&xs, &f, rows, y, scratch, outputs, stride, NULL, NULL, NULL};
 #if FMOE_VNNI
     if (tokens > 1 && q8_tile_shape(&f, &xs)) { /* dots_q8's vectors, once a call */
-        float *dv = scratch + threads * stride + transposed, *xgt = dv + tokens * (hidden / 4 + 16);
-        block_scale_vectors(&xs, hidden, dv), group_sum_vectors(&xs, xgt);
+        float *dv = scratch + threads * stride + transposed, *xgt = dv + q8_vector_floats(tokens, hidden);
+        q8_vectors(&xs, &f, dv), group_sum_vectors(&xs, xgt);
         job.dv = dv, job.xgt = xgt;
     }
 #endif
