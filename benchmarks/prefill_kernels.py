@@ -28,8 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -57,6 +55,8 @@ def build(source_dir: Path, out: Path) -> ctypes.CDLL:
 
 def cases(model: str, fmt_name: str, activations: str, tokens: int):
     """{path: call(kernels module) -> result} for one model, expert format and --activations."""
+    import torch
+
     from fmoe_cli import kernels
     from fmoe_cli.offload.quant import quantize
     from fmoe_cli.types import EXPERT_FORMATS, ExpertShape
@@ -91,19 +91,27 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="calls per round and build")
     args = p.parse_args()
     if args.tokens < 2 or args.rounds < 1 or args.repeats < 1:
-        sys.exit("error: --tokens from 2, --rounds and --repeats from 1")
+        print("error: --tokens from 2, --rounds and --repeats from 1", file=sys.stderr)
+        sys.exit(2)
+    old_sources = {}
+    for name in KERNEL_FILES:
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:fmoe_cli/kernels/{name}"],
+                              capture_output=True, text=True)
+        if text.returncode != 0:
+            print(f"error: --against {args.against}: no fmoe_cli/kernels/{name} there (git: "
+                  f"{' '.join(text.stderr.strip().splitlines()[-1:])})", file=sys.stderr)
+            sys.exit(2)
+        old_sources[name] = text.stdout
+    import torch
+
     from fmoe_cli import kernels
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="fmoe-prefill-kernels-") as tmp:
         old = Path(tmp) / "old"
         old.mkdir()
-        for name in KERNEL_FILES:
-            text = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:fmoe_cli/kernels/{name}"],
-                                  capture_output=True, text=True)
-            if text.returncode != 0:
-                sys.exit(f"error: {args.against}: {text.stderr.strip().splitlines()[-1:]}")
-            (old / name).write_text(text.stdout)
+        for name, text in old_sources.items():
+            (old / name).write_text(text)
         libs = {args.against: build(old, Path(tmp) / "old.so"),
                 "work tree": build(ROOT / "fmoe_cli" / "kernels", Path(tmp) / "new.so")}
         configured = kernels.library
