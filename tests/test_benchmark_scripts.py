@@ -360,6 +360,23 @@ def test_peer_llamacpp_writes_a_random_checkpoint_fmoe_and_transformers_load(tmp
     assert (lm.shape.num_layers, lm.shape.num_experts, lm.shape.top_k, lm.shape.hidden) == (2, 8, 2, 64)
 
 
+def test_prefill_kernels_compares_two_builds_and_refuses_bad_input():
+    """benchmarks/prefill_kernels.py: bad input is one `error:` line and exit 2 before torch is imported; a small run
+    against HEAD compiles both builds and says whether they give the same bits (they do: the same kernels' source, or
+    a work tree whose changes keep the bits)."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "prefill_kernels.py")]
+    bad = subprocess.run([*script, "--tokens", "1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == ["error: --tokens from 2, --rounds and --repeats from 1"]
+    missing = subprocess.run([*script, "--against", "no-such-revision-here"], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: --against no-such-revision-here")
+    run = subprocess.run([*script, "--against", "HEAD", "--models", "big", "--formats", "int4", "--tokens", "6",
+                          "--rounds", "1", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "big int4 experts, int8 activations" in run.stdout and run.stdout.count("the same bits") == 2, run.stdout
+
+
 def test_replay_routing_measures_and_simulates_every_policy(checkpoints, tmp_path, monkeypatch, capsys):
     """`benchmarks/replay_routing.py MODEL TRACE --json`: the bench's report with the replayed routing, and per
     policy the simulator's TPOT with the profile's timings and with compute fitted to the measured resident run
