@@ -3,8 +3,9 @@
 Per MoE layer i, after q tokens:
 
 - H_i(C): the fraction of activated experts that a cache of size C would hold.
-  A priority cache of size C holds the C highest-priority experts, so we keep a
-  histogram of the priority rank (0 = highest) of every activated expert, taken
+  The engine's cache admits every miss, so it holds the previous token's experts and
+  then those of highest priority (`held_order`; MoEpic: the C highest priorities): we
+  keep a histogram of every activated expert's rank in that order (0 = first), taken
   *before* the policy sees the token:  H_i(C) = cumsum(hist)[C] / (q·K).
 - P_i(y): how often the expert with the y-th highest predicted score was
   activated, divided by q.
@@ -211,6 +212,20 @@ class LayerStats:
         self.predicted_tokens += sign * other.predicted_tokens
 
 
+def held_order(ranking: Sequence[int], last: Sequence[int], step: int) -> np.ndarray:
+    """The order a cache that admits every miss holds the experts in, before the token at `step`: the previous
+    token's experts (last step = step − 1) first, then the rest, each group in `ranking`'s order (the policy's
+    priority). The engine's cache (offload/cache.py: admit) offers every loaded miss and evicts the lowest priority
+    among the unpinned, so after a token it holds that token's experts whatever their priority, and its other
+    slots the survivors of highest priority: a cache of C ≥ K slots holds the first C of this order, not the C of
+    highest priority that MoEpic's H_i(C) assumes (docs/planning.md § Where the model deviates from the paper: on
+    the synthetic Qwen1.5-MoE routing of `simulate.py paper`, C = 9 of 60, the cache hit 0.46, the C highest
+    priorities 0.24, this order 0.46)."""
+    order = np.asarray(ranking, dtype=np.intp)
+    recent = np.asarray(last, dtype=np.int64)[order] == step - 1 if step > 0 else np.zeros(len(order), dtype=bool)
+    return np.concatenate((order[recent], order[~recent]))
+
+
 def lcp_ranking(policy: EvictionPolicy, step: int, omega: float | None = None, rho: float | None = None) -> list[int]:
     """`policy.ranking(step)` for LCP: P = μ · ρ^(ν/ω), highest first, ties by expert id.
 
@@ -295,7 +310,7 @@ class RoutingStats:
     def observe_policy(self, layer: int, activated: Sequence[int], policy: EvictionPolicy, step: int, predicted: Sequence[int] | None = None) -> None:
         """Convenience for the engine: rank by the layer's policy as it stands before the token."""
         ranking = lcp_ranking(policy, step) if type(policy) is LCP else policy.ranking(step)
-        self.layers[layer].observe(activated, ranking, predicted)
+        self.layers[layer].observe(activated, held_order(ranking, policy.last, step), predicted)
 
     def curves(self, layer: int) -> LayerCurves:
         return self.layers[layer].curves()
@@ -372,7 +387,8 @@ class StatsRecorder:
     """An engine observer (`engine.observers.append(recorder)`) that feeds RoutingStats.
 
     Each RouteEvent comes before the layer's policy sees the forward: every token of it
-    is observed with the LCP priority ranking of its own moment (the policy records a
+    is observed with the LCP priority ranking of its own moment, in the order a cache holds the experts
+    (`held_order`: the previous token's first; the policy records a
     prefill token by token, so token t is ranked after the touches of tokens 0..t-1),
     and a decode token also with the prefetcher's ranking for the layer (P_i, PH_i).
     `tokens` counts the tokens that passed the first MoE layer (for τ).
@@ -438,7 +454,7 @@ class StatsRecorder:
         step, per_token = pending.step, pending.log_rho_per_token
         for row, predicted in zip(pending.rows, pending.predicted):
             priority = _log_counts(count) + (step - last) * per_token
-            stats.observe(row, np.argsort(-priority, kind="stable"), predicted)
+            stats.observe(row, held_order(np.argsort(-priority, kind="stable"), last, step), predicted)
             for e in row:  # EvictionPolicy.touch
                 count[e] += 1
                 last[e] = step
