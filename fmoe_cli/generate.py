@@ -177,9 +177,13 @@ class DecodeGraph:
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """A new generation from ids [1, T]: the cache emptied, the prompt's keys and values written eagerly."""
+        self.clear()
+        return self.extend(ids)
+
+    def clear(self) -> None:
+        """No position in the cache."""
         self.cache.reset()
         self.length = 0
-        return self.extend(ids)
 
     def extend(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1, T] pre-filled eagerly after the cache's positions (a conversation's next prompt) -> the last one's
@@ -308,8 +312,7 @@ def conversation_cache(model, engine: Engine | None, capacity: int | None):
     graph = decode_graph(model, engine, capacity) if capacity else None
     if graph is None:
         return new_cache(model)
-    graph.cache.reset()
-    graph.length = 0
+    graph.clear()
     return graph
 
 

@@ -243,11 +243,20 @@ def lcp_ranks(policy: EvictionPolicy, step: int) -> np.ndarray:
     table of `math.log`'s values, ν·(log ρ / ω) and their sum as the same float64 operations; −inf for μ = 0), and
     the same order (a stable sort, ties by expert id). A decode step's statistics rank every expert of every layer:
     N logs and a sort of N in Python cost tens of µs a layer at N = 64–128."""
+    return _lcp_argsort(np.asarray(policy.count, dtype=np.int64), np.asarray(policy.last, dtype=np.int64), step,
+                        _log_rho_per_token(policy))
+
+
+def _log_rho_per_token(policy: EvictionPolicy) -> float:
+    """log ρ / ω of LCP's priority: the policy's own ω and ρ if it is LCP, else MoEpic's defaults."""
     omega = getattr(policy, "omega", None) or LCP_OMEGA
     rho = getattr(policy, "rho", None) or LCP_RHO
-    count = np.asarray(policy.count, dtype=np.int64)
-    nu = step - np.asarray(policy.last, dtype=np.int64)
-    priority = _log_counts(count) + nu * (math.log(rho) / omega)
+    return math.log(rho) / omega
+
+
+def _lcp_argsort(count: np.ndarray, last: np.ndarray, step: int, log_rho_per_token: float) -> np.ndarray:
+    """Every expert by LCP priority log μ + ν · (log ρ / ω) at `step`, highest first, ties by id (a stable sort)."""
+    priority = _log_counts(count) + (step - last) * log_rho_per_token
     return np.argsort(-priority, kind="stable")
 
 
@@ -422,10 +431,8 @@ class StatsRecorder:
         pending = self._pending[event.layer]
         if pending is None or pending.policy is not policy or pending.next_step != cache.step:
             self._take_in(event.layer)
-            omega = getattr(policy, "omega", None) or LCP_OMEGA
-            rho = getattr(policy, "rho", None) or LCP_RHO
             pending = self._pending[event.layer] = _Pending(policy, list(policy.count), list(policy.last), cache.step,
-                                                            math.log(rho) / omega)
+                                                            _log_rho_per_token(policy))
         pending.rows.extend(rows)
         predicted = event.predicted if len(rows) == 1 else None
         if predicted is None:
@@ -453,8 +460,7 @@ class StatsRecorder:
         last = np.array(pending.last, dtype=np.int64)
         step, per_token = pending.step, pending.log_rho_per_token
         for row, predicted in zip(pending.rows, pending.predicted):
-            priority = _log_counts(count) + (step - last) * per_token
-            stats.observe(row, held_order(np.argsort(-priority, kind="stable"), last, step), predicted)
+            stats.observe(row, held_order(_lcp_argsort(count, last, step, per_token), last, step), predicted)
             for e in row:  # EvictionPolicy.touch
                 count[e] += 1
                 last[e] = step
