@@ -1,7 +1,8 @@
 """The GPU check (issue 37 §3): what only a GPU can confirm, in one command that fits inside 7 minutes on an H100.
 
     python benchmarks/gpu_check.py --out DIR               # on a machine with a GPU
-    python benchmarks/gpu_check.py --device cpu --parts a --families mixtral --dtypes float32   # dry run here
+    python benchmarks/gpu_check.py --device cpu --parts abc --families mixtral --dtypes float32 --layers 1 \
+        --experts 32 --budget 60% --tokens 8 --rounds 2                                      # dry run here
 
 A. Exactness on the device: tiny random checkpoints of every family (fmoe_cli.models.demo, hidden 128), every policy
    at a 4 MiB expert budget over the real copy stream, float32 and bfloat16; each policy's greedy tokens against
@@ -11,6 +12,9 @@ B. Speed on a real link: a checkpoint at Qwen3-30B-A3B's layer shape with --laye
    the device), `fmoe profile --quick`, then `fmoe bench` with resident, moepic, lru, ondemand and hybrid at --budget
    of the expert bytes, --tokens tokens, --rounds interleaved rounds; beside it transformers' `generate` (resident).
    The issue's targets: resident <= 2.0 ms a token at 8 layers; moepic <= resident + 1.25 x (bytes moved / link).
+   Then `fmoe chat` on the same model, two messages from a pipe (resident): each answer's TPOT.
+C. Where a loading policy's step goes: moepic on B's model under cProfile and torch.profiler (its host work, the
+   waits, the launches), the top entries into DIR/profile-moepic.txt.
 
 Every step runs in its own process with a time limit; what a step could not do is one line, and the check goes on.
 The summary (markdown, the table docs/bench.md § On a GPU keeps) goes to stdout and DIR/gpu_check.md, the raw
@@ -38,13 +42,15 @@ PROMPT = "the quick brown fox"
 A3B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, moe_inter=768, experts=128, top_k=8, vocab=32000)
 
 
-def fmoe(args: list[str], timeout: float, out: Path | None = None, **environ: str) -> tuple[int, str]:
-    """`fmoe ARGS` in a process of its own (this checkout's code); stdout to `out` if given. (rc, stderr's tail)."""
+def fmoe(args: list[str], timeout: float, out: Path | None = None, stdin: str | None = None,
+         **environ: str) -> tuple[int, str]:
+    """`fmoe ARGS` in a process of its own (this checkout's code), `stdin` its input; stdout to `out` if given. (rc,
+    stderr's tail)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
                **environ)
     try:
         done = subprocess.run([sys.executable, "-m", "fmoe_cli.cli", *args], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=ROOT)
+                              timeout=timeout, env=env, cwd=ROOT, input=stdin if stdin is not None else "")
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {timeout:.0f} s"
     if out is not None:
@@ -213,6 +219,8 @@ def part_b(args, work: Path, out: Path, deadline: float) -> list[str]:
         eager = report_of(target)
         lines.append(f"resident with FMOE_CUDA_GRAPHS=0 (eager steps, one round): " + (
             f"{eager['runs'][0]['tpot_ms']['median']:.2f} ms a token" if rc == 0 and eager else f"failed (rc {rc}): {err}"))
+    if time.monotonic() < deadline - 40:  # a conversation: its second turn continues the first's static cache
+        lines.append(chat_line(path, args, out, deadline))
     if time.monotonic() < deadline - 20:
         try:
             lines.append(f"transformers' generate (resident, bf16): {transformers_tpot(path, args.device, 16):.2f} ms "
@@ -222,10 +230,96 @@ def part_b(args, work: Path, out: Path, deadline: float) -> list[str]:
     return lines
 
 
+def chat_line(path: Path, args, out: Path, deadline: float) -> str:
+    """`fmoe chat` (resident, greedy) answering two messages from a pipe: each answer's TPOT from its footer. On a GPU
+    the conversation's KV cache is the engine's static cache, its decode steps replayed from the CUDA graph captured in
+    the first answer (generate.conversation_cache): both answers should read about bench's graphed resident TPOT."""
+    target = out / "chat.txt"
+    rc, err = fmoe(["chat", str(path), "--device", args.device, "--policy", "resident", "--temperature", "0",
+                    "--max-new-tokens", str(args.tokens), "--context", "1024"],
+                   timeout=max(deadline - time.monotonic() - 20, 20), out=target,
+                   stdin="Explain what an expert is.\nAnd a router?\n")
+    text = target.read_text()[:200_000] if target.exists() else ""
+    tpots = [part.split("TPOT", 1)[1].split("ms", 1)[0].strip() for part in text.splitlines() if "TPOT" in part]
+    if rc != 0 or len(tpots) != 2:
+        return f"fmoe chat (resident, two messages): failed (rc {rc}, {len(tpots)} footers): {err}"
+    return f"fmoe chat (resident, two messages, the second on the first's cache): TPOT {tpots[0]} / {tpots[1]} ms"
+
+
+def part_c(args, work: Path, out: Path, deadline: float) -> list[str]:
+    """Where a loading policy's decode step goes on the GPU (the host's side): `fmoe bench --policy moepic` on part B's
+    model under cProfile (the engine's Python, the waits in it) and torch.profiler (launches, copies, synchronisations),
+    the top entries of each into DIR/profile-moepic.txt. (Part B builds the model; C alone builds it too.)"""
+    path = work / f"a3b-x{args.layers}"
+    if not (path / "model.safetensors").exists():
+        build_a3b(path, args.layers, args.device, args.experts)
+    target = out / "profile-moepic.txt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p))
+    try:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--profile-step", str(path), str(target),
+                               "--device", args.device, "--budget", args.budget, "--tokens", str(min(args.tokens, 16))],
+                              capture_output=True, text=True, env=env, cwd=ROOT,
+                              timeout=max(deadline - time.monotonic() - 10, 20))
+        rc, err = done.returncode, "\n".join(done.stderr.strip().splitlines()[-3:])
+    except subprocess.TimeoutExpired:
+        rc, err = 124, "timed out"
+    if rc != 0 or not target.exists():
+        return [f"profile of moepic's steps failed (rc {rc}): {err}"]
+    return [f"profile of moepic's decode steps (cProfile and torch.profiler): {target.name}", "",
+            "```", *target.read_text()[:6000].splitlines()[:60], "```"]
+
+
+def profile_step(args) -> None:
+    """--profile-step MODEL OUT: one `fmoe bench --policy moepic` run in this process, its bench_policy under cProfile
+    and torch.profiler; the top functions and ops to OUT."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import fmoe_cli.bench.run as bench_run
+    from fmoe_cli import cli
+
+    model, target = args.profile_step
+    python = cProfile.Profile()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    traced = profile(activities=activities)
+    measured = bench_run.bench_policy
+
+    def bench_policy(*a, **k):
+        with traced:
+            python.enable()
+            try:
+                return measured(*a, **k)
+            finally:
+                python.disable()
+
+    bench_run.bench_policy = bench_policy
+    sys.argv = ["fmoe", "bench", model, "--device", args.device, "--policy", "moepic", "--vram-budget", args.budget,
+                "--tokens", str(args.tokens), "--warmup", "4", "--json"]
+    try:
+        cli.main()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+    text = io.StringIO()
+    stats = pstats.Stats(python, stream=text)
+    text.write("cProfile, by cumulative time (fmoe_cli):\n")
+    stats.sort_stats("cumulative").print_stats("fmoe_cli", 25)
+    text.write("cProfile, by own time:\n")
+    stats.sort_stats("tottime").print_stats(20)
+    text.write("torch.profiler, by self CPU time:\n")
+    text.write(traced.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    Path(target).write_text(text.getvalue())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--parts", default="ab", help="a: exactness, b: speed, in the order given (default: ab)")
+    parser.add_argument("--parts", default="abc", help="a: exactness, b: speed, c: a profile of moepic's steps, in the "
+                        "order given (default: abc)")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--exact-tokens", type=int, default=24)
@@ -236,9 +330,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=400, help="the whole check's time; steps past it are skipped")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--profile-step", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)  # part C's process
     args = parser.parse_args()
-    if not set(args.parts) <= set("ab") or args.layers < 1 or args.experts < 8 or args.rounds < 1 or args.tokens < 2:
-        parser.error("--parts takes a and b; --layers >= 1, --experts >= 8, --rounds >= 1, --tokens >= 2")
+    if args.profile_step:
+        return profile_step(args)
+    if not set(args.parts) <= set("abc") or args.layers < 1 or args.experts < 8 or args.rounds < 1 or args.tokens < 2:
+        parser.error("--parts takes a, b and c; --layers >= 1, --experts >= 8, --rounds >= 1, --tokens >= 2")
     out = args.out or Path(tempfile.mkdtemp(prefix="fmoe-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.gettempdir()) / "fmoe-gpu-check"
@@ -252,8 +349,10 @@ def main() -> None:
     for part in args.parts:  # in the order given
         if part == "a":
             section = ["## A. Exactness against transformers on the device", ""] + part_a(args, work, out, deadline)
-        else:
+        elif part == "b":
             section = ["## B. Speed on the real link", ""] + part_b(args, work, out, deadline)
+        else:
+            section = ["## C. Where moepic's step goes", ""] + part_c(args, work, out, deadline)
         lines += section + [""]
         print("\n".join(section), flush=True)
     lines.append(f"(the check took {time.monotonic() - start:.0f} s)")

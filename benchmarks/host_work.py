@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -346,7 +347,8 @@ def main() -> None:
     p.add_argument("--ops", action="store_true", help="count aten ops per decode step instead of timing")
     p.add_argument("--alternatives", action="store_true", help="time the ways to dispatch fewer ops on this CPU")
     args = p.parse_args()
-    if args.ops:
+    if args.ops:  # the GPU's code: torch's matmuls (no one-call C token, which has no layers to count), the device path
+        os.environ["FMOE_KERNELS"], os.environ["FMOE_DEVICE_PATH"] = "torch", "1"
         return count_ops(Console(stderr=True), args.json)
     if args.alternatives:
         return time_alternatives(args.repeats)

@@ -22,6 +22,12 @@ a token costs its compute in wall time and the other work of a shared machine do
 figures are measured on the engine (emulated link), not simulated, except the simulator's columns.
 
     python benchmarks/replay_routing.py MODEL TRACE [--rounds 3 --tokens 32 --warmup 4 --per-layer 5] [--json]
+
+`--gap` (with `--from-json RUN`, the report of such a run) measures nothing: the simulator walked from MoEpic's setting
+as `benchmarks/simulate.py paper` modelled it until 28 Nov to the run's, one change at a time (the admission copy at the
+card's bandwidth, as `simulate.py paper` has it now, this machine's timings, the run's tokens, layers and link), and the run's setting at other load ratios
+(`--gap-ratios`); per row moepic ÷ lru, the best of LCP's fixed splits ÷ lru (a diagnostic, not a policy) and
+resident ÷ lru.
 """
 
 from __future__ import annotations
@@ -66,6 +72,11 @@ def main(argv: list[str] | None = None) -> None:
                         "benchmarks/simulate.py paper calibrates its compute)")
     p.add_argument("--deeper", type=int, default=None, metavar="N",
                    help="also simulate (no measurement) the trace's first N layers with the run's per-layer timings")
+    p.add_argument("--gap", action="store_true",
+                   help="measure nothing: walk the simulator from MoEpic's setting (benchmarks/simulate.py paper) to this "
+                        "run's, one change at a time, and sweep the load ratio (the § in docs/bench.md)")
+    p.add_argument("--gap-ratios", default="1,2.65,5,10,24.4", metavar="R,R,…",
+                   help="--gap: the load ÷ compute ratios swept in this run's setting")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--json", action="store_true")
@@ -103,6 +114,16 @@ def main(argv: list[str] | None = None) -> None:
         measured = report["replay_routing"]
         name, ratio, t_exp, gbps = measured["card"], measured["load_over_compute"], measured["t_exp_s"], measured["gbps"]
         args.tokens, args.warmup, command = report["tokens"], report["warmup"], measured["command"]
+    if args.gap:
+        from fmoe_cli.bench.run import encode_prompt
+
+        prompt_tokens = report["prompt_tokens"] if args.from_json else encode_prompt(lm, args.prompt).shape[1]
+        rows = gap(lm, trace, args, ratio, gbps, prompt_tokens, console)
+        if args.json:
+            print(json.dumps({"gap": rows, "command": command, "load_over_compute": ratio}))
+        else:
+            gap_table(rows, Console(width=max(Console().width, 150)))
+        return
     console.print(f"link shaped like {name}: load ÷ compute {ratio:.1f}, T_exp {t_exp * 1e3:.1f} ms → "
                   f"{gbps:.4g} GB/s; budget {budget / shape.expert_bytes:.0f} experts", highlight=False)
     console.print(command, highlight=False, soft_wrap=True)
@@ -187,6 +208,137 @@ def deeper(lm, trace, report: dict, gbps: float, args) -> dict:
                               "mean_tpot_ms": result.mean_tpot_s * 1e3, "hit_rate": result.hit_rate,
                               "plan": result.plan}
     return out
+
+
+GAP_THETAS = (0.6, 0.7, 0.8, 1.0)  # the fixed splits --gap also prices: a diagnostic, not a policy
+
+
+def gap_setting(label: str, timings, load_ratio: float, layers: int, tokens: str) -> dict:
+    """One row of the walk: timings (whose T_exp the link is shaped on), one expert's load ÷ T_exp, the trace's first
+    `layers` MoE layers, and which tokens: "paper" (every sequence, the first 32 tokens of each its prompt, a budget of
+    V_e + K experts, the card's link latency, as `simulate.py paper`) or "run" (the bench run's: its prompt, warm-up
+    and measured tokens, the sequences one after another, V_e plus the staging pool, the emulated link's latency)."""
+    return {"label": label, "timings": timings, "load_ratio": load_ratio, "layers": layers, "tokens": tokens}
+
+
+def gap_row(setting: dict, lm, trace, args, prompt_tokens: int, latencies: dict) -> dict:
+    """Simulated TPOT (median, mean) of moepic, lru, resident and of LCP at fixed splits GAP_THETAS with and
+    without prefetch, in one setting; ratios to lru."""
+    from dataclasses import replace
+
+    from fmoe_cli.bench.routing import ReplayedRouting
+    from fmoe_cli.planning.presets import PlanInputs, settings_for
+    from fmoe_cli.planning.simulate import predictor_for, simulate_policy
+
+    shape = replace(lm.shape, num_layers=setting["layers"])
+    t = setting["timings"]
+    latency = latencies[setting["tokens"]]  # the card's link latency in the paper setting, the emulated link's else
+    bandwidth = shape.expert_bytes / (setting["load_ratio"] * t.t_exp)
+    t = replace(t, t_load=latency + shape.expert_bytes / bandwidth)
+    replay = ReplayedRouting(trace, shape)
+    stats = replay.statistics(shape, lm.model_id)
+    if setting["tokens"] == "paper":
+        sequences, prompt, warmup = replay.tokens(), PAPER_PROMPT, 0
+        if all(len(seq) <= prompt for seq in sequences):
+            raise SystemExit(f"error: --gap: no sequence of the trace is longer than the paper setting's "
+                             f"{PAPER_PROMPT}-token prompt: nothing to decode")
+        budget = (args.per_layer * shape.num_layers + shape.top_k) * shape.expert_bytes
+    else:
+        routed = prompt_tokens + args.tokens - 1
+        sequences = [[token for seq in replay.tokens(limit=routed) for token in seq]]
+        prompt, warmup = prompt_tokens, args.warmup
+        budget = (args.per_layer * shape.num_layers + shape.min_staging_slots) * shape.expert_bytes
+    runs = {"moepic": ("moepic", None), "lru": ("lru", None), "resident": ("resident", None)}
+    runs.update({f"LCP θ {theta:g}": ("uniform", theta) for theta in GAP_THETAS})
+    runs.update({f"LCP θ {theta:g}, no prefetch": ("cache-only", theta) for theta in GAP_THETAS})
+    out = {}
+    for name, (preset, theta) in runs.items():
+        settings = settings_for(preset, PlanInputs(shape, budget, t, stats, lm.model_id, theta=theta))
+        result = simulate_policy(shape, settings, t, sequences, bandwidth=bandwidth, latency=latency,
+                                 prompt_tokens=prompt, warmup=warmup, predictor_factory=predictor_for(sequences, shape))
+        out[name] = {"tpot_ms": result.tpot_s * 1e3, "mean_tpot_ms": result.mean_tpot_s * 1e3,
+                     "hit_rate": result.hit_rate, "plan": result.plan}
+    lru = out["lru"]["tpot_ms"]
+    fixed = [n for n in out if n.startswith("LCP")]
+    best = min(fixed, key=lambda n: out[n]["tpot_ms"])
+    t_exp = t.t_exp
+    return {"label": setting["label"], "layers": shape.num_layers, "tokens": setting["tokens"],
+            "load_over_compute": setting["load_ratio"], "t_att_over_t_exp": t.t_att / t_exp,
+            "t_head_over_t_exp": t.t_head / t_exp, "a_e_over_t_exp": t.t_admit / t_exp,
+            "host_work_over_t_exp": (t.t_host_load + t.t_segment) / t_exp,
+            "moepic_over_lru": out["moepic"]["tpot_ms"] / lru, "best_fixed": best,
+            "best_fixed_over_lru": out[best]["tpot_ms"] / lru, "resident_over_lru": out["resident"]["tpot_ms"] / lru,
+            "moepic_mean_over_lru": out["moepic"]["mean_tpot_ms"] / out["lru"]["mean_tpot_ms"], "policies": out}
+
+
+PAPER_PROMPT = 32  # benchmarks/simulate.py paper: the first 32 tokens of each sequence are its prompt
+
+
+def gap(lm, trace, args, ratio: float, gbps: float, prompt_tokens: int, console) -> list[dict]:
+    """The simulator walked from MoEpic's setting (`simulate.py paper`: the card's roofline × its calibration factor,
+    the trace's 32 layers) to this run's (this machine's timings, its layers, link and tokens), one change at a time,
+    then the load ratio swept in this run's setting. Simulated only."""
+    from dataclasses import replace
+
+    from simulate import paper_setting  # benchmarks/simulate.py
+
+    from fmoe_cli.offload.link import EmulatedLink
+    from fmoe_cli.profiling.files import Profile
+    from fmoe_cli.run import find_timings
+
+    card = Profile.load(args.card)
+    paper = paper_setting(card)
+    if paper.mixtral.shape.expert_bytes != lm.shape.expert_bytes:
+        console.print(f"note: one expert is {lm.shape.expert_bytes} bytes here, {paper.mixtral.shape.expert_bytes} in "
+                      f"the paper's setting (other formats)", highlight=False)
+    paper_t = paper.mixtral_times
+    paper_ratio = paper_t.t_load / paper_t.t_exp
+    ours = find_timings(lm, EmulatedLink(gbps))
+    deep = min(len(trace.layers), paper.mixtral.shape.num_layers)
+    layers = lm.shape.num_layers
+    copy_as_compute = replace(paper_t, t_admit=paper_t.t_admit * paper.factor)  # simulate.py paper until 28 Nov
+    walk = [
+        gap_setting(f"MoEpic's setting as simulate.py paper had it until 28 Nov: roofline × {paper.factor:.2f}, a_e × "
+                    f"{paper.factor:.2f}", copy_as_compute, paper_ratio, deep, "paper"),
+        gap_setting("+ a_e at the card's memory bandwidth (not × the compute factor): simulate.py paper now", paper_t,
+                    paper_ratio, deep, "paper"),
+        gap_setting(f"+ this machine's timings (load kept {paper_ratio:.2f} × T_exp)", ours, paper_ratio, deep, "paper"),
+        gap_setting("+ the run's tokens, budget, staging pool and link latency", ours, paper_ratio, deep, "run"),
+        gap_setting(f"+ the run's {layers} layers", ours, paper_ratio, layers, "run"),
+        gap_setting(f"+ the run's link ({ratio:.3g} × T_exp): the run's own setting", ours, ratio, layers, "run"),
+    ]
+    sweep = [gap_setting(f"the run's setting, load {r:g} × T_exp", ours, r, layers, "run")
+             for r in (float(x) for x in args.gap_ratios.split(","))]
+    latencies = {"paper": card.device.link.latency or 0.0, "run": EmulatedLink(gbps).latency_s}
+    rows = []
+    for n, setting in enumerate(walk + sweep):
+        console.print(f"simulating {n + 1}/{len(walk) + len(sweep)}: {setting['label']} …", highlight=False)
+        row = gap_row(setting, lm, trace, args, prompt_tokens, latencies)
+        row["part"] = "walk" if n < len(walk) else "sweep"
+        rows.append(row)
+    return rows
+
+
+def gap_table(rows: list[dict], console) -> None:
+    from rich.table import Table
+
+    for part, title in (("walk", "simulated: from MoEpic's setting to this run's, one change at a time"),
+                        ("sweep", "simulated: this run's setting at other load ratios")):
+        t = Table(title=f"{title}; TPOT medians ÷ lru's")
+        for col in ("setting", "layers", "load ÷ T_exp", "T_att", "a_e", "moepic ÷ lru", "(means)", "moepic hit",
+                    "lru hit", "best fixed split ÷ lru", "resident ÷ lru", "moepic plan"):
+            t.add_column(col, justify="left" if col in ("setting", "moepic plan") else "right")
+        for r in (r for r in rows if r["part"] == part):
+            p = r["policies"]
+            t.add_row(r["label"], str(r["layers"]), f"{r['load_over_compute']:.3g}", f"{r['t_att_over_t_exp']:.2f}",
+                      f"{r['a_e_over_t_exp']:.2f}", f"{r['moepic_over_lru']:.3f}", f"{r['moepic_mean_over_lru']:.3f}",
+                      f"{p['moepic']['hit_rate']:.2f}", f"{p['lru']['hit_rate']:.2f}",
+                      f"{r['best_fixed_over_lru']:.3f} ({r['best_fixed']})", f"{r['resident_over_lru']:.3f}",
+                      str(p["moepic"]["plan"]))
+        console.print(t)
+    console.print("T_att and a_e as multiples of T_exp; best fixed split: the least TPOT of LCP at θ "
+                  f"{', '.join(f'{x:g}' for x in GAP_THETAS)} with and without prefetch (what simple plans reach, a "
+                  "diagnostic, not a policy); resident ÷ lru: the floor no plan goes under", highlight=False)
 
 
 def table(report: dict, console) -> None:

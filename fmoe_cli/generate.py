@@ -147,7 +147,13 @@ class DecodeGraph:
     torch.cuda.CUDAGraph on a GPU (`CudaGraph`); tests give a stand-in that runs the step eagerly
     (tests/test_decode_graph.py). The tokens are transformers' with its StaticCache: attention over a static
     cache's masked positions sums in another order than over a dynamic one, so the logits may differ in the last
-    bits from the eager path's (the GPU check compares the tokens with transformers' generate)."""
+    bits from the eager path's (the GPU check compares the tokens with transformers' generate).
+
+    A conversation continues on it (chat, serve): the cache keeps its positions between answers, `crop` takes it
+    back to the prefix the next prompt shares (as a DynamicCache's, the StaticCache's own crop: the next writes
+    overwrite the rest, which the causal mask hides until then) and `extend` pre-fills the new tokens after it. The
+    graph is the plan's (the engine's buffers), the cache the conversation's: a new plan (`Engine.configure`)
+    `release`s the graph and keeps the cache."""
 
     def __init__(self, model, engine: Engine, capacity: int, graph_factory, capture: bool = True) -> None:
         from transformers import StaticCache
@@ -161,8 +167,9 @@ class DecodeGraph:
         self.graph_factory = graph_factory
         self.graph = None
         self.logits: torch.Tensor | None = None  # [V]: the graph's output, overwritten by each replay
-        self.eager = not capture  # the step runs eagerly (a plan that reads its routing on the host; a failed capture)
-        self.moe_layers = list(range(len(engine.layers)))
+        # the steps run eagerly (a plan that reads its routing on the host; a failed capture); None: not decided yet
+        self.eager: bool | None = None if capture else True
+        self.moe_layers: list[int] = []  # the MoE layers a replay runs (set at capture)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, position_ids=positions, **{cache_kwarg(self.model): self.cache},
@@ -170,17 +177,48 @@ class DecodeGraph:
 
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
         """A new generation from ids [1, T]: the cache emptied, the prompt's keys and values written eagerly."""
+        self.clear()
+        return self.extend(ids)
+
+    def clear(self) -> None:
+        """No position in the cache."""
         self.cache.reset()
+        self.length = 0
+
+    def extend(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [1, T] pre-filled eagerly after the cache's positions (a conversation's next prompt) -> the last one's
+        logits [V]."""
         tokens = ids.shape[1]
-        self.length = tokens
-        return self._forward(ids, torch.arange(tokens, device=ids.device).view(1, -1))
+        self._check_room(tokens)
+        start, self.length = self.length, self.length + tokens
+        return self._forward(ids, torch.arange(start, start + tokens, device=ids.device).view(1, -1))
+
+    def get_seq_length(self) -> int:
+        """Positions in the cache (a DynamicCache's question, for the conversation that continues on it)."""
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the cache's last -tokens_to_remove positions (negative, as transformers' StaticLayer.crop takes it)."""
+        if tokens_to_remove:
+            self.cache.crop(tokens_to_remove)
+            self.length += tokens_to_remove
+
+    def release(self) -> None:
+        """Forget the captured graph (it reads the engine's buffers, which a new plan frees); the cache stays. Whether
+        the new plan's steps can be captured is asked again at the next step."""
+        self.graph, self.logits, self.eager = None, None, None
+
+    def _check_room(self, tokens: int) -> None:
+        if self.length + tokens > self.capacity:
+            raise FmoeError(f"the static KV cache holds {self.capacity} positions; the generation went past them")
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
         """One decode token ids [1, 1] at the next position: the graph's replay (captured on first use)."""
-        if self.length >= self.capacity:
-            raise FmoeError(f"the static KV cache holds {self.capacity} positions; the generation went past them")
+        self._check_room(1)
         self.ids.copy_(ids)
         self.position.fill_(self.length)
+        if self.eager is None:
+            self.eager = not capturable(self.engine)
         if self.graph is None and not self.eager:
             self._capture()
         self.length += 1
@@ -194,6 +232,7 @@ class DecodeGraph:
         """Two warm-up steps on a side stream, then the capture, at the current position: each writes this position's
         keys and values (the replay writes them again) and moves the cache's length, which is put back after."""
         engine, cache = self.engine, self.cache
+        self.moe_layers = list(range(len(engine.layers)))  # the layers whose routing a replay copies
         lengths = [layer.cumulative_length.clone() for layer in cache.layers]
         try:
             graph = self.graph_factory(self)
@@ -253,11 +292,27 @@ def decode_graph(model, engine: Engine | None, capacity: int) -> DecodeGraph | N
     factory = engine.graph_factory or (CudaGraph if engine.device.type == "cuda" else None)
     if factory is None:
         return None
-    capture = engine.decode_graphable() and os.environ.get("FMOE_CUDA_GRAPHS", "1").strip() != "0"
     capacity = -(-capacity // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
     graph = engine.decode_graphs.get(capacity)
     if graph is None:
-        graph = engine.decode_graphs[capacity] = DecodeGraph(model, engine, capacity, factory, capture)
+        graph = engine.decode_graphs[capacity] = DecodeGraph(model, engine, capacity, factory)
+    return graph
+
+
+def capturable(engine: Engine) -> bool:
+    """Whether a DecodeGraph captures the steps of the engine's plan: every layer decodes on the device without a host
+    wait (Engine.decode_graphable), and FMOE_CUDA_GRAPHS is not 0."""
+    return engine.decode_graphable() and os.environ.get("FMOE_CUDA_GRAPHS", "1").strip() != "0"
+
+
+def conversation_cache(model, engine: Engine | None, capacity: int | None):
+    """An empty KV cache for a conversation of up to `capacity` positions (chat, serve), continued answer after answer:
+    on a GPU the engine's DecodeGraph of that capacity (the static cache every plan there decodes through, replayed
+    from a CUDA graph where the plan allows), else — on the CPU, or with no capacity known — `new_cache`."""
+    graph = decode_graph(model, engine, capacity) if capacity else None
+    if graph is None:
+        return new_cache(model)
+    graph.clear()
     return graph
 
 
@@ -385,18 +440,22 @@ def stream_generate(
     max_new_tokens: int = 64,
     sampling: SamplingParams | None = None,
     stop_on_eos: bool = True,
-    past_key_values: DynamicCache | None = None,
+    past_key_values: DynamicCache | DecodeGraph | None = None,
 ) -> Iterator[TokenEvent]:
     """Generate from `input_ids` ([1, T] or [T]); `past_key_values` continues a conversation
-    (then `input_ids` holds only the new tokens)."""
+    (then `input_ids` holds only the new tokens): a DynamicCache, or a DecodeGraph (`conversation_cache`)."""
     sampling = sampling or SamplingParams()
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
     device = next(model.parameters()).device
     ids = input_ids.reshape(1, -1).to(device)
-    graph = decode_graph(model, engine, ids.shape[1] + max_new_tokens) if past_key_values is None else None
-    cache = past_key_values if past_key_values is not None or graph is not None else new_cache(model)
+    if isinstance(past_key_values, DecodeGraph):  # a conversation on a GPU: its static cache, continued
+        graph, cache, first = past_key_values, None, past_key_values.extend
+    else:
+        graph = decode_graph(model, engine, ids.shape[1] + max_new_tokens) if past_key_values is None else None
+        cache = past_key_values if past_key_values is not None or graph is not None else new_cache(model)
+        first = graph.prefill if graph is not None else None
     stops = eos_ids(model, tokenizer) if stop_on_eos else set()
     detok = _Detokenizer(tokenizer)
 
@@ -404,7 +463,7 @@ def stream_generate(
         before = engine.counters() if engine is not None else None
         start = host_now()
         if graph is not None:  # a resident plan on a GPU: the decode steps replayed from one CUDA graph
-            logits = graph.prefill(ids) if index == 0 else graph.step(ids)
+            logits = first(ids) if index == 0 else graph.step(ids)
         else:
             logits = next_logits(model, ids, cache)
         token = sample_next(logits.cpu() if generator is not None else logits, sampling, generator)

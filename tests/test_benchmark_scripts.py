@@ -360,6 +360,23 @@ def test_peer_llamacpp_writes_a_random_checkpoint_fmoe_and_transformers_load(tmp
     assert (lm.shape.num_layers, lm.shape.num_experts, lm.shape.top_k, lm.shape.hidden) == (2, 8, 2, 64)
 
 
+def test_prefill_kernels_compares_two_builds_and_refuses_bad_input():
+    """benchmarks/prefill_kernels.py: bad input is one `error:` line and exit 2 before torch is imported; a small run
+    against HEAD compiles both builds and says whether they give the same bits (they do: the same kernels' source, or
+    a work tree whose changes keep the bits)."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "prefill_kernels.py")]
+    bad = subprocess.run([*script, "--tokens", "1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == ["error: --tokens from 2, --rounds and --repeats from 1"]
+    missing = subprocess.run([*script, "--against", "no-such-revision-here"], capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: --against no-such-revision-here")
+    run = subprocess.run([*script, "--against", "HEAD", "--models", "big", "--formats", "int4", "--tokens", "6",
+                          "--rounds", "1", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "big int4 experts, int8 activations" in run.stdout and run.stdout.count("the same bits") == 2, run.stdout
+
+
 def test_replay_routing_measures_and_simulates_every_policy(checkpoints, tmp_path, monkeypatch, capsys):
     """`benchmarks/replay_routing.py MODEL TRACE --json`: the bench's report with the replayed routing, and per
     policy the simulator's TPOT with the profile's timings and with compute fitted to the measured resident run
@@ -384,3 +401,41 @@ def test_replay_routing_measures_and_simulates_every_policy(checkpoints, tmp_pat
     resident = {r["policy"]: r for r in report["runs"]}["resident"]["tpot_ms"]["median"]
     assert sims["resident"]["resident fit"]["tpot_ms"] == pytest.approx(resident, rel=1e-6)
     assert sims["lru"]["profile"]["tpot_ms"] > sims["resident"]["profile"]["tpot_ms"]
+
+
+def test_replay_routing_gap_walks_from_the_paper_setting_to_the_measured_run(checkpoints, tmp_path, monkeypatch,
+                                                                            capsys):
+    """`replay_routing.py … --from-json RUN --gap`: the simulator walked from `simulate.py paper`'s setting to the
+    measured run's, one change at a time, and a sweep of the load ratio. The walk's last row is the run's own
+    setting: it gives the same simulated TPOT as the run's simulation; the first prices the admission copy as the
+    paper setting did until 28 Nov (2 × the roofline T_exp, both × the compute factor), the second at the card's
+    bandwidth, as `simulate.py paper` does now."""
+    import json
+
+    from test_replay_routing import write_trace
+
+    monkeypatch.setenv("FMOE_EMULATED_CLOCK", "cpu")
+    trace = write_trace(tmp_path / "t.jsonl", sequences=(40, 36))  # the paper setting: a 32-token prompt
+    replay_routing = benchmark("replay_routing")
+    common = [str(checkpoints["mixtral"]), str(trace), "--rounds", "1", "--tokens", "4", "--warmup", "1",
+              "--per-layer", "2", "--prompt", "Hi", "--json"]
+    replay_routing.main([*common, "--policies", "lru,moepic"])
+    run = tmp_path / "run.json"
+    run.write_text(capsys.readouterr().out.strip().splitlines()[-1])
+    replay_routing.main([*common, "--from-json", str(run), "--gap", "--gap-ratios", "3,24.375"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["gap"]
+    walk = [r for r in rows if r["part"] == "walk"]
+    sweep = [r for r in rows if r["part"] == "sweep"]
+    assert len(walk) == 6 and [r["load_over_compute"] for r in sweep] == [3, 24.375]
+    assert walk[0]["a_e_over_t_exp"] == pytest.approx(2.0)
+    factor = float(walk[0]["label"].split("× ")[1].split(",")[0])
+    assert walk[1]["a_e_over_t_exp"] == pytest.approx(2.0 / factor, rel=1e-2)
+    assert walk[0]["tokens"] == "paper" and walk[-1]["tokens"] == "run" and walk[-1]["layers"] == 4
+    simulated = json.loads(run.read_text())["replay_routing"]["simulated"]
+    for policy in ("lru", "moepic"):  # the walk ends at the run's setting: the run's own simulation
+        assert walk[-1]["policies"][policy]["tpot_ms"] == pytest.approx(simulated[policy]["profile"]["tpot_ms"],
+                                                                        rel=1e-6)
+    for r in rows:
+        p = r["policies"]
+        assert r["moepic_over_lru"] == pytest.approx(p["moepic"]["tpot_ms"] / p["lru"]["tpot_ms"])
+        assert r["resident_over_lru"] <= min(v["tpot_ms"] for v in p.values()) / p["lru"]["tpot_ms"] + 1e-9

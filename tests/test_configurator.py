@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.cache import rebuild_order
-from fmoe_cli.offload.policies import LCP
+from fmoe_cli.offload.policies import LCP, LCP_OMEGA, LCP_RHO
 from fmoe_cli.planning.configurator import (
     ALGORITHM_1,
     DeviceBudget,
@@ -171,7 +171,7 @@ def synthetic_stats(seed: int, layers: int, n: int, k: int, tokens: int = 40) ->
                 if e not in active:
                     active.append(e)
             predicted = sorted(range(n), key=lambda e: -(weights[e] * rng.uniform(0.5, 1.5) + (e in active) * rng.random()))
-            stats.observe_policy(i, active, policy, step, predicted)
+            stats.observe(i, active, lcp_ranking(policy, step), predicted)  # MoEpic's H_i(C): the C highest priorities
             for e in active:
                 policy.touch(e, step)
     return stats
@@ -674,8 +674,13 @@ def test_on_the_demo_the_closed_form_prices_each_plan_near_the_simulator():
     than K (`lru`, `cache-only` at 4 and 16 GB/s: every miss charged an admission, where a cache of C < K slots
     admits only min(K, C) − h a token), and H_i(C) of those small caches was LCP's top C (such a cache holds C of
     the last token's experts: `cache-only` 0.96 × at 16 GB/s, simulated hit 0.24 against 0.32 priced). What is
-    left is at 1 GB/s: `uniform` and `prefetch-only` 1.06 × (the prefetch on the link when the layer routes, whose
-    transfer a right prediction takes over, is charged whole)."""
+    left is at 1 GB/s: `uniform` 1.08, `lru` 1.07 and `prefetch-only` 1.06 × (the prefetch on the link when the layer
+    routes, whose transfer a right prediction takes over, is charged whole), and at 4 GB/s `cache-only` 1.04: since
+    H_i(C) is recorded in the order the engine's cache holds the experts (planning/stats.py: held_order; MoEpic's
+    C highest priorities said 0.24 where the cache hit 0.46, `simulate.py paper`'s Qwen1.5-MoE routing at C = 9),
+    (C/K)·H_i(K) of C < K slots is (C/K) of the previous token's experts' share, 0.23 where the demo's two slots hit
+    0.24 (the slots keep a token's hits, which recur more than its misses); with the priority order these read
+    within 1.065, and 1.025 at 4 and 16 GB/s."""
     from fmoe_cli.planning.configurator import price_plan
     from fmoe_cli.planning.presets import PlanInputs, settings_for
     from fmoe_cli.planning.simulate import predictor_for, simulate_policy, trace_stats
@@ -693,9 +698,12 @@ def test_on_the_demo_the_closed_form_prices_each_plan_near_the_simulator():
             sim = simulate_policy(DEMO, settings, timings, routing, bandwidth=gbps * 1e9, latency=1e-5,
                                   predictor_factory=predictor_for(routing, DEMO))
             off[(gbps, name)] = (compute + priced.total_exposed) / sim.mean_tpot_s
-    assert all(0.935 <= ratio <= 1.065 for ratio in off.values()), off
-    # at 4 and 16 GB/s within 2.5 % (caches of C < K experts priced with the hit rate they have: cache_hit_rate)
-    assert all(0.975 <= ratio <= 1.025 for (gbps, _), ratio in off.items() if gbps > 1), off
+    assert all(0.935 <= ratio <= 1.08 for ratio in off.values()), off
+    # at 4 and 16 GB/s within 2.5 % (caches of C < K experts priced with the hit rate they have: cache_hit_rate),
+    # but `cache-only` at 4 GB/s: 1.04 (its two whole experts per layer hit 0.24, priced 0.23)
+    assert all(0.975 <= ratio <= 1.025 for (gbps, name), ratio in off.items() if gbps > 1 and
+               (gbps, name) != (4, "cache-only")), off
+    assert off[(4, "cache-only")] <= 1.045, off
 
 
 def test_on_the_demo_moepic_is_simulated_within_2_percent_of_every_other_policy_at_each_link():
@@ -715,3 +723,64 @@ def test_on_the_demo_moepic_is_simulated_within_2_percent_of_every_other_policy_
                                     policies=("moepic",) + DEMO_POLICIES)
             tpot = {name: result.mean_tpot_s for name, result in sims.items()}
             assert tpot["moepic"] <= 1.02 * min(v for name, v in tpot.items() if name != "moepic"), (h_pf, gbps, tpot)
+
+
+def test_recurring_experts_are_priced_as_the_cache_holds_them():
+    """Issue 38: where a token's experts recur in the next (each kept with probability 0.85, the rest uniform over
+    16; K = 2, 3 whole experts' budget per layer, a load 2.65 × T_exp), the engine's cache, which admits every miss,
+    holds the last token's experts and hits 0.87; MoEpic's H_i(C), the C highest LCP priorities, says 0.41.
+    Planned from statistics recorded as the engine records them (`trace_stats`: planning/stats.py held_order),
+    the plan keeps whole (or nearly whole) tops of 2–6 experts and no prefetch, simulated faster than the plan made
+    from the priority order (split tops of 4–5 experts at θ ≤ 0.75, with prefetch), and than `lru`, `uniform`,
+    `prefetch-only` and `ondemand`; within 1.5 % of `cache-only`."""
+    from fmoe_cli.planning import simulate as simulate_module
+    from fmoe_cli.planning.autoplan import moepic_configuration
+    from fmoe_cli.planning.plan import min_staging_slots
+    from fmoe_cli.planning.presets import PlanInputs, settings_for
+    from fmoe_cli.planning.simulate import Token, predictor_for, simulate_policy, trace_stats
+    from fmoe_cli.types import EngineSettings
+
+    rng = random.Random(0)
+    shape = ExpertShape(4, 16, 2, 1, 64, 1)
+    previous, tokens = [rng.sample(range(16), 2) for _ in range(4)], []
+    for _ in range(300):
+        rows = []
+        for row in previous:
+            kept = [e for e in row if rng.random() < 0.85]
+            rows.append(kept + rng.sample([e for e in range(16) if e not in kept], 2 - len(kept)))
+        previous = rows
+        tokens.append(Token(tuple(tuple(r) for r in rows)))
+    routing = [tokens]
+    bandwidth = shape.expert_bytes / 2.65e-3
+    timings = Timings.from_link(t_att=1e-3, t_moe=2e-3, t_head=1e-3, top_k=2, expert_bytes=shape.expert_bytes,
+                                bandwidth=bandwidth, t_admit=0.2e-3)
+    budget = (min_staging_slots(shape) + 4 * 3) * shape.expert_bytes
+    predictor = predictor_for(routing, shape)
+
+    def tpot(settings):
+        return simulate_policy(shape, settings, timings, routing, bandwidth=bandwidth,
+                               predictor_factory=predictor).mean_tpot_s
+
+    def planned(stats):
+        plan = moepic_configuration(shape, budget, timings, stats).plan
+        return plan, tpot(EngineSettings("moepic", plan, "lcp", plan.prefetch, LCP_OMEGA, LCP_RHO))
+
+    stats = trace_stats(routing, shape)
+    held = stats.layers[0].hit_rate(3)
+    plan, moepic = planned(stats)
+    by_priority = simulate_module.held_order
+    try:
+        simulate_module.held_order = lambda ranking, last, step: ranking  # MoEpic's order: the C highest priorities
+        old_stats = trace_stats(routing, shape)
+    finally:
+        simulate_module.held_order = by_priority
+    old_plan, old = planned(old_stats)
+    assert held > 0.85 and old_stats.layers[0].hit_rate(3) < 0.45
+    assert not plan.prefetch and min(layer.split for layer in plan.layers) >= 0.85
+    assert old_plan.prefetch and max(layer.split for layer in old_plan.layers) < 1.0
+    assert sum(layer.split for layer in old_plan.layers) / 4 <= 0.8
+    assert moepic < 0.95 * old
+    others = {name: tpot(settings_for(name, PlanInputs(shape, budget, timings, stats)))
+              for name in ("lru", "cache-only", "uniform", "prefetch-only", "ondemand")}
+    assert all(moepic < others[name] for name in others if name != "cache-only"), (moepic, others)
+    assert moepic <= 1.015 * others["cache-only"], (moepic, others)

@@ -47,17 +47,24 @@ class FailingGraph(EagerGraph):
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
-def generate(path, graph_factory, monkeypatch, family_tokens=NEW_TOKENS, policy="resident", veto=None):
+def device_path_engine(path, graph_factory, monkeypatch, veto=None):
+    """The model at `path` and an engine on the device's path (torch's matmuls, device_side) over an instant emulated
+    link, DecodeGraph's graphs made by `graph_factory` (None: none, as on the CPU)."""
     monkeypatch.setattr(kernels, "library", lambda: None)  # torch's matmuls: the device's path
     lm = load_model(str(path), device="cpu", dtype="float32")
     if hasattr(lm.model, "decode_token"):
         lm.model.decode_token.enabled = False
-    shape = lm.shape
-    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
     engine.device_side = True
     engine.graph_factory = graph_factory
     engine.graph_veto = veto
     engine.install(lm.model)
+    return lm, engine
+
+
+def generate(path, graph_factory, monkeypatch, family_tokens=NEW_TOKENS, policy="resident", veto=None):
+    lm, engine = device_path_engine(path, graph_factory, monkeypatch, veto)
+    shape = lm.shape
     engine.configure(make_settings(policy, shape, shape.all_experts_bytes // 2 + 2 * shape.top_k * shape.expert_bytes))
     runs, counted = [], []
     for _ in range(2):  # the second generation replays the first one's graph
@@ -120,3 +127,54 @@ def test_a_veto_keeps_a_resident_plan_eager(checkpoints, monkeypatch):
     EagerGraph.replays = 0
     vetoed, graphs, _ = generate(path, EagerGraph, monkeypatch, veto="routing replayed")
     assert vetoed == replayed and EagerGraph.replays == 0 and all(g.eager for g in graphs.values())
+
+
+class CountingGraph(EagerGraph):
+    captures = 0
+
+    def capture(self):
+        CountingGraph.captures += 1
+        return super().capture()
+
+
+def chat_turns(path, graph_factory, monkeypatch, replan_between: bool = False):
+    """Two turns of a chat session (chat and serve answer through ChatSession.generate) on a resident plan, on the
+    device's path; with a graph factory the conversation's KV cache is the engine's DecodeGraph (its StaticCache),
+    as on a GPU. `replan_between`: the engine configured again between the turns, as an idle re-plan does."""
+    from fmoe_cli.chat.session import ChatSession
+
+    lm, engine = device_path_engine(path, graph_factory, monkeypatch)
+    settings = make_settings("resident", lm.shape, lm.shape.all_experts_bytes)
+    engine.configure(settings)
+    session = ChatSession(lm, engine, max_new_tokens=8, context=300)
+    answers, reused, graphs = [], [], []
+    prompts = ([5, 17, 42, 99, 7, 3], [11, 64, 128, 9])
+    conversation: list[int] = []
+    for turn, prompt in enumerate(prompts):
+        if turn and replan_between:
+            engine.configure(settings, warm=True)
+        conversation = conversation + prompt
+        events = list(session.generate(conversation, 8, session.sampling))
+        answers.append([e.token_id for e in events])
+        reused.append(session.reused)
+        graphs.append(session._kv)
+        conversation = conversation + answers[-1][:-3]  # the next turn shares less than the cache holds: a crop
+    engine.close()
+    return answers, reused, graphs
+
+
+def test_a_conversation_continues_on_the_static_cache_and_replays_its_steps(checkpoints, monkeypatch):
+    """Chat and serve on a GPU: the conversation's KV cache is the engine's DecodeGraph, kept between answers, cropped
+    to the shared prefix and extended by the new turn, its decode steps replayed from one graph captured once (or, after
+    a re-plan, once more: the graph reads the old plan's buffers, the cache is the conversation's) — the tokens of
+    the CPU's growing cache, turn for turn."""
+    path = checkpoints["qwen3_moe"]
+    want, want_reused, caches = chat_turns(path, None, monkeypatch)
+    assert not isinstance(caches[0], DecodeGraph) and want_reused[1] == 6 + len(want[0]) - 3
+    for replan, captures in ((False, 1), (True, 2)):
+        CountingGraph.captures = EagerGraph.replays = 0
+        got, reused, graphs = chat_turns(path, CountingGraph, monkeypatch, replan_between=replan)
+        assert got == want and reused == want_reused  # the second turn pre-filled only what the first had not
+        assert isinstance(graphs[0], DecodeGraph) and graphs[1] is graphs[0]
+        assert CountingGraph.captures == captures and EagerGraph.replays == 2 * (len(want[0]) - 1)
+        assert graphs[1].length == 6 + len(got[0]) - 3 + 4 + len(got[1]) - 1  # prompt, answer, prompt, answer

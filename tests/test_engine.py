@@ -583,7 +583,8 @@ def test_every_policy_gives_the_resident_decode_logits_bit_for_bit(ops_checkpoin
 @pytest.mark.parametrize("policy", ["resident", "cache-only"])
 def test_grouped_experts_give_transformers_tokens(ops_checkpoints, policy, monkeypatch):
     """The device path's grouping (store.grouping: a layer's whole experts of one buffer in torch's grouped
-    matmul), run on the CPU: greedy tokens equal transformers' generate, and the grouped form really ran."""
+    matmul), run on the CPU behind a link that copies (a device's caches: their own buffers, not views of the host
+    store): greedy tokens equal transformers' generate, and the grouped form really ran."""
     import transformers
 
     from fmoe_cli import kernels
@@ -602,7 +603,7 @@ def test_grouped_experts_give_transformers_tokens(ops_checkpoints, policy, monke
     lm = load_model(str(path), device="cpu", dtype="float32")
     lm.store.grouping = True
     shape = lm.shape
-    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None, copy=True), lm.device, lm.dtype)
     engine.install(lm.model)
     engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes))
     got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=8,
@@ -707,11 +708,12 @@ def test_an_admission_on_the_cpu_runs_on_the_calling_thread(mixtral, monkeypatch
     torch to split, and the OpenMP worker it woke sleeps between ops (OMP_WAIT_POLICY=PASSIVE), so each admission
     waited for a wake: 0.24 ms mean on the demo on a quiet machine and 0.59-0.95 ms at a load of 4-5 (2 threads),
     against 0.09-0.11 ms on the calling thread (docs/bench.md § `moepic` across links). Spied: every Tensor.copy_
-    into a cache slot while torch has more than one thread. The slots then hold the store's rows, bit for bit."""
+    into a cache slot while torch has more than one thread. The slots then hold the store's rows, bit for bit. (A
+    link that copies: behind one that hands out the store's rows, a slot is a view of them, nothing is copied.)"""
     from fmoe_cli.planning.presets import make_settings
 
     lm, shape = mixtral, mixtral.shape
-    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None, copy=True), lm.device, lm.dtype)
     engine.install(lm.model)
     engine.configure(make_settings("lru", shape, 4 * shape.top_k * shape.expert_bytes))
     slots = {state.tops.untyped_storage().data_ptr() for state in engine.layers if state.tops.numel()}
@@ -740,3 +742,49 @@ def test_an_admission_on_the_cpu_runs_on_the_calling_thread(mixtral, monkeypatch
     monkeypatch.undo()
     assert c.misses > 0 and on_team == []
     assert got == want_tokens(lm, 6)
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_cache_on_the_cpu_behind_a_link_that_moves_no_bytes_is_views_of_the_host_store(mixtral, copy):
+    """The CPU is its own device: behind a link that hands out the host store's rows (the CPU's, copy=False), a cache
+    slot is a view of the store's rows of the expert it holds, not a copy of them, so the caches hold no memory of
+    their own (fmoe bench's default plans held 25 % of the experts a second time in RAM, issue 39 §6); a warm
+    re-plan's rebuilt caches are views too. Behind a link that copies (a GPU's semantics, copy=True) the slots are
+    the plan's own buffers, filled by copies, as before. Either way: the plan's device bytes, the resident run's
+    tokens, and each cached slot the store's rows of its expert."""
+    from fmoe_cli.planning.presets import make_settings
+
+    lm, shape = mixtral, mixtral.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None, copy=copy), lm.device, lm.dtype)
+    engine.install(lm.model)
+    settings = make_settings("lru", shape, 4 * shape.top_k * shape.expert_bytes)
+    engine.configure(settings)
+    cache_bytes = sum(lp.cache_size * lp.top_neurons for lp in settings.plan.layers) * shape.neuron_bytes
+    assert cache_bytes > 0 and engine.device_bytes() == cache_bytes + engine.pool.nbytes
+
+    def held() -> tuple[int, int]:
+        """(cached experts, bytes of memory the caches hold on the CPU); each slot checked against the store."""
+        cached, nbytes = 0, 0
+        for i, state in enumerate(engine.layers):
+            assert state.aliased == (not copy)
+            if state.tops.device.type == "cpu":
+                nbytes += state.tops.untyped_storage().nbytes()
+            for e, slot in state.cache.cached().items():
+                top, rows = state.top(slot), lm.store.expert(i, e)[: state.top_neurons]
+                assert torch.equal(top, rows)
+                assert (top.data_ptr() == rows.data_ptr()) == (not copy)  # a view of the store, or a copy
+                cached += 1
+        return cached, nbytes
+
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=6, stop_on_eos=False)]
+    assert engine.counters().misses > 0
+    cached, nbytes = held()
+    assert cached > 0 and nbytes == (0 if not copy else cache_bytes)
+    engine.configure(settings, warm=True)  # the rebuild after a re-plan: the caches refilled by priority
+    cached, nbytes = held()
+    assert cached > 0 and nbytes == (0 if not copy else cache_bytes)
+    assert engine.device_bytes() == cache_bytes + engine.pool.nbytes
+    again = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=6,
+                                                 stop_on_eos=False)]
+    engine.close()
+    assert got == again == want_tokens(lm, 6)

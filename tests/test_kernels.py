@@ -101,24 +101,33 @@ def test_a_dense_projection_through_the_kernel_is_torchs_on_the_dequantised_weig
 
 @needs_kernels
 @pytest.mark.parametrize("name", ["int8", "int4"])
-def test_a_dense_projections_many_tokens_each_get_their_own_bits(name):
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_a_dense_projections_many_tokens_each_get_their_own_bits(name, activations):
     """From 8 tokens int8 and int4 rows take the tokens-in-lanes tiles (experts.c gemm_rows): each output one float32
     chain in input order, so a token's outputs are the same bits among any 8 or more tokens, with 1 or 2 threads,
     whatever tile of rows (6, then fewer; jobs of 32 rows: 70 = 32 + 32 + 6) or of tokens (16, then 8 in the lanes,
-    the padding's lanes zero) it falls in; the values are torch's on the dequantised weight."""
+    the padding's lanes zero) it falls in; the values are torch's on the dequantised weight. --activations int8: from
+    2 tokens dots_q8's tiles (two rows × 1-4 tokens; 70 rows: pairs only), each row and token rows_dot_q8's own
+    operations, so the same holds from 2 tokens on, and a token among others has its bits alone (1 token: decode's
+    path); the values are x̂'s."""
     from fmoe_cli.models.dense import QuantLinear
 
     torch.manual_seed(4)
-    q = QuantLinear(torch.nn.Linear(2048, 70, bias=False), EXPERT_FORMATS[name])
+    q = QuantLinear(torch.nn.Linear(2048, 71 if activations == "int8" else 70, bias=False), EXPERT_FORMATS[name],
+                    activations)  # int8: 71, an odd row left after the pairs
     x = torch.randn(1, 29, 2048)
     whole = q(x)
-    want = x @ q.dequantized(dtype=torch.float32).T
-    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    quantised = activations == "int8" and kernels.library().fmoe_simd() > 0
+    want = (quantised_tokens(x[0]) if quantised else x) @ q.dequantized(dtype=torch.float32).T
+    torch.testing.assert_close(whole, want.reshape(whole.shape), rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    spans = [(0, 8), (3, 9), (5, 16), (1, 17), (2, 24), (0, 29)]
+    if activations == "int8":
+        spans += [(0, 1), (7, 1), (4, 2), (9, 3), (11, 5)]
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            for start, size in [(0, 8), (3, 9), (5, 16), (1, 17), (2, 24), (0, 29)]:
+            for start, size in spans:
                 part = q(x[:, start:start + size])
                 assert torch.equal(part, whole[:, start:start + size]), f"tokens {start}..{start + size - 1}, {count}"
     finally:
@@ -136,7 +145,7 @@ def quantised_tokens(x: torch.Tensor) -> torch.Tensor:
 @needs_kernels
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("hidden", [2048, 128])
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 13])  # 3, 13 at H = 2048: experts.c dots_q8's tiles (4, 4, 4, 1 tokens)
 def test_int8_activations_compute_the_quantised_tokens_result(name, hidden, tokens):
     """--activations int8: gate and up (and a dense row) multiply x̂, the tokens quantised per block of 32, with
     integer dot products; the down projection is float32. So the result is x̂'s through the dequantised
@@ -241,18 +250,24 @@ def test_down_by_neuron_top_continued_by_its_bottom_gives_the_whole_bit_for_bit(
 
 
 @needs_kernels
-@pytest.mark.parametrize("name, dtype", WITH_DTYPES)
-def test_a_tokens_outputs_do_not_depend_on_the_tile_it_falls_in(name, dtype):
+@pytest.mark.parametrize("name, dtype, activations", [(n, d, "float") for n, d in WITH_DTYPES]
+                         + [(n, d, "int8") for n in ("int8", "int4") for d in (torch.float32, torch.bfloat16)])
+def test_a_tokens_outputs_do_not_depend_on_the_tile_it_falls_in(name, dtype, activations):
     """Several tokens (T > 1: the register tiles; int8 and int4 at H = 2048, ŵ decoded in the tiles' registers,
-    experts.c prefill_fused) give each token the bits it gets among any other tokens: every output's operations are
-    the same in every tile shape and position (the remainder tiles of 1-4 tokens for the dots, 1-5 for the down rows),
-    so an expert's result for a token is a function of that token's x alone. A bit that depended on where a tile
-    starts or how wide it is would fail here."""
-    stored, w, spec, dtype = expert(name, 2048, 40, chunk=32, dtype=dtype)  # chunks of 32 and 8: blocks of 16, 16, 8
+    experts.c prefill_fused; with --activations int8 the integer dots of dots_q8, 1-4 tokens a tile) give each token
+    the bits it gets among any other tokens: every output's operations are the same in every tile shape and position
+    (the remainder tiles of 1-4 tokens for the dots, 1-5 for the down rows), so an expert's result for a token is a
+    function of that token's x alone. A bit that depended on where a tile starts or how wide it is would fail here."""
+    # chunks of 32 and 8: blocks of 16, 16, 8
+    stored, w, spec, dtype = expert(name, 2048, 40, chunk=32, dtype=dtype, activations=activations)
     x = torch.randn(13, 2048, generator=torch.Generator().manual_seed(3)).to(dtype)
     whole = kernels.segment_forward(x, stored, spec)
     if dtype == torch.float32:  # the values too (the invariance alone would pass a kernel wrong in every tile alike)
-        want = layout.segment_forward(x, w, F.silu)
+        if activations == "int8" and kernels.library().fmoe_simd() > 0:
+            x_hat = quantised_tokens(x)
+            want = (F.silu(x_hat @ w[:, 0].T) * (x_hat @ w[:, 1].T)) @ w[:, 2]
+        else:
+            want = layout.segment_forward(x, w, F.silu)
         torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     for start, count in [(0, 2), (1, 3), (2, 4), (3, 5), (0, 6), (5, 7), (4, 9), (1, 12)]:
         part = kernels.segment_forward(x[start:start + count], stored, spec)
@@ -669,7 +684,7 @@ def test_int8_activations_need_avx2_and_say_so_without_it(monkeypatch, capsys, s
 
 # The tests of values and bits, run again on each narrower build than this machine's (below).
 CORE_TESTS = ("computes_what_torch or top_continued or in_one_call or int8_activations_compute "
-              "or dense_projection or own_bits or down_by_neuron")
+              "or dense_projection or own_bits or down_by_neuron or tile_it_falls_in")
 
 
 @needs_kernels

@@ -18,7 +18,7 @@ from fmoe_cli.planning.configurator import DEFAULT_TAU
 from fmoe_cli.planning.plan import uniform_plan
 from fmoe_cli.planning.presets import PlanInputs, make_settings, settings_for
 from fmoe_cli.planning.replan import Replanner
-from fmoe_cli.planning.stats import RoutingStats, StatsRecorder, lcp_ranking, load_or_empty
+from fmoe_cli.planning.stats import RoutingStats, StatsRecorder, held_order, lcp_ranking, load_or_empty
 from fmoe_cli.run import find_timings
 from fmoe_cli.types import ExpertShape, Timings
 
@@ -99,13 +99,15 @@ def test_statistics_persist_across_sessions(setup, tmp_path):
 
 
 def test_recorder_ranks_by_lcp_priority_before_the_token(setup):
-    """The histogram of one decode step equals the LCP rank of each activated expert
-    computed by hand from the policy state before the step."""
+    """The histogram of one decode step equals the rank of each activated expert computed by hand from the policy
+    state before the step: in the order the cache holds them (`held_order`: the previous token's experts first,
+    then the rest, each by LCP priority)."""
     lm, engine, _ = setup
     engine.configure(make_settings("lru", lm.shape, budget_of(lm.shape)))  # any policy: ranks are LCP's
     generate(lm, engine, PROMPT, None, 3)
     seen = []
-    engine.observers.append(lambda ev: seen.append((ev.layer, lcp_ranking(ev.cache.policy, ev.cache.step),
+    engine.observers.append(lambda ev: seen.append((ev.layer, held_order(lcp_ranking(ev.cache.policy, ev.cache.step),
+                                                                         ev.cache.policy.last, ev.cache.step).tolist(),
                                                     ev.top_k_index.tolist(), ev.predicted)))
     recorder = StatsRecorder(RoutingStats.empty("m", lm.shape.num_layers, lm.shape.num_experts, lm.shape.top_k))
     engine.observers.append(recorder)

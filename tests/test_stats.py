@@ -251,3 +251,107 @@ def test_recorder_ranks_each_prefill_token_at_its_own_step() -> None:
     a, b = whole.stats.layers[0], one_by_one.stats.layers[0]
     assert a.tokens == b.tokens == 40 and whole.tokens == 40
     assert a.rank_hist.tolist() == b.rank_hist.tolist()
+
+
+@pytest.mark.parametrize("policy_name", ["lcp", "lru"])
+def test_deferred_observations_give_the_statistics_of_each_moment(policy_name, monkeypatch) -> None:
+    """Issue 39 §5: the recorder notes a token's experts and takes them in when the statistics are read. Over prefills,
+    decode tokens with predicted rankings, a new policy mid-way (a new plan) and more tokens than MAX_PENDING, the
+    histograms equal those of ranking every token at its own moment (`lcp_ranks` of the live policy, before its
+    record, in the order a cache holds: `held_order`), and an event takes in nothing below MAX_PENDING tokens."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from fmoe_cli.offload.cache import LayerCache
+    from fmoe_cli.offload.policies import make_policy
+    from fmoe_cli.planning import stats as stats_module
+    from fmoe_cli.planning.stats import LayerStats, held_order, lcp_ranks
+
+    monkeypatch.setattr(stats_module, "MAX_PENDING", 37)
+    rng = random.Random(11)
+    layers, n, k = 2, 8, 2
+    recorder = StatsRecorder(RoutingStats.empty("m", layers, n, k))
+    want = RoutingStats.empty("m", layers, n, k)
+    caches = [LayerCache(3, make_policy(policy_name, n)) for _ in range(layers)]
+    observe, taken_in = LayerStats.observe, []
+
+    def counted(self, *args):
+        taken_in.append(1)
+        return observe(self, *args)
+
+    monkeypatch.setattr(LayerStats, "observe", counted)
+
+    def feed(token: int, rows: list[list[int]]) -> None:
+        for i, cache in enumerate(caches):
+            predicted = rng.sample(range(n), n) if len(rows) == 1 and rng.random() < 0.7 else None
+            before = len(taken_in)
+            recorder(SimpleNamespace(layer=i, top_k_index=torch.tensor(rows), routed=[e for r in rows for e in r],
+                                     cache=cache, predicted=predicted))
+            # nothing, or a whole run: MAX_PENDING tokens' worth, or the old policy's (token 60)
+            assert len(taken_in) == before or len(taken_in) - before >= 30 or token == 60
+            for t, row in enumerate(rows):  # the reference: each token ranked at its own moment, then touched
+                step = cache.step + t
+                observe(want.layers[i], row, held_order(lcp_ranks(cache.policy, step), cache.policy.last, step),
+                        predicted)
+                for e in row:
+                    cache.policy.touch(e, cache.step + t)
+            cache.step += len(rows)
+
+    for token in range(150):
+        if token == 60:  # a new plan: new policies (warm: the old ones' μ and last steps), the clocks moved on
+            for i, cache in enumerate(caches):
+                policy = make_policy(policy_name, n)
+                policy.count, policy.last = list(cache.policy.count), list(cache.policy.last)
+                caches[i] = LayerCache(3, policy)
+                caches[i].step = cache.step + 5
+        feed(token, [rng.sample(range(n), k) for _ in range(rng.choice([1, 1, 1, 6]))])
+    if recorder._pending[0] is None:  # the last token ended a run: one more, which the recorder keeps pending
+        feed(150, [rng.sample(range(n), k)])
+    assert 0 < len(taken_in) < sum(layer.tokens for layer in want.layers)  # the last runs are still pending
+    got = recorder.stats
+    for mine, theirs in zip(got.layers, want.layers):
+        assert mine.tokens == theirs.tokens > 150
+        assert mine.rank_hist.tolist() == theirs.rank_hist.tolist()
+        assert mine.predicted_hist.tolist() == theirs.predicted_hist.tolist()
+        assert mine.predicted_rank_hist.tolist() == theirs.predicted_rank_hist.tolist()
+        assert mine.predicted_tokens == theirs.predicted_tokens > 50
+
+
+def test_hit_curve_is_that_of_a_cache_that_admits_every_miss() -> None:
+    """H_i(C) as recorded (RoutingStats.observe_policy: the previous token's experts first, `held_order`) is the hit
+    rate of the engine's cache (LayerCache, LCP, every miss admitted: replay_token) for every C ≥ K, on routing whose
+    experts recur from token to token but are rare overall (within 0.005; at C = 2 to 8 the engine hits 0.82 to 0.89);
+    MoEpic's C highest priorities (`lcp_ranking` alone) say 0.26 to 0.76. Sticky routing: each of the previous token's 2 experts kept with probability 0.8, the rest uniform
+    over 16."""
+    from fmoe_cli.offload.cache import LayerCache, replay_token
+    from fmoe_cli.planning.stats import held_order
+
+    rng = random.Random(5)
+    n, k, q = 16, 2, 600
+    tokens, previous = [], rng.sample(range(n), k)
+    for _ in range(q):
+        kept = [e for e in previous if rng.random() < 0.8]
+        previous = kept + rng.sample([e for e in range(n) if e not in kept], k - len(kept))
+        tokens.append(previous)
+    recorded = RoutingStats.empty("m", 1, n, k)
+    by_priority = LayerStats(n, k)
+    policy = LCP(n, omega=OMEGA, rho=RHO)
+    caches = {c: LayerCache(c, LCP(n, omega=OMEGA, rho=RHO)) for c in (2, 3, 4, 6, 8)}
+    hits = dict.fromkeys(caches, 0)
+    for step, row in enumerate(tokens):
+        recorded.observe_policy(0, row, policy, step)
+        by_priority.observe(row, lcp_ranking(policy, step))
+        for e in row:
+            policy.touch(e, step)
+        for c, cache in caches.items():
+            hits[c] += replay_token(cache, row)
+    assert held_order([3, 1, 0, 2], [5, 0, 5, -1], 6).tolist() == [0, 2, 3, 1]  # last step 5 first, in their order
+    assert held_order([3, 1, 0, 2], [-1, -1, -1, -1], 0).tolist() == [3, 1, 0, 2]  # nothing before step 0
+    engine_at_2 = hits[2] / (q * k)  # 0.82, and 0.26 by priority
+    for c in caches:
+        engine = hits[c] / (q * k)
+        assert recorded.layers[0].hit_rate(c) == pytest.approx(engine, abs=0.03), c
+        assert recorded.layers[0].hit_rate(c) == pytest.approx(engine, abs=0.005), c
+        assert by_priority.hit_rate(c) < engine - 0.1, c
+    assert by_priority.hit_rate(2) < engine_at_2 / 3

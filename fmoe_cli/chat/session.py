@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.generate import SamplingParams, TokenEvent, encode_messages, new_cache, stream_generate
+from fmoe_cli.generate import DecodeGraph, SamplingParams, TokenEvent, conversation_cache, encode_messages, stream_generate
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
 from fmoe_cli.run import context_length
@@ -101,7 +101,7 @@ class ChatSession:
     window_start: int = 0  # messages before this one were dropped from the prompt to fit the context
     reused: int = 0  # prompt tokens of the latest answer taken from the previous answer's KV cache
     context: int | None = None  # the window (--context: what the KV cache is reserved for); None: the model's
-    _kv: DynamicCache | None = None
+    _kv: DynamicCache | DecodeGraph | None = None  # the conversation's KV cache (generate.conversation_cache)
     _kv_ids: list[int] = field(default_factory=list)  # the token ids the KV cache holds
 
     @property
@@ -191,7 +191,7 @@ class ChatSession:
         self.last_stats.dtype = str(self.lm.dtype).removeprefix("torch.")
         return self.last_stats
 
-    def take_cache(self, ids: list[int]) -> tuple[DynamicCache, int]:
+    def take_cache(self, ids: list[int]) -> tuple[DynamicCache | DecodeGraph, int]:
         """The KV cache to continue from for the prompt `ids`: the previous answer's, cropped to the
         longest common prefix of token ids (at least one token is left to feed), else a fresh one.
         Returns (cache, tokens reused); the session holds no cache until the answer ends (`generate`)."""
@@ -203,8 +203,8 @@ class ChatSession:
                 cache.crop(reuse - cache.get_seq_length())  # transformers 5: a negative count removes tokens
             except Exception:  # a cache layout that cannot be cropped: start afresh
                 cache, reuse = None, 0
-        if cache is None:
-            cache, reuse = new_cache(self.lm.model), 0  # on the CPU written in place (generate.py)
+        if cache is None:  # on a GPU the static cache of the context (replayed steps), on the CPU a growing one
+            cache, reuse = conversation_cache(self.lm.model, self.engine, self.context), 0
         self._kv, self._kv_ids = None, []  # until the answer completes
         return cache, reuse
 

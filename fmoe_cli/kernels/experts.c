@@ -410,6 +410,13 @@ static inline __attribute__((always_inline)) void rows_dot_q8(const uint8_t *con
 }
 #endif
 
+/* Floats of dots_q8's per-token vectors (q8_vectors) for T tokens of H inputs, and with the group sums'
+   (group_sum_vectors: groups of 64 inputs at least, tokens padded to 16) after them. */
+static int64_t q8_vector_floats(int64_t tokens, int64_t hidden) { return tokens * (hidden / 2 + 16); }
+static int64_t q8_scratch_floats(int64_t tokens, int64_t hidden) {
+    return q8_vector_floats(tokens, hidden) + (tokens + 15) / 16 * 16 * (hidden / 64);
+}
+
 /* Whether the int8-activation dots serve this format and shape (else the float32 ones run). */
 static int q8_shape(const Format *f) {
     if (!FMOE_AVX2) return 0;
@@ -1482,10 +1489,20 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
 #define FUSED_DOWN_TOKENS 5
 #endif
 
-/* Whether the fused paths serve this shape (else prefill_chunk's float block). */
+/* Whether dots_q8's tiles (int8 activations, AVX-512 VNNI) serve these rows and tokens: whole steps of 64 inputs a
+   group, fused_meta's metadata. */
+static int q8_tile_shape(const Format *f, const Tokens *x) {
+    int64_t h = f->hidden, G = f->group;
+    if (!FMOE_VNNI || !x->vector || !x->q8 || G % (2 * QBLOCK)) return 0;
+    if (f->fmt == FMT_INT8) return h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
+    return f->fmt == FMT_INT4 && (h / 2) % G == 0 && (2 * h / G) % 8 == 0 && 2 * h / G <= META_FLOATS;
+}
+
+/* Whether the fused paths serve this shape (else prefill_chunk's float block). int8 activations: the gate and up dots
+   in dots_q8's tiles where q8_tile_shape, else rows_dot_q8 token by token (prefill_chunk's). */
 static int fused_shape(const Format *f, const Tokens *x) {
     int64_t h = f->hidden, G = f->group;
-    if (!x->vector || x->q8) return 0;
+    if (!x->vector) return 0;
     if (f->fmt == FMT_BF16) return VL == 8 && h % 16 == 0; /* decode_row's AVX2 layout (x de-interleaved per 16) */
     if (G % (2 * VL)) return 0;
     if (f->fmt == FMT_INT8) return h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
@@ -1654,21 +1671,180 @@ static void down_fused_block(const uint8_t *const *rows, int64_t N, const Format
     }
 }
 
-/* Floats of one thread's scratch for prefill_fused: the gate and up dots, a of a block, the down rows' metadata. */
-static int64_t fused_floats(int64_t tokens) {
+#if FMOE_VNNI
+/* ---- several tokens with int8 activations (AVX-512 VNNI): a neuron's gate and up rows × Q8_TOKENS tokens -------------
+
+   With --activations int8 the gate and up dots over several tokens ran rows_dot_q8 once per token: every token
+   unpacked the rows' codes again (int4: an and, a shift and an and per 64 code bytes; int8: a sign flip per row and
+   token) and built its block scales again. dots_q8 unpacks each 64 code bytes once for a tile of up to Q8_TOKENS
+   tokens, and reads each token's block scales from vectors laid out once a call (q8_vectors: d_b in lanes 0–7,
+   d_{b+1} in 8–15, as rows_dot_q8_vnni pairs them). int8's signed codes: vpdpbusd multiplies unsigned by signed bytes,
+   so a row's codes go in as q + 128 (one xor per 64 codes, shared by the tile's tokens) onto an accumulator that starts
+   at −128·Σ q̃ of the lane's four inputs (q8_vectors, once a token): each lane's sum is Σ q q̃ exactly, the integer
+   rows_dot_q8_vnni gets with |q̃| and the flipped signs. Per (row, token) the operations are then rows_dot_q8_vnni's,
+   in its order: the integer block sums (exact, whatever the tile), the same float32 fmas per group, the same
+   horizontal sum and the same offsets. So a token's g and u have the bits decode (T = 1) gives them, whatever tile it
+   falls in, and prefill_fused's down rows follow (prefill_chunk's sums): tests/test_kernels.py compares both. */
+#define Q8_TOKENS 4
+
+/* Token t's vectors for step s of 64 inputs (S = H/64 steps), 32 floats at dv + (t·S + s)·32: its block scales,
+   lane l = d_{2s + l/8}, then (int8 rows) 16 int32, lane l = −128·Σ_{k<4} q̃_{64s + 4l + k}. */
+static void q8_vectors(const Tokens *x, const Format *f, float *dv) {
+    int64_t h = f->hidden, steps = h / (2 * QBLOCK);
+    const __m512i offset = _mm512_set1_epi8((char)0x80); /* 128 as an unsigned byte */
+    for (int64_t t = 0; t < x->tokens; t++) {
+        const float *xd = x->xd + t * (h / QBLOCK);
+        for (int64_t s = 0; s < steps; s++) {
+            float *v = dv + (t * steps + s) * 32;
+            _mm512_storeu_ps(v, _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(xd[2 * s])),
+                                                   _mm256_set1_ps(xd[2 * s + 1]), 1));
+            if (f->fmt == FMT_INT8) {
+                __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset,
+                                                   _mm512_loadu_si512((const void *)(x->xq + t * h + 64 * s)));
+                _mm512_storeu_si512((void *)(v + 16), _mm512_sub_epi32(_mm512_setzero_si512(), sums));
+            }
+        }
+    }
+}
+
+/* o0[t], o1[t] = x̂_t·ŵ_0, x̂_t·ŵ_1 for tokens t0 … t0 + TT − 1 and two rows r0, r1 (m0, m1: their fused_meta; dv:
+   q8_vectors); rows_dot_q8_vnni's operations per (row, token). TT, fmt: constants where inlined. */
+static inline __attribute__((always_inline)) void dots_q8(const uint8_t *r0, const uint8_t *r1, int fmt, int64_t h,
+                                                           int64_t G, const float *m0, const float *m1, const Tokens *x,
+                                                           int64_t t0, int TT, const float *dv, float *o0, float *o1,
+                                                           int64_t ts) {
+    const __m512i zero = _mm512_setzero_si512();
+    int64_t steps = h / (2 * QBLOCK);
+    const int8_t *xq[Q8_TOKENS];
+    const float *d[Q8_TOKENS];
+    __m512 total0[Q8_TOKENS], total1[Q8_TOKENS], lo0[Q8_TOKENS], lo1[Q8_TOKENS];
+    for (int t = 0; t < TT; t++) {
+        xq[t] = x->xq + (t0 + t) * h, d[t] = dv + (t0 + t) * steps * 32;
+        total0[t] = total1[t] = _mm512_setzero_ps();
+    }
+    if (fmt == FMT_INT8) { /* Σ q q̃ = −128·Σ q̃ + Σ (q + 128)·q̃ per lane */
+        const __m512i offset = _mm512_set1_epi8((char)0x80);
+        for (int64_t g = 0; g < h / G; g++) {
+            for (int t = 0; t < TT; t++) lo0[t] = lo1[t] = _mm512_setzero_ps();
+            for (int64_t j = g * G; j < (g + 1) * G; j += 2 * QBLOCK) {
+                __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(r0 + j)), offset);
+                __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512((const void *)(r1 + j)), offset);
+                for (int t = 0; t < TT; t++) {
+                    const float *v = d[t] + j / (2 * QBLOCK) * 32;
+                    __m512i xt = _mm512_loadu_si512((const void *)(xq[t] + j));
+                    __m512i start = _mm512_loadu_si512((const void *)(v + 16));
+                    __m512 dt = _mm512_loadu_ps(v);
+                    __m512i p0 = _mm512_dpbusd_epi32(start, w0, xt), p1 = _mm512_dpbusd_epi32(start, w1, xt);
+                    lo0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), dt, lo0[t]);
+                    lo1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), dt, lo1[t]);
+                }
+            }
+            __m512 s0 = _mm512_set1_ps(m0[g]), s1 = _mm512_set1_ps(m1[g]);
+            for (int t = 0; t < TT; t++)
+                total0[t] = _mm512_fmadd_ps(s0, lo0[t], total0[t]), total1[t] = _mm512_fmadd_ps(s1, lo1[t], total1[t]);
+        }
+        for (int t = 0; t < TT; t++) o0[t * ts] = _mm512_reduce_add_ps(total0[t]), o1[t * ts] = _mm512_reduce_add_ps(total1[t]);
+        return;
+    }
+    /* int4: byte j holds code j (low nibble) and code j + H/2 (high): groups g and g + H/2G together */
+    int64_t half = h / 2, paired = half / G;
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512 hi0[Q8_TOKENS], hi1[Q8_TOKENS];
+    for (int64_t g = 0; g < paired; g++) {
+        int64_t gh = g + paired;
+        for (int t = 0; t < TT; t++) lo0[t] = lo1[t] = hi0[t] = hi1[t] = _mm512_setzero_ps();
+        for (int64_t j = g * G; j < (g + 1) * G; j += 2 * QBLOCK) {
+            __m512i c0 = _mm512_loadu_si512((const void *)(r0 + j)), c1 = _mm512_loadu_si512((const void *)(r1 + j));
+            __m512i l0 = _mm512_and_si512(c0, nibble), h0 = _mm512_and_si512(_mm512_srli_epi16(c0, 4), nibble);
+            __m512i l1 = _mm512_and_si512(c1, nibble), h1 = _mm512_and_si512(_mm512_srli_epi16(c1, 4), nibble);
+            for (int t = 0; t < TT; t++) {
+                __m512i xl = _mm512_loadu_si512((const void *)(xq[t] + j));
+                __m512i xh = _mm512_loadu_si512((const void *)(xq[t] + half + j));
+                __m512 dl = _mm512_loadu_ps(d[t] + j / (2 * QBLOCK) * 32);
+                __m512 dh = _mm512_loadu_ps(d[t] + (half + j) / (2 * QBLOCK) * 32);
+                lo0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, l0, xl)), dl, lo0[t]);
+                hi0[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, h0, xh)), dh, hi0[t]);
+                lo1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, l1, xl)), dl, lo1[t]);
+                hi1[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, h1, xh)), dh, hi1[t]);
+            }
+        }
+        __m512 sl0 = _mm512_set1_ps(m0[2 * g]), sh0 = _mm512_set1_ps(m0[2 * gh]);
+        __m512 sl1 = _mm512_set1_ps(m1[2 * g]), sh1 = _mm512_set1_ps(m1[2 * gh]);
+        for (int t = 0; t < TT; t++) {
+            total0[t] = _mm512_fmadd_ps(sh0, hi0[t], _mm512_fmadd_ps(sl0, lo0[t], total0[t]));
+            total1[t] = _mm512_fmadd_ps(sh1, hi1[t], _mm512_fmadd_ps(sl1, lo1[t], total1[t]));
+        }
+    }
+    for (int t = 0; t < TT; t++) o0[t * ts] = _mm512_reduce_add_ps(total0[t]), o1[t * ts] = _mm512_reduce_add_ps(total1[t]);
+}
+
+/* The tokens' group sums X̂_g (int4) as vectors over tokens: xgt[(b·groups + g)·16 + lane] = X̂_g of token 16b + lane
+   (zero past T), so that q8_offsets takes 16 tokens an fma. */
+static void group_sum_vectors(const Tokens *x, float *xgt) {
+    int64_t groups = x->groups, padded = (x->tokens + 15) / 16 * 16;
+    for (int64_t t = 0; t < padded; t++)
+        for (int64_t g = 0; g < groups; g++)
+            xgt[((t / 16) * groups + g) * 16 + t % 16] = t < x->tokens ? x->xg[t * groups + g] : 0.0f;
+}
+
+/* o[t·ts] += Σ_g m_g·X̂_g of an int4 row (m: its fused_meta) for every token: rows_dot_q8_vnni's offsets (a float32
+   fma chain over the groups g, g + H/2G, g + 1, …, from zero), 16 tokens at a time in the lanes, then added to the
+   dot. */
+static void q8_offsets(const float *m, const Tokens *x, const float *xgt, float *o, int64_t ts) {
+    int64_t groups = x->groups, paired = groups / 2;
+    for (int64_t t0 = 0; t0 < x->tokens; t0 += 16) {
+        const float *xb = xgt + (t0 / 16) * groups * 16;
+        __m512 off = _mm512_setzero_ps();
+        for (int64_t g = 0; g < paired; g++) {
+            off = _mm512_fmadd_ps(_mm512_set1_ps(m[2 * g + 1]), _mm512_loadu_ps(xb + g * 16), off);
+            off = _mm512_fmadd_ps(_mm512_set1_ps(m[2 * (g + paired) + 1]), _mm512_loadu_ps(xb + (g + paired) * 16), off);
+        }
+        float lanes[16];
+        _mm512_storeu_ps(lanes, off);
+        for (int64_t t = t0; t < x->tokens && t < t0 + 16; t++) o[t * ts] += lanes[t - t0];
+    }
+}
+
+#define DOTS_Q8(fmt, TT) dots_q8(r0, r1, fmt, h, G, m0, m1, x, t, TT, dv, o0 + t * ts, o1 + t * ts, ts)
+#define DOTS_Q8_CASES(fmt) switch (TT) { \
+    case 4: DOTS_Q8(fmt, 4); break; case 3: DOTS_Q8(fmt, 3); break; \
+    case 2: DOTS_Q8(fmt, 2); break; default: DOTS_Q8(fmt, 1); break; }
+/* o0[t·ts], o1[t·ts] for every token: tiles of Q8_TOKENS tokens (a constant shape for each inlined copy), then
+   int4's offsets (xgt: group_sum_vectors). */
+static void dots_q8_rows(const uint8_t *r0, const uint8_t *r1, const Format *f, const float *m0, const float *m1,
+                         const Tokens *x, const float *dv, const float *xgt, float *o0, float *o1, int64_t ts) {
+    int64_t h = f->hidden, G = f->group;
+    for (int64_t t = 0; t < x->tokens; t += Q8_TOKENS) {
+        int TT = x->tokens - t < Q8_TOKENS ? (int)(x->tokens - t) : Q8_TOKENS;
+        if (f->fmt == FMT_INT8) { DOTS_Q8_CASES(FMT_INT8) } else { DOTS_Q8_CASES(FMT_INT4) }
+    }
+    if (f->fmt == FMT_INT4) q8_offsets(m0, x, xgt, o0, ts), q8_offsets(m1, x, xgt, o1, ts);
+}
+#endif
+
+/* Floats of one thread's scratch for prefill_fused: the gate and up dots, a of a block, the down rows' metadata (and
+   with int8 activations dots_q8's token vectors: q8_scratch_floats). */
+static int64_t fused_floats(int64_t tokens, int64_t hidden) {
     int64_t padded = (tokens + 15) / 16 * 16;
-    return (2 + DOWN_NEURONS) * padded + DOWN_NEURONS * META_FLOATS;
+    return (2 + DOWN_NEURONS) * padded + DOWN_NEURONS * META_FLOATS + q8_scratch_floats(tokens, hidden);
 }
 
 /* prefill_chunk for fused_shape: chunk k's partial sum c, its neurons in blocks of DOWN_NEURONS. Per neuron: its gate
-   and up dots over every token (dots_fused), a[t]; per block: c (the block's first: =, else +=) Σ a·ŵ_down in
-   neuron order (down_fused_block). prefill_chunk's sums exactly. */
+   and up dots over every token (dots_fused; int8 activations: dots_q8, or rows_dot_q8 a token), a[t]; per block: c
+   (the block's first: =, else +=) Σ a·ŵ_down in neuron order (down_fused_block). prefill_chunk's sums exactly. */
 static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
     const Format *f = p->f;
     const Tokens *x = p->x;
     int64_t tokens = x->tokens, h = f->hidden, pb = f->proj_bytes, padded = (tokens + 15) / 16 * 16;
-    float *gu = scratch, *a = gu + 2 * padded, *meta = a + DOWN_NEURONS * padded;
+    float *gu = scratch, *a = gu + 2 * padded, *meta = a + DOWN_NEURONS * padded, *dv = meta + DOWN_NEURONS * META_FLOATS;
+    float *xgt = dv + q8_vector_floats(tokens, h);
     float mg[META_FLOATS], mu[META_FLOATS];
+    int q8_tiles = q8_tile_shape(f, x);
+#if FMOE_VNNI
+    if (q8_tiles) q8_vectors(x, f, dv), group_sum_vectors(x, xgt);
+#else
+    (void)dv, (void)xgt;
+#endif
     float *c = p->part + k * tokens * h;
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
     const uint8_t *down[DOWN_NEURONS];
@@ -1683,7 +1859,15 @@ static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
             }
 #endif
             fused_meta(row, f, mg), fused_meta(row + pb, f, mu);
-            dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
+            if (!x->q8) {
+                dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
+            } else if (q8_tiles) {
+#if FMOE_VNNI
+                dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded, 1);
+#endif
+            } else {
+                for (int64_t t = 0; t < tokens; t++) gate_up_dots(row, f, x, t, gu + t, gu + padded + t);
+            }
             float *an = a + (n - b0) * padded;
             for (int64_t t = 0; t < tokens; t++) an[t] = gated(gu[t], gu[padded + t], p->x_bf16);
             down[n - b0] = row + 2 * pb;
@@ -2147,7 +2331,7 @@ static int64_t pass_stride(int64_t tokens, int64_t hidden) {
     if (tokens > PREFILL_FROM && prefill_floats(tokens, hidden) > stride) stride = prefill_floats(tokens, hidden);
     if (by_neuron_floats(tokens, hidden) > stride) stride = by_neuron_floats(tokens, hidden); /* FMT_DOWN_BY_NEURON */
 #if FMOE_AVX2
-    if (tokens > PREFILL_FROM && fused_floats(tokens) > stride) stride = fused_floats(tokens);
+    if (tokens > PREFILL_FROM && fused_floats(tokens, hidden) > stride) stride = fused_floats(tokens, hidden);
 #endif
     return stride;
 }
@@ -2425,6 +2609,7 @@ typedef struct {
     float *y, *scratch;
     int64_t outputs, stride;
     const float *xt; /* gemm_shape: x transposed [H, T'] (else NULL) */
+    const float *dv, *xgt; /* q8_tile_shape: the tokens' block scale and group sum vectors for dots_q8 (else NULL) */
 } Linear;
 
 /* Output rows [32k, 32k + 32): y[t, o] = x_t·ŵ_o. */
@@ -2440,6 +2625,16 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
     if (x->q8) { /* int8: 4 rows at a time, int4: 2, sharing the token's loads (each row's sum its own) */
         int64_t o = o0;
         float out[4];
+#if FMOE_VNNI
+        if (p->dv) { /* several tokens: dots_q8's tiles, two rows × 4 tokens (rows_dot_q8's bits per row and token) */
+            float m0[META_FLOATS], m1[META_FLOATS];
+            for (; o + 2 <= o1; o += 2) {
+                const uint8_t *r0 = p->rows + o * f->proj_bytes, *r1 = r0 + f->proj_bytes;
+                fused_meta(r0, f, m0), fused_meta(r1, f, m1);
+                dots_q8_rows(r0, r1, f, m0, m1, x, p->dv, p->xgt, p->y + o, p->y + o + 1, p->outputs);
+            }
+        }
+#endif
         for (; o + 4 <= o1 && f->fmt == FMT_INT8; o += 4) {
             const uint8_t *rows[4] = {p->rows + o * f->proj_bytes, p->rows + (o + 1) * f->proj_bytes,
                                       p->rows + (o + 2) * f->proj_bytes, p->rows + (o + 3) * f->proj_bytes};
@@ -2521,9 +2716,16 @@ int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t h
 #endif
     stride = (stride + 15) / 16 * 16; /* each thread's scratch on its own cache lines */
     Tokens xs;
-    float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride + transposed);
+    float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride + transposed + q8_scratch_floats(tokens, hidden));
     if (!scratch) return -1;
-    Linear job = {&xs, &f, rows, y, scratch, outputs, stride, NULL};
+    Linear job = {&xs, &f, rows, y, scratch, outputs, stride, NULL, NULL, NULL};
+#if FMOE_VNNI
+    if (tokens > 1 && q8_tile_shape(&f, &xs)) { /* dots_q8's vectors, once a call */
+        float *dv = scratch + threads * stride + transposed, *xgt = dv + q8_vector_floats(tokens, hidden);
+        q8_vectors(&xs, &f, dv), group_sum_vectors(&xs, xgt);
+        job.dv = dv, job.xgt = xgt;
+    }
+#endif
 #if FMOE_AVX2
     if (transposed && gemm_shape(&f, &xs)) { /* x [T, H] -> xt [H, T'], the padding's tokens zero */
         float *xt = scratch + threads * stride;

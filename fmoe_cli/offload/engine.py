@@ -209,7 +209,7 @@ class Routing:
 @dataclass
 class LayerState:
     cache: LayerCache
-    tops: torch.Tensor  # [C_i, k_i, *row_shape] on the device (for resident: all experts, whole)
+    tops: torch.Tensor  # [C_i, k_i, *row_shape] on the device (for resident: all experts, whole); `aliased`: on "meta"
     top_neurons: int  # k_i
     top_rows: list  # store.rows(tops[slot]) per cache slot, made once (what segment_forward takes; store.stacked_rows)
     counters: Counters = field(default_factory=Counters)
@@ -217,10 +217,31 @@ class LayerState:
     resident: bool = False  # every expert whole in `tops` (Plan.resident): nothing is ever staged, loaded or admitted
     expert_rows: list | None = None  # resident: top_rows of each expert by id (its slot never changes), made once
     slot_table: torch.Tensor | None = None  # resident, device side: [N] each expert's slot, on the device, made once
+    # The CPU behind a link that moves no bytes (Engine.aliased): a cache slot is a view of the host store's rows of
+    # the expert it holds, not a copy of them (the same bytes, read-only: no kernel writes its rows). `tops` is then
+    # a tensor on "meta" (the plan's shape and bytes, no memory) and top_views[slot] the view (None: never filled).
+    aliased: bool = False
+    top_views: list | None = None
 
     @classmethod
     def of(cls, cache: LayerCache, tops: torch.Tensor, top_neurons: int, store: HostStore) -> LayerState:
+        if tops.device.type == "meta":
+            return cls(cache, tops, top_neurons, [None] * tops.shape[0], aliased=True, top_views=[None] * tops.shape[0])
         return cls(cache, tops, top_neurons, store.stacked_rows(tops))
+
+    def top(self, slot: int) -> torch.Tensor:
+        """What cache slot `slot` holds: [k_i, *row_shape]."""
+        return self.top_views[slot] if self.aliased else self.tops[slot]
+
+    def put_top(self, slot: int, rows: torch.Tensor, store: HostStore) -> None:
+        """Expert rows [k_i, *row_shape] into cache slot `slot`, in the compute's order: a copy on the device
+        (offload/link.py `device_copy`), or where `aliased`, the slot made a view of `rows`, which must then be the
+        host store's own rows (offload/store.py `expert`), not a buffer that is reused (a staging slot)."""
+        if not self.aliased:
+            device_copy(self.tops[slot], rows)
+            return
+        self.top_views[slot] = rows
+        self.top_rows[slot] = store.rows(rows)
 
 
 @dataclass
@@ -277,6 +298,9 @@ class Engine:
         self.shape = shape
         self.link = link
         self.device = device
+        # The CPU behind a link that hands out the host store's rows (no bytes moved): the caches' slots are views of
+        # the store (LayerState.aliased), as the link's loads are: a copy would hold the same bytes twice in RAM.
+        self.aliased = device.type == "cpu" and not link.copy
         self.dtype = dtype
         routers = [layer.router for layer in layers]
         self.predictor = predictor or SpeculativePredictor(routers)
@@ -363,7 +387,8 @@ class Engine:
         self.pool, self.prefetcher, self.layers = None, None, []
         self.link.synchronize()  # what is still on the link finishes; the link drops its transfers
         self._predicted = [None] * self.shape.num_layers
-        self.decode_graphs.clear()  # they read the buffers being freed
+        for graph in self.decode_graphs.values():  # their graphs read the buffers being freed; their KV caches
+            graph.release()  # (a conversation's) stay
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -384,15 +409,16 @@ class Engine:
                 tops = store.layers[i].to(self.device, store.dtype)  # no copy on the CPU
                 for e in range(shape.num_experts):
                     cache.insert(e)
+                state = LayerState.of(cache, tops, lp.top_neurons, store)
             else:
-                tops = torch.empty(lp.cache_size, lp.top_neurons, *store.row_shape, device=self.device,
-                                   dtype=store.dtype)
+                tops = torch.empty(lp.cache_size, lp.top_neurons, *store.row_shape,
+                                   device="meta" if self.aliased else self.device, dtype=store.dtype)
+                state = LayerState.of(cache, tops, lp.top_neurons, store)
                 if steps is not None:
                     cache.step = steps[i]
                     ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]  # ever activated
                     for e in rebuild_order(ranked, lp):
-                        device_copy(tops[cache.insert(e)], store.expert(i, e)[: lp.top_neurons])
-            state = LayerState.of(cache, tops, lp.top_neurons, store)
+                        state.put_top(cache.insert(e), store.expert(i, e)[: lp.top_neurons], store)
             state.host = lp.host and not plan.resident
             state.resident = plan.resident
             layers.append(state)
@@ -742,8 +768,9 @@ class Engine:
         if state.top_neurons == 0:
             return
         admission = state.cache.admit(e)
-        if admission is not None:
-            device_copy(state.tops[admission.slot], segment[: state.top_neurons])
+        if admission is not None:  # aliased: the store's rows (segment may be a staging slot, which is reused)
+            k = state.top_neurons
+            state.put_top(admission.slot, self.store.expert(i, e)[:k] if state.aliased else segment[:k], self.store)
 
     @property
     def _prefetching(self) -> bool:

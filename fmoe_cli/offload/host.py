@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fmoe_cli.offload.hits import Hits
-from fmoe_cli.offload.link import PREFETCH, Link, Transfer, device_copy
+from fmoe_cli.offload.link import PREFETCH, Link, Transfer
 
 
 @dataclass(frozen=True)
@@ -171,9 +171,9 @@ class HostLane:
             return
         self.fills.pending[i] = None
         got = engine.link.acquire(fill.transfer, tag=i)
-        slot = engine.layers[i].tops[fill.slot]
-        if got.data_ptr() != slot.data_ptr():
-            device_copy(slot, got)
+        state = engine.layers[i]
+        if state.aliased or got.data_ptr() != state.tops[fill.slot].data_ptr():  # aliased: `got` is the store's rows
+            state.put_top(fill.slot, got, engine.store)
 
     def clear(self, link: Link) -> None:
         self.fills.clear(link)

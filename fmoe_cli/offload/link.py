@@ -127,6 +127,7 @@ class Link(Protocol):
     kind: str  # "emulated", "host", "cuda"
     gbps: float | None
     bytes_moved: int
+    copy: bool  # bytes land in `dst`; False: `acquire` hands out `src`, the host store's own rows (the CPU)
 
     def label(self) -> str: ...
 
@@ -299,7 +300,11 @@ def clock_kind() -> str:
 def host_clock():
     """The process's one clock for the emulated link and every timing fmoe takes (token latencies,
     profiles, the engine's counters): wall time (`MonotonicClock`), or with FMOE_EMULATED_CLOCK=cpu the
-    process's CPU time plus its waits on the link (`CpuClock`; one compute thread)."""
+    process's CPU time plus its waits on the link (`CpuClock`; one compute thread). Looked up by the variable's
+    value as it is (a decode step asks several times a layer: no parsing then)."""
+    clock = _host_clocks.get(os.environ.get(CLOCK_ENV))
+    if clock is not None:
+        return clock
     kind = clock_kind()
     clock = _host_clocks.get(kind)
     if clock is None:
@@ -309,6 +314,7 @@ def host_clock():
         else:
             clock = MonotonicClock(spin=WAKE_SPIN_S)
         _host_clocks[kind] = clock
+    _host_clocks[os.environ.get(CLOCK_ENV)] = clock  # (a bad value raised above)
     return clock
 
 
@@ -531,6 +537,7 @@ class CudaLink:
     """
 
     kind = "cuda"
+    copy = True
 
     def __init__(self, device: torch.device, max_in_flight_bytes: int | None = None, chunk_bytes: int = CHUNK_BYTES,
                  throttle_gbps: float | None = None, pump_thread: bool = True) -> None:

@@ -70,6 +70,11 @@ docs/planning.md § Where the model deviates from the paper):
 - admissions of a cache smaller than K (G_i): a hit or an admitted miss stays pinned to the layer's end, so
   C_i < K slots take only min(K, C_i) − h of a token's misses; charging every miss priced the demo's
   `lru` and `cache-only` plans (two whole experts per layer, K = 4) 6–7 % above the simulator.
+- H_i(C) in the order the engine's cache holds the experts (planning/stats.py: held_order): the previous token's
+  first, as a cache that admits every miss keeps them, then by priority; MoEpic's C highest priorities priced whole
+  experts at 1.8 × the simulator's exposed load where experts recur from token to token (Qwen1.5-MoE at 240 experts
+  in `simulate.py paper`: `cache-only` 28.8 ms a token against 16.1, hit 0.24 priced, 0.46 simulated), and the
+  configured plan lost to every cache baseline there.
 - the hit rate of a cache smaller than K (`cache_hit_rate`): such a cache holds C_i of the last token's experts,
   not the C_i of highest priority: H_i(C) = min(H_i(C), (C/K)·H_i(K)) for C < K; with H_i(C) as recorded, those
   plans were priced 2–4 % below the simulator at 4 and 16 GB/s (hit 0.32 priced, 0.24 simulated).

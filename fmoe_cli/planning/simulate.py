@@ -50,7 +50,7 @@ from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, make_policy
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.offload.prefetch import Prefetcher
 from fmoe_cli.planning.presets import PlanInputs, settings_for
-from fmoe_cli.planning.stats import RoutingStats, lcp_ranking
+from fmoe_cli.planning.stats import RoutingStats, held_order, lcp_ranking
 from fmoe_cli.prediction.base import Iteration, Prediction, ranked_prediction
 from fmoe_cli.prediction.eam import EamPredictor
 from fmoe_cli.types import EngineSettings, ExpertShape, Timings
@@ -413,7 +413,8 @@ def stats_from(sequences: Sequence[Sequence[Token]], shape: ExpertShape, predict
                     predicted = token.predicted[i]
                 else:
                     predicted = None
-                stats.observe(i, sorted(set(experts)), lcp_ranking(policies[i], step), predicted)
+                stats.observe(i, sorted(set(experts)), held_order(lcp_ranking(policies[i], step), policies[i].last, step),
+                              predicted)
                 for e in experts:
                     policies[i].touch(e, step)
                 if predictor is not None:

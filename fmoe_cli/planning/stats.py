@@ -3,8 +3,9 @@
 Per MoE layer i, after q tokens:
 
 - H_i(C): the fraction of activated experts that a cache of size C would hold.
-  A priority cache of size C holds the C highest-priority experts, so we keep a
-  histogram of the priority rank (0 = highest) of every activated expert, taken
+  The engine's cache admits every miss, so it holds the previous token's experts and
+  then those of highest priority (`held_order`; MoEpic: the C highest priorities): we
+  keep a histogram of every activated expert's rank in that order (0 = first), taken
   *before* the policy sees the token:  H_i(C) = cumsum(hist)[C] / (q·K).
 - P_i(y): how often the expert with the y-th highest predicted score was
   activated, divided by q.
@@ -211,6 +212,20 @@ class LayerStats:
         self.predicted_tokens += sign * other.predicted_tokens
 
 
+def held_order(ranking: Sequence[int], last: Sequence[int], step: int) -> np.ndarray:
+    """The order a cache that admits every miss holds the experts in, before the token at `step`: the previous
+    token's experts (last step = step − 1) first, then the rest, each group in `ranking`'s order (the policy's
+    priority). The engine's cache (offload/cache.py: admit) offers every loaded miss and evicts the lowest priority
+    among the unpinned, so after a token it holds that token's experts whatever their priority, and its other
+    slots the survivors of highest priority: a cache of C ≥ K slots holds the first C of this order, not the C of
+    highest priority that MoEpic's H_i(C) assumes (docs/planning.md § Where the model deviates from the paper: on
+    the synthetic Qwen1.5-MoE routing of `simulate.py paper`, C = 9 of 60, the cache hit 0.46, the C highest
+    priorities 0.24, this order 0.46)."""
+    order = np.asarray(ranking, dtype=np.intp)
+    recent = np.asarray(last, dtype=np.int64)[order] == step - 1 if step > 0 else np.zeros(len(order), dtype=bool)
+    return np.concatenate((order[recent], order[~recent]))
+
+
 def lcp_ranking(policy: EvictionPolicy, step: int, omega: float | None = None, rho: float | None = None) -> list[int]:
     """`policy.ranking(step)` for LCP: P = μ · ρ^(ν/ω), highest first, ties by expert id.
 
@@ -228,11 +243,20 @@ def lcp_ranks(policy: EvictionPolicy, step: int) -> np.ndarray:
     table of `math.log`'s values, ν·(log ρ / ω) and their sum as the same float64 operations; −inf for μ = 0), and
     the same order (a stable sort, ties by expert id). A decode step's statistics rank every expert of every layer:
     N logs and a sort of N in Python cost tens of µs a layer at N = 64–128."""
+    return _lcp_argsort(np.asarray(policy.count, dtype=np.int64), np.asarray(policy.last, dtype=np.int64), step,
+                        _log_rho_per_token(policy))
+
+
+def _log_rho_per_token(policy: EvictionPolicy) -> float:
+    """log ρ / ω of LCP's priority: the policy's own ω and ρ if it is LCP, else MoEpic's defaults."""
     omega = getattr(policy, "omega", None) or LCP_OMEGA
     rho = getattr(policy, "rho", None) or LCP_RHO
-    count = np.asarray(policy.count, dtype=np.int64)
-    nu = step - np.asarray(policy.last, dtype=np.int64)
-    priority = _log_counts(count) + nu * (math.log(rho) / omega)
+    return math.log(rho) / omega
+
+
+def _lcp_argsort(count: np.ndarray, last: np.ndarray, step: int, log_rho_per_token: float) -> np.ndarray:
+    """Every expert by LCP priority log μ + ν · (log ρ / ω) at `step`, highest first, ties by id (a stable sort)."""
+    priority = _log_counts(count) + (step - last) * log_rho_per_token
     return np.argsort(-priority, kind="stable")
 
 
@@ -295,7 +319,7 @@ class RoutingStats:
     def observe_policy(self, layer: int, activated: Sequence[int], policy: EvictionPolicy, step: int, predicted: Sequence[int] | None = None) -> None:
         """Convenience for the engine: rank by the layer's policy as it stands before the token."""
         ranking = lcp_ranking(policy, step) if type(policy) is LCP else policy.ranking(step)
-        self.layers[layer].observe(activated, ranking, predicted)
+        self.layers[layer].observe(activated, held_order(ranking, policy.last, step), predicted)
 
     def curves(self, layer: int) -> LayerCurves:
         return self.layers[layer].curves()
@@ -345,52 +369,112 @@ class RoutingStats:
         return cls.from_dict(read_json(path, "routing statistics", limit=STATS_LIMIT), source=f"routing statistics {path}", expect=expect)
 
 
+MAX_PENDING = 512  # decode tokens a layer's observations wait at most before the recorder takes them in
+
+
+@dataclass
+class _Pending:
+    """A layer's tokens observed since the recorder last took them in, and what their rankings are made from: the
+    policy's μ and last steps and the layer's clock before the first of them (each later token's follow from these by
+    the touches of the ones before: only `LayerCache.record` touches a policy)."""
+
+    policy: EvictionPolicy  # whose state it is: another (a new plan) ends the run of tokens
+    count: list[int]  # μ before the first token
+    last: list[int]  # the last steps before it
+    step: int  # the layer's clock at the first token
+    log_rho_per_token: float  # log ρ / ω, LCP's (MoEpic's defaults for another policy)
+    rows: list[list[int]] = field(default_factory=list)  # each token's activated experts
+    predicted: list = field(default_factory=list)  # each token's predicted ranking (int16), or None
+
+    @property
+    def next_step(self) -> int:
+        """The layer's clock at the next token, if nothing but these tokens moved it."""
+        return self.step + len(self.rows)
+
+
 class StatsRecorder:
     """An engine observer (`engine.observers.append(recorder)`) that feeds RoutingStats.
 
     Each RouteEvent comes before the layer's policy sees the forward: every token of it
-    is observed with the LCP priority ranking of its own moment (the policy records a
+    is observed with the LCP priority ranking of its own moment, in the order a cache holds the experts
+    (`held_order`: the previous token's first; the policy records a
     prefill token by token, so token t is ranked after the touches of tokens 0..t-1),
     and a decode token also with the prefetcher's ranking for the layer (P_i, PH_i).
     `tokens` counts the tokens that passed the first MoE layer (for τ).
+
+    Out of the hot path (issue 39 §5): an event only notes its tokens (their experts, the prediction) and, at the
+    first of a run, the policy's μ, last steps and clock; the rankings and histograms are made when the statistics
+    are read (`stats`, `save`, `flush`: a re-plan, the idle device, the end of a run), by replaying the run's
+    touches on those copies — the same floats as at each token (`lcp_ranks`). A run of tokens ends where the policy
+    changed (a new plan) or the layer's clock moved otherwise, and after MAX_PENDING tokens.
     """
 
     def __init__(self, stats: RoutingStats, path: Path | None = None) -> None:
-        self.stats = stats
+        self._stats = stats
         self.path = path
         self.tokens = 0
         self._saved = [layer.copy() for layer in stats.layers]  # the counts as last read or written
+        self._pending: list[_Pending | None] = [None] * len(stats.layers)
+
+    @property
+    def stats(self) -> RoutingStats:
+        """The statistics, every token observed so far taken in."""
+        self.flush()
+        return self._stats
 
     def __call__(self, event) -> None:  # event: offload.engine.RouteEvent
         cache = event.cache
         policy = cache.policy
         k = event.top_k_index.shape[-1]
         routed = event.routed  # top_k_index on the host, token-major (the engine's list: no op)
-        rows = [routed] if len(routed) == k else [routed[t:t + k] for t in range(0, len(routed), k)]
+        rows = [list(routed)] if len(routed) == k else [routed[t:t + k] for t in range(0, len(routed), k)]
+        pending = self._pending[event.layer]
+        if pending is None or pending.policy is not policy or pending.next_step != cache.step:
+            self._take_in(event.layer)
+            pending = self._pending[event.layer] = _Pending(policy, list(policy.count), list(policy.last), cache.step,
+                                                            _log_rho_per_token(policy))
+        pending.rows.extend(rows)
         predicted = event.predicted if len(rows) == 1 else None
-        layer = self.stats.layers[event.layer]
-        if len(rows) == 1:
-            layer.observe(rows[0], lcp_ranks(policy, cache.step), predicted)
-        else:  # a prefill: replay its touches on a copy of μ and the last steps, as LayerCache.record does
-            omega = getattr(policy, "omega", None) or LCP_OMEGA
-            rho = getattr(policy, "rho", None) or LCP_RHO
-            count, last = list(policy.count), list(policy.last)
-            for t, row in enumerate(rows):
-                step = cache.step + t
-                layer.observe(row, _lcp_order(count, last, step, math.log(rho) / omega), None)
-                for e in row:
-                    count[e] += 1
-                    last[e] = step
+        if predicted is None:
+            pending.predicted.extend([None] * len(rows))
+        else:
+            pending.predicted.append(np.asarray(predicted, dtype=np.int16))
+        if len(pending.rows) >= MAX_PENDING:
+            self._take_in(event.layer)
         if event.layer == 0:
             self.tokens += len(rows)
+
+    def flush(self) -> None:
+        """Take in every layer's observed tokens (the statistics are then up to date)."""
+        for layer in range(len(self._pending)):
+            self._take_in(layer)
+
+    def _take_in(self, layer: int) -> None:
+        """Layer `layer`'s pending tokens into its statistics, each with the LCP ranking of its moment: `lcp_ranks`'s
+        expression on the copies of μ and the last steps, touched token by token as `LayerCache.record` touches them."""
+        pending, self._pending[layer] = self._pending[layer], None
+        if pending is None:
+            return
+        stats = self._stats.layers[layer]
+        count = np.array(pending.count, dtype=np.int64)
+        last = np.array(pending.last, dtype=np.int64)
+        step, per_token = pending.step, pending.log_rho_per_token
+        for row, predicted in zip(pending.rows, pending.predicted):
+            stats.observe(row, held_order(_lcp_argsort(count, last, step, per_token), last, step), predicted)
+            for e in row:  # EvictionPolicy.touch
+                count[e] += 1
+                last[e] = step
+            step += 1
 
     def save(self) -> Path | None:
         """Add this session's new counts to the file, under its lock: what other sessions saved since
         this one read it is kept (concurrent sessions add up), and this session's statistics become
-        the sum. A save that cannot be written is skipped with one warning (and not tried again)."""
+        the sum. A save that cannot be written is skipped with one warning (and not tried again). The observed
+        tokens are taken in first, saved or not (`flush`: the save is called when the device is idle)."""
+        stats = self.stats
         if self.path is None:
             return None
-        path, stats = Path(self.path), self.stats
+        path = Path(self.path)
         try:
             with locked(path):
                 disk = _read_saved(path, (stats.num_layers, stats.num_experts, stats.top_k))
