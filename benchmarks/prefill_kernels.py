@@ -15,6 +15,7 @@ bits (they must where a change claims to keep them).
 
     python benchmarks/prefill_kernels.py --against main
     python benchmarks/prefill_kernels.py --against main --models a3b big --formats int4 int8 --activations int8 float
+    python benchmarks/prefill_kernels.py --against main --models big --down-by-neuron
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ def build(source_dir: Path, out: Path) -> ctypes.CDLL:
         builder.build = original
 
 
-def cases(model: str, fmt_name: str, activations: str, tokens: int):
-    """{path: call(kernels module) -> result} for one model, expert format and --activations."""
+def cases(model: str, fmt_name: str, activations: str, tokens: int, by_neuron: bool = False):
+    """{path: call(kernels module, down_by_neuron) -> result} for one model, expert format and --activations;
+    by_neuron: the experts' rows are also quantised with their down rows grouped along the neurons (the converted
+    store's version 3), which a call with down_by_neuron uses."""
     import torch
 
     from fmoe_cli import kernels
@@ -67,17 +70,19 @@ def cases(model: str, fmt_name: str, activations: str, tokens: int):
     route = torch.stack([torch.randperm(count, generator=g)[:top_k] for _ in range(tokens)])
     x = torch.randn(tokens, hidden, generator=g)
     experts = sorted(set(route.flatten().tolist()))
-    two = [quantize(torch.randn(width, 3, hidden, generator=g) * 0.02, fmt) for _ in range(2)]
-    segments = [two[e % 2].clone() for e in experts]  # a copy each: from RAM, as a prefill reads a layer's experts
+    weights = [torch.randn(width, 3, hidden, generator=g) * 0.02 for _ in range(2)]
+    layouts = (False, True) if by_neuron else (False,)
+    # a copy each: from RAM, as a prefill reads a layer's experts
+    segments = {layout: [quantize(weights[e % 2], fmt, layout) for e in experts] for layout in layouts}
     xs = [x[(route == e).any(1)].contiguous() for e in experts]
     chunk = ExpertShape(1, 1, 1, hidden, width, 4).neuron_block
-    spec = kernels.quant_spec(fmt, hidden, chunk, activations)
+    specs = {layout: kernels.quant_spec(fmt, hidden, chunk, activations, layout) for layout in layouts}
     rows = quantize(torch.randn(q_rows, 1, hidden, generator=g) * 0.02, fmt)[:, 0].contiguous()
     dense = kernels.quant_spec(fmt, hidden, activations=activations)
     sizes = [t.shape[0] for t in xs]
     label = f"{len(experts)} experts, {statistics.mean(sizes):.1f} tokens each ({min(sizes)}–{max(sizes)})"
-    return label, {"experts": lambda k: torch.cat(k.experts_forward(xs, segments, spec)),
-                   f"q rows {q_rows} × {hidden}": lambda k: k.linear_forward(x, rows, dense)}
+    return label, {"experts": lambda k, layout: torch.cat(k.experts_forward(xs, segments[layout], specs[layout])),
+                   f"q rows {q_rows} × {hidden}": lambda k, layout: k.linear_forward(x, rows, dense)}
 
 
 def main() -> None:
@@ -89,6 +94,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="the prompt's tokens (default 64)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="calls per round and build")
+    p.add_argument("--down-by-neuron", action="store_true",
+                   help="the work tree's experts with their down rows grouped along the neurons (converted store "
+                        "version 3), REV's grouped along H (version 2): the same weights, other codes, so other bits")
     args = p.parse_args()
     if args.tokens < 2 or args.rounds < 1 or args.repeats < 1:
         print("error: --tokens from 2, --rounds and --repeats from 1", file=sys.stderr)
@@ -126,10 +134,11 @@ def main() -> None:
             for model in args.models:
                 for fmt in args.formats:
                     for activations in args.activations:
-                        label, calls = cases(model, fmt, activations, args.tokens)
+                        label, calls = cases(model, fmt, activations, args.tokens, args.down_by_neuron)
                         print(f"{model} {fmt} experts, {activations} activations ({label}):")
                         for path, call in calls.items():
-                            outs = {name: call(on(lib)) for name, lib in libs.items()}
+                            layout = {args.against: False, "work tree": args.down_by_neuron}
+                            outs = {name: call(on(lib), layout[name]) for name, lib in libs.items()}
                             old_out, new_out = outs.values()
                             same = torch.equal(old_out, new_out)
                             times = {name: [] for name in libs}
@@ -137,7 +146,7 @@ def main() -> None:
                                 for name, lib in list(libs.items())[::1 if round_ % 2 == 0 else -1]:
                                     start = time.thread_time()
                                     for _ in range(args.repeats):
-                                        call(on(lib))
+                                        call(on(lib), layout[name])
                                     times[name].append((time.thread_time() - start) / args.repeats * 1e3)
                             cells = [f"{name} {statistics.median(t):.2f} [{min(t):.2f}–{max(t):.2f}]"
                                      for name, t in times.items()]

@@ -198,7 +198,7 @@ def test_down_by_neuron_rows_computes_what_torch_computes(name, dtype, hidden, i
 @needs_kernels
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("hidden, intermediate, chunk", BY_NEURON_SHAPES)
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 13])  # 3, 13 at H = 2048: the prefill tiles (experts.c by_neuron_q8_chunk)
 def test_down_by_neuron_int8_activations_compute_the_quantised_result(name, hidden, intermediate, chunk, tokens):
     """--activations int8 with down rows grouped along the neurons: gate and up multiply x̂ (x per block of 32), and
     the down projection multiplies â, the gated activations quantised per group of 32 neurons, with integer dots: the
@@ -215,6 +215,29 @@ def test_down_by_neuron_int8_activations_compute_the_quantised_result(name, hidd
     want = quantised_groups(a) @ w[:, 2]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert (got - a @ w[:, 2]).abs().max() > 1e-4 * want.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("hidden, intermediate, chunk", [(1024, 64, 32), (2048, 96, 32)])  # big's H; three groups
+def test_down_by_neuron_prefill_gives_each_token_the_bits_it_gets_among_any_tokens(name, dtype, activations, hidden,
+                                                                                    intermediate, chunk):
+    """Down rows grouped along the neurons, several tokens (a prefill: with int8 activations on AVX-512 VNNI the tiles
+    of experts.c by_neuron_q8_chunk, 1-4 tokens a gate/up tile, 1-8 a down tile): each token's outputs have the bits it
+    gets among any other tokens, in any tile shape and position; with int8 activations also the bits it gets alone
+    (decode's path), so a prefill and a decode of the same token agree. The values: test above."""
+    stored, _, spec, dtype = expert(name, hidden, intermediate, chunk=chunk, dtype=dtype, activations=activations,
+                                    by_neuron=True)
+    x = torch.randn(13, hidden, generator=torch.Generator().manual_seed(5)).to(dtype)
+    whole = kernels.segment_forward(x, stored, spec)
+    for start, count in [(0, 2), (1, 3), (2, 4), (3, 5), (0, 6), (5, 7), (4, 8), (2, 9), (1, 12)]:
+        part = kernels.segment_forward(x[start:start + count], stored, spec)
+        assert torch.equal(part, whole[start:start + count]), f"tokens {start}..{start + count - 1} of 13"
+    if activations == "int8":
+        for t in range(13):
+            assert torch.equal(kernels.segment_forward(x[t:t + 1], stored, spec), whole[t:t + 1]), f"token {t} alone"
 
 
 @needs_kernels

@@ -2201,24 +2201,230 @@ static void down_group(const uint8_t *rows, int64_t row_bytes, const Format *f, 
     }
 }
 
+#if FMOE_AVX2 && VL == 16
+/* ---- several tokens (a prefill), AVX-512: a group's down pieces × DOWN_TILE_TOKENS tokens --------------------------
+
+   A prefill's tokens each ran down_group alone: every token loaded and unpacked the group's 32 pieces' codes again.
+   Here each 16 hidden values' codes of a piece (int8 512 bytes, int4 256) are loaded once and a tile of up to
+   DOWN_TILE_TOKENS tokens takes them from registers. Per (token, hidden value) the operations are down_piece_vector's,
+   in its order:
+     float activations: each neuron's 16 codes converted once for the tile (the same exact floats), one fma per neuron
+       n = 0, 1, …, 31 from zero, then s·acc (int4: fma(s, acc, m·Σ a));
+     int8 activations (VNNI): the exact integer Σ_n q_n·ã_n, each token's ã broadcast a quad (four neurons) at a time
+       into vpdpbusd (int8: the codes + 128 onto an accumulator starting at −128·Σ ã, the integer decode gets with
+       − 128·Σ ã after them), then the same float32 products (int4: fma and product);
+   then c = v or c + v. So a token's down has the bits decode gives it, whatever tile it falls in
+   (tests/test_kernels.py compares a prefill's tokens with any others and, int8 activations, with one call each). */
+#define DOWN_TILE_TOKENS 8
+
+/* The tokens' activations of one group: a [T, 32] (float), asum[t] = Σ_n a_n (float: a float32 sum in n order from
+   zero, down_group's; quantised: the exact Σ ã as an int32), and with int8 activations quad[t·8 + k] = ã_{4k..4k+3}
+   of token t as one int32 and d[t] (quantize_group). */
+typedef struct { const float *a, *asum, *d; const int32_t *quad, *qsum; } GroupTokens;
+
+/* c_t[16·nb : 16·nb + 16] (c_t = c + t·h; init: =, else +=) for TT tokens from t0 and NB blocks of 16 hidden values
+   of one piece (codes: the first block's, 512 (int8) or 256 (int4) bytes a block; s, m: each block's scales), float
+   activations. Two blocks: two accumulators a token (the fma chains' latency hidden at a few tokens). */
+static inline __attribute__((always_inline)) void down_float_tile(const uint8_t *codes, int NB, int fmt,
+                                                                   const __m512 *s, const __m512 *m,
+                                                                   const GroupTokens *a, int64_t t0, int TT, float *c,
+                                                                   int64_t h, int init) {
+    const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t block = fmt == FMT_INT8 ? 512 : 256;
+    __m512 acc[2][DOWN_TILE_TOKENS], wn[2];
+    for (int nb = 0; nb < NB; nb++)
+        for (int t = 0; t < TT; t++) acc[nb][t] = _mm512_setzero_ps();
+    for (int n = 0; n < DOWN_GROUP; n++) { /* neuron n's 16 codes a block as floats (down_piece_vector's values) */
+        for (int nb = 0; nb < NB; nb++) {
+            if (fmt == FMT_INT8) {
+                __m512i w = _mm512_loadu_si512((const void *)(codes + nb * block + 64 * (n / 4)));
+                wn[nb] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * (n % 4)), 24));
+            } else {
+                __m512i w = _mm512_loadu_si512((const void *)(codes + nb * block + 64 * (n % 16 / 4)));
+                wn[nb] = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 8 * (n % 4) + 4 * (n / 16)), values);
+            }
+        }
+        for (int t = 0; t < TT; t++) {
+            __m512 at = _mm512_set1_ps(a->a[(t0 + t) * DOWN_GROUP + n]);
+            for (int nb = 0; nb < NB; nb++) acc[nb][t] = _mm512_fmadd_ps(wn[nb], at, acc[nb][t]);
+        }
+    }
+    for (int t = 0; t < TT; t++)
+        for (int nb = 0; nb < NB; nb++) {
+            __m512 v = fmt == FMT_INT8 ? _mm512_mul_ps(s[nb], acc[nb][t])
+                                       : _mm512_fmadd_ps(s[nb], acc[nb][t], _mm512_mul_ps(m[nb], _mm512_set1_ps(a->asum[t0 + t])));
+            float *o = c + (t0 + t) * h + 16 * nb;
+            _mm512_storeu_ps(o, init ? v : _mm512_add_ps(_mm512_loadu_ps(o), v));
+        }
+}
+
+#if FMOE_VNNI
+/* down_float_tile with int8 activations: the exact integers Σ_n q_n·ã_n, four neurons (one quad of ã) a vpdpbusd,
+   each 64 code bytes loaded and unpacked once for the tile's tokens (int8: q + 128), then down_piece_vector's floats. */
+static inline __attribute__((always_inline)) void down_q8_tile(const uint8_t *codes, int NB, int fmt,
+                                                                const __m512 *s, const __m512 *m,
+                                                                const GroupTokens *a, int64_t t0, int TT, float *c,
+                                                                int64_t h, int init) {
+    const __m512i bias = _mm512_set1_epi8((char)0x80), nibble = _mm512_set1_epi8(15);
+    const int64_t block = fmt == FMT_INT8 ? 512 : 256;
+    __m512i dot[2][DOWN_TILE_TOKENS];
+    for (int t = 0; t < TT; t++)
+        for (int nb = 0; nb < NB; nb++)
+            dot[nb][t] = fmt == FMT_INT8 ? _mm512_set1_epi32(-128 * a->qsum[t0 + t]) : _mm512_setzero_si512();
+    for (int k = 0; k < (fmt == FMT_INT8 ? 8 : 4); k++) {
+        __m512i lo[2], hi[2];
+        for (int nb = 0; nb < NB; nb++) {
+            __m512i w = _mm512_loadu_si512((const void *)(codes + nb * block + 64 * k));
+            if (fmt == FMT_INT8) lo[nb] = _mm512_xor_si512(w, bias);
+            else lo[nb] = _mm512_and_si512(w, nibble), hi[nb] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+        }
+        for (int t = 0; t < TT; t++) {
+            const int32_t *quad = a->quad + (t0 + t) * 8;
+            __m512i ql = _mm512_set1_epi32(quad[k]);
+            for (int nb = 0; nb < NB; nb++) dot[nb][t] = _mm512_dpbusd_epi32(dot[nb][t], lo[nb], ql);
+            if (fmt == FMT_INT4) {
+                __m512i qh = _mm512_set1_epi32(quad[4 + k]);
+                for (int nb = 0; nb < NB; nb++) dot[nb][t] = _mm512_dpbusd_epi32(dot[nb][t], hi[nb], qh);
+            }
+        }
+    }
+    for (int t = 0; t < TT; t++) {
+        __m512 dd = _mm512_set1_ps(a->d[t0 + t]);
+        for (int nb = 0; nb < NB; nb++) {
+            __m512 sum = _mm512_cvtepi32_ps(dot[nb][t]), v;
+            if (fmt == FMT_INT8) v = _mm512_mul_ps(sum, _mm512_mul_ps(s[nb], dd));
+            else v = _mm512_mul_ps(_mm512_fmadd_ps(s[nb], sum, _mm512_mul_ps(m[nb], _mm512_set1_ps((float)a->qsum[t0 + t]))), dd);
+            float *o = c + (t0 + t) * h + 16 * nb;
+            _mm512_storeu_ps(o, init ? v : _mm512_add_ps(_mm512_loadu_ps(o), v));
+        }
+    }
+}
+#endif
+
+#if FMOE_VNNI
+#define DOWN_TILE(fmt, NB, TT) do { \
+        if (q8) down_q8_tile(codes, NB, fmt, s, m, a, t, TT, cb, h, init); \
+        else down_float_tile(codes, NB, fmt, s, m, a, t, TT, cb, h, init); \
+    } while (0)
+#else
+#define DOWN_TILE(fmt, NB, TT) down_float_tile(codes, NB, fmt, s, m, a, t, TT, cb, h, init)
+#endif
+#define DOWN_TILE_TT(fmt, NB) switch (TT) { \
+    case 8: DOWN_TILE(fmt, NB, 8); break; case 4: DOWN_TILE(fmt, NB, 4); break; \
+    case 2: DOWN_TILE(fmt, NB, 2); break; default: DOWN_TILE(fmt, NB, 1); break; }
+#define DOWN_TILE_CASES(fmt) if (two) { DOWN_TILE_TT(fmt, 2) } else { DOWN_TILE_TT(fmt, 1) }
+/* c [T, H] (init: =, else +=) the down projection of one group of 32 neurons (down_group's `rows`) for every token
+   (down_vector_shape), two blocks of 16 hidden values a tile while a piece has two left; q8: int8 activations (the
+   VNNI build alone). */
+static void down_group_tokens(const uint8_t *rows, int64_t row_bytes, const Format *f, const GroupTokens *a, int q8,
+                              int64_t tokens, float *c, int init) {
+    int64_t h = f->hidden, hp = h / DOWN_GROUP, blocks = hp / 16;
+    int int8 = f->fmt == FMT_INT8;
+    for (int64_t p = 0; p < DOWN_GROUP; p++) {
+        const uint8_t *piece = rows + p * row_bytes + 2 * f->proj_bytes, *meta = piece + down_code_bytes(f);
+        for (int64_t b = 0; b < blocks; b += 2) {
+            int two = b + 1 < blocks;
+            const uint8_t *codes = piece + b * (int8 ? 512 : 256);
+            __m512 s[2], m[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int nb = 0; nb < 1 + two; nb++) down_meta_lanes(meta, f->fmt, b + nb, &s[nb], &m[nb]);
+            float *cb = c + p * hp + 16 * b;
+            for (int64_t t = 0, TT; t < tokens; t += TT) { /* tiles of 8, then 4, 2, 1 (fewer inlined copies) */
+                for (TT = DOWN_TILE_TOKENS; TT > tokens - t;) TT /= 2;
+                if (int8) { DOWN_TILE_CASES(FMT_INT8) } else { DOWN_TILE_CASES(FMT_INT4) }
+            }
+        }
+    }
+}
+
+/* Whether several tokens take the tiles: gate and up in dots_fused's (float activations) or dots_q8's (int8
+   activations, VNNI), the down in down_group_tokens'. */
+static int by_neuron_tiles(const Format *f, const Tokens *x) {
+    if (x->tokens < 2 || !down_vector_shape(f)) return 0;
+    return x->q8 ? FMOE_VNNI && q8_tile_shape(f, x) : fused_shape(f, x);
+}
+
+/* pass_chunk_by_neuron for by_neuron_tiles: per group, each neuron's gate and up dots over every token in
+   dots_fused's or dots_q8's tiles (prefill_fused's bits; with int8 activations decode's), a[t], each token's Σ a (int8
+   activations: its group quantised, quantize_group), then the group's down for every token (down_group_tokens:
+   decode's bits). */
+static void by_neuron_tiles_chunk(const Pass *p, int64_t k, float *scratch) {
+    const Format *f = p->f;
+    const Tokens *x = p->x;
+    int64_t tokens = x->tokens, h = f->hidden, pb = f->proj_bytes, padded = (tokens + 15) / 16 * 16;
+    float *c = p->part + k * tokens * h, *a = scratch, *gu = a + DOWN_GROUP * padded, *asum = gu + 2 * padded;
+    float *d = asum + padded;
+    int32_t *qsum = (int32_t *)(d + padded), *quad = qsum + padded;
+    float *dv = (float *)(quad + 8 * padded), *xgt = dv + q8_vector_floats(tokens, h);
+    float mg[META_FLOATS], mu[META_FLOATS];
+#if FMOE_VNNI
+    if (x->q8) q8_vectors(x, f, dv), group_sum_vectors(x, xgt);
+#else
+    (void)xgt;
+#endif
+    GroupTokens group = {a, asum, d, quad, qsum};
+    int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
+    for (int64_t g0 = i0; g0 < i1; g0 += DOWN_GROUP) {
+        const uint8_t *rows = p->segment + g0 * p->row_bytes;
+        for (int n = 0; n < DOWN_GROUP; n++) {
+            const uint8_t *row = rows + n * p->row_bytes;
+#ifndef FMOE_NO_PREFETCH
+            if (g0 + n + FUSED_AHEAD < i1) { /* a later neuron's rows towards L2 while this one computes */
+                const char *from = (const char *)(row + FUSED_AHEAD * p->row_bytes), *to = from + p->row_bytes;
+                for (; from < to; from += 64) _mm_prefetch(from, _MM_HINT_T1);
+            }
+#endif
+            fused_meta(row, f, mg), fused_meta(row + pb, f, mu);
+#if FMOE_VNNI
+            if (x->q8)
+                dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded, 1);
+            else
+#endif
+                dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
+            for (int64_t t = 0; t < tokens; t++) a[t * DOWN_GROUP + n] = gated(gu[t], gu[padded + t], p->x_bf16);
+        }
+        for (int64_t t = 0; t < tokens; t++) {
+            const float *at = a + t * DOWN_GROUP;
+            if (x->q8) {
+                d[t] = quantize_group(at, (int8_t *)(quad + 8 * t), &qsum[t]);
+            } else {
+                float sum = 0.0f;
+                for (int n = 0; n < DOWN_GROUP; n++) sum += at[n];
+                asum[t] = sum;
+            }
+        }
+        down_group_tokens(rows, p->row_bytes, f, &group, x->q8, tokens, c, g0 == i0);
+    }
+}
+#endif
+
 /* Floats of one thread's scratch for pass_chunk_by_neuron: a of a group for every token, and (several tokens, float32
-   dots) DOT_ROWS neurons' decoded gate and up rows and their dots. */
+   dots) DOT_ROWS neurons' decoded gate and up rows and their dots, or (by_neuron_tiles_chunk) a neuron's gate and up
+   dots, dots_q8's token vectors and the tokens' GroupTokens (11 floats a token beside a). */
 static int64_t by_neuron_floats(int64_t tokens, int64_t hidden) {
-    int64_t padded = (tokens + 15) / 16 * 16;
-    return DOWN_GROUP * padded + 2 * DOT_ROWS * ((hidden + 15) / 16 * 16 + padded) + 16;
+    int64_t padded = (tokens + 15) / 16 * 16, floats = 2 * DOT_ROWS * ((hidden + 15) / 16 * 16 + padded);
+    int64_t tiles = 13 * padded + q8_scratch_floats(tokens, hidden);
+    return DOWN_GROUP * padded + (tiles > floats ? tiles : floats) + 16;
 }
 
 /* pass_chunk for FMT_DOWN_BY_NEURON rows: chunk k's partial sum c [T, H], its neurons a group of 32 at a time: each
-   neuron's gate and up dots per token (int8 activations: gate_up_dots; one float32 token: gate_up_one, prefetching;
-   several: prefill_chunk's decoded rows in register tiles), a[t], then the group's down for each token (down_group; a
-   token's down has the same bits whatever the other tokens). scratch: by_neuron_floats. */
+   neuron's gate and up dots per token (int8 activations: gate_up_dots; several tokens on AVX-512:
+   by_neuron_tiles_chunk's tiles; one float32 token: gate_up_one, prefetching; several: prefill_chunk's decoded rows in register tiles), a[t], then
+   the group's down for each token (down_group; a token's down has the same bits whatever the other tokens).
+   scratch: by_neuron_floats. */
 static void pass_chunk_by_neuron(const Pass *p, int64_t k, float *scratch) {
     const Format *f = p->f;
     const Tokens *x = p->x;
-    int64_t tokens = x->tokens, h = f->hidden, padded = (tokens + 15) / 16 * 16;
+#if FMOE_AVX2 && VL == 16
+    if (by_neuron_tiles(f, x) && FMOE_PHASES == 3) {
+        by_neuron_tiles_chunk(p, k, scratch);
+        return;
+    }
+#endif
+    int64_t tokens = x->tokens, h = f->hidden;
     float *c = p->part + k * tokens * h, *a = scratch; /* a[t·32 + n] */
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
 #if FMOE_AVX2
+    int64_t padded = (tokens + 15) / 16 * 16;
     Cursor cursor, *pf = tokens == 1 ? cursor_at(&cursor, f, p->segment + i0 * p->row_bytes,
                                                  p->segment + p->neurons * p->row_bytes) : NULL;
     int one = one_shape(f, x) && !x->q8;
