@@ -2234,21 +2234,26 @@ static inline __attribute__((always_inline)) void down_float_tile(const uint8_t 
     __m512 acc[2][DOWN_TILE_TOKENS], wn[2];
     for (int nb = 0; nb < NB; nb++)
         for (int t = 0; t < TT; t++) acc[nb][t] = _mm512_setzero_ps();
-    for (int n = 0; n < DOWN_GROUP; n++) { /* neuron n's 16 codes a block as floats (down_piece_vector's values) */
-        for (int nb = 0; nb < NB; nb++) {
-            if (fmt == FMT_INT8) {
-                __m512i w = _mm512_loadu_si512((const void *)(codes + nb * block + 64 * (n / 4)));
-                wn[nb] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * (n % 4)), 24));
-            } else {
-                __m512i w = _mm512_loadu_si512((const void *)(codes + nb * block + 64 * (n % 16 / 4)));
-                wn[nb] = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 8 * (n % 4) + 4 * (n / 16)), values);
-            }
-        }
-        for (int t = 0; t < TT; t++) {
-            __m512 at = _mm512_set1_ps(a->a[(t0 + t) * DOWN_GROUP + n]);
-            for (int nb = 0; nb < NB; nb++) acc[nb][t] = _mm512_fmadd_ps(wn[nb], at, acc[nb][t]);
-        }
+    /* neuron n = 4k + j (int4: then 16 + 4k + j, the high nibbles) in order: its 16 codes a block as floats
+       (down_piece_vector's values), the shifts constants (j unrolled) */
+#define DOWN_FLOAT_NEURONS(HI) \
+    for (int k = 0; k < (fmt == FMT_INT8 ? 8 : 4); k++) { \
+        __m512i w[2]; \
+        for (int nb = 0; nb < NB; nb++) w[nb] = _mm512_loadu_si512((const void *)(codes + nb * block + 64 * k)); \
+        _Pragma("GCC unroll 4") \
+        for (int j = 0; j < 4; j++) { \
+            for (int nb = 0; nb < NB; nb++) \
+                wn[nb] = fmt == FMT_INT8 ? _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w[nb], 24 - 8 * j), 24)) \
+                                         : _mm512_permutexvar_ps(_mm512_srli_epi32(w[nb], 8 * j + 4 * (HI)), values); \
+            for (int t = 0; t < TT; t++) { \
+                __m512 at = _mm512_set1_ps(a->a[(t0 + t) * DOWN_GROUP + 16 * (HI) + 4 * k + j]); \
+                for (int nb = 0; nb < NB; nb++) acc[nb][t] = _mm512_fmadd_ps(wn[nb], at, acc[nb][t]); \
+            } \
+        } \
     }
+    DOWN_FLOAT_NEURONS(0)
+    if (fmt == FMT_INT4) DOWN_FLOAT_NEURONS(1)
+#undef DOWN_FLOAT_NEURONS
     for (int t = 0; t < TT; t++)
         for (int nb = 0; nb < NB; nb++) {
             __m512 v = fmt == FMT_INT8 ? _mm512_mul_ps(s[nb], acc[nb][t])
