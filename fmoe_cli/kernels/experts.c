@@ -2404,7 +2404,7 @@ static void by_neuron_tiles_chunk(const Pass *p, int64_t k, float *scratch) {
 
 /* Floats of one thread's scratch for pass_chunk_by_neuron: a of a group for every token, and (several tokens, float32
    dots) DOT_ROWS neurons' decoded gate and up rows and their dots, or (by_neuron_tiles_chunk) a neuron's gate and up
-   dots, dots_q8's token vectors and the tokens' GroupTokens (11 floats a token beside a). */
+   dots, dots_q8's token vectors and the tokens' GroupTokens (13 floats a token beside a). */
 static int64_t by_neuron_floats(int64_t tokens, int64_t hidden) {
     int64_t padded = (tokens + 15) / 16 * 16, floats = 2 * DOT_ROWS * ((hidden + 15) / 16 * 16 + padded);
     int64_t tiles = 13 * padded + q8_scratch_floats(tokens, hidden);
@@ -2412,9 +2412,9 @@ static int64_t by_neuron_floats(int64_t tokens, int64_t hidden) {
 }
 
 /* pass_chunk for FMT_DOWN_BY_NEURON rows: chunk k's partial sum c [T, H], its neurons a group of 32 at a time: each
-   neuron's gate and up dots per token (int8 activations: gate_up_dots; several tokens on AVX-512:
-   by_neuron_tiles_chunk's tiles; one float32 token: gate_up_one, prefetching; several: prefill_chunk's decoded rows in register tiles), a[t], then
-   the group's down for each token (down_group; a token's down has the same bits whatever the other tokens).
+   neuron's gate and up dots per token (int8 activations: gate_up_dots; one float32 token: gate_up_one, prefetching;
+   several: prefill_chunk's decoded rows in register tiles), a[t], then the group's down for each token (down_group;
+   a token's down has the same bits whatever the other tokens). Several tokens on AVX-512: by_neuron_tiles_chunk.
    scratch: by_neuron_floats. */
 static void pass_chunk_by_neuron(const Pass *p, int64_t k, float *scratch) {
     const Format *f = p->f;
