@@ -9,7 +9,7 @@ A. Exactness on the device: tiny random checkpoints of every family (fmoe_cli.mo
    transformers' own `generate` on the same device and dtype (and whether the resident run replayed its decode steps
    from a CUDA graph).
 B. Speed on a real link: a checkpoint at Qwen3-30B-A3B's layer shape with --layers layers (bf16, random weights made on
-   the device), `fmoe profile --quick`, then `fmoe bench` with resident, moepic, lru, ondemand and hybrid at --budget
+   the device), `fmoe profile --quick --model` (the device's link and the engine's at the model's copies), then `fmoe bench` with resident, moepic, lru, ondemand and hybrid at --budget
    of the expert bytes, --tokens tokens, --rounds interleaved rounds; beside it transformers' `generate` (resident).
    The issue's targets: resident <= 2.0 ms a token at 8 layers; moepic <= resident + 1.25 x (bytes moved / link).
    Then `fmoe chat` on the same model, two messages from a pipe (resident): each answer's TPOT.
@@ -190,10 +190,16 @@ def part_b(args, work: Path, out: Path, deadline: float) -> list[str]:
         build_a3b(path, args.layers, args.device, args.experts)
     lines = [f"a3b-shaped model, {args.layers} layers, {args.experts} experts of 2048 x 768, bf16 "
              f"(built in {time.monotonic() - started:.0f} s)", ""]
-    rc, err = fmoe(["profile", "--quick", "--device", args.device], timeout=120, out=out / "profile.txt")
-    profile = (out / "profile.txt").read_text()[:20000] if (out / "profile.txt").exists() else ""
-    link = next((line.strip() for line in profile.splitlines() if "GB/s" in line), f"profile failed (rc {rc}): {err}")
-    lines.append(f"`fmoe profile --quick`: {link}")
+    # the model's profile (saved where the bench finds it: its quick estimate is not measured again): the device's
+    # link (plain copies) and the engine's own link at this model's copies (issue 37 §5), one line each
+    rc, err = fmoe(["profile", "--quick", "--model", str(path), "--device", args.device, "--json"], timeout=240,
+                   out=out / "profile.json")
+    profile = (report_of(out / "profile.json") or {}).get("profile") or {}
+    links = [("the device's", profile.get("device", {}).get("link")), ("the engine's", (profile.get("model") or {}).get("link"))]
+    lines += [f"`fmoe profile --quick --model`, {whose} link: {link['bandwidth'] / 1e9:.1f} GB/s, latency "
+              f"{(link.get('latency') or 0) * 1e6:.0f} µs ({link.get('note', '')}; (MiB, ms): "
+              f"{', '.join(f'({b / 2**20:.2f}, {t * 1e3:.3f})' for b, t in link.get('samples', []))})"
+              for whose, link in links if link] or [f"profile failed (rc {rc}): {err}"]
     left = deadline - time.monotonic()
     target = out / "a3b.json"
     policies = [a for p in POLICIES_B for a in ("--policy", p)]

@@ -274,13 +274,11 @@ def mixtral_routing(option: str | None, shape, console: Console):
 
 
 def mixtral(args, console: Console) -> None:
-    from fmoe_cli.planning.report import model_facts, plan_timings
+    from fmoe_cli.planning.report import plan_timings
     from fmoe_cli.planning.simulate import predict_policies, tokens_of
     from fmoe_cli.profiling.files import Profile
 
-    directory = Path(tempfile.mkdtemp(prefix="fmoe-mixtral-"))
-    (directory / "config.json").write_text(json.dumps(MIXTRAL_CONFIG, indent=2))
-    facts = model_facts(str(directory), "bfloat16")
+    facts = facts_of(MIXTRAL_CONFIG)
     shape = facts.shape
     profile = Profile.load(Path(args.profile))
     link = profile.device.link
@@ -332,10 +330,13 @@ PAPER_NOT_RUN = "AdapMoE (144 ms; TTFT 1.77 s at 480) has no fmoe counterpart"
 PAPER_POLICIES = ["moepic", "lru", "lfu", "prefetch-only", "uniform", "cache-only", "resident"]
 
 
-def write_config(config: dict, prefix: str) -> Path:
-    directory = Path(tempfile.mkdtemp(prefix=prefix))
-    (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return directory
+def facts_of(config: dict, **formats):
+    """model_facts of a model known by its config.json alone, written to a directory removed once read."""
+    from fmoe_cli.planning.report import model_facts
+
+    with tempfile.TemporaryDirectory(prefix="fmoe-config-") as directory:
+        (Path(directory) / "config.json").write_text(json.dumps(config, indent=2))
+        return model_facts(directory, "bfloat16", **formats)
 
 
 def scaled(timings, factor: float):
@@ -496,14 +497,14 @@ def paper_setting(profile) -> PaperSetting:
     """Compute, calibrated once: the roofline (every weight read once per token at the profile's memory bandwidth)
     of Qwen1.5-MoE bf16 with every expert on the device, scaled to the paper's GPU-rich 57 ms; Mixtral's roofline
     scaled by the same factor."""
-    from fmoe_cli.planning.report import model_facts, plan_timings
+    from fmoe_cli.planning.report import plan_timings
 
     link = profile.device.link
     bandwidth, latency = link.bandwidth, link.latency or 0.0
-    qwen = model_facts(str(write_config(QWEN_CONFIG, "fmoe-qwen-")), "bfloat16")
+    qwen = facts_of(QWEN_CONFIG)
     qwen_roofline, source = plan_timings(qwen, bandwidth, latency, profile)
     factor = GPU_RICH_TPOT_S / resident_tpot(qwen.shape, qwen_roofline)
-    mixtral = model_facts(str(write_config(MIXTRAL_CONFIG, "fmoe-mixtral-")), "bfloat16", experts="int2", dense="int4")
+    mixtral = facts_of(MIXTRAL_CONFIG, experts="int2", dense="int4")
     mixtral_roofline, _ = plan_timings(mixtral, bandwidth, latency, profile)
     return PaperSetting(qwen, scaled(qwen_roofline, factor), mixtral, scaled(mixtral_roofline, factor), factor, source)
 

@@ -154,8 +154,9 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
     """The configurator's timings: the saved profile of this device and model, else the quick estimate an
     earlier run saved (`on_quick("saved")`), else a quick measurement (on `engine` if given — it is left
     configured for on-demand loading — else on a temporary one; `on_quick("measured")`), saved for the next
-    run when no profile was named. T_load: the link the run really uses (an emulated one's own figures;
-    a profile of a link more than 20 % away is said so through `note`, and the run's link is used)."""
+    run when no profile was named. T_load: the link the run really uses (an emulated one's own figures; else the
+    engine's link timed at this model's copy sizes where the timings have it, `ModelTimings.link`, else the
+    device's; a profile of a link more than 20 % away is said so through `note`, and the run's link is used)."""
     gbps = getattr(link, "gbps", None)
     emulated = bool(gbps)
     key = model_key(lm.model_id, lm.path)
@@ -165,7 +166,7 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
     candidates = [profile_path] if profile_path else (
         [*emulated_profiles(key, gbps), default_profile_path(key)] if emulated else [default_profile_path(key)])
     path = next((c for c in candidates if c.exists()), candidates[0])
-    timings, link_fit = None, None
+    timings, link_fit, moved = None, None, False
     if path.exists():
         try:  # a profile of another device or model (or a damaged one) is not used: measure instead, and say so
             timings, link_fit = _saved_timings(path, lm)
@@ -180,7 +181,7 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
                  f"{run_link.bandwidth / 1e9:.3g} GB/s (more than {LINK_TOLERANCE:.0%} apart): the plan is made for "
                  f"this run's link (T_load), with the profile's compute and host costs; `fmoe profile --model "
                  f"{lm.model_id} {profiled}`profiles this link")
-            link_fit = run_link
+            link_fit, moved = run_link, True
     quick = default_profile_path(key, quick=True)
     if timings is None and profile_path is None and quick.exists():
         try:  # the quick estimate of an earlier run: no warning when it is not usable, it is measured again
@@ -200,6 +201,8 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
                 pass
     if emulated or link_fit is None or link_fit.kind == "emulated":  # the link the engine really uses
         link_fit = link_fit_of(link, lm.device)
+    if not emulated and not moved:  # the engine's link timed at this model's copies, where the timings have it
+        link_fit = timings.load_link(link_fit)
     times = timings.timings(link_fit, lm.shape.expert_bytes)
     # the host lane's figures (this machine's host profile), with a GPU only: without one the host is the device
     return host_timings(times, saved_host_profile(), lm.shape) if lm.device.type == "cuda" else times

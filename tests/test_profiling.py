@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,13 @@ def test_round_trip_and_schema(tmp_path, config):
     validate(older)
     t = Profile.from_dict(older).model.timings(loaded.device.link, expert_bytes=1)
     assert (t.t_host_load, t.t_host_prefetch, t.t_admit, t.t_segment) == (0.0, 0.0, 0.0, 0.0)
+    # the engine's link at the model's copies (issue 37 §5), kept with the model's timings
+    at_copies = LinkFit("measured", 5e10, 1e-5, ((9 << 20, 2e-4), (4 << 20, 1e-4)), "the engine's link")
+    with_link = Profile(profile.device, replace(profile.model, link=at_copies))
+    path = with_link.save(tmp_path / "q.json")
+    validate(json.loads(path.read_text()))
+    assert Profile.load(path) == with_link and Profile.load(path).model.load_link(profile.device.link) == at_copies
+    assert loaded.model.load_link(loaded.device.link) == loaded.device.link  # none measured: the device's
 
 
 def test_wrong_device_is_refused(config):
@@ -642,3 +650,30 @@ def test_the_unquantised_expert_timing_dequantises_one_expert_not_a_layer(monkey
     assert expert_compute_s(lm, repeats=2, unquantised=True) > 0
     assert rows == [lm.shape.intermediate]
     assert torch.equal(lm.store.dequantized(1, expert=3)[0], lm.store.dequantized(1)[3])
+
+
+def test_the_engines_link_is_timed_at_the_models_copies_until_they_land(checkpoints):
+    """Issue 37 §5: the link the configurator prices loads with is the engine's own (CudaLink: chunks, the store's
+    memory), timed at the copies it issues for this model (one expert, its bottoms at θ 0.5 and 0.75), each until the
+    compute stream holds the data. On the fake GPU a chunk lands only when someone waits for it: every chunk issued
+    has been played once the measurement returns."""
+    import fake_gpu  # tests/fake_gpu.py
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.link import CudaLink
+    from fmoe_cli.profiling.model import engine_copy_starts, engine_link
+
+    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype="float32")
+    shape = lm.shape
+    starts = engine_copy_starts(shape)
+    assert starts == [0, shape.top_neurons(0.5), shape.top_neurons(0.75)] and len(set(starts)) == 3, starts
+    with fake_gpu.installed() as gpu:
+        link = CudaLink(torch.device("cuda"), chunk_bytes=1024, pump_thread=False)  # several chunks a copy
+        fit = engine_link(lm, link, repeats=2)
+        issued, played = gpu.chunks_issued, gpu.chunks_played  # before close, which lands whatever is left
+        link.close()
+    neuron = lm.store.expert(0, 0)[0].nbytes  # one neuron's rows, the store's format
+    assert [b for b, _ in fit.samples] == [(shape.intermediate - k) * neuron for k in starts]
+    assert fit.samples[0][0] == shape.expert_bytes
+    # 3 copies of each size (a warm-up and 2 timed), 1 KiB chunks: every chunk issued and landed when it returns
+    assert issued == sum(3 * -(-nbytes // 1024) for nbytes, _ in fit.samples) == played
+    assert fit.kind == "measured" and fit.bandwidth > 0 and "the engine's link" in fit.note

@@ -152,3 +152,32 @@ def test_a_profile_of_another_link_is_said_and_the_runs_link_planned_for(loaded,
     assert len(notes) == 1 and "2 GB/s, this run's is 16 GB/s (more than 20% apart)" in notes[0], notes
     assert "--emulate-link 16" in notes[0]
     assert timings.t_load == pytest.approx(lm.shape.expert_bytes / 16e9 + far.latency_s)
+
+
+def test_the_engines_link_at_the_models_copies_prices_its_loads(loaded, tmp_path, monkeypatch):
+    """Issue 37 §5: where a profile's model timings carry the engine's link timed at this model's copy sizes
+    (`ModelTimings.link`, measured on a GPU), T_load is priced with it, not with the device's fit of plain copies; it
+    survives a save and a load; the CPU's link (which moves nothing) is not timed; an emulated run keeps its own."""
+    from dataclasses import replace
+
+    from fmoe_cli.offload.link import EmulatedLink
+    from fmoe_cli.profiling.files import LinkFit
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    lm, engine = loaded
+    result = CliRunner().invoke(app, ["profile", "--model", lm.model_id, "--quick", "--prefill-len", "4",
+                                      "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    path = default_profile_path(model_key(lm.model_id, lm.path))
+    profile = Profile.load(path)
+    assert profile.model.link is None  # on the CPU: not timed
+    device_link = profile.device.link
+    at_copies = LinkFit("measured", device_link.bandwidth / 3, 2e-4, ((4096, 3e-4), (2048, 2.5e-4)), "the engine's link")
+    Profile(profile.device, replace(profile.model, link=at_copies), created=profile.created).save(path)
+    assert Profile.load(path).model.link == at_copies
+    timings = find_timings(lm, engine.link, engine=engine)
+    assert timings.t_load == pytest.approx(at_copies.transfer_time(lm.shape.expert_bytes))
+    assert timings.t_load != pytest.approx(device_link.transfer_time(lm.shape.expert_bytes))
+    emulated = EmulatedLink(8.0)
+    timings = find_timings(lm, emulated, profile_path=path)
+    assert timings.t_load == pytest.approx(lm.shape.expert_bytes / 8e9 + emulated.latency_s)

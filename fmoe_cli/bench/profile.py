@@ -22,7 +22,7 @@ from fmoe_cli.models.load import pick_device
 from fmoe_cli.bench import check_profile_options
 from fmoe_cli.planning.stats import scratch_recorder
 from fmoe_cli.profiling.device import link_steps, profile_device
-from fmoe_cli.profiling.files import Profile, default_profile_path, now_iso
+from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, now_iso
 from fmoe_cli.profiling.host import HOST_FORMATS, host_format, host_line, host_profile_path, measure_host
 from fmoe_cli.profiling.model import model_timings
 from fmoe_cli.run import RunOptions, open_run
@@ -109,15 +109,14 @@ def device_line(profile: Profile) -> str:
     return f"device: {d.kind} '{d.name}', {d.total_memory / GiB:.1f} GiB ({where})"
 
 
-def link_line(profile: Profile) -> str:
-    link = profile.device.link
+def link_line(link: LinkFit) -> str:
     latency = f", latency {link.latency * 1e6:.0f} µs" if link.latency is not None else ""
     return f"link ({link.kind}): {link.bandwidth / 1e9:.2f} GB/s{latency} — {link.note}"
 
 
 def render(profile: Profile, path: Path | None, expert_bytes: int | None, console: Console) -> None:
     console.print(device_line(profile), highlight=False)
-    console.print(link_line(profile), highlight=False)
+    console.print(link_line(profile.device.link), highlight=False)
     console.print(host_line(profile.device.host), highlight=False)
     if profile.device.free_memory is not None:
         console.print(f"free memory: {profile.device.free_memory / GiB:.1f} GiB", highlight=False)
@@ -139,10 +138,14 @@ def render(profile: Profile, path: Path | None, expert_bytes: int | None, consol
             value = getattr(timings, name)
             if value is not None:
                 console.print(f"{label}: {value * 1e3:.3f} ms", highlight=False)
+        if timings.link is not None:
+            sizes = ", ".join(f"{b / MiB:.2f} MiB {t * 1e3:.3f} ms" for b, t in timings.link.samples)
+            console.print(f"{link_line(timings.link)} ({sizes})", highlight=False)
         if expert_bytes is not None:
-            t_load = profile.device.link.transfer_time(expert_bytes)
+            link = timings.load_link(profile.device.link)
+            t_load = link.transfer_time(expert_bytes)
             console.print(f"T_load (one expert, {expert_bytes / MiB:.2f} MiB): {t_load * 1e3:.3f} ms", highlight=False)
-            used = timings.timings(profile.device.link, expert_bytes)
+            used = timings.timings(link, expert_bytes)
             console.print(f"the configurator uses (means over the MoE layers): T_att {used.t_att * 1e3:.3f} ms per layer "
                           f"(the rest of T_moe and the whole step's other work included), T_exp {used.t_exp * 1e3:.3f} ms "
                           f"per expert, T_moe = K·T_exp {used.t_moe * 1e3:.3f} ms per layer, T_head "

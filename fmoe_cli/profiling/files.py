@@ -152,6 +152,16 @@ class ModelTimings:
     # h_sub (Timings.t_host_submit): host work per demand load submitted, before the layer's first compute (part of
     # h_load); None in profiles from before it was measured
     t_host_submit: float | None = None
+    # the engine's own link to this device, timed at the copies it issues for this model (one expert, its bottoms at
+    # θ 0.5 and 0.75, in the model's expert format; profiling/model.py `engine_link`); None where it was not measured:
+    # on the CPU (its link moves nothing), over an emulated link (its figures are its own), in older profiles
+    link: LinkFit | None = None
+
+    def load_link(self, device_link: LinkFit) -> LinkFit:
+        """The link that prices this model's loads (T_load): the engine's, timed at its own copy sizes, where measured
+        (issue 37 §5: on the first H200 the device's quick fit read 39.7 GB/s where an expert's copies ran at 53.5),
+        else the device's."""
+        return self.link if self.link is not None else device_link
 
     def timings(self, link: LinkFit, expert_bytes: int, phase: str = "decode") -> Timings:
         """The configurator's Timings: means over the MoE layers; dense layers (DeepSeek's first
@@ -216,6 +226,8 @@ class Profile:
         data = asdict(self)
         data["kind"] = "fmoe-profile"
         data["device"]["link"]["samples"] = [list(s) for s in self.device.link.samples]
+        if self.model is not None and self.model.link is not None:
+            data["model"]["link"]["samples"] = [list(s) for s in self.model.link.samples]
         if self.device.host is not None:
             host = data["device"]["host"]
             host["formats"] = [{**fit, "samples": [list(s) for s in fit["samples"]]} for fit in host["formats"]]
@@ -309,25 +321,27 @@ class _Reader:
     def obj(self, data: dict, key: str) -> dict:
         return self.get(data, key, dict)
 
-    def device(self, d: dict) -> DeviceProfile:
-        ident = self.obj(d, "device")
-        link = self.obj(d, "link")
+    def link(self, link: dict) -> LinkFit:
         samples = self.get(link, "samples", list)
         if not all(isinstance(s, list) and len(s) == 2 and all(isinstance(x, (int, float)) for x in s) for s in samples):
             raise self.fail("'samples'", "should be [bytes, seconds] pairs")
         bandwidth = self.get(link, "bandwidth", float)
         if bandwidth <= 0:
             raise self.fail("'bandwidth'", "must be > 0")
+        return LinkFit(
+            kind=self.get(link, "kind", str),
+            bandwidth=bandwidth,
+            latency=self.get(link, "latency", float, optional=True),
+            samples=tuple((int(b), float(t)) for b, t in samples),
+            note=self.get(link, "note", str, optional=True) or "",
+        )
+
+    def device(self, d: dict) -> DeviceProfile:
+        ident = self.obj(d, "device")
         sources = self.get(d, "sources", dict, optional=True) or {}
         return DeviceProfile(
             device=DeviceIdentity(self.get(ident, "kind", str), self.get(ident, "name", str), self.get(ident, "total_memory", int)),
-            link=LinkFit(
-                kind=self.get(link, "kind", str),
-                bandwidth=bandwidth,
-                latency=self.get(link, "latency", float, optional=True),
-                samples=tuple((int(b), float(t)) for b, t in samples),
-                note=self.get(link, "note", str, optional=True) or "",
-            ),
+            link=self.link(self.obj(d, "link")),
             free_memory=self.get(d, "free_memory", int, optional=True),
             memory_bandwidth=self.get(d, "memory_bandwidth", float, optional=True),
             torch_version=self.get(d, "torch_version", str, optional=True),
@@ -387,4 +401,5 @@ class _Reader:
             t_expert=self.get(d, "t_expert", float, optional=True),
             t_host_route=self.get(d, "t_host_route", float, optional=True),
             t_host_submit=self.get(d, "t_host_submit", float, optional=True),
+            link=None if d.get("link") is None else self.link(self.obj(d, "link")),
         )

@@ -28,9 +28,11 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import DEFAULT_PROMPT, stream_generate
 from fmoe_cli.offload.cache import LayerCache
 from fmoe_cli.offload.engine import Counters, Engine, LayerState
-from fmoe_cli.offload.link import device_copy, host_now
+from fmoe_cli.offload.link import DEMAND, device_copy, host_now
 from fmoe_cli.offload.policies import make_policy
-from fmoe_cli.profiling.files import ModelTimings, model_identity
+from fmoe_cli.profiling.device import fit_link
+from fmoe_cli.profiling.files import LinkFit, ModelTimings, model_identity
+from fmoe_cli.profiling.host import host_format
 from fmoe_cli.profiling.layers import time_layers
 from fmoe_cli.types import LayerPlan
 
@@ -130,7 +132,8 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
             link_bytes=(LINK_LAYERS_BUDGET * lm.shape.num_experts * lm.shape.expert_bytes
                         - (engine.link.bytes_moved - start_bytes)) if quick else None)
         return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c, t_token=step,
-                       t_host_route=route, t_host_submit=submit, t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True))
+                       t_host_route=route, t_host_submit=submit, t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True),
+                       link=engine_link(lm, engine.link, repeats=5 if quick else 15) if _real_link(lm, engine.link) else None)
     finally:
         engine.observers = kept
         whole.close()
@@ -139,6 +142,52 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
 
 
 SPLIT_CACHE_BYTES = 512 * 2**20
+LINK_SPLITS = (0.5, 0.75)  # engine_link times the bottoms of these splits θ beside the whole expert
+
+
+def _real_link(lm, link) -> bool:
+    """Whether `link` moves bytes to a device at a speed worth measuring: a GPU's own copy stream, not an emulated
+    (throttled) link, whose figures are its own, nor the CPU's, which moves nothing."""
+    return lm.device.type == "cuda" and not getattr(link, "gbps", None)
+
+
+def engine_copy_starts(shape) -> list[int]:
+    """The first neuron of each copy engine_link times: 0 (one whole expert, a miss's load) and the split points k of
+    LINK_SPLITS, in whole neuron blocks as plans make them (a top hit's bottom, a prefetch's)."""
+    starts = [shape.top_neurons(theta) for theta in LINK_SPLITS]
+    return list(dict.fromkeys([0, *(k for k in starts if 0 < k < shape.intermediate)]))
+
+
+def engine_link(lm, link, repeats: int = 5, warmup: int = 1) -> LinkFit:
+    """The engine's link (`link`: its own CudaLink, chunks, pump thread and the store's page-locked memory) timed at
+    the copies it issues for this model: one whole expert and its bottoms (`engine_copy_starts`), from the host
+    store's experts in turn into one device slot, each from `submit` until the compute stream holds the data
+    (`wait`, then that stream synchronised: what a demand load costs a layer), the median of `repeats` after
+    `warmup`. Issue 37 §5: the device's profile fits plain copies of 1–512 MiB; on the first H200 it read 39.7 GB/s
+    where torch's pinned copies of one a3b expert (9.4 MiB) ran at 53.5, and the configurator planned with the
+    lower figure."""
+    shape, store = lm.shape, lm.store
+    slot = torch.empty_like(store.expert(0, 0), device=lm.device)  # [I, *row]
+    compute = torch.cuda.current_stream(lm.device)
+    experts = [(j, e) for j in range(shape.num_layers) for e in range(shape.num_experts)]
+    samples, n = [], 0
+    for start in engine_copy_starts(shape):
+        times = []
+        for r in range(warmup + repeats):
+            j, e = experts[n % len(experts)]
+            n += 1
+            source = store.expert(j, e)[start:]  # as the staging pool's loads: the expert from neuron `start` on
+            begin = host_now()
+            transfer = link.submit(slot[start:], source, DEMAND)
+            link.wait(transfer)
+            compute.synchronize()
+            if r >= warmup:
+                times.append(host_now() - begin)
+        samples.append((source.nbytes, statistics.median(times)))
+    latency, bandwidth = fit_link(samples)
+    return LinkFit("measured", bandwidth, latency, tuple(samples),
+                   f"the engine's link at this model's copies ({host_format(shape)}: one expert and its bottoms at θ "
+                   f"{', '.join(f'{t:g}' for t in LINK_SPLITS)})")
 
 
 def host_work_s(lm, engine: Engine, input_ids: torch.Tensor, *, block_h_load: float, t_segment: float, rounds: int = 5, tokens: int = 8, budget_s: float = 5.0,
