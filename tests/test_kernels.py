@@ -453,13 +453,26 @@ def test_every_policy_gives_the_resident_logits_bit_for_bit(checkpoints, experts
         assert got_tokens == tokens and torch.equal(got_logits, logits), policy
 
 
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):
+    """A tiny qwen3_moe of hidden 1024 (2 layers, 8 experts × 64 neurons): wide enough for the prefill tiles of down
+    rows grouped along the neurons (experts.c by_neuron_tiles: H a multiple of 512; int8's H/G a multiple of 8)."""
+    from fmoe_cli.models.demo import build_random_moe
+
+    return build_random_moe(tmp_path_factory.mktemp("wide") / "qwen3_moe", family="qwen3_moe", seed=1,
+                            hidden_size=1024, num_hidden_layers=2)
+
+
 @needs_kernels
-@pytest.mark.parametrize("experts, dtype", [("int4", "float32"), ("int8", "bfloat16"), ("int4", "bfloat16")])
-def test_int8_activations_keep_every_policy_on_the_resident_tokens_bit_for_bit(checkpoints, experts, dtype):
+@pytest.mark.parametrize("experts, dtype, wide", [("int4", "float32", False), ("int8", "bfloat16", False),
+                                                  ("int4", "bfloat16", False), ("int8", "float32", True),
+                                                  ("int4", "float32", True)])
+def test_int8_activations_keep_every_policy_on_the_resident_tokens_bit_for_bit(request, experts, dtype, wide):
     """--activations int8, the CPU's default beside int8/int4 experts (issue 39 §1): every preset policy (splits,
     misses loaded whole, prefetch, the host lane) gives that mode's resident run's tokens, and the logits of a prefill
     over them, bit for bit: x̂ depends on x alone, so a top and its bottom quantise the same tokens. The prompt
-    routes more experts than the staging pool holds, so the prefill runs in waves."""
+    routes more experts than the staging pool holds, so the prefill runs in waves. wide: hidden 1024, where a
+    prefill's experts of several tokens run the down-by-neuron tiles (on AVX-512)."""
     from fmoe_cli.generate import stream_generate
     from fmoe_cli.models.load import load_model
     from fmoe_cli.offload.engine import Engine
@@ -469,8 +482,10 @@ def test_int8_activations_keep_every_policy_on_the_resident_tokens_bit_for_bit(c
 
     if kernels.library().fmoe_simd() == 0:
         pytest.skip("no AVX2: --activations int8 runs the float dots here")
-    lm = load_model(str(checkpoints["qwen3_moe"]), device="cpu", dtype=dtype, experts=experts, activations="int8")
-    assert lm.activations == "int8" and lm.store.kernel.int8_activations
+    checkpoint = (request.getfixturevalue("wide_checkpoint") if wide
+                  else request.getfixturevalue("checkpoints")["qwen3_moe"])
+    lm = load_model(str(checkpoint), device="cpu", dtype=dtype, experts=experts, activations="int8")
+    assert lm.activations == "int8" and lm.store.kernel.int8_activations and lm.shape.down_by_neuron
     engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20, clock=VirtualClock(), copy=True),
                     lm.device, lm.dtype, host_threads=1)
     engine.install(lm.model)
