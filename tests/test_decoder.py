@@ -253,3 +253,73 @@ def test_router_in_c_against_torch(normalise):
             torch.testing.assert_close(weights, top, rtol=1e-5, atol=1e-7)
     tied = torch.zeros(4, 8)  # every logit equal: the lowest experts, in order
     assert kernels.router_decode(torch.ones(1, 8), tied, 2, True)[2].tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_torch_path_gives_transformers_bits(checkpoints, family, dtype, monkeypatch, without_kernels):
+    """Without the kernels: float32 q/k/v as one F.linear (attention.LinearQKV; bf16's stay three torch.mv), the
+    layers' and the final norm as torch's one F.rms_norm where the probe finds the module's bits (float32 here; not
+    bf16, whose module rounds before the weight), every module's forward called without nn.Module's call. The same
+    logits as transformers' own forwards, bit for bit, at the prefill and every decode step; each fused step ran at
+    every decode step."""
+    lm = load_perturbed(checkpoints[family], dtype, "bf16")
+    attns = [layer.self_attn for layer in lm.model.model.layers]
+    assert all(a.fused_qkv is None and isinstance(a.linear_qkv, attention.LinearQKV) == (dtype == "float32")
+               for a in attns)
+    fused_qkv, fused_norms = [], []
+    real_call, real_norm = attention.LinearQKV.__call__, F.rms_norm
+    monkeypatch.setattr(attention.LinearQKV, "__call__", lambda self, x: fused_qkv.append(1) or real_call(self, x))
+    monkeypatch.setattr(F, "rms_norm", lambda *a, **kw: fused_norms.append(1) or real_norm(*a, **kw))
+
+    def transformers_forward():
+        without_decode_forwards(lm.model)
+        for attn in attns:
+            attn.__dict__.pop("forward", None)
+
+    assert_decode_bits(lm, decoder, family, transformers_forward, monkeypatch)
+    layers, steps = len(lm.model.model.layers), 6
+    float32 = dtype == "float32"
+    assert len(fused_qkv) == (steps * layers if float32 else 0)
+    assert len(fused_norms) == (steps * (2 * layers + 1) if float32 else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_probes_can_say_no(dtype, monkeypatch):
+    """The probes behind torch's one-op steps answer from bits: LinearQKV's says no under a BLAS whose sums depend on
+    how many outputs it computes (one played here: the last bit of one output of a 128-row call flipped), and the
+    fused step then stays off at that thread count; the norm's says no for bf16 (the module rounds before the
+    weight) and yes for float32 here."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.nn.Linear(64, out, bias=True).to(dtype) for out in (64, 32, 32))
+    assert attention.linear_fusable(q, k, v) == (dtype == torch.float32)
+    fused = attention.LinearQKV(q, k, v)
+    x = torch.zeros(1, 64, dtype=dtype)
+    assert fused.same_bits() and fused.takes(x)
+    real = F.linear
+
+    def other_bits(x, weight, bias=None):
+        out = real(x, weight, bias)
+        if weight.shape[0] == 128:
+            out[..., 3] = torch.nextafter(out[..., 3], torch.tensor(float("inf"), dtype=out.dtype))
+        return out
+
+    monkeypatch.setattr(F, "linear", other_bits)
+    assert not fused.same_bits()
+    fused._same_bits.clear()
+    assert not fused.takes(x)
+    weight = (1 + 0.5 * torch.randn(128, generator=g)).to(dtype)
+    assert attention.fused_norm_same_bits(weight, 1e-6) == (dtype == torch.float32)
+
+
+def test_hooked_modules_are_called_as_modules(checkpoints, without_kernels):
+    """The decode forwards call a module's forward directly only where nothing hooks it: a forward hook on a decoder
+    layer, its attention's o_proj and its router still runs at every decode step."""
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    layer = lm.model.model.layers[1]
+    ran = []
+    for module in (layer, layer.self_attn.o_proj, layer.mlp.gate):
+        module.register_forward_hook(lambda m, args, out, name=type(module).__name__: ran.append(name))
+    steps = 4
+    test_attention.decode_logits(lm, steps)
+    assert len(ran) == 3 * (1 + steps)  # the prefill (transformers' forwards) and every decode step

@@ -702,6 +702,39 @@ def test_whole_expert_policies_give_the_same_bits(mixtral):
                                                                               logits["prefetch-only"])
 
 
+def test_a_decode_layer_whose_experts_are_all_whole_skips_the_loads_machinery(checkpoints, monkeypatch):
+    """torch's path (a GPU's): a decode layer whose routed experts are all whole on the device (resident) computes
+    them in one `segments_forward` call and combines them, without the loads' machinery (`_compute`: nothing to
+    submit, acquire or admit); its logits are those of the path that loads every expert (ondemand), bit for bit."""
+    from fmoe_cli.generate import next_logits
+    from fmoe_cli.offload.engine import Engine as EngineClass
+    from fmoe_cli.planning.presets import make_settings
+    from transformers import DynamicCache
+
+    monkeypatch.setattr(kernels, "library", lambda: None)  # torch's matmuls: the device's expert compute
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    shape = lm.shape
+    decode_computes, whole = [], []
+    real_compute, real_whole = EngineClass._compute, EngineClass._whole_decode
+    monkeypatch.setattr(EngineClass, "_compute", lambda self, i, act, x, *a, **kw: (
+        decode_computes.append(i) if x.shape[0] == 1 else None) or real_compute(self, i, act, x, *a, **kw))
+    monkeypatch.setattr(EngineClass, "_whole_decode", lambda self, *a: whole.append(1) or real_whole(self, *a))
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    logits, counts = {}, {}
+    for policy in ("resident", "ondemand"):
+        engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes))
+        decode_computes.clear(), whole.clear()
+        cache = DynamicCache(config=lm.model.config)
+        with torch.no_grad():
+            steps = [next_logits(lm.model, PROMPT, cache)]  # a prefill, then decode steps
+            steps += [next_logits(lm.model, torch.tensor([[t]]), cache) for t in (9, 33, 71, 5)]
+        logits[policy], counts[policy] = torch.stack(steps), (len(decode_computes), len(whole))
+    engine.close()
+    assert counts == {"resident": (0, 4 * shape.num_layers), "ondemand": (4 * shape.num_layers, 0)}
+    assert torch.equal(logits["resident"], logits["ondemand"])
+
+
 def test_an_admission_on_the_cpu_runs_on_the_calling_thread(mixtral, monkeypatch):
     """A whole loaded expert's top goes into its cache slot on the calling thread (offload/link.py `device_copy`),
     never through torch's copy over its intra-op threads: a top is the one tensor of a decode step large enough for

@@ -22,6 +22,12 @@ At a decode step of a small model on the CPU, the host's steps around the weight
   head (modules called as the model calls them), without the model's decorators, output capture and causal mask
   (none, for one query without padding on a full-attention cache).
 
+Without the C steps (torch's path: FMOE_KERNELS=torch, no compiler) each RMSNorm is torch's one F.rms_norm where a
+probe finds it gives the module's bits for that weight (float32 here; bf16's module rounds before the weight: its
+six ops stay), and every module these forwards call (the layers, attention, MLP, router, norm, LM head) has its
+forward called directly where no hook would run (`dense.forward_of`): nn.Module's per-call steps cost microseconds
+a call, several calls a layer (docs/bench.md § Host work per layer).
+
 Anything else — a prefill, an attention mask, training, a device other than the CPU, another dtype — runs
 transformers' own forwards.
 """
@@ -30,11 +36,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules import module as _module
 
 from fmoe_cli import kernels
-from fmoe_cli.models.attention import decode_input, implementation, one_thread, rms_norm
-from fmoe_cli.models.dense import ours
+from fmoe_cli.models.attention import decode_input, implementation, norm_step, one_thread
+from fmoe_cli.models.dense import forward_of, hooked, ours
 from fmoe_cli.offload.engine import IMPLEMENTATION_NAME
 
 # The decoder layers with the decode forward, their norms' classes (the standard RMSNorm: rms_norm's steps), and
@@ -116,11 +121,11 @@ def _decode_model(model, original):
         if logits is not None:
             return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         for layer in layers:
-            hidden_states = layer(hidden_states, attention_mask=None, position_ids=position_ids, cache=cache,
-                                  use_cache=True, position_embeddings=position_embeddings)
-        hidden_states = inner.norm(hidden_states)
+            hidden_states = forward_of(layer)(hidden_states, attention_mask=None, position_ids=position_ids,
+                                              cache=cache, use_cache=True, position_embeddings=position_embeddings)
+        hidden_states = forward_of(inner.norm)(hidden_states)
         # one position: the last-token slice (slice_logits_to_keep) is the tensor itself
-        return MoeCausalLMOutputWithPast(logits=model.lm_head(hidden_states), cache=cache)
+        return MoeCausalLMOutputWithPast(logits=forward_of(model.lm_head)(hidden_states), cache=cache)
 
     return forward
 
@@ -131,6 +136,7 @@ def _decode_layer(layer, original):
     attn, mlp = layer.self_attn, layer.mlp
     before, after = layer.input_layernorm, layer.post_attention_layernorm
     in_c = norms_in_c(before, after)  # the dtype of the hidden states whose norms run in C, or None
+    norm_before, norm_after = (norm_step(n.weight, n.variance_epsilon) for n in (before, after))
 
     def forward(hidden_states, *args, **kwargs):
         if (args or kwargs.get("attention_mask") is not None or hidden_states.shape[:-1] != (1, 1) or layer.training
@@ -138,16 +144,15 @@ def _decode_layer(layer, original):
             return original(hidden_states, *args, **kwargs)
         if hidden_states.dtype == in_c:  # the norms and the first residual add in C (decode.c)
             _, normed = kernels.rms_norm(hidden_states, before.weight, before.variance_epsilon)
-            attended, _ = attn(hidden_states=normed, **kwargs)
+            attended, _ = forward_of(attn)(hidden_states=normed, **kwargs)
             hidden_states, normed = kernels.rms_norm(hidden_states, after.weight, after.variance_epsilon,
                                                      add=attended)
-            return hidden_states + mlp(normed)
+            return hidden_states + forward_of(mlp)(normed)
         residual = hidden_states
-        hidden_states, _ = attn(hidden_states=rms_norm(hidden_states, before.weight, before.variance_epsilon),
-                                **kwargs)
+        hidden_states, _ = forward_of(attn)(hidden_states=norm_before(hidden_states), **kwargs)
         hidden_states = residual + hidden_states
         residual = hidden_states
-        hidden_states = mlp(rms_norm(hidden_states, after.weight, after.variance_epsilon))
+        hidden_states = forward_of(mlp)(norm_after(hidden_states))
         return residual + hidden_states
 
     return ours(forward)
@@ -164,7 +169,7 @@ def _decode_moe(block, original):
         if hidden_states.shape[:-1] != (1, 1) or block.training or not decode_input(hidden_states):
             return original(hidden_states)
         x = hidden_states.view(1, -1)  # [1, H]
-        _, weights, index = router(x)
+        _, weights, index = forward_of(router)(x)
         engine = experts.__dict__.get("_fmoe_engine")
         if engine is None or hooked(experts) or implementation(config, "experts") != IMPLEMENTATION_NAME:
             return experts(x, index, weights).reshape(1, 1, -1)
@@ -173,22 +178,17 @@ def _decode_moe(block, original):
     return ours(forward)
 
 
-def hooked(module) -> bool:
-    """Whether calling `module` would run a forward hook (its own or a global one) around its forward."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
-                or _module._global_forward_pre_hooks)
-
-
 def _decode_norm(norm, original):
     """An RMSNorm's forward for one token (rms_norm's steps; float32 and bf16 in C); `original` otherwise."""
     in_c = norms_in_c(norm)
+    step = norm_step(norm.weight, norm.variance_epsilon)
 
     def forward(hidden_states):
         if hidden_states.shape[:-1] != (1, 1) or not decode_input(hidden_states):
             return original(hidden_states)
         if hidden_states.dtype == in_c:
             return kernels.rms_norm(hidden_states, norm.weight, norm.variance_epsilon)[1]
-        return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
+        return step(hidden_states)
 
     return ours(forward)
 
@@ -229,8 +229,8 @@ def _decode_router(router, original):
                 logits = F.linear(hidden_states, weight)  # [1, N]
         else:
             logits = F.linear(hidden_states, weight)
-        if kind == "mixtral":
-            probs = torch.nn.functional.softmax(logits.float(), dim=-1)
+        if kind == "mixtral":  # (.float() of float32 logits is themselves: one op less)
+            probs = torch.nn.functional.softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)
         else:
             probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
         top, index = torch.topk(probs, top_k, dim=-1)  # [1, K]

@@ -487,9 +487,9 @@ class Engine:
                 self._bookkeep(i, state, routing)
                 outputs = self.host_lane.forward(self, i, experts.act_fn, hidden_states, routing, hits)
                 self._prefetch(i, hidden_states, routing)
-            elif decode and len(hits.whole) == len(routing.flat) and self.store.stacks(hidden_states, experts.act_fn):
-                self._bookkeep(i, state, routing)
+            elif decode and len(hits.whole) == len(routing.flat):  # every routed expert whole on the device
                 stacked = self._whole_decode(state, experts.act_fn, hidden_states, routing)
+                self._bookkeep(i, state, routing)  # while the device computes (as `_compute` orders them)
                 self._prefetch(i, hidden_states, routing)  # what _compute does once nothing is left to load
                 return self._combine_decode(hidden_states, stacked, top_k_weights)
             else:
@@ -731,11 +731,16 @@ class Engine:
         return outputs
 
     def _whole_decode(self, state: LayerState, act, hidden_states: torch.Tensor, routing: Routing):
-        """A decode step whose activated experts are all whole on the device, where the store `stacks` (the CPU's
-        kernels): their outputs in routing order, stacked [K, H] by one kernel call (store.stacked_forward: each
-        expert's bits as alone, so as `_compute` gives them)."""
+        """A decode step whose activated experts are all whole on the device: their outputs in routing order, stacked
+        [K, H] — by one kernel call where the store `stacks` (the CPU's kernels: store.stacked_forward), else by
+        `segments_forward` (torch's path, a GPU's: one call for the K experts) and one cat — each expert's bits as
+        alone, so as `_compute` and `_combine` give them, without the loads' machinery (nothing to submit, acquire,
+        admit or time)."""
         slot, rows = state.cache.slot, state.top_rows
-        return self.store.stacked_forward(hidden_states, [rows[slot(e)] for e in routing.flat], act)
+        segments = [rows[slot(e)] for e in routing.flat]
+        if self.store.stacks(hidden_states, act):
+            return self.store.stacked_forward(hidden_states, segments, act)
+        return torch.cat(self.store.segments_forward([hidden_states] * len(segments), segments, act))
 
     def _combine_decode(self, hidden_states: torch.Tensor, stacked: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
