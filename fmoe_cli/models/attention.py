@@ -343,7 +343,8 @@ def implementation(config, kind: str) -> str | None:
     dispatch on, read where the property keeps it (`_<kind>_implementation_internal`): the property's read goes through
     two Python `__getattribute__`s of transformers' config classes, a few µs a layer at every decode token. Through the
     property where the config keeps it elsewhere."""
-    value = config.__dict__.get(_INTERNAL[kind], _MISSING)
+    value = object.__getattribute__(config, "__dict__").get(_INTERNAL[kind], _MISSING)  # (not the config class's
+    # own __getattribute__, which `config.__dict__` goes through: microseconds, several reads a layer)
     return getattr(config, _PROPERTY[kind]) if value is _MISSING else value
 
 
