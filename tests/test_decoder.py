@@ -258,19 +258,16 @@ def test_router_in_c_against_torch(normalise):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_torch_path_gives_transformers_bits(checkpoints, family, dtype, monkeypatch, without_kernels):
-    """Without the kernels: float32 q/k/v as one F.linear (attention.LinearQKV; bf16's stay three torch.mv), the
-    layers' and the final norm as torch's one F.rms_norm where the probe finds the module's bits (float32 here; not
-    bf16, whose module rounds before the weight), every module's forward called without nn.Module's call. The same
-    logits as transformers' own forwards, bit for bit, at the prefill and every decode step; each fused step ran at
-    every decode step."""
+    """Without the kernels: float32 q/k/v as one F.linear (attention.LinearQKV; bf16's stay three torch.mv), every
+    module's forward called without nn.Module's call. The same logits as transformers' own forwards, bit for bit, at
+    the prefill and every decode step; the fused q/k/v ran at every decode step."""
     lm = load_perturbed(checkpoints[family], dtype, "bf16")
     attns = [layer.self_attn for layer in lm.model.model.layers]
     assert all(a.fused_qkv is None and isinstance(a.linear_qkv, attention.LinearQKV) == (dtype == "float32")
                for a in attns)
-    fused_qkv, fused_norms = [], []
-    real_call, real_norm = attention.LinearQKV.__call__, F.rms_norm
+    fused_qkv = []
+    real_call = attention.LinearQKV.__call__
     monkeypatch.setattr(attention.LinearQKV, "__call__", lambda self, x: fused_qkv.append(1) or real_call(self, x))
-    monkeypatch.setattr(F, "rms_norm", lambda *a, **kw: fused_norms.append(1) or real_norm(*a, **kw))
 
     def transformers_forward():
         without_decode_forwards(lm.model)
@@ -279,18 +276,14 @@ def test_torch_path_gives_transformers_bits(checkpoints, family, dtype, monkeypa
 
     assert_decode_bits(lm, decoder, family, transformers_forward, monkeypatch)
     layers, steps = len(lm.model.model.layers), 6
-    float32 = dtype == "float32"
-    assert len(fused_qkv) == (steps * layers if float32 else 0)
-    assert len(fused_norms) == (steps * (2 * layers + 1) if float32 else 0)
+    assert len(fused_qkv) == (steps * layers if dtype == "float32" else 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_step_probes_can_say_no(dtype, monkeypatch):
-    """The probes behind torch's one-op steps answer from bits: LinearQKV's says no under a BLAS whose sums depend on
-    how many outputs it computes (one played here: the last bit of one output of a 128-row call flipped), and the
-    fused step then stays off at that thread count; the norm's says no for bf16 (the module rounds before the
-    weight) and yes for float32 here."""
-    g = torch.Generator().manual_seed(2)
+def test_linear_qkv_probe_can_say_no(dtype, monkeypatch):
+    """LinearQKV's probe answers from bits: it says no under a BLAS whose sums depend on how many outputs it computes
+    (one played here: the last bit of one output of a 128-row call flipped), and the fused q/k/v then stays off at
+    that thread count."""
     q, k, v = (torch.nn.Linear(64, out, bias=True).to(dtype) for out in (64, 32, 32))
     assert attention.linear_fusable(q, k, v) == (dtype == torch.float32)
     fused = attention.LinearQKV(q, k, v)
@@ -308,8 +301,6 @@ def test_fused_step_probes_can_say_no(dtype, monkeypatch):
     assert not fused.same_bits()
     fused._same_bits.clear()
     assert not fused.takes(x)
-    weight = (1 + 0.5 * torch.randn(128, generator=g)).to(dtype)
-    assert attention.fused_norm_same_bits(weight, 1e-6) == (dtype == torch.float32)
 
 
 def test_hooked_modules_are_called_as_modules(checkpoints, without_kernels):
@@ -323,3 +314,22 @@ def test_hooked_modules_are_called_as_modules(checkpoints, without_kernels):
     steps = 4
     test_attention.decode_logits(lm, steps)
     assert len(ran) == 3 * (1 + steps)  # the prefill (transformers' forwards) and every decode step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_rope_step_gives_the_modules_bits(checkpoints, family, dtype):
+    """decoder.rope_step: the rotary embedding's cos and sin at every position up to 1100 (and a scaling other than 1)
+    bit for bit as its module gives them; none for a rope type whose frequencies change with the sequence."""
+    lm = load_model(str(checkpoints[family]), device="cpu", dtype="float32")
+    rotary = lm.model.model.rotary_emb
+    x = torch.zeros(1, 1, lm.model.config.hidden_size, dtype=dtype)
+    for scaling in (1.0, 0.75):
+        rotary.attention_scaling = scaling
+        step = decoder.rope_step(rotary)
+        for position in range(1100):
+            want = rotary(x, position_ids=torch.tensor([[position]]))
+            got = step(x, position)
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want)), (position, scaling)
+    rotary.rope_type = "dynamic"
+    assert decoder.rope_step(rotary) is None

@@ -1,7 +1,7 @@
 """A decode token's attention on the CPU: q/k/v in one kernel call, and fewer host steps (issue 21).
 
 At a decode step (one token) of a small model the attention's weights are not what costs: the host's steps
-around them are (docs/bench.md § The decode step's attention on the CPU). Three changes, the first two exact:
+around them are (docs/bench.md § The decode step's attention on the CPU). Four changes, the first three exact:
 
 - **Fused q/k/v.** Under `--dense int8|int4` the q, k and v projections of a layer are QuantLinears of one format
   over the same input; their packed rows are concatenated into one tensor [Oq + Ok + Ov, row bytes] (one host copy:
@@ -293,31 +293,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.dtype != h.dtype or weight.dim() > h.dim():
         return weight * h  # (a weight of another dtype promotes: a new tensor, as the module's)
     return h.mul_(weight)  # weight · h, into h (a new tensor here): a product's bits do not depend on its factors' order
-
-
-def norm_step(weight: torch.Tensor, eps: float):
-    """An RMSNorm's step for a decode token, x -> normed over x's last dim with `weight` [H]: torch's one op
-    (F.rms_norm) where a probe finds it gives `rms_norm`'s bits (the module's) for this weight, else `rms_norm`'s six
-    ops (each costs the host microseconds at a decode token); `rms_norm` too for x of another dtype than the weight."""
-    if weight.dim() != 1 or not fused_norm_same_bits(weight, eps):
-        return lambda x: rms_norm(x, weight, eps)
-    shape, dtype = (weight.shape[0],), weight.dtype
-    return lambda x: F.rms_norm(x, shape, weight, eps) if x.dtype == dtype else rms_norm(x, weight, eps)
-
-
-def fused_norm_same_bits(weight: torch.Tensor, eps: float) -> bool:
-    """Whether torch's F.rms_norm of one token [1, 1, H] gives rms_norm's bits with this weight: 16 random rows of
-    four magnitudes, each compared bit for bit (a kernel that sums the squares in another order, or multiplies by
-    the weight before rounding where the module rounds first (bf16), gives other bits: random rows show it)."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        weight = weight.detach()
-        for scale in (1e-3, 1.0, 3.0, 1e3):
-            for _ in range(4):
-                x = (scale * torch.randn(1, 1, weight.shape[0], generator=g)).to(weight.dtype)
-                if not torch.equal(F.rms_norm(x, (weight.shape[0],), weight, eps), rms_norm(x, weight, eps)):
-                    return False
-    return True
 
 
 _EPSILONS: dict = {}

@@ -22,11 +22,10 @@ At a decode step of a small model on the CPU, the host's steps around the weight
   head (modules called as the model calls them), without the model's decorators, output capture and causal mask
   (none, for one query without padding on a full-attention cache).
 
-Without the C steps (torch's path: FMOE_KERNELS=torch, no compiler) each RMSNorm is torch's one F.rms_norm where a
-probe finds it gives the module's bits for that weight (float32 here; bf16's module rounds before the weight: its
-six ops stay), and every module these forwards call (the layers, attention, MLP, router, norm, LM head) has its
-forward called directly where no hook would run (`dense.forward_of`): nn.Module's per-call steps cost microseconds
-a call, several calls a layer (docs/bench.md § Host work per layer).
+Every module these forwards call (the layers, attention, MLP, router, norm, LM head) has its forward called directly
+where no hook would run (`dense.forward_of`): nn.Module's per-call steps cost microseconds a call, several calls a
+layer (docs/bench.md § Host work per layer). (torch's one-op F.rms_norm gives the module's float32 bits here but
+took as long as rms_norm's six ops: its kernel runs the same steps.)
 
 Anything else — a prefill, an attention mask, training, a device other than the CPU, another dtype — runs
 transformers' own forwards.
@@ -38,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from fmoe_cli import kernels
-from fmoe_cli.models.attention import decode_input, implementation, norm_step, one_thread
+from fmoe_cli.models.attention import decode_input, implementation, one_thread, rms_norm
 from fmoe_cli.models.dense import forward_of, hooked, ours
 from fmoe_cli.offload.engine import IMPLEMENTATION_NAME
 
@@ -52,6 +51,9 @@ ROUTERS = {"Qwen3MoeTopKRouter": "softmax-dtype", "Qwen2MoeTopKRouter": "softmax
            "OlmoeTopKRouter": "softmax-dtype", "MixtralTopKRouter": "mixtral"}
 # The sparse MoE blocks whose forward is the router, then the experts (Qwen2-MoE's adds a shared expert: its own).
 MOE_BLOCKS = {"Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "OlmoeSparseMoeBlock"}
+# The rotary embeddings whose forward is transformers' standard RoPE (the same code in each family): cos and sin of
+# the position times `inv_freq`, times `attention_scaling`, cast to the input's dtype (`rope_step`).
+ROTARIES = {"Qwen3MoeRotaryEmbedding", "Qwen2MoeRotaryEmbedding", "MixtralRotaryEmbedding", "OlmoeRotaryEmbedding"}
 
 
 def install_decode_layers(model) -> int:
@@ -103,6 +105,7 @@ def _decode_model(model, original):
     inner, config = model.model, model.config
     layers = list(inner.layers[: config.num_hidden_layers])
     token = model.decode_token = TokenInC(model)  # where a token's steps are all the kernels' (models/token.py)
+    rope = rope_step(inner.rotary_emb)
 
     def forward(input_ids=None, cache=None, past_key_values=None, use_cache=None, logits_to_keep=0, **kwargs):
         cache = cache if cache is not None else past_key_values
@@ -115,8 +118,12 @@ def _decode_model(model, original):
                 kwargs["cache"] = cache
             return original(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         hidden_states = inner.embed_tokens(input_ids)  # [1, 1, H]
-        position_ids = torch.tensor([[cache.get_seq_length()]])  # [1, 1] int64: the model's arange, one op
-        position_embeddings = inner.rotary_emb(hidden_states, position_ids=position_ids)
+        position = cache.get_seq_length()
+        position_ids = torch.tensor([[position]])  # [1, 1] int64: the model's arange, one op
+        if rope is None or hooked(inner.rotary_emb):
+            position_embeddings = inner.rotary_emb(hidden_states, position_ids=position_ids)
+        else:
+            position_embeddings = rope(hidden_states, position)
         logits = token.forward(hidden_states, position_embeddings, cache)  # the whole token in one C call, or None
         if logits is not None:
             return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
@@ -130,13 +137,39 @@ def _decode_model(model, original):
     return forward
 
 
+def rope_step(rotary):
+    """The rotary embedding's forward for one position of a decode token, (x, position) -> (cos, sin) [1, 1, D]: its
+    ops in its order — the position as float32 times `inv_freq`, the two halves' cat, cos and sin — without the
+    module's call, its decorator and the ops that give their input back (a float32 cast of float32 values, a product
+    by an `attention_scaling` of 1); the same values, bit for bit. None where the forward is not those ops (a class
+    not in ROTARIES) or its frequencies change with the sequence (the dynamic and longrope types)."""
+    rope_type = getattr(rotary, "rope_type", None)
+    if (type(rotary).__name__ not in ROTARIES or not isinstance(rope_type, str) or "dynamic" in rope_type
+            or rope_type == "longrope"):
+        return None
+
+    def step(x: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rotary.inv_freq  # (float32, or cast to it as the forward does)
+        inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
+        freqs = torch.tensor([[[float(position)]]]) * inv_freq  # [1, 1, D/2] (a position below 2²⁴ is exact)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        scaling = rotary.attention_scaling
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        if x.dtype != torch.float32:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return cos, sin
+
+    return step
+
+
 def _decode_layer(layer, original):
     """transformers' decoder layer forward for one token (its steps, in its order, on fewer ops); `original`
     otherwise."""
     attn, mlp = layer.self_attn, layer.mlp
     before, after = layer.input_layernorm, layer.post_attention_layernorm
     in_c = norms_in_c(before, after)  # the dtype of the hidden states whose norms run in C, or None
-    norm_before, norm_after = (norm_step(n.weight, n.variance_epsilon) for n in (before, after))
 
     def forward(hidden_states, *args, **kwargs):
         if (args or kwargs.get("attention_mask") is not None or hidden_states.shape[:-1] != (1, 1) or layer.training
@@ -149,10 +182,11 @@ def _decode_layer(layer, original):
                                                      add=attended)
             return hidden_states + forward_of(mlp)(normed)
         residual = hidden_states
-        hidden_states, _ = forward_of(attn)(hidden_states=norm_before(hidden_states), **kwargs)
+        normed = rms_norm(hidden_states, before.weight, before.variance_epsilon)
+        hidden_states, _ = forward_of(attn)(hidden_states=normed, **kwargs)
         hidden_states = residual + hidden_states
         residual = hidden_states
-        hidden_states = forward_of(mlp)(norm_after(hidden_states))
+        hidden_states = forward_of(mlp)(rms_norm(hidden_states, after.weight, after.variance_epsilon))
         return residual + hidden_states
 
     return ours(forward)
@@ -181,14 +215,13 @@ def _decode_moe(block, original):
 def _decode_norm(norm, original):
     """An RMSNorm's forward for one token (rms_norm's steps; float32 and bf16 in C); `original` otherwise."""
     in_c = norms_in_c(norm)
-    step = norm_step(norm.weight, norm.variance_epsilon)
 
     def forward(hidden_states):
         if hidden_states.shape[:-1] != (1, 1) or not decode_input(hidden_states):
             return original(hidden_states)
         if hidden_states.dtype == in_c:
             return kernels.rms_norm(hidden_states, norm.weight, norm.variance_epsilon)[1]
-        return step(hidden_states)
+        return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
 
     return ours(forward)
 
