@@ -17,6 +17,9 @@ Then the host's waits for the device, counted (not timed) over three decode step
 (profiling/ops.py `count_host_waits`): per MoE layer, and outside the experts.
 
     python benchmarks/host_per_layer.py [--processes 2] [--trees OLD_TREE]
+
+On a machine others are using, FMOE_EMULATED_CLOCK=cpu (passed on to every process) reads each token's latency as the
+process's CPU time: wall time then counts the waits for a core.
 """
 
 from __future__ import annotations

@@ -79,6 +79,19 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture
+def without_kernels(monkeypatch):
+    """FMOE_KERNELS=torch for one test (as a machine without a compiler; torch's path, as benchmarks/host_per_layer.py
+    measures a GPU's): the library's cache cleared around it."""
+    from fmoe_cli import kernels
+
+    monkeypatch.setenv("FMOE_KERNELS", "torch")
+    kernels.library.cache_clear()
+    yield
+    monkeypatch.delenv("FMOE_KERNELS")
+    kernels.library.cache_clear()
+
+
+@pytest.fixture
 def mixtral_trace():
     """The real Mixtral-8x7B routing trace (not shipped, no open licence: docs/traces.md § Real routing says where to
     get it), named by $FMOE_MIXTRAL_TRACE; the test skips without it."""

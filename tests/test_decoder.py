@@ -253,3 +253,83 @@ def test_router_in_c_against_torch(normalise):
             torch.testing.assert_close(weights, top, rtol=1e-5, atol=1e-7)
     tied = torch.zeros(4, 8)  # every logit equal: the lowest experts, in order
     assert kernels.router_decode(torch.ones(1, 8), tied, 2, True)[2].tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_torch_path_gives_transformers_bits(checkpoints, family, dtype, monkeypatch, without_kernels):
+    """Without the kernels: float32 q/k/v as one F.linear (attention.LinearQKV; bf16's stay three torch.mv), every
+    module's forward called without nn.Module's call. The same logits as transformers' own forwards, bit for bit, at
+    the prefill and every decode step; the fused q/k/v ran at every decode step."""
+    lm = load_perturbed(checkpoints[family], dtype, "bf16")
+    attns = [layer.self_attn for layer in lm.model.model.layers]
+    assert all(a.fused_qkv is None and isinstance(a.linear_qkv, attention.LinearQKV) == (dtype == "float32")
+               for a in attns)
+    fused_qkv = []
+    real_call = attention.LinearQKV.__call__
+    monkeypatch.setattr(attention.LinearQKV, "__call__", lambda self, x: fused_qkv.append(1) or real_call(self, x))
+
+    def transformers_forward():
+        without_decode_forwards(lm.model)
+        for attn in attns:
+            attn.__dict__.pop("forward", None)
+
+    assert_decode_bits(lm, decoder, family, transformers_forward, monkeypatch)
+    layers, steps = len(lm.model.model.layers), 6
+    assert len(fused_qkv) == (steps * layers if dtype == "float32" else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_qkv_probe_can_say_no(dtype, monkeypatch):
+    """LinearQKV's probe answers from bits: it says no under a BLAS whose sums depend on how many outputs it computes
+    (one played here: the last bit of one output of a 128-row call flipped), and the fused q/k/v then stays off at
+    that thread count."""
+    q, k, v = (torch.nn.Linear(64, out, bias=True).to(dtype) for out in (64, 32, 32))
+    assert attention.linear_fusable(q, k, v) == (dtype == torch.float32)
+    fused = attention.LinearQKV(q, k, v)
+    x = torch.zeros(1, 64, dtype=dtype)
+    assert fused.same_bits() and fused.takes(x)
+    real = F.linear
+
+    def other_bits(x, weight, bias=None):
+        out = real(x, weight, bias)
+        if weight.shape[0] == 128:
+            out[..., 3] = torch.nextafter(out[..., 3], torch.tensor(float("inf"), dtype=out.dtype))
+        return out
+
+    monkeypatch.setattr(F, "linear", other_bits)
+    assert not fused.same_bits()
+    fused._same_bits.clear()
+    assert not fused.takes(x)
+
+
+def test_hooked_modules_are_called_as_modules(checkpoints, without_kernels):
+    """The decode forwards call a module's forward directly only where nothing hooks it: a forward hook on a decoder
+    layer, its attention's o_proj and its router still runs at every decode step."""
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    layer = lm.model.model.layers[1]
+    ran = []
+    for module in (layer, layer.self_attn.o_proj, layer.mlp.gate):
+        module.register_forward_hook(lambda m, args, out, name=type(module).__name__: ran.append(name))
+    steps = 4
+    test_attention.decode_logits(lm, steps)
+    assert len(ran) == 3 * (1 + steps)  # the prefill (transformers' forwards) and every decode step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_rope_step_gives_the_modules_bits(checkpoints, family, dtype):
+    """decoder.rope_step: the rotary embedding's cos and sin at every position up to 1100 (and a scaling other than 1)
+    bit for bit as its module gives them; none for a rope type whose frequencies change with the sequence."""
+    lm = load_model(str(checkpoints[family]), device="cpu", dtype="float32")
+    rotary = lm.model.model.rotary_emb
+    x = torch.zeros(1, 1, lm.model.config.hidden_size, dtype=dtype)
+    for scaling in (1.0, 0.75):
+        rotary.attention_scaling = scaling
+        step = decoder.rope_step(rotary)
+        for position in range(1100):
+            want = rotary(x, position_ids=torch.tensor([[position]]))
+            got = step(x, position)
+            assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want)), (position, scaling)
+    rotary.rope_type = "dynamic"
+    assert decoder.rope_step(rotary) is None

@@ -154,18 +154,6 @@ def _bf16_rows(lm):
             and (ATTENTION in n.split(".") or m is head)]
 
 
-@pytest.fixture
-def without_kernels(monkeypatch):
-    """FMOE_KERNELS=torch for one test (as a machine without a compiler): the library's cache cleared around it."""
-    from fmoe_cli import kernels
-
-    monkeypatch.setenv("FMOE_KERNELS", "torch")
-    kernels.library.cache_clear()
-    yield
-    monkeypatch.delenv("FMOE_KERNELS")
-    kernels.library.cache_clear()
-
-
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_tokens_float_rows_go_through_the_kernels(checkpoints, family, dtype, monkeypatch):

@@ -4,6 +4,7 @@ prefetch move, and exposed time measured where the compute waits."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
 
@@ -700,6 +701,46 @@ def test_whole_expert_policies_give_the_same_bits(mixtral):
     engine.close()
     assert torch.equal(logits["resident"], logits["ondemand"]) and torch.equal(logits["resident"],
                                                                               logits["prefetch-only"])
+
+
+def test_a_decode_layer_whose_experts_are_all_whole_skips_the_loads_machinery(checkpoints, monkeypatch):
+    """torch's path (a GPU's): a decode layer whose routed experts are all whole on the device computes them in one
+    `segments_forward` call and combines them, without the loads' machinery (`_compute`: nothing to submit, acquire
+    or admit) — a resident layer by `_resident_decode` (no Routing, no Hits), a cache's whole hits (lru with room for
+    every expert) by `_whole_decode`; their logits are those of the path that loads every expert (ondemand), bit for
+    bit."""
+    from fmoe_cli.generate import next_logits
+    from fmoe_cli.offload.engine import Engine as EngineClass
+    from fmoe_cli.planning.presets import make_settings
+    from transformers import DynamicCache
+
+    monkeypatch.setattr(kernels, "library", lambda: None)  # torch's matmuls: the device's expert compute
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    shape = lm.shape
+    calls = []
+    for name in ("_compute", "_whole_decode", "_resident_decode"):
+        real = getattr(EngineClass, name)
+        monkeypatch.setattr(EngineClass, name, lambda self, i, *a, real=real, name=name, **kw: (
+            calls.append(name) if a[2 if name == "_resident_decode" else 1].shape[0] == 1 else None) or real(self, i, *a, **kw))
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    logits, counts = {}, {}
+    everything = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes
+    for policy, budget in (("resident", everything), ("lru", everything), ("ondemand", 0)):
+        engine.configure(make_settings(policy, shape, budget + 2 * shape.top_k * shape.expert_bytes))
+        assert not engine.settings.prefetch or policy == "lru"
+        engine.settings = replace(engine.settings, prefetch=False)
+        cache = DynamicCache(config=lm.model.config)
+        with torch.no_grad():
+            steps = [next_logits(lm.model, PROMPT, cache)]  # a prefill (every expert activated), then decode steps
+            calls.clear()
+            steps += [next_logits(lm.model, torch.tensor([[t]]), cache) for t in (9, 33, 71, 5)]
+        logits[policy], counts[policy] = torch.stack(steps), sorted(set(calls))
+        assert len(calls) == 4 * shape.num_layers, (policy, calls)
+    engine.close()
+    assert counts["resident"] == ["_resident_decode"] and counts["ondemand"] == ["_compute"]
+    assert "_whole_decode" in counts["lru"]  # (a layer may still miss an expert the prompt did not activate)
+    assert torch.equal(logits["resident"], logits["ondemand"]) and torch.equal(logits["lru"], logits["ondemand"])
 
 
 def test_an_admission_on_the_cpu_runs_on_the_calling_thread(mixtral, monkeypatch):

@@ -1,7 +1,7 @@
 """A decode token's attention on the CPU: q/k/v in one kernel call, and fewer host steps (issue 21).
 
 At a decode step (one token) of a small model the attention's weights are not what costs: the host's steps
-around them are (docs/bench.md § The decode step's attention on the CPU). Three changes, the first two exact:
+around them are (docs/bench.md § The decode step's attention on the CPU). Four changes, the first three exact:
 
 - **Fused q/k/v.** Under `--dense int8|int4` the q, k and v projections of a layer are QuantLinears of one format
   over the same input; their packed rows are concatenated into one tensor [Oq + Ok + Ov, row bytes] (one host copy:
@@ -23,6 +23,9 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Three
   than the few µs of work it splits, and it splits by head, so its bits do not depend on the thread count.
   Anything else — a prefill (more than one token), an attention mask, a device other than the CPU, OLMoE's
   `clip_qkv`, an attention implementation other than SDPA, DeepSeek's MLA — runs transformers' own forward.
+- **float32 q/k/v as one F.linear without the kernels** (`LinearQKV`: their rows in one tensor, each projection's
+  weight a view of it), where a probe finds the one linear gives each projection's bits at the thread count it runs
+  with; o_proj's and the projections' forwards are called without nn.Module's call where nothing hooks them.
 - **float32 and bf16 in C.** Where the kernels are built (`kernels.decode_steps_in_c`), a float32 or bf16 token's
   steps after its projections — Qwen3-MoE's per-head norms, RoPE, the cache's append (generate.py's
   `GrowingLayer.reserve` and `commit`) and the attention — are one call (kernels.attention_decode, decode.c). Not
@@ -34,11 +37,12 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Three
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fmoe_cli import kernels
 from fmoe_cli.kernels import one_thread
-from fmoe_cli.models.dense import ATTENTION, QuantLinear, kernel_forward, kernel_rows, ours
+from fmoe_cli.models.dense import ATTENTION, QuantLinear, forward_of, kernel_forward, kernel_rows, ours
 
 # The decoder layers' attention classes with the decode forward, and where their q/k norms sit:
 # "heads" (Qwen3-MoE: over each head's dims, before the transpose), "projection" (OLMoE: over the whole projection),
@@ -93,6 +97,66 @@ def fusable(q, k, v) -> bool:
             and kernel_rows(weight.dtype, q.in_features, sum(p.weight.nbytes for p in parts)))
 
 
+class LinearQKV:
+    """One layer's float32 q, k and v projections as one F.linear over their rows in one tensor, where the kernels do
+    not fuse them (torch's path: no kernels built, FMOE_KERNELS=torch): one op instead of three linears and a cat.
+    Each projection's weight (and bias) becomes a view of the fused rows (one copy). Used for a token only where a
+    probe finds the one linear gives each projection's bits at the thread count it runs with (`same_bits`)."""
+
+    def __init__(self, q, k, v) -> None:
+        parts = (q, k, v)
+        self.sizes = [p.out_features for p in parts]
+        self.weight = torch.cat([p.weight.detach() for p in parts])  # [Oq + Ok + Ov, H]
+        for p, rows in zip(parts, self.weight.split(self.sizes)):
+            p.weight = nn.Parameter(rows, requires_grad=False)
+        self.bias = None
+        if q.bias is not None:
+            self.bias = torch.cat([p.bias.detach() for p in parts])
+            for p, values in zip(parts, self.bias.split(self.sizes)):
+                p.bias = nn.Parameter(values, requires_grad=False)
+        self.dtype = self.weight.dtype
+        self._same_bits: dict[int, bool] = {}  # torch's thread count -> the probe's answer
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the one linear gives each projection's bits for x [1, H]: of the rows' dtype, and the probe's yes at
+        torch's thread count now."""
+        if x.dtype != self.dtype:
+            return False
+        threads = torch.get_num_threads()
+        same = self._same_bits.get(threads)
+        if same is None:
+            same = self._same_bits[threads] = self.same_bits()
+        return same
+
+    def same_bits(self) -> bool:
+        """Whether F.linear over the fused rows gives, for one row, the bits of the three projections' own F.linear
+        side by side: three random rows compared bit for bit (a BLAS whose sums depend on the output count would
+        give other bits: random rows show it)."""
+        g = torch.Generator().manual_seed(0)
+        biases = [None] * 3 if self.bias is None else self.bias.split(self.sizes)
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(1, self.weight.shape[1], generator=g).to(self.dtype)
+                parts = [F.linear(x, w, b) for w, b in zip(self.weight.split(self.sizes), biases)]
+                if not torch.equal(F.linear(x, self.weight, self.bias), torch.cat(parts, -1)):
+                    return False
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """q, k and v side by side, [T, Oq + Ok + Ov], for x [T, H]."""
+        return F.linear(x, self.weight, self.bias)
+
+
+def linear_fusable(q, k, v) -> bool:
+    """Whether three projections can be one F.linear (LinearQKV): float32 nn.Linears on the CPU (not meta), over the
+    same input width, with biases on all three or none. (bf16 rows stay three: without the kernels each is a
+    torch.mv, models/dense.py one_row_matvec, sooner than a bf16 F.linear.)"""
+    parts = (q, k, v)
+    return (all(type(p) is nn.Linear for p in parts) and len({p.in_features for p in parts}) == 1
+            and len({p.bias is None for p in parts}) == 1 and not q.weight.is_meta
+            and all(p.weight.dtype == torch.float32 and p.weight.device.type == "cpu" for p in parts))
+
+
 def install_decode_attention(model) -> int:
     """On a CPU model: fuse each attention's quantised q/k/v and give the standard families' attention the decode
     forward. Returns how many attention modules got the decode forward."""
@@ -106,12 +170,13 @@ def install_decode_attention(model) -> int:
             continue  # transformers' own forward (DeepSeek's MLA; a model on a GPU)
         q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
         fused = attn.fused_qkv = FusedQKV(q, k, v) if fusable(q, k, v) else None
-        attn.forward = _decode_forward(attn, attn.forward, fused, norm, rope)
+        linear = attn.linear_qkv = LinearQKV(q, k, v) if fused is None and linear_fusable(q, k, v) else None
+        attn.forward = _decode_forward(attn, attn.forward, fused or linear, norm, rope)
         installed += 1
     return installed
 
 
-def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, rope: dict):
+def _decode_forward(attn, original, fused: FusedQKV | LinearQKV | None, norm: str | None, rope: dict):
     """transformers' forward of `attn` for one token (its steps, in its order, on fewer ops); `original` otherwise.
     `rope`: shared by the model's layers, the last token's `sin` and its signed form."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
@@ -123,6 +188,7 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
     half = dim // 2
     q_norm, k_norm, o_proj = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), attn.o_proj
     o_kernel = isinstance(o_proj, QuantLinear) and o_proj.kernel is not None
+    gqa = {}  # (k's, v's head dims) -> transformers' use_gqa_in_sdpa without a mask (it reads os.environ: asked once)
     qk_weight, eps = head_norms(attn) if norm == "heads" else (None, None)
     # The steps in C (kernels.attention_decode): what decode.c takes of this layer's shape; float32 or bf16 compute,
     # a token whose q/k/v, cos and sin, cache and per-head norm weights are of one of those dtypes.
@@ -142,7 +208,7 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
                 q, k, v = qkv.split(fused.sizes, -1)
                 qkv = torch.cat([q_norm(q), k_norm(k), v], -1)
         else:
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            q, k, v = forward_of(attn.q_proj)(x), forward_of(attn.k_proj)(x), forward_of(attn.v_proj)(x)
             if norm == "projection":
                 q, k = q_norm(q), k_norm(k)
             qkv = torch.cat([q, k, v], -1)
@@ -169,8 +235,11 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
         q, k = qk[:, :heads_q], qk[:, heads_q:]
         if cache is not None:
             k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+        dims = (k.shape[-1], v.shape[-1])
+        if dims not in gqa:
+            gqa[dims] = use_gqa_in_sdpa(None, k, v)
         with one_thread():
-            if attn.num_key_value_groups > 1 and not use_gqa_in_sdpa(None, k, v):  # transformers' other GQA form
+            if attn.num_key_value_groups > 1 and not gqa[dims]:  # transformers' other GQA form
                 out = sdpa_attention_forward(attn, q, k, v, None, dropout=0.0, scaling=attn.scaling)[0]
             else:
                 out = torch.nn.functional.scaled_dot_product_attention(
@@ -183,7 +252,7 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
         if o_kernel and kernels.takes(out):  # QuantLinear.forward's steps, without its reshapes
             y = kernel_forward(out, o_proj.packed, o_proj.kernel, o_proj.bias)
         else:
-            y = o_proj(out)
+            y = forward_of(o_proj)(out)
         return y.view(1, 1, -1)
 
     return ours(forward)
@@ -249,7 +318,8 @@ def implementation(config, kind: str) -> str | None:
     dispatch on, read where the property keeps it (`_<kind>_implementation_internal`): the property's read goes through
     two Python `__getattribute__`s of transformers' config classes, a few µs a layer at every decode token. Through the
     property where the config keeps it elsewhere."""
-    value = config.__dict__.get(_INTERNAL[kind], _MISSING)
+    value = object.__getattribute__(config, "__dict__").get(_INTERNAL[kind], _MISSING)  # (not the config class's
+    # own __getattribute__, which `config.__dict__` goes through: microseconds, several reads a layer)
     return getattr(config, _PROPERTY[kind]) if value is _MISSING else value
 
 

@@ -22,6 +22,11 @@ At a decode step of a small model on the CPU, the host's steps around the weight
   head (modules called as the model calls them), without the model's decorators, output capture and causal mask
   (none, for one query without padding on a full-attention cache).
 
+Every module these forwards call (the layers, attention, MLP, router, norm, LM head) has its forward called directly
+where no hook would run (`dense.forward_of`): nn.Module's per-call steps cost microseconds a call, several calls a
+layer (docs/bench.md § Host work per layer). (torch's one-op F.rms_norm gives the module's float32 bits here but
+took as long as rms_norm's six ops: its kernel runs the same steps.)
+
 Anything else — a prefill, an attention mask, training, a device other than the CPU, another dtype — runs
 transformers' own forwards.
 """
@@ -30,11 +35,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules import module as _module
 
 from fmoe_cli import kernels
 from fmoe_cli.models.attention import decode_input, implementation, one_thread, rms_norm
-from fmoe_cli.models.dense import ours
+from fmoe_cli.models.dense import forward_of, hooked, ours
 from fmoe_cli.offload.engine import IMPLEMENTATION_NAME
 
 # The decoder layers with the decode forward, their norms' classes (the standard RMSNorm: rms_norm's steps), and
@@ -47,6 +51,9 @@ ROUTERS = {"Qwen3MoeTopKRouter": "softmax-dtype", "Qwen2MoeTopKRouter": "softmax
            "OlmoeTopKRouter": "softmax-dtype", "MixtralTopKRouter": "mixtral"}
 # The sparse MoE blocks whose forward is the router, then the experts (Qwen2-MoE's adds a shared expert: its own).
 MOE_BLOCKS = {"Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "OlmoeSparseMoeBlock"}
+# The rotary embeddings whose forward is transformers' standard RoPE (the same code in each family): cos and sin of
+# the position times `inv_freq`, times `attention_scaling`, cast to the input's dtype (`rope_step`).
+ROTARIES = {"Qwen3MoeRotaryEmbedding", "Qwen2MoeRotaryEmbedding", "MixtralRotaryEmbedding", "OlmoeRotaryEmbedding"}
 
 
 def install_decode_layers(model) -> int:
@@ -98,6 +105,7 @@ def _decode_model(model, original):
     inner, config = model.model, model.config
     layers = list(inner.layers[: config.num_hidden_layers])
     token = model.decode_token = TokenInC(model)  # where a token's steps are all the kernels' (models/token.py)
+    rope = rope_step(inner.rotary_emb)
 
     def forward(input_ids=None, cache=None, past_key_values=None, use_cache=None, logits_to_keep=0, **kwargs):
         cache = cache if cache is not None else past_key_values
@@ -110,19 +118,50 @@ def _decode_model(model, original):
                 kwargs["cache"] = cache
             return original(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         hidden_states = inner.embed_tokens(input_ids)  # [1, 1, H]
-        position_ids = torch.tensor([[cache.get_seq_length()]])  # [1, 1] int64: the model's arange, one op
-        position_embeddings = inner.rotary_emb(hidden_states, position_ids=position_ids)
+        position = cache.get_seq_length()
+        position_ids = torch.tensor([[position]])  # [1, 1] int64: the model's arange, one op
+        if rope is None or hooked(inner.rotary_emb):
+            position_embeddings = inner.rotary_emb(hidden_states, position_ids=position_ids)
+        else:
+            position_embeddings = rope(hidden_states, position)
         logits = token.forward(hidden_states, position_embeddings, cache)  # the whole token in one C call, or None
         if logits is not None:
             return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
         for layer in layers:
-            hidden_states = layer(hidden_states, attention_mask=None, position_ids=position_ids, cache=cache,
-                                  use_cache=True, position_embeddings=position_embeddings)
-        hidden_states = inner.norm(hidden_states)
+            hidden_states = forward_of(layer)(hidden_states, attention_mask=None, position_ids=position_ids,
+                                              cache=cache, use_cache=True, position_embeddings=position_embeddings)
+        hidden_states = forward_of(inner.norm)(hidden_states)
         # one position: the last-token slice (slice_logits_to_keep) is the tensor itself
-        return MoeCausalLMOutputWithPast(logits=model.lm_head(hidden_states), cache=cache)
+        return MoeCausalLMOutputWithPast(logits=forward_of(model.lm_head)(hidden_states), cache=cache)
 
     return forward
+
+
+def rope_step(rotary):
+    """The rotary embedding's forward for one position of a decode token, (x, position) -> (cos, sin) [1, 1, D]: its
+    ops in its order — the position as float32 times `inv_freq`, the two halves' cat, cos and sin — without the
+    module's call, its decorator and the ops that give their input back (a float32 cast of float32 values, a product
+    by an `attention_scaling` of 1); the same values, bit for bit. None where the forward is not those ops (a class
+    not in ROTARIES) or its frequencies change with the sequence (the dynamic and longrope types)."""
+    rope_type = getattr(rotary, "rope_type", None)
+    if (type(rotary).__name__ not in ROTARIES or not isinstance(rope_type, str) or "dynamic" in rope_type
+            or rope_type == "longrope"):
+        return None
+
+    def step(x: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rotary.inv_freq  # (float32, or cast to it as the forward does)
+        inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
+        freqs = torch.tensor([[[float(position)]]]) * inv_freq  # [1, 1, D/2] (a position below 2²⁴ is exact)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        scaling = rotary.attention_scaling
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        if x.dtype != torch.float32:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return cos, sin
+
+    return step
 
 
 def _decode_layer(layer, original):
@@ -138,16 +177,16 @@ def _decode_layer(layer, original):
             return original(hidden_states, *args, **kwargs)
         if hidden_states.dtype == in_c:  # the norms and the first residual add in C (decode.c)
             _, normed = kernels.rms_norm(hidden_states, before.weight, before.variance_epsilon)
-            attended, _ = attn(hidden_states=normed, **kwargs)
+            attended, _ = forward_of(attn)(hidden_states=normed, **kwargs)
             hidden_states, normed = kernels.rms_norm(hidden_states, after.weight, after.variance_epsilon,
                                                      add=attended)
-            return hidden_states + mlp(normed)
+            return hidden_states + forward_of(mlp)(normed)
         residual = hidden_states
-        hidden_states, _ = attn(hidden_states=rms_norm(hidden_states, before.weight, before.variance_epsilon),
-                                **kwargs)
+        normed = rms_norm(hidden_states, before.weight, before.variance_epsilon)
+        hidden_states, _ = forward_of(attn)(hidden_states=normed, **kwargs)
         hidden_states = residual + hidden_states
         residual = hidden_states
-        hidden_states = mlp(rms_norm(hidden_states, after.weight, after.variance_epsilon))
+        hidden_states = forward_of(mlp)(rms_norm(hidden_states, after.weight, after.variance_epsilon))
         return residual + hidden_states
 
     return ours(forward)
@@ -164,19 +203,13 @@ def _decode_moe(block, original):
         if hidden_states.shape[:-1] != (1, 1) or block.training or not decode_input(hidden_states):
             return original(hidden_states)
         x = hidden_states.view(1, -1)  # [1, H]
-        _, weights, index = router(x)
+        _, weights, index = forward_of(router)(x)
         engine = experts.__dict__.get("_fmoe_engine")
         if engine is None or hooked(experts) or implementation(config, "experts") != IMPLEMENTATION_NAME:
             return experts(x, index, weights).reshape(1, 1, -1)
         return engine.experts_forward(experts, x, index, weights).view(1, 1, -1)  # (its output: a new [1, H])
 
     return ours(forward)
-
-
-def hooked(module) -> bool:
-    """Whether calling `module` would run a forward hook (its own or a global one) around its forward."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
-                or _module._global_forward_pre_hooks)
 
 
 def _decode_norm(norm, original):
@@ -229,8 +262,8 @@ def _decode_router(router, original):
                 logits = F.linear(hidden_states, weight)  # [1, N]
         else:
             logits = F.linear(hidden_states, weight)
-        if kind == "mixtral":
-            probs = torch.nn.functional.softmax(logits.float(), dim=-1)
+        if kind == "mixtral":  # (.float() of float32 logits is themselves: one op less)
+            probs = torch.nn.functional.softmax(logits if logits.dtype == torch.float32 else logits.float(), dim=-1)
         else:
             probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
         top, index = torch.topk(probs, top_k, dim=-1)  # [1, K]

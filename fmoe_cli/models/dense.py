@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module
 
 from fmoe_cli import kernels
 from fmoe_cli.offload.quant import QUANTIZE_ROWS, block_rows, dequantize, quantize
@@ -41,6 +42,19 @@ def ours(forward):
     still has it before it computes the module's steps in C)."""
     forward.fmoe_decode = True
     return forward
+
+
+def hooked(module) -> bool:
+    """Whether calling `module` would run a forward hook (its own or a global one) around its forward."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks)
+
+
+def forward_of(module):
+    """What calling `module` runs at a decode token: its forward, without nn.Module's per-call steps (hooks, tracing,
+    a checkpointing layer's checks: microseconds a call, several calls a layer), where no hook would run; else the
+    module itself."""
+    return module if hooked(module) else module.forward
 
 
 def is_ours(module) -> bool:

@@ -467,8 +467,7 @@ class Engine:
                                                    top_k_weights)
                 if out is not None:
                     return out
-            if self._stacks(hidden_states, experts.act_fn):
-                return self._resident_decode(i, state, experts.act_fn, hidden_states, top_k_index, top_k_weights)
+            return self._resident_decode(i, state, experts.act_fn, hidden_states, top_k_index, top_k_weights)
         self._settle()
         self._collect_stalls()
         extra = self._device_part(i, hidden_states)
@@ -487,9 +486,9 @@ class Engine:
                 self._bookkeep(i, state, routing)
                 outputs = self.host_lane.forward(self, i, experts.act_fn, hidden_states, routing, hits)
                 self._prefetch(i, hidden_states, routing)
-            elif decode and len(hits.whole) == len(routing.flat) and self.store.stacks(hidden_states, experts.act_fn):
-                self._bookkeep(i, state, routing)
+            elif decode and len(hits.whole) == len(routing.flat):  # every routed expert whole on the device
                 stacked = self._whole_decode(state, experts.act_fn, hidden_states, routing)
+                self._bookkeep(i, state, routing)  # while the device computes (as `_compute` orders them)
                 self._prefetch(i, hidden_states, routing)  # what _compute does once nothing is left to load
                 return self._combine_decode(hidden_states, stacked, top_k_weights)
             else:
@@ -587,16 +586,18 @@ class Engine:
 
     def _resident_decode(self, i: int, state: LayerState, act, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
-        """`experts_forward` of a decode step on a resident layer whose experts the store stacks (the CPU's kernels),
-        without a prefetcher: the same steps on what such a step has — the routing's host list, the observers, the
-        policy's touches, the counters of K whole experts (nothing is staged, loaded, pinned or admitted, no stall
-        to collect), one kernel call for the K experts in routing order and the weighted sum (`_combine_decode`)."""
+        """`experts_forward` of a decode step on a resident layer without a prefetcher: the same steps on what such a
+        step has — the routing's host list (the layer's one host wait where the routing is on a device), the K
+        experts computed in routing order (`_stacked`: one kernel call on the CPU, one `segments_forward` on torch's
+        path), then the observers, the policy's touches and the counters of K whole experts (nothing is staged,
+        loaded, pinned or admitted, no stall to collect), and the weighted sum (`_combine_decode`)."""
         routed = top_k_index.tolist()[0]  # the token's K experts, in routing order (one host list, as Routing.of)
-        self._observe(i, state, top_k_index, top_k_weights, routed)
+        state.counters.host_waits += self.device_side or not top_k_index.is_cpu
         try:
-            self._record_resident(state, routed)
             rows = self.resident_rows(i)
-            stacked = self.store.stacked_forward(hidden_states, [rows[e] for e in routed], act)
+            stacked = self._stacked(hidden_states, [rows[e] for e in routed], act)
+            self._observe(i, state, top_k_index, top_k_weights, routed)  # while the device computes
+            self._record_resident(state, routed)
             return self._combine_decode(hidden_states, stacked, top_k_weights)
         finally:
             state.cache.advance()
@@ -639,8 +640,8 @@ class Engine:
         return state.expert_rows
 
     def resident_decode(self, hidden_states: torch.Tensor, act) -> bool:
-        """Whether a decode token x [1, H] of every layer takes `_resident_decode` (experts_forward's test, layer
-        by layer)."""
+        """Whether a decode token x [1, H] of every layer takes `_resident_decode` with the CPU's kernels (one kernel
+        call for its experts: what models/token.py's one-call token computes)."""
         return (bool(self.layers) and all(state.resident for state in self.layers) and not self._prefetching
                 and self._stacks(hidden_states, act))
 
@@ -731,11 +732,20 @@ class Engine:
         return outputs
 
     def _whole_decode(self, state: LayerState, act, hidden_states: torch.Tensor, routing: Routing):
-        """A decode step whose activated experts are all whole on the device, where the store `stacks` (the CPU's
-        kernels): their outputs in routing order, stacked [K, H] by one kernel call (store.stacked_forward: each
-        expert's bits as alone, so as `_compute` gives them)."""
+        """A decode step whose activated experts are all whole on the device: their outputs in routing order, stacked
+        [K, H] — by one kernel call where the store `stacks` (the CPU's kernels: store.stacked_forward), else by
+        `segments_forward` (torch's path, a GPU's: one call for the K experts) and one cat — each expert's bits as
+        alone, so as `_compute` and `_combine` give them, without the loads' machinery (nothing to submit, acquire,
+        admit or time)."""
         slot, rows = state.cache.slot, state.top_rows
-        return self.store.stacked_forward(hidden_states, [rows[slot(e)] for e in routing.flat], act)
+        return self._stacked(hidden_states, [rows[slot(e)] for e in routing.flat], act)
+
+    def _stacked(self, hidden_states: torch.Tensor, segments: list, act) -> torch.Tensor:
+        """Whole segments' outputs for one token x [1, H], in the given order, stacked [K, H]: one kernel call where
+        the store `stacks` (store.stacked_forward), else one `segments_forward` call and a cat."""
+        if self._stacks(hidden_states, act):
+            return self.store.stacked_forward(hidden_states, segments, act)
+        return torch.cat(self.store.segments_forward([hidden_states] * len(segments), segments, act))
 
     def _combine_decode(self, hidden_states: torch.Tensor, stacked: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:

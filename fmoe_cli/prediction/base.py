@@ -45,11 +45,16 @@ def router_scores(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     that choose by sigmoid + a correction bias (DeepSeek-V3) are ranked the way they
     choose.
     """
-    logits = F.linear(hidden.float(), router.weight.float())
+    logits = F.linear(as_float32(hidden), as_float32(router.weight))
     bias = getattr(router, "e_score_correction_bias", None)
     if bias is not None:
         return logits.sigmoid() + bias.float()
     return logits.softmax(dim=-1)
+
+
+def as_float32(t: torch.Tensor) -> torch.Tensor:
+    """t.float() without its dispatch where t is float32 already (then it is t itself: microseconds an op a layer)."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 @dataclass
