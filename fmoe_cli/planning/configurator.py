@@ -124,6 +124,7 @@ starting θ does not change the result and is not represented here.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -235,6 +236,27 @@ def cache_hit_rate(hit: np.ndarray, sizes: np.ndarray, top_k: int) -> np.ndarray
     hit_k = hit[min(top_k, len(hit) - 1)]
     sizes = np.asarray(sizes)
     return np.where(sizes < top_k, np.minimum(hit[sizes], sizes / top_k * hit_k), hit[sizes])
+
+
+def hit_distribution(top_k: int, cache_size: int, hit: float) -> list[tuple[int, float]]:
+    """A token's cache hits in one layer, (h, probability): binomial over the experts a cache of C slots can hold
+    of the token's K, min(K, C), each a hit with probability K·H_i(C) / min(K, C) (ours; the paper prices the
+    expected K·H_i(C)). The exposed time of a layer is convex in its hits (a token with one miss more waits a whole
+    load, one with one hit more gains at most that expert's compute), so pricing the expectation prices it low where
+    loads are cheap: a layer of K = 2 with H = 0.85 hides 1.7 experts' compute, more than one load of 1.65 of them,
+    and the expectation exposes nothing, while the 28 % of tokens with a miss wait (docs/planning.md § Where the model
+    deviates from the paper)."""
+    trials = min(top_k, cache_size)
+    return binomial(trials, min(1.0, top_k * hit / trials) if trials > 0 else 0.0)
+
+
+def binomial(trials: int, p: float) -> list[tuple[int, float]]:
+    """(successes, probability) of `trials` independent tries of probability p (those of probability > 0)."""
+    if trials <= 0 or p <= 0.0:
+        return [(0, 1.0)]
+    if p >= 1.0:
+        return [(trials, 1.0)]
+    return [(h, math.comb(trials, h) * p ** h * (1.0 - p) ** (trials - h)) for h in range(trials + 1)]
 
 
 class _LayerModel:
@@ -354,6 +376,23 @@ class _LayerModel:
             exposed=float(lane_time[c] - t.t_moe), host=True, host_s=float(lane_host[c]))
         return choice, float(lane_time[c] + t.t_att)
 
+    def _stall(self, m: float, behind: float, submit: float, taken_over: float, prefetching: bool) -> tuple[float, float]:
+        """S_i and B_i of a token with m_i experts' worth hidden (the module's doc): the compute waits for the first
+        load, then for each next one only as far as the link is slower than the compute of the one before it."""
+        t = self.timings
+        loads = t.top_k - m  # n_i: the experts still to load, one after another on the link
+        busy = behind + loads * t.t_load  # B_i: the link's work once layer i has routed
+        submitted = max(0.0, loads - taken_over)  # demand loads the layer submits once it has routed
+        serve = t.t_exp + t.t_host_load - submit  # the compute side's time per loaded segment once it lands
+        # the compute side's lead on the first load once the layer has routed: the submission of its loads
+        # (n_i·h_sub), the cached segments' compute, the routing layout (h_route) and, when it prefetches, the
+        # predictor and prefetcher (h_pf: the engine runs them as soon as its demand loads are queued,
+        # offload/engine.py, while they are on the link)
+        lead = m * t.t_exp
+        if loads > 0:
+            lead += submitted * submit + t.t_host_route + (t.t_host_prefetch if prefetching else 0.0)
+        return max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve) - lead, busy
+
     def choose(self, budget: int, window: float, cache_size: int | None = None,
                host_path: bool = False) -> tuple[LayerChoice, float]:
         """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
@@ -399,13 +438,11 @@ class _LayerModel:
             c = int(fixed[-1]) if len(fixed) else 0  # its largest k (the plan's); C = 0 when nothing fits
         m = float(hidden[c])
         behind = float(link[c])  # R_i: a wrong prefetch's link time the window did not cover
-        busy = behind + (top_k - m) * t.t_load  # the link's work once layer i has routed
         work = float(host[c])  # h_load per loaded segment (whole cached experts load nothing), a_e·θ per admission
-        loads = top_k - m  # n_i: the experts still to load, one after another on the link
         # h_sub: the part of h_load spent submitting a demand load; the engine submits all of a layer's loads
         # before it computes anything (offload/engine.py: _submit), so it is spent with the first on the link
         submit = t.submit_share
-        submitted = loads  # demand loads the layer submits once it has routed
+        taken_over = 0.0  # right prefetches still on the link, which the layer takes over instead of submitting
         if prefetches[c] > 0:
             # h_pf: the predictor and prefetcher's work when the layer prefetches, its prefetches' submissions
             # included; a right one is taken over by its layer, not submitted again: h_sub less per right prefetch
@@ -413,28 +450,32 @@ class _LayerModel:
             right = float(taken[prefetches[c] - 1, c])
             landed_right = float(taken[last[c], c]) if landed[c] > 0 else 0.0
             work += t.t_host_prefetch - right * submit
-            submitted = max(0.0, loads - (right - landed_right))
-        # T^i (Eq. 6, pipelined, + G_i): the compute waits for the first load, then for each next one
-        # only as far as the link is slower than the compute of the one before it
-        serve = t.t_exp + t.t_host_load - submit  # the compute side's time per loaded segment once it lands
-        # the compute side's lead on the first load once the layer has routed: the submission of its loads
-        # (n_i·h_sub), the cached segments' compute, the routing layout (h_route) and, when it prefetches, the
-        # predictor and prefetcher (h_pf: the engine runs them as soon as its demand loads are queued,
-        # offload/engine.py, while they are on the link)
-        lead = m * t.t_exp
-        if loads > 0:
-            lead += submitted * submit + t.t_host_route + (t.t_host_prefetch if prefetches[c] > 0 else 0.0)
-        stall = max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve) - lead
-        exposed = max(0.0, stall) + work
-        next_window = t.t_moe + exposed - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
+            taken_over = right - landed_right
+        # T^i (Eq. 6, pipelined, + G_i) per token, over its number of cache hits h and of misses g a landed
+        # prefetch covers (ours: the paper prices the expected m_i; the stall is convex in it, and a token with
+        # fewer hits than expected waits longer than one with more gains: `hit_distribution`)
         size = int(sizes[c])
+        hit_c = float(cache_hit_rate(self.curves.hit, np.array([size]), top_k)[0])
+        covered = float(prefetched[c])  # expected load units a landed prefetch hides
+        misses = top_k * (1.0 - hit_c)  # expected misses, each a prefetch may cover whole
+        cover = min(1.0, covered / misses) if misses > 0 else 0.0
+        extra = max(0.0, covered - misses)  # more than whole misses: bottoms of top hits, kept as an expectation
+        stalls, busy = 0.0, 0.0
+        for hits, weight in hit_distribution(top_k, size, hit_c):
+            for right, share in binomial(top_k - hits, cover):
+                m_h = min(hits * float(theta[c]) + right + extra, float(top_k))
+                stall_h, busy_h = self._stall(m_h, behind, submit, taken_over, prefetches[c] > 0)
+                stalls += weight * share * max(0.0, stall_h)
+                busy += weight * share * busy_h
+        exposed = stalls + work
+        next_window = t.t_moe + exposed - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
         choice = LayerChoice(
             budget=int(budget),
             cache_size=size,
             top_neurons=int(k[c]),
             split=float(theta[c]),
             vram_bytes=int(size * k[c] * self.shape.neuron_bytes),
-            hit_rate=float(cache_hit_rate(self.curves.hit, np.array([size]), top_k)[0]),
+            hit_rate=hit_c,
             hidden=m,
             prefetches=int(prefetches[c]),
             window=float(window),
