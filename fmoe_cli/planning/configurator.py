@@ -46,12 +46,19 @@ with the link charged for the issued prefetch that still holds it when the layer
               first on the link meanwhile; h_route, the host's work between submitting the loads and the
               first compute; and h_pf, which the engine spends as soon as the demand loads are queued,
               while they are on the link)
-        T^i = max(0, S_i) + G_i                                                    (6)
+        T^i = E[max(0, S_i)] + G_i                                                 (6)
+              S_i per token, over its m (`hidden_distribution`: its hits, and the misses and bottoms a landed
+              prefetch covers, binomial, of mean m_i); a token with nothing to load (n = 0) waits for nothing
         T_wind^{i+1} = T_moe + T^i − B_i + T_att                                   (7)
 
-With R_i = 0 (W = Y), G_i = 0 and n_i ≤ 1 these are the paper's equations (S_i = B_i − m_i·T_exp,
-T_wind^{i+1} = T_moe − min(m_i·T_exp, B_i) + T_att). Where we deviate, and why (measured:
+With R_i = 0 (W = Y), G_i = 0, n_i ≤ 1 and S_i priced at the mean m_i these are the paper's equations
+(S_i = B_i − m_i·T_exp, T_wind^{i+1} = T_moe − min(m_i·T_exp, B_i) + T_att). Where we deviate, and why (measured:
 docs/planning.md § Where the model deviates from the paper):
+- S_i per token: the paper prices the expected m_i; S_i is not linear in m (max(0, ·): a token's hits' compute
+  does not hide another token's loads; the first load waits whole, the next only as far as the link is slower than
+  the compute), so the expectation priced `cache-only` at 0.2 ms a token where the simulator found 2.0 (K = 2,
+  H = 0.87, load 2.65 × T_exp: tests/test_configurator.py, recurring experts). A token's hits are taken as
+  independent draws of H_i(C) (the statistics hold marginals only); B_i, linear in m, keeps its mean.
 - pipelined loads (S_i): the paper charges every un-hidden load in full; the engine computes
   each load as it lands (offload/engine.py), so the compute of one (and its host work)
   overlaps the transfer of the next, and the routing layout before the first compute
@@ -238,25 +245,43 @@ def cache_hit_rate(hit: np.ndarray, sizes: np.ndarray, top_k: int) -> np.ndarray
     return np.where(sizes < top_k, np.minimum(hit[sizes], sizes / top_k * hit_k), hit[sizes])
 
 
-def hit_distribution(top_k: int, cache_size: int, hit: float) -> list[tuple[int, float]]:
-    """A token's cache hits in one layer, (h, probability): binomial over the experts a cache of C slots can hold
-    of the token's K, min(K, C), each a hit with probability K·H_i(C) / min(K, C) (ours; the paper prices the
-    expected K·H_i(C)). The exposed time of a layer is convex in its hits (a token with one miss more waits a whole
-    load, one with one hit more gains at most that expert's compute), so pricing the expectation prices it low where
-    loads are cheap: a layer of K = 2 with H = 0.85 hides 1.7 experts' compute, more than one load of 1.65 of them,
-    and the expectation exposes nothing, while the 28 % of tokens with a miss wait (docs/planning.md § Where the model
-    deviates from the paper)."""
+def binomial(trials: int, p: float) -> np.ndarray:
+    """P(s successes) for s = 0..trials of `trials` independent tries of probability p."""
+    s = np.arange(trials + 1)
+    p = min(max(p, 0.0), 1.0)
+    return np.array([math.comb(trials, int(i)) for i in s], dtype=float) * p ** s * (1.0 - p) ** (trials - s)
+
+
+def hidden_distribution(top_k: int, cache_size: int, hit: float, theta: float, hidden: float,
+                        right_cached: float) -> tuple[np.ndarray, np.ndarray]:
+    """A token's hidden load units in one layer, m = h·θ + g + b·(1 − θ), as (values, probabilities), whose mean is
+    the closed form's m_i (`hidden`, Eq. 9 capped at K) (ours; the paper prices the expected m_i; docs/planning.md §
+    Where the model deviates from the paper):
+        h  the token's top hits, binomial over the min(K, C_i) experts a cache of C_i slots can hold of its K, each a
+           hit with probability K·H_i(C_i) / min(K, C_i): mean K·H_i(C_i)
+        g  its misses a landed prefetch covers whole, binomial over its K − h misses, each covered with q_miss
+        b  its top hits whose bottom a landed prefetch covers, binomial over its h hits, each with q_bottom
+    The hits of one token are taken as independent (H_i(C) is a marginal: the statistics hold no joint count of a
+    token's hits). Eq. 9's landed gain, m_i − K·H_i·θ_i, splits into misses, Σ_{y≤Y} (1 − PH_i(y, C))·P_i(y) of
+    them, and bottoms, (1 − θ_i)·Σ_{y≤Y} PH_i(y, C)·P_i(y) (`right_cached`: the sum); what overflows one side (the
+    statistics are products of marginals: they may credit more covered misses than there are) goes to the other,
+    so that the mean stays m_i. The stall is convex in m (a token with one miss more waits a whole load, one with
+    one hit more gains at most that expert's compute): pricing the mean prices it low where loads are cheap."""
     trials = min(top_k, cache_size)
-    return binomial(trials, min(1.0, top_k * hit / trials) if trials > 0 else 0.0)
-
-
-def binomial(trials: int, p: float) -> list[tuple[int, float]]:
-    """(successes, probability) of `trials` independent tries of probability p (those of probability > 0)."""
-    if trials <= 0 or p <= 0.0:
-        return [(0, 1.0)]
-    if p >= 1.0:
-        return [(trials, 1.0)]
-    return [(h, math.comb(trials, h) * p ** h * (1.0 - p) ** (trials - h)) for h in range(trials + 1)]
+    hits = top_k * hit
+    misses = top_k - hits
+    bottoms = hits * (1.0 - theta)  # load units of the hits' bottoms, all a prefetch can hide besides misses
+    covered = max(0.0, hidden - hits * theta)  # Eq. 9's landed gain (≤ misses + bottoms: m_i ≤ K)
+    miss_units = min(max(covered - right_cached * (1.0 - theta), covered - bottoms), misses)
+    q_miss = miss_units / misses if misses > 0 else 0.0
+    q_bottom = min(1.0, (covered - miss_units) / bottoms) if bottoms > 0 else 0.0
+    values, weights = [], []
+    for h, p_h in enumerate(binomial(trials, hits / trials if trials else 0.0)):
+        g = np.arange(top_k - h + 1)
+        b = np.arange(h + 1)
+        values.append((h * theta + g[:, None] + b[None, :] * (1.0 - theta)).ravel())
+        weights.append((p_h * binomial(top_k - h, q_miss)[:, None] * binomial(h, q_bottom)[None, :]).ravel())
+    return np.minimum(np.concatenate(values), float(top_k)), np.concatenate(weights)
 
 
 class _LayerModel:
@@ -376,22 +401,25 @@ class _LayerModel:
             exposed=float(lane_time[c] - t.t_moe), host=True, host_s=float(lane_host[c]))
         return choice, float(lane_time[c] + t.t_att)
 
-    def _stall(self, m: float, behind: float, submit: float, taken_over: float, prefetching: bool) -> tuple[float, float]:
-        """S_i and B_i of a token with m_i experts' worth hidden (the module's doc): the compute waits for the first
-        load, then for each next one only as far as the link is slower than the compute of the one before it."""
+    def _stall(self, m: np.ndarray, behind: float, submit: float, taken_over: float,
+               prefetching: bool) -> tuple[np.ndarray, np.ndarray]:
+        """S_i and B_i of tokens with m experts' worth hidden (per token: `hidden_distribution`; the module's doc):
+        the compute waits for the first load, then for each next one only as far as the link is slower than the
+        compute of the one before it."""
         t = self.timings
         loads = t.top_k - m  # n_i: the experts still to load, one after another on the link
         busy = behind + loads * t.t_load  # B_i: the link's work once layer i has routed
-        submitted = max(0.0, loads - taken_over)  # demand loads the layer submits once it has routed
+        submitted = np.maximum(0.0, loads - taken_over)  # demand loads the layer submits once it has routed
         serve = t.t_exp + t.t_host_load - submit  # the compute side's time per loaded segment once it lands
         # the compute side's lead on the first load once the layer has routed: the submission of its loads
         # (n_i·h_sub), the cached segments' compute, the routing layout (h_route) and, when it prefetches, the
         # predictor and prefetcher (h_pf: the engine runs them as soon as its demand loads are queued,
         # offload/engine.py, while they are on the link)
-        lead = m * t.t_exp
-        if loads > 0:
-            lead += submitted * submit + t.t_host_route + (t.t_host_prefetch if prefetching else 0.0)
-        return max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve) - lead, busy
+        lead = m * t.t_exp + np.where(
+            loads > 1e-9, submitted * submit + t.t_host_route + (t.t_host_prefetch if prefetching else 0.0), 0.0)
+        # a token with nothing to load does not wait for the link, R_i included (it still holds the link: B_i)
+        wait = np.maximum(behind + np.minimum(loads, 1.0) * t.t_load, busy - np.maximum(0.0, loads - 1.0) * serve)
+        return np.where(loads > 1e-9, wait, 0.0) - lead, busy
 
     def choose(self, budget: int, window: float, cache_size: int | None = None,
                host_path: bool = False) -> tuple[LayerChoice, float]:
@@ -451,22 +479,16 @@ class _LayerModel:
             landed_right = float(taken[last[c], c]) if landed[c] > 0 else 0.0
             work += t.t_host_prefetch - right * submit
             taken_over = right - landed_right
-        # T^i (Eq. 6, pipelined, + G_i) per token, over its number of cache hits h and of misses g a landed
-        # prefetch covers (ours: the paper prices the expected m_i; the stall is convex in it, and a token with
-        # fewer hits than expected waits longer than one with more gains: `hit_distribution`)
+        # T^i (Eq. 6, pipelined, + G_i) over the tokens' hidden units m (ours: the paper prices the expected m_i;
+        # the stall is convex in m: `hidden_distribution`); B_i, linear in m, keeps its closed form's mean
         size = int(sizes[c])
         hit_c = float(cache_hit_rate(self.curves.hit, np.array([size]), top_k)[0])
-        covered = float(prefetched[c])  # expected load units a landed prefetch hides
-        misses = top_k * (1.0 - hit_c)  # expected misses, each a prefetch may cover whole
-        cover = min(1.0, covered / misses) if misses > 0 else 0.0
-        extra = max(0.0, covered - misses)  # more than whole misses: bottoms of top hits, kept as an expectation
-        stalls, busy = 0.0, 0.0
-        for hits, weight in hit_distribution(top_k, size, hit_c):
-            for right, share in binomial(top_k - hits, cover):
-                m_h = min(hits * float(theta[c]) + right + extra, float(top_k))
-                stall_h, busy_h = self._stall(m_h, behind, submit, taken_over, prefetches[c] > 0)
-                stalls += weight * share * max(0.0, stall_h)
-                busy += weight * share * busy_h
+        right_cached = float(np.dot(self.curves.predicted_cached[:landed[c], size],
+                                    self.curves.predicted_hit[:landed[c]])) if size > 0 else 0.0
+        values, weights = hidden_distribution(top_k, size, hit_c, float(theta[c]), m, right_cached)
+        stall, busy = self._stall(values, behind, submit, taken_over, prefetches[c] > 0)
+        stalls = float(np.dot(weights, np.maximum(0.0, stall)))
+        busy = float(np.dot(weights, busy))
         exposed = stalls + work
         next_window = t.t_moe + exposed - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
         choice = LayerChoice(
