@@ -134,6 +134,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -252,6 +253,7 @@ def binomial(trials: int, p: float) -> np.ndarray:
     return np.array([math.comb(trials, int(i)) for i in s], dtype=float) * p ** s * (1.0 - p) ** (trials - s)
 
 
+@lru_cache(maxsize=16384)  # the search prices a layer's same candidate under many windows; arrays read-only
 def hidden_distribution(top_k: int, cache_size: int, hit: float, theta: float, hidden: float,
                         right_cached: float) -> tuple[np.ndarray, np.ndarray]:
     """A token's hidden load units in one layer, m = h·θ + g + b·(1 − θ), as (values, probabilities), whose mean is
@@ -281,7 +283,9 @@ def hidden_distribution(top_k: int, cache_size: int, hit: float, theta: float, h
         b = np.arange(h + 1)
         values.append((h * theta + g[:, None] + b[None, :] * (1.0 - theta)).ravel())
         weights.append((p_h * binomial(top_k - h, q_miss)[:, None] * binomial(h, q_bottom)[None, :]).ravel())
-    return np.minimum(np.concatenate(values), float(top_k)), np.concatenate(weights)
+    values, weights = np.minimum(np.concatenate(values), float(top_k)), np.concatenate(weights)
+    values.flags.writeable = weights.flags.writeable = False
+    return values, weights
 
 
 class _LayerModel:
