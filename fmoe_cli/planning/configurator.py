@@ -267,8 +267,9 @@ def hidden_distribution(top_k: int, cache_size: int, hit: float, theta: float, h
     token's hits). Eq. 9's landed gain, m_i − K·H_i·θ_i, splits into misses, Σ_{y≤Y} (1 − PH_i(y, C))·P_i(y) of
     them, and bottoms, (1 − θ_i)·Σ_{y≤Y} PH_i(y, C)·P_i(y) (`right_cached`: the sum); what overflows one side (the
     statistics are products of marginals: they may credit more covered misses than there are) goes to the other,
-    so that the mean stays m_i. The stall is convex in m (a token with one miss more waits a whole load, one with
-    one hit more gains at most that expert's compute): pricing the mean prices it low where loads are cheap."""
+    so that the mean stays m_i. The stall is not linear in m (per token max(0, S): a token's hits' compute hides its
+    own loads, never another token's; the first load waits whole, each next one only as far as the link is slower
+    than the compute): the mean prices a layer low where it hides most of its loads on average."""
     trials = min(top_k, cache_size)
     hits = top_k * hit
     misses = top_k - hits
@@ -484,7 +485,7 @@ class _LayerModel:
             work += t.t_host_prefetch - right * submit
             taken_over = right - landed_right
         # T^i (Eq. 6, pipelined, + G_i) over the tokens' hidden units m (ours: the paper prices the expected m_i;
-        # the stall is convex in m: `hidden_distribution`); B_i, linear in m, keeps its closed form's mean
+        # the stall is not linear in m: `hidden_distribution`); B_i, linear in m, keeps its closed form's mean
         size = int(sizes[c])
         hit_c = float(cache_hit_rate(self.curves.hit, np.array([size]), top_k)[0])
         right_cached = float(np.dot(self.curves.predicted_cached[:landed[c], size],
