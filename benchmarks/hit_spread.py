@@ -8,8 +8,8 @@ the same mean, and the total variation distance between the two (0: the same dis
 
     python benchmarks/hit_spread.py [--trace FILE] [--sizes 3,5] [--json]
 
-The trace: traces/demo.jsonl by default; the Mixtral HumanEval trace with --trace or $FMOE_MIXTRAL_TRACE
-(benchmarks/mixtral_trace.py). Measures nothing on a device: a replay of routing, deterministic.
+The trace: traces/demo.jsonl by default; the Mixtral HumanEval trace with --trace FILE (not shipped:
+benchmarks/mixtral_trace.py says where to get it). Measures nothing on a device: a replay of routing, deterministic.
 """
 
 from __future__ import annotations
