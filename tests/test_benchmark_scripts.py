@@ -439,3 +439,29 @@ def test_replay_routing_gap_walks_from_the_paper_setting_to_the_measured_run(che
         p = r["policies"]
         assert r["moepic_over_lru"] == pytest.approx(p["moepic"]["tpot_ms"] / p["lru"]["tpot_ms"])
         assert r["resident_over_lru"] <= min(v["tpot_ms"] for v in p.values()) / p["lru"]["tpot_ms"] + 1e-9
+
+
+def test_hit_spread_counts_a_token_s_hits_as_the_engine_s_cache_holds_them(tmp_path, capsys):
+    """One layer, N = 4, K = 2, the same two experts for 10 tokens, a cache of 3: the first token misses both, the
+    next 9 hit both: shares (0.1, 0, 0.9) against the binomial of the same mean, p = 1.8 / 2 = 0.9: (0.01, 0.18,
+    0.81); total variation (0.09 + 0.18 + 0.09) / 2 = 0.18. A bad --sizes is one line, exit 2."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import hit_spread
+
+    from fmoe_cli.trace import TraceWriter
+
+    path = tmp_path / "same.jsonl"
+    with TraceWriter(path, num_layers=1, num_experts=4, top_k=2, model="tiny") as writer:
+        for token in range(10):
+            writer.record(0, token, 0, (0, 1), (0.5, 0.5))
+    hit_spread.main(["--trace", str(path), "--sizes", "3", "--json"])
+    (layer,) = json.loads(capsys.readouterr().out)["sizes"]["3"]["layers"]
+    assert layer["measured"] == pytest.approx([0.1, 0.0, 0.9])
+    assert layer["binomial"] == pytest.approx([0.01, 0.18, 0.81])
+    assert layer["total_variation"] == pytest.approx(0.18)
+    for bad in ("0", "x"):
+        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hit_spread.py"), "--sizes", bad],
+                                cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and result.stderr.startswith("error:")

@@ -46,12 +46,19 @@ with the link charged for the issued prefetch that still holds it when the layer
               first on the link meanwhile; h_route, the host's work between submitting the loads and the
               first compute; and h_pf, which the engine spends as soon as the demand loads are queued,
               while they are on the link)
-        T^i = max(0, S_i) + G_i                                                    (6)
+        T^i = E[max(0, S_i)] + G_i                                                 (6)
+              S_i per token, over its m (`hidden_distribution`: its hits, and the misses and bottoms a landed
+              prefetch covers, binomial, of mean m_i); a token with nothing to load (n = 0) waits for nothing
         T_wind^{i+1} = T_moe + T^i − B_i + T_att                                   (7)
 
-With R_i = 0 (W = Y), G_i = 0 and n_i ≤ 1 these are the paper's equations (S_i = B_i − m_i·T_exp,
-T_wind^{i+1} = T_moe − min(m_i·T_exp, B_i) + T_att). Where we deviate, and why (measured:
+With R_i = 0 (W = Y), G_i = 0, n_i ≤ 1 and S_i priced at the mean m_i these are the paper's equations
+(S_i = B_i − m_i·T_exp, T_wind^{i+1} = T_moe − min(m_i·T_exp, B_i) + T_att). Where we deviate, and why (measured:
 docs/planning.md § Where the model deviates from the paper):
+- S_i per token: the paper prices the expected m_i; S_i is not linear in m (max(0, ·): a token's hits' compute
+  does not hide another token's loads; the first load waits whole, the next only as far as the link is slower than
+  the compute), so the expectation priced `cache-only` at 0.2 ms a token where the simulator found 2.0 (K = 2,
+  H = 0.87, load 2.65 × T_exp: tests/test_configurator.py, recurring experts). A token's hits are taken as
+  independent draws of H_i(C) (the statistics hold marginals only); B_i, linear in m, keeps its mean.
 - pipelined loads (S_i): the paper charges every un-hidden load in full; the engine computes
   each load as it lands (offload/engine.py), so the compute of one (and its host work)
   overlaps the transfer of the next, and the routing layout before the first compute
@@ -124,8 +131,10 @@ starting θ does not change the result and is not represented here.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -235,6 +244,49 @@ def cache_hit_rate(hit: np.ndarray, sizes: np.ndarray, top_k: int) -> np.ndarray
     hit_k = hit[min(top_k, len(hit) - 1)]
     sizes = np.asarray(sizes)
     return np.where(sizes < top_k, np.minimum(hit[sizes], sizes / top_k * hit_k), hit[sizes])
+
+
+def binomial(trials: int, p: float) -> np.ndarray:
+    """P(s successes) for s = 0..trials of `trials` independent tries of probability p."""
+    s = np.arange(trials + 1)
+    p = min(max(p, 0.0), 1.0)
+    return np.array([math.comb(trials, int(i)) for i in s], dtype=float) * p ** s * (1.0 - p) ** (trials - s)
+
+
+@lru_cache(maxsize=16384)  # the search prices a layer's same candidate under many windows; arrays read-only
+def hidden_distribution(top_k: int, cache_size: int, hit: float, theta: float, hidden: float,
+                        right_cached: float) -> tuple[np.ndarray, np.ndarray]:
+    """A token's hidden load units in one layer, m = h·θ + g + b·(1 − θ), as (values, probabilities), whose mean is
+    the closed form's m_i (`hidden`, Eq. 9 capped at K) (ours; the paper prices the expected m_i; docs/planning.md §
+    Where the model deviates from the paper):
+        h  the token's top hits, binomial over the min(K, C_i) experts a cache of C_i slots can hold of its K, each a
+           hit with probability K·H_i(C_i) / min(K, C_i): mean K·H_i(C_i)
+        g  its misses a landed prefetch covers whole, binomial over its K − h misses, each covered with q_miss
+        b  its top hits whose bottom a landed prefetch covers, binomial over its h hits, each with q_bottom
+    The hits of one token are taken as independent (H_i(C) is a marginal: the statistics hold no joint count of a
+    token's hits). Eq. 9's landed gain, m_i − K·H_i·θ_i, splits into misses, Σ_{y≤Y} (1 − PH_i(y, C))·P_i(y) of
+    them, and bottoms, (1 − θ_i)·Σ_{y≤Y} PH_i(y, C)·P_i(y) (`right_cached`: the sum); what overflows one side (the
+    statistics are products of marginals: they may credit more covered misses than there are) goes to the other,
+    so that the mean stays m_i. The stall is not linear in m (per token max(0, S): a token's hits' compute hides its
+    own loads, never another token's; the first load waits whole, each next one only as far as the link is slower
+    than the compute): the mean prices a layer low where it hides most of its loads on average."""
+    trials = min(top_k, cache_size)
+    hits = top_k * hit
+    misses = top_k - hits
+    bottoms = hits * (1.0 - theta)  # load units of the hits' bottoms, all a prefetch can hide besides misses
+    covered = max(0.0, hidden - hits * theta)  # Eq. 9's landed gain (≤ misses + bottoms: m_i ≤ K)
+    miss_units = min(max(covered - right_cached * (1.0 - theta), covered - bottoms), misses)
+    q_miss = miss_units / misses if misses > 0 else 0.0
+    q_bottom = min(1.0, (covered - miss_units) / bottoms) if bottoms > 0 else 0.0
+    values, weights = [], []
+    for h, p_h in enumerate(binomial(trials, hits / trials if trials else 0.0)):
+        g = np.arange(top_k - h + 1)
+        b = np.arange(h + 1)
+        values.append((h * theta + g[:, None] + b[None, :] * (1.0 - theta)).ravel())
+        weights.append((p_h * binomial(top_k - h, q_miss)[:, None] * binomial(h, q_bottom)[None, :]).ravel())
+    values, weights = np.minimum(np.concatenate(values), float(top_k)), np.concatenate(weights)
+    values.flags.writeable = weights.flags.writeable = False
+    return values, weights
 
 
 class _LayerModel:
@@ -354,6 +406,26 @@ class _LayerModel:
             exposed=float(lane_time[c] - t.t_moe), host=True, host_s=float(lane_host[c]))
         return choice, float(lane_time[c] + t.t_att)
 
+    def _stall(self, m: np.ndarray, behind: float, submit: float, taken_over: float,
+               prefetching: bool) -> tuple[np.ndarray, np.ndarray]:
+        """S_i and B_i of tokens with m experts' worth hidden (per token: `hidden_distribution`; the module's doc):
+        the compute waits for the first load, then for each next one only as far as the link is slower than the
+        compute of the one before it."""
+        t = self.timings
+        loads = t.top_k - m  # n_i: the experts still to load, one after another on the link
+        busy = behind + loads * t.t_load  # B_i: the link's work once layer i has routed
+        submitted = np.maximum(0.0, loads - taken_over)  # demand loads the layer submits once it has routed
+        serve = t.t_exp + t.t_host_load - submit  # the compute side's time per loaded segment once it lands
+        # the compute side's lead on the first load once the layer has routed: the submission of its loads
+        # (n_i·h_sub), the cached segments' compute, the routing layout (h_route) and, when it prefetches, the
+        # predictor and prefetcher (h_pf: the engine runs them as soon as its demand loads are queued,
+        # offload/engine.py, while they are on the link)
+        lead = m * t.t_exp + np.where(
+            loads > 1e-9, submitted * submit + t.t_host_route + (t.t_host_prefetch if prefetching else 0.0), 0.0)
+        # a token with nothing to load does not wait for the link, R_i included (it still holds the link: B_i)
+        wait = np.maximum(behind + np.minimum(loads, 1.0) * t.t_load, busy - np.maximum(0.0, loads - 1.0) * serve)
+        return np.where(loads > 1e-9, wait, 0.0) - lead, busy
+
     def choose(self, budget: int, window: float, cache_size: int | None = None,
                host_path: bool = False) -> tuple[LayerChoice, float]:
         """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
@@ -399,13 +471,11 @@ class _LayerModel:
             c = int(fixed[-1]) if len(fixed) else 0  # its largest k (the plan's); C = 0 when nothing fits
         m = float(hidden[c])
         behind = float(link[c])  # R_i: a wrong prefetch's link time the window did not cover
-        busy = behind + (top_k - m) * t.t_load  # the link's work once layer i has routed
         work = float(host[c])  # h_load per loaded segment (whole cached experts load nothing), a_e·θ per admission
-        loads = top_k - m  # n_i: the experts still to load, one after another on the link
         # h_sub: the part of h_load spent submitting a demand load; the engine submits all of a layer's loads
         # before it computes anything (offload/engine.py: _submit), so it is spent with the first on the link
         submit = t.submit_share
-        submitted = loads  # demand loads the layer submits once it has routed
+        taken_over = 0.0  # right prefetches still on the link, which the layer takes over instead of submitting
         if prefetches[c] > 0:
             # h_pf: the predictor and prefetcher's work when the layer prefetches, its prefetches' submissions
             # included; a right one is taken over by its layer, not submitted again: h_sub less per right prefetch
@@ -413,28 +483,26 @@ class _LayerModel:
             right = float(taken[prefetches[c] - 1, c])
             landed_right = float(taken[last[c], c]) if landed[c] > 0 else 0.0
             work += t.t_host_prefetch - right * submit
-            submitted = max(0.0, loads - (right - landed_right))
-        # T^i (Eq. 6, pipelined, + G_i): the compute waits for the first load, then for each next one
-        # only as far as the link is slower than the compute of the one before it
-        serve = t.t_exp + t.t_host_load - submit  # the compute side's time per loaded segment once it lands
-        # the compute side's lead on the first load once the layer has routed: the submission of its loads
-        # (n_i·h_sub), the cached segments' compute, the routing layout (h_route) and, when it prefetches, the
-        # predictor and prefetcher (h_pf: the engine runs them as soon as its demand loads are queued,
-        # offload/engine.py, while they are on the link)
-        lead = m * t.t_exp
-        if loads > 0:
-            lead += submitted * submit + t.t_host_route + (t.t_host_prefetch if prefetches[c] > 0 else 0.0)
-        stall = max(behind + min(loads, 1.0) * t.t_load, busy - max(0.0, loads - 1.0) * serve) - lead
-        exposed = max(0.0, stall) + work
-        next_window = t.t_moe + exposed - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
+            taken_over = right - landed_right
+        # T^i (Eq. 6, pipelined, + G_i) over the tokens' hidden units m (ours: the paper prices the expected m_i;
+        # the stall is not linear in m: `hidden_distribution`); B_i, linear in m, keeps its closed form's mean
         size = int(sizes[c])
+        hit_c = float(cache_hit_rate(self.curves.hit, np.array([size]), top_k)[0])
+        right_cached = float(np.dot(self.curves.predicted_cached[:landed[c], size],
+                                    self.curves.predicted_hit[:landed[c]])) if size > 0 else 0.0
+        values, weights = hidden_distribution(top_k, size, hit_c, float(theta[c]), m, right_cached)
+        stall, busy = self._stall(values, behind, submit, taken_over, prefetches[c] > 0)
+        stalls = float(np.dot(weights, np.maximum(0.0, stall)))
+        busy = float(np.dot(weights, busy))
+        exposed = stalls + work
+        next_window = t.t_moe + exposed - busy + t.t_att  # T_wind^{i+1} (Eq. 7, + G_i)
         choice = LayerChoice(
             budget=int(budget),
             cache_size=size,
             top_neurons=int(k[c]),
             split=float(theta[c]),
             vram_bytes=int(size * k[c] * self.shape.neuron_bytes),
-            hit_rate=float(cache_hit_rate(self.curves.hit, np.array([size]), top_k)[0]),
+            hit_rate=hit_c,
             hidden=m,
             prefetches=int(prefetches[c]),
             window=float(window),
