@@ -33,7 +33,6 @@ from fmoe_cli.disk import sweep
 from fmoe_cli.options import RunOptions
 from fmoe_cli.trace import TraceWriter
 from fmoe_cli.errors import FmoeError, warn
-from fmoe_cli.models.identity import model_key
 from fmoe_cli.models.load import LoadedModel, load_model, pick_device
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import make_link
@@ -56,7 +55,7 @@ from fmoe_cli.profiling.files import DeviceProfile, LinkFit, Profile, default_pr
 from fmoe_cli.profiling.model import expert_compute_s, model_timings
 from fmoe_cli.profiling.reference import CONSUMER_CARD
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
-from fmoe_cli.types import ExpertShape, Timings
+from fmoe_cli.types import AUTO_ACTIVATIONS, DEFAULT_DENSE, DEFAULT_EXPERTS, ExpertShape, Timings
 
 
 @dataclass
@@ -89,13 +88,18 @@ class Run:
             self.replanner.on_idle()
 
 
-def quick_estimate_note(model: str, shape, budget_bytes: int) -> str | None:
+def quick_estimate_note(opts: RunOptions, shape, budget_bytes: int) -> str | None:
     """What a run whose configured plan rests on a quick timing estimate says, once: that the estimate varies and
-    how to make it firm. None where no profile could change the plan: the budget holds every expert."""
+    how to make it firm (the profile command with the run's formats: a profile is kept per format,
+    `LoadedModel.timings_key`). None where no profile could change the plan: the budget holds every expert."""
     if budget_bytes >= shape.all_experts_bytes:
         return None
+    given = {"--dtype": opts.dtype, "--experts": opts.experts if opts.experts != DEFAULT_EXPERTS else None,
+             "--dense": opts.dense if opts.dense != DEFAULT_DENSE else None,
+             "--activations": opts.activations if opts.activations != AUTO_ACTIVATIONS else None}
+    formats = "".join(f" {flag} {value}" for flag, value in given.items() if value)
     return (f"the configured plan rests on a quick timing estimate, which varies from run to run on a busy machine; "
-            f"`fmoe profile --model {model}` measures this model once and makes it firm")
+            f"`fmoe profile --model {opts.model}{formats}` measures this model once and makes it firm")
 
 
 def context_length(lm: LoadedModel) -> int | None:
@@ -159,7 +163,7 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
     device's; a profile of a link more than 20 % away is said so through `note`, and the run's link is used)."""
     gbps = getattr(link, "gbps", None)
     emulated = bool(gbps)
-    key = model_key(lm.model_id, lm.path)
+    key = lm.timings_key
     # The layer timings do not depend on the link: an emulated run reads the profile of its own link first,
     # else another emulated one or the real one (its own link figures are used); a real run never reads an
     # emulated profile.
@@ -329,7 +333,7 @@ def open_run(opts: RunOptions, console: Console | None = None, *, say_timing_not
                     timing_source = "quick estimate"
                     step("timed the model for the configurator (a quick estimate, kept for the next run)"
                          if quick[0] == "measured" else "read the quick estimate an earlier run kept", started)
-                    timing_note = quick_estimate_note(opts.model, shape, budget)
+                    timing_note = quick_estimate_note(opts, shape, budget)
                     if timing_note is not None and say_timing_note:
                         console.print(f"[dim]note: {timing_note}[/dim]", highlight=False, soft_wrap=True)
                 else:

@@ -27,7 +27,7 @@ def loaded(checkpoints):
 def test_a_damaged_saved_profile_is_remeasured_and_says_so(loaded, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     lm, engine = loaded
-    path = default_profile_path(model_key(lm.model_id, lm.path))
+    path = default_profile_path(lm.timings_key)
     path.parent.mkdir(parents=True)
     path.write_text('{"kind": "fmoe-profile", "schema_version": 1, "device": {')
     timings = find_timings(lm, engine.link, engine=engine)
@@ -43,8 +43,8 @@ def test_an_emulated_profile_is_kept_apart(loaded, tmp_path, monkeypatch, capsys
     result = CliRunner().invoke(app, ["profile", "--model", lm.model_id, "--emulate-link", "8", "--quick",
                                       "--prefill-len", "4", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    real = default_profile_path(model_key(lm.model_id, lm.path))
-    emulated = default_profile_path(model_key(lm.model_id, lm.path), emulated=8.0)  # one per link
+    real = default_profile_path(lm.timings_key)
+    emulated = default_profile_path(lm.timings_key, emulated=8.0)  # one per link
     assert emulated.exists() and not real.exists()
     assert Profile.load(emulated).device.link.kind == "emulated"
     # even when named explicitly, an emulated profile's link is not taken for the real one
@@ -137,7 +137,7 @@ def test_a_profile_of_another_link_is_said_and_the_runs_link_planned_for(loaded,
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     lm, engine = loaded
-    key = model_key(lm.model_id, lm.path)
+    key = lm.timings_key
     for gbps in ("8", "2"):
         result = CliRunner().invoke(app, ["profile", "--model", lm.model_id, "--emulate-link", gbps, "--quick",
                                           "--prefill-len", "4", "--device", "cpu"])
@@ -168,7 +168,7 @@ def test_the_engines_link_at_the_models_copies_prices_its_loads(loaded, tmp_path
     result = CliRunner().invoke(app, ["profile", "--model", lm.model_id, "--quick", "--prefill-len", "4",
                                       "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    path = default_profile_path(model_key(lm.model_id, lm.path))
+    path = default_profile_path(lm.timings_key)
     profile = Profile.load(path)
     assert profile.model.link is None  # on the CPU: not timed
     device_link = profile.device.link
@@ -181,3 +181,31 @@ def test_the_engines_link_at_the_models_copies_prices_its_loads(loaded, tmp_path
     emulated = EmulatedLink(8.0)
     timings = find_timings(lm, emulated, profile_path=path)
     assert timings.t_load == pytest.approx(lm.shape.expert_bytes / 8e9 + emulated.latency_s)
+
+
+def test_a_profile_is_kept_per_format_and_the_note_names_it(loaded, checkpoints, tmp_path, monkeypatch):
+    """A model's timings are kept per format (`LoadedModel.timings_key`: experts, dense, dtype, activations): a
+    profile measured with bf16 experts does not plan an int8 run (their T_exp differ), which measures its own; the
+    quick estimate's note names the profile command with the run's formats."""
+    from types import SimpleNamespace
+
+    from fmoe_cli.run import quick_estimate_note
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    lm, engine = loaded
+    result = CliRunner().invoke(app, ["profile", "--model", lm.model_id, "--quick", "--prefill-len", "4",
+                                      "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert default_profile_path(lm.timings_key).exists()
+    int8 = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32", experts="int8")
+    assert int8.timings_key != lm.timings_key and int8.timings_key.startswith(model_key(lm.model_id, lm.path))
+    how = []
+    find_timings(int8, engine.link, on_quick=how.append)
+    assert how == ["measured"] and default_profile_path(int8.timings_key, quick=True).exists()
+    find_timings(lm, engine.link, on_quick=how.append)
+    assert how == ["measured"]  # the bf16 run: its profile, no quick estimate
+    opts = SimpleNamespace(model="m", dtype=None, experts="int8", dense="auto", activations="auto")
+    note = quick_estimate_note(opts, lm.shape, 0)
+    assert "`fmoe profile --model m --experts int8` measures" in note
+    plain = SimpleNamespace(**{**vars(opts), "experts": "bf16"})
+    assert "`fmoe profile --model m` measures" in quick_estimate_note(plain, lm.shape, 0)

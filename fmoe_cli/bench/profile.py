@@ -17,7 +17,6 @@ from rich.progress import Progress
 from rich.table import Table
 
 from fmoe_cli.errors import warn
-from fmoe_cli.models.identity import model_key
 from fmoe_cli.models.load import pick_device
 from fmoe_cli.bench import check_profile_options
 from fmoe_cli.planning.stats import scratch_recorder
@@ -63,7 +62,7 @@ def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: floa
         run = None if opts is None else stack.enter_context(open_run(opts, console))
         # An emulated link's profile is kept apart: it never stands in for the real link.
         path = Path(out) if out is not None else default_profile_path(
-            None if run is None else model_key(opts.model, run.lm.path), emulated=emulate_link or False)
+            None if run is None else run.lm.timings_key, emulated=emulate_link or False)
         with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
             link_task = progress.add_task("host → device link", total=link_steps(dev, quick, emulate_link is not None))
             device_profile = profile_device(emulate_link, quick=quick, device=dev,

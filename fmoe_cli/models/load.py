@@ -26,7 +26,7 @@ from fmoe_cli.models.dense import (dense_bytes_saved, flatten_head_input, one_ro
                                    quantize_dense)
 from fmoe_cli.models.families import MoeLayer, check_is_moe, find_moe_layers
 from fmoe_cli.models.checkpoint import check_checkpoint, check_weight_files, read_checkpoint
-from fmoe_cli.models.identity import checkpoint_fingerprint
+from fmoe_cli.models.identity import checkpoint_fingerprint, model_key
 from fmoe_cli.offload.converted import converted_path, open_converted, save_converted
 from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore, trim_heap
@@ -65,6 +65,14 @@ class LoadedModel:
     non_expert_bytes: int  # U_n: everything of the model on the device but the routed experts (dense at stored size)
     dense: str = "bf16"  # how the attention (and head) are stored: types.DENSE_FORMATS (resolved: never auto)
     activations: str = DEFAULT_ACTIVATIONS  # what the CPU kernels multiply int8/int4 rows with (types.ACTIVATIONS)
+
+    @property
+    def timings_key(self) -> str:
+        """The file-name key of this model's timings (its profile, a run's quick estimate): the model's key and the
+        formats it runs in, whose times differ (one int2 expert's forward is not a bf16 one's; float32 compute is
+        not bfloat16's). Keyed by the model alone until 28 Nov, a profile measured in one format planned every other."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{model_key(self.model_id, self.path)}.{self.shape.experts}-{self.dense}-{dtype}-{self.activations}"
 
 
 def has_int8_dots() -> bool:
