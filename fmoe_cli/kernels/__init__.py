@@ -148,6 +148,8 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_router_decode.restype = ctypes.c_int
     lib.fmoe_combine_decode.argtypes = [ptr, ptr, i64, i64, ptr]
     lib.fmoe_combine_decode.restype = None
+    lib.fmoe_combine_prefill.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.fmoe_combine_prefill.restype = None
     lib.fmoe_add_rms_norm_bf16.argtypes = lib.fmoe_add_rms_norm.argtypes
     lib.fmoe_add_rms_norm_bf16.restype = None
     lib.fmoe_attention_decode_bf16.argtypes = lib.fmoe_attention_decode.argtypes
@@ -348,4 +350,23 @@ def combine_decode(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     k, hidden = outputs.shape
     out = torch.empty(1, hidden, dtype=torch.float32)
     library().fmoe_combine_decode(outputs.data_ptr(), weights.data_ptr(), k, hidden, out.data_ptr())
+    return out
+
+
+def combine_prefill(outputs: dict, ids: torch.Tensor, rows: torch.Tensor, starts: dict, weights: torch.Tensor):
+    """Σ_k w_tk · y_tk of T float32 tokens [T, H] (experts.c fmoe_combine_prefill: each token as combine_decode sums
+    it, the tokens on the kernels' threads), read where the experts left their rows: `outputs` expert -> its rows
+    [T_e, H] (contiguous, tokens ascending), `ids` [T, K] the routed experts, `rows` [T·K] each slot's row in expert
+    order, `starts` expert -> the row in expert order of its first, `weights` [T, K] float32."""
+    tokens, k = ids.shape
+    hidden = next(iter(outputs.values())).shape[-1]
+    size = max(outputs) + 1
+    assert all(y.dtype == torch.float32 and y.is_contiguous() and y.device.type == "cpu" for y in outputs.values())
+    bases = (ctypes.c_void_p * size)(*[outputs[e].data_ptr() if e in outputs else None for e in range(size)])
+    first = (ctypes.c_int64 * size)(*[starts.get(e, 0) for e in range(size)])
+    ids, rows, weights = ids.contiguous(), rows.contiguous(), weights.contiguous()
+    assert ids.dtype == rows.dtype == torch.int64 and weights.dtype == torch.float32 and rows.numel() == tokens * k
+    out = torch.empty(tokens, hidden, dtype=torch.float32)
+    library().fmoe_combine_prefill(tokens, k, hidden, ids.data_ptr(), rows.data_ptr(), bases, first,
+                                   weights.data_ptr(), out.data_ptr(), threads_for(tokens * k * hidden * 4))
     return out

@@ -294,7 +294,7 @@ class Engine:
     ) -> None:
         self.moe_layers = layers
         self.store = store
-        self._combine_in_c = kernels.decode_steps_in_c()  # a float32 token's weighted sum in C (_combine_decode)
+        self._combine_in_c = kernels.decode_steps_in_c()  # float32 weighted sums in C (_combine_decode, _combine)
         self.shape = shape
         self.link = link
         self.device = device
@@ -755,10 +755,21 @@ class Engine:
         tokens, k = routing.ids.shape
         if tokens == 1:  # a decode step: the experts' one rows in routing order, [K, H] · [K, 1] summed over K
             return self._combine_decode(hidden_states, torch.cat([outputs[e] for e in routing.flat]), top_k_weights)
+        elif self._combine_in_c and self._sums_in_c(outputs, top_k_weights):  # float32 on the CPU: in C, no gather
+            _perm, _tokens, spans = routing.layout(hidden_states.device)
+            final = kernels.combine_prefill(outputs, routing.ids, routing.routing_order(hidden_states.device),
+                                            {e: span.start for e, span in spans.items()}, top_k_weights)
         else:  # every expert's rows (tokens ascending), in expert order, put back in routing order: [T, K, H]
             rows = torch.cat([outputs.pop(e) for e in routing.active])[routing.routing_order(hidden_states.device)]
             final = (rows.view(tokens, k, -1) * top_k_weights.unsqueeze(-1)).sum(1)
         return final if final.dtype == hidden_states.dtype else final.to(hidden_states.dtype)
+
+    @staticmethod
+    def _sums_in_c(outputs: dict, top_k_weights: torch.Tensor) -> bool:
+        """Whether a prefill's weighted sum runs in C (kernels.combine_prefill): float32 outputs and weights, every
+        output contiguous rows on the CPU."""
+        return top_k_weights.dtype == torch.float32 and top_k_weights.is_cpu and all(
+            y.dtype == torch.float32 and y.is_cpu and y.is_contiguous() for y in outputs.values())
 
     def _offer(self, i: int, e: int, segment: torch.Tensor) -> None:
         """Offer a whole loaded expert's top segment to layer i's cache (LCP decides).
