@@ -154,6 +154,10 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_add_rms_norm_bf16.restype = None
     lib.fmoe_attention_decode_bf16.argtypes = lib.fmoe_attention_decode.argtypes
     lib.fmoe_attention_decode_bf16.restype = ctypes.c_int
+    lib.fmoe_attention_prefill.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, ptr, ptr, ptr, i64, i64, f32, ptr]
+    lib.fmoe_attention_prefill.restype = ctypes.c_int
+    lib.fmoe_attention_prefill_bf16.argtypes = lib.fmoe_attention_prefill.argtypes
+    lib.fmoe_attention_prefill_bf16.restype = ctypes.c_int
     lib.fmoe_decode_token.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]  # models/token.py
     lib.fmoe_decode_token.restype = ctypes.c_int
     lib.fmoe_decode_token_bf16.argtypes = lib.fmoe_decode_token.argtypes
@@ -323,6 +327,24 @@ def attention_decode(qkv: torch.Tensor, heads_q: int, heads_k: int, dim: int, qk
     out = torch.empty(1, heads_q * dim, dtype=qkv.dtype)
     status = _decode_function("fmoe_attention_decode", qkv.dtype)(
         qkv.data_ptr(), heads_q, heads_k, dim, None if qk_weight is None else qk_weight.data_ptr(), eps,
+        cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, scale,
+        out.data_ptr())
+    if status != 0:
+        raise MemoryError("the attention kernel could not allocate its scores")
+    return out
+
+
+def attention_prefill(qkv: torch.Tensor, heads_q: int, heads_k: int, dim: int, qk_weight: torch.Tensor | None,
+                      eps: float, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      position: int, scale: float) -> torch.Tensor:
+    """A prefill's T float32 or bf16 tokens' attention (decode.c fmoe_attention_prefill, _bf16): token t as
+    `attention_decode` computes it at position `position + t` (causal), the same bits as T decode steps. qkv
+    [T, (Hq + 2·Hk)·D] (overwritten), cos and sin [T, D]; their k and v written into keys, values [1, Hk, capacity, D]
+    at positions [position, position + T); the heads' outputs [T, Hq·D]."""
+    tokens = qkv.shape[0]
+    out = torch.empty(tokens, heads_q * dim, dtype=qkv.dtype)
+    status = _decode_function("fmoe_attention_prefill", qkv.dtype)(
+        qkv.data_ptr(), tokens, heads_q, heads_k, dim, None if qk_weight is None else qk_weight.data_ptr(), eps,
         cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, scale,
         out.data_ptr())
     if status != 0:
