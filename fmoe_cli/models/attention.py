@@ -198,17 +198,18 @@ def _decode_forward(attn, original, fused: FusedQKV | None, norm: str | None, ro
         attention in C (kernels.attention_prefill: the bits of T decode steps), o_proj -> [1, T, H]; None where C
         does not take them (dtypes, a cache that is not a GrowingLayer)."""
         x = hidden_states.view(-1, hidden_states.shape[-1])  # [T, H]
-        tokens = x.shape[0]
+        tokens, dtype = x.shape[0], x.dtype
+        cos, sin = (t.reshape(tokens, dim) for t in position_embeddings)  # [1, T, D] -> [T, D]
+        if cos.dtype != dtype or (qk_weight is not None and qk_weight.dtype != dtype):
+            return None
+        slots = reserve(cache, attn.layer_idx, tokens, like=x.new_empty(1, heads_k, 0, dim))
+        if slots is None or slots[0].dtype != dtype:
+            return None
         if fused is not None and fused.takes(x):
             qkv = fused(x)  # [T, Oq + Ok + Ov]
         else:
             qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
-        cos, sin = (t.reshape(tokens, dim) for t in position_embeddings)  # [1, T, D] -> [T, D]
-        if (qkv.dtype not in kernels.COMPUTE_DTYPES or cos.dtype != qkv.dtype or not qkv.is_contiguous()
-                or (qk_weight is not None and qk_weight.dtype != qkv.dtype)):
-            return None
-        slots = reserve(cache, attn.layer_idx, tokens, like=qkv.new_empty(1, heads_k, 0, dim))
-        if slots is None or slots[0].dtype != qkv.dtype:
+        if qkv.dtype != dtype:  # (a projection that does not keep x's dtype: transformers' steps)
             return None
         keys, values, position = slots
         out = kernels.attention_prefill(qkv, heads_q, heads_k, dim, qk_weight, eps or 0.0, cos.contiguous(),
