@@ -331,6 +331,30 @@ def test_a_float32_tokens_combine_in_c():
         assert torch.equal(Engine._combine(engine, state, Routing.of(ids, weights), outputs, weights), got)
 
 
+def test_routing_layout_sorts_by_expert_then_position_at_every_size():
+    """Routing.layout's order (by expert, tokens ascending within one), its tokens and spans, and routing_order (its
+    inverse): the same from the Python sort (a decode step's few slots) and torch's stable sort (a prefill's, from
+    LAYOUT_SORT_FROM slots), against the definitions written out."""
+    from fmoe_cli.offload import engine
+    from fmoe_cli.offload.engine import Routing
+
+    g = torch.Generator().manual_seed(5)
+    for tokens, k, experts in ((1, 8, 64), (7, 8, 16), (8, 8, 16), (64, 8, 64), (100, 2, 8)):
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+        routing = Routing.of(ids, torch.rand(tokens, k, generator=g))
+        perm, rows, spans = routing.layout(torch.device("cpu"))
+        flat = ids.reshape(-1).tolist()
+        order = sorted(range(len(flat)), key=lambda p: (flat[p], p))
+        assert perm.tolist() == order and rows.tolist() == [p // k for p in order]
+        assert routing.routing_order(torch.device("cpu")).tolist() == [order.index(p) for p in range(len(flat))]
+        start = 0
+        for e in sorted(set(flat)):
+            assert spans[e] == slice(start, start + flat.count(e))
+            start += flat.count(e)
+        assert list(spans) == sorted(set(flat))
+    assert 1 * 8 <= engine.LAYOUT_SORT_FROM < 64 * 8  # both sorts ran above
+
+
 @pytest.mark.skipif(not kernels.library(), reason="no C compiler")
 def test_a_float32_prefills_combine_in_c_reads_the_experts_rows_where_they_are():
     """A float32 prefill's weighted sum in C (kernels.combine_prefill: each token as a decode token's, each product
