@@ -57,12 +57,17 @@ class GrowingLayer(DynamicLayer):
         self._set_length(start + new)
         return self.keys, self.values
 
-    def reserve(self, new: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """For a writer that fills the next `new` positions itself (models/attention.py's decode step in C): the
-        buffers [B, H, capacity, D], grown to hold them, and the first of them; then `commit(first + new)`. None
-        before the first update (the prefill's: `update` sets the dtype and shapes)."""
+    def reserve(self, new: int, like: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a writer that fills the next `new` positions itself (models/attention.py's decode step and prefill in
+        C): the buffers [B, H, capacity, D], grown to hold them, and the first of them; then `commit(first + new)`.
+        Before the first update (an empty cache) the buffers take their batch, heads, head dim, dtype and device from
+        `like` ([B, H, L, D] keys or values: a prefill's), and without it: None (the prefill's `update` sets them)."""
         if not self.is_initialized or self.keys is None or not self.keys.numel():
-            return None
+            if like is None:
+                return None
+            if not self.is_initialized:
+                self.lazy_initialization(like, like)
+            return self._reserve(new, like, like)
         return self._reserve(new, self.keys, self.values)
 
     def commit(self, length: int) -> None:

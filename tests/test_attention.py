@@ -413,3 +413,45 @@ def test_attention_decode_in_c_bf16(heads_q, heads_k, dim, norm):
             qk[None, :heads_q, None], keys[:, :, :position + 1], values[:, :, :position + 1], scale=scale,
             enable_gqa=group > 1)
         assert ((got[0].double() - sdpa.reshape(-1).double()).abs() <= bound).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_prefill_attention_in_c_is_decode_steps(checkpoints, family, dtype, monkeypatch):
+    """A prompt's attention in C (kernels.attention_prefill, once a layer at the prefill of an empty cache): each
+    token's output and its keys and values in the cache have the bits `attention_decode` gives that token alone at its
+    position, on buffers of its own (the T decode steps the prefill stands for); and the run's first token is the
+    torch steps' (transformers') one."""
+    from fmoe_cli import generate
+
+    monkeypatch.setattr(generate, "MIN_CAPACITY", 4)  # the prompt's 10 positions: buffers grown past it
+    calls = []
+    real = kernels.attention_prefill
+
+    def spy(qkv, heads_q, heads_k, dim, qk_weight, eps, cos, sin, keys, values, position, scale):
+        given = qkv.clone()
+        out = real(qkv, heads_q, heads_k, dim, qk_weight, eps, cos, sin, keys, values, position, scale)
+        calls.append((given, heads_q, heads_k, dim, qk_weight, eps, cos, sin, keys.clone(), values.clone(), position,
+                      scale, out))
+        return out
+
+    monkeypatch.setattr(kernels, "attention_prefill", spy)
+    lm = load_perturbed(checkpoints[family], dtype, "int8")
+    got = decode_logits(lm, steps=0)
+    tokens = PROMPT.shape[1]
+    assert len(calls) == len(lm.model.model.layers)
+    for given, heads_q, heads_k, dim, qk_weight, eps, cos, sin, keys, values, position, scale, out in calls:
+        assert position == 0 and given.shape[0] == tokens and keys.shape[-2] >= tokens
+        own_keys, own_values = torch.zeros_like(keys), torch.zeros_like(values)
+        for t in range(tokens):
+            row = given[t:t + 1].clone()
+            one = kernels.attention_decode(row, heads_q, heads_k, dim, qk_weight, eps, cos[t].contiguous(),
+                                           sin[t].contiguous(), own_keys, own_values, t, scale)
+            assert torch.equal(one[0], out[t]), f"token {t}"
+        assert torch.equal(own_keys[..., :tokens, :], keys[..., :tokens, :])
+        assert torch.equal(own_values[..., :tokens, :], values[..., :tokens, :])
+    with monkeypatch.context() as m:
+        torch_steps(m)
+        want = decode_logits(load_perturbed(checkpoints[family], dtype, "int8"), steps=0)
+    assert int(got[0].argmax()) == int(want[0].argmax())

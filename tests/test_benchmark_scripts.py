@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -468,3 +469,28 @@ def test_hit_spread_counts_a_token_s_hits_as_the_engine_s_cache_holds_them(tmp_p
         result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hit_spread.py"), "--sizes", bad],
                                 cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and result.stderr.startswith("error:")
+
+
+def test_prefill_parts_splits_a_prefill_by_part_and_thread():
+    """benchmarks/prefill_parts.py: bad input is one `error:` line and exit 2; a demo run (one prefill) reports each
+    part's wall, every thread's CPU and the calling thread's, the kernels' CPU apart from the rest, and the model of a
+    quiet machine's wall from them."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "prefill_parts.py")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    bad = subprocess.run([*script, "demo", "--repeats", "0"], capture_output=True, text=True, timeout=60, env=env)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["error: --repeats from 1"]
+    missing = subprocess.run([*script, "demo", "--prompt-file", "/no/such/prompt"], capture_output=True, text=True,
+                             timeout=60, env=env)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: --prompt-file /no/such/prompt")
+    run = subprocess.run([*script, "demo", "--experts", "int8", "--repeats", "1", "--json"], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout)
+    (one,) = report["rounds"]
+    parts = one["parts"]
+    assert list(parts) == ["attention", "attention rows", "norms", "router", "moe glue", "experts", "layer glue",
+                           "other"]
+    assert parts["experts"][1] > 0 and parts["attention rows"][1] > 0 and parts["attention"][1] > 0
+    assert abs(sum(p[1] for p in parts.values()) - one["cpu_ms"]) < 1e-6 * max(1.0, one["cpu_ms"])
+    assert one["kernels_cpu_ms"] == parts["experts"][1] + parts["attention rows"][1]
+    assert one["quiet_model_ms"] == one["cpu_ms"] - one["kernels_cpu_ms"] / 2

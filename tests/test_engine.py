@@ -332,6 +332,65 @@ def test_a_float32_tokens_combine_in_c():
         assert torch.equal(Engine._combine(engine, state, Routing.of(ids, weights), outputs, weights), got)
 
 
+def test_routing_layout_sorts_by_expert_then_position_at_every_size():
+    """Routing.layout's order (by expert, tokens ascending within one), its tokens and spans, and routing_order (its
+    inverse): the same from the Python sort (a decode step's few slots) and torch's stable sort (a prefill's, from
+    LAYOUT_SORT_FROM slots), against the definitions written out."""
+    from fmoe_cli.offload import engine
+    from fmoe_cli.offload.engine import Routing
+
+    g = torch.Generator().manual_seed(5)
+    for tokens, k, experts in ((1, 8, 64), (7, 8, 16), (8, 8, 16), (64, 8, 64), (100, 2, 8)):
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+        routing = Routing.of(ids, torch.rand(tokens, k, generator=g))
+        perm, rows, spans = routing.layout(torch.device("cpu"))
+        flat = ids.reshape(-1).tolist()
+        order = sorted(range(len(flat)), key=lambda p: (flat[p], p))
+        assert perm.tolist() == order and rows.tolist() == [p // k for p in order]
+        assert routing.routing_order(torch.device("cpu")).tolist() == [order.index(p) for p in range(len(flat))]
+        start = 0
+        for e in sorted(set(flat)):
+            assert spans[e] == slice(start, start + flat.count(e))
+            start += flat.count(e)
+        assert list(spans) == sorted(set(flat))
+    assert 1 * 8 <= engine.LAYOUT_SORT_FROM < 64 * 8  # both sorts ran above
+
+
+@pytest.mark.skipif(not kernels.library(), reason="no C compiler")
+def test_a_float32_prefills_combine_in_c_reads_the_experts_rows_where_they_are():
+    """A float32 prefill's weighted sum in C (kernels.combine_prefill: each token as a decode token's, each product
+    rounded, added in k order, the tokens in chunks on the kernels' threads): the same bits as that sum by hand over
+    the rows put in routing order, whether the experts' outputs are views of one buffer (a resident layer's one
+    kernel call) or tensors of their own (a policy's loads), at token counts that end in a part chunk; within float32
+    rounding of transformers' `[T, K, H].sum(1)`; and every chunk of tokens run exactly once."""
+    from fmoe_cli.offload.engine import Routing
+
+    g = torch.Generator().manual_seed(2)
+    engine = SimpleNamespace(_combine_in_c=True, _sums_in_c=Engine._sums_in_c)
+    torch_steps = SimpleNamespace(_combine_in_c=False, _sums_in_c=Engine._sums_in_c)
+    lib = kernels.library()
+    for tokens, k, hidden, experts in ((64, 8, 1024, 64), (7, 2, 4099, 8), (2, 8, 256, 16)):
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+        weights = torch.rand(tokens, k, generator=g)
+        routing = Routing.of(ids, weights)
+        _perm, _rows, spans = routing.layout(torch.device("cpu"))
+        acc = torch.randn(tokens * k, hidden, generator=g) * torch.logspace(-3, 3, tokens * k)[:, None]
+        shared = {e: acc[span] for e, span in spans.items()}  # views of one buffer, expert order
+        own = {e: y.clone() for e, y in reversed(shared.items())}  # each its own tensor
+        in_order = acc[routing.routing_order(torch.device("cpu"))].view(tokens, k, hidden)
+        by_hand = torch.zeros(tokens, hidden)
+        for j in range(k):
+            by_hand += in_order[:, j] * weights[:, j:j + 1]  # each product rounded, added in k order
+        state = torch.zeros(tokens, hidden)
+        start = lib.fmoe_pool_chunks_run()
+        got = Engine._combine(engine, state, routing, shared, weights)
+        assert lib.fmoe_pool_chunks_run() - start == -(-tokens // 4)  # COMBINE_TOKENS a chunk, each run once
+        assert got.shape == (tokens, hidden) and torch.equal(got, by_hand)
+        assert torch.equal(Engine._combine(engine, state, routing, own, weights), got)
+        want = Engine._combine(torch_steps, state, Routing.of(ids, weights), dict(shared), weights)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("link_kind", ["emulated", "cuda"])
 def test_configure_lets_the_old_pool_go_before_it_allocates(mixtral, link_kind):
     """Issue 20 §2: a copy still running into the old staging pool holds a view of it; re-planning

@@ -154,10 +154,16 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_router_decode.restype = ctypes.c_int
     lib.fmoe_combine_decode.argtypes = [ptr, ptr, i64, i64, ptr]
     lib.fmoe_combine_decode.restype = None
+    lib.fmoe_combine_prefill.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.fmoe_combine_prefill.restype = None
     lib.fmoe_add_rms_norm_bf16.argtypes = lib.fmoe_add_rms_norm.argtypes
     lib.fmoe_add_rms_norm_bf16.restype = None
     lib.fmoe_attention_decode_bf16.argtypes = lib.fmoe_attention_decode.argtypes
     lib.fmoe_attention_decode_bf16.restype = ctypes.c_int
+    lib.fmoe_attention_prefill.argtypes = [ptr, i64, i64, i64, i64, ptr, f32, ptr, ptr, ptr, ptr, i64, i64, f32, ptr]
+    lib.fmoe_attention_prefill.restype = ctypes.c_int
+    lib.fmoe_attention_prefill_bf16.argtypes = lib.fmoe_attention_prefill.argtypes
+    lib.fmoe_attention_prefill_bf16.restype = ctypes.c_int
     lib.fmoe_decode_token.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]  # models/token.py
     lib.fmoe_decode_token.restype = ctypes.c_int
     lib.fmoe_decode_token_bf16.argtypes = lib.fmoe_decode_token.argtypes
@@ -339,6 +345,24 @@ def attention_decode(qkv: torch.Tensor, heads_q: int, heads_k: int, dim: int, qk
     return out
 
 
+def attention_prefill(qkv: torch.Tensor, heads_q: int, heads_k: int, dim: int, qk_weight: torch.Tensor | None,
+                      eps: float, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      position: int, scale: float) -> torch.Tensor:
+    """A prefill's T float32 or bf16 tokens' attention (decode.c fmoe_attention_prefill, _bf16): token t as
+    `attention_decode` computes it at position `position + t` (causal), the same bits as T decode steps. qkv
+    [T, (Hq + 2·Hk)·D] (overwritten), cos and sin [T, D]; their k and v written into keys, values [1, Hk, capacity, D]
+    at positions [position, position + T); the heads' outputs [T, Hq·D]."""
+    tokens = qkv.shape[0]
+    out = torch.empty(tokens, heads_q * dim, dtype=qkv.dtype)
+    status = _decode_function("fmoe_attention_prefill", qkv.dtype)(
+        qkv.data_ptr(), tokens, heads_q, heads_k, dim, None if qk_weight is None else qk_weight.data_ptr(), eps,
+        cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[-2], position, scale,
+        out.data_ptr())
+    if status != 0:
+        raise MemoryError("the attention kernel could not allocate its scores")
+    return out
+
+
 def router_decode(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalise: bool):
     """One float32 token's router (decode.c fmoe_router_decode): x [1, H], weight [E, H] -> (logits [1, E], the top-k
     softmax weights [1, K] (normalised to sum 1 where `normalise`), their experts [1, K] int64, highest first)."""
@@ -359,4 +383,23 @@ def combine_decode(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     k, hidden = outputs.shape
     out = torch.empty(1, hidden, dtype=torch.float32)
     library().fmoe_combine_decode(outputs.data_ptr(), weights.data_ptr(), k, hidden, out.data_ptr())
+    return out
+
+
+def combine_prefill(outputs: dict, ids: torch.Tensor, rows: torch.Tensor, starts: dict, weights: torch.Tensor):
+    """Σ_k w_tk · y_tk of T float32 tokens [T, H] (experts.c fmoe_combine_prefill: each token as combine_decode sums
+    it, the tokens on the kernels' threads), read where the experts left their rows: `outputs` expert -> its rows
+    [T_e, H] (contiguous, tokens ascending), `ids` [T, K] the routed experts, `rows` [T·K] each slot's row in expert
+    order, `starts` expert -> the row in expert order of its first, `weights` [T, K] float32."""
+    tokens, k = ids.shape
+    hidden = next(iter(outputs.values())).shape[-1]
+    size = max(outputs) + 1
+    assert all(y.dtype == torch.float32 and y.is_contiguous() and y.device.type == "cpu" for y in outputs.values())
+    bases = (ctypes.c_void_p * size)(*[outputs[e].data_ptr() if e in outputs else None for e in range(size)])
+    first = (ctypes.c_int64 * size)(*[starts.get(e, 0) for e in range(size)])
+    ids, rows, weights = ids.contiguous(), rows.contiguous(), weights.contiguous()
+    assert ids.dtype == rows.dtype == torch.int64 and weights.dtype == torch.float32 and rows.numel() == tokens * k
+    out = torch.empty(tokens, hidden, dtype=torch.float32)
+    library().fmoe_combine_prefill(tokens, k, hidden, ids.data_ptr(), rows.data_ptr(), bases, first,
+                                   weights.data_ptr(), out.data_ptr(), threads_for(tokens * k * hidden * 4))
     return out

@@ -267,6 +267,35 @@ int fmoe_attention_decode(float *qkv, int64_t heads_q, int64_t heads_k, int64_t 
     return 0;
 }
 
+/* A prefill's T tokens' attention (issue 39 §4): token t exactly as fmoe_attention_decode computes it at position
+   `position + t` (its q/k norms and RoPE from its own row of cos and sin, its k and v appended, the attention over
+   [0, position + t]: causal), one after the other, so the cache and every output have the bits of T decode steps.
+   qkv [T, Hq + Hk + Hv, D], cos and sin [T, D], out [T, Hq, D]; the rest as fmoe_attention_decode. */
+int fmoe_attention_prefill(float *qkv, int64_t tokens, int64_t heads_q, int64_t heads_k, int64_t dim,
+                           const float *qk_weight, float eps, const float *cos, const float *sin, float *keys,
+                           float *values, int64_t capacity, int64_t position, float scale, float *out) {
+    int64_t width = (heads_q + 2 * heads_k) * dim;
+    for (int64_t t = 0; t < tokens; t++)
+        if (fmoe_attention_decode(qkv + t * width, heads_q, heads_k, dim, qk_weight, eps, cos + t * dim,
+                                  sin + t * dim, keys, values, capacity, position + t, scale, out + t * heads_q * dim))
+            return -1;
+    return 0;
+}
+
+/* fmoe_attention_prefill on bf16 rows (fmoe_attention_decode_bf16 token by token). */
+int fmoe_attention_prefill_bf16(uint16_t *qkv, int64_t tokens, int64_t heads_q, int64_t heads_k, int64_t dim,
+                                const uint16_t *qk_weight, float eps, const uint16_t *cos, const uint16_t *sin,
+                                uint16_t *keys, uint16_t *values, int64_t capacity, int64_t position, float scale,
+                                uint16_t *out) {
+    int64_t width = (heads_q + 2 * heads_k) * dim;
+    for (int64_t t = 0; t < tokens; t++)
+        if (fmoe_attention_decode_bf16(qkv + t * width, heads_q, heads_k, dim, qk_weight, eps, cos + t * dim,
+                                       sin + t * dim, keys, values, capacity, position + t, scale,
+                                       out + t * heads_q * dim))
+            return -1;
+    return 0;
+}
+
 /* One decode token's router (transformers' TopKRouter, float32): logits_e = x · W_e over the E rows of W [E, H],
    p = softmax(logits) (exp of each logit minus the largest, divided by their sum), the K largest p in descending
    order (ties: the lower expert first, as torch.topk), divided by their sum where `normalise`.

@@ -21,7 +21,7 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Four 
   has alone, so the logits are transformers' bit for bit (tests/test_attention.py). SDPA runs with torch's
   intra-op threads at one (`one_thread`): at one query token the flash attention's OpenMP team costs more to wake
   than the few µs of work it splits, and it splits by head, so its bits do not depend on the thread count.
-  Anything else — a prefill (more than one token), an attention mask, a device other than the CPU, OLMoE's
+  Anything else — a prefill (more than one token; in C: below), an attention mask, a device other than the CPU, OLMoE's
   `clip_qkv`, an attention implementation other than SDPA, DeepSeek's MLA — runs transformers' own forward.
 - **float32 q/k/v as one F.linear without the kernels** (`LinearQKV`: their rows in one tensor, each projection's
   weight a view of it), where a probe finds the one linear gives each projection's bits at the thread count it runs
@@ -32,6 +32,10 @@ around them are (docs/bench.md § The decode step's attention on the CPU). Four 
   torch's bits: decode.c sums its reductions in its own order (within float32 rounding; RoPE's products and sums
   are torch's, bf16's rounded as torch's bf16 ops round them); the tokens stay transformers', and every policy runs
   the same steps (docs/architecture.md § A float32 token's steps in C).
+- **A prompt's attention in C** (`prefill`): a prefill without a mask on a GrowingLayer cache (a prompt on an empty
+  cache) computes q/k/v in one kernel call (every dense format), then each token's steps as a decode token at its
+  position (kernels.attention_prefill: the bits of T decode steps), then o_proj. OLMoE's per-projection norms and a
+  clip keep transformers' forward.
 """
 
 from __future__ import annotations
@@ -194,8 +198,18 @@ def _decode_forward(attn, original, fused: FusedQKV | LinearQKV | None, norm: st
     # a token whose q/k/v, cos and sin, cache and per-head norm weights are of one of those dtypes.
     in_c = (kernels.decode_steps_in_c() and dim % 2 == 0 and dim <= kernels.MAX_HEAD_DIM
             and heads_q % heads_k == 0)
+    # A prompt's attention in C too (`prefill`): where the decode steps are, without OLMoE's per-projection norms or
+    # a clip (their torch steps stay).
+    prefill_in_c = in_c and norm != "projection" and clip is None
 
     def forward(hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        if (prefill_in_c and attention_mask is None and cache is not None and hidden_states.dim() == 3
+                and hidden_states.shape[0] == 1 and 1 < hidden_states.shape[1] <= kernels.MAX_TOKENS
+                and not attn.training and implementation(config, "attn") == "sdpa" and "past_key_values" not in kwargs
+                and not kwargs.get("output_attentions") and decode_input(hidden_states)):
+            out = prefill(hidden_states, position_embeddings, cache)
+            if out is not None:
+                return out, None
         if (attention_mask is not None or hidden_states.shape[:-1] != (1, 1) or attn.training or clip is not None
                 or implementation(config, "attn") != "sdpa" or "past_key_values" in kwargs
                 or kwargs.get("output_attentions") or not decode_input(hidden_states)):
@@ -247,13 +261,38 @@ def _decode_forward(attn, original, fused: FusedQKV | LinearQKV | None, norm: st
                     **({"enable_gqa": True} if attn.num_key_value_groups > 1 else {}))
         return project_out(out.view(1, -1)), None  # [1, Hq·D], heads in order (transformers' transpose and reshape)
 
+    def prefill(hidden_states: torch.Tensor, position_embeddings, cache):
+        """A prompt's T tokens [1, T, H] on an empty or full-attention cache without a mask: the q/k/v rows in one
+        kernel call (every dense format: float rows too), then each token's norms, RoPE, cache append and causal
+        attention in C (kernels.attention_prefill: the bits of T decode steps), o_proj -> [1, T, H]; None where C
+        does not take them (dtypes, a cache that is not a GrowingLayer)."""
+        x = hidden_states.view(-1, hidden_states.shape[-1])  # [T, H]
+        tokens, dtype = x.shape[0], x.dtype
+        cos, sin = (t.reshape(tokens, dim) for t in position_embeddings)  # [1, T, D] -> [T, D]
+        if cos.dtype != dtype or (qk_weight is not None and qk_weight.dtype != dtype):
+            return None
+        slots = reserve(cache, attn.layer_idx, tokens, like=x.new_empty(1, heads_k, 0, dim))
+        if slots is None or slots[0].dtype != dtype:
+            return None
+        if fused is not None and fused.takes(x):
+            qkv = fused(x)  # [T, Oq + Ok + Ov]
+        else:
+            qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
+        if qkv.dtype != dtype:  # (a projection that does not keep x's dtype: transformers' steps)
+            return None
+        keys, values, position = slots
+        out = kernels.attention_prefill(qkv, heads_q, heads_k, dim, qk_weight, eps or 0.0, cos.contiguous(),
+                                        sin.contiguous(), keys, values, position, attn.scaling)
+        cache.layers[attn.layer_idx].commit(position + tokens)
+        return project_out(out)
+
     def project_out(out: torch.Tensor) -> torch.Tensor:
-        """o_proj of the heads' outputs [1, Hq·D] -> [1, 1, H]."""
+        """o_proj of the heads' outputs [T, Hq·D] -> [1, T, H]."""
         if o_kernel and kernels.takes(out):  # QuantLinear.forward's steps, without its reshapes
             y = kernel_forward(out, o_proj.packed, o_proj.kernel, o_proj.bias)
         else:
             y = forward_of(o_proj)(out)
-        return y.view(1, 1, -1)
+        return y.view(1, out.shape[0], -1)
 
     return ours(forward)
 
@@ -269,14 +308,15 @@ def head_norms(attn) -> tuple[torch.Tensor, float]:
     return weight[:, None, :], eps
 
 
-def reserve(cache, layer_idx: int):
-    """The cache layer's buffers for one more position, and that position (generate.py's GrowingLayer.reserve); None
-    where the layer is not one (transformers' own layers: their `update`)."""
+def reserve(cache, layer_idx: int, new: int = 1, like: torch.Tensor | None = None):
+    """The cache layer's buffers for `new` more positions, and the first of them (generate.py's GrowingLayer.reserve;
+    `like`: the keys' shape and dtype where the cache is still empty); None where the layer is not one (transformers'
+    own layers: their `update`)."""
     layers = getattr(cache, "layers", None)
     if layers is None or layer_idx >= len(layers):
         return None
-    reserve_one = getattr(layers[layer_idx], "reserve", None)
-    return None if reserve_one is None else reserve_one(1)
+    reserve_some = getattr(layers[layer_idx], "reserve", None)
+    return None if reserve_some is None else reserve_some(new, like)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
