@@ -62,13 +62,22 @@ def main() -> None:
     if args.tokens < 1 or args.prompt < 1 or args.rounds < 1:
         print("error: --tokens, --prompt and --rounds from 1", file=sys.stderr)
         sys.exit(2)
+    if args.model != "demo" and not (Path(args.model) / "config.json").is_file():  # before torch: a second, not ten
+        print(f"error: no model directory with a config.json at {args.model}", file=sys.stderr)
+        sys.exit(2)
     import torch
 
     from fmoe_cli.generate import stream_generate
 
     torch.set_num_threads(1)
-    models = {"along H (v2)": load(args.model, args.experts, args.activations, True),
-              "by neuron (v3)": load(args.model, args.experts, args.activations, False)}
+    from fmoe_cli.errors import FmoeError
+
+    try:
+        models = {"along H (v2)": load(args.model, args.experts, args.activations, True),
+                  "by neuron (v3)": load(args.model, args.experts, args.activations, False)}
+    except FmoeError as exc:  # a checkpoint fmoe refuses: its one line
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     vocab = next(iter(models.values()))[0].model.config.vocab_size
     prompt = torch.randint(3, vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     cpu = {key: [] for key in models}

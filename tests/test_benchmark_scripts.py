@@ -494,3 +494,14 @@ def test_prefill_parts_splits_a_prefill_by_part_and_thread():
     assert abs(sum(p[1] for p in parts.values()) - one["cpu_ms"]) < 1e-6 * max(1.0, one["cpu_ms"])
     assert one["kernels_cpu_ms"] == parts["experts"][1] + parts["attention rows"][1]
     assert one["quiet_model_ms"] == one["cpu_ms"] - one["kernels_cpu_ms"] / 2
+
+
+def test_down_by_neuron_bad_input_is_one_line_exit_2(tmp_path):
+    """benchmarks/down_by_neuron.py: a bad option, a path that is no model and a checkpoint fmoe refuses each end in
+    one `error:` line with exit code 2 (the first two before torch is imported)."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "down_by_neuron.py")]
+    (tmp_path / "config.json").write_text("{}")
+    for args in (["demo", "--rounds", "0"], [str(tmp_path / "nothing")], [str(tmp_path)]):
+        result = subprocess.run([*script, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert result.returncode == 2 and result.stderr.startswith("error:"), (args, result.stderr[-500:])
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
