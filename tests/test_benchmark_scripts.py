@@ -505,3 +505,20 @@ def test_down_by_neuron_bad_input_is_one_line_exit_2(tmp_path):
         result = subprocess.run([*script, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert result.returncode == 2 and result.stderr.startswith("error:"), (args, result.stderr[-500:])
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_host_per_layer_times_what_graph_segments_leave_eager(tmp_path, monkeypatch):
+    """The forecast of a segmented GPU step's host work: the loading policies' experts forward timed per MoE layer
+    (one call a layer a token), the rest of the step per token, and the engine's own method put back after."""
+    from fmoe_cli.offload.engine import Engine
+
+    host_per_layer = benchmark("host_per_layer")
+
+    monkeypatch.setenv("FMOE_KERNELS", "torch")
+    real = Engine.experts_forward
+    eager = host_per_layer.eager_part(host_per_layer.checkpoint(tmp_path / "tiny"), tokens=2, rounds=2)
+    assert Engine.experts_forward is real
+    assert set(eager) == {"lru", "moepic"}
+    for figures in eager.values():
+        assert 0 < figures["spread"][0] <= figures["experts_ms_per_layer"] <= figures["spread"][1]
+        assert figures["rest_ms_per_token"] > 0
