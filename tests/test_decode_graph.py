@@ -207,14 +207,25 @@ COUNTED = ("activations", "hits_full", "hits_top", "misses", "bytes_demand", "by
 
 def decode_each(lm, engine, settings, segmented: bool, monkeypatch):
     """Two generations of `settings` from a fresh plan, segmented or eager (FMOE_CUDA_GRAPHS=0) on the static cache:
-    their tokens, the counters that decide (not times), the segments of the DecodeGraph."""
+    their tokens, the counters that decide (not times) with the passes the predictor was shown (the embedding hook's
+    work: each pass's index and its embedding's sum), the segments of the DecodeGraph."""
     monkeypatch.setenv("FMOE_CUDA_GRAPHS", "1" if segmented else "0")
     engine.configure(settings)
+    passes = []
+    real_begin = engine.predictor.begin
+
+    def begin(it):
+        passes.append((it.index, None if it.embedding is None else float(it.embedding.sum())))
+        return real_begin(it)
+
+    monkeypatch.setattr(engine.predictor, "begin", begin)
     runs = [[e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
                                                  stop_on_eos=False)] for _ in range(2)]
+    monkeypatch.setattr(engine.predictor, "begin", real_begin)
     counters = engine.counters()
     (graph,) = engine.decode_graphs.values()
-    return runs, {name: getattr(counters, name) for name in COUNTED}, graph.segments
+    assert len(passes) == (2 * NEW_TOKENS if settings.prefetch else 0)
+    return runs, {"passes": passes, **{name: getattr(counters, name) for name in COUNTED}}, graph.segments
 
 
 @pytest.mark.parametrize("link", ["emulated", "cuda"])
