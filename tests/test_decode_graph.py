@@ -9,6 +9,7 @@ in time, only a GPU can say (benchmarks/gpu_check.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -19,6 +20,7 @@ import fake_gpu  # tests/fake_gpu.py
 from fake_graphs import CAPTURING, RecordedGraphs  # tests/fake_graphs.py
 from fmoe_cli import kernels
 from fmoe_cli.generate import DecodeGraph, stream_generate
+from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.link import CudaLink, EmulatedLink, VirtualClock
@@ -236,7 +238,7 @@ def test_every_loading_policy_decodes_through_segments_with_the_eager_tokens(che
     copies land when they land, the same tokens."""
     path = checkpoints["qwen3_moe"]
     want = reference_tokens(path)
-    with fake_gpu.installed() if link == "cuda" else _nothing() as gpu:
+    with fake_gpu.installed() if link == "cuda" else contextlib.nullcontext() as gpu:
         made = CudaLink(torch.device("cuda"), chunk_bytes=4096) if link == "cuda" else EmulatedLink(
             gbps=20, clock=VirtualClock(), copy=True)
         lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch, link=made)
@@ -260,10 +262,21 @@ def test_every_loading_policy_decodes_through_segments_with_the_eager_tokens(che
             assert gpu.chunks_played == gpu.chunks_issued > 0
 
 
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_lru_decodes_through_segments_in_every_family(checkpoints, monkeypatch, family):
+    """Every family's layers (shared experts, a dense first layer, MLA, group-limited routing) cut at their MoE
+    layers' routing reads: MoE layers + 1 segments, transformers' tokens, the eager step's counters."""
+    path = checkpoints[family]
+    lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch,
+                                    link=EmulatedLink(gbps=20, clock=VirtualClock(), copy=True))
+    settings = make_settings("lru", lm.shape, budget(lm.shape))
+    try:
+        eager, eager_counted, _ = decode_each(lm, engine, settings, False, monkeypatch)
+        got, counted, segments = decode_each(lm, engine, settings, True, monkeypatch)
+    finally:
+        engine.close()
+    assert eager == got == [reference_tokens(path)] * 2 and counted == eager_counted
+    assert segments == lm.shape.num_layers + 1 and counted["misses"] > 0
 
 
 @pytest.mark.parametrize("policy", ["resident", "lru", "ondemand", "prefetch-only", "uniform"])
@@ -299,6 +312,25 @@ def test_host_waits_of_a_segmented_step(checkpoints, monkeypatch, policy):
             assert 0 < moe_waits <= shape.num_layers, count["where"]
             assert {w for w in count["where"] if w.startswith("moe:")} == {"moe:read_to_host"}, count["where"]
         assert count["where"].get("other:__int__") == count["waits"]["other"] == 1, count["where"]
+
+
+def test_a_resident_plan_whose_grouped_matmul_is_refused_decodes_through_segments(checkpoints, monkeypatch):
+    """Float32 on a GPU: torch's grouped matmul refuses the dtype, so resident layers read their routing on the host
+    (`Engine._resident_decode`); the step is then cut at every layer, L + 1 segments, with transformers' tokens and
+    the eager step's counters (where it used to run eagerly)."""
+    path = checkpoints["qwen3_moe"]
+    lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch)
+    engine._grouped_on_device = False  # what the first refused call leaves (Engine._resident_device_decode)
+    settings = make_settings("resident", lm.shape, lm.shape.all_experts_bytes)
+    try:
+        eager, eager_counted, _ = decode_each(lm, engine, settings, False, monkeypatch)
+        RecordedGraphs.reset()
+        got, counted, segments = decode_each(lm, engine, settings, True, monkeypatch)
+    finally:
+        engine.close()
+    assert eager == got == [reference_tokens(path)] * 2 and counted == eager_counted
+    assert segments == RecordedGraphs.captured == lm.shape.num_layers + 1
+    assert counted["hits_full"] == counted["activations"] > 0
 
 
 def test_graphed_layers_between_cuts_are_bookkept_in_layer_order(checkpoints, monkeypatch):

@@ -467,9 +467,7 @@ class Engine:
             raise FmoeError("no expert plan fits on the device (see the message above); nothing can run")
         state = self.layers[i]
         if self.capturing is not None:  # a decode step being captured: the layer stays in its graph or cuts it
-            cut = self._captured(i, experts, hidden_states, top_k_index, top_k_weights)
-            if cut is not None:
-                return cut
+            return self._captured(i, state, experts, hidden_states, top_k_index, top_k_weights)
         decode = hidden_states.shape[0] == 1
         if state.resident and decode and not self._prefetching:
             if self.device_side and self._routed_on_device(state):
@@ -576,15 +574,19 @@ class Engine:
         state = self.layers[i]
         return self.device_side and not self._prefetching and state.resident and self._routed_on_device(state)
 
-    def _captured(self, i: int, experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                  top_k_weights: torch.Tensor) -> torch.Tensor | None:
-        """Layer i's experts forward while a DecodeGraph captures a decode step (`capturing`): a graphed layer is
-        computed as always, inside the graph (None), and noted; any other needs the host, so the step's segment ends
-        at its router: the static output buffer the next segment reads, which each replay fills by calling
-        `experts_forward` eagerly on the static inputs (generate.StepCapture.graph_break)."""
+    def _captured(self, i: int, state: LayerState, experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Layer i's experts forward while a DecodeGraph captures a decode step (`capturing`), or warms up for it: a
+        graphed layer is computed inside the graph (`_resident_device_decode`, its routing deferred) and noted; any
+        other needs the host (or this device's grouped matmul refused the call), so the step's segment ends at its
+        router: the static output buffer the next segment reads, which each replay fills by calling `experts_forward`
+        eagerly on the static inputs (generate.StepCapture.graph_break). Nothing here runs the general path: the
+        counters, caches and policies see only the replayed steps."""
         if hidden_states.shape[0] == 1 and self.graphed_layer(i):
-            self.capturing.graphed_layer(i)
-            return None
+            out = self._resident_device_decode(i, state, experts.act_fn, hidden_states, top_k_index, top_k_weights)
+            if out is not None:
+                self.capturing.graphed_layer(i)
+                return out
         return self.capturing.graph_break(i, experts, hidden_states, top_k_index, top_k_weights)
 
     def replayed_pass(self, output: torch.Tensor) -> None:
