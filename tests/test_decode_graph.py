@@ -19,7 +19,7 @@ import transformers
 import fake_gpu  # tests/fake_gpu.py
 from fake_graphs import CAPTURING, RecordedGraphs  # tests/fake_graphs.py
 from fmoe_cli import kernels
-from fmoe_cli.generate import DecodeGraph, stream_generate
+from fmoe_cli.generate import DecodeGraph, StepCapture, stream_generate
 from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
@@ -151,10 +151,19 @@ def test_a_capture_that_fails_runs_the_step_eagerly_with_one_line(checkpoints, m
 
 
 def test_a_layer_that_reads_the_host_cannot_hide_in_a_graph(checkpoints, monkeypatch, capsys):
-    """Were lru's layers taken as graphed (no cut), their routing read would run in the capture: refused, as CUDA
-    refuses it, and the step runs eagerly with one line."""
+    """Were lru's layers computed inside the graph (no cut), their routing read would run in the capture: refused, as
+    CUDA refuses it, and the step runs eagerly with one line."""
     path = checkpoints["qwen3_moe"]
-    monkeypatch.setattr(Engine, "graphed_layer", lambda self, i: True)
+
+    def no_cut(capture, i, experts, *inputs):
+        engine = experts._fmoe_engine
+        engine.capturing = None
+        try:
+            return engine.experts_forward(experts, *inputs)
+        finally:
+            engine.capturing = capture
+
+    monkeypatch.setattr(StepCapture, "graph_break", no_cut)
     RecordedGraphs.reset()
     lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch)
     engine.configure(make_settings("lru", lm.shape, budget(lm.shape)))
