@@ -210,11 +210,11 @@ def part_b(args, work: Path, out: Path, deadline: float) -> list[str]:
     if rc != 0 or report is None:
         return lines + [f"fmoe bench failed (rc {rc}): {err}"]
     lines += ["", f"| policy (budget {args.budget} of the expert bytes) | TPOT ms (rounds' min-max) | link MB/token | "
-              f"CUDA graph |", "|---|---:|---:|---|"]
+              f"CUDA graph segments a step |", "|---|---:|---:|---|"]
     for r in report["runs"]:
         per_round = [x["tpot_ms"]["median"] for x in r.get("rounds", [r])]
         lines.append(f"| {r['policy']} | {r['tpot_ms']['median']:.2f} ({min(per_round):.2f}-{max(per_round):.2f}) | "
-                     f"{r['bytes_per_token'] / 1e6:.0f} | {r.get('decode_graph')} |")
+                     f"{r['bytes_per_token'] / 1e6:.0f} | {r.get('decode_segments') or 'eager'} |")
     lines.append(f"token ids identical across policies: {report['token_ids_identical']}; plan of moepic: "
                  + next((r["plan"] for r in report["runs"] if r["policy"] == "moepic"), "-"))
     if time.monotonic() < deadline - 40:  # the resident step without its CUDA graph: what the graph saves

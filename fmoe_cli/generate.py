@@ -138,27 +138,39 @@ def _cache_kwarg(model_class) -> str:
 
 
 class DecodeGraph:
-    """A resident decode step replayed from one CUDA graph (issue 37 §1): attention, norms, routers, experts and the
-    LM head of a token in one launch, where the eager step launches several hundred ops from Python one by one.
+    """A decode step replayed from CUDA graphs (issue 37 §1): attention, norms, routers, the experts the device holds
+    without a host wait, and the LM head, launched from graphs where the eager step launches several hundred ops
+    from Python one by one.
 
-    Possible because nothing in such a step reads a value back on the host: the routing stays on the device
-    (Engine._resident_device_decode) and the KV cache is transformers' StaticCache (a fixed [B, H, capacity, D] per
-    layer, the next position a device tensor), so the same launches serve every token. A generation's prefill runs
-    eagerly into that cache; the graph is captured on the first decode step (after two warm-up steps, as torch asks)
-    and replayed for the others and for later generations of the same capacity. A replay runs no Python: the engine
-    is told which layers' routing it copied to the host (`Engine.defer_replayed`), and their bookkeeping follows.
+    A graph holds no host wait: where a layer's experts need the host (the routing read of a policy that loads
+    experts: its hits, loads and bookkeeping are decided there), the step is cut. The step is then a sequence of
+    segments, captured one after another into one memory pool (`CudaGraphs`): segment 0 from the embedding to the
+    router of the first such layer, each next one from that layer's experts' output to the next such router, the last
+    to the logits. At each cut (`GraphBreak`) a replay runs the engine's experts forward eagerly on the static tensors
+    the segment before wrote (its routing read, its loads, its compute) and copies its result into the static output
+    the segment after reads. A layer that decodes on the device without a host wait (a resident layer on the
+    device's path, `Engine.graphed_layer`) stays inside its segment; a resident plan's step is one segment. A replay
+    runs no Python besides the cuts: the engine is told which layers' routing each segment copied to the host
+    (`Engine.defer_replayed`), and their bookkeeping follows; the embedding's hook (a pass's predictions) runs after
+    segment 0 (`Engine.replayed_pass`).
 
-    Where capture fails, the step runs eagerly on the same StaticCache and one line says why. The graph is
-    torch.cuda.CUDAGraph on a GPU (`CudaGraph`); tests give a stand-in that runs the step eagerly
-    (tests/test_decode_graph.py). The tokens are transformers' with its StaticCache: attention over a static
-    cache's masked positions sums in another order than over a dynamic one, so the logits may differ in the last
-    bits from the eager path's (the GPU check compares the tokens with transformers' generate).
+    Possible because the KV cache is transformers' StaticCache (a fixed [B, H, capacity, D] per layer, the next
+    position a device tensor), so the same launches serve every token. A generation's prefill runs eagerly into that
+    cache; the segments are captured on the first decode step (after two warm-up steps, as torch asks, in which the
+    cuts compute nothing) and replayed for the others and for later generations of the same capacity.
+
+    Where capture fails, the step runs eagerly on the same StaticCache and one line says why; FMOE_CUDA_GRAPHS=0 and
+    `Engine.graph_veto` keep it eager. The graphs are torch.cuda.CUDAGraph on a GPU (`CudaGraphs`); the tests give a
+    stand-in that records the captured ops and replays them, no kinder than CUDA (tests/fake_graphs.py). The tokens
+    are transformers' with its StaticCache: attention over a static cache's masked positions sums in another order
+    than over a dynamic one, so the logits may differ in the last bits from the eager path's (the GPU check compares
+    the tokens with transformers' generate).
 
     A conversation continues on it (chat, serve): the cache keeps its positions between answers, `crop` takes it
     back to the prefix the next prompt shares (as a DynamicCache's, the StaticCache's own crop: the next writes
     overwrite the rest, which the causal mask hides until then) and `extend` pre-fills the new tokens after it. The
-    graph is the plan's (the engine's buffers), the cache the conversation's: a new plan (`Engine.configure`)
-    `release`s the graph and keeps the cache."""
+    graphs are the plan's (the engine's buffers), the cache the conversation's: a new plan (`Engine.configure`)
+    `release`s the graphs and keeps the cache."""
 
     def __init__(self, model, engine: Engine, capacity: int, graph_factory, capture: bool = True) -> None:
         from transformers import StaticCache
@@ -170,11 +182,16 @@ class DecodeGraph:
         self.position = torch.zeros(1, 1, dtype=torch.long, device=device)  # … and its position
         self.length = 0  # positions in the cache
         self.graph_factory = graph_factory
-        self.graph = None
-        self.logits: torch.Tensor | None = None  # [V]: the graph's output, overwritten by each replay
-        # the steps run eagerly (a plan that reads its routing on the host; a failed capture); None: not decided yet
+        self.graph = None  # the captured segments (the factory's: CudaGraphs on a GPU)
+        self.captured: StepCapture | None = None  # … their cuts, and the layers graphed in each
+        self.logits: torch.Tensor | None = None  # [V]: the last segment's output, overwritten by each replay
+        # the steps run eagerly (FMOE_CUDA_GRAPHS=0, a veto, a failed capture); None: not decided yet
         self.eager: bool | None = None if capture else True
-        self.moe_layers: list[int] = []  # the MoE layers a replay runs (set at capture)
+
+    @property
+    def segments(self) -> int:
+        """Graph segments a replayed step runs (0: none captured)."""
+        return len(self.captured.breaks) + 1 if self.graph is not None else 0
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=ids, position_ids=positions, **{cache_kwarg(self.model): self.cache},
@@ -209,16 +226,16 @@ class DecodeGraph:
             self.length += tokens_to_remove
 
     def release(self) -> None:
-        """Forget the captured graph (it reads the engine's buffers, which a new plan frees); the cache stays. Whether
-        the new plan's steps can be captured is asked again at the next step."""
-        self.graph, self.logits, self.eager = None, None, None
+        """Forget the captured graphs (they read the engine's buffers, which a new plan frees); the cache stays.
+        Whether the new plan's steps can be captured is asked again at the next step."""
+        self.graph, self.captured, self.logits, self.eager = None, None, None, None
 
     def _check_room(self, tokens: int) -> None:
         if self.length + tokens > self.capacity:
             raise FmoeError(f"the static KV cache holds {self.capacity} positions; the generation went past them")
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
-        """One decode token ids [1, 1] at the next position: the graph's replay (captured on first use)."""
+        """One decode token ids [1, 1] at the next position: the segments' replay (captured on first use)."""
         self._check_room(1)
         self.ids.copy_(ids)
         self.position.fill_(self.length)
@@ -229,55 +246,151 @@ class DecodeGraph:
         self.length += 1
         if self.eager:
             return self._forward(self.ids, self.position)
-        self.graph.replay()
-        self.engine.defer_replayed(self.moe_layers)
+        return self._replay()
+
+    def _replay(self) -> torch.Tensor:
+        """Segment 0; then at each cut the layer's experts forward on its static inputs, eagerly (its one routing
+        read, its loads, its compute), its result into the static output, and the next segment; the logits."""
+        graph, captured, engine = self.graph, self.captured, self.engine
+        graph.replay(0)
+        if captured.pass_output is not None:  # the embedding's hook: the pass's predictions (a prefetch of layer 0)
+            engine.replayed_pass(captured.pass_output)
+        engine.defer_replayed(captured.graphed[0])
+        for segment, cut in enumerate(captured.breaks, start=1):
+            cut.out.copy_(engine.experts_forward(cut.experts, cut.hidden_states, cut.top_k_index, cut.top_k_weights))
+            graph.replay(segment)
+            engine.defer_replayed(captured.graphed[segment])
         return self.logits
 
     def _capture(self) -> None:
-        """Two warm-up steps on a side stream, then the capture, at the current position: each writes this position's
-        keys and values (the replay writes them again) and moves the cache's length, which is put back after."""
+        """Two warm-up steps, then the capture, at the current position, on the graphs' side stream: each writes this
+        position's keys and values (the replay writes them again) and moves the cache's length, which is put back
+        after. The engine's experts forward sees `Engine.capturing` meanwhile: it cuts the step where a layer needs
+        the host (a warm-up's cut computes nothing: no token is decoded) and its embedding hook only notes the pass."""
         engine, cache = self.engine, self.cache
-        self.moe_layers = list(range(len(engine.layers)))  # the layers whose routing a replay copies
         lengths = [layer.cumulative_length.clone() for layer in cache.layers]
+        graph = None
         try:
             graph = self.graph_factory(self)
-            side = torch.cuda.Stream() if self.ids.is_cuda else None
-            if side is not None:
-                side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            captured = engine.capturing = StepCapture(graph)
+            with graph.capturing():
                 for _ in range(2):
                     engine.discard_deferred()
                     self._forward(self.ids, self.position)
                     for layer, length in zip(cache.layers, lengths):
                         layer.cumulative_length.copy_(length)
-            if side is not None:
-                torch.cuda.current_stream().wait_stream(side)
-            engine.discard_deferred()
-            with graph.capture():
+                engine.discard_deferred()
+                captured.recording = True
+                graph.begin()
                 logits = self._forward(self.ids, self.position)
-            self.graph, self.logits = graph, logits
+                graph.end()
+            self.graph, self.captured, self.logits = graph, captured, logits
         except Exception as exc:  # torch refuses what a capture cannot hold (a host read, a pageable copy)
+            if graph is not None:
+                graph.abort()
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             warn(f"CUDA graphs: the decode step could not be captured ({first[:160]}); it runs eagerly")
             self.eager = True
         finally:
+            engine.capturing = None
             engine.discard_deferred()
             for layer, length in zip(cache.layers, lengths):
                 layer.cumulative_length.copy_(length)
 
 
-class CudaGraph:
-    """torch.cuda.CUDAGraph with a `capture()` context (DecodeGraph's graph on a GPU; made for the DecodeGraph it
-    will replay, which a stand-in needs and this does not)."""
+@dataclass
+class GraphBreak:
+    """Where a captured decode step leaves its graphs: an MoE layer whose experts need the host. The static tensors
+    the segment before writes and the segment after reads."""
+
+    layer: int
+    experts: torch.nn.Module  # the layer's experts module (its act_fn, its engine's layer index)
+    hidden_states: torch.Tensor  # [T, H] the experts' input
+    top_k_index: torch.Tensor  # [T, K] the router's experts
+    top_k_weights: torch.Tensor  # [T, K] … and their weights
+    out: torch.Tensor  # [T, H] the experts' output, copied in at each replay
+
+
+class StepCapture:
+    """What the engine calls while a DecodeGraph captures a step (`Engine.capturing`): a layer computed inside the
+    graph is noted (`graphed_layer`: its routing is copied to the host by the replay), a layer that needs the host
+    cuts the step (`graph_break`), and the embedding's hook gives the pass's output (`pass_began`). In the warm-up
+    steps before the capture (`recording` False) a cut returns zeros: the step's values are not used."""
+
+    def __init__(self, graph) -> None:
+        self.graph = graph
+        self.recording = False
+        self.breaks: list[GraphBreak] = []
+        self.graphed: list[list[int]] = [[]]  # per segment, the MoE layers computed inside it
+        self.pass_output: torch.Tensor | None = None  # the embedding's output [1, 1, H], written by segment 0
+
+    def graphed_layer(self, i: int) -> None:
+        if self.recording:
+            self.graphed[-1].append(i)
+
+    def graph_break(self, i: int, experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Layer i's experts need the host: the segment ends with its router; the next one begins reading the static
+        output returned (written by the replay's eager experts forward)."""
+        if not self.recording:
+            return torch.zeros_like(hidden_states)
+        self.graph.end()
+        out = torch.empty_like(hidden_states)
+        self.breaks.append(GraphBreak(i, experts, hidden_states, top_k_index, top_k_weights, out))
+        self.graphed.append([])
+        self.graph.begin()
+        return out
+
+    def pass_began(self, output: torch.Tensor) -> None:
+        if self.recording:
+            self.pass_output = output
+
+
+class CudaGraphs:
+    """A decode step's segments as torch.cuda.CUDAGraphs (DecodeGraph's graphs on a GPU; made for the DecodeGraph it
+    will replay, which a stand-in needs and this does not): captured one after another on one side stream into one
+    memory pool, and replayed in the order captured, as torch's docs allow for graphs that share a pool (a tensor
+    one segment frees may back one the next allocates). What torch.cuda.graph does around one capture, around them
+    all: the warm-up and the captures on the side stream, the device synchronised and the cache emptied before the
+    first. Capture errors are thread-local, as torch's own cudagraph trees take them: the link's pump thread may go
+    on copying and polling its events meanwhile."""
 
     def __init__(self, decode: DecodeGraph) -> None:
-        self.graph = torch.cuda.CUDAGraph()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
+        self.graphs: list = []
+        self.open = False  # a segment's capture is under way
 
-    def capture(self):
-        return torch.cuda.graph(self.graph)
+    @contextlib.contextmanager
+    def capturing(self):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self.stream)
 
-    def replay(self) -> None:
-        self.graph.replay()
+    def begin(self) -> None:
+        if not self.graphs:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        graph = torch.cuda.CUDAGraph()
+        self.graphs.append(graph)
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        self.open = True
+
+    def end(self) -> None:
+        self.open = False
+        self.graphs[-1].capture_end()
+
+    def abort(self) -> None:
+        """A capture that failed: the stream out of capture mode (its error is the one reported)."""
+        if self.open:
+            self.open = False
+            with contextlib.suppress(Exception):
+                self.graphs[-1].capture_end()
+        self.graphs = []
+
+    def replay(self, segment: int) -> None:
+        self.graphs[segment].replay()
 
 
 GRAPH_CAPACITY_STEP = 256  # a DecodeGraph's KV capacity is a multiple of this many positions
@@ -286,15 +399,16 @@ GRAPH_CAPACITY_STEP = 256  # a DecodeGraph's KV capacity is a multiple of this m
 def decode_graph(model, engine: Engine | None, capacity: int) -> DecodeGraph | None:
     """The DecodeGraph a generation of `capacity` positions decodes through on a CUDA device (or where the engine has
     a `graph_factory`: tests), every plan alike, or None (the CPU: transformers' DynamicCache, `new_cache`). Its steps
-    are replayed from a CUDA graph where the plan's every layer decodes on the device without a host wait
-    (Engine.decode_graphable) and FMOE_CUDA_GRAPHS is not 0; else they run eagerly on the same StaticCache. Every
+    are replayed from CUDA graphs (`capturable`): one a step where the plan's every layer decodes on the device
+    without a host wait (Engine.decode_graphable), else segments between the routing reads; where capture is refused
+    they run eagerly on the same StaticCache. Every
     policy on a GPU thus attends over the same static cache, with the same kernels: a static cache's attention sums
     in another order than a dynamic one's, and on the first H200 run the graphed `resident` (static) left the other
     policies (dynamic) at token 30 of a bf16 a3b-shaped model. One per capacity (rounded up), kept by the engine until
-    it is configured again (the graph reads its buffers)."""
+    it is configured again (the graphs read its buffers)."""
     if engine is None:
         return None
-    factory = engine.graph_factory or (CudaGraph if engine.device.type == "cuda" else None)
+    factory = engine.graph_factory or (CudaGraphs if engine.device.type == "cuda" else None)
     if factory is None:
         return None
     capacity = -(-capacity // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
@@ -305,9 +419,10 @@ def decode_graph(model, engine: Engine | None, capacity: int) -> DecodeGraph | N
 
 
 def capturable(engine: Engine) -> bool:
-    """Whether a DecodeGraph captures the steps of the engine's plan: every layer decodes on the device without a host
-    wait (Engine.decode_graphable), and FMOE_CUDA_GRAPHS is not 0."""
-    return engine.decode_graphable() and os.environ.get("FMOE_CUDA_GRAPHS", "1").strip() != "0"
+    """Whether a DecodeGraph captures the steps of the engine's plan in graphs: a plan is built, no veto
+    (`Engine.graph_veto`), FMOE_CUDA_GRAPHS is not 0. A plan whose every layer decodes on the device without a host
+    wait (Engine.decode_graphable) is one graph a step; the others are segments between their routing reads."""
+    return bool(engine.layers) and engine.graph_veto is None and os.environ.get("FMOE_CUDA_GRAPHS", "1").strip() != "0"
 
 
 def conversation_cache(model, engine: Engine | None, capacity: int | None):
@@ -467,7 +582,7 @@ def stream_generate(
     for index in range(max_new_tokens):
         before = engine.counters() if engine is not None else None
         start = host_now()
-        if graph is not None:  # a resident plan on a GPU: the decode steps replayed from one CUDA graph
+        if graph is not None:  # on a GPU: the decode steps replayed from CUDA graphs (or eager on its cache)
             logits = first(ids) if index == 0 else graph.step(ids)
         else:
             logits = next_logits(model, ids, cache)

@@ -1,60 +1,65 @@
-"""Issue 37 §1: a resident decode step replayed from one CUDA graph (generate.DecodeGraph). This machine has no GPU:
-the graph is a stand-in that runs the captured step eagerly on each replay and then forgets what the engine's Python
-did in it (a real replay runs no Python), so what is checked is DecodeGraph's own logic — the static KV cache and its
-positions, capture after warm-up steps, the engine told which layers' routing the replay copied — and the eager
-fallback when capture fails. Whether CUDA captures the step only a GPU can say (benchmarks/gpu_check.py)."""
+"""Issue 37 §1: decode steps replayed from CUDA graphs (generate.DecodeGraph): a resident step as one graph, a loading
+policy's step as graph segments between the routing reads of its layers, each cut running the engine's experts
+forward eagerly. This machine has no GPU: the graphs are tests/fake_graphs.py's recorder, no kinder than CUDA (the
+captured Python does not run at a replay, what a capture computes is garbage until replayed, a host read while
+capturing is refused). What is checked is DecodeGraph's logic — the static KV cache and its positions, capture after
+warm-up steps, the cuts and their static tensors, the engine told which layers' routing each segment copied, the
+embedding hook's work at each replay — and the eager fallback. Whether CUDA captures the segments, and what they save
+in time, only a GPU can say (benchmarks/gpu_check.py)."""
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 
+import fake_gpu  # tests/fake_gpu.py
+from fake_graphs import CAPTURING, RecordedGraphs  # tests/fake_graphs.py
 from fmoe_cli import kernels
-from fmoe_cli.generate import DecodeGraph, stream_generate
+from fmoe_cli.generate import DecodeGraph, StepCapture, stream_generate
+from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
-from fmoe_cli.offload.link import EmulatedLink
+from fmoe_cli.offload.link import CudaLink, EmulatedLink, VirtualClock
+from fmoe_cli.planning.plan import uniform_plan
 from fmoe_cli.planning.presets import make_settings
+from fmoe_cli.profiling.ops import count_host_waits
+from fmoe_cli.types import EngineSettings, Timings
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 NEW_TOKENS = 12
+TIMINGS = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=2)  # moepic's configurator (as exactness)
 
 
-class EagerGraph:
-    """A CUDA graph's stand-in: capture runs the step eagerly; replay runs it again into the captured logits and
-    drops the engine's own deferrals (DecodeGraph then defers every layer, as after a real replay)."""
+class FailingGraphs(RecordedGraphs):
+    """A capture refused at its `fail_at`-th segment (0: the first), as CUDA refuses one."""
 
-    replays = 0
+    fail_at = 0
 
-    def __init__(self, decode: DecodeGraph) -> None:
-        self.decode = decode
-
-    def capture(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def replay(self) -> None:
-        decode = self.decode
-        decode.logits.copy_(decode._forward(decode.ids, decode.position))
-        decode.engine.discard_deferred()
-        EagerGraph.replays += 1
+    def begin(self) -> None:
+        if len(self.segments) == self.fail_at:
+            raise RuntimeError(CAPTURING)
+        super().begin()
 
 
-class FailingGraph(EagerGraph):
-    def capture(self):
-        raise RuntimeError("operation not permitted when stream is capturing")
+def reference_tokens(path, tokens: int = NEW_TOKENS) -> list[int]:
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    return reference.generate(PROMPT, max_new_tokens=tokens, do_sample=False)[0, PROMPT.shape[1]:].tolist()
 
 
-def device_path_engine(path, graph_factory, monkeypatch, veto=None):
-    """The model at `path` and an engine on the device's path (torch's matmuls, device_side) over an instant emulated
-    link, DecodeGraph's graphs made by `graph_factory` (None: none, as on the CPU)."""
+def device_path_engine(path, graph_factory, monkeypatch, veto=None, link=None):
+    """The model at `path` and an engine on the device's path (torch's matmuls, device_side) over `link` (default an
+    instant emulated link), DecodeGraph's graphs made by `graph_factory` (None: none, as on the CPU)."""
     monkeypatch.setattr(kernels, "library", lambda: None)  # torch's matmuls: the device's path
     lm = load_model(str(path), device="cpu", dtype="float32")
     if hasattr(lm.model, "decode_token"):
         lm.model.decode_token.enabled = False
-    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, lm.shape, link if link is not None else EmulatedLink(None), lm.device,
+                    lm.dtype)
     engine.device_side = True
     engine.graph_factory = graph_factory
     engine.graph_veto = veto
@@ -62,12 +67,16 @@ def device_path_engine(path, graph_factory, monkeypatch, veto=None):
     return lm, engine
 
 
+def budget(shape) -> int:
+    return shape.all_experts_bytes // 2 + 2 * shape.top_k * shape.expert_bytes
+
+
 def generate(path, graph_factory, monkeypatch, family_tokens=NEW_TOKENS, policy="resident", veto=None):
     lm, engine = device_path_engine(path, graph_factory, monkeypatch, veto)
     shape = lm.shape
-    engine.configure(make_settings(policy, shape, shape.all_experts_bytes // 2 + 2 * shape.top_k * shape.expert_bytes))
+    engine.configure(make_settings(policy, shape, budget(shape), timings=TIMINGS))
     runs, counted = [], []
-    for _ in range(2):  # the second generation replays the first one's graph
+    for _ in range(2):  # the second generation replays the first one's graphs
         before = engine.counters()
         runs.append([e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine,
                                                          max_new_tokens=family_tokens, stop_on_eos=False)])
@@ -80,71 +89,292 @@ def generate(path, graph_factory, monkeypatch, family_tokens=NEW_TOKENS, policy=
     return runs[0], graphs, counted[0]
 
 
+# --- the recorder itself: no kinder than CUDA -----------------------------------------------------------------------
+def test_the_recorder_replays_what_was_captured_and_leaves_garbage_until_then():
+    x, total = torch.tensor([1.0, 2.0]), torch.zeros(2)
+    graphs = RecordedGraphs(None)
+    graphs.begin()
+    y = x * 2 + 1  # allocated by the capture
+    total.add_(y)  # written into a tensor from before
+    index = torch.argmax(y)
+    graphs.end()
+    assert torch.isnan(y).all() and torch.equal(total, torch.zeros(2))  # nothing ran; what it made is garbage
+    assert int(index) == torch.iinfo(torch.long).max
+    x.copy_(torch.tensor([3.0, -1.0]))
+    graphs.replay(0)
+    assert torch.equal(y, torch.tensor([7.0, -1.0])) and torch.equal(total, y) and int(index) == 0
+    graphs.replay(0)
+    assert torch.equal(total, 2 * y)  # the in-place add ran again
+
+
+@pytest.mark.parametrize("read", [lambda t: t.sum().item(), lambda t: int(t[0]), lambda t: bool(t[0]), lambda t: t.tolist(),
+                                  lambda t: t.cpu(), lambda t: t.nonzero(), lambda t: t[t > 0]],
+                         ids=["item", "int", "bool", "tolist", "cpu", "nonzero", "mask"])
+def test_the_recorder_refuses_a_host_read_while_capturing(read):
+    graphs = RecordedGraphs(None)
+    graphs.begin()
+    with pytest.raises(RuntimeError, match=CAPTURING):
+        read(torch.arange(3) + 1)
+    graphs.abort()
+    assert read(torch.arange(3) + 1) is not None  # not capturing: allowed
+
+
+# --- a resident step: one graph ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_replayed_decode_steps_give_the_eager_tokens(checkpoints, family, monkeypatch):
     path = checkpoints[family]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    reference.generation_config.eos_token_id = None
-    want = reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1]:].tolist()
+    want = reference_tokens(path)
     eager, none, eager_counted = generate(path, None, monkeypatch)  # no factory on the CPU: the eager step
     assert not none and eager == want
-    EagerGraph.replays = 0
-    replayed, graphs, counted = generate(path, EagerGraph, monkeypatch)
+    RecordedGraphs.reset()
+    replayed, graphs, counted = generate(path, RecordedGraphs, monkeypatch)
     assert replayed == want and counted.activations == eager_counted.activations
-    assert len(graphs) == 1 and EagerGraph.replays == 2 * (NEW_TOKENS - 1)  # one graph, every decode step replayed
+    (graph,) = graphs.values()
+    assert graph.segments == 1 and graph.captured.graphed == [list(range(len(graph.engine.layers)))]
+    assert RecordedGraphs.captured == 1 and RecordedGraphs.replayed == 2 * (NEW_TOKENS - 1)  # every step replayed
 
 
-def test_a_capture_that_fails_runs_the_step_eagerly_with_one_line(checkpoints, monkeypatch, capsys):
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_capture_that_fails_runs_the_step_eagerly_with_one_line(checkpoints, monkeypatch, capsys, fail_at):
+    """Refused at the first segment (a resident step), or in the middle of a segmented one (lru)."""
     path = checkpoints["qwen3_moe"]
-    eager, _, _ = generate(path, None, monkeypatch)
-    got, graphs, _ = generate(path, FailingGraph, monkeypatch)
-    assert got == eager
-    assert all(graph.eager for graph in graphs.values())
+    policy = "resident" if fail_at == 0 else "lru"
+    eager, _, eager_counted = generate(path, None, monkeypatch, policy=policy)
+    FailingGraphs.fail_at = fail_at
+    RecordedGraphs.reset()
+    got, graphs, counted = generate(path, FailingGraphs, monkeypatch, policy=policy)
+    assert got == eager and counted.misses == eager_counted.misses
+    assert all(graph.eager and graph.segments == 0 for graph in graphs.values())
+    assert RecordedGraphs.captured == fail_at and RecordedGraphs.replayed == 0
     err = capsys.readouterr().err
     assert err.count("CUDA graphs: the decode step could not be captured") == 1
 
 
-def test_a_plan_that_cannot_be_replayed_decodes_eagerly_on_the_same_static_cache(checkpoints, monkeypatch):
-    """On a GPU every plan decodes through the StaticCache (the same attention as the graphed `resident`): `lru` reads
-    its routing on the host, so its steps run eagerly there, and give the graphed resident run's tokens."""
+def test_a_layer_that_reads_the_host_cannot_hide_in_a_graph(checkpoints, monkeypatch, capsys):
+    """Were lru's layers computed inside the graph (no cut), their routing read would run in the capture: refused, as
+    CUDA refuses it, and the step runs eagerly with one line."""
     path = checkpoints["qwen3_moe"]
-    EagerGraph.replays = 0
-    resident, _, _ = generate(path, EagerGraph, monkeypatch)
-    replays = EagerGraph.replays
-    lru, graphs, counted = generate(path, EagerGraph, monkeypatch, policy="lru")
-    assert lru == resident and EagerGraph.replays == replays  # no replay: eager steps
-    assert len(graphs) == 1 and all(g.eager and g.graph is None and g.length > 0 for g in graphs.values())
-    assert counted.misses > 0  # it really loaded
+
+    def no_cut(capture, i, experts, *inputs):
+        engine = experts._fmoe_engine
+        engine.capturing = None
+        try:
+            return engine.experts_forward(experts, *inputs)
+        finally:
+            engine.capturing = capture
+
+    monkeypatch.setattr(StepCapture, "graph_break", no_cut)
+    RecordedGraphs.reset()
+    lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch)
+    engine.configure(make_settings("lru", lm.shape, budget(lm.shape)))
+    got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
+                                               stop_on_eos=False)]
+    (graph,) = engine.decode_graphs.values()
+    engine.close()
+    assert got == reference_tokens(path) and graph.eager and graph.segments == 0
+    assert RecordedGraphs.made == 1 and RecordedGraphs.captured == RecordedGraphs.replayed == 0
+    assert "could not be captured (operation not permitted when stream is capturing" in capsys.readouterr().err
 
 
-def test_a_veto_keeps_a_resident_plan_eager(checkpoints, monkeypatch):
+@pytest.mark.parametrize("policy", ["resident", "lru"])
+def test_fmoe_cuda_graphs_0_decodes_eagerly_on_the_static_cache(checkpoints, monkeypatch, policy):
+    path = checkpoints["qwen3_moe"]
+    monkeypatch.setenv("FMOE_CUDA_GRAPHS", "0")
+    RecordedGraphs.reset()
+    got, graphs, _ = generate(path, RecordedGraphs, monkeypatch, policy=policy)
+    assert got == reference_tokens(path) and RecordedGraphs.made == RecordedGraphs.replayed == 0
+    assert len(graphs) == 1 and all(g.eager and g.segments == 0 and g.length > 0 for g in graphs.values())
+
+
+def test_a_veto_keeps_a_plan_eager(checkpoints, monkeypatch):
     """`Engine.graph_veto` (fmoe bench --replay-routing: a routing Python picks token by token, which a graph would
-    freeze at the capture's token): the resident plan's steps run eagerly on the static cache, none replayed."""
+    freeze at the capture's token): the steps run eagerly on the static cache, none replayed, segments neither."""
     path = checkpoints["qwen3_moe"]
-    EagerGraph.replays = 0
-    replayed, _, _ = generate(path, EagerGraph, monkeypatch)
-    assert EagerGraph.replays > 0
-    EagerGraph.replays = 0
-    vetoed, graphs, _ = generate(path, EagerGraph, monkeypatch, veto="routing replayed")
-    assert vetoed == replayed and EagerGraph.replays == 0 and all(g.eager for g in graphs.values())
+    RecordedGraphs.reset()
+    replayed, _, _ = generate(path, RecordedGraphs, monkeypatch)
+    assert RecordedGraphs.replayed > 0
+    for policy in ("resident", "lru"):
+        RecordedGraphs.reset()
+        vetoed, graphs, _ = generate(path, RecordedGraphs, monkeypatch, veto="routing replayed", policy=policy)
+        assert vetoed == replayed and RecordedGraphs.made == 0 and all(g.eager for g in graphs.values())
 
 
-class CountingGraph(EagerGraph):
-    captures = 0
+# --- a loading policy's step: segments between the routing reads -----------------------------------------------------
+def loading_settings(shape) -> dict[str, EngineSettings]:
+    """Every policy that loads experts (the configurator's moepic, the uniform ones) and two host-lane plans."""
+    out = {name: make_settings(name, shape, budget(shape), timings=TIMINGS, theta=0.5 if name == "uniform" else None)
+           for name in ("moepic", "lru", "lfu", "uniform", "cache-only", "ondemand", "prefetch-only")}
+    split, whole = uniform_plan(shape, budget(shape), 0.5), uniform_plan(shape, budget(shape), 1.0)
+    out["host bottoms"] = EngineSettings("host bottoms", replace(split, layers=tuple(
+        replace(layer, host=True) for layer in split.layers)), "lcp", True, 128.0, 0.25)
+    out["alternating link / host"] = EngineSettings("alternating", replace(whole, layers=tuple(
+        replace(layer, host=i % 2 == 0) for i, layer in enumerate(whole.layers))), "lcp", True, 128.0, 0.25)
+    return out
 
-    def capture(self):
-        CountingGraph.captures += 1
-        return super().capture()
+
+COUNTED = ("activations", "hits_full", "hits_top", "misses", "bytes_demand", "bytes_prefetch", "prefetch_issued",
+           "prefetch_used", "needed_loads", "prefetch_covered", "host_segments", "predicts", "host_waits")
 
 
-def chat_turns(path, graph_factory, monkeypatch, replan_between: bool = False):
-    """Two turns of a chat session (chat and serve answer through ChatSession.generate) on a resident plan, on the
-    device's path; with a graph factory the conversation's KV cache is the engine's DecodeGraph (its StaticCache),
-    as on a GPU. `replan_between`: the engine configured again between the turns, as an idle re-plan does."""
+def decode_each(lm, engine, settings, segmented: bool, monkeypatch):
+    """Two generations of `settings` from a fresh plan, segmented or eager (FMOE_CUDA_GRAPHS=0) on the static cache:
+    their tokens, the counters that decide (not times) with the passes the predictor was shown (the embedding hook's
+    work: each pass's index and its embedding's sum), the segments of the DecodeGraph."""
+    monkeypatch.setenv("FMOE_CUDA_GRAPHS", "1" if segmented else "0")
+    engine.configure(settings)
+    passes = []
+    real_begin = engine.predictor.begin
+
+    def begin(it):
+        passes.append((it.index, None if it.embedding is None else float(it.embedding.sum())))
+        return real_begin(it)
+
+    monkeypatch.setattr(engine.predictor, "begin", begin)
+    runs = [[e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
+                                                 stop_on_eos=False)] for _ in range(2)]
+    monkeypatch.setattr(engine.predictor, "begin", real_begin)
+    counters = engine.counters()
+    (graph,) = engine.decode_graphs.values()
+    assert len(passes) == (2 * NEW_TOKENS if settings.prefetch else 0)
+    return runs, {"passes": passes, **{name: getattr(counters, name) for name in COUNTED}}, graph.segments
+
+
+@pytest.mark.parametrize("link", ["emulated", "cuda"])
+def test_every_loading_policy_decodes_through_segments_with_the_eager_tokens(checkpoints, monkeypatch, link):
+    """Each MoE layer of a loading policy cuts the step (its routing read): layers + 1 segments, all replayed every
+    token, the eager step's tokens (transformers'). On the emulated link (a virtual clock) the same hits, loads,
+    prefetches and host waits as the eager step; on CudaLink over the NaN-filling fake GPU (tests/fake_gpu.py), whose
+    copies land when they land, the same tokens."""
+    path = checkpoints["qwen3_moe"]
+    want = reference_tokens(path)
+    with fake_gpu.installed() if link == "cuda" else contextlib.nullcontext() as gpu:
+        made = CudaLink(torch.device("cuda"), chunk_bytes=4096) if link == "cuda" else EmulatedLink(
+            gbps=20, clock=VirtualClock(), copy=True)
+        lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch, link=made)
+        layers = lm.shape.num_layers
+        try:
+            for name, settings in loading_settings(lm.shape).items():
+                eager, eager_counted, none = decode_each(lm, engine, settings, False, monkeypatch)
+                RecordedGraphs.reset()
+                got, counted, segments = decode_each(lm, engine, settings, True, monkeypatch)
+                assert eager == got == [want, want], name
+                assert none == 0 and segments == RecordedGraphs.captured == layers + 1, name
+                assert RecordedGraphs.replayed == 2 * (NEW_TOKENS - 1) * (layers + 1), name
+                assert counted["misses"] + counted["hits_top"] > 0, name  # it really loaded
+                if name.startswith(("host", "alternating")):
+                    assert counted["host_segments"] > 0, name
+                if link == "emulated":
+                    assert counted == eager_counted, name
+        finally:
+            engine.close()
+        if gpu is not None:
+            assert gpu.chunks_played == gpu.chunks_issued > 0
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_lru_decodes_through_segments_in_every_family(checkpoints, monkeypatch, family):
+    """Every family's layers (shared experts, a dense first layer, MLA, group-limited routing) cut at their MoE
+    layers' routing reads: MoE layers + 1 segments, transformers' tokens, the eager step's counters."""
+    path = checkpoints[family]
+    lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch,
+                                    link=EmulatedLink(gbps=20, clock=VirtualClock(), copy=True))
+    settings = make_settings("lru", lm.shape, budget(lm.shape))
+    try:
+        eager, eager_counted, _ = decode_each(lm, engine, settings, False, monkeypatch)
+        got, counted, segments = decode_each(lm, engine, settings, True, monkeypatch)
+    finally:
+        engine.close()
+    assert eager == got == [reference_tokens(path)] * 2 and counted == eager_counted
+    assert segments == lm.shape.num_layers + 1 and counted["misses"] > 0
+
+
+@pytest.mark.parametrize("policy", ["resident", "lru", "ondemand", "prefetch-only", "uniform"])
+def test_host_waits_of_a_segmented_step(checkpoints, monkeypatch, policy):
+    """Counted on CudaLink over the fake GPU (as tests/test_host_waits.py): a replayed step waits for the device at
+    most once per MoE layer, at its routing read (`read_to_host`, in the cut), never in a graphed layer (resident:
+    none), and once outside the experts (the sampled token)."""
+    path = checkpoints["qwen3_moe"]
+    with fake_gpu.installed():
+        lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch,
+                                        link=CudaLink(torch.device("cuda"), chunk_bytes=4096))
+        shape = lm.shape
+        engine.configure(make_settings(policy, shape, budget(shape), theta=0.5 if policy == "uniform" else None))
+        steps = stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=6, stop_on_eos=False)
+        got = [next(steps).token_id for _ in range(3)]
+        (graph,) = engine.decode_graphs.values()
+        static = [graph.logits, *(t for cut in graph.captured.breaks
+                                  for t in (cut.hidden_states, cut.top_k_index, cut.top_k_weights, cut.out))]
+        counts = []
+        for _ in range(3):
+            box = []
+            counts.append(count_host_waits(lambda: box.append(next(steps)), engine, lm.model, inputs=static))
+            got.append(box[0].token_id)
+        engine.close()
+    assert got == reference_tokens(path, 6)
+    assert graph.segments == (1 if policy == "resident" else shape.num_layers + 1)
+    for count in counts:
+        assert count["moe_layers"] == (0 if policy == "resident" else shape.num_layers), count
+        moe_waits = count["waits"].get("moe", 0)
+        if policy == "resident":
+            assert moe_waits == 0 and count["waits"].get("settle", 0) == 0, count["where"]
+        else:
+            assert 0 < moe_waits <= shape.num_layers, count["where"]
+            assert {w for w in count["where"] if w.startswith("moe:")} == {"moe:read_to_host"}, count["where"]
+        assert count["where"].get("other:__int__") == count["waits"]["other"] == 1, count["where"]
+
+
+def test_a_resident_plan_whose_grouped_matmul_is_refused_decodes_through_segments(checkpoints, monkeypatch):
+    """Float32 on a GPU: torch's grouped matmul refuses the dtype, so resident layers read their routing on the host
+    (`Engine._resident_decode`); the step is then cut at every layer, L + 1 segments, with transformers' tokens and
+    the eager step's counters (where it used to run eagerly)."""
+    path = checkpoints["qwen3_moe"]
+    lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch)
+    engine._grouped_on_device = False  # what the first refused call leaves (Engine._resident_device_decode)
+    settings = make_settings("resident", lm.shape, lm.shape.all_experts_bytes)
+    try:
+        eager, eager_counted, _ = decode_each(lm, engine, settings, False, monkeypatch)
+        RecordedGraphs.reset()
+        got, counted, segments = decode_each(lm, engine, settings, True, monkeypatch)
+    finally:
+        engine.close()
+    assert eager == got == [reference_tokens(path)] * 2 and counted == eager_counted
+    assert segments == RecordedGraphs.captured == lm.shape.num_layers + 1
+    assert counted["hits_full"] == counted["activations"] > 0
+
+
+def test_graphed_layers_between_cuts_are_bookkept_in_layer_order(checkpoints, monkeypatch):
+    """A step whose graphed layers sit between cuts (here a resident plan with every odd layer taken as needing the
+    host): segments [emb … layer 1's router] [… layer 3's router] [… logits], layers 0 and 2 inside them. The routing
+    each segment copied is bookkept before the next cut runs: the observers see the layers in order, as eagerly."""
+    path = checkpoints["qwen3_moe"]
+    real = Engine.graphed_layer
+    monkeypatch.setattr(Engine, "graphed_layer", lambda self, i: i % 2 == 0 and real(self, i))
+    seen = {}
+    for factory in (None, RecordedGraphs):
+        lm, engine = device_path_engine(path, factory, monkeypatch)
+        order = seen[factory] = []
+        engine.observers.append(lambda event: order.append(event.layer))
+        engine.configure(make_settings("resident", lm.shape, lm.shape.all_experts_bytes))
+        tokens = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
+                                                      stop_on_eos=False)]
+        assert tokens == reference_tokens(path)
+        if factory is not None:
+            (graph,) = engine.decode_graphs.values()
+            assert graph.segments == 3 and graph.captured.graphed == [[0], [2], []]
+            assert [cut.layer for cut in graph.captured.breaks] == [1, 3]
+        engine.close()
+    assert seen[RecordedGraphs] == seen[None] == list(range(4)) * NEW_TOKENS
+
+
+# --- a conversation ---------------------------------------------------------------------------------------------------
+def chat_turns(path, graph_factory, monkeypatch, replan_between: bool = False, policy: str = "resident"):
+    """Two turns of a chat session (chat and serve answer through ChatSession.generate) on the device's path; with a
+    graph factory the conversation's KV cache is the engine's DecodeGraph (its StaticCache), as on a GPU.
+    `replan_between`: the engine configured again between the turns, as an idle re-plan does."""
     from fmoe_cli.chat.session import ChatSession
 
     lm, engine = device_path_engine(path, graph_factory, monkeypatch)
-    settings = make_settings("resident", lm.shape, lm.shape.all_experts_bytes)
+    settings = make_settings(policy, lm.shape, lm.shape.all_experts_bytes if policy == "resident" else budget(lm.shape))
     engine.configure(settings)
     session = ChatSession(lm, engine, max_new_tokens=8, context=300)
     answers, reused, graphs = [], [], []
@@ -163,18 +393,21 @@ def chat_turns(path, graph_factory, monkeypatch, replan_between: bool = False):
     return answers, reused, graphs
 
 
-def test_a_conversation_continues_on_the_static_cache_and_replays_its_steps(checkpoints, monkeypatch):
+@pytest.mark.parametrize("policy", ["resident", "lru"])
+def test_a_conversation_continues_on_the_static_cache_and_replays_its_steps(checkpoints, monkeypatch, policy):
     """Chat and serve on a GPU: the conversation's KV cache is the engine's DecodeGraph, kept between answers, cropped
-    to the shared prefix and extended by the new turn, its decode steps replayed from one graph captured once (or, after
-    a re-plan, once more: the graph reads the old plan's buffers, the cache is the conversation's) — the tokens of
+    to the shared prefix and extended by the new turn, its decode steps replayed from graphs captured once (or, after
+    a re-plan, once more: the graphs read the old plan's buffers, the cache is the conversation's) — the tokens of
     the CPU's growing cache, turn for turn."""
     path = checkpoints["qwen3_moe"]
-    want, want_reused, caches = chat_turns(path, None, monkeypatch)
+    want, want_reused, caches = chat_turns(path, None, monkeypatch, policy=policy)
     assert not isinstance(caches[0], DecodeGraph) and want_reused[1] == 6 + len(want[0]) - 3
+    segments = 1 if policy == "resident" else 5
     for replan, captures in ((False, 1), (True, 2)):
-        CountingGraph.captures = EagerGraph.replays = 0
-        got, reused, graphs = chat_turns(path, CountingGraph, monkeypatch, replan_between=replan)
+        RecordedGraphs.reset()
+        got, reused, graphs = chat_turns(path, RecordedGraphs, monkeypatch, replan_between=replan, policy=policy)
         assert got == want and reused == want_reused  # the second turn pre-filled only what the first had not
-        assert isinstance(graphs[0], DecodeGraph) and graphs[1] is graphs[0]
-        assert CountingGraph.captures == captures and EagerGraph.replays == 2 * (len(want[0]) - 1)
+        assert isinstance(graphs[0], DecodeGraph) and graphs[1] is graphs[0] and graphs[1].segments == segments
+        assert RecordedGraphs.made == captures and RecordedGraphs.captured == captures * segments
+        assert RecordedGraphs.replayed == 2 * (len(want[0]) - 1) * segments
         assert graphs[1].length == 6 + len(got[0]) - 3 + 4 + len(got[1]) - 1  # prompt, answer, prompt, answer

@@ -63,7 +63,8 @@ class RunResult:
     engine_device_bytes: int = 0  # what the engine accounts on the device: non-expert weights + caches + staging
     measured: int | None = None  # Ctrl-C cut the run short after this many measured tokens (None: it finished)
     host_ms_per_token: float = 0.0  # the host lane's compute (offload/host.py), beside the exposed load
-    decode_graph: bool = False  # its decode steps replayed from a CUDA graph (generate.DecodeGraph)
+    decode_graph: bool = False  # its decode steps replayed from CUDA graphs (generate.DecodeGraph)
+    decode_segments: int = 0  # … the graph segments a step runs (1: one graph; L + 1: cut at L routing reads)
     rounds: list[dict] | None = None  # --rounds N > 1: each round's figures (round_figures); the fields above are their medians
 
 
@@ -172,6 +173,7 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
         measured=len(events) if cut else None,
         host_ms_per_token=steady.host_s * 1000 / n,
         decode_graph=any(g.graph is not None for g in engine.decode_graphs.values()),
+        decode_segments=max((g.segments for g in engine.decode_graphs.values()), default=0),
     )
     if cut:
         raise PartialRun(result)

@@ -332,6 +332,7 @@ class Engine:
         # Why a decode step must not be replayed from a graph, whatever the plan (None: it may): a routing that Python
         # picks per token (fmoe bench --replay-routing) would be frozen at the capture's token.
         self.graph_veto: str | None = None
+        self.capturing = None  # while a DecodeGraph captures a decode step: its generate.StepCapture (`_captured`)
 
     # --- set-up --------------------------------------------------------------
     def install(self, model) -> None:
@@ -465,6 +466,8 @@ class Engine:
         if not self.layers:
             raise FmoeError("no expert plan fits on the device (see the message above); nothing can run")
         state = self.layers[i]
+        if self.capturing is not None:  # a decode step being captured: the layer stays in its graph or cuts it
+            return self._captured(i, state, experts, hidden_states, top_k_index, top_k_weights)
         decode = hidden_states.shape[0] == 1
         if state.resident and decode and not self._prefetching:
             if self.device_side and self._routed_on_device(state):
@@ -560,10 +563,35 @@ class Engine:
         self._deferred.append(i)
 
     def decode_graphable(self) -> bool:
-        """Whether a decode step of this plan runs without a host wait in any layer, so that a CUDA graph can replay
-        it (generate.DecodeGraph): every layer resident and routed on the device, no prefetcher."""
-        return (bool(self.layers) and self.device_side and not self._prefetching and self.graph_veto is None
-                and all(state.resident and self._routed_on_device(state) for state in self.layers))
+        """Whether a decode step of this plan runs without a host wait in any layer, so that one CUDA graph can
+        replay it (generate.DecodeGraph): every layer `graphed_layer`, no veto."""
+        return bool(self.layers) and self.graph_veto is None and all(map(self.graphed_layer, range(len(self.layers))))
+
+    # --- decode steps captured in graph segments (generate.DecodeGraph) ---------
+    def graphed_layer(self, i: int) -> bool:
+        """Whether layer i's decode step runs inside a captured graph: it takes `_resident_device_decode` (resident,
+        routed on the device, no prefetcher: nothing read back on the host)."""
+        state = self.layers[i]
+        return self.device_side and not self._prefetching and state.resident and self._routed_on_device(state)
+
+    def _captured(self, i: int, state: LayerState, experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Layer i's experts forward while a DecodeGraph captures a decode step (`capturing`), or warms up for it: a
+        graphed layer is computed inside the graph (`_resident_device_decode`, its routing deferred) and noted; any
+        other needs the host (or this device's grouped matmul refused the call), so the step's segment ends at its
+        router: the static output buffer the next segment reads, which each replay fills by calling `experts_forward`
+        eagerly on the static inputs (generate.StepCapture.graph_break). Nothing here runs the general path: the
+        counters, caches and policies see only the replayed steps."""
+        if hidden_states.shape[0] == 1 and self.graphed_layer(i):
+            out = self._resident_device_decode(i, state, experts.act_fn, hidden_states, top_k_index, top_k_weights)
+            if out is not None:
+                self.capturing.graphed_layer(i)
+                return out
+        return self.capturing.graph_break(i, experts, hidden_states, top_k_index, top_k_weights)
+
+    def replayed_pass(self, output: torch.Tensor) -> None:
+        """The embedding hook's work for a replayed decode step (its segment 0 wrote the embedding's `output`)."""
+        self._begin_pass(None, (), output)
 
     def discard_deferred(self) -> None:
         """Forget the routing copies pending bookkeeping: a CUDA graph's warm-up and capture ran them, no token did."""
@@ -834,7 +862,11 @@ class Engine:
                 self.layers[layer].counters.exposed_s += seconds
 
     def _begin_pass(self, module, args, output) -> None:
-        """Forward hook on the embedding layer: a new pass; its output is the predictors' semantic hint."""
+        """Forward hook on the embedding layer: a new pass; its output is the predictors' semantic hint. In a decode
+        step being captured it only gives the output: the replay runs the hook (`replayed_pass`)."""
+        if self.capturing is not None:
+            self.capturing.pass_began(output)
+            return
         self._settle()  # the previous pass's deferred bookkeeping, before this pass overwrites its copies
         if not self._prefetching:
             return

@@ -146,11 +146,12 @@ class HostWaitCounter(TorchFunctionMode):
     on the host), `link.HostCopy.copy` none (a copy the host does not wait for; its buffer is on the host).
     `place` is set while the engine's experts forward runs (`moe`) or its deferred bookkeeping (`settle`)."""
 
-    def __init__(self, device_tensors) -> None:
+    def __init__(self, device_tensors, host_tensors=()) -> None:
         super().__init__()
         self.marked = WeakIdKeyDictionary()
         for t in device_tensors:
             self.marked[t] = True
+        self.host = WeakIdKeyDictionary({t: True for t in host_tensors})  # on the host whatever writes them
         self.waits: collections.Counter = collections.Counter()  # place -> waits
         self.where: collections.Counter = collections.Counter()  # (place, what) -> waits
         self.place = "other"
@@ -167,7 +168,7 @@ class HostWaitCounter(TorchFunctionMode):
         out = func(*args, **kwargs)
         if from_device:
             for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and t not in self.host:
                     self.marked[t] = True
         return out
 
@@ -195,7 +196,9 @@ def count_host_waits(step, engine: Engine, model, inputs=()) -> dict:
     from fmoe_cli.offload import link
 
     device_tensors = [*model.parameters(), *model.buffers(), *inputs, *(s.tops for s in engine.layers)]
-    counter = HostWaitCounter(device_tensors)
+    # the routing's host copies (link.HostCopy): a replayed CUDA graph writes them by its own copy node, not `copy`
+    host_copies = [copy.host for pair in engine._route_copies.values() for copy in pair]
+    counter = HostWaitCounter(device_tensors, host_copies)
     calls = collections.Counter()
     real_read, real_copy = link.read_to_host, link.HostCopy.copy
 
