@@ -65,8 +65,8 @@ docs/planning.md § Where the model deviates from the paper):
   cached and the bottom's (1 − θ_i) when its top is; the paper's product [1 − PH_i(y, C)·θ_i]·P_i(y) takes "activated"
   and "cached" as independent. Where experts recur from token to token they are not: the predicted experts that are
   activated are mostly the cached ones, and the product credited prefetches that load nothing (K = 2, 3 whole experts
-  a layer, experts kept with probability 0.85: the plan chosen with prefetch was priced 1.14 ms a token and simulated
-  2.46, 3.4 % slower than `cache-only`; tests/test_configurator.py, recurring experts). The statistics count PAH_i(y, C)
+  a layer, experts kept with probability 0.85: the plan chosen with prefetch, simulated 2.46 ms a token exposed, was
+  priced 1.14, and is priced 1.93 from the joint count; tests/test_configurator.py, recurring experts). The statistics count PAH_i(y, C)
   (planning/stats.py), and the credit is P_i(y) − PAH_i(y, C)·θ_i: the misses it covers, P_i − PAH_i, and the cached
   tops' bottoms, (1 − θ_i)·PAH_i. The link cost of a prefetch (Eq. 10) keeps PH_i: a cached top's bottom is all it
   loads whether the expert is activated or not.
