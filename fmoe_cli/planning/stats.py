@@ -153,9 +153,10 @@ class LayerStats:
             self.predicted_hist[y[right]] += 1
             is_active[active] = False
             # PH_i(y, ·): where the y-th predicted expert stood in the order the cache holds them
-            self.predicted_rank_hist[y, rank_of[pred]] += 1
+            ranks = rank_of[pred]
+            self.predicted_rank_hist[y, ranks] += 1
             # PAH_i(y, ·): the same, when it was activated (the joint count: predicted, activated, cached)
-            self.predicted_active_rank_hist[y[right], rank_of[pred[right]]] += 1
+            self.predicted_active_rank_hist[y[right], ranks[right]] += 1
             self.predicted_tokens += 1
 
     # --- the functions of docs/architecture.md § Statistics, configurator, re-planning -----------------------------------------
