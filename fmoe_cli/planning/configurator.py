@@ -66,10 +66,10 @@ docs/planning.md § Where the model deviates from the paper):
   and "cached" as independent. Where experts recur from token to token they are not: the predicted experts that are
   activated are mostly the cached ones, and the product credited prefetches that load nothing (K = 2, 3 whole experts
   a layer, experts kept with probability 0.85: the plan chosen with prefetch, simulated 2.46 ms a token exposed, was
-  priced 1.14, and is priced 1.93 from the joint count; tests/test_configurator.py, recurring experts). The statistics count PAH_i(y, C)
-  (planning/stats.py), and the credit is P_i(y) − PAH_i(y, C)·θ_i: the misses it covers, P_i − PAH_i, and the cached
-  tops' bottoms, (1 − θ_i)·PAH_i. The link cost of a prefetch (Eq. 10) keeps PH_i: a cached top's bottom is all it
-  loads whether the expert is activated or not.
+  priced 1.14, and is priced 1.93 from the joint count; tests/test_configurator.py, recurring experts). The
+  statistics count PAH_i(y, C) (planning/stats.py), and the credit is P_i(y) − PAH_i(y, C)·θ_i: the misses it
+  covers, P_i − PAH_i, and the cached tops' bottoms, (1 − θ_i)·PAH_i. The link cost of a prefetch (Eq. 10) keeps
+  PH_i: a cached top's bottom is all it loads whether the expert is activated or not.
 - pipelined loads (S_i): the paper charges every un-hidden load in full; the engine computes
   each load as it lands (offload/engine.py), so the compute of one (and its host work)
   overlaps the transfer of the next, and the routing layout before the first compute
@@ -103,9 +103,9 @@ docs/planning.md § Where the model deviates from the paper):
   0.000 ms a token exposed where the closed form (and the simulator, which submitted for free) priced 0.249;
   at 4 GB/s, with that run's quick estimate (compute between loads longer than a load), 0.46–0.64 against 0.91
   (0.50 with h_sub).
-Two guards the formulas leave implicit: m_i is capped at K (no
-layer hides more than its K experts; with the joint count Eq. 9 stays within K when H_i and PAH_i count the
-same tokens, but the first token of a run has no prediction, and hand-made statistics are anything), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
+Two guards the formulas leave implicit: m_i is capped at K (no layer hides more than its K experts; with the joint
+count Eq. 9 stays within K when H_i and PAH_i count the same tokens, but the first token of a run has no prediction,
+and hand-made statistics are anything), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
 reported as 0) is a candidate, and the only one when V_i cannot hold one neuron block
 of one expert.
 
@@ -278,9 +278,10 @@ def hidden_distribution(top_k: int, cache_size: int, hit: float, theta: float, h
     token's hits). Eq. 9's landed gain, m_i − K·H_i·θ_i, splits into misses, Σ_{y≤Y} P_i(y) − PAH_i(y, C) of
     them, and bottoms, (1 − θ_i)·Σ_{y≤Y} PAH_i(y, C) (`right_cached`: the sum); what overflows one side (a cache
     of C < K is priced with fewer hits than the statistics count, `cache_hit_rate`, and the first token of a run has
-    no prediction: the covered misses can exceed the misses priced) goes to the other, so that the mean stays m_i. The stall is not linear in m (per token max(0, S): a token's hits' compute hides its
-    own loads, never another token's; the first load waits whole, each next one only as far as the link is slower
-    than the compute): the mean prices a layer low where it hides most of its loads on average."""
+    no prediction: the covered misses can exceed the misses priced) goes to the other, so that the mean stays m_i.
+    The stall is not linear in m (per token max(0, S): a token's hits' compute hides its own loads, never another
+    token's; the first load waits whole, each next one only as far as the link is slower than the compute): the
+    mean prices a layer low where it hides most of its loads on average."""
     trials = min(top_k, cache_size)
     hits = top_k * hit
     misses = top_k - hits

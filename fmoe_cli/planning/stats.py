@@ -177,7 +177,7 @@ class LayerStats:
         return float(self.curves().predicted_hit_cached[y - 1, cache_size])
 
     def curves(self) -> LayerCurves:
-        """All three tabulated; uniform ones for what was never observed."""
+        """All four tabulated; uniform ones for what was never observed."""
         n = self.num_experts
         uniform = uniform_curves(n, self.top_k)
         activations = int(self.rank_hist.sum())  # q·K (top-K routing activates K per token)
