@@ -8,7 +8,8 @@ Profiling and planning both use these; this module imports nothing of fmoe excep
   around read-merge-write, so two sessions saving the same file both count. Where no lock can be
   taken (a read-only directory, a system without `fcntl`), it goes on unlocked: the write itself
   then fails or wins. A lock file nobody holds can be removed (`remove_unheld_lock`: the sweep).
-- `set_aside(path)`: a damaged file is renamed `<name>.corrupt-<time>`, never deleted.
+- `set_aside(path)`: a damaged file is renamed `<name>.corrupt-<time>` (one of an old schema version
+  `<name>.v<version>-<time>`), never deleted.
 """
 
 from __future__ import annotations
@@ -169,15 +170,16 @@ def remove_unheld_lock(where: Path) -> bool:
         os.close(fd)
 
 
-def set_aside(path: Path) -> Path:
-    """Rename a damaged file to `<name>.corrupt-<UTC time>` (kept for the user, out of the way)."""
+def set_aside(path: Path, why: str = "corrupt") -> Path:
+    """Rename a damaged file to `<name>.<why>-<UTC time>` (kept for the user, out of the way; `why`: `corrupt`,
+    or the old schema version of a file this fmoe no longer reads, e.g. `v1`)."""
     path = Path(path)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    target = path.with_name(f"{path.name}.corrupt-{stamp}")
+    target = path.with_name(f"{path.name}.{why}-{stamp}")
     n = 1
     while target.exists():
         n += 1
-        target = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        target = path.with_name(f"{path.name}.{why}-{stamp}-{n}")
     os.replace(path, target)
     return target
 

@@ -156,8 +156,10 @@ def test_two_sessions_saving_one_file_both_count(tmp_path):
     first.save()
     second.save()
     assert RoutingStats.load(path).tokens == 130
-    expected = observed(100).layers[0].rank_hist + observed(10, 1).layers[0].rank_hist + observed(20, 2).layers[0].rank_hist
-    np.testing.assert_array_equal(RoutingStats.load(path).layers[0].rank_hist, expected)
+    for counts in ("rank_hist", "predicted_rank_hist", "predicted_active_rank_hist"):  # every histogram adds up
+        expected = sum(getattr(observed(n, seed).layers[0], counts) for n, seed in ((100, 0), (10, 1), (20, 2)))
+        np.testing.assert_array_equal(getattr(RoutingStats.load(path).layers[0], counts), expected)
+        np.testing.assert_array_equal(getattr(second.stats.layers[0], counts), expected)  # and the session has the sum
     # saving again adds only what is new since the last save
     observe_more(first, 5, seed=3)
     first.save()
@@ -191,6 +193,7 @@ def test_concurrent_processes_add_up(tmp_path):
     ("tokens", "tokens"),  # a count of -100 tokens
     ("predicted", "predicted"),  # more predicted tokens than tokens
     ("hist", "malformed"),  # a histogram of the wrong size
+    ("joint", "does not add up"),  # predicted experts activated while cached, more than were activated
 ])
 def test_damaged_statistics_are_set_aside_with_one_line(tmp_path, capsys, content, fragment):
     path = tmp_path / "m.stats.json"
@@ -204,6 +207,9 @@ def test_damaged_statistics_are_set_aside_with_one_line(tmp_path, capsys, conten
     elif content == "hist":
         good["layers"][0]["rank_hist"] = observed(1).to_dict()["layers"][0]["predicted_rank_hist"]
         text = json.dumps(good)
+    elif content == "joint":
+        good["layers"][0]["predicted_active_rank_hist"] = good["layers"][0]["predicted_rank_hist"]
+        text = json.dumps(good)
     else:
         text = content
     path.write_text(text)
@@ -214,6 +220,32 @@ def test_damaged_statistics_are_set_aside_with_one_line(tmp_path, capsys, conten
     aside = list(tmp_path.glob("m.stats.json.corrupt-*"))
     assert len(aside) == 1 and aside[0].read_text() == text  # kept for the user, byte for byte
     assert not path.exists()
+
+
+def test_statistics_of_the_old_schema_are_set_aside_not_misread(tmp_path, capsys):
+    """A version-1 file (before the joint count PAH_i: the same layout less `predicted_active_rank_hist`) is set aside
+    as `.v1-<time>` with one warning that says why, and the session starts empty: its prefetch credit would be
+    misread. A save over it does the same and writes version 2."""
+    old = observed(5).to_dict()
+    old["schema_version"] = 1
+    for layer in old["layers"]:
+        del layer["predicted_active_rank_hist"]
+    text = json.dumps(old)
+    path = tmp_path / "m.stats.json"
+    path.write_text(text)
+    stats = load_or_empty("m", L, N, K, path)
+    assert stats.tokens == 0
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "older fmoe (schema version 1" in err and "moved it to" in err, err
+    aside = list(tmp_path.glob("m.stats.json.v1-*"))
+    assert len(aside) == 1 and aside[0].read_text() == text and not path.exists()
+    recorder = open_recorder("m", L, N, K, path)  # nothing there now
+    path.write_text(text)  # an old fmoe saved meanwhile
+    observe_more(recorder, 3, seed=0)
+    assert recorder.save() == path
+    assert "older fmoe" in capsys.readouterr().err
+    assert json.loads(path.read_text())["schema_version"] == 2 and RoutingStats.load(path).tokens == 3
+    assert len(list(tmp_path.glob("m.stats.json.v1-*"))) == 2
 
 
 def test_a_directory_in_place_of_the_statistics_file(tmp_path, capsys):

@@ -74,6 +74,7 @@ def brute_force(tokens, predictions, n: int, k: int):
     hits = np.zeros(n + 1)  # hits[C]
     pred_hits = np.zeros(n)
     pred_cached = np.zeros((n, n + 1))
+    pred_hit_cached = np.zeros((n, n + 1))  # activated and cached: the joint count
     predicted_tokens = 0
     for step, (activated, predicted) in enumerate(zip(tokens, predictions)):
         prio = [count[e] * RHO ** ((step - last[e]) / OMEGA) if count[e] else 0.0 for e in range(n)]
@@ -84,6 +85,7 @@ def brute_force(tokens, predictions, n: int, k: int):
             if predicted is not None:
                 for y, e in enumerate(predicted):
                     pred_cached[y, c] += e in cache
+                    pred_hit_cached[y, c] += e in cache and e in activated
         if predicted is not None:
             predicted_tokens += 1
             for y, e in enumerate(predicted):
@@ -91,8 +93,8 @@ def brute_force(tokens, predictions, n: int, k: int):
         for e in activated:  # the policy sees the token after the statistics
             count[e] += 1
             last[e] = step
-    q = len(tokens)
-    return hits / (q * k), pred_hits / max(predicted_tokens, 1), pred_cached / max(predicted_tokens, 1)
+    q, p = len(tokens), max(predicted_tokens, 1)
+    return hits / (q * k), pred_hits / p, pred_cached / p, pred_hit_cached / p
 
 
 def record(tokens, predictions, n: int, k: int, vectorised: bool = False) -> LayerStats:
@@ -122,15 +124,17 @@ def test_stats_match_brute_force_cache(seed, n, k_frac, q, skewed, vectorised):
     # a prediction on most tokens, of full or partial length
     predictions = [None if rng.random() < 0.2 else noisy_prediction(rng, n, a, rng.randint(1, n)) for a in tokens]
     stats = record(tokens, predictions, n, k, vectorised)
-    hit, p, ph = brute_force(tokens, predictions, n, k)
+    hit, p, ph, pah = brute_force(tokens, predictions, n, k)
     curves = stats.curves()
     for c in range(n + 1):  # every cache size, from one pass
         assert stats.hit_rate(c) == pytest.approx(hit[c], abs=1e-12)
     if any(pr is not None for pr in predictions):
         np.testing.assert_allclose(curves.predicted_hit, p, atol=1e-12)
         np.testing.assert_allclose(curves.predicted_cached, ph, atol=1e-12)
+        np.testing.assert_allclose(curves.predicted_hit_cached, pah, atol=1e-12)
         assert stats.p(1) == pytest.approx(p[0])
         assert stats.ph(1, n) == pytest.approx(ph[0, n])
+        assert stats.pah(1, n) == pytest.approx(p[0])  # a cache of every expert holds each one activated
 
 
 def test_long_skewed_run_hit_rate_matches_brute_force():
@@ -140,9 +144,10 @@ def test_long_skewed_run_hit_rate_matches_brute_force():
     tokens = skewed_routing(rng, n, k, q)
     predictions = [noisy_prediction(rng, n, a, n) for a in tokens]
     stats = record(tokens, predictions, n, k)
-    hit, _, ph = brute_force(tokens, predictions, n, k)
+    hit, _, ph, pah = brute_force(tokens, predictions, n, k)
     np.testing.assert_allclose(stats.curves().hit, hit, atol=1e-12)
     np.testing.assert_allclose(stats.curves().predicted_cached, ph, atol=1e-12)
+    np.testing.assert_allclose(stats.curves().predicted_hit_cached, pah, atol=1e-12)
     assert stats.hit_rate(4) > 4 / n  # skew makes a small cache better than uniform
 
 
@@ -180,14 +185,16 @@ def test_uniform_curves():
     assert curves.hit[4] == pytest.approx(0.5)
     assert curves.predicted_hit[0] == pytest.approx(0.25)
     assert curves.predicted_cached[3, 2] == pytest.approx(0.25)
+    assert curves.predicted_hit_cached[3, 2] == pytest.approx(0.25 * 0.25)  # activated independently of the cache
     stats = RoutingStats.assume_uniform("m", 3, 8, 2)
     assert stats.uniform and stats.curves(1).hit[8] == pytest.approx(1.0)
 
 
 def test_memory_is_quadratic_in_experts_per_layer():
     stats = RoutingStats.empty("m", 4, 64, 8)
-    counters = sum(layer.rank_hist.size + layer.predicted_hist.size + layer.predicted_rank_hist.size for layer in stats.layers)
-    assert counters == 4 * (64 + 64 + 64 * 64)
+    counters = sum(layer.rank_hist.size + layer.predicted_hist.size + layer.predicted_rank_hist.size
+                   + layer.predicted_active_rank_hist.size for layer in stats.layers)
+    assert counters == 4 * (64 + 64 + 2 * 64 * 64)
 
 
 def test_save_load_round_trip(tmp_path):
@@ -205,6 +212,8 @@ def test_save_load_round_trip(tmp_path):
     back = RoutingStats.load(path)
     for a, b in zip(stats.layers, back.layers):
         np.testing.assert_array_equal(a.predicted_rank_hist, b.predicted_rank_hist)
+        np.testing.assert_array_equal(a.predicted_active_rank_hist, b.predicted_active_rank_hist)
+        assert a.predicted_active_rank_hist.sum() > 0
         np.testing.assert_array_equal(a.rank_hist, b.rank_hist)
         assert (a.tokens, a.predicted_tokens) == (b.tokens, b.predicted_tokens)
     assert load_or_empty("org/model", 2, n, k, path).tokens == 30
@@ -220,7 +229,8 @@ def test_malformed_stats_are_refused(tmp_path):
     with pytest.raises(FmoeError, match="not valid JSON"):
         RoutingStats.load(path)
     good = RoutingStats.empty("m", 1, 4, 1).to_dict()
-    for broken in ({**good, "schema_version": 99}, {**good, "layers": [{"tokens": 1}]}, [1, 2]):
+    without_joint = {**good, "layers": [{k: v for k, v in good["layers"][0].items() if k != "predicted_active_rank_hist"}]}
+    for broken in ({**good, "schema_version": 99}, {**good, "layers": [{"tokens": 1}]}, [1, 2], without_joint):
         path.write_text(json.dumps(broken))
         with pytest.raises(FmoeError):
             RoutingStats.load(path)
@@ -315,6 +325,7 @@ def test_deferred_observations_give_the_statistics_of_each_moment(policy_name, m
         assert mine.rank_hist.tolist() == theirs.rank_hist.tolist()
         assert mine.predicted_hist.tolist() == theirs.predicted_hist.tolist()
         assert mine.predicted_rank_hist.tolist() == theirs.predicted_rank_hist.tolist()
+        assert mine.predicted_active_rank_hist.tolist() == theirs.predicted_active_rank_hist.tolist()
         assert mine.predicted_tokens == theirs.predicted_tokens > 50
 
 

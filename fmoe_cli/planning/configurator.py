@@ -6,6 +6,7 @@ Symbols (paper → code):
     V_e                 expert_budget: bytes for the top-segment caches, Σ_i V_i ≤ V_e
     V_i, C_i, θ_i       budgets[i], cache_size, split (θ_i = k_i / I, k_i whole neuron blocks)
     H_i, P_i, PH_i      LayerCurves.hit, .predicted_hit, .predicted_cached (planning/stats.py)
+    PAH_i               LayerCurves.predicted_hit_cached: the y-th predicted expert activated and cached (ours)
     T_att, T_moe, T_exp, T_head, T_load     Timings
     T_wind^i            the prefetch window before layer i
     m_i                 expected number of activated experts (in whole-expert units) whose
@@ -19,7 +20,8 @@ ExpertSplit({V_i}) (Eq. 5–11, as docs/architecture.md § Statistics, configura
 with the link charged for the issued prefetch that still holds it when the layer routes):
     T_wind^1 = T_head + T_att                                                   (5)
     for i = 1..L: choose C_i ≤ N (θ_i = V_i / (C_i·S_e) ≤ 1, rounded down to whole blocks)
-        m_i = K·H_i(C_i)·θ_i + Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·P_i(y)            (9)
+        m_i = K·H_i(C_i)·θ_i + Σ_{y≤Y} [P_i(y) − PAH_i(y,C_i)·θ_i]            (9)
+              (MoEpic: [1 − PH_i(y,C_i)·θ_i]·P_i(y); ours: the joint count, below)
         Y   = the largest count with Σ_{y≤Y} [1 − PH_i(y,C_i)·θ_i]·T_load ≤ T_wind^i  (10)
               (the prefetches that land by routing time), at most the engine's width W
               (`max_prefetch`, K by default), which it issues whether they fit or not
@@ -51,7 +53,7 @@ with the link charged for the issued prefetch that still holds it when the layer
               prefetch covers, binomial, of mean m_i); a token with nothing to load (n = 0) waits for nothing
         T_wind^{i+1} = T_moe + T^i − B_i + T_att                                   (7)
 
-With R_i = 0 (W = Y), G_i = 0, n_i ≤ 1 and S_i priced at the mean m_i these are the paper's equations
+With R_i = 0 (W = Y), G_i = 0, n_i ≤ 1, S_i priced at the mean m_i and PAH_i = PH_i·P_i these are the paper's equations
 (S_i = B_i − m_i·T_exp, T_wind^{i+1} = T_moe − min(m_i·T_exp, B_i) + T_att). Where we deviate, and why (measured:
 docs/planning.md § Where the model deviates from the paper):
 - S_i per token: the paper prices the expected m_i; S_i is not linear in m (max(0, ·): a token's hits' compute
@@ -59,6 +61,15 @@ docs/planning.md § Where the model deviates from the paper):
   the compute), so the expectation priced `cache-only` at 0.2 ms a token where the simulator found 2.0 (K = 2,
   H = 0.87, load 2.65 × T_exp: tests/test_configurator.py, recurring experts). A token's hits are taken as
   independent draws of H_i(C) (the statistics hold marginals only); B_i, linear in m, keeps its mean.
+- the prefetch credit from a joint count (Eq. 9, PAH_i): a right prefetch saves a whole load when its expert is not
+  cached and the bottom's (1 − θ_i) when its top is; the paper's product [1 − PH_i(y, C)·θ_i]·P_i(y) takes "activated"
+  and "cached" as independent. Where experts recur from token to token they are not: the predicted experts that are
+  activated are mostly the cached ones, and the product credited prefetches that load nothing (K = 2, 3 whole experts
+  a layer, experts kept with probability 0.85: the plan chosen with prefetch, simulated 2.46 ms a token exposed, was
+  priced 1.14, and is priced 1.93 from the joint count; tests/test_configurator.py, recurring experts). The
+  statistics count PAH_i(y, C) (planning/stats.py), and the credit is P_i(y) − PAH_i(y, C)·θ_i: the misses it
+  covers, P_i − PAH_i, and the cached tops' bottoms, (1 − θ_i)·PAH_i. The link cost of a prefetch (Eq. 10) keeps
+  PH_i: a cached top's bottom is all it loads whether the expert is activated or not.
 - pipelined loads (S_i): the paper charges every un-hidden load in full; the engine computes
   each load as it lands (offload/engine.py), so the compute of one (and its host work)
   overlaps the transfer of the next, and the routing layout before the first compute
@@ -92,9 +103,9 @@ docs/planning.md § Where the model deviates from the paper):
   0.000 ms a token exposed where the closed form (and the simulator, which submitted for free) priced 0.249;
   at 4 GB/s, with that run's quick estimate (compute between loads longer than a load), 0.46–0.64 against 0.91
   (0.50 with h_sub).
-Two guards the formulas leave implicit: m_i is capped at K (no
-layer hides more than its K experts; with product-of-marginals statistics Eq. 9 can
-exceed K), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
+Two guards the formulas leave implicit: m_i is capped at K (no layer hides more than its K experts; with the joint
+count Eq. 9 stays within K when H_i and PAH_i count the same tokens, but the first token of a run has no prediction,
+and hand-made statistics are anything), and Y is capped at the prefetch width. C_i = 0 (no cache, θ_i undefined,
 reported as 0) is a candidate, and the only one when V_i cannot hold one neuron block
 of one expert.
 
@@ -264,12 +275,13 @@ def hidden_distribution(top_k: int, cache_size: int, hit: float, theta: float, h
         g  its misses a landed prefetch covers whole, binomial over its K − h misses, each covered with q_miss
         b  its top hits whose bottom a landed prefetch covers, binomial over its h hits, each with q_bottom
     The hits of one token are taken as independent (H_i(C) is a marginal: the statistics hold no joint count of a
-    token's hits). Eq. 9's landed gain, m_i − K·H_i·θ_i, splits into misses, Σ_{y≤Y} (1 − PH_i(y, C))·P_i(y) of
-    them, and bottoms, (1 − θ_i)·Σ_{y≤Y} PH_i(y, C)·P_i(y) (`right_cached`: the sum); what overflows one side (the
-    statistics are products of marginals: they may credit more covered misses than there are) goes to the other,
-    so that the mean stays m_i. The stall is not linear in m (per token max(0, S): a token's hits' compute hides its
-    own loads, never another token's; the first load waits whole, each next one only as far as the link is slower
-    than the compute): the mean prices a layer low where it hides most of its loads on average."""
+    token's hits). Eq. 9's landed gain, m_i − K·H_i·θ_i, splits into misses, Σ_{y≤Y} P_i(y) − PAH_i(y, C) of
+    them, and bottoms, (1 − θ_i)·Σ_{y≤Y} PAH_i(y, C) (`right_cached`: the sum); what overflows one side (a cache
+    of C < K is priced with fewer hits than the statistics count, `cache_hit_rate`, and the first token of a run has
+    no prediction: the covered misses can exceed the misses priced) goes to the other, so that the mean stays m_i.
+    The stall is not linear in m (per token max(0, S): a token's hits' compute hides its own loads, never another
+    token's; the first load waits whole, each next one only as far as the link is slower than the compute): the
+    mean prices a layer low where it hides most of its loads on average."""
     trials = min(top_k, cache_size)
     hits = top_k * hit
     misses = top_k - hits
@@ -337,13 +349,17 @@ class _LayerModel:
         theta = k / shape.intermediate  # θ_i
         hit = cache_hit_rate(curves.hit, sizes, shape.top_k)  # H_i(C)
         load_share = 1.0 - curves.predicted_cached[:, sizes] * theta[None, :]  # [y, col]: 1 − PH_i(y,C)·θ_i
-        cost = np.cumsum(load_share * t.t_load, axis=0)  # Σ_{y'≤y} (1 − PH·θ)·T_load
-        gain = np.cumsum(load_share * curves.predicted_hit[:, None], axis=0)  # Σ_{y'≤y} (1 − PH·θ)·P(y')
+        cost = np.cumsum(load_share * t.t_load, axis=0)  # Σ_{y'≤y} (1 − PH·θ)·T_load: what the prefetches load
+        right = curves.predicted_hit[:, None]  # P_i(y)
+        right_cached = curves.predicted_hit_cached[:, sizes]  # [y, col]: PAH_i(y, C), right and its top cached
+        # Eq. 9's credit from the joint count: Σ_{y'≤y} P(y') − PAH(y', C)·θ (a right prefetch of a cached top
+        # hides its bottom only; MoEpic's (1 − PH·θ)·P takes "activated" and "cached" as independent)
+        gain = np.cumsum(right - right_cached * theta[None, :], axis=0)
         # right prefetches issued (segments a layer then takes over instead of submitting them): Σ_{y'≤y}
-        # (1 − PH·[k_i = I])·P(y'), a whole cached expert is not prefetched (each a submission h_pf already paid)
+        # P(y') − PAH(y', C)·[k_i = I], a whole cached expert is not prefetched (each a submission h_pf already paid)
         whole = (k == shape.intermediate).astype(float)
-        taken = np.cumsum((1.0 - curves.predicted_cached[:, sizes] * whole[None, :]) * curves.predicted_hit[:, None],
-                          axis=0)
+        taken = np.cumsum(right - right_cached * whole[None, :], axis=0)
+        bottoms = np.cumsum(right_cached, axis=0)  # Σ_{y'≤y} PAH(y', C): right prefetches of cached tops
         cached = shape.top_k * hit * theta  # K·H_i(C)·θ_i
         # segments loaded per token: every activated expert but the whole cached ones, K − K·H_i(C)·[k_i = I]
         loaded = shape.top_k - np.where(k == shape.intermediate, shape.top_k * hit, 0.0)
@@ -356,7 +372,7 @@ class _LayerModel:
         # top hits of a split (0 < k_i < I) run two segment forwards: c more each
         split_hits = np.where((k > 0) & (k < shape.intermediate), shape.top_k * hit, 0.0)
         host = loaded * t.t_host_load + admitted * t.t_admit + split_hits * t.t_segment
-        tables = (sizes, k, theta, cost, gain, taken, cached, host, self._host_lane(sizes, k, theta, hit))
+        tables = (sizes, k, theta, cost, gain, taken, bottoms, cached, host, self._host_lane(sizes, k, theta, hit))
         if len(self._by_budget) * len(sizes) > 4_000_000:
             self._by_budget.clear()
         self._by_budget[budget] = tables
@@ -432,7 +448,7 @@ class _LayerModel:
         largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}. With the host lane
         (`host_lane`), the host path is a candidate too and the layer takes the path of the least T^i;
         `host_path` prices the host path alone."""
-        sizes, k, theta, cost, gain, taken, cached, host, (lane_time, lane_host) = self._tables(budget)
+        sizes, k, theta, cost, gain, taken, bottoms, cached, host, (lane_time, lane_host) = self._tables(budget)
         t = self.timings
         if host_path and not t.has_host:
             raise FmoeError("a plan with the host lane needs the host's timings (`fmoe profile` measures them)")
@@ -488,8 +504,7 @@ class _LayerModel:
         # the stall is not linear in m: `hidden_distribution`); B_i, linear in m, keeps its closed form's mean
         size = int(sizes[c])
         hit_c = float(cache_hit_rate(self.curves.hit, np.array([size]), top_k)[0])
-        right_cached = float(np.dot(self.curves.predicted_cached[:landed[c], size],
-                                    self.curves.predicted_hit[:landed[c]])) if size > 0 else 0.0
+        right_cached = float(bottoms[last[c], c]) if landed[c] > 0 and size > 0 else 0.0  # Σ_{y≤Y} PAH_i(y, C)
         values, weights = hidden_distribution(top_k, size, hit_c, float(theta[c]), m, right_cached)
         stall, busy = self._stall(values, behind, submit, taken_over, prefetches[c] > 0)
         stalls = float(np.dot(weights, np.maximum(0.0, stall)))

@@ -11,9 +11,15 @@ Per MoE layer i, after q tokens:
   activated, divided by q.
 - PH_i(y, C): how often the y-th predicted expert was in a cache of size C,
   divided by q (a 2-D histogram over (y, rank)).
+- PAH_i(y, C) (ours): how often the y-th predicted expert was activated *and* in a
+  cache of size C, divided by q (the same histogram, counted only when it was
+  activated). P_i(y) − PAH_i(y, C) is the joint count a prefetch saves a whole load
+  for: predicted, activated, not cached. MoEpic's Eq. 9 takes it as the product
+  (1 − PH_i(y, C))·P_i(y), which credits prefetches of experts that recur (activated
+  again while cached: docs/planning.md § Where the model deviates from the paper).
 
-y is 1-based in the paper and in the `p`/`ph` methods; the arrays are 0-based
-(row y-1). Memory: N + N + N² counters per layer, O(L·N²) in all.
+y is 1-based in the paper and in the `p`/`ph`/`pah` methods; the arrays are 0-based
+(row y-1). Memory: N + N + 2·N² counters per layer, O(L·N²) in all.
 
 For P and PH, q counts the tokens for which a prediction was made (equal to q
 when every token had one: layer 1 of the very first token has none).
@@ -40,7 +46,7 @@ from fmoe_cli.files import locked, read_json, set_aside, writable_dir, write_ato
 from fmoe_cli.models.identity import model_key
 from fmoe_cli.offload.policies import LCP, LCP_OMEGA, LCP_RHO, EvictionPolicy
 
-STATS_SCHEMA_VERSION = 1
+STATS_SCHEMA_VERSION = 2  # 2: PAH_i's histogram (`predicted_active_rank_hist`); a version-1 file lacks it
 STATS_LIMIT = 256 << 20  # bytes: statistics of a model with thousands of experts stay far below
 _COUNT_DTYPE = np.int64
 MAX_EXPERTS = 4096  # per layer; the N×N histogram of one layer is then 128 MiB
@@ -48,6 +54,14 @@ MAX_EXPERTS = 4096  # per layer; the N×N histogram of one layer is then 128 MiB
 
 class StatsShapeError(FmoeError):
     """Saved statistics of another shape (layers, experts, top-k) than the model's."""
+
+
+class StatsVersionError(FmoeError):
+    """Saved statistics of an older schema version (`version`), which this fmoe does not read."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
 
 
 def _encode(array: np.ndarray) -> str:
@@ -77,6 +91,7 @@ class LayerCurves:
     hit: np.ndarray  # [N+1]: H_i(C) for C = 0..N
     predicted_hit: np.ndarray  # [N]: P_i(y) at row y-1
     predicted_cached: np.ndarray  # [N, N+1]: PH_i(y, C) at [y-1, C]
+    predicted_hit_cached: np.ndarray  # [N, N+1]: PAH_i(y, C) at [y-1, C] (activated and cached; ≤ P_i(y), PH_i(y, C))
 
     @property
     def num_experts(self) -> int:
@@ -84,10 +99,11 @@ class LayerCurves:
 
 
 def uniform_curves(num_experts: int, top_k: int) -> LayerCurves:
-    """Uniform routing, no information in the prediction: H(C) = C/N, P(y) = K/N, PH(y, C) = C/N."""
+    """Uniform routing, no information in the prediction: H(C) = C/N, P(y) = K/N, PH(y, C) = C/N, and activation
+    independent of the cache: PAH(y, C) = (K/N)·(C/N)."""
     n = num_experts
     c = np.arange(n + 1, dtype=np.float64) / n
-    return LayerCurves(c.copy(), np.full(n, top_k / n), np.tile(c, (n, 1)))
+    return LayerCurves(c.copy(), np.full(n, top_k / n), np.tile(c, (n, 1)), np.tile(c * (top_k / n), (n, 1)))
 
 
 @dataclass(eq=False)
@@ -99,6 +115,7 @@ class LayerStats:
     predicted_rank_hist: np.ndarray = field(default=None)  # [N, N] (y, priority rank of the y-th predicted)
     tokens: int = 0  # q
     predicted_tokens: int = 0  # tokens with a prediction
+    predicted_active_rank_hist: np.ndarray = field(default=None)  # [N, N] (y, rank) when the y-th predicted was activated
 
     def __post_init__(self) -> None:
         n = self.num_experts
@@ -108,6 +125,8 @@ class LayerStats:
             self.predicted_hist = np.zeros(n, dtype=_COUNT_DTYPE)
         if self.predicted_rank_hist is None:
             self.predicted_rank_hist = np.zeros((n, n), dtype=_COUNT_DTYPE)
+        if self.predicted_active_rank_hist is None:
+            self.predicted_active_rank_hist = np.zeros((n, n), dtype=_COUNT_DTYPE)
         self._rank_of = np.empty(n, dtype=np.intp)  # scratch: expert -> priority rank
         self._active = np.zeros(n, dtype=bool)  # scratch: expert -> activated this token
         self._arange = np.arange(n, dtype=np.intp)
@@ -130,10 +149,14 @@ class LayerStats:
             # P_i(y): was the y-th predicted expert activated?
             is_active = self._active
             is_active[active] = True
-            self.predicted_hist[y[is_active[pred]]] += 1
+            right = is_active[pred]
+            self.predicted_hist[y[right]] += 1
             is_active[active] = False
-            # PH_i(y, ·): where the y-th predicted expert stood in the priority order
-            self.predicted_rank_hist[y, rank_of[pred]] += 1
+            # PH_i(y, ·): where the y-th predicted expert stood in the order the cache holds them
+            ranks = rank_of[pred]
+            self.predicted_rank_hist[y, ranks] += 1
+            # PAH_i(y, ·): the same, when it was activated (the joint count: predicted, activated, cached)
+            self.predicted_active_rank_hist[y[right], ranks[right]] += 1
             self.predicted_tokens += 1
 
     # --- the functions of docs/architecture.md § Statistics, configurator, re-planning -----------------------------------------
@@ -149,8 +172,12 @@ class LayerStats:
         """PH_i(y, C), y = 1..N, C = 0..N."""
         return float(self.curves().predicted_cached[y - 1, cache_size])
 
+    def pah(self, y: int, cache_size: int) -> float:
+        """PAH_i(y, C), y = 1..N, C = 0..N: the y-th predicted expert activated and in a cache of size C."""
+        return float(self.curves().predicted_hit_cached[y - 1, cache_size])
+
     def curves(self) -> LayerCurves:
-        """All three tabulated; uniform ones for what was never observed."""
+        """All four tabulated; uniform ones for what was never observed."""
         n = self.num_experts
         uniform = uniform_curves(n, self.top_k)
         activations = int(self.rank_hist.sum())  # q·K (top-K routing activates K per token)
@@ -161,11 +188,13 @@ class LayerStats:
         if self.predicted_tokens:
             q = self.predicted_tokens
             predicted_hit = self.predicted_hist / q
-            cum = np.cumsum(self.predicted_rank_hist, axis=1) / q
-            predicted_cached = np.concatenate((np.zeros((n, 1)), cum), axis=1)
+            zero = np.zeros((n, 1))
+            predicted_cached = np.concatenate((zero, np.cumsum(self.predicted_rank_hist, axis=1) / q), axis=1)
+            predicted_hit_cached = np.concatenate((zero, np.cumsum(self.predicted_active_rank_hist, axis=1) / q), axis=1)
         else:
             predicted_hit, predicted_cached = uniform.predicted_hit, uniform.predicted_cached
-        return LayerCurves(hit, predicted_hit, predicted_cached)
+            predicted_hit_cached = uniform.predicted_hit_cached
+        return LayerCurves(hit, predicted_hit, predicted_cached, predicted_hit_cached)
 
     # --- persistence ---------------------------------------------------------
     def to_dict(self) -> dict:
@@ -175,6 +204,7 @@ class LayerStats:
             "rank_hist": _encode(self.rank_hist),
             "predicted_hist": _encode(self.predicted_hist),
             "predicted_rank_hist": _encode(self.predicted_rank_hist),
+            "predicted_active_rank_hist": _encode(self.predicted_active_rank_hist),
         }
 
     @classmethod
@@ -186,30 +216,34 @@ class LayerStats:
                 raise ValueError(f"'{name}' must be a count >= 0, got {value!r}")
         if predicted > tokens:
             raise ValueError(f"{predicted} predicted tokens of {tokens} tokens")
-        return cls(
-            n,
-            top_k,
-            _decode(data["rank_hist"], (n,)),
-            _decode(data["predicted_hist"], (n,)),
-            _decode(data["predicted_rank_hist"], (n, n)),
-            tokens,
-            predicted,
-        )
+        predicted_hist = _decode(data["predicted_hist"], (n,))
+        predicted_rank_hist = _decode(data["predicted_rank_hist"], (n, n))
+        active = _decode(data["predicted_active_rank_hist"], (n, n))
+        if (active > predicted_rank_hist).any() or (active.sum(axis=1) != predicted_hist).any():
+            raise ValueError("the joint count of predicted, activated and cached experts does not add up")
+        return cls(n, top_k, _decode(data["rank_hist"], (n,)), predicted_hist, predicted_rank_hist, tokens, predicted,
+                   active)
 
-    def counts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
-        return self.rank_hist, self.predicted_hist, self.predicted_rank_hist, self.tokens, self.predicted_tokens
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self.rank_hist, self.predicted_hist, self.predicted_rank_hist, self.predicted_active_rank_hist
 
     def copy(self) -> LayerStats:
         return LayerStats(self.num_experts, self.top_k, self.rank_hist.copy(), self.predicted_hist.copy(),
-                          self.predicted_rank_hist.copy(), self.tokens, self.predicted_tokens)
+                          self.predicted_rank_hist.copy(), self.tokens, self.predicted_tokens,
+                          self.predicted_active_rank_hist.copy())
 
     def add(self, other: LayerStats, sign: int = 1) -> None:
         """Add (sign -1: subtract) another layer's counts, in place (merging sessions' statistics)."""
-        self.rank_hist += sign * other.rank_hist
-        self.predicted_hist += sign * other.predicted_hist
-        self.predicted_rank_hist += sign * other.predicted_rank_hist
+        for mine, theirs in zip(self._arrays(), other._arrays()):
+            mine += sign * theirs
         self.tokens += sign * other.tokens
         self.predicted_tokens += sign * other.predicted_tokens
+
+    def assign(self, other: LayerStats) -> None:
+        """Take another layer's counts, in place."""
+        for mine, theirs in zip(self._arrays(), other._arrays()):
+            mine[...] = theirs
+        self.tokens, self.predicted_tokens = other.tokens, other.predicted_tokens
 
 
 def held_order(ranking: Sequence[int], last: Sequence[int], step: int) -> np.ndarray:
@@ -342,8 +376,13 @@ class RoutingStats:
         before any counts are decoded."""
         if not isinstance(data, dict) or data.get("kind") != "fmoe-routing-stats":
             raise FmoeError(f"{source} is not an fmoe routing-statistics file")
-        if data.get("schema_version") != STATS_SCHEMA_VERSION:
-            raise FmoeError(f"{source} has schema version {data.get('schema_version')!r}; this fmoe reads version {STATS_SCHEMA_VERSION}")
+        version = data.get("schema_version")
+        if type(version) is int and 1 <= version < STATS_SCHEMA_VERSION:
+            raise StatsVersionError(f"{source} was saved by an older fmoe (schema version {version}; this fmoe reads "
+                                    f"version {STATS_SCHEMA_VERSION}, which counts the predicted experts activated "
+                                    f"while cached)", version)
+        if version != STATS_SCHEMA_VERSION:
+            raise FmoeError(f"{source} has schema version {version!r}; this fmoe reads version {STATS_SCHEMA_VERSION}")
         try:
             shape = tuple(data[key] for key in ("num_layers", "num_experts", "top_k"))
             if any(type(v) is not int or v < 1 for v in shape):
@@ -483,8 +522,7 @@ class StatsRecorder:
                         delta = mine.copy()
                         delta.add(saved, -1)  # what this session observed since the last read or write
                         theirs.add(delta)
-                        mine.rank_hist[:], mine.predicted_hist[:], mine.predicted_rank_hist[:] = theirs.counts()[:3]
-                        mine.tokens, mine.predicted_tokens = theirs.tokens, theirs.predicted_tokens
+                        mine.assign(theirs)
                 stats.save(path)
         except OSError as exc:
             warn(f"cannot save routing statistics to {path} ({exc.strerror or exc}); "
@@ -513,7 +551,8 @@ def default_stats_path(model: str, config_dir: Path | None = None, model_path: P
 
 def _read_saved(path: Path, expect: tuple[int, int, int]) -> RoutingStats | None:
     """The statistics saved at `path`, or None if there are none. A damaged file, or one of another
-    shape, is set aside (`.corrupt-<time>`) with a one-line warning: it never blocks a session."""
+    shape, is set aside (`.corrupt-<time>`) with a one-line warning: it never blocks a session. A file of an
+    older schema version (its counts would be misread) is set aside the same way as `.v<version>-<time>`."""
     path = Path(path)
     if not path.exists() or path.is_dir():  # a directory: left alone (load_or_empty says so)
         return None
@@ -521,7 +560,7 @@ def _read_saved(path: Path, expect: tuple[int, int, int]) -> RoutingStats | None
         return RoutingStats.load(path, expect=expect)
     except FmoeError as exc:
         try:
-            aside = set_aside(path)
+            aside = set_aside(path, f"v{exc.version}" if isinstance(exc, StatsVersionError) else "corrupt")
         except OSError as err:
             warn(f"{exc}; cannot move it aside ({err.strerror or err}): starting with empty statistics")
             return None
