@@ -341,6 +341,25 @@ static inline __attribute__((always_inline)) void rows_dot_q8_vnni(const uint8_t
 #define FMOE_VNNI 0
 #endif
 
+/* AVX-VNNI: vpdpbusd on 256 bits (AVX2 CPUs from Intel's 12th generation: __AVXVNNI__; FMOE_KERNEL_ISA=avx2vnni builds
+   it on any CPU that has it), or AVX-512 VNNI's 256-bit form. Unsigned × signed bytes, four products into each int32
+   lane, exact (no int16 step to saturate, unlike maddubs), so the AVX2 tiles below can take int8 codes as q + 128. */
+#if FMOE_AVX2 && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(FMOE_NO_AVX512)))
+#define FMOE_AVX_VNNI 1
+static inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_epi32(acc, u, s);
+#endif
+}
+#else
+#define FMOE_AVX_VNNI 0
+#endif
+
+/* The int8 dot paths built: 0 none (scalar), 1 AVX2 maddubs, 2 AVX-VNNI (256-bit), 3 AVX-512 VNNI (tests' probe). */
+int fmoe_int8_dots(void) { return FMOE_VNNI ? 3 : FMOE_AVX_VNNI ? 2 : FMOE_AVX2; }
+
 #if FMOE_AVX2
 /* x̂·ŵ_r for R ≤ 4 rows at once (a neuron's gate and up rows; a dense linear's output rows), sharing each load of
    the token: xq its codes q̃, xa their magnitudes |q̃| (int8's signed codes: Σ q q̃ = Σ |q̃|·sign(q, q̃), one
@@ -1489,11 +1508,11 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
 #define FUSED_DOWN_TOKENS 5
 #endif
 
-/* Whether dots_q8's tiles (int8 activations, AVX-512 VNNI) serve these rows and tokens: whole steps of 64 inputs a
-   group, fused_meta's metadata. */
+/* Whether dots_q8's tiles (int8 activations: AVX-512 VNNI's, else dots_q8_narrow's) serve these rows and tokens: whole
+   blocks of 32 inputs a group, fused_meta's metadata. */
 static int q8_tile_shape(const Format *f, const Tokens *x) {
     int64_t h = f->hidden, G = f->group;
-    if (!FMOE_VNNI || !x->vector || !x->q8 || G % (2 * QBLOCK)) return 0;
+    if (!x->vector || !x->q8 || G % QBLOCK) return 0;
     if (f->fmt == FMT_INT8) return h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
     return f->fmt == FMT_INT4 && (h / 2) % G == 0 && (2 * h / G) % 8 == 0 && 2 * h / G <= META_FLOATS;
 }
@@ -1671,8 +1690,7 @@ static void down_fused_block(const uint8_t *const *rows, int64_t N, const Format
     }
 }
 
-#if FMOE_VNNI
-/* ---- several tokens with int8 activations (AVX-512 VNNI): a neuron's gate and up rows × Q8_TOKENS tokens -------------
+/* ---- several tokens with int8 activations: a neuron's gate and up rows × Q8_TOKENS tokens ----------------------------
 
    With --activations int8 the gate and up dots over several tokens ran rows_dot_q8 once per token: every token
    unpacked the rows' codes again (int4: an and, a shift and an and per 64 code bytes; int8: a sign flip per row and
@@ -1684,12 +1702,23 @@ static void down_fused_block(const uint8_t *const *rows, int64_t N, const Format
    rows_dot_q8_vnni gets with |q̃| and the flipped signs. Per (row, token) the operations are then rows_dot_q8_vnni's,
    in its order: the integer block sums (exact, whatever the tile), the same float32 fmas per group, the same
    horizontal sum and the same offsets. So a token's g and u have the bits decode (T = 1) gives them, whatever tile it
-   falls in, and prefill_fused's down rows follow (prefill_chunk's sums): tests/test_kernels.py compares both. */
+   falls in, and prefill_fused's down rows follow (prefill_chunk's sums): tests/test_kernels.py compares both.
+
+   AVX2 (dots_q8_narrow; and AVX-512 without VNNI, or groups that are no multiple of 64, where rows_dot_q8 runs its
+   AVX2 path): the same tiles on 256 bits, rows_dot_q8's AVX2 operations per (row, token), one block of 32 a step.
+   The integer block sums: with AVX-VNNI as above (q + 128 onto −128·Σ q̃, vpdpbusd on 256 bits); with AVX2 alone
+   maddubs and madd with ones, as rows_dot_q8 (int8: |q̃| × q with q̃'s sign, a sign flip per row and token, since q + 128
+   up to 255 times q̃ would saturate maddubs' int16 pairs at 2·255·127; int4: the nibbles, unpacked once for the tile,
+   times q̃, at most 2·15·127). */
 #define Q8_TOKENS 4
 
+/* Whether rows_dot_q8 runs its AVX-512 VNNI path on these rows (and dots_q8 its tiles; else dots_q8_narrow's). */
+static inline int q8_wide(const Format *f) { return FMOE_VNNI && f->group % (2 * QBLOCK) == 0; }
+
+#if FMOE_VNNI
 /* Token t's vectors for step s of 64 inputs (S = H/64 steps), 32 floats at dv + (t·S + s)·32: its block scales,
    lane l = d_{2s + l/8}, then (int8 rows) 16 int32, lane l = −128·Σ_{k<4} q̃_{64s + 4l + k}. */
-static void q8_vectors(const Tokens *x, const Format *f, float *dv) {
+static void q8_vectors_wide(const Tokens *x, const Format *f, float *dv) {
     int64_t h = f->hidden, steps = h / (2 * QBLOCK);
     const __m512i offset = _mm512_set1_epi8((char)0x80); /* 128 as an unsigned byte */
     for (int64_t t = 0; t < x->tokens; t++) {
@@ -1777,6 +1806,147 @@ static inline __attribute__((always_inline)) void dots_q8(const uint8_t *r0, con
     }
     for (int t = 0; t < TT; t++) o0[t * ts] = _mm512_reduce_add_ps(total0[t]), o1[t * ts] = _mm512_reduce_add_ps(total1[t]);
 }
+#endif
+
+/* dots_q8's token vectors, once a call: AVX-512 VNNI's (q8_vectors_wide), or (AVX-VNNI, int8 rows) dots_q8_narrow's,
+   8 int32 at dv + (t·B + b)·8 for token t's block b of 32 inputs (B = H/32): lane l = −128·Σ_{k<4} q̃_{32b + 4l + k}. */
+static void q8_vectors(const Tokens *x, const Format *f, float *dv) {
+#if FMOE_VNNI
+    if (q8_wide(f)) {
+        q8_vectors_wide(x, f, dv);
+        return;
+    }
+#endif
+#if FMOE_AVX_VNNI
+    if (f->fmt == FMT_INT8) {
+        const __m256i offset = _mm256_set1_epi8((char)0x80);
+        int64_t blocks = f->hidden / QBLOCK;
+        for (int64_t t = 0; t < x->tokens; t++)
+            for (int64_t b = 0; b < blocks; b++) {
+                __m256i sums = dpbusd8(_mm256_setzero_si256(), offset,
+                                       _mm256_loadu_si256((const __m256i *)(x->xq + t * f->hidden + QBLOCK * b)));
+                _mm256_storeu_si256((__m256i *)(dv + (t * blocks + b) * 8), _mm256_sub_epi32(_mm256_setzero_si256(), sums));
+            }
+    }
+#else
+    (void)x, (void)f, (void)dv;
+#endif
+}
+
+/* Q8_NARROW_ROWS rows × TT tokens a tile on 256 bits (AVX2's 16 registers: per (row, token) two accumulators, int4
+   three; the group totals are touched once a group). */
+#ifndef Q8_NARROW_TOKENS
+#define Q8_NARROW_TOKENS 4
+#endif
+/* o[r][t·ts] = x̂_t·ŵ_r for tokens t0 … t0 + TT − 1 and R rows (m: their fused_meta; dv: q8_vectors), rows_dot_q8's
+   AVX2 operations per (row, token): per block the exact integer lanes (4 inputs each), then
+   lo = fma(float(p), d_b, lo) from zero per group, total = fma(s_g, lo, total), its horizontal sum (int4: the groups g
+   and g + H/2G of a byte's two nibbles together, s_g's fma then s_{g+H/2G}'s; the offsets after, q8_offsets).
+   R, TT, fmt: constants where inlined. */
+static inline __attribute__((always_inline)) void dots_q8_narrow(const uint8_t *const *rows, int R, int fmt, int64_t h,
+                                                                  int64_t G, const float *const *m, const Tokens *x,
+                                                                  int64_t t0, int TT, const float *dv,
+                                                                  float *const *o, int64_t ts) {
+    int64_t blocks = h / QBLOCK;
+    const int8_t *xq[Q8_NARROW_TOKENS];
+    const float *xd[Q8_NARROW_TOKENS];
+    __m256 total[2][Q8_NARROW_TOKENS], lo[2][Q8_NARROW_TOKENS];
+    for (int t = 0; t < TT; t++) {
+        xq[t] = x->xq + (t0 + t) * h, xd[t] = x->xd + (t0 + t) * blocks;
+        for (int r = 0; r < R; r++) total[r][t] = _mm256_setzero_ps();
+    }
+    if (fmt == FMT_INT8) {
+#if FMOE_AVX_VNNI /* Σ q q̃ = −128·Σ q̃ + Σ (q + 128)·q̃ per lane */
+        const __m256i offset = _mm256_set1_epi8((char)0x80);
+        const int32_t *start = (const int32_t *)dv + t0 * blocks * 8;
+#else /* Σ q q̃ = Σ |q̃|·(q with q̃'s sign) */
+        const __m256i ones = _mm256_set1_epi16(1);
+        const uint8_t *xa[Q8_NARROW_TOKENS];
+        for (int t = 0; t < TT; t++) xa[t] = x->xa + (t0 + t) * h;
+        (void)dv;
+#endif
+        for (int64_t g = 0; g < h / G; g++) {
+            for (int t = 0; t < TT; t++)
+                for (int r = 0; r < R; r++) lo[r][t] = _mm256_setzero_ps();
+            for (int64_t j = g * G; j < (g + 1) * G; j += QBLOCK) {
+                __m256i w[2];
+                for (int r = 0; r < R; r++) {
+                    w[r] = _mm256_loadu_si256((const __m256i *)(rows[r] + j));
+#if FMOE_AVX_VNNI
+                    w[r] = _mm256_xor_si256(w[r], offset);
+#endif
+                }
+                for (int t = 0; t < TT; t++) {
+                    __m256i xt = _mm256_loadu_si256((const __m256i *)(xq[t] + j));
+                    __m256 d = _mm256_broadcast_ss(xd[t] + j / QBLOCK);
+#if FMOE_AVX_VNNI
+                    __m256i first = _mm256_loadu_si256((const __m256i *)(start + (t * blocks + j / QBLOCK) * 8));
+#else
+                    __m256i at = _mm256_loadu_si256((const __m256i *)(xa[t] + j));
+#endif
+                    for (int r = 0; r < R; r++) {
+#if FMOE_AVX_VNNI
+                        __m256i p = dpbusd8(first, w[r], xt);
+#else
+                        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(at, _mm256_sign_epi8(w[r], xt)), ones);
+#endif
+                        lo[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, lo[r][t]);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                __m256 sg = _mm256_set1_ps(m[r][g]);
+                for (int t = 0; t < TT; t++) total[r][t] = _mm256_fmadd_ps(sg, lo[r][t], total[r][t]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < TT; t++) o[r][t * ts] = hsum8(total[r][t]);
+        return;
+    }
+    /* int4: byte j holds code j (low nibble) and code j + H/2 (high): groups g and g + H/2G together */
+    int64_t half = h / 2, paired = half / G;
+    const __m256i nibble = _mm256_set1_epi8(15);
+#if !FMOE_AVX_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 hi[2][Q8_NARROW_TOKENS];
+    for (int64_t g = 0; g < paired; g++) {
+        int64_t gh = g + paired;
+        for (int t = 0; t < TT; t++)
+            for (int r = 0; r < R; r++) lo[r][t] = hi[r][t] = _mm256_setzero_ps();
+        for (int64_t j = g * G; j < (g + 1) * G; j += QBLOCK) {
+            __m256i cl[2], ch[2];
+            for (int r = 0; r < R; r++) {
+                __m256i c = _mm256_loadu_si256((const __m256i *)(rows[r] + j));
+                cl[r] = _mm256_and_si256(c, nibble), ch[r] = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+            }
+            for (int t = 0; t < TT; t++) {
+                __m256i xl = _mm256_loadu_si256((const __m256i *)(xq[t] + j));
+                __m256i xh = _mm256_loadu_si256((const __m256i *)(xq[t] + half + j));
+                __m256 dl = _mm256_broadcast_ss(xd[t] + j / QBLOCK), dh = _mm256_broadcast_ss(xd[t] + (half + j) / QBLOCK);
+                for (int r = 0; r < R; r++) {
+#if FMOE_AVX_VNNI
+                    __m256i pl = dpbusd8(_mm256_setzero_si256(), cl[r], xl), ph = dpbusd8(_mm256_setzero_si256(), ch[r], xh);
+#else
+                    __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(cl[r], xl), ones);
+                    __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(ch[r], xh), ones);
+#endif
+                    lo[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), dl, lo[r][t]);
+                    hi[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), dh, hi[r][t]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            __m256 sl = _mm256_set1_ps(m[r][2 * g]), sh = _mm256_set1_ps(m[r][2 * gh]);
+            for (int t = 0; t < TT; t++) {
+                total[r][t] = _mm256_fmadd_ps(sl, lo[r][t], total[r][t]);
+                total[r][t] = _mm256_fmadd_ps(sh, hi[r][t], total[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) o[r][t * ts] = hsum8(total[r][t]);
+}
 
 /* The tokens' group sums X̂_g (int4) as vectors over tokens: xgt[(b·groups + g)·16 + lane] = X̂_g of token 16b + lane
    (zero past T), so that q8_offsets takes 16 tokens an fma. */
@@ -1792,35 +1962,53 @@ static void group_sum_vectors(const Tokens *x, float *xgt) {
    dot. */
 static void q8_offsets(const float *m, const Tokens *x, const float *xgt, float *o, int64_t ts) {
     int64_t groups = x->groups, paired = groups / 2;
-    for (int64_t t0 = 0; t0 < x->tokens; t0 += 16) {
-        const float *xb = xgt + (t0 / 16) * groups * 16;
-        __m512 off = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < x->tokens; t0 += VL) { /* AVX2: each 16 tokens' vectors as two halves of 8 */
+        const float *xb = xgt + (t0 / 16) * groups * 16 + t0 % 16;
+        vec off = vzero();
         for (int64_t g = 0; g < paired; g++) {
-            off = _mm512_fmadd_ps(_mm512_set1_ps(m[2 * g + 1]), _mm512_loadu_ps(xb + g * 16), off);
-            off = _mm512_fmadd_ps(_mm512_set1_ps(m[2 * (g + paired) + 1]), _mm512_loadu_ps(xb + (g + paired) * 16), off);
+            off = vfma(vset1(m[2 * g + 1]), vload(xb + g * 16), off);
+            off = vfma(vset1(m[2 * (g + paired) + 1]), vload(xb + (g + paired) * 16), off);
         }
-        float lanes[16];
-        _mm512_storeu_ps(lanes, off);
-        for (int64_t t = t0; t < x->tokens && t < t0 + 16; t++) o[t * ts] += lanes[t - t0];
+        float lanes[VL];
+        vstore(lanes, off);
+        for (int64_t t = t0; t < x->tokens && t < t0 + VL; t++) o[t * ts] += lanes[t - t0];
     }
 }
 
+#if FMOE_VNNI
 #define DOTS_Q8(fmt, TT) dots_q8(r0, r1, fmt, h, G, m0, m1, x, t, TT, dv, o0 + t * ts, o1 + t * ts, ts)
 #define DOTS_Q8_CASES(fmt) switch (TT) { \
     case 4: DOTS_Q8(fmt, 4); break; case 3: DOTS_Q8(fmt, 3); break; \
     case 2: DOTS_Q8(fmt, 2); break; default: DOTS_Q8(fmt, 1); break; }
+#endif
+#define DOTS_Q8_NARROW(fmt, TT) dots_q8_narrow(rows, 2, fmt, h, G, meta, x, t, TT, dv, out, ts)
+#define DOTS_Q8_NARROW_CASES(fmt) switch (TT) { \
+    case 4: DOTS_Q8_NARROW(fmt, 4); break; case 3: DOTS_Q8_NARROW(fmt, 3); break; \
+    case 2: DOTS_Q8_NARROW(fmt, 2); break; default: DOTS_Q8_NARROW(fmt, 1); break; }
 /* o0[t·ts], o1[t·ts] for every token: tiles of Q8_TOKENS tokens (a constant shape for each inlined copy), then
    int4's offsets (xgt: group_sum_vectors). */
 static void dots_q8_rows(const uint8_t *r0, const uint8_t *r1, const Format *f, const float *m0, const float *m1,
                          const Tokens *x, const float *dv, const float *xgt, float *o0, float *o1, int64_t ts) {
     int64_t h = f->hidden, G = f->group;
-    for (int64_t t = 0; t < x->tokens; t += Q8_TOKENS) {
-        int TT = x->tokens - t < Q8_TOKENS ? (int)(x->tokens - t) : Q8_TOKENS;
-        if (f->fmt == FMT_INT8) { DOTS_Q8_CASES(FMT_INT8) } else { DOTS_Q8_CASES(FMT_INT4) }
+#if FMOE_VNNI
+    if (q8_wide(f)) {
+        for (int64_t t = 0; t < x->tokens; t += Q8_TOKENS) {
+            int TT = x->tokens - t < Q8_TOKENS ? (int)(x->tokens - t) : Q8_TOKENS;
+            if (f->fmt == FMT_INT8) { DOTS_Q8_CASES(FMT_INT8) } else { DOTS_Q8_CASES(FMT_INT4) }
+        }
+    } else
+#endif
+    {
+        for (int64_t t = 0; t < x->tokens; t += Q8_NARROW_TOKENS) {
+            int TT = x->tokens - t < Q8_NARROW_TOKENS ? (int)(x->tokens - t) : Q8_NARROW_TOKENS;
+            const uint8_t *rows[2] = {r0, r1};
+            const float *meta[2] = {m0, m1};
+            float *out[2] = {o0 + t * ts, o1 + t * ts};
+            if (f->fmt == FMT_INT8) { DOTS_Q8_NARROW_CASES(FMT_INT8) } else { DOTS_Q8_NARROW_CASES(FMT_INT4) }
+        }
     }
     if (f->fmt == FMT_INT4) q8_offsets(m0, x, xgt, o0, ts), q8_offsets(m1, x, xgt, o1, ts);
 }
-#endif
 
 /* Floats of one thread's scratch for prefill_fused: the gate and up dots, a of a block, the down rows' metadata (and
    with int8 activations dots_q8's token vectors: q8_scratch_floats). */
@@ -1840,11 +2028,7 @@ static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
     float *xgt = dv + q8_vector_floats(tokens, h);
     float mg[META_FLOATS], mu[META_FLOATS];
     int q8_tiles = q8_tile_shape(f, x);
-#if FMOE_VNNI
     if (q8_tiles) q8_vectors(x, f, dv), group_sum_vectors(x, xgt);
-#else
-    (void)dv, (void)xgt;
-#endif
     float *c = p->part + k * tokens * h;
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
     const uint8_t *down[DOWN_NEURONS];
@@ -1862,9 +2046,7 @@ static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
             if (!x->q8) {
                 dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
             } else if (q8_tiles) {
-#if FMOE_VNNI
                 dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded, 1);
-#endif
             } else {
                 for (int64_t t = 0; t < tokens; t++) gate_up_dots(row, f, x, t, gu + t, gu + padded + t);
             }
@@ -2883,7 +3065,6 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
     if (x->q8) { /* int8: 4 rows at a time, int4: 2, sharing the token's loads (each row's sum its own) */
         int64_t o = o0;
         float out[4];
-#if FMOE_VNNI
         if (p->dv) { /* several tokens: dots_q8's tiles, two rows × 4 tokens (rows_dot_q8's bits per row and token) */
             float m0[META_FLOATS], m1[META_FLOATS];
             for (; o + 2 <= o1; o += 2) {
@@ -2892,7 +3073,6 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
                 dots_q8_rows(r0, r1, f, m0, m1, x, p->dv, p->xgt, p->y + o, p->y + o + 1, p->outputs);
             }
         }
-#endif
         for (; o + 4 <= o1 && f->fmt == FMT_INT8; o += 4) {
             const uint8_t *rows[4] = {p->rows + o * f->proj_bytes, p->rows + (o + 1) * f->proj_bytes,
                                       p->rows + (o + 2) * f->proj_bytes, p->rows + (o + 3) * f->proj_bytes};
@@ -2977,7 +3157,7 @@ int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t h
     float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride + transposed + q8_scratch_floats(tokens, hidden));
     if (!scratch) return -1;
     Linear job = {&xs, &f, rows, y, scratch, outputs, stride, NULL, NULL, NULL};
-#if FMOE_VNNI
+#if FMOE_AVX2
     if (tokens > 1 && q8_tile_shape(&f, &xs)) { /* dots_q8's vectors, once a call */
         float *dv = scratch + threads * stride + transposed, *xgt = dv + q8_vector_floats(tokens, hidden);
         q8_vectors(&xs, &f, dv), group_sum_vectors(&xs, xgt);
