@@ -2383,8 +2383,8 @@ static void down_group(const uint8_t *rows, int64_t row_bytes, const Format *f, 
     }
 }
 
-#if FMOE_AVX2 && VL == 16
-/* ---- several tokens (a prefill), AVX-512: a group's down pieces × DOWN_TILE_TOKENS tokens --------------------------
+#if FMOE_AVX2
+/* ---- several tokens (a prefill): a group's down pieces × DOWN_TILE_TOKENS tokens ------------------------------------
 
    A prefill's tokens each ran down_group alone: every token loaded and unpacked the group's 32 pieces' codes again.
    Here each 16 hidden values' codes of a piece (int8 512 bytes, int4 256) are loaded once and a tile of up to
@@ -2396,13 +2396,20 @@ static void down_group(const uint8_t *rows, int64_t row_bytes, const Format *f, 
        into vpdpbusd (int8: the codes + 128 onto an accumulator starting at −128·Σ ã, the integer decode gets with
        − 128·Σ ã after them), then the same float32 products (int4: fma and product);
    then c = v or c + v. So a token's down has the bits decode gives it, whatever tile it falls in
-   (tests/test_kernels.py compares a prefill's tokens with any others and, int8 activations, with one call each). */
-#define DOWN_TILE_TOKENS 8
+   (tests/test_kernels.py compares a prefill's tokens with any others and, int8 activations, with one call each).
+   AVX2 (down_float_tile8, down_q8_tile8): a tile is one block of 16 hidden values as down_piece_vector's two halves of
+   8 × up to 4 tokens (16 registers), the same operations; int8 activations' integers through AVX-VNNI as above, else
+   maddubs and madd with ones as down_piece_vector (int8: |ã| × q with ã's sign; int4: the nibbles, unpacked once a
+   tile). */
 
 /* The tokens' activations of one group: a [T, 32] (float), asum[t] = Σ_n a_n (float: a float32 sum in n order from
    zero, down_group's; quantised: the exact Σ ã as an int32), and with int8 activations quad[t·8 + k] = ã_{4k..4k+3}
    of token t as one int32 and d[t] (quantize_group). */
 typedef struct { const float *a, *asum, *d; const int32_t *quad, *qsum; } GroupTokens;
+
+#if VL == 16
+#define DOWN_TILE_TOKENS 8
+#define DOWN_Q8_TILES FMOE_VNNI /* AVX-512 without VNNI: int8 activations' down token by token */
 
 /* c_t[16·nb : 16·nb + 16] (c_t = c + t·h; init: =, else +=) for TT tokens from t0 and NB blocks of 16 hidden values
    of one piece (codes: the first block's, 512 (int8) or 256 (int4) bytes a block; s, m: each block's scales), float
@@ -2522,12 +2529,140 @@ static void down_group_tokens(const uint8_t *rows, int64_t row_bytes, const Form
         }
     }
 }
+#else /* AVX2 */
+#define DOWN_TILE_TOKENS 4
+#define DOWN_Q8_TILES 1
+
+/* c_t[0:16] (c_t = c + t·h; init: =, else +=) for TT tokens from t0 and one block of 16 hidden values of one piece
+   (codes: the block's, its halves 32 bytes apart in each 64; s, m: the halves' scales), float activations:
+   down_piece_vector's AVX2 operations, each neuron's codes converted once for the tile. */
+static inline __attribute__((always_inline)) void down_float_tile8(const uint8_t *codes, int fmt, const __m256 *s,
+                                                                    const __m256 *m, const GroupTokens *a, int64_t t0,
+                                                                    int TT, float *c, int64_t h, int init) {
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256 acc[2][DOWN_TILE_TOKENS], wn[2];
+    for (int t = 0; t < TT; t++) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    for (int hi = 0; hi < (fmt == FMT_INT8 ? 1 : 2); hi++) /* int4: neurons 0..15 (low nibbles), then 16..31 */
+        for (int k = 0; k < (fmt == FMT_INT8 ? 8 : 4); k++) {
+            __m256i w[2];
+            for (int h2 = 0; h2 < 2; h2++) w[h2] = _mm256_loadu_si256((const __m256i *)(codes + 64 * k + 32 * h2));
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) { /* neuron 16·hi + 4k + j */
+                for (int h2 = 0; h2 < 2; h2++)
+                    wn[h2] = fmt == FMT_INT8
+                        ? _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w[h2], 24 - 8 * j), 24))
+                        : _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[h2], 8 * j + 4 * hi), low));
+                for (int t = 0; t < TT; t++) {
+                    __m256 at = _mm256_broadcast_ss(a->a + (t0 + t) * DOWN_GROUP + 16 * hi + 4 * k + j);
+                    for (int h2 = 0; h2 < 2; h2++) acc[h2][t] = _mm256_fmadd_ps(wn[h2], at, acc[h2][t]);
+                }
+            }
+        }
+    for (int t = 0; t < TT; t++)
+        for (int h2 = 0; h2 < 2; h2++) {
+            __m256 v = fmt == FMT_INT8 ? _mm256_mul_ps(s[h2], acc[h2][t])
+                                       : _mm256_fmadd_ps(s[h2], acc[h2][t], _mm256_mul_ps(m[h2], _mm256_set1_ps(a->asum[t0 + t])));
+            float *o = c + (t0 + t) * h + 8 * h2;
+            _mm256_storeu_ps(o, init ? v : _mm256_add_ps(_mm256_loadu_ps(o), v));
+        }
+}
+
+/* down_float_tile8 with int8 activations: the exact integers Σ_n q_n·ã_n a quad of neurons at a time (AVX-VNNI: int8
+   codes + 128 onto −128·Σ ã, one vpdpbusd a token; else |ã| × q with ã's sign, maddubs and madd with ones), then
+   down_piece_vector's floats. */
+static inline __attribute__((always_inline)) void down_q8_tile8(const uint8_t *codes, int fmt, const __m256 *s,
+                                                                 const __m256 *m, const GroupTokens *a, int64_t t0,
+                                                                 int TT, float *c, int64_t h, int init) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+#if FMOE_AVX_VNNI
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256i dot[2][DOWN_TILE_TOKENS];
+    for (int t = 0; t < TT; t++)
+        dot[0][t] = dot[1][t] = FMOE_AVX_VNNI && fmt == FMT_INT8 ? _mm256_set1_epi32(-128 * a->qsum[t0 + t])
+                                                                 : _mm256_setzero_si256();
+    for (int k = 0; k < (fmt == FMT_INT8 ? 8 : 4); k++) {
+        __m256i lo[2], hi[2];
+        for (int h2 = 0; h2 < 2; h2++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(codes + 64 * k + 32 * h2));
+#if FMOE_AVX_VNNI
+            if (fmt == FMT_INT8) lo[h2] = _mm256_xor_si256(w, bias);
+#else
+            if (fmt == FMT_INT8) lo[h2] = w;
+#endif
+            else lo[h2] = _mm256_and_si256(w, nibble), hi[h2] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        }
+        for (int t = 0; t < TT; t++) {
+            const int32_t *quad = a->quad + (t0 + t) * 8;
+            __m256i ql = _mm256_set1_epi32(quad[k]);
+            if (fmt == FMT_INT8) {
+#if FMOE_AVX_VNNI
+                for (int h2 = 0; h2 < 2; h2++) dot[h2][t] = dpbusd8(dot[h2][t], lo[h2], ql);
+#else
+                __m256i qa = _mm256_abs_epi8(ql);
+                for (int h2 = 0; h2 < 2; h2++)
+                    dot[h2][t] = _mm256_add_epi32(dot[h2][t], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(lo[h2], ql)), ones));
+#endif
+            } else {
+                __m256i qh = _mm256_set1_epi32(quad[4 + k]);
+                for (int h2 = 0; h2 < 2; h2++) {
+#if FMOE_AVX_VNNI
+                    dot[h2][t] = dpbusd8(dpbusd8(dot[h2][t], lo[h2], ql), hi[h2], qh);
+#else
+                    dot[h2][t] = _mm256_add_epi32(dot[h2][t], _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h2], ql), ones));
+                    dot[h2][t] = _mm256_add_epi32(dot[h2][t], _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h2], qh), ones));
+#endif
+                }
+            }
+        }
+    }
+    for (int t = 0; t < TT; t++) {
+        __m256 dd = _mm256_set1_ps(a->d[t0 + t]);
+        for (int h2 = 0; h2 < 2; h2++) {
+            __m256 sum = _mm256_cvtepi32_ps(dot[h2][t]), v;
+            if (fmt == FMT_INT8) v = _mm256_mul_ps(sum, _mm256_mul_ps(s[h2], dd));
+            else v = _mm256_mul_ps(_mm256_fmadd_ps(s[h2], sum, _mm256_mul_ps(m[h2], _mm256_set1_ps((float)a->qsum[t0 + t]))), dd);
+            float *o = c + (t0 + t) * h + 8 * h2;
+            _mm256_storeu_ps(o, init ? v : _mm256_add_ps(_mm256_loadu_ps(o), v));
+        }
+    }
+}
+
+#define DOWN_TILE8(fmt, TT) do { \
+        if (q8) down_q8_tile8(codes, fmt, s, m, a, t, TT, cb, h, init); \
+        else down_float_tile8(codes, fmt, s, m, a, t, TT, cb, h, init); \
+    } while (0)
+#define DOWN_TILE8_CASES(fmt) switch (TT) { \
+    case 4: DOWN_TILE8(fmt, 4); break; case 2: DOWN_TILE8(fmt, 2); break; default: DOWN_TILE8(fmt, 1); break; }
+/* c [T, H] (init: =, else +=) the down projection of one group of 32 neurons (down_group's `rows`) for every token
+   (down_vector_shape), a block of 16 hidden values a tile; q8: int8 activations. */
+static void down_group_tokens(const uint8_t *rows, int64_t row_bytes, const Format *f, const GroupTokens *a, int q8,
+                              int64_t tokens, float *c, int init) {
+    int64_t h = f->hidden, hp = h / DOWN_GROUP, blocks = hp / 16;
+    int int8 = f->fmt == FMT_INT8;
+    for (int64_t p = 0; p < DOWN_GROUP; p++) {
+        const uint8_t *piece = rows + p * row_bytes + 2 * f->proj_bytes, *meta = piece + down_code_bytes(f);
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *codes = piece + b * (int8 ? 512 : 256);
+            __m256 s[2], m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int h2 = 0; h2 < 2; h2++) down_meta_lanes(meta, f->fmt, 2 * b + h2, &s[h2], &m[h2]);
+            float *cb = c + p * hp + 16 * b;
+            for (int64_t t = 0, TT; t < tokens; t += TT) { /* tiles of 4, then 2, 1 */
+                for (TT = DOWN_TILE_TOKENS; TT > tokens - t;) TT /= 2;
+                if (int8) { DOWN_TILE8_CASES(FMT_INT8) } else { DOWN_TILE8_CASES(FMT_INT4) }
+            }
+        }
+    }
+}
+#endif
 
 /* Whether several tokens take the tiles: gate and up in dots_fused's (float activations) or dots_q8's (int8
-   activations, VNNI), the down in down_group_tokens'. */
+   activations), the down in down_group_tokens'. */
 static int by_neuron_tiles(const Format *f, const Tokens *x) {
     if (x->tokens < 2 || !down_vector_shape(f)) return 0;
-    return x->q8 ? FMOE_VNNI && q8_tile_shape(f, x) : fused_shape(f, x);
+    return x->q8 ? DOWN_Q8_TILES && q8_tile_shape(f, x) : fused_shape(f, x);
 }
 
 /* pass_chunk_by_neuron for by_neuron_tiles: per group, each neuron's gate and up dots over every token in
@@ -2543,11 +2678,7 @@ static void by_neuron_tiles_chunk(const Pass *p, int64_t k, float *scratch) {
     int32_t *qsum = (int32_t *)(d + padded), *quad = qsum + padded;
     float *dv = (float *)(quad + 8 * padded), *xgt = dv + q8_vector_floats(tokens, h);
     float mg[META_FLOATS], mu[META_FLOATS];
-#if FMOE_VNNI
     if (x->q8) q8_vectors(x, f, dv), group_sum_vectors(x, xgt);
-#else
-    (void)xgt;
-#endif
     GroupTokens group = {a, asum, d, quad, qsum};
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
     for (int64_t g0 = i0; g0 < i1; g0 += DOWN_GROUP) {
@@ -2561,11 +2692,9 @@ static void by_neuron_tiles_chunk(const Pass *p, int64_t k, float *scratch) {
             }
 #endif
             fused_meta(row, f, mg), fused_meta(row + pb, f, mu);
-#if FMOE_VNNI
             if (x->q8)
                 dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded, 1);
             else
-#endif
                 dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
             for (int64_t t = 0; t < tokens; t++) a[t * DOWN_GROUP + n] = gated(gu[t], gu[padded + t], p->x_bf16);
         }
@@ -2601,7 +2730,7 @@ static int64_t by_neuron_floats(int64_t tokens, int64_t hidden) {
 static void pass_chunk_by_neuron(const Pass *p, int64_t k, float *scratch) {
     const Format *f = p->f;
     const Tokens *x = p->x;
-#if FMOE_AVX2 && VL == 16
+#if FMOE_AVX2
     if (by_neuron_tiles(f, x) && FMOE_PHASES == 3) {
         by_neuron_tiles_chunk(p, k, scratch);
         return;
