@@ -2507,28 +2507,6 @@ static inline __attribute__((always_inline)) void down_q8_tile(const uint8_t *co
     case 8: DOWN_TILE(fmt, NB, 8); break; case 4: DOWN_TILE(fmt, NB, 4); break; \
     case 2: DOWN_TILE(fmt, NB, 2); break; default: DOWN_TILE(fmt, NB, 1); break; }
 #define DOWN_TILE_CASES(fmt) if (two) { DOWN_TILE_TT(fmt, 2) } else { DOWN_TILE_TT(fmt, 1) }
-/* c [T, H] (init: =, else +=) the down projection of one group of 32 neurons (down_group's `rows`) for every token
-   (down_vector_shape), two blocks of 16 hidden values a tile while a piece has two left; q8: int8 activations (the
-   VNNI build alone). */
-static void down_group_tokens(const uint8_t *rows, int64_t row_bytes, const Format *f, const GroupTokens *a, int q8,
-                              int64_t tokens, float *c, int init) {
-    int64_t h = f->hidden, hp = h / DOWN_GROUP, blocks = hp / 16;
-    int int8 = f->fmt == FMT_INT8;
-    for (int64_t p = 0; p < DOWN_GROUP; p++) {
-        const uint8_t *piece = rows + p * row_bytes + 2 * f->proj_bytes, *meta = piece + down_code_bytes(f);
-        for (int64_t b = 0; b < blocks; b += 2) {
-            int two = b + 1 < blocks;
-            const uint8_t *codes = piece + b * (int8 ? 512 : 256);
-            __m512 s[2], m[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-            for (int nb = 0; nb < 1 + two; nb++) down_meta_lanes(meta, f->fmt, b + nb, &s[nb], &m[nb]);
-            float *cb = c + p * hp + 16 * b;
-            for (int64_t t = 0, TT; t < tokens; t += TT) { /* tiles of 8, then 4, 2, 1 (fewer inlined copies) */
-                for (TT = DOWN_TILE_TOKENS; TT > tokens - t;) TT /= 2;
-                if (int8) { DOWN_TILE_CASES(FMT_INT8) } else { DOWN_TILE_CASES(FMT_INT4) }
-            }
-        }
-    }
-}
 #else /* AVX2 */
 #define DOWN_TILE_TOKENS 4
 #define DOWN_Q8_TILES 1
@@ -2634,29 +2612,36 @@ static inline __attribute__((always_inline)) void down_q8_tile8(const uint8_t *c
         if (q8) down_q8_tile8(codes, fmt, s, m, a, t, TT, cb, h, init); \
         else down_float_tile8(codes, fmt, s, m, a, t, TT, cb, h, init); \
     } while (0)
-#define DOWN_TILE8_CASES(fmt) switch (TT) { \
+#define DOWN_TILE_CASES(fmt) switch (TT) { \
     case 4: DOWN_TILE8(fmt, 4); break; case 2: DOWN_TILE8(fmt, 2); break; default: DOWN_TILE8(fmt, 1); break; }
+#endif
+
 /* c [T, H] (init: =, else +=) the down projection of one group of 32 neurons (down_group's `rows`) for every token
-   (down_vector_shape), a block of 16 hidden values a tile; q8: int8 activations. */
+   (down_vector_shape); q8: int8 activations (DOWN_Q8_TILES). AVX-512: two blocks of 16 hidden values a tile while a
+   piece has two left; AVX2: one block, as two halves of 8. */
 static void down_group_tokens(const uint8_t *rows, int64_t row_bytes, const Format *f, const GroupTokens *a, int q8,
                               int64_t tokens, float *c, int init) {
     int64_t h = f->hidden, hp = h / DOWN_GROUP, blocks = hp / 16;
     int int8 = f->fmt == FMT_INT8;
     for (int64_t p = 0; p < DOWN_GROUP; p++) {
         const uint8_t *piece = rows + p * row_bytes + 2 * f->proj_bytes, *meta = piece + down_code_bytes(f);
-        for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t b = 0; b < blocks; b += VL == 16 ? 2 : 1) {
             const uint8_t *codes = piece + b * (int8 ? 512 : 256);
-            __m256 s[2], m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+            vec s[2], m[2] = {vzero(), vzero()};
+#if VL == 16
+            int two = b + 1 < blocks;
+            for (int nb = 0; nb < 1 + two; nb++) down_meta_lanes(meta, f->fmt, b + nb, &s[nb], &m[nb]);
+#else
             for (int h2 = 0; h2 < 2; h2++) down_meta_lanes(meta, f->fmt, 2 * b + h2, &s[h2], &m[h2]);
+#endif
             float *cb = c + p * hp + 16 * b;
-            for (int64_t t = 0, TT; t < tokens; t += TT) { /* tiles of 4, then 2, 1 */
+            for (int64_t t = 0, TT; t < tokens; t += TT) { /* tiles of DOWN_TILE_TOKENS, then halves (fewer copies) */
                 for (TT = DOWN_TILE_TOKENS; TT > tokens - t;) TT /= 2;
-                if (int8) { DOWN_TILE8_CASES(FMT_INT8) } else { DOWN_TILE8_CASES(FMT_INT4) }
+                if (int8) { DOWN_TILE_CASES(FMT_INT8) } else { DOWN_TILE_CASES(FMT_INT4) }
             }
         }
     }
 }
-#endif
 
 /* Whether several tokens take the tiles: gate and up in dots_fused's (float activations) or dots_q8's (int8
    activations), the down in down_group_tokens'. */
