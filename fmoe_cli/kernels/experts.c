@@ -72,6 +72,11 @@ int fmoe_simd(void) {
 #endif
 }
 
+/* Tests only (tests/test_kernels.py): the prefill's int8-activation and by-neuron tiles off
+   (every build has the switch), so that several tokens run the token-by-token paths whose bits the tiles must give. */
+static int prefill_tiles = 1;
+void fmoe_prefill_tiles(int on) { prefill_tiles = on; }
+
 /* ---- scalar helpers ---------------------------------------------------------------- */
 
 static inline float half_to_float(uint16_t h) {
@@ -1512,7 +1517,7 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
    blocks of 32 inputs a group, fused_meta's metadata. */
 static int q8_tile_shape(const Format *f, const Tokens *x) {
     int64_t h = f->hidden, G = f->group;
-    if (!x->vector || !x->q8 || G % QBLOCK) return 0;
+    if (!prefill_tiles || !x->vector || !x->q8 || G % QBLOCK) return 0;
     if (f->fmt == FMT_INT8) return h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
     return f->fmt == FMT_INT4 && (h / 2) % G == 0 && (2 * h / G) % 8 == 0 && 2 * h / G <= META_FLOATS;
 }
@@ -2646,7 +2651,7 @@ static void down_group_tokens(const uint8_t *rows, int64_t row_bytes, const Form
 /* Whether several tokens take the tiles: gate and up in dots_fused's (float activations) or dots_q8's (int8
    activations), the down in down_group_tokens'. */
 static int by_neuron_tiles(const Format *f, const Tokens *x) {
-    if (x->tokens < 2 || !down_vector_shape(f)) return 0;
+    if (!prefill_tiles || x->tokens < 2 || !down_vector_shape(f)) return 0;
     return x->q8 ? DOWN_Q8_TILES && q8_tile_shape(f, x) : fused_shape(f, x);
 }
 
