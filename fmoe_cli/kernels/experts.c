@@ -3277,7 +3277,11 @@ int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t h
     if (!scratch) return -1;
     Linear job = {&xs, &f, rows, y, scratch, outputs, stride, NULL, NULL, NULL};
 #if FMOE_AVX2
-    if (tokens > 1 && q8_tile_shape(&f, &xs)) { /* dots_q8's vectors, once a call */
+    /* dots_q8's tiles: int4 rows; int8 rows where vpdpbusd takes the codes + 128 (with AVX2 alone each row and token
+       keeps its sign flip, and rows_dot_q8's 4 rows a token ran faster than 2 rows × 4 tokens: a3b's q rows 0.88–0.95×
+       with the tiles, benchmarks/results/2026-11-28-avx2-tiles.md) */
+    int q8_tiles = f.fmt == FMT_INT4 || FMOE_AVX_VNNI || q8_wide(&f);
+    if (tokens > 1 && q8_tiles && q8_tile_shape(&f, &xs)) { /* dots_q8's vectors, once a call */
         float *dv = scratch + threads * stride + transposed, *xgt = dv + q8_vector_floats(tokens, hidden);
         q8_vectors(&xs, &f, dv), group_sum_vectors(&xs, xgt);
         job.dv = dv, job.xgt = xgt;
