@@ -1990,12 +1990,26 @@ static void q8_offsets(const float *m, const Tokens *x, const float *xgt, float 
 #define DOTS_Q8_NARROW_CASES(fmt) switch (TT) { \
     case 4: DOTS_Q8_NARROW(fmt, 4); break; case 3: DOTS_Q8_NARROW(fmt, 3); break; \
     case 2: DOTS_Q8_NARROW(fmt, 2); break; default: DOTS_Q8_NARROW(fmt, 1); break; }
+/* dots_q8_rows' tiles on 256 bits (a function of its own: the AVX-512 build's wide tiles keep their code). */
+static __attribute__((noinline)) void dots_q8_narrow_rows(const uint8_t *r0, const uint8_t *r1, const Format *f,
+                                                           const float *m0, const float *m1, const Tokens *x,
+                                                           const float *dv, float *o0, float *o1, int64_t ts) {
+    int64_t h = f->hidden, G = f->group;
+    for (int64_t t = 0; t < x->tokens; t += Q8_NARROW_TOKENS) {
+        int TT = x->tokens - t < Q8_NARROW_TOKENS ? (int)(x->tokens - t) : Q8_NARROW_TOKENS;
+        const uint8_t *rows[2] = {r0, r1};
+        const float *meta[2] = {m0, m1};
+        float *out[2] = {o0 + t * ts, o1 + t * ts};
+        if (f->fmt == FMT_INT8) { DOTS_Q8_NARROW_CASES(FMT_INT8) } else { DOTS_Q8_NARROW_CASES(FMT_INT4) }
+    }
+}
+
 /* o0[t·ts], o1[t·ts] for every token: tiles of Q8_TOKENS tokens (a constant shape for each inlined copy), then
    int4's offsets (xgt: group_sum_vectors). */
 static void dots_q8_rows(const uint8_t *r0, const uint8_t *r1, const Format *f, const float *m0, const float *m1,
                          const Tokens *x, const float *dv, const float *xgt, float *o0, float *o1, int64_t ts) {
-    int64_t h = f->hidden, G = f->group;
 #if FMOE_VNNI
+    int64_t h = f->hidden, G = f->group;
     if (q8_wide(f)) {
         for (int64_t t = 0; t < x->tokens; t += Q8_TOKENS) {
             int TT = x->tokens - t < Q8_TOKENS ? (int)(x->tokens - t) : Q8_TOKENS;
@@ -2003,15 +2017,7 @@ static void dots_q8_rows(const uint8_t *r0, const uint8_t *r1, const Format *f, 
         }
     } else
 #endif
-    {
-        for (int64_t t = 0; t < x->tokens; t += Q8_NARROW_TOKENS) {
-            int TT = x->tokens - t < Q8_NARROW_TOKENS ? (int)(x->tokens - t) : Q8_NARROW_TOKENS;
-            const uint8_t *rows[2] = {r0, r1};
-            const float *meta[2] = {m0, m1};
-            float *out[2] = {o0 + t * ts, o1 + t * ts};
-            if (f->fmt == FMT_INT8) { DOTS_Q8_NARROW_CASES(FMT_INT8) } else { DOTS_Q8_NARROW_CASES(FMT_INT4) }
-        }
-    }
+        dots_q8_narrow_rows(r0, r1, f, m0, m1, x, dv, o0, o1, ts);
     if (f->fmt == FMT_INT4) q8_offsets(m0, x, xgt, o0, ts), q8_offsets(m1, x, xgt, o1, ts);
 }
 
