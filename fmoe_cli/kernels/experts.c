@@ -2721,8 +2721,8 @@ static int64_t by_neuron_floats(int64_t tokens, int64_t hidden) {
 /* pass_chunk for FMT_DOWN_BY_NEURON rows: chunk k's partial sum c [T, H], its neurons a group of 32 at a time: each
    neuron's gate and up dots per token (int8 activations: gate_up_dots; one float32 token: gate_up_one, prefetching;
    several: prefill_chunk's decoded rows in register tiles), a[t], then the group's down for each token (down_group;
-   a token's down has the same bits whatever the other tokens). Several tokens on AVX-512: by_neuron_tiles_chunk.
-   scratch: by_neuron_floats. */
+   a token's down has the same bits whatever the other tokens). Several tokens where by_neuron_tiles (AVX-512 or AVX2;
+   int8 activations on AVX-512 without VNNI not): by_neuron_tiles_chunk, the same bits. scratch: by_neuron_floats. */
 static void pass_chunk_by_neuron(const Pass *p, int64_t k, float *scratch) {
     const Format *f = p->f;
     const Tokens *x = p->x;
