@@ -16,6 +16,9 @@ bits (they must where a change claims to keep them).
     python benchmarks/prefill_kernels.py --against main
     python benchmarks/prefill_kernels.py --against main --models a3b big --formats int4 int8 --activations int8 float
     python benchmarks/prefill_kernels.py --against main --models big --down-by-neuron
+    FMOE_KERNEL_ISA=avx2 python benchmarks/prefill_kernels.py --against main --by-neuron --activations int8 float
+
+FMOE_KERNEL_ISA (kernels/build.py: native, avx2vnni, avx2, scalar) picks the paths both builds compile.
 """
 
 from __future__ import annotations
@@ -97,9 +100,15 @@ def main() -> None:
     p.add_argument("--down-by-neuron", action="store_true",
                    help="the work tree's experts with their down rows grouped along the neurons (converted store "
                         "version 3), REV's grouped along H (version 2): the same weights, other codes, so other bits")
+    p.add_argument("--by-neuron", action="store_true",
+                   help="both builds' experts with their down rows grouped along the neurons (version 3): the same "
+                        "codes, so the same bits where the change keeps them")
     args = p.parse_args()
     if args.tokens < 2 or args.rounds < 1 or args.repeats < 1:
         print("error: --tokens from 2, --rounds and --repeats from 1", file=sys.stderr)
+        sys.exit(2)
+    if args.by_neuron and args.down_by_neuron:
+        print("error: --by-neuron (both builds) or --down-by-neuron (the work tree's alone), not both", file=sys.stderr)
         sys.exit(2)
     old_sources = {}
     for name in KERNEL_FILES:
@@ -134,10 +143,11 @@ def main() -> None:
             for model in args.models:
                 for fmt in args.formats:
                     for activations in args.activations:
-                        label, calls = cases(model, fmt, activations, args.tokens, args.down_by_neuron)
+                        label, calls = cases(model, fmt, activations, args.tokens,
+                                             args.down_by_neuron or args.by_neuron)
                         print(f"{model} {fmt} experts, {activations} activations ({label}):")
                         for path, call in calls.items():
-                            layout = {args.against: False, "work tree": args.down_by_neuron}
+                            layout = {args.against: args.by_neuron, "work tree": args.down_by_neuron or args.by_neuron}
                             outs = {name: call(on(lib), layout[name]) for name, lib in libs.items()}
                             old_out, new_out = outs.values()
                             same = torch.equal(old_out, new_out)

@@ -134,6 +134,38 @@ def test_a_dense_projections_many_tokens_each_get_their_own_bits(name, activatio
         torch.set_num_threads(threads)
 
 
+@needs_kernels
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("by_neuron", [False, True])
+def test_the_prefill_tiles_give_the_token_by_token_paths_bits(name, dtype, activations, by_neuron):
+    """A prefill's tiles (experts.c: with int8 activations the gate and up dots of dots_q8, AVX-512 VNNI or AVX2; down
+    rows grouped along the neurons: by_neuron_tiles_chunk's gate, up and down tiles) against the same call with the
+    tiles off (fmoe_prefill_tiles(0): every token's dots and down alone, the paths before the tiles): the same bits,
+    for every tile shape and tail (13 and 7 tokens: tiles of 4, 4, 4, 1 and 4, 2, 1), each build (the narrower builds
+    run this too). So the tiles change no token of any policy. int8 activations' dense rows too (kernels.linear_forward:
+    pairs of rows × 1-4 tokens against each token's rows_dot_q8)."""
+    from fmoe_cli.models.dense import QuantLinear
+
+    library = kernels.library()
+    stored, _, spec, dtype = expert(name, 2048, 96, chunk=32, dtype=dtype, activations=activations, by_neuron=by_neuron)
+    if by_neuron:
+        assert spec.code & kernels.DOWN_BY_NEURON
+    torch.manual_seed(6)
+    dense = QuantLinear(torch.nn.Linear(2048, 37, bias=False), EXPERT_FORMATS[name], activations)
+    for tokens in (13, 7, 2):
+        x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        tiled, tiled_rows = kernels.segment_forward(x, stored, spec), dense(x.float()[None])
+        try:
+            library.fmoe_prefill_tiles(0)
+            alone, alone_rows = kernels.segment_forward(x, stored, spec), dense(x.float()[None])
+        finally:
+            library.fmoe_prefill_tiles(1)
+        assert torch.equal(tiled, alone), f"{tokens} tokens: the tiles' bits are not the token-by-token paths'"
+        assert torch.equal(tiled_rows, alone_rows), f"{tokens} tokens, dense rows"
+
+
 def quantised_tokens(x: torch.Tensor) -> torch.Tensor:
     """x̂ of --activations int8 (experts.c quantize_x): per block of 32, d = max|x| / 127, x̂ = round(x / d)·d."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
@@ -722,25 +754,32 @@ def test_int8_activations_need_avx2_and_say_so_without_it(monkeypatch, capsys, s
 
 # The tests of values and bits, run again on each narrower build than this machine's (below).
 CORE_TESTS = ("computes_what_torch or top_continued or in_one_call or int8_activations_compute "
-              "or dense_projection or own_bits or down_by_neuron or tile_it_falls_in")
+              "or dense_projection or own_bits or down_by_neuron or tile_it_falls_in or token_by_token")
+
+
+# FMOE_KERNEL_ISA, the CPU flags it needs, and what the build's probe says: fmoe_simd, fmoe_int8_dots
+NARROWER_BUILDS = [("avx2vnni", {"avx2", "fma", "f16c", "avx_vnni"}, "1 2"), ("avx2", {"avx2", "fma", "f16c"}, "1 1"),
+                   ("scalar", set(), "0 0")]
 
 
 @needs_kernels
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the x86-64 builds")
-@pytest.mark.parametrize("isa, level", [("avx2", 1), ("scalar", 0)])
-def test_the_narrower_builds_pass_the_same_value_and_bit_tests(isa, level):
+@pytest.mark.parametrize("isa, flags, level", NARROWER_BUILDS)
+def test_the_narrower_builds_pass_the_same_value_and_bit_tests(isa, flags, level):
     """The native build runs the widest paths this CPU has (16-lane AVX-512 on this project's machine). A user's
-    CPU may have AVX2 only (8 lanes, other register tiles) or neither (the scalar paths): FMOE_KERNEL_ISA builds
-    those here, and the value and split-exactness tests must pass on each. The probe checks the build really is
-    the narrower one (an ignored FMOE_KERNEL_ISA would test the native build twice)."""
+    CPU may have AVX2 only (8 lanes, other register tiles; Intel's 12th-14th generation with AVX-VNNI's 256-bit int8
+    dots, AMD's Zen 3 without) or neither (the scalar paths): FMOE_KERNEL_ISA builds those here, and the value and
+    split-exactness tests must pass on each. The probe checks the build really is the narrower one (an ignored
+    FMOE_KERNEL_ISA would test the native build twice)."""
     from fmoe_cli.kernels.build import cpu_flags
 
-    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= set(cpu_flags().split()):
-        pytest.skip("this CPU cannot run the AVX2 build")
+    if not flags <= set(cpu_flags().split()):
+        pytest.skip(f"this CPU cannot run the {isa} build")
     env = {**os.environ, "FMOE_KERNEL_ISA": isa}
-    probe = subprocess.run([sys.executable, "-c", "from fmoe_cli import kernels; print(kernels.library().fmoe_simd())"],
+    probe = subprocess.run([sys.executable, "-c", "from fmoe_cli import kernels; "
+                            "print(kernels.library().fmoe_simd(), kernels.library().fmoe_int8_dots())"],
                            env=env, capture_output=True, text=True, timeout=300)
-    assert probe.stdout.strip() == str(level), probe.stdout + probe.stderr
+    assert probe.stdout.strip() == level, probe.stdout + probe.stderr
     run = subprocess.run([sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
                           "-k", CORE_TESTS], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

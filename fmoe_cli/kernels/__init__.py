@@ -169,6 +169,9 @@ def library() -> ctypes.CDLL | None:
     lib.fmoe_decode_token_bf16.argtypes = lib.fmoe_decode_token.argtypes
     lib.fmoe_decode_token_bf16.restype = ctypes.c_int
     lib.fmoe_simd.restype = ctypes.c_int
+    # tests only, with ctypes' default int arguments and result (undeclared, so that benchmarks/prefill_kernels.py
+    # configures an older build without them): fmoe_int8_dots() 0 scalar, 1 AVX2, 2 AVX-VNNI, 3 AVX-512 VNNI;
+    # fmoe_prefill_tiles(0 or 1) the prefill tiles off or on
     lib.fmoe_pool_chunks_run.restype = ctypes.c_int64
     return lib
 

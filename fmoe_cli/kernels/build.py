@@ -24,10 +24,13 @@ COMMON_FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c11"]
 FLAGS = ["-march=native", *COMMON_FLAGS]
 PORTABLE_FLAGS = COMMON_FLAGS  # a compiler without -march=native: the scalar paths
 # FMOE_KERNEL_ISA: which of experts.c's paths to build. `native` (default): the widest this CPU has (AVX-512 where
-# present, else AVX2). `avx2` and `scalar` build the narrower ones on any x86-64 machine, so that a machine with
-# AVX-512 also tests the paths an AVX2-only CPU (and a CPU with neither) runs (tests/test_kernels.py).
+# present, else AVX2, with AVX-VNNI where the CPU has it). `avx2vnni`, `avx2` and `scalar` build the narrower ones on
+# any x86-64 machine that runs them, so that a machine with AVX-512 also tests the paths an AVX2-only CPU (Intel's
+# 12th-14th generation: AVX-VNNI; AMD's Zen 3 and older Intel: none) and a CPU with neither run (tests/test_kernels.py).
 ISA_ENV = "FMOE_KERNEL_ISA"
-ISA_FLAGS = {"native": FLAGS, "avx2": ["-mavx2", "-mfma", "-mf16c", *COMMON_FLAGS], "scalar": PORTABLE_FLAGS}
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+ISA_FLAGS = {"native": FLAGS, "avx2vnni": [*AVX2_FLAGS, "-mavxvnni", *COMMON_FLAGS], "avx2": [*AVX2_FLAGS, *COMMON_FLAGS],
+             "scalar": PORTABLE_FLAGS}
 COMPILE_TIMEOUT_S = 120
 
 

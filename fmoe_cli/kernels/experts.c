@@ -72,6 +72,11 @@ int fmoe_simd(void) {
 #endif
 }
 
+/* Tests only (tests/test_kernels.py): the prefill's int8-activation and by-neuron tiles off
+   (every build has the switch), so that several tokens run the token-by-token paths whose bits the tiles must give. */
+static int prefill_tiles = 1;
+void fmoe_prefill_tiles(int on) { prefill_tiles = on; }
+
 /* ---- scalar helpers ---------------------------------------------------------------- */
 
 static inline float half_to_float(uint16_t h) {
@@ -340,6 +345,25 @@ static inline __attribute__((always_inline)) void rows_dot_q8_vnni(const uint8_t
 #else
 #define FMOE_VNNI 0
 #endif
+
+/* AVX-VNNI: vpdpbusd on 256 bits (AVX2 CPUs from Intel's 12th generation: __AVXVNNI__; FMOE_KERNEL_ISA=avx2vnni builds
+   it on any CPU that has it), or AVX-512 VNNI's 256-bit form. Unsigned × signed bytes, four products into each int32
+   lane, exact (no int16 step to saturate, unlike maddubs), so the AVX2 tiles below can take int8 codes as q + 128. */
+#if FMOE_AVX2 && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(FMOE_NO_AVX512)))
+#define FMOE_AVX_VNNI 1
+static inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_epi32(acc, u, s);
+#endif
+}
+#else
+#define FMOE_AVX_VNNI 0
+#endif
+
+/* The int8 dot paths built: 0 none (scalar), 1 AVX2 maddubs, 2 AVX-VNNI (256-bit), 3 AVX-512 VNNI (tests' probe). */
+int fmoe_int8_dots(void) { return FMOE_VNNI ? 3 : FMOE_AVX_VNNI ? 2 : FMOE_AVX2; }
 
 #if FMOE_AVX2
 /* x̂·ŵ_r for R ≤ 4 rows at once (a neuron's gate and up rows; a dense linear's output rows), sharing each load of
@@ -1489,11 +1513,11 @@ static void pass_chunk_one(const Pass *p, int64_t k) {
 #define FUSED_DOWN_TOKENS 5
 #endif
 
-/* Whether dots_q8's tiles (int8 activations, AVX-512 VNNI) serve these rows and tokens: whole steps of 64 inputs a
-   group, fused_meta's metadata. */
+/* Whether dots_q8's tiles (int8 activations: AVX-512 VNNI's, else dots_q8_narrow's) serve these rows and tokens: whole
+   blocks of 32 inputs a group, fused_meta's metadata. */
 static int q8_tile_shape(const Format *f, const Tokens *x) {
     int64_t h = f->hidden, G = f->group;
-    if (!FMOE_VNNI || !x->vector || !x->q8 || G % (2 * QBLOCK)) return 0;
+    if (!prefill_tiles || !x->vector || !x->q8 || G % QBLOCK) return 0;
     if (f->fmt == FMT_INT8) return h % G == 0 && (h / G) % 8 == 0 && h / G <= META_FLOATS;
     return f->fmt == FMT_INT4 && (h / 2) % G == 0 && (2 * h / G) % 8 == 0 && 2 * h / G <= META_FLOATS;
 }
@@ -1671,8 +1695,7 @@ static void down_fused_block(const uint8_t *const *rows, int64_t N, const Format
     }
 }
 
-#if FMOE_VNNI
-/* ---- several tokens with int8 activations (AVX-512 VNNI): a neuron's gate and up rows × Q8_TOKENS tokens -------------
+/* ---- several tokens with int8 activations: a neuron's gate and up rows × Q8_TOKENS tokens ----------------------------
 
    With --activations int8 the gate and up dots over several tokens ran rows_dot_q8 once per token: every token
    unpacked the rows' codes again (int4: an and, a shift and an and per 64 code bytes; int8: a sign flip per row and
@@ -1684,12 +1707,23 @@ static void down_fused_block(const uint8_t *const *rows, int64_t N, const Format
    rows_dot_q8_vnni gets with |q̃| and the flipped signs. Per (row, token) the operations are then rows_dot_q8_vnni's,
    in its order: the integer block sums (exact, whatever the tile), the same float32 fmas per group, the same
    horizontal sum and the same offsets. So a token's g and u have the bits decode (T = 1) gives them, whatever tile it
-   falls in, and prefill_fused's down rows follow (prefill_chunk's sums): tests/test_kernels.py compares both. */
+   falls in, and prefill_fused's down rows follow (prefill_chunk's sums): tests/test_kernels.py compares both.
+
+   AVX2 (dots_q8_narrow; and AVX-512 without VNNI, or groups that are no multiple of 64, where rows_dot_q8 runs its
+   AVX2 path): the same tiles on 256 bits, rows_dot_q8's AVX2 operations per (row, token), one block of 32 a step.
+   The integer block sums: with AVX-VNNI as above (q + 128 onto −128·Σ q̃, vpdpbusd on 256 bits); with AVX2 alone
+   maddubs and madd with ones, as rows_dot_q8 (int8: |q̃| × q with q̃'s sign, a sign flip per row and token, since q + 128
+   up to 255 times q̃ would saturate maddubs' int16 pairs at 2·255·127; int4: the nibbles, unpacked once for the tile,
+   times q̃, at most 2·15·127). */
 #define Q8_TOKENS 4
 
+/* Whether rows_dot_q8 runs its AVX-512 VNNI path on these rows (and dots_q8 its tiles; else dots_q8_narrow's). */
+static inline int q8_wide(const Format *f) { return FMOE_VNNI && f->group % (2 * QBLOCK) == 0; }
+
+#if FMOE_VNNI
 /* Token t's vectors for step s of 64 inputs (S = H/64 steps), 32 floats at dv + (t·S + s)·32: its block scales,
    lane l = d_{2s + l/8}, then (int8 rows) 16 int32, lane l = −128·Σ_{k<4} q̃_{64s + 4l + k}. */
-static void q8_vectors(const Tokens *x, const Format *f, float *dv) {
+static void q8_vectors_wide(const Tokens *x, const Format *f, float *dv) {
     int64_t h = f->hidden, steps = h / (2 * QBLOCK);
     const __m512i offset = _mm512_set1_epi8((char)0x80); /* 128 as an unsigned byte */
     for (int64_t t = 0; t < x->tokens; t++) {
@@ -1777,6 +1811,147 @@ static inline __attribute__((always_inline)) void dots_q8(const uint8_t *r0, con
     }
     for (int t = 0; t < TT; t++) o0[t * ts] = _mm512_reduce_add_ps(total0[t]), o1[t * ts] = _mm512_reduce_add_ps(total1[t]);
 }
+#endif
+
+/* dots_q8's token vectors, once a call: AVX-512 VNNI's (q8_vectors_wide), or (AVX-VNNI, int8 rows) dots_q8_narrow's,
+   8 int32 at dv + (t·B + b)·8 for token t's block b of 32 inputs (B = H/32): lane l = −128·Σ_{k<4} q̃_{32b + 4l + k}. */
+static void q8_vectors(const Tokens *x, const Format *f, float *dv) {
+#if FMOE_VNNI
+    if (q8_wide(f)) {
+        q8_vectors_wide(x, f, dv);
+        return;
+    }
+#endif
+#if FMOE_AVX_VNNI
+    if (f->fmt == FMT_INT8) {
+        const __m256i offset = _mm256_set1_epi8((char)0x80);
+        int64_t blocks = f->hidden / QBLOCK;
+        for (int64_t t = 0; t < x->tokens; t++)
+            for (int64_t b = 0; b < blocks; b++) {
+                __m256i sums = dpbusd8(_mm256_setzero_si256(), offset,
+                                       _mm256_loadu_si256((const __m256i *)(x->xq + t * f->hidden + QBLOCK * b)));
+                _mm256_storeu_si256((__m256i *)(dv + (t * blocks + b) * 8), _mm256_sub_epi32(_mm256_setzero_si256(), sums));
+            }
+    }
+#else
+    (void)x, (void)f, (void)dv;
+#endif
+}
+
+/* Q8_NARROW_ROWS rows × TT tokens a tile on 256 bits (AVX2's 16 registers: per (row, token) two accumulators, int4
+   three; the group totals are touched once a group). */
+#ifndef Q8_NARROW_TOKENS
+#define Q8_NARROW_TOKENS 4
+#endif
+/* o[r][t·ts] = x̂_t·ŵ_r for tokens t0 … t0 + TT − 1 and R rows (m: their fused_meta; dv: q8_vectors), rows_dot_q8's
+   AVX2 operations per (row, token): per block the exact integer lanes (4 inputs each), then
+   lo = fma(float(p), d_b, lo) from zero per group, total = fma(s_g, lo, total), its horizontal sum (int4: the groups g
+   and g + H/2G of a byte's two nibbles together, s_g's fma then s_{g+H/2G}'s; the offsets after, q8_offsets).
+   R, TT, fmt: constants where inlined. */
+static inline __attribute__((always_inline)) void dots_q8_narrow(const uint8_t *const *rows, int R, int fmt, int64_t h,
+                                                                  int64_t G, const float *const *m, const Tokens *x,
+                                                                  int64_t t0, int TT, const float *dv,
+                                                                  float *const *o, int64_t ts) {
+    int64_t blocks = h / QBLOCK;
+    const int8_t *xq[Q8_NARROW_TOKENS];
+    const float *xd[Q8_NARROW_TOKENS];
+    __m256 total[2][Q8_NARROW_TOKENS], lo[2][Q8_NARROW_TOKENS];
+    for (int t = 0; t < TT; t++) {
+        xq[t] = x->xq + (t0 + t) * h, xd[t] = x->xd + (t0 + t) * blocks;
+        for (int r = 0; r < R; r++) total[r][t] = _mm256_setzero_ps();
+    }
+    if (fmt == FMT_INT8) {
+#if FMOE_AVX_VNNI /* Σ q q̃ = −128·Σ q̃ + Σ (q + 128)·q̃ per lane */
+        const __m256i offset = _mm256_set1_epi8((char)0x80);
+        const int32_t *start = (const int32_t *)dv + t0 * blocks * 8;
+#else /* Σ q q̃ = Σ |q̃|·(q with q̃'s sign) */
+        const __m256i ones = _mm256_set1_epi16(1);
+        const uint8_t *xa[Q8_NARROW_TOKENS];
+        for (int t = 0; t < TT; t++) xa[t] = x->xa + (t0 + t) * h;
+        (void)dv;
+#endif
+        for (int64_t g = 0; g < h / G; g++) {
+            for (int t = 0; t < TT; t++)
+                for (int r = 0; r < R; r++) lo[r][t] = _mm256_setzero_ps();
+            for (int64_t j = g * G; j < (g + 1) * G; j += QBLOCK) {
+                __m256i w[2];
+                for (int r = 0; r < R; r++) {
+                    w[r] = _mm256_loadu_si256((const __m256i *)(rows[r] + j));
+#if FMOE_AVX_VNNI
+                    w[r] = _mm256_xor_si256(w[r], offset);
+#endif
+                }
+                for (int t = 0; t < TT; t++) {
+                    __m256i xt = _mm256_loadu_si256((const __m256i *)(xq[t] + j));
+                    __m256 d = _mm256_broadcast_ss(xd[t] + j / QBLOCK);
+#if FMOE_AVX_VNNI
+                    __m256i first = _mm256_loadu_si256((const __m256i *)(start + (t * blocks + j / QBLOCK) * 8));
+#else
+                    __m256i at = _mm256_loadu_si256((const __m256i *)(xa[t] + j));
+#endif
+                    for (int r = 0; r < R; r++) {
+#if FMOE_AVX_VNNI
+                        __m256i p = dpbusd8(first, w[r], xt);
+#else
+                        __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(at, _mm256_sign_epi8(w[r], xt)), ones);
+#endif
+                        lo[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, lo[r][t]);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                __m256 sg = _mm256_set1_ps(m[r][g]);
+                for (int t = 0; t < TT; t++) total[r][t] = _mm256_fmadd_ps(sg, lo[r][t], total[r][t]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < TT; t++) o[r][t * ts] = hsum8(total[r][t]);
+        return;
+    }
+    /* int4: byte j holds code j (low nibble) and code j + H/2 (high): groups g and g + H/2G together */
+    int64_t half = h / 2, paired = half / G;
+    const __m256i nibble = _mm256_set1_epi8(15);
+#if !FMOE_AVX_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 hi[2][Q8_NARROW_TOKENS];
+    for (int64_t g = 0; g < paired; g++) {
+        int64_t gh = g + paired;
+        for (int t = 0; t < TT; t++)
+            for (int r = 0; r < R; r++) lo[r][t] = hi[r][t] = _mm256_setzero_ps();
+        for (int64_t j = g * G; j < (g + 1) * G; j += QBLOCK) {
+            __m256i cl[2], ch[2];
+            for (int r = 0; r < R; r++) {
+                __m256i c = _mm256_loadu_si256((const __m256i *)(rows[r] + j));
+                cl[r] = _mm256_and_si256(c, nibble), ch[r] = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+            }
+            for (int t = 0; t < TT; t++) {
+                __m256i xl = _mm256_loadu_si256((const __m256i *)(xq[t] + j));
+                __m256i xh = _mm256_loadu_si256((const __m256i *)(xq[t] + half + j));
+                __m256 dl = _mm256_broadcast_ss(xd[t] + j / QBLOCK), dh = _mm256_broadcast_ss(xd[t] + (half + j) / QBLOCK);
+                for (int r = 0; r < R; r++) {
+#if FMOE_AVX_VNNI
+                    __m256i pl = dpbusd8(_mm256_setzero_si256(), cl[r], xl), ph = dpbusd8(_mm256_setzero_si256(), ch[r], xh);
+#else
+                    __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(cl[r], xl), ones);
+                    __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(ch[r], xh), ones);
+#endif
+                    lo[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), dl, lo[r][t]);
+                    hi[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), dh, hi[r][t]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            __m256 sl = _mm256_set1_ps(m[r][2 * g]), sh = _mm256_set1_ps(m[r][2 * gh]);
+            for (int t = 0; t < TT; t++) {
+                total[r][t] = _mm256_fmadd_ps(sl, lo[r][t], total[r][t]);
+                total[r][t] = _mm256_fmadd_ps(sh, hi[r][t], total[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) o[r][t * ts] = hsum8(total[r][t]);
+}
 
 /* The tokens' group sums X̂_g (int4) as vectors over tokens: xgt[(b·groups + g)·16 + lane] = X̂_g of token 16b + lane
    (zero past T), so that q8_offsets takes 16 tokens an fma. */
@@ -1792,35 +1967,59 @@ static void group_sum_vectors(const Tokens *x, float *xgt) {
    dot. */
 static void q8_offsets(const float *m, const Tokens *x, const float *xgt, float *o, int64_t ts) {
     int64_t groups = x->groups, paired = groups / 2;
-    for (int64_t t0 = 0; t0 < x->tokens; t0 += 16) {
-        const float *xb = xgt + (t0 / 16) * groups * 16;
-        __m512 off = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < x->tokens; t0 += VL) { /* AVX2: each 16 tokens' vectors as two halves of 8 */
+        const float *xb = xgt + (t0 / 16) * groups * 16 + t0 % 16;
+        vec off = vzero();
         for (int64_t g = 0; g < paired; g++) {
-            off = _mm512_fmadd_ps(_mm512_set1_ps(m[2 * g + 1]), _mm512_loadu_ps(xb + g * 16), off);
-            off = _mm512_fmadd_ps(_mm512_set1_ps(m[2 * (g + paired) + 1]), _mm512_loadu_ps(xb + (g + paired) * 16), off);
+            off = vfma(vset1(m[2 * g + 1]), vload(xb + g * 16), off);
+            off = vfma(vset1(m[2 * (g + paired) + 1]), vload(xb + (g + paired) * 16), off);
         }
-        float lanes[16];
-        _mm512_storeu_ps(lanes, off);
-        for (int64_t t = t0; t < x->tokens && t < t0 + 16; t++) o[t * ts] += lanes[t - t0];
+        float lanes[VL];
+        vstore(lanes, off);
+        for (int64_t t = t0; t < x->tokens && t < t0 + VL; t++) o[t * ts] += lanes[t - t0];
     }
 }
 
+#if FMOE_VNNI
 #define DOTS_Q8(fmt, TT) dots_q8(r0, r1, fmt, h, G, m0, m1, x, t, TT, dv, o0 + t * ts, o1 + t * ts, ts)
 #define DOTS_Q8_CASES(fmt) switch (TT) { \
     case 4: DOTS_Q8(fmt, 4); break; case 3: DOTS_Q8(fmt, 3); break; \
     case 2: DOTS_Q8(fmt, 2); break; default: DOTS_Q8(fmt, 1); break; }
+#endif
+#define DOTS_Q8_NARROW(fmt, TT) dots_q8_narrow(rows, 2, fmt, h, G, meta, x, t, TT, dv, out, ts)
+#define DOTS_Q8_NARROW_CASES(fmt) switch (TT) { \
+    case 4: DOTS_Q8_NARROW(fmt, 4); break; case 3: DOTS_Q8_NARROW(fmt, 3); break; \
+    case 2: DOTS_Q8_NARROW(fmt, 2); break; default: DOTS_Q8_NARROW(fmt, 1); break; }
+/* dots_q8_rows' tiles on 256 bits (a function of its own: the AVX-512 build's wide tiles keep their code). */
+static __attribute__((noinline)) void dots_q8_narrow_rows(const uint8_t *r0, const uint8_t *r1, const Format *f,
+                                                           const float *m0, const float *m1, const Tokens *x,
+                                                           const float *dv, float *o0, float *o1, int64_t ts) {
+    int64_t h = f->hidden, G = f->group;
+    for (int64_t t = 0; t < x->tokens; t += Q8_NARROW_TOKENS) {
+        int TT = x->tokens - t < Q8_NARROW_TOKENS ? (int)(x->tokens - t) : Q8_NARROW_TOKENS;
+        const uint8_t *rows[2] = {r0, r1};
+        const float *meta[2] = {m0, m1};
+        float *out[2] = {o0 + t * ts, o1 + t * ts};
+        if (f->fmt == FMT_INT8) { DOTS_Q8_NARROW_CASES(FMT_INT8) } else { DOTS_Q8_NARROW_CASES(FMT_INT4) }
+    }
+}
+
 /* o0[t·ts], o1[t·ts] for every token: tiles of Q8_TOKENS tokens (a constant shape for each inlined copy), then
    int4's offsets (xgt: group_sum_vectors). */
 static void dots_q8_rows(const uint8_t *r0, const uint8_t *r1, const Format *f, const float *m0, const float *m1,
                          const Tokens *x, const float *dv, const float *xgt, float *o0, float *o1, int64_t ts) {
+#if FMOE_VNNI
     int64_t h = f->hidden, G = f->group;
-    for (int64_t t = 0; t < x->tokens; t += Q8_TOKENS) {
-        int TT = x->tokens - t < Q8_TOKENS ? (int)(x->tokens - t) : Q8_TOKENS;
-        if (f->fmt == FMT_INT8) { DOTS_Q8_CASES(FMT_INT8) } else { DOTS_Q8_CASES(FMT_INT4) }
-    }
+    if (q8_wide(f)) {
+        for (int64_t t = 0; t < x->tokens; t += Q8_TOKENS) {
+            int TT = x->tokens - t < Q8_TOKENS ? (int)(x->tokens - t) : Q8_TOKENS;
+            if (f->fmt == FMT_INT8) { DOTS_Q8_CASES(FMT_INT8) } else { DOTS_Q8_CASES(FMT_INT4) }
+        }
+    } else
+#endif
+        dots_q8_narrow_rows(r0, r1, f, m0, m1, x, dv, o0, o1, ts);
     if (f->fmt == FMT_INT4) q8_offsets(m0, x, xgt, o0, ts), q8_offsets(m1, x, xgt, o1, ts);
 }
-#endif
 
 /* Floats of one thread's scratch for prefill_fused: the gate and up dots, a of a block, the down rows' metadata (and
    with int8 activations dots_q8's token vectors: q8_scratch_floats). */
@@ -1840,11 +2039,7 @@ static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
     float *xgt = dv + q8_vector_floats(tokens, h);
     float mg[META_FLOATS], mu[META_FLOATS];
     int q8_tiles = q8_tile_shape(f, x);
-#if FMOE_VNNI
     if (q8_tiles) q8_vectors(x, f, dv), group_sum_vectors(x, xgt);
-#else
-    (void)dv, (void)xgt;
-#endif
     float *c = p->part + k * tokens * h;
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
     const uint8_t *down[DOWN_NEURONS];
@@ -1862,9 +2057,7 @@ static void prefill_fused(const Pass *p, int64_t k, float *scratch) {
             if (!x->q8) {
                 dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
             } else if (q8_tiles) {
-#if FMOE_VNNI
                 dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded, 1);
-#endif
             } else {
                 for (int64_t t = 0; t < tokens; t++) gate_up_dots(row, f, x, t, gu + t, gu + padded + t);
             }
@@ -2201,8 +2394,8 @@ static void down_group(const uint8_t *rows, int64_t row_bytes, const Format *f, 
     }
 }
 
-#if FMOE_AVX2 && VL == 16
-/* ---- several tokens (a prefill), AVX-512: a group's down pieces × DOWN_TILE_TOKENS tokens --------------------------
+#if FMOE_AVX2
+/* ---- several tokens (a prefill): a group's down pieces × DOWN_TILE_TOKENS tokens ------------------------------------
 
    A prefill's tokens each ran down_group alone: every token loaded and unpacked the group's 32 pieces' codes again.
    Here each 16 hidden values' codes of a piece (int8 512 bytes, int4 256) are loaded once and a tile of up to
@@ -2214,13 +2407,20 @@ static void down_group(const uint8_t *rows, int64_t row_bytes, const Format *f, 
        into vpdpbusd (int8: the codes + 128 onto an accumulator starting at −128·Σ ã, the integer decode gets with
        − 128·Σ ã after them), then the same float32 products (int4: fma and product);
    then c = v or c + v. So a token's down has the bits decode gives it, whatever tile it falls in
-   (tests/test_kernels.py compares a prefill's tokens with any others and, int8 activations, with one call each). */
-#define DOWN_TILE_TOKENS 8
+   (tests/test_kernels.py compares a prefill's tokens with any others and, int8 activations, with one call each).
+   AVX2 (down_float_tile8, down_q8_tile8): a tile is one block of 16 hidden values as down_piece_vector's two halves of
+   8 × up to 4 tokens (16 registers), the same operations; int8 activations' integers through AVX-VNNI as above, else
+   maddubs and madd with ones as down_piece_vector (int8: |ã| × q with ã's sign; int4: the nibbles, unpacked once a
+   tile). */
 
 /* The tokens' activations of one group: a [T, 32] (float), asum[t] = Σ_n a_n (float: a float32 sum in n order from
    zero, down_group's; quantised: the exact Σ ã as an int32), and with int8 activations quad[t·8 + k] = ã_{4k..4k+3}
    of token t as one int32 and d[t] (quantize_group). */
 typedef struct { const float *a, *asum, *d; const int32_t *quad, *qsum; } GroupTokens;
+
+#if VL == 16
+#define DOWN_TILE_TOKENS 8
+#define DOWN_Q8_TILES FMOE_VNNI /* AVX-512 without VNNI: int8 activations' down token by token */
 
 /* c_t[16·nb : 16·nb + 16] (c_t = c + t·h; init: =, else +=) for TT tokens from t0 and NB blocks of 16 hidden values
    of one piece (codes: the first block's, 512 (int8) or 256 (int4) bytes a block; s, m: each block's scales), float
@@ -2318,22 +2518,135 @@ static inline __attribute__((always_inline)) void down_q8_tile(const uint8_t *co
     case 8: DOWN_TILE(fmt, NB, 8); break; case 4: DOWN_TILE(fmt, NB, 4); break; \
     case 2: DOWN_TILE(fmt, NB, 2); break; default: DOWN_TILE(fmt, NB, 1); break; }
 #define DOWN_TILE_CASES(fmt) if (two) { DOWN_TILE_TT(fmt, 2) } else { DOWN_TILE_TT(fmt, 1) }
+#else /* AVX2 */
+#define DOWN_TILE_TOKENS 4
+#define DOWN_Q8_TILES 1
+
+/* c_t[0:16] (c_t = c + t·h; init: =, else +=) for TT tokens from t0 and one block of 16 hidden values of one piece
+   (codes: the block's, its halves 32 bytes apart in each 64; s, m: the halves' scales), float activations:
+   down_piece_vector's AVX2 operations, each neuron's codes converted once for the tile. */
+static inline __attribute__((always_inline)) void down_float_tile8(const uint8_t *codes, int fmt, const __m256 *s,
+                                                                    const __m256 *m, const GroupTokens *a, int64_t t0,
+                                                                    int TT, float *c, int64_t h, int init) {
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256 acc[2][DOWN_TILE_TOKENS], wn[2];
+    for (int t = 0; t < TT; t++) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    for (int hi = 0; hi < (fmt == FMT_INT8 ? 1 : 2); hi++) /* int4: neurons 0..15 (low nibbles), then 16..31 */
+        for (int k = 0; k < (fmt == FMT_INT8 ? 8 : 4); k++) {
+            __m256i w[2];
+            for (int h2 = 0; h2 < 2; h2++) w[h2] = _mm256_loadu_si256((const __m256i *)(codes + 64 * k + 32 * h2));
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) { /* neuron 16·hi + 4k + j */
+                for (int h2 = 0; h2 < 2; h2++)
+                    wn[h2] = fmt == FMT_INT8
+                        ? _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w[h2], 24 - 8 * j), 24))
+                        : _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w[h2], 8 * j + 4 * hi), low));
+                for (int t = 0; t < TT; t++) {
+                    __m256 at = _mm256_broadcast_ss(a->a + (t0 + t) * DOWN_GROUP + 16 * hi + 4 * k + j);
+                    for (int h2 = 0; h2 < 2; h2++) acc[h2][t] = _mm256_fmadd_ps(wn[h2], at, acc[h2][t]);
+                }
+            }
+        }
+    for (int t = 0; t < TT; t++)
+        for (int h2 = 0; h2 < 2; h2++) {
+            __m256 v = fmt == FMT_INT8 ? _mm256_mul_ps(s[h2], acc[h2][t])
+                                       : _mm256_fmadd_ps(s[h2], acc[h2][t], _mm256_mul_ps(m[h2], _mm256_set1_ps(a->asum[t0 + t])));
+            float *o = c + (t0 + t) * h + 8 * h2;
+            _mm256_storeu_ps(o, init ? v : _mm256_add_ps(_mm256_loadu_ps(o), v));
+        }
+}
+
+/* down_float_tile8 with int8 activations: the exact integers Σ_n q_n·ã_n a quad of neurons at a time (AVX-VNNI: int8
+   codes + 128 onto −128·Σ ã, one vpdpbusd a token; else |ã| × q with ã's sign, maddubs and madd with ones), then
+   down_piece_vector's floats. */
+static inline __attribute__((always_inline)) void down_q8_tile8(const uint8_t *codes, int fmt, const __m256 *s,
+                                                                 const __m256 *m, const GroupTokens *a, int64_t t0,
+                                                                 int TT, float *c, int64_t h, int init) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+#if FMOE_AVX_VNNI
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256i dot[2][DOWN_TILE_TOKENS];
+    for (int t = 0; t < TT; t++)
+        dot[0][t] = dot[1][t] = FMOE_AVX_VNNI && fmt == FMT_INT8 ? _mm256_set1_epi32(-128 * a->qsum[t0 + t])
+                                                                 : _mm256_setzero_si256();
+    for (int k = 0; k < (fmt == FMT_INT8 ? 8 : 4); k++) {
+        __m256i lo[2], hi[2];
+        for (int h2 = 0; h2 < 2; h2++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(codes + 64 * k + 32 * h2));
+#if FMOE_AVX_VNNI
+            if (fmt == FMT_INT8) lo[h2] = _mm256_xor_si256(w, bias);
+#else
+            if (fmt == FMT_INT8) lo[h2] = w;
+#endif
+            else lo[h2] = _mm256_and_si256(w, nibble), hi[h2] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        }
+        for (int t = 0; t < TT; t++) {
+            const int32_t *quad = a->quad + (t0 + t) * 8;
+            __m256i ql = _mm256_set1_epi32(quad[k]);
+            if (fmt == FMT_INT8) {
+#if FMOE_AVX_VNNI
+                for (int h2 = 0; h2 < 2; h2++) dot[h2][t] = dpbusd8(dot[h2][t], lo[h2], ql);
+#else
+                __m256i qa = _mm256_abs_epi8(ql);
+                for (int h2 = 0; h2 < 2; h2++)
+                    dot[h2][t] = _mm256_add_epi32(dot[h2][t], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(lo[h2], ql)), ones));
+#endif
+            } else {
+                __m256i qh = _mm256_set1_epi32(quad[4 + k]);
+                for (int h2 = 0; h2 < 2; h2++) {
+#if FMOE_AVX_VNNI
+                    dot[h2][t] = dpbusd8(dpbusd8(dot[h2][t], lo[h2], ql), hi[h2], qh);
+#else
+                    dot[h2][t] = _mm256_add_epi32(dot[h2][t], _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h2], ql), ones));
+                    dot[h2][t] = _mm256_add_epi32(dot[h2][t], _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h2], qh), ones));
+#endif
+                }
+            }
+        }
+    }
+    for (int t = 0; t < TT; t++) {
+        __m256 dd = _mm256_set1_ps(a->d[t0 + t]);
+        for (int h2 = 0; h2 < 2; h2++) {
+            __m256 sum = _mm256_cvtepi32_ps(dot[h2][t]), v;
+            if (fmt == FMT_INT8) v = _mm256_mul_ps(sum, _mm256_mul_ps(s[h2], dd));
+            else v = _mm256_mul_ps(_mm256_fmadd_ps(s[h2], sum, _mm256_mul_ps(m[h2], _mm256_set1_ps((float)a->qsum[t0 + t]))), dd);
+            float *o = c + (t0 + t) * h + 8 * h2;
+            _mm256_storeu_ps(o, init ? v : _mm256_add_ps(_mm256_loadu_ps(o), v));
+        }
+    }
+}
+
+#define DOWN_TILE8(fmt, TT) do { \
+        if (q8) down_q8_tile8(codes, fmt, s, m, a, t, TT, cb, h, init); \
+        else down_float_tile8(codes, fmt, s, m, a, t, TT, cb, h, init); \
+    } while (0)
+#define DOWN_TILE_CASES(fmt) switch (TT) { \
+    case 4: DOWN_TILE8(fmt, 4); break; case 2: DOWN_TILE8(fmt, 2); break; default: DOWN_TILE8(fmt, 1); break; }
+#endif
+
 /* c [T, H] (init: =, else +=) the down projection of one group of 32 neurons (down_group's `rows`) for every token
-   (down_vector_shape), two blocks of 16 hidden values a tile while a piece has two left; q8: int8 activations (the
-   VNNI build alone). */
+   (down_vector_shape); q8: int8 activations (DOWN_Q8_TILES). AVX-512: two blocks of 16 hidden values a tile while a
+   piece has two left; AVX2: one block, as two halves of 8. */
 static void down_group_tokens(const uint8_t *rows, int64_t row_bytes, const Format *f, const GroupTokens *a, int q8,
                               int64_t tokens, float *c, int init) {
     int64_t h = f->hidden, hp = h / DOWN_GROUP, blocks = hp / 16;
     int int8 = f->fmt == FMT_INT8;
     for (int64_t p = 0; p < DOWN_GROUP; p++) {
         const uint8_t *piece = rows + p * row_bytes + 2 * f->proj_bytes, *meta = piece + down_code_bytes(f);
-        for (int64_t b = 0; b < blocks; b += 2) {
-            int two = b + 1 < blocks;
+        for (int64_t b = 0; b < blocks; b += VL == 16 ? 2 : 1) {
             const uint8_t *codes = piece + b * (int8 ? 512 : 256);
-            __m512 s[2], m[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+            vec s[2], m[2] = {vzero(), vzero()};
+#if VL == 16
+            int two = b + 1 < blocks;
             for (int nb = 0; nb < 1 + two; nb++) down_meta_lanes(meta, f->fmt, b + nb, &s[nb], &m[nb]);
+#else
+            for (int h2 = 0; h2 < 2; h2++) down_meta_lanes(meta, f->fmt, 2 * b + h2, &s[h2], &m[h2]);
+#endif
             float *cb = c + p * hp + 16 * b;
-            for (int64_t t = 0, TT; t < tokens; t += TT) { /* tiles of 8, then 4, 2, 1 (fewer inlined copies) */
+            for (int64_t t = 0, TT; t < tokens; t += TT) { /* tiles of DOWN_TILE_TOKENS, then halves (fewer copies) */
                 for (TT = DOWN_TILE_TOKENS; TT > tokens - t;) TT /= 2;
                 if (int8) { DOWN_TILE_CASES(FMT_INT8) } else { DOWN_TILE_CASES(FMT_INT4) }
             }
@@ -2342,10 +2655,10 @@ static void down_group_tokens(const uint8_t *rows, int64_t row_bytes, const Form
 }
 
 /* Whether several tokens take the tiles: gate and up in dots_fused's (float activations) or dots_q8's (int8
-   activations, VNNI), the down in down_group_tokens'. */
+   activations), the down in down_group_tokens'. */
 static int by_neuron_tiles(const Format *f, const Tokens *x) {
-    if (x->tokens < 2 || !down_vector_shape(f)) return 0;
-    return x->q8 ? FMOE_VNNI && q8_tile_shape(f, x) : fused_shape(f, x);
+    if (!prefill_tiles || x->tokens < 2 || !down_vector_shape(f)) return 0;
+    return x->q8 ? DOWN_Q8_TILES && q8_tile_shape(f, x) : fused_shape(f, x);
 }
 
 /* pass_chunk_by_neuron for by_neuron_tiles: per group, each neuron's gate and up dots over every token in
@@ -2361,11 +2674,7 @@ static void by_neuron_tiles_chunk(const Pass *p, int64_t k, float *scratch) {
     int32_t *qsum = (int32_t *)(d + padded), *quad = qsum + padded;
     float *dv = (float *)(quad + 8 * padded), *xgt = dv + q8_vector_floats(tokens, h);
     float mg[META_FLOATS], mu[META_FLOATS];
-#if FMOE_VNNI
     if (x->q8) q8_vectors(x, f, dv), group_sum_vectors(x, xgt);
-#else
-    (void)xgt;
-#endif
     GroupTokens group = {a, asum, d, quad, qsum};
     int64_t i0 = (p->first + k) * p->chunk, i1 = i0 + p->chunk > p->neurons ? p->neurons : i0 + p->chunk;
     for (int64_t g0 = i0; g0 < i1; g0 += DOWN_GROUP) {
@@ -2379,11 +2688,9 @@ static void by_neuron_tiles_chunk(const Pass *p, int64_t k, float *scratch) {
             }
 #endif
             fused_meta(row, f, mg), fused_meta(row + pb, f, mu);
-#if FMOE_VNNI
             if (x->q8)
                 dots_q8_rows(row, row + pb, f, mg, mu, x, dv, xgt, gu, gu + padded, 1);
             else
-#endif
                 dots_fused_rows(row, row + pb, f, mg, mu, x->xf, tokens, gu, gu + padded, 1);
             for (int64_t t = 0; t < tokens; t++) a[t * DOWN_GROUP + n] = gated(gu[t], gu[padded + t], p->x_bf16);
         }
@@ -2414,12 +2721,12 @@ static int64_t by_neuron_floats(int64_t tokens, int64_t hidden) {
 /* pass_chunk for FMT_DOWN_BY_NEURON rows: chunk k's partial sum c [T, H], its neurons a group of 32 at a time: each
    neuron's gate and up dots per token (int8 activations: gate_up_dots; one float32 token: gate_up_one, prefetching;
    several: prefill_chunk's decoded rows in register tiles), a[t], then the group's down for each token (down_group;
-   a token's down has the same bits whatever the other tokens). Several tokens on AVX-512: by_neuron_tiles_chunk.
-   scratch: by_neuron_floats. */
+   a token's down has the same bits whatever the other tokens). Several tokens where by_neuron_tiles (AVX-512 or AVX2;
+   int8 activations on AVX-512 without VNNI not): by_neuron_tiles_chunk, the same bits. scratch: by_neuron_floats. */
 static void pass_chunk_by_neuron(const Pass *p, int64_t k, float *scratch) {
     const Format *f = p->f;
     const Tokens *x = p->x;
-#if FMOE_AVX2 && VL == 16
+#if FMOE_AVX2
     if (by_neuron_tiles(f, x) && FMOE_PHASES == 3) {
         by_neuron_tiles_chunk(p, k, scratch);
         return;
@@ -2883,7 +3190,6 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
     if (x->q8) { /* int8: 4 rows at a time, int4: 2, sharing the token's loads (each row's sum its own) */
         int64_t o = o0;
         float out[4];
-#if FMOE_VNNI
         if (p->dv) { /* several tokens: dots_q8's tiles, two rows × 4 tokens (rows_dot_q8's bits per row and token) */
             float m0[META_FLOATS], m1[META_FLOATS];
             for (; o + 2 <= o1; o += 2) {
@@ -2892,7 +3198,6 @@ static void linear_chunk(void *job, int64_t k, int64_t worker) {
                 dots_q8_rows(r0, r1, f, m0, m1, x, p->dv, p->xgt, p->y + o, p->y + o + 1, p->outputs);
             }
         }
-#endif
         for (; o + 4 <= o1 && f->fmt == FMT_INT8; o += 4) {
             const uint8_t *rows[4] = {p->rows + o * f->proj_bytes, p->rows + (o + 1) * f->proj_bytes,
                                       p->rows + (o + 2) * f->proj_bytes, p->rows + (o + 3) * f->proj_bytes};
@@ -2977,8 +3282,12 @@ int fmoe_linear_forward(int fmt, const uint8_t *rows, int64_t outputs, int64_t h
     float *scratch = prepare_tokens(&xs, x, x_bf16, tokens, &f, q8, threads * stride + transposed + q8_scratch_floats(tokens, hidden));
     if (!scratch) return -1;
     Linear job = {&xs, &f, rows, y, scratch, outputs, stride, NULL, NULL, NULL};
-#if FMOE_VNNI
-    if (tokens > 1 && q8_tile_shape(&f, &xs)) { /* dots_q8's vectors, once a call */
+#if FMOE_AVX2
+    /* dots_q8's tiles: int4 rows; int8 rows where vpdpbusd takes the codes + 128 (with AVX2 alone each row and token
+       keeps its sign flip, and rows_dot_q8's 4 rows a token ran faster than 2 rows × 4 tokens: a3b's q rows 0.88–0.95×
+       with the tiles, benchmarks/results/2026-11-28-avx2-tiles.md) */
+    int q8_tiles = f.fmt == FMT_INT4 || FMOE_AVX_VNNI || q8_wide(&f);
+    if (tokens > 1 && q8_tiles && q8_tile_shape(&f, &xs)) { /* dots_q8's vectors, once a call */
         float *dv = scratch + threads * stride + transposed, *xgt = dv + q8_vector_floats(tokens, hidden);
         q8_vectors(&xs, &f, dv), group_sum_vectors(&xs, xgt);
         job.dv = dv, job.xgt = xgt;
