@@ -158,9 +158,10 @@ class Routing:
         extra = extra or {}
         if not (pack if pack is not None else top_k_index.device.type != "cpu"):
             return cls._make(top_k_index, top_k_weights,  # (inference: nothing to detach from, no op)
-                             {key: t.detach() if t.requires_grad else t for key, t in extra.items()})
+                             {key: t.detach() if t.requires_grad else t for key, t in extra.items()} if extra else {})
         parts = [top_k_index.reshape(-1), top_k_weights.reshape(-1), *(t.reshape(-1) for t in extra.values())]
-        host = read_to_host(torch.cat([t.detach().double() for t in parts]))  # the layer's one wait for the device
+        host = read_to_host(torch.cat([(t.detach() if t.requires_grad else t).double()  # (inference: no detach op)
+                                       for t in parts]))  # the layer's one wait for the device
         pieces = iter(host.split([t.numel() for t in parts]))
         ids = next(pieces).long().view(top_k_index.shape)
         weights = next(pieces).to(top_k_weights.dtype).view(top_k_weights.shape)
@@ -666,7 +667,7 @@ class Engine:
         if state.resident:  # every expert whole on the device: what classify gives, without the pool (nothing staged)
             hits = Hits(tuple(active), (), (), (), (), ())
         else:
-            hits = self.pool.classify(i, active, state.cache.cached(), state.top_neurons, self.shape.intermediate)
+            hits = self.pool.classify(i, active, state.cache, state.top_neurons, self.shape.intermediate)  # (no copy)
         state.counters.count(len(active), hits)
         return hits
 
@@ -692,24 +693,23 @@ class Engine:
             state.counters.submit_s += submitted - submit_start
             state.counters.submitted += len(hits.loads) - len(waiting)
         k = state.top_neurons
-        if hidden_states.shape[0] == 1:  # a decode step: every expert's one token is that row (no gather)
-            def x_of(e: int) -> torch.Tensor:
-                return hidden_states
-        else:
+        decode = hidden_states.shape[0] == 1  # a decode step: every expert's one token is that row (no gather)
+        if not decode:
             _perm, tokens, spans = routing.layout(hidden_states.device)
             xs = hidden_states[tokens]  # [T·K, H]: every expert's tokens, in one gather
 
-            def x_of(e: int) -> torch.Tensor:
-                return xs[spans[e]]
+        def x_of(e: int) -> torch.Tensor:
+            return hidden_states if decode else xs[spans[e]]
         if loading:  # the host's lead on the first load (the configurator's h_route)
             state.counters.lead_s += host_now() - submitted
             state.counters.leads += 1
         # what the cache holds, one call each for the whole experts and for the tops (store.segments_forward)
+        slot, rows = state.cache.slot, state.top_rows
         outputs: dict[int, torch.Tensor] = dict(zip(hits.whole, store.segments_forward(
-            [x_of(e) for e in hits.whole], [state.top_rows[state.cache.slot(e)] for e in hits.whole], act)))
+            [x_of(e) for e in hits.whole], [rows[slot(e)] for e in hits.whole], act))) if hits.whole else {}
         top_outputs = dict(zip(hits.top_hits, store.segments_forward(  # partial: the bottom continues them
-            [x_of(e) for e in hits.top_hits], [state.top_rows[state.cache.slot(e)] for e in hits.top_hits], act,
-            partial=True)))
+            [x_of(e) for e in hits.top_hits], [rows[slot(e)] for e in hits.top_hits], act,
+            partial=True))) if hits.top_hits else {}
         self._bookkeep(i, state, routing)  # while the GPU computes what is on it; before any admission (`_offer`)
         prefetched = False
         while loading or waiting:
