@@ -159,12 +159,17 @@ class Routing:
         if not (pack if pack is not None else top_k_index.device.type != "cpu"):
             return cls._make(top_k_index, top_k_weights,  # (inference: nothing to detach from, no op)
                              {key: t.detach() if t.requires_grad else t for key, t in extra.items()} if extra else {})
-        parts = [top_k_index.reshape(-1), top_k_weights.reshape(-1), *(t.reshape(-1) for t in extra.values())]
+        decode = top_k_index.shape[0] == 1  # a decode token: its [1, K] rows side by side, no view of them either way
+        parts = [top_k_index, top_k_weights] if decode else [top_k_index.reshape(-1), top_k_weights.reshape(-1)]
+        parts += [t.reshape(1, -1) if decode else t.reshape(-1) for t in extra.values()]
         host = read_to_host(torch.cat([(t.detach() if t.requires_grad else t).double()  # (inference: no detach op)
-                                       for t in parts]))  # the layer's one wait for the device
-        pieces = iter(host.split([t.numel() for t in parts]))
-        ids = next(pieces).long().view(top_k_index.shape)
-        weights = next(pieces).to(top_k_weights.dtype).view(top_k_weights.shape)
+                                       for t in parts], dim=-1))  # the layer's one wait for the device
+        pieces = iter(host.split([t.shape[-1] for t in parts], dim=-1))
+        if decode:
+            ids, weights = next(pieces).long(), next(pieces).to(top_k_weights.dtype)  # [1, K] each
+        else:
+            ids = next(pieces).long().view(top_k_index.shape)
+            weights = next(pieces).to(top_k_weights.dtype).view(top_k_weights.shape)
         out = {key: next(pieces).to(t.dtype).view(t.shape) for key, t in extra.items()}
         return cls._make(ids, weights, out)
 
@@ -239,7 +244,7 @@ class LayerState:
         """What cache slot `slot` holds: [k_i, *row_shape]."""
         return self.top_views[slot] if self.aliased else self.tops[slot]
 
-    def put_top(self, slot: int, rows: torch.Tensor, store: HostStore) -> None:
+    def put_top(self, slot: int, rows: torch.Tensor, store: HostStore, made=None) -> None:
         """Expert rows [k_i, *row_shape] into cache slot `slot`, in the compute's order: a copy on the device
         (offload/link.py `device_copy`), or where `aliased`, the slot made a view of `rows`, which must then be the
         host store's own rows (offload/store.py `expert`), not a buffer that is reused (a staging slot)."""
@@ -247,7 +252,7 @@ class LayerState:
             device_copy(self.tops[slot], rows)
             return
         self.top_views[slot] = rows
-        self.top_rows[slot] = store.rows(rows)
+        self.top_rows[slot] = made if made is not None else store.rows(rows)  # made: store.rows(rows) made before
 
 
 @dataclass
@@ -794,9 +799,17 @@ class Engine:
         if state.top_neurons == 0:
             return
         admission = state.cache.admit(e)
-        if admission is not None:  # aliased: the store's rows (segment may be a staging slot, which is reused)
-            k = state.top_neurons
-            state.put_top(admission.slot, self.store.expert(i, e)[:k] if state.aliased else segment[:k], self.store)
+        if admission is None:
+            return
+        k = state.top_neurons
+        if not state.aliased:
+            state.put_top(admission.slot, segment if k == segment.shape[0] else segment[:k], self.store)  # (no op)
+            return
+        rows = self.store.expert(i, e)  # aliased: the store's rows (segment may be a staging slot, which is reused)
+        if k == rows.shape[0]:  # a whole expert: the store's own view, its rows as its loads' (made once: no op)
+            state.put_top(admission.slot, rows, self.store, made=self.pool.rows(self.store, rows))
+        else:
+            state.put_top(admission.slot, rows[:k], self.store)
 
     @property
     def _prefetching(self) -> bool:
