@@ -156,7 +156,7 @@ class Routing:
         """Ids, weights and `extra` (key -> tensor) to the host in one copy (float64 holds ids,
         bf16/fp32 weights and scores exactly). `pack`: default, only when they are not on the host."""
         extra = extra or {}
-        if not (pack if pack is not None else top_k_index.device.type != "cpu"):
+        if not (pack if pack is not None else not top_k_index.is_cpu):
             return cls._make(top_k_index, top_k_weights,  # (inference: nothing to detach from, no op)
                              {key: t.detach() if t.requires_grad else t for key, t in extra.items()} if extra else {})
         decode = top_k_index.shape[0] == 1  # a decode token: its [1, K] rows side by side, no view of them either way
@@ -175,7 +175,8 @@ class Routing:
 
     @classmethod
     def _make(cls, ids: torch.Tensor, weights: torch.Tensor, extra: dict) -> Routing:
-        flat = [e for row in ids.tolist() for e in row]  # token-major ([T, K]: no reshape op)
+        rows = ids.tolist()
+        flat = rows[0] if len(rows) == 1 else [e for row in rows for e in row]  # token-major ([T, K]: no reshape op)
         return cls(ids, weights, flat, sorted(set(flat)), extra=extra)
 
     def tokens(self) -> list[list[int]]:

@@ -14,8 +14,8 @@ torch's path (a GPU; a CPU without the expert kernels) reads a segment [n, 3, H]
 two views made once per buffer (`Rows`): its gate and up rows as one [2, H, n] batched
 matrix, so one matmul gives both (x · W_gateᵀ, x · W_upᵀ), and its down columns [n, H].
 Every op the host dispatches costs it microseconds on a GPU (docs/architecture.md § Host
-work per token): a whole segment is 5 ops (4 kernel launches), a split expert 6, and a decode
-step's K ≥ 3 whole experts of one buffer 11 together on a GPU (torch's grouped matmul).
+work per token): a whole segment is 5 ops (4 kernel launches; a decode token's 4, into a `GateUp` workspace), a
+split expert 6, and a decode step's K ≥ 3 whole experts of one buffer 11 together on a GPU (torch's grouped matmul).
 """
 
 from __future__ import annotations
