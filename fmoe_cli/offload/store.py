@@ -160,7 +160,7 @@ class HostStore:
         """segment_forward with torch's ops (a GPU; a CPU without the kernels); a decode step's gate and up into a
         workspace made once per (neurons, dtype, device, thread: the host lane's threads compute too) (layout.GateUp:
         one op fewer a segment)."""
-        if x.shape[0] != 1:
+        if x.shape[0] != 1 or x.requires_grad:  # (autograd refuses out=: a forward under grad takes the plain path)
             return layout.segment_forward(x, segment, act)
         neurons = (segment.down if isinstance(segment, layout.Rows) else segment).shape[0]
         key = (neurons, x.dtype, x.device, threading.get_ident())
