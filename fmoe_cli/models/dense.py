@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules import module as _module
 
 from fmoe_cli import kernels
+from fmoe_cli.offload.layout import hooked  # noqa: F401 (decoder.py imports it from here)
 from fmoe_cli.offload.quant import QUANTIZE_ROWS, block_rows, dequantize, quantize
 from fmoe_cli.types import DEFAULT_ACTIVATIONS, DENSE_FORMATS, DenseFormat, QuantFormat
 
@@ -42,12 +42,6 @@ def ours(forward):
     still has it before it computes the module's steps in C)."""
     forward.fmoe_decode = True
     return forward
-
-
-def hooked(module) -> bool:
-    """Whether calling `module` would run a forward hook (its own or a global one) around its forward."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
-                or _module._global_forward_pre_hooks)
 
 
 def forward_of(module):

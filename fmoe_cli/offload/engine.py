@@ -156,20 +156,27 @@ class Routing:
         """Ids, weights and `extra` (key -> tensor) to the host in one copy (float64 holds ids,
         bf16/fp32 weights and scores exactly). `pack`: default, only when they are not on the host."""
         extra = extra or {}
-        if not (pack if pack is not None else top_k_index.device.type != "cpu"):
+        if not (pack if pack is not None else not top_k_index.is_cpu):
             return cls._make(top_k_index, top_k_weights,  # (inference: nothing to detach from, no op)
-                             {key: t.detach() if t.requires_grad else t for key, t in extra.items()})
-        parts = [top_k_index.reshape(-1), top_k_weights.reshape(-1), *(t.reshape(-1) for t in extra.values())]
-        host = read_to_host(torch.cat([t.detach().double() for t in parts]))  # the layer's one wait for the device
-        pieces = iter(host.split([t.numel() for t in parts]))
-        ids = next(pieces).long().view(top_k_index.shape)
-        weights = next(pieces).to(top_k_weights.dtype).view(top_k_weights.shape)
+                             {key: t.detach() if t.requires_grad else t for key, t in extra.items()} if extra else {})
+        decode = top_k_index.shape[0] == 1  # a decode token: its [1, K] rows side by side, no view of them either way
+        parts = [top_k_index, top_k_weights] if decode else [top_k_index.reshape(-1), top_k_weights.reshape(-1)]
+        parts += [t.reshape(1, -1) if decode else t.reshape(-1) for t in extra.values()]
+        host = read_to_host(torch.cat([(t.detach() if t.requires_grad else t).double()  # (inference: no detach op)
+                                       for t in parts], dim=-1))  # the layer's one wait for the device
+        pieces = iter(host.split([t.shape[-1] for t in parts], dim=-1))
+        if decode:
+            ids, weights = next(pieces).long(), next(pieces).to(top_k_weights.dtype)  # [1, K] each
+        else:
+            ids = next(pieces).long().view(top_k_index.shape)
+            weights = next(pieces).to(top_k_weights.dtype).view(top_k_weights.shape)
         out = {key: next(pieces).to(t.dtype).view(t.shape) for key, t in extra.items()}
         return cls._make(ids, weights, out)
 
     @classmethod
     def _make(cls, ids: torch.Tensor, weights: torch.Tensor, extra: dict) -> Routing:
-        flat = [e for row in ids.tolist() for e in row]  # token-major ([T, K]: no reshape op)
+        rows = ids.tolist()
+        flat = rows[0] if len(rows) == 1 else [e for row in rows for e in row]  # token-major ([T, K]: no reshape op)
         return cls(ids, weights, flat, sorted(set(flat)), extra=extra)
 
     def tokens(self) -> list[list[int]]:
@@ -238,7 +245,7 @@ class LayerState:
         """What cache slot `slot` holds: [k_i, *row_shape]."""
         return self.top_views[slot] if self.aliased else self.tops[slot]
 
-    def put_top(self, slot: int, rows: torch.Tensor, store: HostStore) -> None:
+    def put_top(self, slot: int, rows: torch.Tensor, store: HostStore, made=None) -> None:
         """Expert rows [k_i, *row_shape] into cache slot `slot`, in the compute's order: a copy on the device
         (offload/link.py `device_copy`), or where `aliased`, the slot made a view of `rows`, which must then be the
         host store's own rows (offload/store.py `expert`), not a buffer that is reused (a staging slot)."""
@@ -246,7 +253,7 @@ class LayerState:
             device_copy(self.tops[slot], rows)
             return
         self.top_views[slot] = rows
-        self.top_rows[slot] = store.rows(rows)
+        self.top_rows[slot] = made if made is not None else store.rows(rows)  # made: store.rows(rows) made before
 
 
 @dataclass
@@ -694,7 +701,7 @@ class Engine:
         if state.resident:  # every expert whole on the device: what classify gives, without the pool (nothing staged)
             hits = Hits(tuple(active), (), (), (), (), ())
         else:
-            hits = self.pool.classify(i, active, state.cache.cached(), state.top_neurons, self.shape.intermediate)
+            hits = self.pool.classify(i, active, state.cache, state.top_neurons, self.shape.intermediate)  # (no copy)
         state.counters.count(len(active), hits)
         return hits
 
@@ -720,24 +727,23 @@ class Engine:
             state.counters.submit_s += submitted - submit_start
             state.counters.submitted += len(hits.loads) - len(waiting)
         k = state.top_neurons
-        if hidden_states.shape[0] == 1:  # a decode step: every expert's one token is that row (no gather)
-            def x_of(e: int) -> torch.Tensor:
-                return hidden_states
-        else:
+        decode = hidden_states.shape[0] == 1  # a decode step: every expert's one token is that row (no gather)
+        if not decode:
             _perm, tokens, spans = routing.layout(hidden_states.device)
             xs = hidden_states[tokens]  # [T·K, H]: every expert's tokens, in one gather
 
-            def x_of(e: int) -> torch.Tensor:
-                return xs[spans[e]]
+        def x_of(e: int) -> torch.Tensor:
+            return hidden_states if decode else xs[spans[e]]
         if loading:  # the host's lead on the first load (the configurator's h_route)
             state.counters.lead_s += host_now() - submitted
             state.counters.leads += 1
         # what the cache holds, one call each for the whole experts and for the tops (store.segments_forward)
+        slot, rows = state.cache.slot, state.top_rows
         outputs: dict[int, torch.Tensor] = dict(zip(hits.whole, store.segments_forward(
-            [x_of(e) for e in hits.whole], [state.top_rows[state.cache.slot(e)] for e in hits.whole], act)))
+            [x_of(e) for e in hits.whole], [rows[slot(e)] for e in hits.whole], act))) if hits.whole else {}
         top_outputs = dict(zip(hits.top_hits, store.segments_forward(  # partial: the bottom continues them
-            [x_of(e) for e in hits.top_hits], [state.top_rows[state.cache.slot(e)] for e in hits.top_hits], act,
-            partial=True)))
+            [x_of(e) for e in hits.top_hits], [rows[slot(e)] for e in hits.top_hits], act,
+            partial=True))) if hits.top_hits else {}
         self._bookkeep(i, state, routing)  # while the GPU computes what is on it; before any admission (`_offer`)
         prefetched = False
         while loading or waiting:
@@ -822,9 +828,17 @@ class Engine:
         if state.top_neurons == 0:
             return
         admission = state.cache.admit(e)
-        if admission is not None:  # aliased: the store's rows (segment may be a staging slot, which is reused)
-            k = state.top_neurons
-            state.put_top(admission.slot, self.store.expert(i, e)[:k] if state.aliased else segment[:k], self.store)
+        if admission is None:
+            return
+        k = state.top_neurons
+        if not state.aliased:
+            state.put_top(admission.slot, segment if k == segment.shape[0] else segment[:k], self.store)  # (no op)
+            return
+        rows = self.store.expert(i, e)  # aliased: the store's rows (segment may be a staging slot, which is reused)
+        if k == rows.shape[0]:  # a whole expert: the store's own view, its rows as its loads' (made once: no op)
+            state.put_top(admission.slot, rows, self.store, made=self.pool.rows(self.store, rows))
+        else:
+            state.put_top(admission.slot, rows[:k], self.store)
 
     @property
     def _prefetching(self) -> bool:

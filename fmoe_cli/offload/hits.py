@@ -15,11 +15,10 @@ activated, or that start too late to cover the need, are *dropped*.
 from __future__ import annotations
 
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Hits:
+class Hits(NamedTuple):  # (a tuple: made once a layer, in a third of a frozen dataclass's time)
     whole: tuple[int, ...]  # cached whole: compute only
     top_hits: tuple[int, ...]  # top cached: top computed, bottom loaded
     misses: tuple[int, ...]  # whole expert loaded
@@ -37,18 +36,26 @@ def classify(active: Iterable[int], cached: Container[int], top_neurons: int, in
              staged: Mapping[int, int]) -> Hits:
     """active: the layer's activated experts; cached: experts whose top is cached; staged:
     expert -> first neuron of the segment this layer's staging entries hold."""
-    active = sorted(set(active))
+    whole_when_cached = top_neurons == intermediate
     whole, top_hits, misses, covered, loads = [], [], [], [], []
-    for e in active:
-        if e in cached and top_neurons == intermediate:
-            whole.append(e)
-            continue
-        start = top_neurons if e in cached else 0
-        (top_hits if e in cached else misses).append(e)
-        if e in staged and staged[e] <= start:
+    for e in sorted(set(active)):
+        if e in cached:
+            if whole_when_cached:
+                whole.append(e)
+                continue
+            top_hits.append(e)
+            start = top_neurons
+        else:
+            misses.append(e)
+            start = 0
+        first = staged.get(e) if staged else None
+        if first is not None and first <= start:
             covered.append((e, start))
         else:
             loads.append((e, start))
-    usable = {e for e, _ in covered}
-    dropped = tuple(sorted(e for e in staged if e not in usable))
+    if staged:
+        usable = {e for e, _ in covered}
+        dropped = tuple(sorted(e for e in staged if e not in usable))
+    else:
+        dropped = ()
     return Hits(tuple(whole), tuple(top_hits), tuple(misses), tuple(covered), tuple(loads), dropped)

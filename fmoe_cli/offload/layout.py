@@ -14,8 +14,8 @@ torch's path (a GPU; a CPU without the expert kernels) reads a segment [n, 3, H]
 two views made once per buffer (`Rows`): its gate and up rows as one [2, H, n] batched
 matrix, so one matmul gives both (x · W_gateᵀ, x · W_upᵀ), and its down columns [n, H].
 Every op the host dispatches costs it microseconds on a GPU (docs/architecture.md § Host
-work per token): a whole segment is 5 ops (4 kernel launches), a split expert 6, and a decode
-step's K ≥ 3 whole experts of one buffer 11 together on a GPU (torch's grouped matmul).
+work per token): a whole segment is 5 ops (4 kernel launches; a decode token's 4, into a `GateUp` workspace), a
+split expert 6, and a decode step's K ≥ 3 whole experts of one buffer 11 together on a GPU (torch's grouped matmul).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 GATE, UP, DOWN = 0, 1, 2
 
@@ -64,6 +65,18 @@ class Rows(NamedTuple):
     slot: int = 0
 
 
+def hooked(module) -> bool:
+    """Whether calling `module` would run a forward hook (its own or a global one) around its forward."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks)
+
+
+def called(act):
+    """What calling the activation `act` runs: an nn.Module's forward without nn.Module's per-call steps (hooks,
+    tracing: 2–3 µs a call, one call a segment) where no hook would run (models/dense.py `forward_of`); else `act`."""
+    return act.forward if isinstance(act, nn.Module) and not hooked(act) else act
+
+
 def split_rows(segment: torch.Tensor) -> Rows:
     """[n, 3, H] -> Rows (views), made once per buffer (a cached top, a staging slot) instead of per forward."""
     return Rows(segment[:, :DOWN].permute(1, 2, 0), segment[:, DOWN])
@@ -75,14 +88,33 @@ def stack_rows(buffer: torch.Tensor) -> list[Rows]:
     return [split_rows(segment)._replace(stack=stack, slot=slot) for slot, segment in enumerate(buffer.unbind(0))]
 
 
-def segment_forward(x: torch.Tensor, segment, act) -> torch.Tensor:
+def segment_forward(x: torch.Tensor, segment, act, workspace: GateUp | None = None) -> torch.Tensor:
     """Partial expert output of the neurons in `segment` ([n, 3, H], or its `Rows`) for tokens x ([T, H]).
 
     Five ops on Rows: one matmul for gate and up, the split into both (a view), the activation, the
-    product and the down matmul."""
+    product and the down matmul; four into a `workspace` of x's tokens and the segment's neurons (the matmul
+    writes its views: no split; the same kernel, the same bits)."""
     rows = segment if isinstance(segment, Rows) else split_rows(segment)
-    gate, up = torch.matmul(x, rows.gate_up).unbind(0)  # [2, T, n] -> [T, n] each
-    return (act(gate) * up) @ rows.down  # [T, H]
+    if workspace is None:
+        gate, up = torch.matmul(x, rows.gate_up).unbind(0)  # [2, T, n] -> [T, n] each
+    else:
+        torch.matmul(x, rows.gate_up, out=workspace.both)
+        gate, up = workspace.gate, workspace.up
+    return (called(act)(gate) * up) @ rows.down  # [T, H]
+
+
+class GateUp(NamedTuple):
+    """Where a whole segment's gate and up land ([2, T, n]) and its views, made once (a decode step's: store.py)."""
+
+    both: torch.Tensor  # [2, T, n]
+    gate: torch.Tensor  # [T, n]
+    up: torch.Tensor  # [T, n]
+
+    @classmethod
+    def make(cls, tokens: int, neurons: int, dtype: torch.dtype, device: torch.device) -> GateUp:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+            both = torch.empty(2, tokens, neurons, dtype=dtype, device=device)
+        return cls(both, *both.unbind(0))
 
 
 def grouped_mm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -105,7 +137,7 @@ def grouped_forward(x: torch.Tensor, segments: list[Rows], act) -> list[torch.Te
     if x.device.type != "cpu":  # pinned: the copy does not wait for the compute stream
         ends = ends.pin_memory().to(x.device, non_blocking=True)
     xs = x.repeat(len(slots), 1)  # [K, H]: the token once per activated slot
-    h = act(grouped_mm(xs, stack.gate, ends)) * grouped_mm(xs, stack.up, ends)  # [K, n]
+    h = called(act)(grouped_mm(xs, stack.gate, ends)) * grouped_mm(xs, stack.up, ends)  # [K, n]
     rows = grouped_mm(h, stack.down, ends).split(1)  # [1, H] each, by slot
     return [rows[slots.index(s.slot)] for s in segments]
 
@@ -156,7 +188,7 @@ def bottom_forward(x: torch.Tensor, bottom, act, top: Top) -> torch.Tensor:
     rows = bottom if isinstance(bottom, Rows) else split_rows(bottom)
     ws = top.workspace
     torch.matmul(x, rows.gate_up, out=ws.bottom)  # [2, T, I - k]
-    torch.mul(act(ws.gate), ws.up, out=ws.gate)  # h [T, I]
+    torch.mul(called(act)(ws.gate), ws.up, out=ws.gate)  # h [T, I]
     if x.dtype == torch.float32:
         return torch.addmm(ws.top_hidden @ top.down, ws.bottom_hidden, rows.down)  # [T, H]
     # bf16 / fp16: the two partial down projections summed in float32 and rounded once, as the whole expert's one
@@ -188,6 +220,6 @@ def routed_forward(x: torch.Tensor, stack: Stack, slots: torch.Tensor, act) -> t
     counts.scatter_add_(0, slots, torch.ones(k, dtype=torch.int32, device=x.device))  # [C]: 1 per routed slot
     ends = counts.cumsum(0, dtype=torch.int32)  # [C]: each slot's last row + 1
     xs = x.repeat(k, 1)  # [K, H]: the token once per routed slot
-    h = act(grouped_mm(xs, stack.gate, ends)) * grouped_mm(xs, stack.up, ends)  # [K, n], by slot
+    h = called(act)(grouped_mm(xs, stack.gate, ends)) * grouped_mm(xs, stack.up, ends)  # [K, n], by slot
     rows = grouped_mm(h, stack.down, ends)  # [K, H], by slot
     return torch.empty_like(rows).index_copy_(0, order, rows)  # row order[j] of the output is the j-th by slot

@@ -21,6 +21,7 @@ copies:
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -94,11 +95,12 @@ class StagingPool:
         of_layer = self._staged.get(layer)
         return of_layer.get(expert) if of_layer else None
 
-    def classify(self, layer: int, active: list[int], cached: dict[int, int], top_neurons: int,
+    def classify(self, layer: int, active: list[int], cached: Container[int], top_neurons: int,
                  intermediate: int) -> Hits:
         """Classify a layer's activated experts against its cache and this pool (offload/hits.py), and
         release the layer's staged entries that serve none of them."""
-        staged = {e: entry.start for e, entry in self._staged.get(layer, {}).items()}
+        of_layer = self._staged.get(layer)
+        staged = {e: entry.start for e, entry in of_layer.items()} if of_layer else {}
         hits = classify(active, cached, top_neurons, intermediate, staged)
         for e in hits.dropped:
             self.release(self.find(layer, e))
@@ -137,11 +139,9 @@ class StagingPool:
         return [e for e in self.entries if e is not None]
 
     def free_slot(self) -> int | None:
-        """The lowest free slot."""
-        try:
-            return self.entries.index(None)
-        except ValueError:
-            return None
+        """The lowest free slot (a full pool, common in decode, without raising ValueError: µs a load)."""
+        entries = self.entries
+        return entries.index(None) if None in entries else None
 
     def after(self, slot: int) -> tuple:
         """What a new copy into `slot` must follow: the copy still writing it, the compute still reading it."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import threading
 
 import torch
 
@@ -131,6 +132,7 @@ class HostStore:
         self._buffers: list[HostBuffer] = []
         self.kernel = kernels.spec_of(shape.experts, dtype, shape.hidden, shape.neuron_block, activations,
                                       shape.down_by_neuron)  # the kernels' view
+        self._gate_up: dict[tuple, layout.GateUp] = {}  # torch's path: a decode step's whole segment's gate and up
         self._split_workspaces: dict[tuple, layout.SplitWorkspace] = {}  # torch's path: a split expert's gate and up
         self.grouping: bool | None = None  # segments_forward groups (None: decided on the first call, by device)
 
@@ -155,8 +157,17 @@ class HostStore:
         return self.torch_forward(x, segment, act)
 
     def torch_forward(self, x: torch.Tensor, segment, act) -> torch.Tensor:
-        """segment_forward with torch's ops (a GPU; a CPU without the kernels)."""
-        return layout.segment_forward(x, segment, act)
+        """segment_forward with torch's ops (a GPU; a CPU without the kernels); a decode step's gate and up into a
+        workspace made once per (neurons, dtype, device, thread: the host lane's threads compute too) (layout.GateUp:
+        one op fewer a segment)."""
+        if x.shape[0] != 1 or x.requires_grad:  # (autograd refuses out=: a forward under grad takes the plain path)
+            return layout.segment_forward(x, segment, act)
+        neurons = (segment.down if isinstance(segment, layout.Rows) else segment).shape[0]
+        key = (neurons, x.dtype, x.device, threading.get_ident())
+        workspace = self._gate_up.get(key)
+        if workspace is None:
+            workspace = self._gate_up[key] = layout.GateUp.make(1, neurons, x.dtype, x.device)
+        return layout.segment_forward(x, segment, act, workspace)
 
     def torch_top(self, x: torch.Tensor, segment, act, lane: int) -> layout.Top:
         """A split expert's top on torch's path: its gate and up into a workspace beside where the bottom's

@@ -45,11 +45,23 @@ def router_scores(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     that choose by sigmoid + a correction bias (DeepSeek-V3) are ranked the way they
     choose.
     """
-    logits = F.linear(as_float32(hidden), as_float32(router.weight))
-    bias = getattr(router, "e_score_correction_bias", None)
+    logits = F.linear(as_float32(hidden), as_float32(module_attribute(router, "weight")))
+    bias = module_attribute(router, "e_score_correction_bias")
     if bias is not None:
         return logits.sigmoid() + bias.float()
     return logits.softmax(dim=-1)
+
+
+def module_attribute(module: nn.Module, name: str):
+    """getattr(module, name, None), read from the module's parameters, buffers, submodules and own dict first: through
+    nn.Module's __getattr__ a name costs about 1 µs, a missing one (the correction bias of most routers, each layer
+    of a decode step) 2 µs with its AttributeError."""
+    if not isinstance(module, nn.Module):
+        return getattr(module, name, None)
+    for table in (module._parameters, module._buffers, module._modules, module.__dict__):
+        if name in table:
+            return table[name]
+    return getattr(module, name, None) if hasattr(type(module), name) else None  # a property or a class attribute
 
 
 def as_float32(t: torch.Tensor) -> torch.Tensor:
