@@ -550,13 +550,14 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy, m
     """Issue 20 §6: every op the host dispatches costs it microseconds on a GPU. Counted with a
     TorchDispatchMode over one decode step on torch's path (the device's: the CPU's kernels switched off, the
     store's grouping on):
-    - a whole expert's segment forward is at most 4 ops (one matmul for gate and up over the neuron-major
-      rows into a decode workspace whose two views are made once, the activation, the product, the down
-      matmul); a layer's K ≥ 3 resident
-      experts at most 11 together (torch's grouped matmul, one per projection; 9 on the CPU);
-    - a split expert (`uniform` θ = 0.5: a cached top and a loaded bottom) at most 7 (it is 6: the top's gate
-      and up while the bottom loads; then the bottom's beside them, one activation and one product for
-      both, the top's down matmul and the bottom's added to it in one addmm);
+    - a whole expert's segment forward is at most 5 ops (x broadcast over gate and up, a view, and one batched
+      matmul for both over the neuron-major rows into a decode workspace whose two views are made once, the
+      activation, the product, the down matmul: 4 launches; the batched matmul and the down matmul called
+      directly, not through torch.matmul, whose dozen more aten calls this count never saw: layout.gate_up_mm);
+      a layer's K ≥ 3 resident experts at most 11 together (torch's grouped matmul, one per projection; 9 on the CPU);
+    - a split expert (`uniform` θ = 0.5: a cached top and a loaded bottom) at most 7 (x's broadcast and the
+      top's gate and up while the bottom loads; then the bottom's beside them, one activation and one product
+      for both, the top's down matmul and the bottom's added to it in one addmm);
     - an MoE layer besides its segments and its predictor at most 12 whatever K (routing to the host; the
       weighted sum in one concatenation, one multiply and one sum);
     - the predictor's scores, ranking and prefetches (a plan that prefetches) at most 10 a layer."""
@@ -570,7 +571,7 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy, m
         assert ops["split_experts"] >= shape.num_layers * shape.top_k and ops["segments"] == 0, ops
         assert ops["ops_per_split_expert"] <= 7, ops["by_op"]
     else:
-        assert ops["split_experts"] == 0 and 0 < ops["ops_per_segment"] <= 4, ops["by_op"]
+        assert ops["split_experts"] == 0 and 0 < ops["ops_per_segment"] <= 5, ops["by_op"]
     if policy == "resident" and shape.top_k >= 3:
         assert ops["ops_per_segment"] * shape.top_k <= 11, ops["by_op"]
     assert ops["ops_per_layer_besides_segments"] <= 12, ops["by_op"]

@@ -44,3 +44,36 @@ def test_the_activation_skips_the_module_call_only_where_no_hook_would_run():
         assert seen == [1]
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_direct_batched_matmul_is_torch_matmuls_bit_for_bit(dtype, tokens):
+    """layout.gate_up_mm calls the bmm torch.matmul(x, gate_up) decides on (issue 37 §2: 19 dispatched steps fewer):
+    the same bits, into a fresh tensor and into a workspace's strided view, for a segment's rows anywhere in an
+    expert (a top, a bottom: views with their own offsets)."""
+    torch.manual_seed(1)
+    hidden, neurons, top = 64, 96, 40
+    act = ACT2FN["silu"]
+    expert = (torch.randn(neurons, 3, hidden) * 0.05).to(dtype)
+    x = torch.randn(tokens, hidden).to(dtype)
+    for rows in (layout.split_rows(expert), layout.split_rows(expert[:top]), layout.split_rows(expert[top:])):
+        n = rows.down.shape[0]
+        expected = torch.matmul(x, rows.gate_up)  # what the layout called before
+        assert torch.equal(layout.gate_up_mm(x, rows.gate_up), expected)
+        workspace = torch.full((2, tokens, neurons + 7), float("nan"), dtype=dtype)[..., 3:3 + n]  # strided, like
+        layout.gate_up_mm(x, rows.gate_up, out=workspace)  # SplitWorkspace's top and bottom
+        assert torch.equal(workspace, expected)
+        gate, up = expected.unbind(0)
+        assert torch.equal(layout.segment_forward(x, rows, act), (act(gate) * up) @ rows.down)
+    # a split expert's two parts, as the layout called them before
+    ws = layout.SplitWorkspace.make(tokens, top, neurons, dtype, torch.device("cpu"))
+    head, tail = layout.split_rows(expert[:top]), layout.split_rows(expert[top:])
+    out = layout.bottom_forward(x, tail, act, layout.top_forward(x, head, ws))
+    h = act(torch.cat([torch.matmul(x, head.gate_up), torch.matmul(x, tail.gate_up)], dim=-1)[0]) * torch.cat(
+        [torch.matmul(x, head.gate_up), torch.matmul(x, tail.gate_up)], dim=-1)[1]
+    if dtype == torch.float32:
+        expected = torch.addmm(h[:, :top] @ head.down, h[:, top:], tail.down)
+    else:
+        expected = (h[:, :top].float() @ head.down.float() + h[:, top:].float() @ tail.down.float()).to(dtype)
+    assert torch.equal(out, expected)

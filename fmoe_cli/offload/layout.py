@@ -14,8 +14,10 @@ torch's path (a GPU; a CPU without the expert kernels) reads a segment [n, 3, H]
 two views made once per buffer (`Rows`): its gate and up rows as one [2, H, n] batched
 matrix, so one matmul gives both (x · W_gateᵀ, x · W_upᵀ), and its down columns [n, H].
 Every op the host dispatches costs it microseconds on a GPU (docs/architecture.md § Host
-work per token): a whole segment is 5 ops (4 kernel launches; a decode token's 4, into a `GateUp` workspace), a
-split expert 6, and a decode step's K ≥ 3 whole experts of one buffer 11 together on a GPU (torch's grouped matmul).
+work per token): a whole segment is 6 ops (4 kernel launches; a decode token's 5, into a `GateUp` workspace), a
+split expert 7 (6 launches), and a decode step's K ≥ 3 whole experts of one buffer 11 together on a GPU (torch's
+grouped matmul). The matmuls are torch's kernels called directly (`gate_up_mm`, torch.mm), not through
+torch.matmul, which decides on them in a dozen more host steps each.
 """
 
 from __future__ import annotations
@@ -91,16 +93,28 @@ def stack_rows(buffer: torch.Tensor) -> list[Rows]:
 def segment_forward(x: torch.Tensor, segment, act, workspace: GateUp | None = None) -> torch.Tensor:
     """Partial expert output of the neurons in `segment` ([n, 3, H], or its `Rows`) for tokens x ([T, H]).
 
-    Five ops on Rows: one matmul for gate and up, the split into both (a view), the activation, the
-    product and the down matmul; four into a `workspace` of x's tokens and the segment's neurons (the matmul
-    writes its views: no split; the same kernel, the same bits)."""
+    Six ops on Rows: x's broadcast (a view) and one batched matmul for gate and up (`gate_up_mm`), the split into
+    both (a view), the activation, the product and the down matmul; five into a `workspace` of x's tokens and the
+    segment's neurons (the matmul writes its views: no split; the same kernel, the same bits)."""
     rows = segment if isinstance(segment, Rows) else split_rows(segment)
     if workspace is None:
-        gate, up = torch.matmul(x, rows.gate_up).unbind(0)  # [2, T, n] -> [T, n] each
+        gate, up = gate_up_mm(x, rows.gate_up).unbind(0)  # [2, T, n] -> [T, n] each
     else:
-        torch.matmul(x, rows.gate_up, out=workspace.both)
+        gate_up_mm(x, rows.gate_up, out=workspace.both)
         gate, up = workspace.gate, workspace.up
-    return (called(act)(gate) * up) @ rows.down  # [T, H]
+    return torch.mm(called(act)(gate) * up, rows.down)  # [T, H]
+
+
+def gate_up_mm(x: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor | None = None,
+               pair: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H] · gate_up [2, H, n] -> [2, T, n] (into `out`): the one batched matmul (bmm of x broadcast over gate
+    and up: `pair`, made here unless given) that torch.matmul(x, gate_up) calls, called directly. matmul decides it
+    in 12 more aten calls first (mT, transpose, expand ×2, reshape ×3, their as_strided: 17 calls against 5 into a
+    decode workspace, issue 37 §2), which a TorchDispatchMode does not see; the same kernel on the same operands, so
+    the same bits (tests/test_layout.py)."""
+    if pair is None:
+        pair = x.expand(2, *x.shape)  # [2, T, H], stride 0 over gate and up: matmul's own broadcast
+    return torch.bmm(pair, gate_up) if out is None else torch.bmm(pair, gate_up, out=out)
 
 
 class GateUp(NamedTuple):
@@ -164,18 +178,20 @@ class SplitWorkspace:
         return cls(buffer[..., :k], buffer[..., k:], gate, up, gate[:, :k], gate[:, k:])
 
 
-@dataclass(frozen=True)
-class Top:
+class Top(NamedTuple):
     """A split expert's top segment, begun while its bottom loads: its gate and up in the workspace."""
 
     workspace: SplitWorkspace
     down: torch.Tensor  # the top's down columns [k, H]
+    pair: torch.Tensor  # x broadcast over gate and up [2, T, H] (gate_up_mm), the bottom's too
 
 
 def top_forward(x: torch.Tensor, top: Rows, workspace: SplitWorkspace) -> Top:
-    """The top's share of a split expert that needs no bottom yet: gate and up ([2, T, k]), one op."""
-    torch.matmul(x, top.gate_up, out=workspace.top)
-    return Top(workspace, top.down)
+    """The top's share of a split expert that needs no bottom yet: gate and up ([2, T, k]), one batched matmul
+    (and x's broadcast view, which the bottom reuses)."""
+    pair = x.expand(2, *x.shape)
+    gate_up_mm(x, top.gate_up, out=workspace.top, pair=pair)
+    return Top(workspace, top.down, pair)
 
 
 def bottom_forward(x: torch.Tensor, bottom, act, top: Top) -> torch.Tensor:
@@ -187,10 +203,10 @@ def bottom_forward(x: torch.Tensor, bottom, act, top: Top) -> torch.Tensor:
     up, two thirds of its work, do not): the price of one op for both instead of two each."""
     rows = bottom if isinstance(bottom, Rows) else split_rows(bottom)
     ws = top.workspace
-    torch.matmul(x, rows.gate_up, out=ws.bottom)  # [2, T, I - k]
+    gate_up_mm(x, rows.gate_up, out=ws.bottom, pair=top.pair)  # [2, T, I - k]
     torch.mul(called(act)(ws.gate), ws.up, out=ws.gate)  # h [T, I]
     if x.dtype == torch.float32:
-        return torch.addmm(ws.top_hidden @ top.down, ws.bottom_hidden, rows.down)  # [T, H]
+        return torch.addmm(torch.mm(ws.top_hidden, top.down), ws.bottom_hidden, rows.down)  # [T, H]
     # bf16 / fp16: the two partial down projections summed in float32 and rounded once, as the whole expert's one
     # matmul (float32 accumulation) rounds once; the top's partial rounded to bf16 first would be a second rounding
     # (27-30 % of the outputs off by an ulp in tests/test_engine.py's check, and other greedy tokens on a GPU:
