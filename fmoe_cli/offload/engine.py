@@ -758,8 +758,8 @@ class Engine:
                 segment = self.link.acquire(entry.transfer, tag=i)  # [I - start, *row]: the only place that waits
                 e = entry.expert
                 if e in top_outputs:  # exact: the bottom continues the top's sum (the whole's bits on the CPU)
-                    outputs[e] = store.segment_forward(x_of(e), pool.rows(store, segment, k - entry.start), act,
-                                                       acc=top_outputs.pop(e))
+                    bottom = pool.rows(store, segment) if k == entry.start else segment[k - entry.start:]
+                    outputs[e] = store.segment_forward(x_of(e), bottom, act, acc=top_outputs.pop(e))
                 else:
                     outputs[e] = store.segment_forward(x_of(e), pool.rows(store, segment), act)
                     self._offer(i, e, segment)

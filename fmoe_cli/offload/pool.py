@@ -55,7 +55,7 @@ class StagingPool:
         self._slot_views = list(self.buffer.unbind(0))  # [I, *row] per slot, made once
         self._sources: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, expert, start) -> store rows
         self._destinations: dict[tuple[int, int], torch.Tensor] = {}  # (slot, start) -> its view, made once
-        self._rows: dict[tuple[int, int], tuple[torch.Tensor, object]] = {}  # (id(view), skip) -> (view, rows)
+        self._rows: dict[int, tuple[torch.Tensor, object]] = {}  # id(view) -> (view, store.rows(view))
         self.entries: list[Staged | None] = [None] * slots
         self._staged: dict[int, dict[int, Staged]] = {}  # layer -> expert -> its entry (at most one)
         self._writer: list[Transfer | None] = [None] * slots  # the last copy into each slot
@@ -79,15 +79,12 @@ class StagingPool:
             rows = self._sources[key] = rows[start:] if start else rows
         return rows
 
-    def rows(self, store, segment: torch.Tensor, skip: int = 0):
-        """`store.rows(segment[skip:])` for a segment the link handed out (a slot's view, or the store's rows it was
-        copied from), made once per view and skip: a loaded segment's forward then dispatches no op to split it,
-        nor a split expert's bottom read from a longer staged segment (a prefetch of the whole expert: skip = the
-        top's neurons) to slice it."""
-        key = (id(segment), skip)
-        cached = self._rows.get(key)
+    def rows(self, store, segment: torch.Tensor):
+        """`store.rows(segment)` for a segment the link handed out (a slot's view, or the store's rows it was
+        copied from), made once per view: a loaded segment's forward then dispatches no op to split it."""
+        cached = self._rows.get(id(segment))
         if cached is None or cached[0] is not segment:
-            cached = self._rows[key] = (segment, store.rows(segment[skip:] if skip else segment))
+            cached = self._rows[id(segment)] = (segment, store.rows(segment))
         return cached[1]
 
     @property
