@@ -174,6 +174,18 @@ def quantised_tokens(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * d).reshape(x.shape)
 
 
+def int8_activations_gated(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+    """The int8-activation mode's x̂ and gated activations a = silu(x̂·W_gateᵀ) ⊙ (x̂·W_upᵀ) for tokens x and the
+    dequantised expert w [I, 3, H]; (None, None) on a CPU without AVX2, which runs the float32 dots (experts.c
+    q8_shape): there `got` is checked against the float forward here."""
+    if kernels.library().fmoe_simd() == 0:
+        want = layout.segment_forward(x, w, F.silu)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        return None, None
+    x_hat = quantised_tokens(x)
+    return x_hat, F.silu(x_hat @ w[:, 0].T) * (x_hat @ w[:, 1].T)
+
+
 @needs_kernels
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("hidden", [2048, 128])
@@ -186,12 +198,9 @@ def test_int8_activations_compute_the_quantised_tokens_result(name, hidden, toke
     assert spec.int8_activations
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(4))
     got = kernels.segment_forward(x, stored, spec)
-    if kernels.library().fmoe_simd() == 0:  # a CPU without AVX2 runs the float32 dots (experts.c q8_shape)
-        want = layout.segment_forward(x, w, F.silu)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    x_hat, a = int8_activations_gated(got, x, w)
+    if a is None:
         return
-    x_hat = quantised_tokens(x)
-    a = F.silu(x_hat @ w[:, 0].T) * (x_hat @ w[:, 1].T)
     want = a @ w[:, 2]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert (got - layout.segment_forward(x, w, F.silu)).abs().max() > 1e-4 * want.abs().max()
@@ -238,12 +247,9 @@ def test_down_by_neuron_int8_activations_compute_the_quantised_result(name, hidd
     stored, w, spec, _ = expert(name, hidden, intermediate, chunk=chunk, activations="int8", by_neuron=True)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(4))
     got = kernels.segment_forward(x, stored, spec)
-    if kernels.library().fmoe_simd() == 0:  # a CPU without AVX2 runs the float32 dots (experts.c q8_shape)
-        want = layout.segment_forward(x, w, F.silu)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    _, a = int8_activations_gated(got, x, w)
+    if a is None:
         return
-    x_hat = quantised_tokens(x)
-    a = F.silu(x_hat @ w[:, 0].T) * (x_hat @ w[:, 1].T)
     want = quantised_groups(a) @ w[:, 2]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert (got - a @ w[:, 2]).abs().max() > 1e-4 * want.abs().max()

@@ -2242,6 +2242,25 @@ static inline void down_meta_lanes(const uint8_t *meta, int fmt, int64_t b8, __m
 }
 #endif
 
+/* The integer dot of 8 hidden values' codes (`codes`: a block's half, its rows 64 bytes apart) with one group's
+   int8 activations (`quad`: ã four to an int32) as AVX2 computes it: maddubs and madd with ones (int8: |ã| × q with
+   ã's sign; int4: the low and high nibbles against ã's first and second halves). Exact in int32. */
+static inline __m256i down_dot8_maddubs(const uint8_t *codes, const int32_t *quad, int int8) {
+    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
+    __m256i dot = _mm256_setzero_si256();
+    for (int k = 0; k < (int8 ? 8 : 4); k++) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(codes + 64 * k)), x = _mm256_set1_epi32(quad[k]);
+        if (int8) {
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)), ones));
+        } else {
+            __m256i xh = _mm256_set1_epi32(quad[4 + k]);
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, nibble), x), ones));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nibble), xh), ones));
+        }
+    }
+    return dot;
+}
+
 /* down_piece_scalar over the whole piece, VL hidden values a step (down_vector_shape). */
 static void down_piece_vector(const uint8_t *piece, const Format *f, const float *a, float asum_f, const int8_t *aq,
                               float d, int asum, float *c, int init) {
@@ -2274,24 +2293,8 @@ static void down_piece_vector(const uint8_t *piece, const Format *f, const float
                 }
             }
 #else /* AVX-512 without VNNI: each 256-bit half as AVX2 does */
-            __m256i half[2];
-            const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
-            for (int h2 = 0; h2 < 2; h2++) {
-                __m256i acc = _mm256_setzero_si256();
-                for (int k = 0; k < (int8 ? 8 : 4); k++) {
-                    __m256i w = _mm256_loadu_si256((const __m256i *)(codes + 64 * k + 32 * h2));
-                    __m256i x = _mm256_set1_epi32(quad[k]);
-                    if (int8) {
-                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)), ones));
-                    } else {
-                        __m256i xh = _mm256_set1_epi32(quad[4 + k]);
-                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, nibble), x), ones));
-                        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nibble), xh), ones));
-                    }
-                }
-                half[h2] = acc;
-            }
-            __m512i dot = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+            __m512i dot = _mm512_inserti64x4(_mm512_castsi256_si512(down_dot8_maddubs(codes, quad, int8)),
+                                             down_dot8_maddubs(codes + 32, quad, int8), 1);
 #endif
             __m512 sum = _mm512_cvtepi32_ps(dot), dd = _mm512_set1_ps(d);
             v = int8 ? _mm512_mul_ps(sum, _mm512_mul_ps(s, dd))
@@ -2321,25 +2324,14 @@ static void down_piece_vector(const uint8_t *piece, const Format *f, const float
         _mm512_storeu_ps(o, init ? v : _mm512_add_ps(_mm512_loadu_ps(o), v));
     }
 #else /* AVX2: each block of 16 as two halves of 8 */
-    const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15), low = _mm256_set1_epi32(15);
+    const __m256i low = _mm256_set1_epi32(15);
     for (int64_t b8 = 0; b8 < hp / 8; b8++) {
         int64_t b = b8 / 2, h2 = b8 % 2;
         const uint8_t *codes = piece + b * (int8 ? 512 : 256) + 32 * h2;
         __m256 s, m = _mm256_setzero_ps(), v;
         down_meta_lanes(meta, f->fmt, b8, &s, &m);
         if (aq) {
-            __m256i dot = _mm256_setzero_si256();
-            for (int k = 0; k < (int8 ? 8 : 4); k++) {
-                __m256i w = _mm256_loadu_si256((const __m256i *)(codes + 64 * k)), x = _mm256_set1_epi32(quad[k]);
-                if (int8) {
-                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)), ones));
-                } else {
-                    __m256i xh = _mm256_set1_epi32(quad[4 + k]);
-                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(w, nibble), x), ones));
-                    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(w, 4), nibble), xh), ones));
-                }
-            }
-            __m256 sum = _mm256_cvtepi32_ps(dot), dd = _mm256_set1_ps(d);
+            __m256 sum = _mm256_cvtepi32_ps(down_dot8_maddubs(codes, quad, int8)), dd = _mm256_set1_ps(d);
             v = int8 ? _mm256_mul_ps(sum, _mm256_mul_ps(s, dd))
                      : _mm256_mul_ps(_mm256_fmadd_ps(s, sum, _mm256_mul_ps(m, _mm256_set1_ps((float)asum))), dd);
         } else {
