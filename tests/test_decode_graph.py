@@ -288,6 +288,36 @@ def test_lru_decodes_through_segments_in_every_family(checkpoints, monkeypatch, 
     assert segments == lm.shape.num_layers + 1 and counted["misses"] > 0
 
 
+@pytest.mark.parametrize("policy", ["moepic", "lru", "lfu", "cache-only"])
+def test_a_model_that_fits_decodes_as_one_graph_whatever_the_policy(checkpoints, monkeypatch, policy):
+    """Issue 37 §1: "a step whose experts are all resident (policy resident, or a model that fits) is one graph". A
+    budget that holds every expert whole gives any caching policy's plan every expert in every layer
+    (planning/presets.py `settings_for`): it runs as resident — filled when configured, no staging pool, no
+    prefetch, every layer graphed — one segment a step, transformers' tokens, every activation a whole hit with no
+    byte moved. One expert less and the same policy loads: a segment per layer."""
+    path = checkpoints["qwen3_moe"]
+    want = reference_tokens(path, 8)
+    lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch)
+    shape = lm.shape
+    fits = shape.all_experts_bytes + 2 * shape.top_k * shape.expert_bytes
+    for budget, one_graph in ((fits, True), (fits - shape.expert_bytes - 2 * shape.top_k * shape.expert_bytes, False)):
+        settings = make_settings(policy, shape, budget, timings=TIMINGS)
+        assert settings.plan.resident == one_graph and (settings.plan.staging_slots == 0) == one_graph
+        engine.configure(settings)
+        before = engine.counters()
+        got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=8,
+                                                   stop_on_eos=False)]
+        counted = engine.counters() - before
+        (graph,) = [g for g in engine.decode_graphs.values() if g.segments]
+        assert got == want, (policy, one_graph)
+        if one_graph:
+            assert graph.segments == 1 and counted.hits_full == counted.activations > 0
+            assert counted.bytes_demand == counted.bytes_prefetch == 0 and counted.predicts == 0
+        else:
+            assert graph.segments == shape.num_layers + 1 and counted.bytes_demand > 0
+    engine.close()
+
+
 @pytest.mark.parametrize("policy", ["resident", "lru", "ondemand", "prefetch-only", "uniform"])
 def test_host_waits_of_a_segmented_step(checkpoints, monkeypatch, policy):
     """Counted on CudaLink over the fake GPU (as tests/test_host_waits.py): a replayed step waits for the device at

@@ -17,7 +17,7 @@ from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.hits import classify
 from fmoe_cli.offload.link import EmulatedLink, VirtualClock
-from fmoe_cli.planning.plan import layer_plan
+from fmoe_cli.planning.plan import layer_plan, uniform_plan
 from fmoe_cli.types import EngineSettings, Plan
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
@@ -788,7 +788,11 @@ def test_a_decode_layer_whose_experts_are_all_whole_skips_the_loads_machinery(ch
     logits, counts = {}, {}
     everything = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes
     for policy, budget in (("resident", everything), ("lru", everything), ("ondemand", 0)):
-        engine.configure(make_settings(policy, shape, budget + 2 * shape.top_k * shape.expert_bytes))
+        budget += 2 * shape.top_k * shape.expert_bytes
+        # lru's plan as uniform_plan makes it (every expert cached whole), not run as resident as `settings_for` runs
+        # a plan that holds every expert: the general path's caches, here full
+        plan = uniform_plan(shape, budget, 1.0, source="lru") if policy == "lru" else None
+        engine.configure(make_settings(policy, shape, budget, plan=plan))
         assert not engine.settings.prefetch or policy == "lru"
         engine.settings = replace(engine.settings, prefetch=False)
         cache = DynamicCache(config=lm.model.config)
