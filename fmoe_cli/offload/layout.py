@@ -15,8 +15,10 @@ two views made once per buffer (`Rows`): its gate and up rows as one [2, H, n] b
 matrix, so one matmul gives both (x · W_gateᵀ, x · W_upᵀ), and its down columns [n, H].
 Every op the host dispatches costs it microseconds on a GPU (docs/architecture.md § Host
 work per token): a whole segment is 6 ops (4 kernel launches; a decode token's 5, into a `GateUp` workspace), a
-split expert 7 (6 launches), and a decode step's K ≥ 3 whole experts of one buffer 11 together on a GPU (torch's
-grouped matmul). The matmuls are torch's kernels called directly (`gate_up_mm`, torch.mm), not through
+split expert 7 (6 launches), and a decode step's n ≥ 3 whole experts of one buffer 11 together on a GPU (torch's
+grouped matmul, `grouped_forward`; 9 on the CPU), whatever n: a layer's cache (every expert when resident), and on
+the device path the staging pool's slots its loads landed in (offload/pool.py `stacked_rows`), so a layer of
+Qwen3-30B-A3B (K = 8) that loads every expert it routes computes them in 11 ops, not 40. The matmuls are torch's kernels called directly (`gate_up_mm`, torch.mm), not through
 torch.matmul, which decides on them in a dozen more host steps each.
 """
 

@@ -189,7 +189,8 @@ class HostStore:
     def segments_forward(self, xs: list[torch.Tensor], segments: list, act, partial: bool = False) -> list:
         """`segment_forward` of each (x, segment) pair, in one call: a layer's experts on the device (whole, or
         the tops of top hits, each in its own workspace lane). Where `grouping` holds, a decode step's whole
-        segments of one buffer (a layer's cache; every expert when resident) go through torch's grouped matmul,
+        segments of one buffer (a layer's cache; every expert when resident; on the device path the staging pool's
+        slots a layer's loads landed in: Engine._loaded_decode) go through torch's grouped matmul,
         9–11 ops for all of them instead of 5 each (from GROUP_FROM of them). On the CPU with the kernels, the
         segments of one x (a decode step's) go in one kernel call (kernels.segments_forward: the bits of one call
         each), and segments of their own tokens each (a prefill's) in one too (kernels.experts_forward: likewise).
@@ -220,15 +221,19 @@ class HostStore:
         one kernel call (kernels.segments_forward: each segment's bits as it has alone)."""
         return kernels.segments_forward(x, segments, self.kernel, stacked=True)
 
-    def _groups(self, xs: list[torch.Tensor], segments: list) -> bool:
-        """Whether `grouped_forward` takes these: one token (every xs[i] the same row), whole segments of one
-        stack, and grouping on for the device (`grouping`; default: a CUDA card of sm_80 or newer, where one
+    def groups(self, x: torch.Tensor) -> bool:
+        """Whether grouping is on for x's device (`grouping`; default: a CUDA card of sm_80 or newer, where one
         launch per projection replaces K; on the CPU the loop costs less: docs/bench.md § Host work in ops)."""
-        x = xs[0]
         if self.grouping is None:
             self.grouping = x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        return self.grouping
+
+    def _groups(self, xs: list[torch.Tensor], segments: list) -> bool:
+        """Whether `grouped_forward` takes these: one token (every xs[i] the same row), whole segments of one
+        stack, and grouping on for the device (`groups`)."""
+        x = xs[0]
         stack = getattr(segments[0], "stack", None)
-        return (self.grouping and stack is not None and x.shape[0] == 1 and all(y is x for y in xs)
+        return (self.groups(x) and stack is not None and x.shape[0] == 1 and all(y is x for y in xs)
                 and all(s.stack is stack for s in segments))
 
     def rows(self, segment: torch.Tensor):

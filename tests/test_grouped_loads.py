@@ -1,0 +1,150 @@
+"""Issue 37 §1: a loading layer's decode step on the device path computes its loaded whole experts by one grouped matmul
+a projection over the staging pool's slots (offload/engine.py `_loaded_decode`, offload/pool.py `stacked_rows`), not
+one segment forward per load. Run on the CPU on the device's code path (the engine's `device_side`, torch's matmuls,
+the store's grouping on) with K = 8 (a Qwen3-30B-A3B-shaped router on a tiny checkpoint): the same greedy tokens and
+logits as `resident` on the emulated link and on CudaLink over the NaN-filling fake GPU (tests/fake_gpu.py: a slot read
+before its copy's wait, or released to the next copy before its readers, shows up as NaN), the same hits, loads and
+prefetches as the one-by-one loop on the emulated link, and the grouped calls really made, one a layer where every
+routed expert loads. Whether torch's grouped matmul on CUDA takes the pool's strided views (bf16 included) only a GPU
+can confirm; a refusal is `store.segments_forward`'s: one line, those experts one by one, and the store's grouping off,
+which sends every later step to the loop (the `grouping=False` runs here)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import fake_gpu  # tests/fake_gpu.py
+from fmoe_cli import kernels
+from fmoe_cli.generate import stream_generate
+from fmoe_cli.models.load import load_model
+from fmoe_cli.offload import layout
+from fmoe_cli.offload.engine import Engine
+from fmoe_cli.offload.link import CudaLink, EmulatedLink, VirtualClock
+from fmoe_cli.offload.store import GROUP_FROM
+from fmoe_cli.planning.presets import make_settings
+from fmoe_cli.types import Timings
+
+PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
+NEW_TOKENS = 10
+LOADING = ("lru", "lfu", "ondemand", "prefetch-only", "moepic")
+# what the engine's loads decide (not times): the same under the grouped decode and the one-by-one loop
+COUNTED = ("activations", "hits_full", "hits_top", "misses", "bytes_demand", "bytes_prefetch", "prefetch_issued",
+           "prefetch_used", "needed_loads", "prefetch_covered", "host_waits")
+
+
+@pytest.fixture(scope="module")
+def top8(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint routing K = 8 of 16 experts (the a3b model's K)."""
+    from fmoe_cli.models.demo import build_random_moe
+
+    return build_random_moe(tmp_path_factory.mktemp("top8") / "qwen3-top8", family="qwen3_moe", seed=1,
+                            num_experts=16, num_experts_per_tok=8)
+
+
+@contextlib.contextmanager
+def device_path(link_kind: str):
+    """torch's matmuls (the device's expert compute) and the link: CudaLink over the fake GPU, or the emulated link
+    on a virtual clock moving real bytes into the staging slots."""
+    real = kernels.library
+    kernels.library = lambda: None
+    try:
+        if link_kind == "cuda":
+            with fake_gpu.installed() as gpu:
+                yield CudaLink(torch.device("cuda"), chunk_bytes=4096)
+            assert gpu.chunks_played == gpu.chunks_issued > 0
+        else:
+            yield EmulatedLink(gbps=20, clock=VirtualClock(), copy=True)
+    finally:
+        kernels.library = real
+
+
+def run(path, link, dtype: str, policies, grouping: bool = True, events: list | None = None):
+    """Each policy's greedy tokens, each decode step's logits, its counters and the grouped calls it made over the
+    staging pool's slots (their sizes, per decode step), on one engine on the device path; `events` gets a
+    ("pooled", size) per such call."""
+    lm = load_model(str(path), device="cpu", dtype=dtype)
+    if hasattr(lm.model, "decode_token"):
+        lm.model.decode_token.enabled = False
+    lm.store.grouping = grouping
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, link, lm.device, lm.dtype)
+    engine.device_side = True
+    engine.install(lm.model)
+    timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=shape.top_k)
+    budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 4  # a quarter of the experts cached
+    logits, pooled, out = [], [], {}
+    head = lm.model.get_output_embeddings().register_forward_hook(lambda m, a, y: logits.append(y[0, -1].clone()))
+    real_grouped = layout.grouped_forward
+
+    def grouped(x, segments, act):  # the calls over the pool's slots (a cache's whole experts have their own stack)
+        if engine.pool is not None and segments[0].stack is engine.pool.stacked_rows(lm.store)[0].stack:
+            pooled.append(len(segments))
+            if events is not None:
+                events.append(("pooled", len(segments)))
+        return real_grouped(x, segments, act)
+
+    layout.grouped_forward = grouped
+    try:
+        for policy in policies:
+            engine.configure(make_settings(policy, shape, budget, timings=timings))
+            logits.clear(), pooled.clear()
+            tokens = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
+                                                          stop_on_eos=False)]
+            counters = engine.counters()
+            out[policy] = {"tokens": tokens, "logits": torch.stack(logits[1:]), "pooled": list(pooled),
+                           "counted": {name: getattr(counters, name) for name in COUNTED}}
+    finally:
+        layout.grouped_forward = real_grouped
+        head.remove()
+        engine.close()
+    return out, shape
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("link", ["emulated", "cuda"])
+def test_grouped_loads_give_the_resident_tokens(top8, link, dtype):
+    """Every loading policy: `resident`'s greedy tokens (float32: its decode logits to float rounding, the grouped
+    and one-by-one products differing only there), with its loaded whole experts grouped over the pool's slots —
+    `ondemand` loads every routed expert whole: exactly one grouped call of K a decode layer."""
+    with device_path(link) as made:
+        got, shape = run(top8, made, dtype, ("resident", *LOADING))
+    want = got.pop("resident")
+    for policy, result in got.items():
+        assert result["tokens"] == want["tokens"], policy
+        if dtype == "float32":
+            torch.testing.assert_close(result["logits"], want["logits"], atol=1e-4, rtol=1e-4, msg=policy)
+        assert result["counted"]["misses"] > 0, policy  # it really loaded
+        assert result["pooled"] and min(result["pooled"]) >= GROUP_FROM, policy
+    assert got["ondemand"]["pooled"] == [shape.top_k] * (NEW_TOKENS - 1) * shape.num_layers
+
+
+def test_grouped_loads_keep_the_loops_loads_and_admissions(top8):
+    """On the emulated link (a virtual clock) the grouped decode makes the same hits, loads, admissions and
+    prefetches as the one-by-one loop it replaces (the store's grouping off), and the same tokens."""
+    with device_path("emulated") as made:
+        grouped, _ = run(top8, made, "float32", LOADING)
+    with device_path("emulated") as made:
+        loop, _ = run(top8, made, "float32", LOADING, grouping=False)
+    for policy in LOADING:
+        assert grouped[policy]["pooled"] and not loop[policy]["pooled"], policy
+        assert grouped[policy]["tokens"] == loop[policy]["tokens"], policy
+        assert grouped[policy]["counted"] == loop[policy]["counted"], policy
+
+
+def test_the_prediction_is_queued_before_the_grouped_call(top8, monkeypatch):
+    """As in the loop, the layer's prediction (its prefetches) is queued once every demand load is, before the loads
+    are computed, so that the link moves the prefetches while the device computes: with `prefetch-only` each grouped
+    call over the pool's slots comes right after its layer's prediction."""
+    events = []
+    real_prefetch = Engine._prefetch
+    monkeypatch.setattr(Engine, "_prefetch", lambda self, i, *a: events.append(("prefetch", i)) or
+                        real_prefetch(self, i, *a))
+    with device_path("emulated") as made:
+        got, _ = run(top8, made, "float32", ("prefetch-only",), events=events)
+    assert got["prefetch-only"]["pooled"]
+    pooled = [n for n, event in enumerate(events) if event[0] == "pooled"]
+    assert len(pooled) == len(got["prefetch-only"]["pooled"])
+    assert all(events[n - 1][0] == "prefetch" for n in pooled), events
