@@ -29,7 +29,7 @@ from fmoe_cli.types import Timings
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
 NEW_TOKENS = 10
-LOADING = ("lru", "lfu", "ondemand", "prefetch-only", "moepic")
+LOADING = ("lru", "lfu", "ondemand", "prefetch-only", "moepic", "uniform")  # uniform: θ = 0.5, every cached expert split
 # what the engine's loads decide (not times): the same under the grouped decode and the one-by-one loop
 COUNTED = ("activations", "hits_full", "hits_top", "misses", "bytes_demand", "bytes_prefetch", "prefetch_issued",
            "prefetch_used", "needed_loads", "prefetch_covered", "host_waits")
@@ -62,9 +62,10 @@ def device_path(link_kind: str):
 
 
 def run(path, link, dtype: str, policies, grouping: bool = True, events: list | None = None):
-    """Each policy's greedy tokens, each decode step's logits, its counters and the grouped calls it made over the
-    staging pool's slots (their sizes, per decode step), on one engine on the device path; `events` gets a
-    ("pooled", size) per such call."""
+    """Each policy's greedy tokens, each decode step's logits, its counters, the grouped calls it made over the
+    staging pool's slots (`pooled`: their sizes) and its split experts' grouped tops and bottoms (`split`: ("tops" or
+    "bottoms", size) in call order), on one engine on the device path; `events` gets a ("pooled", size) per pooled
+    call."""
     lm = load_model(str(path), device="cpu", dtype=dtype)
     if hasattr(lm.model, "decode_token"):
         lm.model.decode_token.enabled = False
@@ -75,29 +76,35 @@ def run(path, link, dtype: str, policies, grouping: bool = True, events: list | 
     engine.install(lm.model)
     timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=shape.top_k)
     budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 4  # a quarter of the experts cached
-    logits, pooled, out = [], [], {}
+    logits, pooled, split, out = [], [], [], {}
     head = lm.model.get_output_embeddings().register_forward_hook(lambda m, a, y: logits.append(y[0, -1].clone()))
-    real_grouped = layout.grouped_forward
+    real = {name: getattr(layout, name) for name in ("grouped_forward", "grouped_tops", "grouped_bottoms")}
 
     def grouped(x, segments, act):  # the calls over the pool's slots (a cache's whole experts have their own stack)
-        if engine.pool is not None and segments[0].stack is engine.pool.stacked_rows(lm.store)[0].stack:
+        if segments[0].stack is engine.pool.stacked_rows(lm.store)[0].stack:
             pooled.append(len(segments))
             if events is not None:
                 events.append(("pooled", len(segments)))
-        return real_grouped(x, segments, act)
+        return real["grouped_forward"](x, segments, act)
 
     layout.grouped_forward = grouped
+    layout.grouped_tops = lambda x, segments, *a: split.append(("tops", len(segments))) or real["grouped_tops"](
+        x, segments, *a)
+    layout.grouped_bottoms = lambda x, segments, *a: split.append(("bottoms", len(segments))) or real[
+        "grouped_bottoms"](x, segments, *a)
     try:
         for policy in policies:
-            engine.configure(make_settings(policy, shape, budget, timings=timings))
-            logits.clear(), pooled.clear()
+            engine.configure(make_settings(policy, shape, budget, timings=timings,
+                                           theta=0.5 if policy == "uniform" else None))
+            logits.clear(), pooled.clear(), split.clear()
             tokens = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
                                                           stop_on_eos=False)]
             counters = engine.counters()
             out[policy] = {"tokens": tokens, "logits": torch.stack(logits[1:]), "pooled": list(pooled),
-                           "counted": {name: getattr(counters, name) for name in COUNTED}}
+                           "split": list(split), "counted": {name: getattr(counters, name) for name in COUNTED}}
     finally:
-        layout.grouped_forward = real_grouped
+        for name, function in real.items():
+            setattr(layout, name, function)
         head.remove()
         engine.close()
     return out, shape
@@ -108,7 +115,8 @@ def run(path, link, dtype: str, policies, grouping: bool = True, events: list | 
 def test_grouped_loads_give_the_resident_tokens(top8, link, dtype):
     """Every loading policy: `resident`'s greedy tokens (float32: its decode logits to float rounding, the grouped
     and one-by-one products differing only there), with its loaded whole experts grouped over the pool's slots —
-    `ondemand` loads every routed expert whole: exactly one grouped call of K a decode layer."""
+    `ondemand` loads every routed expert whole: exactly one grouped call of K a decode layer — and a layer's split
+    experts' tops grouped over its cache, then their bottoms, as many, over the pool's rows [k, I)."""
     with device_path(link) as made:
         got, shape = run(top8, made, dtype, ("resident", *LOADING))
     want = got.pop("resident")
@@ -118,7 +126,12 @@ def test_grouped_loads_give_the_resident_tokens(top8, link, dtype):
             torch.testing.assert_close(result["logits"], want["logits"], atol=1e-4, rtol=1e-4, msg=policy)
         assert result["counted"]["misses"] > 0, policy  # it really loaded
         assert result["pooled"] and min(result["pooled"]) >= GROUP_FROM, policy
+        if result["counted"]["hits_top"]:  # split experts: each layer's grouped tops, then as many bottoms grouped
+            calls = result["split"]
+            assert calls and calls[0::2] == [("tops", n) for _, n in calls[1::2]], (policy, calls)
+            assert all(what == "bottoms" and n >= GROUP_FROM for what, n in calls[1::2]), (policy, calls)
     assert got["ondemand"]["pooled"] == [shape.top_k] * (NEW_TOKENS - 1) * shape.num_layers
+    assert got["uniform"]["counted"]["hits_top"] and got["moepic"]["counted"]["hits_top"]  # the split path ran
 
 
 def test_grouped_loads_keep_the_loops_loads_and_admissions(top8):

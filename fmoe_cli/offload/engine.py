@@ -12,8 +12,8 @@ One decode step through MoE layer i (docs/architecture.md § One decode step):
    loaded segment as its transfer completes — `link.acquire` right before the matmul is
    the only place the host may wait (offload/link.py); on the device path a decode step
    acquires all of its loads and computes the loaded whole experts in one grouped call
-   over the staging pool's slots (`_loaded_decode`); once every demand load is
-   queued, show the predictor this routing and queue what it predicts (the default,
+   over the staging pool's slots, the split experts' bottoms in one more (`_loaded_decode`);
+   once every demand load is queued, show the predictor this routing and queue what it predicts (the default,
    speculative: layer i+1; the last layer predicts layer 0 of the next token): only the
    bottom when the top is cached, the whole expert otherwise (offload/prefetch.py); a
    whole loaded expert's top segment is offered to the cache (LCP by default);
@@ -739,15 +739,17 @@ class Engine:
         if loading:  # the host's lead on the first load (the configurator's h_route)
             state.counters.lead_s += host_now() - submitted
             state.counters.leads += 1
+        # a decode step's loads on the device path: computed together once all are acquired (`_loaded_decode`)
+        together = decode and bool(loading) and not waiting and self._loads_grouped(hidden_states)
         # what the cache holds, one call each for the whole experts and for the tops (store.segments_forward)
         slot, rows = state.cache.slot, state.top_rows
         outputs: dict[int, torch.Tensor] = dict(zip(hits.whole, store.segments_forward(
             [x_of(e) for e in hits.whole], [rows[slot(e)] for e in hits.whole], act))) if hits.whole else {}
         top_outputs = dict(zip(hits.top_hits, store.segments_forward(  # partial: the bottom continues them
             [x_of(e) for e in hits.top_hits], [rows[slot(e)] for e in hits.top_hits], act,
-            partial=True))) if hits.top_hits else {}
+            partial=True, together=together))) if hits.top_hits else {}
         self._bookkeep(i, state, routing)  # while the GPU computes what is on it; before any admission (`_offer`)
-        if decode and loading and not waiting and self._loads_grouped(hidden_states):
+        if together:
             self._loaded_decode(i, act, hidden_states, routing, loading, outputs, top_outputs)
             return outputs
         prefetched = False
@@ -787,8 +789,9 @@ class Engine:
         """3. a decode step's loads on the device path, every one queued (`_compute`'s loop otherwise): all of them
         acquired first, then the loaded whole experts computed by one `segments_forward` call over the pool's slots
         (`StagingPool.stacked_rows`: on a GPU, from GROUP_FROM of them, torch's grouped matmul once per projection,
-        layout.grouped_forward, instead of one segment forward of 5 ops per load as it arrives) and each split
-        expert's bottom continuing its top (its rows [k_i, I) of the slot, views made once). On a GPU `acquire` only
+        layout.grouped_forward, instead of one segment forward of 5 ops per load as it arrives) and the split
+        experts' bottoms by one more, each continuing its top (rows [k_i, I) of the slots, a Stack of their own:
+        layout.grouped_bottoms after the tops' layout.grouped_tops, where they group). On a GPU `acquire` only
         makes the compute stream wait for the copy, never the host, so acquiring every load before the one call costs
         the host nothing; the price is that the GPU no longer computes one expert while the next one loads:
         microseconds of compute against a load's hundreds. The rest is the loop's, in its order where it matters:
@@ -804,12 +807,11 @@ class Engine:
             slots = pool.stacked_rows(store)  # slot s: what a whole expert loaded into s reads (the link's dst)
             outputs.update(zip([entry.expert for entry, _ in wholes], store.segments_forward(
                 [x] * len(wholes), [slots[entry.slot] for entry, _ in wholes], act)))
-        if top_outputs:  # exact: the bottom continues the top's sum (rows [k, I) of the slot, wherever the load began)
-            bottoms = pool.stacked_rows(store, k)
-            for entry, _segment in acquired:
-                if entry.expert in top_outputs:
-                    outputs[entry.expert] = store.segment_forward(x, bottoms[entry.slot], act,
-                                                                  acc=top_outputs.pop(entry.expert))
+        if top_outputs:  # exact: each bottom continues its top (rows [k, I) of its slot, wherever the load began)
+            bottoms, split = pool.stacked_rows(store, k), [entry for entry, _ in acquired if entry.expert in top_outputs]
+            outputs.update(zip([entry.expert for entry in split], store.segments_forward(
+                [x] * len(split), [bottoms[entry.slot] for entry in split], act,
+                accs=[top_outputs.pop(entry.expert) for entry in split])))
         for entry, segment in wholes:
             self._offer(i, entry.expert, segment)
         reads = self.link.record_reads()  # after the loads' compute and the admissions' copies out of the slots
