@@ -7,7 +7,7 @@ before its copy's wait, or released to the next copy before its readers, shows u
 prefetches as the one-by-one loop on the emulated link, and the grouped calls really made, one a layer where every
 routed expert loads. Whether torch's grouped matmul on CUDA takes the pool's strided views (bf16 included) only a GPU
 can confirm; a refusal is `store.segments_forward`'s: one line, those experts one by one, and the store's grouping off,
-which sends every later step to the loop (the `grouping=False` runs here)."""
+which sends every later step to the loop (a refusal on the CPU would be a bug and raises: taken here for a GPU's)."""
 
 from __future__ import annotations
 
@@ -161,3 +161,35 @@ def test_the_prediction_is_queued_before_the_grouped_call(top8, monkeypatch):
     pooled = [n for n, event in enumerate(events) if event[0] == "pooled"]
     assert len(pooled) == len(got["prefetch-only"]["pooled"])
     assert all(events[n - 1][0] == "prefetch" for n in pooled), events
+
+
+@pytest.mark.parametrize("refused", ["grouped_forward", "grouped_tops", "grouped_bottoms"])
+def test_a_refused_grouped_matmul_falls_back_one_by_one_with_one_line(top8, monkeypatch, capsys, refused):
+    """torch's grouped matmul refusing the pool's or the cache's views on a GPU (a card, dtype or stride its checks do
+    not take, found at the first call; taken here for a GPU's: `HostStore.may_refuse`): one line, those experts one
+    by one (a top begun in a group continued alone: layout.bottom_alone), the store's grouping off from then on, and
+    the tokens of the run that never grouped."""
+    from fmoe_cli.offload.store import HostStore
+
+    with device_path("emulated") as made:
+        want, _ = run(top8, made, "float32", ("uniform", "ondemand"), grouping=False)
+    capsys.readouterr()
+    monkeypatch.setattr(HostStore, "may_refuse", staticmethod(lambda x: True))
+    calls = []
+
+    def refusing(*args):
+        calls.append(1)
+        raise RuntimeError("grouped gemm: this card, dtype or stride is not supported")
+
+    if refused == "grouped_bottoms":  # the tops grouped first: their bottoms continue them one by one
+        monkeypatch.setattr(layout, "grouped_bottoms", refusing)
+    else:
+        monkeypatch.setattr(layout, refused, refusing)
+    with device_path("emulated") as made:
+        got, _ = run(top8, made, "float32", ("uniform", "ondemand"))
+    assert calls == [1]  # refused once, then never asked again
+    for policy in ("uniform", "ondemand"):
+        assert got[policy]["tokens"] == want[policy]["tokens"], policy
+        torch.testing.assert_close(got[policy]["logits"], want[policy]["logits"], atol=1e-4, rtol=1e-4)
+    err = capsys.readouterr().err
+    assert err.count("grouped matmul does not run here") == 1 and err.count("\n") == 1, err

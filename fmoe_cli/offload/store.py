@@ -231,11 +231,18 @@ class HostStore:
             return forward(x, *args)
         except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:  # torch's checks refuse a
             # card, dtype or stride (TORCH_CHECK*): found on the first call, before its results are used
-            if x.device.type == "cpu":
+            if not self.may_refuse(x):
                 raise
-            warn(f"torch's grouped matmul does not run here ({exc}); a layer's experts go one by one")
+            warn(f"torch's grouped matmul does not run here ({str(exc).splitlines()[0][:120]}); a layer's experts go "
+                 f"one by one")
             self.grouping = False
             return None
+
+    @staticmethod
+    def may_refuse(x: torch.Tensor) -> bool:
+        """Whether torch's grouped matmul may refuse tokens x's device (a card, dtype or stride its checks do not
+        take); on the CPU a refusal is a bug, and raises."""
+        return x.device.type != "cpu"
 
     def stacks(self, x: torch.Tensor, act) -> bool:
         """Whether `stacked_forward` computes for tokens x: where the kernels do (the CPU)."""
