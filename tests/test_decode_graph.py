@@ -271,6 +271,51 @@ def test_every_loading_policy_decodes_through_segments_with_the_eager_tokens(che
             assert gpu.chunks_played == gpu.chunks_issued > 0
 
 
+@pytest.mark.parametrize("link", ["emulated", "cuda"])
+def test_grouped_loads_decode_through_segments_with_the_eager_tokens(tmp_path_factory, monkeypatch, link):
+    """K = 8 with the store's grouping on (a GPU's): at each cut a loading layer computes its loaded whole experts in
+    one grouped call over the staging pool's slots (Engine._loaded_decode), with the eager step's tokens
+    (transformers') and, on the emulated link, its counters; on CudaLink over the NaN-filling fake GPU the same
+    tokens."""
+    from fmoe_cli.models.demo import build_random_moe
+    from fmoe_cli.offload import layout
+
+    path = build_random_moe(tmp_path_factory.mktemp("top8") / "qwen3-top8", family="qwen3_moe", seed=1,
+                            num_experts=16, num_experts_per_tok=8)
+    want = reference_tokens(path)
+    grouped = []
+    real = layout.grouped_forward
+
+
+    def pooled(x, segments, act):  # a grouped call over the staging pool's slots (a cache's experts: their own stack)
+        if segments[0].stack is engine.pool.stacked_rows(lm.store)[0].stack:
+            grouped.append(len(segments))
+        return real(x, segments, act)
+
+    monkeypatch.setattr(layout, "grouped_forward", pooled)
+    with fake_gpu.installed() if link == "cuda" else contextlib.nullcontext():
+        made = CudaLink(torch.device("cuda"), chunk_bytes=4096) if link == "cuda" else EmulatedLink(
+            gbps=20, clock=VirtualClock(), copy=True)
+        lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch, link=made)
+        lm.store.grouping = True
+        shape = lm.shape
+        timings = replace(TIMINGS, top_k=shape.top_k)
+        try:
+            for name in ("lru", "ondemand", "moepic"):
+                settings = make_settings(name, shape, budget(shape) // 2, timings=timings)
+                eager, eager_counted, _ = decode_each(lm, engine, settings, False, monkeypatch)
+                RecordedGraphs.reset()
+                grouped.clear()
+                got, counted, segments = decode_each(lm, engine, settings, True, monkeypatch)
+                assert eager == got == [want, want], name
+                assert segments == shape.num_layers + 1 and counted["misses"] > 0, name
+                assert grouped, name  # the loads really went through torch's grouped matmul, over the pool
+                if link == "emulated":
+                    assert counted == eager_counted, name
+        finally:
+            engine.close()
+
+
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_lru_decodes_through_segments_in_every_family(checkpoints, monkeypatch, family):
     """Every family's layers (shared experts, a dense first layer, MLA, group-limited routing) cut at their MoE
