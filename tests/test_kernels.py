@@ -590,9 +590,35 @@ def test_a_failed_compile_falls_back_to_torch_in_one_line(monkeypatch, tmp_path,
 
 @needs_kernels
 def test_the_library_is_compiled_once_and_cached(monkeypatch, tmp_path):
+    """Three first uses at once in an empty cache: one compiles, the others wait on the lock and load its library.
+    The compiler is the run's own build copied into place (every other kernel test runs what gcc made; here the lock
+    and the cache are what is tested), and it returns only once the other two threads have come to the lock, as they
+    do during a real compile of seconds: without the lock, or without the check after it, they would compile too."""
+    import fcntl
+    import shutil
+    import types
+
     from fmoe_cli.kernels import build
 
+    built = build.library_path(build.compiler())  # the run's library (needs_kernels built it)
     monkeypatch.setenv("FMOE_KERNEL_CACHE", str(tmp_path))
+    at_lock, arrived = threading.Condition(), []
+    real_flock = fcntl.flock
+
+    def flock(*args):
+        with at_lock:
+            arrived.append(1)
+            at_lock.notify_all()
+        return real_flock(*args)
+
+    def compiler(command, **_):
+        with at_lock:  # this thread and the other two at the lock (a bound where they never come)
+            at_lock.wait_for(lambda: len(arrived) >= 3, timeout=20)
+        shutil.copyfile(built, command[command.index("-o") + 1])
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    monkeypatch.setattr(build, "subprocess", types.SimpleNamespace(run=compiler))
     compiles = []
     real = build._compile
     monkeypatch.setattr(build, "_compile", lambda *a: compiles.append(1) or real(*a))
