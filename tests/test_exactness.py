@@ -18,6 +18,7 @@ The prompt activates more experts than the staging pool has slots, so prefill ru
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -85,12 +86,18 @@ def torch_path():
         kernels.library = real
 
 
-def _family_setup(path, link, device_side: bool = False, graph_factory=None):
+@functools.cache
+def transformers_answer(path) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """`reference_answer` of the checkpoint at `path` to PROMPT (once per process: both links compare with it)."""
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # No EOS for the comparison: both sides generate exactly NEW_TOKENS greedy tokens
     # (min_new_tokens would mask EOS in the reference and change the argmax).
     reference.generation_config.eos_token_id = None
-    want, full_sequence, want_logits = reference_answer(reference, PROMPT, NEW_TOKENS)
+    return reference_answer(reference, PROMPT, NEW_TOKENS)
+
+
+def _family_setup(path, link, device_side: bool = False, graph_factory=None):
+    want, full_sequence, want_logits = transformers_answer(path)
     lm = load_model(str(path), device="cpu", dtype="float32")
     engine = Engine(lm.layers, lm.store, lm.shape, link, lm.device, lm.dtype)
     engine.device_side = device_side  # resident layers: routing used on the device (layout.routed_forward)
