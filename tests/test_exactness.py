@@ -40,6 +40,8 @@ import fake_gpu  # tests/fake_gpu.py
 from fake_graphs import RecordedGraphs  # tests/fake_graphs.py
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
+# Not fewer: a cut reading the warm-up's routing weights (broken on purpose) first changed a token at 6 (qwen2_moe,
+# deepseek_v2), 11 (qwen3_moe) and 14 (mixtral), and not within 32 in olmoe and deepseek_v3.
 NEW_TOKENS = 32
 SPLIT_POLICIES = {"uniform"}  # run at two θ; moepic's θ_i are the configurator's
 # The configurator's inputs for `moepic` (T_load = 3 × T_exp, as MoEpic measured); no statistics: uniform routing.
