@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from fmoe_cli.cli import app
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path
+from fmoe_cli.types import ExpertShape, Timings
 from fmoe_cli.profiling.files import (
     DeviceIdentity,
     DeviceProfile,
@@ -269,3 +270,23 @@ def test_the_default_context_fits_beside_a_useful_cache():
         resolve_context(40000, 32768, kib128, None)
     with pytest.raises(FmoeError, match="must be ≥ 0"):
         resolve_context(-1, 32768, kib128, None)
+
+
+def test_plan_prices_each_configured_plan_once(checkpoints, monkeypatch):
+    """`fmoe plan` prices the configured plan for its report and again for its TPOT table's moepic (and hybrid, with
+    the host's figures): one configurator run per distinct inputs (planning/autoplan.py reused_configurations); outside
+    that pass nothing is reused (a chat's statistics change between plans)."""
+    from fmoe_cli.planning import autoplan
+
+    runs = []
+    real = autoplan.vram_allocation
+    monkeypatch.setattr(autoplan, "vram_allocation", lambda *a, **kw: runs.append(kw["host_lane"]) or real(*a, **kw))
+    report = plan_json(str(checkpoints["mixtral"]), "--vram", "64MiB", "--workspace", "8MiB", "--context", "256")
+    assert runs and len(runs) == len(set(runs))  # each host_lane setting priced once
+    assert report["configurator"]["plan"] == report["tpot"]["policies"][report["configured_policy"]]["plan"]
+    shape = ExpertShape(num_layers=2, num_experts=4, top_k=2, hidden=8, intermediate=16, dtype_bytes=4)
+    timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=2)
+    runs.clear()
+    for _ in range(2):
+        autoplan.moepic_configuration(shape, shape.all_experts_bytes, timings)
+    assert len(runs) == 2

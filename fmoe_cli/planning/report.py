@@ -40,7 +40,7 @@ from fmoe_cli.models.load import (
     pick_dtype,
     skeleton_non_expert_bytes,
 )
-from fmoe_cli.planning.autoplan import moepic_configuration
+from fmoe_cli.planning.autoplan import moepic_configuration, reused_configurations
 from fmoe_cli.planning.configurator import (
     LLAMA_CPP, Configuration, DeviceBudget, Timings, cache_hit_rate, host_baselines, price_plan,
 )
@@ -208,17 +208,18 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
         stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)
         stats_source = "uniform routing (none recorded)"
     budget = device.expert_budget + device.staging
-    # with the host's figures the per-layer plan is `hybrid`'s: each layer's misses and bottoms fetched or on the host
-    config = moepic_configuration(shape, budget, timings, stats, model=model, host_lane=timings.has_host)
+    with reused_configurations():  # the report's configured plan is the TPOT table's moepic or hybrid: priced once
+        # with the host's figures the per-layer plan is `hybrid`'s: each layer's misses and bottoms fetched or on the host
+        config = moepic_configuration(shape, budget, timings, stats, model=model, host_lane=timings.has_host)
 
-    report = plan_report(facts, device, config, timings, stats, context, host_free=host_ram_free(),
-                         sources={"vram": vram_source, "link": link_source, "timings": timing_source,
-                                  "statistics": stats_source})
-    report["host_compute"] = {"source": host_source, "line": host_line(host, host_format(shape)),
-                              "profile": None if host is None else asdict(host)}
-    report["host_lane"] = timings.has_host  # the per-layer plan chose each layer's path (hybrid's plan)
-    report["configured_policy"] = "hybrid" if timings.has_host else "moepic"
-    report["tpot"] = predicted_tpot(shape, budget, timings, bandwidth, latency, stats, routing, model, sequences)
+        report = plan_report(facts, device, config, timings, stats, context, host_free=host_ram_free(),
+                             sources={"vram": vram_source, "link": link_source, "timings": timing_source,
+                                      "statistics": stats_source})
+        report["host_compute"] = {"source": host_source, "line": host_line(host, host_format(shape)),
+                                  "profile": None if host is None else asdict(host)}
+        report["host_lane"] = timings.has_host  # the per-layer plan chose each layer's path (hybrid's plan)
+        report["configured_policy"] = "hybrid" if timings.has_host else "moepic"
+        report["tpot"] = predicted_tpot(shape, budget, timings, bandwidth, latency, stats, routing, model, sequences)
     if as_json:
         print(json.dumps(report))
     else:
