@@ -69,3 +69,22 @@ def test_new_cache_on_the_cpu_only(checkpoints):
     assert all(type(layer) is GrowingLayer for layer in new_cache(lm.model).layers)
     lm.model.to("meta")
     assert not any(type(layer) is GrowingLayer for layer in new_cache(lm.model).layers)
+
+
+def test_decode_appends_to_a_growing_layer_without_the_caches_wrapper(checkpoints, monkeypatch):
+    """models/attention.py's decode forward writes a decode token's keys and values by the GrowingLayer's own update
+    (attention.append), not through transformers' Cache.update (its steps cost µs a layer and do nothing for it):
+    the wrapper runs at the prefill only (transformers' forward), and on every step for transformers' DynamicLayer,
+    which keeps its own update. The values are the same (test_growing_cache_gives_dynamic_cache_bits)."""
+    monkeypatch.setattr(kernels, "decode_steps_in_c", lambda: False)
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    layers, steps = lm.model.config.num_hidden_layers, 4
+    calls = []
+    real = DynamicCache.update
+    monkeypatch.setattr(DynamicCache, "update", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    got = decode_logits(lm, steps, new_cache(lm.model))
+    assert len(calls) == layers
+    calls.clear()
+    want = decode_logits(lm, steps, DynamicCache(config=lm.model.config))
+    assert len(calls) == layers * (1 + steps)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
