@@ -77,3 +77,40 @@ def test_the_direct_batched_matmul_is_torch_matmuls_bit_for_bit(dtype, tokens):
     else:
         expected = (h[:, :top].float() @ head.down.float() + h[:, top:].float() @ tail.down.float()).to(dtype)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_segments_share_the_tokens_broadcast(dtype):
+    """store.segments_forward of one token's whole segments, and of its tops, on torch's path (issue 37 §2): x's
+    broadcast over gate and up made once for all of them (one `expand` a call, not one a segment), the whole
+    segments' outputs stacked by their down matmuls into one buffer (`stacked`: no `cat`), each output the bits
+    of its segment computed alone, and the tops continued by their bottoms as alone."""
+    from fmoe_cli.profiling.ops import OpCounter
+
+    torch.manual_seed(2)
+    hidden, neurons, top = 64, 96, 40
+    store = HostStore(ExpertShape(1, 4, 2, hidden, neurons, 4), dtype, pin=False)
+    act = ACT2FN["silu"]
+    experts = [(torch.randn(neurons, 3, hidden) * 0.05).to(dtype) for _ in range(3)]
+    segments = [layout.split_rows(e) for e in experts]
+    x = torch.randn(1, hidden).to(dtype)
+    alone = [layout.segment_forward(x, rows, act) for rows in segments]
+    counter = OpCounter()
+    with counter:
+        stacked = store.segments_forward([x] * 3, segments, act, stacked=True)
+    assert torch.equal(stacked, torch.cat(alone))
+    names = [name for (_, name) in counter.ops.elements()]
+    assert names.count("expand") == 1 and "cat" not in names and names.count("bmm") == 3, counter.ops
+    outputs = store.segments_forward([x] * 3, segments, act)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, alone))
+    tops = [layout.split_rows(e[:top]) for e in experts]
+    with counter:
+        counter.ops.clear()
+        begun = store.segments_forward([x] * 3, tops, act, partial=True)
+    assert [name for (_, name) in counter.ops.elements()].count("expand") == 1
+    for expert, begun_top in zip(experts, begun):
+        ws = layout.SplitWorkspace.make(1, top, neurons, dtype, torch.device("cpu"))
+        want = layout.bottom_forward(x, layout.split_rows(expert[top:]), act,
+                                     layout.top_forward(x, layout.split_rows(expert[:top]), ws))
+        got = store.segment_forward(x, layout.split_rows(expert[top:]), act, acc=begun_top)
+        assert torch.equal(got, want)

@@ -186,10 +186,11 @@ class Top(NamedTuple):
     pair: torch.Tensor  # x broadcast over gate and up [2, T, H] (gate_up_mm), the bottom's too
 
 
-def top_forward(x: torch.Tensor, top: Rows, workspace: SplitWorkspace) -> Top:
+def top_forward(x: torch.Tensor, top: Rows, workspace: SplitWorkspace, pair: torch.Tensor | None = None) -> Top:
     """The top's share of a split expert that needs no bottom yet: gate and up ([2, T, k]), one batched matmul
-    (and x's broadcast view, which the bottom reuses)."""
-    pair = x.expand(2, *x.shape)
+    (and x's broadcast view, which the bottom reuses; `pair`: that view made before, for several tops)."""
+    if pair is None:
+        pair = x.expand(2, *x.shape)
     gate_up_mm(x, top.gate_up, out=workspace.top, pair=pair)
     return Top(workspace, top.down, pair)
 
