@@ -135,6 +135,7 @@ class HostStore:
         self._gate_up: dict[tuple, layout.GateUp] = {}  # torch's path: a decode step's whole segment's gate and up
         self._split_workspaces: dict[tuple, layout.SplitWorkspace] = {}  # torch's path: a split expert's gate and up
         self._stacked_outputs: dict[tuple, tuple] = {}  # torch's path: a decode step's stacked outputs (_decode_rows)
+        self._last_pair: tuple | None = None  # torch's path: (x, x's broadcast over gate and up) of a decode token
         self.grouping: bool | None = None  # segments_forward groups (None: decided on the first call, by device)
 
     @property
@@ -164,7 +165,19 @@ class HostStore:
         if x.shape[0] != 1 or x.requires_grad:  # (autograd refuses out=: a forward under grad takes the plain path)
             return layout.segment_forward(x, segment, act)
         neurons = (segment.down if isinstance(segment, layout.Rows) else segment).shape[0]
-        return layout.segment_forward(x, segment, act, self._decode_gate_up(neurons, x))
+        return layout.segment_forward(x, segment, act, self._decode_gate_up(neurons, x), self._pair(x))
+
+    def _pair(self, x: torch.Tensor) -> torch.Tensor:
+        """x's broadcast over gate and up [2, 1, H] (layout.gate_up_mm's pair, a view op) for a decode token x [1, H],
+        made once for the token row: a layer's segments on torch's path (its whole ones, its tops, the experts it
+        loads) are all computed from the same x, and share it. (The last one made is kept with its x, compared by
+        identity: a later layer's or token's x is another tensor.)"""
+        last = self._last_pair
+        if last is not None and last[0] is x:
+            return last[1]
+        pair = x.expand(2, *x.shape)
+        self._last_pair = (x, pair)
+        return pair
 
     def _decode_gate_up(self, neurons: int, x: torch.Tensor) -> layout.GateUp:
         """The decode workspace of a whole segment of `neurons` for the token x [1, H] (torch_forward)."""
@@ -174,10 +187,9 @@ class HostStore:
             workspace = self._gate_up[key] = layout.GateUp.make(1, neurons, x.dtype, x.device)
         return workspace
 
-    def torch_top(self, x: torch.Tensor, segment, act, lane: int, pair: torch.Tensor | None = None) -> layout.Top:
+    def torch_top(self, x: torch.Tensor, segment, act, lane: int) -> layout.Top:
         """A split expert's top on torch's path: its gate and up into a workspace beside where the bottom's
-        go (layout.top_forward), decode's workspaces made once per (top size, lane). `pair`: x's broadcast over gate
-        and up, made once for several tops (None: made here)."""
+        go (layout.top_forward), decode's workspaces made once per (top size, lane), and x's broadcast (`_pair`)."""
         rows = segment if isinstance(segment, layout.Rows) else layout.split_rows(segment)
         tokens, neurons = x.shape[0], rows.down.shape[0]
         key = (tokens, neurons, lane, x.dtype, x.device)
@@ -186,7 +198,7 @@ class HostStore:
             workspace = layout.SplitWorkspace.make(tokens, neurons, self.shape.intermediate, x.dtype, x.device)
             if tokens == 1:  # a decode step; a prefill's token counts vary: its workspaces are not kept
                 self._split_workspaces[key] = workspace
-        return layout.top_forward(x, rows, workspace, pair)
+        return layout.top_forward(x, rows, workspace, self._pair(x) if tokens == 1 else None)
 
     def torch_bottom(self, x: torch.Tensor, segment, act, top: layout.Top) -> torch.Tensor:
         """The split expert's output once its bottom is here (layout.bottom_forward)."""
@@ -229,12 +241,12 @@ class HostStore:
 
     def _torch_decode(self, x: torch.Tensor, segments: list, act, partial: bool, stacked: bool):
         """Segments (Rows) for one token x [1, H] on torch's path: each one's ops as torch_forward's (whole) or
-        torch_top's (tops), but x's broadcast over gate and up (gate_up_mm's pair, a view op) made once for all of
-        them, and where `stacked` the whole segments' down matmuls written into the rows of one [n, H] buffer made
-        once (no concatenation after). The same kernels on the same operands: the same bits."""
-        pair = x.expand(2, *x.shape)
+        torch_top's (tops), x's broadcast shared (`_pair`), and where `stacked` the whole segments' down matmuls
+        written into the rows of one [n, H] buffer made once (no concatenation after). The same kernels on the same
+        operands: the same bits."""
         if partial:
-            return [self.torch_top(x, rows, act, lane, pair) for lane, rows in enumerate(segments)]
+            return [self.torch_top(x, rows, act, lane) for lane, rows in enumerate(segments)]
+        pair = self._pair(x)
         into = self._decode_rows(len(segments), x) if stacked else None
         activation = layout.called(act)
         outputs = []
