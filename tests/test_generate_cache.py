@@ -88,3 +88,22 @@ def test_decode_appends_to_a_growing_layer_without_the_caches_wrapper(checkpoint
     want = decode_logits(lm, steps, DynamicCache(config=lm.model.config))
     assert len(calls) == layers * (1 + steps)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_greedy_sampling_of_float32_logits_casts_nothing():
+    """generate.sample_next at temperature 0: float32 logits are read as they are (no `to`: one op a token fewer on
+    the decode step, which runs in inference mode, where torch dispatches a same-dtype `.float()`), bf16 ones cast
+    to float32 first; the argmax either way."""
+    from fmoe_cli.generate import SamplingParams, sample_next
+    from fmoe_cli.profiling.ops import OpCounter
+
+    logits = torch.randn(384, generator=torch.Generator().manual_seed(3))
+    counter = OpCounter()
+    with torch.inference_mode(), counter:
+        token = sample_next(logits, SamplingParams(), None)
+    casts = {"to", "_to_copy"}
+    assert token == int(logits.argmax()) and not casts & {name for _, name in counter.ops}, counter.ops
+    counter.ops.clear()
+    with torch.inference_mode(), counter:
+        token = sample_next(logits.bfloat16(), SamplingParams(), None)
+    assert token == int(logits.bfloat16().float().argmax()) and casts & {name for _, name in counter.ops}, counter.ops
