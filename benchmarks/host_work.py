@@ -33,6 +33,7 @@ smaller segment_forward and the add: compute that a whole expert does not do.)
     python benchmarks/host_work.py --versions OLD NEW --rounds 4   # two source trees (their fmoe_cli), one
         process per tree and round, alternating: host ms per segment of each, side by side
     python benchmarks/host_work.py --ops   # aten ops per decode step (profiling/ops.py), no timing
+    python benchmarks/host_work.py --ops --loading   # the same for the policies that load, on a GPU's link
     python benchmarks/host_work.py --alternatives [--repeats 7]   # fewer ops, timed: what they cost on this CPU
 
 `--ops` counts what the host dispatches instead of timing it (a count does not depend on
@@ -191,29 +192,40 @@ OPS_SHAPES = {  # family, overrides of models/demo.py's tiny config
 }
 
 
-def count_ops(console: Console, as_json: bool) -> None:
+# --ops --loading: the policies that load, a quarter of the experts cached, K = 8
+LOADING_OPS_POLICIES = ("ondemand", "lru", "moepic", "uniform")
+LOADING_OPS_SHAPES = {name: OPS_SHAPES[name] for name in ("qwen3-30b-a3b-shaped",)}
+
+
+def count_ops(console: Console, as_json: bool, loading: bool = False) -> None:
     """Aten ops per decode step (fmoe_cli/profiling/ops.py) for the OPS_SHAPES under three plans: the 11th decode
     step after a 48-token prompt (every expert routed before: each buffer's views are made once, before); the
-    device path's code (with FMOE_KERNELS=torch: torch's segment forwards; the store's grouping on)."""
+    device path's code (with FMOE_KERNELS=torch: torch's segment forwards; the store's grouping on). `loading`: the
+    policies that load (LOADING_OPS_POLICIES) at a quarter of the experts cached, behind a link that copies into the
+    staging slots as a GPU's does (the CPU's instant link hands out the host store's rows instead), so that a layer's
+    loads are computed as on a GPU (offload/engine.py `_loaded_decode`)."""
     import tempfile
     from pathlib import Path
 
     from fmoe_cli.models.demo import build_random_moe
     from fmoe_cli.profiling.ops import count_decode_ops
+    from fmoe_cli.types import Timings
 
     rows = []
     prompt = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
     with tempfile.TemporaryDirectory() as root:
-        for name, (family, overrides) in OPS_SHAPES.items():
+        for name, (family, overrides) in (LOADING_OPS_SHAPES if loading else OPS_SHAPES).items():
             path = build_random_moe(Path(root) / name, family=family, seed=1, **overrides)
             lm = load_model(str(path), device="cpu", dtype="float32", console=console)
             lm.store.grouping = True  # the device path's grouping (off by default on the CPU, where the loop is faster)
             shape = lm.shape
-            for policy in OPS_POLICIES:
-                engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+            timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=shape.top_k)  # moepic's plan
+            for policy in LOADING_OPS_POLICIES if loading else OPS_POLICIES:
+                engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None, copy=loading), lm.device, lm.dtype)
                 engine.install(lm.model)
-                budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes
-                engine.configure(make_settings(policy, shape, budget, theta=0.5 if policy == "uniform" else None))
+                budget = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // (4 if loading else 1)
+                engine.configure(make_settings(policy, shape, budget, timings=timings,
+                                               theta=0.5 if policy == "uniform" else None))
                 steps = stream_generate(lm.model, prompt, engine=engine, max_new_tokens=12, stop_on_eos=False)
                 for _ in range(11):
                     next(steps)
@@ -345,11 +357,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--layer-reps", type=int, default=200, help="repetitions of the one-layer measurement")
     p.add_argument("--ops", action="store_true", help="count aten ops per decode step instead of timing")
+    p.add_argument("--loading", action="store_true", help="with --ops: the policies that load, a quarter cached, "
+                   "behind a link that copies into the staging slots (a GPU's)")
     p.add_argument("--alternatives", action="store_true", help="time the ways to dispatch fewer ops on this CPU")
     args = p.parse_args()
     if args.ops:  # the GPU's code: torch's matmuls (no one-call C token, which has no layers to count), the device path
         os.environ["FMOE_KERNELS"], os.environ["FMOE_DEVICE_PATH"] = "torch", "1"
-        return count_ops(Console(stderr=True), args.json)
+        return count_ops(Console(stderr=True), args.json, args.loading)
     if args.alternatives:
         return time_alternatives(args.repeats)
     if args.versions:

@@ -71,6 +71,7 @@ class Op:
     kwargs: dict
     out: object
     kind: str  # "compute" (out-of-place), "mutate" (in-place, out=), "view", "alloc"
+    outs: list[torch.Tensor] = field(default_factory=list)  # a compute op's output tensors, where a replay copies
 
 
 @dataclass
@@ -94,7 +95,10 @@ class Segment:
                 continue
             out = op.func(*op.args, **op.kwargs)
             if op.kind == "compute":
-                for recorded, new in zip(_tensors(op.out), _tensors(out)):
+                if isinstance(out, torch.Tensor):  # most ops: one tensor (no tree to walk)
+                    op.outs[0].copy_(out)
+                    continue
+                for recorded, new in zip(op.outs, _tensors(out)):
                     recorded.copy_(new)
 
 
@@ -128,7 +132,7 @@ class _Recorder(TorchDispatchMode):
             kind = "view"
         else:
             kind = "compute"
-        segment.ops.append(Op(func, args, kwargs, out, kind))
+        segment.ops.append(Op(func, args, kwargs, out, kind, outs if kind == "compute" else []))
         if kind in ("compute", "alloc"):
             for t in outs:
                 if t.numel() and _storage(t) not in inputs:

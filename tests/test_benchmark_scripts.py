@@ -522,3 +522,30 @@ def test_host_per_layer_times_what_graph_segments_leave_eager(tmp_path, monkeypa
     for figures in eager.values():
         assert 0 < figures["spread"][0] <= figures["experts_ms_per_layer"] <= figures["spread"][1]
         assert figures["rest_ms_per_token"] > 0
+
+
+def test_cache_bound_counts_the_window_and_pools_the_budget(tmp_path, capsys):
+    """benchmarks/cache_bound.py on a 2-layer trace whose layer 0 alternates two experts and layer 1 never repeats
+    one: one slot a layer, lru misses everything; the per-layer optimum keeps one of layer 0's (2 hits of 12); the
+    pooled two slots keep both (4); a staging slot more changes nothing here (layer 1 has no reuse to keep). The
+    window (`--tokens 4`) counts the first 4 tokens only."""
+    from fmoe_cli.trace import TraceWriter, read_trace
+
+    layers = [[[0], [1], [0], [1], [0], [1]], [[0], [1], [2], [3], [4], [5]]]
+    path = tmp_path / "t.jsonl"
+    with TraceWriter(path, num_layers=2, num_experts=8) as w:
+        for j, routes in enumerate(layers):
+            for t, route in enumerate(routes):
+                w.record("s0", t, j, route, [1.0])
+    bound = benchmark("cache_bound")
+    result = bound.count(read_trace(path), 2, None, 1, 1, policies=("lru",))
+    assert result["activations"] == 12
+    assert result["hit_rate"] == {"lru": 0, "belady": 2 / 12, "belady, shared budget": 4 / 12,
+                                  "belady, shared budget + staging": 4 / 12}
+    assert result["misses_over_lru"]["belady, shared budget"] == 8 / 12
+    assert bound.count(read_trace(path), 2, 4, 1, 0, policies=("lru",))["activations"] == 8
+    bound.main([str(path), "--per-layer", "1", "--staging", "1", "--json"])
+    assert json.loads(capsys.readouterr().out)["hit_rate"]["belady, shared budget"] == 4 / 12
+    with pytest.raises(SystemExit) as exited:
+        bound.main([str(path), "--layers", "3"])
+    assert exited.value.code == 2 and "the trace has 2" in capsys.readouterr().err

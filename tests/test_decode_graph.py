@@ -271,6 +271,51 @@ def test_every_loading_policy_decodes_through_segments_with_the_eager_tokens(che
             assert gpu.chunks_played == gpu.chunks_issued > 0
 
 
+@pytest.mark.parametrize("link", ["emulated", "cuda"])
+def test_grouped_loads_decode_through_segments_with_the_eager_tokens(tmp_path_factory, monkeypatch, link):
+    """K = 8 with the store's grouping on (a GPU's): at each cut a loading layer computes its loaded whole experts in
+    one grouped call over the staging pool's slots (Engine._loaded_decode), with the eager step's tokens
+    (transformers') and, on the emulated link, its counters; on CudaLink over the NaN-filling fake GPU the same
+    tokens."""
+    from fmoe_cli.models.demo import build_random_moe
+    from fmoe_cli.offload import layout
+
+    path = build_random_moe(tmp_path_factory.mktemp("top8") / "qwen3-top8", family="qwen3_moe", seed=1,
+                            num_experts=16, num_experts_per_tok=8)
+    want = reference_tokens(path)
+    grouped = []
+    real = layout.grouped_forward
+
+
+    def pooled(x, segments, act):  # a grouped call over the staging pool's slots (a cache's experts: their own stack)
+        if segments[0].stack is engine.pool.stacked_rows(lm.store)[0].stack:
+            grouped.append(len(segments))
+        return real(x, segments, act)
+
+    monkeypatch.setattr(layout, "grouped_forward", pooled)
+    with fake_gpu.installed() if link == "cuda" else contextlib.nullcontext():
+        made = CudaLink(torch.device("cuda"), chunk_bytes=4096) if link == "cuda" else EmulatedLink(
+            gbps=20, clock=VirtualClock(), copy=True)
+        lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch, link=made)
+        lm.store.grouping = True
+        shape = lm.shape
+        timings = replace(TIMINGS, top_k=shape.top_k)
+        try:
+            for name in ("lru", "ondemand", "moepic"):
+                settings = make_settings(name, shape, budget(shape) // 2, timings=timings)
+                eager, eager_counted, _ = decode_each(lm, engine, settings, False, monkeypatch)
+                RecordedGraphs.reset()
+                grouped.clear()
+                got, counted, segments = decode_each(lm, engine, settings, True, monkeypatch)
+                assert eager == got == [want, want], name
+                assert segments == shape.num_layers + 1 and counted["misses"] > 0, name
+                assert grouped, name  # the loads really went through torch's grouped matmul, over the pool
+                if link == "emulated":
+                    assert counted == eager_counted, name
+        finally:
+            engine.close()
+
+
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_lru_decodes_through_segments_in_every_family(checkpoints, monkeypatch, family):
     """Every family's layers (shared experts, a dense first layer, MLA, group-limited routing) cut at their MoE
@@ -286,6 +331,36 @@ def test_lru_decodes_through_segments_in_every_family(checkpoints, monkeypatch, 
         engine.close()
     assert eager == got == [reference_tokens(path)] * 2 and counted == eager_counted
     assert segments == lm.shape.num_layers + 1 and counted["misses"] > 0
+
+
+@pytest.mark.parametrize("policy", ["moepic", "lru", "lfu", "cache-only"])
+def test_a_model_that_fits_decodes_as_one_graph_whatever_the_policy(checkpoints, monkeypatch, policy):
+    """Issue 37 §1: "a step whose experts are all resident (policy resident, or a model that fits) is one graph". A
+    budget that holds every expert whole gives any caching policy's plan every expert in every layer
+    (planning/presets.py `settings_for`): it runs as resident — filled when configured, no staging pool, no
+    prefetch, every layer graphed — one segment a step, transformers' tokens, every activation a whole hit with no
+    byte moved. One expert less and the same policy loads: a segment per layer."""
+    path = checkpoints["qwen3_moe"]
+    want = reference_tokens(path, 8)
+    lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch)
+    shape = lm.shape
+    fits = shape.all_experts_bytes + 2 * shape.top_k * shape.expert_bytes
+    for budget, one_graph in ((fits, True), (fits - shape.expert_bytes - 2 * shape.top_k * shape.expert_bytes, False)):
+        settings = make_settings(policy, shape, budget, timings=TIMINGS)
+        assert settings.plan.resident == one_graph and (settings.plan.staging_slots == 0) == one_graph
+        engine.configure(settings)
+        before = engine.counters()
+        got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=8,
+                                                   stop_on_eos=False)]
+        counted = engine.counters() - before
+        (graph,) = [g for g in engine.decode_graphs.values() if g.segments]
+        assert got == want, (policy, one_graph)
+        if one_graph:
+            assert graph.segments == 1 and counted.hits_full == counted.activations > 0
+            assert counted.bytes_demand == counted.bytes_prefetch == 0 and counted.predicts == 0
+        else:
+            assert graph.segments == shape.num_layers + 1 and counted.bytes_demand > 0
+    engine.close()
 
 
 @pytest.mark.parametrize("policy", ["resident", "lru", "ondemand", "prefetch-only", "uniform"])

@@ -17,7 +17,7 @@ from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
 from fmoe_cli.offload.hits import classify
 from fmoe_cli.offload.link import EmulatedLink, VirtualClock
-from fmoe_cli.planning.plan import layer_plan
+from fmoe_cli.planning.plan import layer_plan, uniform_plan
 from fmoe_cli.types import EngineSettings, Plan
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])
@@ -518,21 +518,29 @@ def ops_checkpoints(tmp_path_factory):
 OPS_PROMPT = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))  # every expert routed
 
 
-def decode_step_ops(path: str, policy: str, grouping: bool | None = None) -> tuple[dict, object]:
+def decode_step_ops(path: str, policy: str, grouping: bool | None = None, device_side: bool = False,
+                    cached: float = 1.0) -> tuple[dict, object]:
     """count_decode_ops over the eleventh decode step of a run of `path` (a checkpoint) under `policy`, on an
-    instant link; `grouping`: the store's (None: by device, off on the CPU)."""
+    instant link; `grouping`: the store's (None: by device, off on the CPU); `device_side`: the engine's device path
+    behind a link that copies into the staging slots (a GPU's; else the CPU's, whose loads are the store's rows);
+    `cached`: the share of all experts the budget holds beside the staging pool."""
     from fmoe_cli import kernels
     from fmoe_cli.planning.presets import make_settings
     from fmoe_cli.profiling.ops import count_decode_ops
+    from fmoe_cli.types import Timings
 
     lm = load_model(str(path), device="cpu", dtype="float32")
     if hasattr(lm.model, "decode_token"):  # the per-step path's ops (a resident token in C is one call: test_token.py)
         lm.model.decode_token.enabled = False
     lm.store.grouping = grouping
     shape = lm.shape
-    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None, copy=device_side), lm.device, lm.dtype)
+    if device_side:
+        engine.device_side = True
     engine.install(lm.model)
-    engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes,
+    timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=shape.top_k)  # moepic's configurator
+    engine.configure(make_settings(policy, shape, 2 * shape.top_k * shape.expert_bytes
+                                   + int(shape.all_experts_bytes * cached), timings=timings,
                                    theta=0.5 if policy == "uniform" else None))
     # a long prompt and 10 decode steps route to every expert (a split plan's bottoms: in decode): the views of
     # each buffer are made (once per buffer; the emulated link hands out the store's rows) before the count
@@ -580,6 +588,26 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy, m
         assert ops["ops_per_segment"] * shape.top_k <= 11, ops["by_op"]
     assert ops["ops_per_layer_besides_segments"] <= (5 if policy == "resident" else 12), ops["by_op"]
     assert ops["predictor_ops_per_layer"] <= (10 if policy == "uniform" else 0), ops["by_op"]
+
+
+@pytest.mark.parametrize("policy, bound", [("ondemand", 24), ("lru", 42), ("moepic", 40), ("uniform", 60)])
+def test_a_loading_layers_loads_are_grouped_on_the_device_path(ops_checkpoints, policy, bound, monkeypatch):
+    """Issue 37 §1: on the device path (K = 8, a quarter of the experts cached) a loading layer's decode step computes
+    its loaded whole experts by one grouped matmul a projection over the staging pool's slots, and its split experts'
+    tops over the cache and their bottoms over the pool's rows [k, I) (Engine._loaded_decode), not one segment forward
+    per load (5 ops a whole expert, 7 a split one). Ops per MoE layer besides the predictor's, one by one before →
+    grouped: ondemand 52 → 21 (every routed expert loaded whole: 8 × 5 → 9), lru 56.2 → 36.5, moepic 62.8 → 35,
+    uniform (θ = 0.5) 72 → 56 (a split expert's two down projections stay its own: 2 ops)."""
+    from fmoe_cli import kernels
+
+    monkeypatch.setattr(kernels, "library", lambda: None)
+    ops, shape = decode_step_ops(ops_checkpoints["qwen3-a3b-top8"], policy, grouping=True, device_side=True,
+                                 cached=0.25)
+    assert ops["layers"] == shape.num_layers and shape.top_k == 8
+    per_layer = (ops["segments"] * ops["ops_per_segment"] + ops["split_experts"] * ops["ops_per_split_expert"]
+                 + ops["layers"] * ops["ops_per_layer_besides_segments"]) / ops["layers"]
+    assert per_layer <= bound, (per_layer, ops["by_op"])
+    assert ops["by_op"]["segment:_grouped_mm"] >= 3, ops["by_op"]
 
 
 @pytest.mark.skipif(not __import__("fmoe_cli.kernels").kernels.library(), reason="no C compiler")
@@ -792,7 +820,11 @@ def test_a_decode_layer_whose_experts_are_all_whole_skips_the_loads_machinery(ch
     logits, counts = {}, {}
     everything = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes
     for policy, budget in (("resident", everything), ("lru", everything), ("ondemand", 0)):
-        engine.configure(make_settings(policy, shape, budget + 2 * shape.top_k * shape.expert_bytes))
+        budget += 2 * shape.top_k * shape.expert_bytes
+        # lru's plan as uniform_plan makes it (every expert cached whole), not run as resident as `settings_for` runs
+        # a plan that holds every expert: the general path's caches, here full
+        plan = uniform_plan(shape, budget, 1.0, source="lru") if policy == "lru" else None
+        engine.configure(make_settings(policy, shape, budget, plan=plan))
         assert not engine.settings.prefetch or policy == "lru"
         engine.settings = replace(engine.settings, prefetch=False)
         cache = DynamicCache(config=lm.model.config)

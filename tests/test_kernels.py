@@ -590,9 +590,35 @@ def test_a_failed_compile_falls_back_to_torch_in_one_line(monkeypatch, tmp_path,
 
 @needs_kernels
 def test_the_library_is_compiled_once_and_cached(monkeypatch, tmp_path):
+    """Three first uses at once in an empty cache: one compiles, the others wait on the lock and load its library.
+    The compiler is the run's own build copied into place (every other kernel test runs what gcc made; here the lock
+    and the cache are what is tested), and it returns only once the other two threads have come to the lock, as they
+    do during a real compile of seconds: without the lock, or without the check after it, they would compile too."""
+    import fcntl
+    import shutil
+    import types
+
     from fmoe_cli.kernels import build
 
+    built = build.library_path(build.compiler())  # the run's library (needs_kernels built it)
     monkeypatch.setenv("FMOE_KERNEL_CACHE", str(tmp_path))
+    at_lock, arrived = threading.Condition(), []
+    real_flock = fcntl.flock
+
+    def flock(*args):
+        with at_lock:
+            arrived.append(1)
+            at_lock.notify_all()
+        return real_flock(*args)
+
+    def compiler(command, **_):
+        with at_lock:  # this thread and the other two at the lock (a bound where they never come)
+            at_lock.wait_for(lambda: len(arrived) >= 3, timeout=20)
+        shutil.copyfile(built, command[command.index("-o") + 1])
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    monkeypatch.setattr(build, "subprocess", types.SimpleNamespace(run=compiler))
     compiles = []
     real = build._compile
     monkeypatch.setattr(build, "_compile", lambda *a: compiles.append(1) or real(*a))
@@ -782,12 +808,14 @@ def test_the_narrower_builds_pass_the_same_value_and_bit_tests(isa, flags, level
     if not flags <= set(cpu_flags().split()):
         pytest.skip(f"this CPU cannot run the {isa} build")
     env = {**os.environ, "FMOE_KERNEL_ISA": isa}
-    probe = subprocess.run([sys.executable, "-c", "from fmoe_cli import kernels; "
-                            "print(kernels.library().fmoe_simd(), kernels.library().fmoe_int8_dots())"],
-                           env=env, capture_output=True, text=True, timeout=300)
-    assert probe.stdout.strip() == level, probe.stdout + probe.stderr
-    run = subprocess.run([sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
-                          "-k", CORE_TESTS], env=env, capture_output=True, text=True, timeout=600)
+    # one process: the probe's line, then (only if it is the narrower build) the tests, on the library it loaded
+    script = ("import sys, pytest; from fmoe_cli import kernels; lib = kernels.library(); "
+              "probe = f'{lib.fmoe_simd()} {lib.fmoe_int8_dots()}'; print('probe', probe, flush=True); "
+              "sys.exit(pytest.main(sys.argv[2:]) if probe == sys.argv[1] else 3)")
+    run = subprocess.run([sys.executable, "-c", script, level, __file__, "-o", "addopts=", "-q", "-x", "-n", "0",
+                          "-p", "no:cacheprovider", "-k", CORE_TESTS], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.stdout.splitlines()[:1] == [f"probe {level}"], run.stdout[:500] + run.stderr[-2000:]
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout.splitlines()[-1], run.stdout[-500:]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -138,3 +140,27 @@ def test_a_budget_that_does_not_fit_is_refused_before_a_weight_is_read(checkpoin
         with open_run(RunOptions(model=str(checkpoints["mixtral"]), policies=("lru",), vram_budget="1KiB",
                                  device="cpu")):
             pass
+
+
+@pytest.mark.parametrize("policy, fits_as_resident", [
+    ("moepic", True), ("lru", True), ("lfu", True), ("cache-only", True),
+    ("uniform", False), ("prefetch-only", False), ("ondemand", False)])
+def test_a_budget_that_holds_every_expert_runs_a_caching_policy_as_resident(policy: str, fits_as_resident: bool) -> None:
+    """A budget that holds every expert (`--vram-budget 100%`, or everything plus the staging pool) gives a caching
+    policy the resident plan (no staging pool, no prefetch: planning/plan.py `resident_if_fits`), its source saying
+    whose it is; its eviction stays. The policies that study a fixed split (uniform's θ 0.5) or loading (no cache) keep
+    their plans (their table entries say so); so does every policy one byte short of every expert."""
+    from fmoe_cli.planning.presets import make_settings
+    from fmoe_cli.types import Timings
+
+    timings = Timings(t_att=1e-4, t_moe=2e-4, t_head=1e-4, t_load=3e-4, top_k=2)
+    everything = MIXTRAL.all_experts_bytes
+    for fits in (everything, everything + min_staging_slots(MIXTRAL) * MIXTRAL.expert_bytes):
+        settings = make_settings(policy, MIXTRAL, fits, timings=timings)
+        assert settings.plan.resident == fits_as_resident and settings.eviction != ""
+        if fits_as_resident:
+            own = make_settings(policy, MIXTRAL, everything // 2, timings=timings).plan.source
+            assert settings.plan == replace(resident_plan(MIXTRAL), source=f"{own}, every expert resident", prefetch=False)
+            assert not settings.prefetch and settings.plan.summary().startswith(f"{own}, every expert resident: ")
+    short = make_settings(policy, MIXTRAL, everything - 1, timings=timings)
+    assert not short.plan.resident and short.plan.staging_slots > 0

@@ -22,6 +22,7 @@ from fmoe_cli.bench.replay import (
     random_seed,
     replay,
     run_replay,
+    shared_belady_hits,
 )
 from fmoe_cli.trace import TraceWriter, read_trace
 from fmoe_cli.errors import FmoeError
@@ -205,6 +206,30 @@ def test_belady_never_below_any_policy(case, capacity: int, seed: int) -> None:
     best = belady_hits(routes, capacity)
     for policy in POLICIES:
         assert best >= policy_hits(routes, policy, capacity, e, seed=seed), policy
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(routes_strategy(max_experts=5, max_tokens=12), min_size=1, max_size=3), st.integers(0, 3))
+def test_a_shared_budget_s_optimum_is_at_least_every_split_of_it(layers, per_layer: int) -> None:
+    """One budget for all layers can keep what any split of it keeps: never fewer hits than the per-layer optima
+    with `per_layer` each (nor than any uneven split tried), never more than every repeat use."""
+    tokens = min(len(routes) for _, routes in layers)
+    layer_routes = [routes[:tokens] for _, routes in layers]
+    capacity = per_layer * len(layer_routes)
+    shared = shared_belady_hits(layer_routes, capacity) if tokens else 0
+    assert shared >= sum(belady_hits(routes, per_layer) for routes in layer_routes)
+    for split in itertools.product(range(capacity + 1), repeat=len(layer_routes)):
+        if sum(split) == capacity:
+            assert shared >= sum(belady_hits(routes, c) for routes, c in zip(layer_routes, split))
+    assert shared <= sum(len(route) for routes in layer_routes for route in routes)
+
+
+def test_a_shared_budget_goes_where_the_reuse_is() -> None:
+    # Layer 0 alternates two experts, layer 1 never repeats one. One slot a layer: layer 0 keeps one expert (2 hits),
+    # layer 1's slot is wasted; two slots shared: both of layer 0's (4 hits).
+    layer_routes = [[[0], [1], [0], [1], [0], [1]], [[0], [1], [2], [3], [4], [5]]]
+    assert sum(belady_hits(routes, 1) for routes in layer_routes) == 2
+    assert shared_belady_hits(layer_routes, 2) == 4
 
 
 def test_belady_bypasses() -> None:

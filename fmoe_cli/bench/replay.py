@@ -80,6 +80,15 @@ def belady_hits(routes: Sequence[Route], capacity: int) -> int:
     return hits
 
 
+def shared_belady_hits(layer_routes: Sequence[Sequence[Route]], capacity: int) -> int:
+    """Hits of the offline optimum over every layer of one sequence with one budget of `capacity` experts shared by
+    the layers (MoEpic's configurator may give each layer its own share; a shared pool is the most any split of the
+    budget can do): Belady's MIN over the items (layer, expert) in the order a decode step meets them, token by token
+    and layer by layer within a token. `layer_routes[j][t]`: layer j's experts of token t."""
+    steps = [[(j, e) for e in routes[t]] for t in range(len(layer_routes[0])) for j, routes in enumerate(layer_routes)]
+    return belady_hits(steps, capacity)
+
+
 def random_seed(seed: int, sequence: int, layer: int) -> int:
     """The random policy's seed for one (sequence, layer) cache: distinct streams, reproducible runs."""
     return seed + 1_000_003 * sequence + 7_919 * layer

@@ -10,8 +10,10 @@ One decode step through MoE layer i (docs/architecture.md § One decode step):
    slots (offload/pool.py), each copy ordered after the compute that last read its slot;
 3. compute what is on the device first (whole experts, cached top segments), then each
    loaded segment as its transfer completes — `link.acquire` right before the matmul is
-   the only place the host may wait (offload/link.py); once every demand load is
-   queued, show the predictor this routing and queue what it predicts (the default,
+   the only place the host may wait (offload/link.py); on the device path a decode step
+   acquires all of its loads and computes the loaded whole experts in one grouped call
+   over the staging pool's slots, the split experts' bottoms in one more (`_loaded_decode`);
+   once every demand load is queued, show the predictor this routing and queue what it predicts (the default,
    speculative: layer i+1; the last layer predicts layer 0 of the next token): only the
    bottom when the top is cached, the whole expert otherwise (offload/prefetch.py); a
    whole loaded expert's top segment is offered to the cache (LCP by default);
@@ -737,14 +739,19 @@ class Engine:
         if loading:  # the host's lead on the first load (the configurator's h_route)
             state.counters.lead_s += host_now() - submitted
             state.counters.leads += 1
+        # a decode step's loads on the device path: computed together once all are acquired (`_loaded_decode`)
+        together = decode and bool(loading) and not waiting and self._loads_grouped(hidden_states)
         # what the cache holds, one call each for the whole experts and for the tops (store.segments_forward)
         slot, rows = state.cache.slot, state.top_rows
         outputs: dict[int, torch.Tensor] = dict(zip(hits.whole, store.segments_forward(
             [x_of(e) for e in hits.whole], [rows[slot(e)] for e in hits.whole], act))) if hits.whole else {}
         top_outputs = dict(zip(hits.top_hits, store.segments_forward(  # partial: the bottom continues them
             [x_of(e) for e in hits.top_hits], [rows[slot(e)] for e in hits.top_hits], act,
-            partial=True))) if hits.top_hits else {}
+            partial=True, together=together))) if hits.top_hits else {}
         self._bookkeep(i, state, routing)  # while the GPU computes what is on it; before any admission (`_offer`)
+        if together:
+            self._loaded_decode(i, act, hidden_states, routing, loading, outputs, top_outputs)
+            return outputs
         prefetched = False
         while loading or waiting:
             if not waiting and not prefetched:
@@ -769,6 +776,47 @@ class Engine:
         if not prefetched:
             self._prefetch(i, hidden_states, routing)
         return outputs
+
+    def _loads_grouped(self, x: torch.Tensor) -> bool:
+        """Whether a decode step's loads are computed together (`_loaded_decode`): the device path, a link that copies
+        into the pool's slots (not the CPU's aliased store rows), the store grouping on x's device, and torch's path
+        (the slots' rows know the pool's Stack: not the CPU's kernels, not a quantised store)."""
+        return (self.device_side and not self.aliased and self.store.groups(x)
+                and isinstance(self.pool.stacked_rows(self.store)[0], layout.Rows))
+
+    def _loaded_decode(self, i: int, act, x: torch.Tensor, routing: Routing, loading: list[Staged], outputs: dict,
+                       top_outputs: dict) -> None:
+        """3. a decode step's loads on the device path, every one queued (`_compute`'s loop otherwise): all of them
+        acquired first, then the loaded whole experts computed by one `segments_forward` call over the pool's slots
+        (`StagingPool.stacked_rows`: on a GPU, from GROUP_FROM of them, torch's grouped matmul once per projection,
+        layout.grouped_forward, instead of one segment forward of 5 ops per load as it arrives) and the split
+        experts' bottoms by one more, each continuing its top (rows [k_i, I) of the slots, a Stack of their own:
+        layout.grouped_bottoms after the tops' layout.grouped_tops, where they group). On a GPU `acquire` only
+        makes the compute stream wait for the copy, never the host, so acquiring every load before the one call costs
+        the host nothing; the price is that the GPU no longer computes one expert while the next one loads:
+        microseconds of compute against a load's hundreds. The rest is the loop's, in its order where it matters:
+        the prediction queued once every demand load is, each loaded whole expert offered to the cache (`_offer`)
+        after its compute, and every slot released with a fence recorded after all the compute that read it (the
+        next copy into a slot waits for these reads)."""
+        pool, store, k = self.pool, self.store, self.layers[i].top_neurons
+        self._prefetch(i, x, routing)  # 4. speculate: every demand load is queued
+        acquired = [(entry, self.link.acquire(entry.transfer, tag=i)) for entry in loading]  # the host waits only here
+        loading.clear()
+        wholes = [(entry, segment) for entry, segment in acquired if entry.expert not in top_outputs]
+        if wholes:
+            slots = pool.stacked_rows(store)  # slot s: what a whole expert loaded into s reads (the link's dst)
+            outputs.update(zip([entry.expert for entry, _ in wholes], store.segments_forward(
+                [x] * len(wholes), [slots[entry.slot] for entry, _ in wholes], act)))
+        if top_outputs:  # exact: each bottom continues its top (rows [k, I) of its slot, wherever the load began)
+            bottoms, split = pool.stacked_rows(store, k), [entry for entry, _ in acquired if entry.expert in top_outputs]
+            outputs.update(zip([entry.expert for entry in split], store.segments_forward(
+                [x] * len(split), [bottoms[entry.slot] for entry in split], act,
+                accs=[top_outputs.pop(entry.expert) for entry in split])))
+        for entry, segment in wholes:
+            self._offer(i, entry.expert, segment)
+        reads = self.link.record_reads()  # after the loads' compute and the admissions' copies out of the slots
+        for entry, _segment in acquired:
+            pool.release(entry, reads)
 
     def _whole_decode(self, state: LayerState, act, hidden_states: torch.Tensor, routing: Routing):
         """A decode step whose activated experts are all whole on the device: their outputs in routing order, stacked

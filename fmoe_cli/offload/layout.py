@@ -15,8 +15,12 @@ two views made once per buffer (`Rows`): its gate and up rows as one [2, H, n] b
 matrix, so one matmul gives both (x · W_gateᵀ, x · W_upᵀ), and its down columns [n, H].
 Every op the host dispatches costs it microseconds on a GPU (docs/architecture.md § Host
 work per token): a whole segment is 6 ops (4 kernel launches; a decode token's 5, into a `GateUp` workspace), a
-split expert 7 (6 launches), and a decode step's K ≥ 3 whole experts of one buffer 11 together on a GPU (torch's
-grouped matmul). The matmuls are torch's kernels called directly (`gate_up_mm`, torch.mm), not through
+split expert 7 (6 launches), and a decode step's n ≥ 3 whole experts of one buffer 11 together on a GPU (torch's
+grouped matmul, `grouped_forward`; 9 on the CPU), whatever n: a layer's cache (every expert when resident), and on
+the device path the staging pool's slots its loads landed in (offload/pool.py `stacked_rows`), so a layer of
+Qwen3-30B-A3B (K = 8) that loads every expert it routes computes them in 11 ops, not 40. A decode step's n ≥ 3 split
+experts there are 15 ops and 2 each on the CPU (`grouped_tops`, `grouped_bottoms`; on a GPU 19 and, in bf16, 4 each:
+the down projections summed in float32), not 7 each. The matmuls are torch's kernels called directly (`gate_up_mm`, torch.mm), not through
 torch.matmul, which decides on them in a dozen more host steps each.
 """
 
@@ -139,6 +143,24 @@ def grouped_mm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) ->
     return grouped(x, weights, offs=offsets)
 
 
+def group_ends(stack: Stack, slots: list[int], device: torch.device) -> torch.Tensor:
+    """The offsets of a group that gives each listed slot of `stack` one row (ascending `slots`) and the others
+    none: [C] int32, each slot's last row + 1, on `device` (1 op; 3 on a GPU, the pinned copy)."""
+    counts = [0] * stack.down.shape[0]
+    for slot in slots:
+        counts[slot] = 1
+    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+    if device.type != "cpu":  # pinned: the copy does not wait for the compute stream
+        ends = ends.pin_memory().to(device, non_blocking=True)
+    return ends
+
+
+def grouped_hidden(xs: torch.Tensor, stack: Stack, ends: torch.Tensor, act) -> torch.Tensor:
+    """h = act(x · W_gateᵀ) ⊙ (x · W_upᵀ) of a group's slots, rows xs [n, H] -> [n, neurons] (4 ops: one grouped
+    matmul each for gate and up, the activation, the product)."""
+    return called(act)(grouped_mm(xs, stack.gate, ends)) * grouped_mm(xs, stack.up, ends)
+
+
 def grouped_forward(x: torch.Tensor, segments: list[Rows], act) -> list[torch.Tensor]:
     """Whole segments of one Stack for one token x ([1, H]), in 9 ops whatever their number (11 on a GPU, the
     offsets' copy): one grouped matmul each for gate, up and down over the stack's slots in order, the
@@ -146,16 +168,50 @@ def grouped_forward(x: torch.Tensor, segments: list[Rows], act) -> list[torch.Te
     `segment_forward`'s, to float rounding)."""
     stack = segments[0].stack
     slots = sorted(s.slot for s in segments)
-    counts = [0] * stack.down.shape[0]
-    for slot in slots:
-        counts[slot] = 1
-    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)  # [C]: each slot's last row + 1
-    if x.device.type != "cpu":  # pinned: the copy does not wait for the compute stream
-        ends = ends.pin_memory().to(x.device, non_blocking=True)
+    ends = group_ends(stack, slots, x.device)
     xs = x.repeat(len(slots), 1)  # [K, H]: the token once per activated slot
-    h = called(act)(grouped_mm(xs, stack.gate, ends)) * grouped_mm(xs, stack.up, ends)  # [K, n]
+    h = grouped_hidden(xs, stack, ends, act)  # [K, n]
     rows = grouped_mm(h, stack.down, ends).split(1)  # [1, H] each, by slot
     return [rows[slots.index(s.slot)] for s in segments]
+
+
+class GroupedTop(NamedTuple):
+    """A split expert's top computed with the other tops of its layer (`grouped_tops`) while its bottom loads: its
+    whole share, h and the partial down projection."""
+
+    partial: torch.Tensor  # [1, H]: h_top · W_down,top (float32 for bf16 / fp16: `split_sum` rounds once)
+    xs: torch.Tensor  # [n, H]: the token once per top of its group (the bottoms' grouped matmul reads it)
+
+
+def grouped_tops(x: torch.Tensor, tops: list[Rows], act) -> list[GroupedTop]:
+    """Split experts' tops of one Stack (a layer's cached tops) for one token x ([1, H]), begun while their bottoms
+    load: gate and up by one grouped matmul each, one activation and one product for all of them, then each top's
+    partial down projection (`top_down`): 8 ops and one a top (10 on a GPU). Unlike `top_forward` the whole top is
+    done before the bottom arrives; the bottom's neurons get the same activation and product (elementwise: the same
+    bits as over all I neurons at once)."""
+    stack = tops[0].stack
+    slots = sorted(t.slot for t in tops)
+    xs = x.repeat(len(slots), 1)
+    hidden = grouped_hidden(xs, stack, group_ends(stack, slots, x.device), act).split(1)  # [1, k] each, by slot
+    return [GroupedTop(top_down(hidden[slots.index(t.slot)], t.down, x.dtype), xs) for t in tops]
+
+
+def grouped_bottoms(x: torch.Tensor, bottoms: list[Rows], act, tops: list[GroupedTop]) -> list[torch.Tensor]:
+    """The split experts' outputs [1, H] once their bottoms (Rows of one Stack: the staging pool's rows [k, I) of the
+    slots they loaded into) are here, each continuing its top (`tops`, in the same order): h of every bottom by one
+    grouped matmul each for gate and up, one activation and one product, then each one's down projection added to
+    its top's (`split_sum`): 7 ops and one a bottom (9 on a GPU; bf16: three a bottom)."""
+    stack = bottoms[0].stack
+    slots = sorted(b.slot for b in bottoms)
+    xs = tops[0].xs if tops[0].xs.shape[0] == len(slots) else x.repeat(len(slots), 1)
+    hidden = grouped_hidden(xs, stack, group_ends(stack, slots, x.device), act).split(1)  # [1, I - k] each, by slot
+    return [split_sum(top.partial, hidden[slots.index(b.slot)], b.down, x.dtype) for b, top in zip(bottoms, tops)]
+
+
+def bottom_alone(x: torch.Tensor, bottom: Rows, act, top: GroupedTop) -> torch.Tensor:
+    """`grouped_bottoms` of one bottom (where the bottoms are not computed together): its h, then `split_sum`."""
+    gate, up = gate_up_mm(x, bottom.gate_up).unbind(0)
+    return split_sum(top.partial, called(act)(gate) * up, bottom.down, x.dtype)
 
 
 @dataclass(frozen=True)
@@ -208,13 +264,24 @@ def bottom_forward(x: torch.Tensor, bottom, act, top: Top) -> torch.Tensor:
     ws = top.workspace
     gate_up_mm(x, rows.gate_up, out=ws.bottom, pair=top.pair)  # [2, T, I - k]
     torch.mul(called(act)(ws.gate), ws.up, out=ws.gate)  # h [T, I]
-    if x.dtype == torch.float32:
-        return torch.addmm(torch.mm(ws.top_hidden, top.down), ws.bottom_hidden, rows.down)  # [T, H]
-    # bf16 / fp16: the two partial down projections summed in float32 and rounded once, as the whole expert's one
-    # matmul (float32 accumulation) rounds once; the top's partial rounded to bf16 first would be a second rounding
-    # (27-30 % of the outputs off by an ulp in tests/test_engine.py's check, and other greedy tokens on a GPU:
-    # mixtral `uniform` in bf16 departed at token 12 on the first H200 run).
-    return (matmul_f32(ws.top_hidden, top.down) + matmul_f32(ws.bottom_hidden, rows.down)).to(x.dtype)
+    return split_sum(top_down(ws.top_hidden, top.down, x.dtype), ws.bottom_hidden, rows.down, x.dtype)  # [T, H]
+
+
+def top_down(top_hidden: torch.Tensor, down: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A split expert's top partial down projection h_top · W_down,top: in float32 for bf16 / fp16 (`split_sum`)."""
+    return torch.mm(top_hidden, down) if dtype == torch.float32 else matmul_f32(top_hidden, down)
+
+
+def split_sum(top_partial: torch.Tensor, bottom_hidden: torch.Tensor, down: torch.Tensor,
+              dtype: torch.dtype) -> torch.Tensor:
+    """top + h_bottom · W_down,bottom, the split expert's output: float32 in one addmm; bf16 / fp16 the two partial
+    down projections summed in float32 and rounded once, as the whole expert's one matmul (float32 accumulation)
+    rounds once; the top's partial rounded to bf16 first would be a second rounding (27-30 % of the outputs off by
+    an ulp in tests/test_engine.py's check, and other greedy tokens on a GPU: mixtral `uniform` in bf16 departed at
+    token 12 on the first H200 run)."""
+    if dtype == torch.float32:
+        return torch.addmm(top_partial, bottom_hidden, down)
+    return (top_partial + matmul_f32(bottom_hidden, down)).to(dtype)
 
 
 def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -239,6 +306,6 @@ def routed_forward(x: torch.Tensor, stack: Stack, slots: torch.Tensor, act) -> t
     counts.scatter_add_(0, slots, torch.ones(k, dtype=torch.int32, device=x.device))  # [C]: 1 per routed slot
     ends = counts.cumsum(0, dtype=torch.int32)  # [C]: each slot's last row + 1
     xs = x.repeat(k, 1)  # [K, H]: the token once per routed slot
-    h = called(act)(grouped_mm(xs, stack.gate, ends)) * grouped_mm(xs, stack.up, ends)  # [K, n], by slot
+    h = grouped_hidden(xs, stack, ends, act)  # [K, n], by slot
     rows = grouped_mm(h, stack.down, ends)  # [K, H], by slot
     return torch.empty_like(rows).index_copy_(0, order, rows)  # row order[j] of the output is the j-th by slot

@@ -56,6 +56,7 @@ class StagingPool:
         self._sources: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, expert, start) -> store rows
         self._destinations: dict[tuple[int, int], torch.Tensor] = {}  # (slot, start) -> its view, made once
         self._rows: dict[int, tuple[torch.Tensor, object]] = {}  # id(view) -> (view, store.rows(view))
+        self._stacked: dict[int, list] = {}  # start -> store.stacked_rows of rows [start, I) of every slot
         self.entries: list[Staged | None] = [None] * slots
         self._staged: dict[int, dict[int, Staged]] = {}  # layer -> expert -> its entry (at most one)
         self._writer: list[Transfer | None] = [None] * slots  # the last copy into each slot
@@ -86,6 +87,16 @@ class StagingPool:
         if cached is None or cached[0] is not segment:
             cached = self._rows[id(segment)] = (segment, store.rows(segment))
         return cached[1]
+
+    def stacked_rows(self, store, start: int = 0) -> list:
+        """`store.stacked_rows` of rows [start, I) of every slot ([U, I - start, *row] views, made once per start): on
+        torch's path each slot's Rows know the pool's Stack (layout.Stack), so that a decode step's loaded whole
+        experts (start 0) or bottoms (start k_i) are computed by one grouped matmul a projection over the pool's slots
+        (Engine._loaded_decode); slot s's rows are what a segment [start, I) loaded into s reads."""
+        rows = self._stacked.get(start)
+        if rows is None:
+            rows = self._stacked[start] = store.stacked_rows(self.buffer[:, start:] if start else self.buffer)
+        return rows
 
     @property
     def nbytes(self) -> int:
@@ -189,3 +200,4 @@ class StagingPool:
             self.release(entry)
         self._sources.clear()
         self._rows.clear()
+        self._stacked.clear()

@@ -200,38 +200,51 @@ class HostStore:
                 self._split_workspaces[key] = workspace
         return layout.top_forward(x, rows, workspace, self._pair(x) if tokens == 1 else None)
 
-    def torch_bottom(self, x: torch.Tensor, segment, act, top: layout.Top) -> torch.Tensor:
-        """The split expert's output once its bottom is here (layout.bottom_forward)."""
+    def torch_bottom(self, x: torch.Tensor, segment, act, top) -> torch.Tensor:
+        """The split expert's output once its bottom is here (layout.bottom_forward; a top computed with its layer's
+        others, `layout.GroupedTop`: layout.bottom_alone)."""
+        if isinstance(top, layout.GroupedTop):
+            rows = segment if isinstance(segment, layout.Rows) else layout.split_rows(segment)
+            return layout.bottom_alone(x, rows, act, top)
         return layout.bottom_forward(x, segment, act, top)
 
     def segments_forward(self, xs: list[torch.Tensor], segments: list, act, partial: bool = False,
-                         stacked: bool = False):
+                         together: bool = False, accs: list | None = None, stacked: bool = False):
         """`segment_forward` of each (x, segment) pair, in one call: a layer's experts on the device (whole, or
-        the tops of top hits, each in its own workspace lane). Where `grouping` holds, a decode step's whole
-        segments of one buffer (a layer's cache; every expert when resident) go through torch's grouped matmul,
-        9–11 ops for all of them instead of 5 each (from GROUP_FROM of them). On the CPU with the kernels, the
+        the tops of top hits, each in its own workspace lane; `accs`: bottoms continuing those tops, one each).
+        Where `grouping` holds, a decode step's whole segments of one buffer (a layer's cache; every expert when
+        resident; on the device path the staging pool's slots a layer's loads landed in: Engine._loaded_decode) go
+        through torch's grouped matmul, 9–11 ops for all of them instead of 5 each (from GROUP_FROM of them); so do
+        split experts' tops where their bottoms will be computed `together` too (layout.grouped_tops), and bottoms
+        of one buffer continuing such tops (layout.grouped_bottoms). On the CPU with the kernels, the
         segments of one x (a decode step's) go in one kernel call (kernels.segments_forward: the bits of one call
         each), and segments of their own tokens each (a prefill's) in one too (kernels.experts_forward: likewise).
         A decode step's segments on torch's path share x's broadcast (`_torch_decode`). Else one segment_forward
         each. `stacked` (whole segments): their outputs stacked [n, H], not a list."""
-        outputs = self._segments_forward(xs, segments, act, partial, stacked)
+        outputs = self._segments_forward(xs, segments, act, partial, together, accs, stacked)
         return torch.cat(outputs) if stacked and isinstance(outputs, list) else outputs
 
-    def _segments_forward(self, xs: list[torch.Tensor], segments: list, act, partial: bool, stacked: bool):
-        if len(segments) > 1 and self.kernel is not None and all(isinstance(s, torch.Tensor) for s in segments):
+    def _segments_forward(self, xs: list[torch.Tensor], segments: list, act, partial: bool, together: bool,
+                          accs: list | None, stacked: bool):
+        if (accs is None and len(segments) > 1 and self.kernel is not None
+                and all(isinstance(s, torch.Tensor) for s in segments)):
             if all(y is xs[0] for y in xs) and kernels.runs(xs[0], act):
                 return kernels.segments_forward(xs[0], segments, self.kernel, partial)
             if all(y.dtype == xs[0].dtype and kernels.runs(y, act) for y in xs):  # a prefill's experts, own tokens each
                 return kernels.experts_forward(xs, segments, self.kernel, partial)
-        if not partial and len(segments) >= GROUP_FROM and self._groups(xs, segments):
-            try:
-                return layout.grouped_forward(xs[0], segments, act)
-            except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:  # torch's checks refuse a
-                # card, dtype or stride (TORCH_CHECK*): found on the first call, before its results are used
-                if xs[0].device.type == "cpu":
-                    raise
-                warn(f"torch's grouped matmul does not run here ({exc}); a layer's experts go one by one")
-                self.grouping = False
+        if len(segments) >= GROUP_FROM and self._groups(xs, segments):
+            if accs is not None:
+                if isinstance(accs[0], layout.GroupedTop):
+                    grouped = self._grouped(layout.grouped_bottoms, xs[0], segments, act, accs)
+                    if grouped is not None:
+                        return grouped
+            elif not partial or together:
+                grouped = self._grouped(layout.grouped_tops if partial else layout.grouped_forward, xs[0], segments,
+                                        act)
+                if grouped is not None:
+                    return grouped
+        if accs is not None:
+            return [self.segment_forward(x, segment, act, acc=acc) for x, segment, acc in zip(xs, segments, accs)]
         x = xs[0]
         if (len(segments) > 1 and x.shape[0] == 1 and not x.requires_grad and all(y is x for y in xs)
                 and all(type(s) is layout.Rows for s in segments)):  # (Rows: torch's path, as segment_forward takes)
@@ -270,6 +283,26 @@ class HostStore:
             made = self._stacked_outputs[key] = (buffer, buffer.split(1))
         return made
 
+    def _grouped(self, forward, x: torch.Tensor, *args) -> list | None:
+        """`forward(x, *args)` (torch's grouped matmul); None where torch refuses it on this device: said in one line,
+        grouping off from then on (the caller goes one by one)."""
+        try:
+            return forward(x, *args)
+        except (RuntimeError, NotImplementedError, ValueError, TypeError) as exc:  # torch's checks refuse a
+            # card, dtype or stride (TORCH_CHECK*): found on the first call, before its results are used
+            if not self.may_refuse(x):
+                raise
+            warn(f"torch's grouped matmul does not run here ({str(exc).splitlines()[0][:120]}); a layer's experts go "
+                 f"one by one")
+            self.grouping = False
+            return None
+
+    @staticmethod
+    def may_refuse(x: torch.Tensor) -> bool:
+        """Whether torch's grouped matmul may refuse tokens x's device (a card, dtype or stride its checks do not
+        take); on the CPU a refusal is a bug, and raises."""
+        return x.device.type != "cpu"
+
     def stacks(self, x: torch.Tensor, act) -> bool:
         """Whether `stacked_forward` computes for tokens x: where the kernels do (the CPU)."""
         return self.kernel is not None and kernels.runs(x, act)
@@ -279,15 +312,19 @@ class HostStore:
         one kernel call (kernels.segments_forward: each segment's bits as it has alone)."""
         return kernels.segments_forward(x, segments, self.kernel, stacked=True)
 
-    def _groups(self, xs: list[torch.Tensor], segments: list) -> bool:
-        """Whether `grouped_forward` takes these: one token (every xs[i] the same row), whole segments of one
-        stack, and grouping on for the device (`grouping`; default: a CUDA card of sm_80 or newer, where one
+    def groups(self, x: torch.Tensor) -> bool:
+        """Whether grouping is on for x's device (`grouping`; default: a CUDA card of sm_80 or newer, where one
         launch per projection replaces K; on the CPU the loop costs less: docs/bench.md § Host work in ops)."""
-        x = xs[0]
         if self.grouping is None:
             self.grouping = x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        return self.grouping
+
+    def _groups(self, xs: list[torch.Tensor], segments: list) -> bool:
+        """Whether `grouped_forward` takes these: one token (every xs[i] the same row), whole segments of one
+        stack, and grouping on for the device (`groups`)."""
+        x = xs[0]
         stack = getattr(segments[0], "stack", None)
-        return (self.grouping and stack is not None and x.shape[0] == 1 and all(y is x for y in xs)
+        return (self.groups(x) and stack is not None and x.shape[0] == 1 and all(y is x for y in xs)
                 and all(s.stack is stack for s in segments))
 
     def rows(self, segment: torch.Tensor):

@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fmoe_cli.planning.configurator import DEFAULT_ZETA, Configuration, Timings, vram_allocation
-from fmoe_cli.planning.plan import check_budget, min_staging_slots
+from fmoe_cli.planning.plan import check_budget, min_staging_slots, resident_if_fits
 from fmoe_cli.types import ExpertShape, Plan
 from fmoe_cli.planning.stats import RoutingStats
 
@@ -29,8 +31,9 @@ def moepic_configuration(
     if stats is None or stats.tokens == 0:
         stats = RoutingStats.assume_uniform(model, shape.num_layers, shape.num_experts, shape.top_k)
     expert_budget = budget_bytes - slots * shape.expert_bytes  # V_e = budget − U_b
-    return vram_allocation(expert_budget, stats, timings, shape, zeta, staging_slots=slots,
-                           max_prefetch=shape.top_k, host_lane=host_lane, min_predictions=min_predictions)
+    config = vram_allocation(expert_budget, stats, timings, shape, zeta, staging_slots=slots,
+                             max_prefetch=shape.top_k, host_lane=host_lane, min_predictions=min_predictions)
+    return replace(config, plan=resident_if_fits(config.plan, shape, budget_bytes))  # as settings_for runs it
 
 
 def moepic_plan(shape: ExpertShape, budget_bytes: int, timings: Timings, stats: RoutingStats | None = None,

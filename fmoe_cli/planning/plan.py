@@ -13,6 +13,7 @@ configurator (planning/configurator.py) makes the tuned one.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from fmoe_cli.errors import FmoeError
@@ -73,6 +74,18 @@ def resident_plan(shape: ExpertShape) -> Plan:
     """Every expert whole on the device (no budget: the reference point)."""
     full = layer_plan(shape, shape.num_experts, 1.0)
     return Plan(tuple(full for _ in range(shape.num_layers)), 0, shape.expert_bytes, "resident", resident=True)
+
+
+def resident_if_fits(plan: Plan, shape: ExpertShape, budget_bytes: int) -> Plan:
+    """The resident plan where the budget holds every expert, else `plan` (for the policies whose table entry says so:
+    planning/presets.py `Preset.resident_when_fits`). The resident plan needs no staging pool, so with the bytes for
+    every expert a cache would only warm through the link until it held them all (or the configurator split every
+    expert to leave room for a staging pool), read the routing on the host in every layer and predict prefetches
+    that can never be issued. Resident instead: filled when the engine is configured, the resident fast paths (issue
+    37 §1: one CUDA graph a step on a GPU, one kernel call a token on the CPU), its source saying whose plan it is."""
+    if plan.resident or budget_bytes < shape.all_experts_bytes:
+        return plan
+    return replace(resident_plan(shape), source=f"{plan.source}, every expert resident", prefetch=False)
 
 
 DEFAULT_BUDGET = "auto"  # bench and chat: what fits on this device (the CPU: AUTO_SHARE of all routed experts)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO
-from fmoe_cli.planning.plan import MIN_PREDICTIONS, resident_plan, uniform_plan
+from fmoe_cli.planning.plan import MIN_PREDICTIONS, resident_if_fits, resident_plan, uniform_plan
 from fmoe_cli.types import EngineSettings, ExpertShape, Plan, Timings
 
 if TYPE_CHECKING:
@@ -50,6 +50,9 @@ class Preset:
     # is first configured, and the plan is made again from new statistics when the device
     # is idle (planning/replan.py).
     configured: bool = False
+    # Where the budget holds every expert, run the resident plan instead (planning/plan.py `resident_if_fits`): the
+    # caching policies; not those that study a fixed split or loading itself.
+    resident_when_fits: bool = True
 
 
 def _uniform(source: str, theta: float) -> Callable[[PlanInputs], Plan]:
@@ -95,16 +98,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("hybrid", "lcp", True, "per layer, misses and bottoms fetched or computed on the host from RAM, "
            "whichever the configurator predicts faster (needs `fmoe profile`'s host figures)", _hybrid, configured=True),
     Preset("uniform", "lcp", True, "MoEpic without the configurator: V_e/L per layer, θ = 0.5",
-           _uniform("uniform", 0.5)),
+           _uniform("uniform", 0.5), resident_when_fits=False),
     Preset("lru", "lru", True, "whole experts, LRU, speculative prefetch (as Mixtral-offloading)",
            _uniform("lru", 1.0)),
     Preset("lfu", "lfu", True, "whole experts, LFU (as MoE-Infinity's cache), speculative prefetch",
            _uniform("lfu", 1.0)),
     Preset("cache-only", "lcp", False, "whole experts, LCP, no prefetch (θ = 1)", _uniform("cache-only", 1.0)),
     Preset("prefetch-only", "lcp", True, "no cache, speculative prefetch into the staging pool (θ = 0)",
-           _uniform("prefetch-only", 0.0)),
+           _uniform("prefetch-only", 0.0), resident_when_fits=False),
     Preset("ondemand", "lcp", False, "no cache, no prefetch: every expert loaded when routed",
-           _uniform("ondemand", 0.0)),
+           _uniform("ondemand", 0.0), resident_when_fits=False),
     Preset("resident", "lcp", False, "every expert on the device (reference; ignores the budget)", _resident),
 )}
 DEFAULT_POLICY = "moepic"  # fmoe chat
@@ -136,6 +139,8 @@ def settings_for(name: str, inputs: PlanInputs, *, omega: float = LCP_OMEGA, rho
     """The engine settings of a named policy: its plan made from `inputs` by the preset's function."""
     p = preset(name)
     plan = p.make_plan(inputs)
+    if p.resident_when_fits and inputs.theta is None:  # (a θ asked for is a split to study, kept)
+        plan = resident_if_fits(plan, inputs.shape, inputs.budget_bytes)
     return EngineSettings(name, plan, p.eviction, p.prefetch and plan.prefetch, omega, rho)
 
 

@@ -52,8 +52,8 @@ class OpCounter(TorchDispatchMode):
 
 
 def _split(args, kwargs) -> bool:
-    """A call that computes a split expert's top (partial) or continues it with the bottom (acc)."""
-    return bool(kwargs.get("partial")) or kwargs.get("acc") is not None
+    """A call that computes a split expert's top (partial) or continues it with the bottom (acc; accs: several)."""
+    return bool(kwargs.get("partial")) or kwargs.get("acc") is not None or kwargs.get("accs") is not None
 
 
 @contextlib.contextmanager
