@@ -20,6 +20,7 @@ from transformers.cache_utils import DynamicLayer
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload.engine import Counters, Engine
 from fmoe_cli.offload.link import host_now
+from fmoe_cli.prediction.base import as_float32
 
 def next_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
     """One forward of `ids` [1, T] on the KV cache → the last position's logits [V].
@@ -507,7 +508,7 @@ class SamplingParams:
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Greedy at temperature 0; otherwise temperature + nucleus (top-p) sampling."""
-    logits = logits.float()
+    logits = as_float32(logits)  # (float32 logits as they are: no op)
     if params.temperature < TINY_TEMPERATURE:
         return int(torch.argmax(logits))
     # less the largest first: a tiny temperature sends the others to -inf, never inf - inf

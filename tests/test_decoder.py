@@ -337,3 +337,36 @@ def test_rope_step_gives_the_modules_bits(checkpoints, family, dtype):
             assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want)), (position, scaling)
     rotary.rope_type = "dynamic"
     assert decoder.rope_step(rotary) is None
+
+
+def test_decode_models_output_is_transformers_own(checkpoints, without_kernels):
+    """The causal LM's decode forward returns what transformers' MoeCausalLMOutputWithPast(logits=, cache=) is —
+    its class, its items in order, every attribute (the others None), its tuple — built without ModelOutput's
+    per-call steps (decoder.model_output); and model_output does so for other outputs and values too."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    from fmoe_cli.generate import new_cache, next_logits
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.link import EmulatedLink
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("resident", shape, shape.all_experts_bytes))
+    cache = new_cache(lm.model)
+    next_logits(lm.model, torch.tensor([[5, 6, 7]]), cache)
+    out = lm.model(input_ids=torch.tensor([[8]]), cache=cache, use_cache=True, logits_to_keep=1)
+    engine.close()
+    want = MoeCausalLMOutputWithPast(logits=out.logits, cache=cache)
+
+    def same(a, b) -> bool:
+        return (type(a) is type(b) and list(a.items()) == list(b.items()) and list(a.__dict__) == list(b.__dict__)
+                and all(a.__dict__[k] is b.__dict__[k] for k in a.__dict__) and a.to_tuple() == b.to_tuple())
+
+    assert out.logits.shape == (1, 1, lm.model.config.vocab_size) and out.cache is cache and same(out, want)
+    logits, loss = torch.randn(1, 2, 5), torch.tensor(0.5)
+    for cls, values in ((CausalLMOutputWithPast, {"logits": logits}), (CausalLMOutputWithPast, {"loss": loss, "logits": logits}),
+                        (MoeCausalLMOutputWithPast, {"logits": logits, "cache": cache, "router_logits": (logits,)})):
+        assert same(decoder.model_output(cls, **values), cls(**values)), (cls, values)

@@ -69,3 +69,41 @@ def test_new_cache_on_the_cpu_only(checkpoints):
     assert all(type(layer) is GrowingLayer for layer in new_cache(lm.model).layers)
     lm.model.to("meta")
     assert not any(type(layer) is GrowingLayer for layer in new_cache(lm.model).layers)
+
+
+def test_decode_appends_to_a_growing_layer_without_the_caches_wrapper(checkpoints, monkeypatch):
+    """models/attention.py's decode forward writes a decode token's keys and values by the GrowingLayer's own update
+    (attention.append), not through transformers' Cache.update (its steps cost µs a layer and do nothing for it):
+    the wrapper runs at the prefill only (transformers' forward), and on every step for transformers' DynamicLayer,
+    which keeps its own update. The values are the same (test_growing_cache_gives_dynamic_cache_bits)."""
+    monkeypatch.setattr(kernels, "decode_steps_in_c", lambda: False)
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    layers, steps = lm.model.config.num_hidden_layers, 4
+    calls = []
+    real = DynamicCache.update
+    monkeypatch.setattr(DynamicCache, "update", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    got = decode_logits(lm, steps, new_cache(lm.model))
+    assert len(calls) == layers
+    calls.clear()
+    want = decode_logits(lm, steps, DynamicCache(config=lm.model.config))
+    assert len(calls) == layers * (1 + steps)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_greedy_sampling_of_float32_logits_casts_nothing():
+    """generate.sample_next at temperature 0: float32 logits are read as they are (no `to`: one op a token fewer on
+    the decode step, which runs in inference mode, where torch dispatches a same-dtype `.float()`), bf16 ones cast
+    to float32 first; the argmax either way."""
+    from fmoe_cli.generate import SamplingParams, sample_next
+    from fmoe_cli.profiling.ops import OpCounter
+
+    logits = torch.randn(384, generator=torch.Generator().manual_seed(3))
+    counter = OpCounter()
+    with torch.inference_mode(), counter:
+        token = sample_next(logits, SamplingParams(), None)
+    casts = {"to", "_to_copy"}
+    assert token == int(logits.argmax()) and not casts & {name for _, name in counter.ops}, counter.ops
+    counter.ops.clear()
+    with torch.inference_mode(), counter:
+        token = sample_next(logits.bfloat16(), SamplingParams(), None)
+    assert token == int(logits.bfloat16().float().argmax()) and casts & {name for _, name in counter.ops}, counter.ops

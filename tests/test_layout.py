@@ -77,3 +77,43 @@ def test_the_direct_batched_matmul_is_torch_matmuls_bit_for_bit(dtype, tokens):
     else:
         expected = (h[:, :top].float() @ head.down.float() + h[:, top:].float() @ tail.down.float()).to(dtype)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_segments_share_the_tokens_broadcast(dtype):
+    """A decode token's segments on torch's path (issue 37 §2), whole ones in one call (store.segments_forward),
+    tops (partial) and a loaded one alone (store.segment_forward), from the same x: x's broadcast over gate and
+    up made once for them all (one `expand`, not one a segment), the whole segments' outputs stacked by their
+    down matmuls into one buffer (`stacked`: no `cat`), every output the bits of its segment computed alone, and
+    the tops continued by their bottoms as alone. Another x (the next layer's) gets its own broadcast."""
+    from fmoe_cli.profiling.ops import OpCounter
+
+    torch.manual_seed(2)
+    hidden, neurons, top = 64, 96, 40
+    store = HostStore(ExpertShape(1, 4, 2, hidden, neurons, 4), dtype, pin=False)
+    act = ACT2FN["silu"]
+    experts = [(torch.randn(neurons, 3, hidden) * 0.05).to(dtype) for _ in range(4)]
+    segments = [layout.split_rows(e) for e in experts]
+    x = torch.randn(1, hidden).to(dtype)
+    alone = [layout.segment_forward(x, rows, act) for rows in segments]
+    tops = [layout.split_rows(e[:top]) for e in experts[:3]]
+    counter = OpCounter()
+    with counter:
+        stacked = store.segments_forward([x] * 3, segments[:3], act, stacked=True)
+        outputs = store.segments_forward([x] * 3, segments[:3], act)
+        begun = store.segments_forward([x] * 3, tops, act, partial=True)
+        loaded = store.segment_forward(x, segments[3], act)
+    names = [name for (_, name) in counter.ops.elements()]
+    assert names.count("expand") == 1 and "cat" not in names and names.count("bmm") == 3 + 3 + 3 + 1, counter.ops
+    assert torch.equal(stacked, torch.cat(alone[:3])) and torch.equal(loaded, alone[3])
+    assert all(torch.equal(a, b) for a, b in zip(outputs, alone))
+    for expert, begun_top in zip(experts, begun):
+        ws = layout.SplitWorkspace.make(1, top, neurons, dtype, torch.device("cpu"))
+        want = layout.bottom_forward(x, layout.split_rows(expert[top:]), act,
+                                     layout.top_forward(x, layout.split_rows(expert[:top]), ws))
+        got = store.segment_forward(x, layout.split_rows(expert[top:]), act, acc=begun_top)
+        assert torch.equal(got, want)
+    counter.ops.clear()
+    with counter:
+        store.segment_forward(torch.randn(1, hidden).to(dtype), segments[0], act)
+    assert counter.ops[("other", "expand")] == 1

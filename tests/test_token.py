@@ -180,3 +180,26 @@ def test_a_new_plan_is_built_after_the_old_plans_caches_are_freed(checkpoints):
     engine.configure(make_settings("uniform", shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes // 3))
     assert alive_at_build == [False]
     engine.close()
+
+
+def test_without_the_kernels_the_token_is_declined_before_any_look_up(checkpoints, without_kernels, monkeypatch):
+    """FMOE_KERNELS=torch (a GPU's per-step path, the host-work measure's): TokenInC.forward says no at once, without
+    looking its engine up or asking `ready` (no structure is ever made without the kernels), and the per-step path
+    decodes every token."""
+    from fmoe_cli.models.token import TokenInC
+
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("resident", shape, shape.all_experts_bytes))
+
+    def refused(*args):
+        raise AssertionError("looked up without the kernels")
+
+    monkeypatch.setattr(TokenInC, "engine", refused)
+    monkeypatch.setattr(TokenInC, "ready", refused)
+    steps = [e.token_id for e in generate.stream_generate(lm.model, torch.tensor([[5, 6, 7]]), engine=engine,
+                                                          max_new_tokens=4, stop_on_eos=False)]
+    engine.close()
+    assert len(steps) == 4 and lm.model.decode_token.runs == 0

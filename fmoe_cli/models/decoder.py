@@ -33,6 +33,9 @@ transformers' own forwards.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -126,15 +129,37 @@ def _decode_model(model, original):
             position_embeddings = rope(hidden_states, position)
         logits = token.forward(hidden_states, position_embeddings, cache)  # the whole token in one C call, or None
         if logits is not None:
-            return MoeCausalLMOutputWithPast(logits=logits, cache=cache)
+            return model_output(MoeCausalLMOutputWithPast, logits=logits, cache=cache)
         for layer in layers:
             hidden_states = forward_of(layer)(hidden_states, attention_mask=None, position_ids=position_ids,
                                               cache=cache, use_cache=True, position_embeddings=position_embeddings)
         hidden_states = forward_of(inner.norm)(hidden_states)
         # one position: the last-token slice (slice_logits_to_keep) is the tensor itself
-        return MoeCausalLMOutputWithPast(logits=forward_of(model.lm_head)(hidden_states), cache=cache)
+        return model_output(MoeCausalLMOutputWithPast, logits=forward_of(model.lm_head)(hidden_states), cache=cache)
 
     return forward
+
+
+def model_output(cls, **values):
+    """`cls(**values)` for a transformers ModelOutput dataclass `cls`, the same object — its class, its attributes
+    (every field, None where not given) and its dict (the fields that are not None, in field order) — without
+    ModelOutput's per-call steps: the dataclass's __init__ through ModelOutput's __setattr__ (a set of the field names
+    and the cache-name check at each of its seven fields), and __post_init__'s checks and pytree registration (done
+    when the class was defined). About 40 µs a decode token on the CPU; 2 µs so."""
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    out = cls.__new__(cls)
+    attributes = dict.fromkeys(names)
+    attributes.update(values)
+    for name, value in attributes.items():
+        if value is not None:
+            collections.OrderedDict.__setitem__(out, name, value)
+    out.__dict__.update(attributes)
+    return out
+
+
+_FIELDS: dict = {}  # a ModelOutput class -> its field names in order
 
 
 def rope_step(rotary):

@@ -113,8 +113,10 @@ class TokenInC:
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, cache) -> torch.Tensor | None:
         """The logits [1, 1, V] of the token whose embedding is hidden_states [1, 1, H], its cos and sin, on `cache`;
-        None where the per-step path must run (nothing has been written then)."""
-        engine = self.engine() if self.enabled else None
+        None where the per-step path must run (nothing has been written then). Without the kernels (FMOE_KERNELS=torch,
+        no compiler: no structure is ever made, `_make`) that is said before the engine is looked up (a few µs a
+        token: a generator over the layers' modules)."""
+        engine = self.engine() if self.enabled and kernels.library() is not None else None
         dtype = hidden_states.dtype
         if engine is None or dtype not in kernels.COMPUTE_DTYPES or not self.ready(engine, dtype):
             return None

@@ -821,7 +821,7 @@ class Engine:
     def _whole_decode(self, state: LayerState, act, hidden_states: torch.Tensor, routing: Routing):
         """A decode step whose activated experts are all whole on the device: their outputs in routing order, stacked
         [K, H] — by one kernel call where the store `stacks` (the CPU's kernels: store.stacked_forward), else by
-        `segments_forward` (torch's path, a GPU's: one call for the K experts) and one cat — each expert's bits as
+        `segments_forward` (torch's path, a GPU's: one call for the K experts, stacked) — each expert's bits as
         alone, so as `_compute` and `_combine` give them, without the loads' machinery (nothing to submit, acquire,
         admit or time)."""
         slot, rows = state.cache.slot, state.top_rows
@@ -829,10 +829,11 @@ class Engine:
 
     def _stacked(self, hidden_states: torch.Tensor, segments: list, act) -> torch.Tensor:
         """Whole segments' outputs for one token x [1, H], in the given order, stacked [K, H]: one kernel call where
-        the store `stacks` (store.stacked_forward), else one `segments_forward` call and a cat."""
+        the store `stacks` (store.stacked_forward), else one `segments_forward` call (stacked: on torch's path into
+        one buffer, without a cat)."""
         if self._stacks(hidden_states, act):
             return self.store.stacked_forward(hidden_states, segments, act)
-        return torch.cat(self.store.segments_forward([hidden_states] * len(segments), segments, act))
+        return self.store.segments_forward([hidden_states] * len(segments), segments, act, stacked=True)
 
     def _combine_decode(self, hidden_states: torch.Tensor, stacked: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:

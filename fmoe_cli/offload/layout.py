@@ -94,17 +94,19 @@ def stack_rows(buffer: torch.Tensor) -> list[Rows]:
     return [split_rows(segment)._replace(stack=stack, slot=slot) for slot, segment in enumerate(buffer.unbind(0))]
 
 
-def segment_forward(x: torch.Tensor, segment, act, workspace: GateUp | None = None) -> torch.Tensor:
+def segment_forward(x: torch.Tensor, segment, act, workspace: GateUp | None = None,
+                    pair: torch.Tensor | None = None) -> torch.Tensor:
     """Partial expert output of the neurons in `segment` ([n, 3, H], or its `Rows`) for tokens x ([T, H]).
 
     Six ops on Rows: x's broadcast (a view) and one batched matmul for gate and up (`gate_up_mm`), the split into
     both (a view), the activation, the product and the down matmul; five into a `workspace` of x's tokens and the
-    segment's neurons (the matmul writes its views: no split; the same kernel, the same bits)."""
+    segment's neurons (the matmul writes its views: no split; the same kernel, the same bits); four with x's
+    broadcast given (`pair`: made once for several segments)."""
     rows = segment if isinstance(segment, Rows) else split_rows(segment)
     if workspace is None:
-        gate, up = gate_up_mm(x, rows.gate_up).unbind(0)  # [2, T, n] -> [T, n] each
+        gate, up = gate_up_mm(x, rows.gate_up, pair=pair).unbind(0)  # [2, T, n] -> [T, n] each
     else:
-        gate_up_mm(x, rows.gate_up, out=workspace.both)
+        gate_up_mm(x, rows.gate_up, out=workspace.both, pair=pair)
         gate, up = workspace.gate, workspace.up
     return torch.mm(called(act)(gate) * up, rows.down)  # [T, H]
 
@@ -242,10 +244,11 @@ class Top(NamedTuple):
     pair: torch.Tensor  # x broadcast over gate and up [2, T, H] (gate_up_mm), the bottom's too
 
 
-def top_forward(x: torch.Tensor, top: Rows, workspace: SplitWorkspace) -> Top:
+def top_forward(x: torch.Tensor, top: Rows, workspace: SplitWorkspace, pair: torch.Tensor | None = None) -> Top:
     """The top's share of a split expert that needs no bottom yet: gate and up ([2, T, k]), one batched matmul
-    (and x's broadcast view, which the bottom reuses)."""
-    pair = x.expand(2, *x.shape)
+    (and x's broadcast view, which the bottom reuses; `pair`: that view made before, for several tops)."""
+    if pair is None:
+        pair = x.expand(2, *x.shape)
     gate_up_mm(x, top.gate_up, out=workspace.top, pair=pair)
     return Top(workspace, top.down, pair)
 

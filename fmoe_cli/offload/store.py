@@ -134,6 +134,8 @@ class HostStore:
                                       shape.down_by_neuron)  # the kernels' view
         self._gate_up: dict[tuple, layout.GateUp] = {}  # torch's path: a decode step's whole segment's gate and up
         self._split_workspaces: dict[tuple, layout.SplitWorkspace] = {}  # torch's path: a split expert's gate and up
+        self._stacked_outputs: dict[tuple, tuple] = {}  # torch's path: a decode step's stacked outputs (_decode_rows)
+        self._last_pair: tuple | None = None  # torch's path: (x, x's broadcast over gate and up) of a decode token
         self.grouping: bool | None = None  # segments_forward groups (None: decided on the first call, by device)
 
     @property
@@ -163,15 +165,31 @@ class HostStore:
         if x.shape[0] != 1 or x.requires_grad:  # (autograd refuses out=: a forward under grad takes the plain path)
             return layout.segment_forward(x, segment, act)
         neurons = (segment.down if isinstance(segment, layout.Rows) else segment).shape[0]
+        return layout.segment_forward(x, segment, act, self._decode_gate_up(neurons, x), self._pair(x))
+
+    def _pair(self, x: torch.Tensor) -> torch.Tensor:
+        """x's broadcast over gate and up [2, 1, H] (layout.gate_up_mm's pair, a view op) for a decode token x [1, H],
+        made once for the token row: a layer's segments on torch's path (its whole ones, its tops, the experts it
+        loads) are all computed from the same x, and share it. (The last one made is kept with its x, compared by
+        identity: a later layer's or token's x is another tensor.)"""
+        last = self._last_pair
+        if last is not None and last[0] is x:
+            return last[1]
+        pair = x.expand(2, *x.shape)
+        self._last_pair = (x, pair)
+        return pair
+
+    def _decode_gate_up(self, neurons: int, x: torch.Tensor) -> layout.GateUp:
+        """The decode workspace of a whole segment of `neurons` for the token x [1, H] (torch_forward)."""
         key = (neurons, x.dtype, x.device, threading.get_ident())
         workspace = self._gate_up.get(key)
         if workspace is None:
             workspace = self._gate_up[key] = layout.GateUp.make(1, neurons, x.dtype, x.device)
-        return layout.segment_forward(x, segment, act, workspace)
+        return workspace
 
     def torch_top(self, x: torch.Tensor, segment, act, lane: int) -> layout.Top:
         """A split expert's top on torch's path: its gate and up into a workspace beside where the bottom's
-        go (layout.top_forward), decode's workspaces made once per (top size, lane)."""
+        go (layout.top_forward), decode's workspaces made once per (top size, lane), and x's broadcast (`_pair`)."""
         rows = segment if isinstance(segment, layout.Rows) else layout.split_rows(segment)
         tokens, neurons = x.shape[0], rows.down.shape[0]
         key = (tokens, neurons, lane, x.dtype, x.device)
@@ -180,7 +198,7 @@ class HostStore:
             workspace = layout.SplitWorkspace.make(tokens, neurons, self.shape.intermediate, x.dtype, x.device)
             if tokens == 1:  # a decode step; a prefill's token counts vary: its workspaces are not kept
                 self._split_workspaces[key] = workspace
-        return layout.top_forward(x, rows, workspace)
+        return layout.top_forward(x, rows, workspace, self._pair(x) if tokens == 1 else None)
 
     def torch_bottom(self, x: torch.Tensor, segment, act, top) -> torch.Tensor:
         """The split expert's output once its bottom is here (layout.bottom_forward; a top computed with its layer's
@@ -191,7 +209,7 @@ class HostStore:
         return layout.bottom_forward(x, segment, act, top)
 
     def segments_forward(self, xs: list[torch.Tensor], segments: list, act, partial: bool = False,
-                         together: bool = False, accs: list | None = None) -> list:
+                         together: bool = False, accs: list | None = None, stacked: bool = False):
         """`segment_forward` of each (x, segment) pair, in one call: a layer's experts on the device (whole, or
         the tops of top hits, each in its own workspace lane; `accs`: bottoms continuing those tops, one each).
         Where `grouping` holds, a decode step's whole segments of one buffer (a layer's cache; every expert when
@@ -201,7 +219,13 @@ class HostStore:
         of one buffer continuing such tops (layout.grouped_bottoms). On the CPU with the kernels, the
         segments of one x (a decode step's) go in one kernel call (kernels.segments_forward: the bits of one call
         each), and segments of their own tokens each (a prefill's) in one too (kernels.experts_forward: likewise).
-        Else one segment_forward each."""
+        A decode step's segments on torch's path share x's broadcast (`_torch_decode`). Else one segment_forward
+        each. `stacked` (whole segments): their outputs stacked [n, H], not a list."""
+        outputs = self._segments_forward(xs, segments, act, partial, together, accs, stacked)
+        return torch.cat(outputs) if stacked and isinstance(outputs, list) else outputs
+
+    def _segments_forward(self, xs: list[torch.Tensor], segments: list, act, partial: bool, together: bool,
+                          accs: list | None, stacked: bool):
         if (accs is None and len(segments) > 1 and self.kernel is not None
                 and all(isinstance(s, torch.Tensor) for s in segments)):
             if all(y is xs[0] for y in xs) and kernels.runs(xs[0], act):
@@ -221,8 +245,43 @@ class HostStore:
                     return grouped
         if accs is not None:
             return [self.segment_forward(x, segment, act, acc=acc) for x, segment, acc in zip(xs, segments, accs)]
+        x = xs[0]
+        if (len(segments) > 1 and x.shape[0] == 1 and not x.requires_grad and all(y is x for y in xs)
+                and all(type(s) is layout.Rows for s in segments)):  # (Rows: torch's path, as segment_forward takes)
+            return self._torch_decode(x, segments, act, partial, stacked)
         return [self.segment_forward(x, segment, act, partial=partial, lane=lane)
                 for lane, (x, segment) in enumerate(zip(xs, segments))]
+
+    def _torch_decode(self, x: torch.Tensor, segments: list, act, partial: bool, stacked: bool):
+        """Segments (Rows) for one token x [1, H] on torch's path: each one's ops as torch_forward's (whole) or
+        torch_top's (tops), x's broadcast shared (`_pair`), and where `stacked` the whole segments' down matmuls
+        written into the rows of one [n, H] buffer made once (no concatenation after). The same kernels on the same
+        operands: the same bits."""
+        if partial:
+            return [self.torch_top(x, rows, act, lane) for lane, rows in enumerate(segments)]
+        pair = self._pair(x)
+        into = self._decode_rows(len(segments), x) if stacked else None
+        activation = layout.called(act)
+        outputs = []
+        for j, rows in enumerate(segments):
+            workspace = self._decode_gate_up(rows.down.shape[0], x)
+            layout.gate_up_mm(x, rows.gate_up, out=workspace.both, pair=pair)
+            hidden = activation(workspace.gate) * workspace.up
+            outputs.append(torch.mm(hidden, rows.down) if into is None else torch.mm(hidden, rows.down,
+                                                                                      out=into[1][j]))
+        return outputs if into is None else into[0]
+
+    def _decode_rows(self, n: int, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """A buffer [n, H] for n whole segments' outputs of the token x [1, H] and its rows [1, H] (views), made
+        once per (n, dtype, device, thread); its values are read before the next layer's segments overwrite them
+        (the engine's weighted sum)."""
+        key = (n, x.shape[1], x.dtype, x.device, threading.get_ident())
+        made = self._stacked_outputs.get(key)
+        if made is None:
+            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+                buffer = torch.empty(n, x.shape[1], dtype=x.dtype, device=x.device)
+            made = self._stacked_outputs[key] = (buffer, buffer.split(1))
+        return made
 
     def _grouped(self, forward, x: torch.Tensor, *args) -> list | None:
         """`forward(x, *args)` (torch's grouped matmul); None where torch refuses it on this device: said in one line,
