@@ -287,7 +287,10 @@ def test_torch_path_gives_transformers_bits(checkpoints, family, dtype, monkeypa
 def test_linear_qkv_probe_can_say_no(dtype, monkeypatch):
     """LinearQKV's probe answers from bits: it says no under a BLAS whose sums depend on how many outputs it computes
     (one played here: the last bit of one output of a 128-row call flipped), and the fused q/k/v then stays off at
-    that thread count."""
+    that thread count. The weights are seeded: the probe says yes from an unrelated state of the random generator, and
+    oneDNN's bf16 sums do depend on the output count for some weights (2 seeds of 300 here: why bf16 q/k/v stay three
+    calls), so a test order that leaves such a state made this flaky."""
+    torch.manual_seed(0)
     q, k, v = (torch.nn.Linear(64, out, bias=True).to(dtype) for out in (64, 32, 32))
     assert attention.linear_fusable(q, k, v) == (dtype == torch.float32)
     fused = attention.LinearQKV(q, k, v)
