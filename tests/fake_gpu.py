@@ -8,7 +8,8 @@ What CUDA promises the host, and no more:
   and the host sees that only through `query()` (which here lets the engine play one
   more op: time passes while the host polls) or `synchronize()`;
 - a stream that waits on an event runs nothing after the wait until the event has
-  completed. The compute here is the host itself (the engine's tensors are on the CPU),
+  completed;
+- a staging slot the engine has released may be overwritten by the next load at once: it is poisoned then. The compute here is the host itself (the engine's tensors are on the CPU),
   so a compute-stream `wait_event` plays the awaited stream up to that event right then:
   the compute sees a slot's data only after its wait, and NaN if it reads without one.
 
@@ -25,6 +26,8 @@ from collections import deque
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from fmoe_cli.offload.pool import StagingPool
 
 
 class Event:
@@ -166,7 +169,21 @@ def installed():
         mp.setattr(torch.cuda, "current_stream", lambda device=None: gpu.compute)
         mp.setattr(torch.cuda, "device", lambda device=None: contextlib.nullcontext())
         mp.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake chunk-playing GPU")
+        mp.setattr(StagingPool, "release", _released_is_garbage(StagingPool.release))
         yield gpu
+
+
+def _released_is_garbage(release):
+    """A staging slot, once released, is the copy engine's: the next load into it waits only for the fence of the
+    reads issued before the release (`reads`), so whatever reads the slot after its release may see the next load's
+    bytes on a GPU. Here the compute has run when it is issued, so the slot is poisoned the moment it is released: a
+    read issued after the release (a compute, an admission into the cache) sees NaN. (A chunk of a cancelled load
+    still on the copy stream lands later, as on a GPU.)"""
+    def poisoning(self, entry, reads=None):
+        release(self, entry, reads)
+        _poison(self.buffer[entry.slot])
+
+    return poisoning
 
 
 def pytest_monkeypatch():

@@ -182,3 +182,24 @@ def test_no_copy_into_a_slot_starts_before_the_compute_that_read_it(checkpoints)
                 checked += 1
     engine.close()
     assert checked > 0
+
+
+def test_the_fake_gpu_leaves_garbage_in_a_released_slot():
+    """tests/fake_gpu.py: on the fake GPU a staging slot is the copy engine's once released (the next load into it
+    waits only for the fence of the reads issued before), so it is poisoned then: a compute or an admission that read it
+    after its release would see NaN, where a GPU might see the next load's bytes. The other slots keep theirs."""
+    import fake_gpu  # tests/fake_gpu.py
+
+    link = EmulatedLink(gbps=1e-6, latency_s=0.0, clock=VirtualClock(), copy=True)
+    with fake_gpu.installed():
+        pool = StagingPool(2, NEURONS, ROW, torch.float32, torch.device("cpu"))
+        pool.buffer.fill_(1.0)
+        entries = []
+        for slot in range(2):
+            t = link.submit(pool.buffer[slot], torch.ones(NEURONS, *ROW), DEMAND)
+            entries.append(Staged(0, slot, 0, slot, t, prefetched=False, in_use=True))
+            pool.put(entries[-1])
+        pool.release(entries[0], link.record_reads())
+        assert torch.isnan(pool.buffer[0]).all() and torch.equal(pool.buffer[1], torch.ones(NEURONS, *ROW))
+    pool.release(entries[1])  # not on the fake GPU: as it was
+    assert torch.equal(pool.buffer[1], torch.ones(NEURONS, *ROW))
