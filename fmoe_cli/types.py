@@ -237,6 +237,10 @@ class LayerPlan:
     # top hits are computed on the host from RAM instead of fetched (False: fetched over the link).
     host: bool = False
 
+    def holds_every_expert(self, shape: ExpertShape) -> bool:
+        """The layer caches every expert whole (C_i ≥ N, k_i = I): resident from the start, whatever the plan."""
+        return self.cache_size >= shape.num_experts and self.top_neurons >= shape.intermediate
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -274,6 +278,11 @@ class Plan:
             + ("" if self.prefetch or self.resident else ", no prefetch")
             + (f", host lane in {host} layers" if host and not self.resident else "")
         )
+
+    def resident_layer(self, i: int, shape: ExpertShape) -> bool:
+        """Layer i holds every expert whole from the start (a resident plan, or a layer whose cache holds them all in
+        a plan whose other layers load): it is filled when the engine is configured and decodes as a resident layer."""
+        return self.resident or self.layers[i].holds_every_expert(shape)
 
     @property
     def host_lane(self) -> bool:

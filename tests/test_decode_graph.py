@@ -441,6 +441,46 @@ def test_graphed_layers_between_cuts_are_bookkept_in_layer_order(checkpoints, mo
     assert seen[RecordedGraphs] == seen[None] == list(range(4)) * NEW_TOKENS
 
 
+@pytest.mark.parametrize("policy", ["cache-only", "lru"])
+def test_a_layer_whose_cache_holds_every_expert_is_resident_in_a_loading_plan(checkpoints, monkeypatch, policy):
+    """A plan whose layers 0 and 2 cache every expert whole (C = N, θ = 1) and whose layers 1 and 3 load: the full
+    layers are filled when the engine is configured (no byte loaded there, every activation a whole hit from the
+    first token) and, without a prefetcher (cache-only), decode as resident layers inside the graph segments: cuts
+    at layers 1 and 3 only, 3 segments, where they were 5. With a prefetcher (lru) every layer still reads its routing
+    on the host (the prediction for the next layer needs it): L + 1 segments, the full layers filled all the same.
+    transformers' tokens in both; the eager step's too."""
+    from fmoe_cli.planning.plan import layer_plan
+
+    path = checkpoints["qwen3_moe"]
+    want = reference_tokens(path)
+    for factory in (None, RecordedGraphs):
+        lm, engine = device_path_engine(path, factory, monkeypatch)
+        shape = lm.shape
+        loading = uniform_plan(shape, budget(shape), 1.0, source=policy)
+        full = layer_plan(shape, shape.num_experts, 1.0)
+        plan = replace(loading, layers=tuple(full if i % 2 == 0 else lp for i, lp in enumerate(loading.layers)))
+        assert [plan.resident_layer(i, shape) for i in range(4)] == [True, False, True, False]
+        engine.configure(make_settings(policy, shape, 0, plan=plan))
+        assert engine.settings.prefetch == (policy == "lru")
+        assert [state.resident for state in engine.layers] == [True, False, True, False]
+        got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
+                                                   stop_on_eos=False)]
+        assert got == want, (policy, factory)
+        for i, state in enumerate(engine.layers):
+            c = state.counters
+            if i % 2 == 0:
+                assert c.hits_full == c.activations > 0 and c.bytes_demand == c.bytes_prefetch == 0, (i, c)
+            else:
+                assert c.bytes_demand > 0, (i, c)
+        if factory is not None:
+            (graph,) = engine.decode_graphs.values()
+            if policy == "cache-only":
+                assert graph.segments == 3 and graph.captured.graphed == [[0], [2], []]
+            else:
+                assert graph.segments == shape.num_layers + 1
+        engine.close()
+
+
 # --- a conversation ---------------------------------------------------------------------------------------------------
 def chat_turns(path, graph_factory, monkeypatch, replan_between: bool = False, policy: str = "resident"):
     """Two turns of a chat session (chat and serve answer through ChatSession.generate) on the device's path; with a

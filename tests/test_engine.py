@@ -821,9 +821,10 @@ def test_a_decode_layer_whose_experts_are_all_whole_skips_the_loads_machinery(ch
     everything = 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes
     for policy, budget in (("resident", everything), ("lru", everything), ("ondemand", 0)):
         budget += 2 * shape.top_k * shape.expert_bytes
-        # lru's plan as uniform_plan makes it (every expert cached whole), not run as resident as `settings_for` runs
-        # a plan that holds every expert: the general path's caches, here full
-        plan = uniform_plan(shape, budget, 1.0, source="lru") if policy == "lru" else None
+        # lru caching all experts but one whole in every layer (a layer caching them all would be resident: types.py
+        # Plan.resident_layer): the general path's caches, most steps' experts all in them
+        plan = replace(uniform_plan(shape, budget, 1.0, source="lru"), layers=(
+            layer_plan(shape, shape.num_experts - 1, 1.0),) * shape.num_layers) if policy == "lru" else None
         engine.configure(make_settings(policy, shape, budget, plan=plan))
         assert not engine.settings.prefetch or policy == "lru"
         engine.settings = replace(engine.settings, prefetch=False)

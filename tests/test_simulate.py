@@ -189,3 +189,18 @@ def test_the_routing_layout_overlaps_the_first_load():
     early = simulate_policy(SHAPE, ondemand, routed, [seq], bandwidth=12.0)
     assert plain.tpot_s - early.tpot_s == pytest.approx(2 * 0.25)
     assert plain.exposed_s_per_token - early.exposed_s_per_token == pytest.approx(2 * 0.25)
+
+
+def test_a_layer_whose_cache_holds_every_expert_is_filled_from_the_start():
+    """A plan whose layer 0 caches every expert whole and whose layer 1 caches nothing: layer 0 is resident from the
+    first token, as the engine fills it when configured (types.Plan.resident_layer), so every one of its activations
+    hits and nothing is loaded for it: the hit rate is layer 0's share, 0.5, with layer 1 loading everything."""
+    from fmoe_cli.planning.plan import layer_plan, uniform_plan
+
+    seq = _tokens([[[0, 1], [0, 1]], [[2, 3], [2, 3]], [[0, 2], [1, 3]], [[1, 3], [0, 2]]])
+    budget = 2 * SHAPE.top_k * SHAPE.expert_bytes
+    loading = uniform_plan(SHAPE, budget, 0.0, source="test")
+    plan = replace(loading, layers=(layer_plan(SHAPE, SHAPE.num_experts, 1.0), loading.layers[1]))
+    r = simulate_policy(SHAPE, make_settings("cache-only", SHAPE, budget, plan=plan), TIMES, [seq], bandwidth=12.0)
+    assert r.hit_rate == r.whole_hit_rate == 0.5
+    assert r.bytes_per_token == pytest.approx(SHAPE.top_k * SHAPE.expert_bytes)  # layer 1's two loads a token

@@ -420,7 +420,8 @@ class Engine:
                 policy = make_policy(settings.eviction, shape.num_experts, omega=settings.omega, rho=settings.rho,
                                      seed=i)
             cache = LayerCache(lp.cache_size, policy)
-            if plan.resident:
+            resident = plan.resident_layer(i, shape)  # (a full layer of a loading plan too: nothing to load there)
+            if resident:
                 tops = store.layers[i].to(self.device, store.dtype)  # no copy on the CPU
                 for e in range(shape.num_experts):
                     cache.insert(e)
@@ -434,8 +435,8 @@ class Engine:
                     ranked = [e for e in policy.ranking(cache.step) if policy.count[e] > 0]  # ever activated
                     for e in rebuild_order(ranked, lp):
                         state.put_top(cache.insert(e), store.expert(i, e)[: lp.top_neurons], store)
-            state.host = lp.host and not plan.resident
-            state.resident = plan.resident
+            state.host = lp.host and not resident
+            state.resident = resident
             layers.append(state)
         pool = StagingPool(plan.staging_slots, shape.intermediate, store.row_shape, store.dtype, self.device)
         self.layers, self.pool = layers, pool

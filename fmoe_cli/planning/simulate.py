@@ -130,10 +130,11 @@ class Simulator:
             policy = make_policy(settings.eviction, shape.num_experts, omega=settings.omega, rho=settings.rho,
                                  seed=i)
             cache = LayerCache(lp.cache_size, policy)
-            if plan.resident:
+            resident = plan.resident_layer(i, shape)  # filled from the start, as the engine fills it
+            if resident:
                 for e in range(shape.num_experts):
                     cache.insert(e)
-            self.layers.append(_Layer(cache, lp.top_neurons, host=lp.host and not plan.resident))
+            self.layers.append(_Layer(cache, lp.top_neurons, host=lp.host and not resident))
         self.store = _MetaStore(shape)
         self.fills = Fills(len(plan.layers))
         self.pool = StagingPool(plan.staging_slots, shape.intermediate, self.store.row_shape, self.store.dtype, META)
