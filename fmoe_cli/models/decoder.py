@@ -41,8 +41,9 @@ import torch.nn.functional as F
 
 from fmoe_cli import kernels
 from fmoe_cli.models.attention import decode_input, implementation, one_thread, rms_norm
-from fmoe_cli.models.dense import forward_of, hooked, ours
+from fmoe_cli.models.dense import forward_of, ours
 from fmoe_cli.offload.engine import IMPLEMENTATION_NAME
+from fmoe_cli.offload.layout import hooked
 
 # The decoder layers with the decode forward, their norms' classes (the standard RMSNorm: rms_norm's steps), and
 # their routers' classes with how they turn logits into weights: "softmax-dtype" (softmax(logits, dtype=float32),

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fmoe_cli import kernels
-from fmoe_cli.offload.layout import hooked  # noqa: F401 (decoder.py imports it from here)
+from fmoe_cli.offload.layout import hooked
 from fmoe_cli.offload.quant import QUANTIZE_ROWS, block_rows, dequantize, quantize
 from fmoe_cli.types import DEFAULT_ACTIVATIONS, DENSE_FORMATS, DenseFormat, QuantFormat
 

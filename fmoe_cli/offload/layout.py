@@ -95,20 +95,22 @@ def stack_rows(buffer: torch.Tensor) -> list[Rows]:
 
 
 def segment_forward(x: torch.Tensor, segment, act, workspace: GateUp | None = None,
-                    pair: torch.Tensor | None = None) -> torch.Tensor:
+                    pair: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Partial expert output of the neurons in `segment` ([n, 3, H], or its `Rows`) for tokens x ([T, H]).
 
     Six ops on Rows: x's broadcast (a view) and one batched matmul for gate and up (`gate_up_mm`), the split into
     both (a view), the activation, the product and the down matmul; five into a `workspace` of x's tokens and the
     segment's neurons (the matmul writes its views: no split; the same kernel, the same bits); four with x's
-    broadcast given (`pair`: made once for several segments)."""
+    broadcast given (`pair`: made once for several segments). `out`: where the down matmul writes ([T, H], a row of
+    several segments' outputs: store.py `_torch_decode`)."""
     rows = segment if isinstance(segment, Rows) else split_rows(segment)
     if workspace is None:
         gate, up = gate_up_mm(x, rows.gate_up, pair=pair).unbind(0)  # [2, T, n] -> [T, n] each
     else:
         gate_up_mm(x, rows.gate_up, out=workspace.both, pair=pair)
         gate, up = workspace.gate, workspace.up
-    return torch.mm(called(act)(gate) * up, rows.down)  # [T, H]
+    hidden = called(act)(gate) * up
+    return torch.mm(hidden, rows.down) if out is None else torch.mm(hidden, rows.down, out=out)  # [T, H]
 
 
 def gate_up_mm(x: torch.Tensor, gate_up: torch.Tensor, out: torch.Tensor | None = None,

@@ -261,14 +261,8 @@ class HostStore:
             return [self.torch_top(x, rows, act, lane) for lane, rows in enumerate(segments)]
         pair = self._pair(x)
         into = self._decode_rows(len(segments), x) if stacked else None
-        activation = layout.called(act)
-        outputs = []
-        for j, rows in enumerate(segments):
-            workspace = self._decode_gate_up(rows.down.shape[0], x)
-            layout.gate_up_mm(x, rows.gate_up, out=workspace.both, pair=pair)
-            hidden = activation(workspace.gate) * workspace.up
-            outputs.append(torch.mm(hidden, rows.down) if into is None else torch.mm(hidden, rows.down,
-                                                                                      out=into[1][j]))
+        outputs = [layout.segment_forward(x, rows, act, self._decode_gate_up(rows.down.shape[0], x), pair,
+                                          out=None if into is None else into[1][j]) for j, rows in enumerate(segments)]
         return outputs if into is None else into[0]
 
     def _decode_rows(self, n: int, x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
