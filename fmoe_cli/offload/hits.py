@@ -53,9 +53,6 @@ def classify(active: Iterable[int], cached: Container[int], top_neurons: int, in
             covered.append((e, start))
         else:
             loads.append((e, start))
-    if staged:
-        usable = {e for e, _ in covered}
-        dropped = tuple(sorted(e for e in staged if e not in usable))
-    else:
-        dropped = ()
-    return Hits(tuple(whole), tuple(top_hits), tuple(misses), tuple(covered), tuple(loads), dropped)
+    dropped = tuple(sorted(staged.keys() - dict(covered))) if staged else ()  # (set arithmetic in C: no frame)
+    # tuple.__new__: the NamedTuple's own __new__ is a Python function (a frame a layer, for the same tuple)
+    return tuple.__new__(Hits, (tuple(whole), tuple(top_hits), tuple(misses), tuple(covered), tuple(loads), dropped))

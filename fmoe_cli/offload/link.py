@@ -69,6 +69,13 @@ class TransferState(enum.Enum):
     # destination holds whatever the chunks already on the link wrote (nobody reads it)
 
 
+# The states as module names, for the link's and the pool's bookkeeping (some twenty looks a loading layer): on
+# Python 3.11 `TransferState.DONE` goes through the enum's class machinery, ~70 ns a look against ~10 ns for a global.
+QUEUED, RUNNING, DONE, CANCELLED = (TransferState.QUEUED, TransferState.RUNNING, TransferState.DONE,
+                                    TransferState.CANCELLED)
+_INF = float("inf")
+
+
 @dataclass(eq=False, slots=True)
 class Fence:
     """Compute issued up to some point has finished. `ready_at`: when (emulated time;
@@ -80,7 +87,7 @@ class Fence:
     def ready(self) -> bool:
         if self.event is not None:
             return self.event.query()
-        return self.ready_at != float("inf")
+        return self.ready_at != _INF
 
 
 @dataclass(eq=False, slots=True)
@@ -91,7 +98,7 @@ class Transfer:
     nbytes: int
     link: Link | None = field(default=None, repr=False)
     after: tuple = ()  # Fences / Transfers this copy must follow
-    state: TransferState = TransferState.QUEUED
+    state: TransferState = QUEUED
     submitted_at: float = 0.0
     started_at: float | None = None
     done_at: float | None = None  # emulated: when the last byte lands
@@ -100,7 +107,10 @@ class Transfer:
     seq: int = field(default_factory=itertools.count().__next__)  # submission order (ties in priority)
 
     def ready(self) -> bool:
-        return self.link.poll(self)
+        state = self.state
+        if state is DONE:  # settled: what a poll would answer, without asking the link
+            return True
+        return state is not CANCELLED and self.link.poll(self)
 
     def wait(self) -> None:
         self.link.wait(self)
@@ -109,18 +119,22 @@ class Transfer:
         """Drop the copy: a queued one moves nothing, a running one stops at the next chunk boundary
         (its chunks already on the link finish). Returns whether it was dropped; a copy whose last
         chunk is on the link runs to the end (it may be read: DONE, then)."""
+        state = self.state
+        if state is DONE or state is CANCELLED:  # settled: nothing to drop (every link answers so)
+            return False
         return self.link.cancel(self)
 
     @property
     def issued(self) -> bool:
         """Every chunk of it that will ever go on the link is there (CUDA: a copy issued after it on the
         same stream lands after it)."""
-        return self.event is not None or self.state is TransferState.CANCELLED
+        return self.event is not None or self.state is CANCELLED
 
     @property
     def finished(self) -> bool:
         """DONE or CANCELLED as last seen (no poll)."""
-        return self.state in (TransferState.DONE, TransferState.CANCELLED)
+        state = self.state
+        return state is DONE or state is CANCELLED
 
 
 class Link(Protocol):
@@ -299,15 +313,17 @@ def clock_kind() -> str:
 
 def _clock_variable():
     """FMOE_EMULATED_CLOCK as os.environ holds it (None: unset): read from the mapping's own dict where it has one
-    (CPython's os.environ), without `os.environ.get`'s key encoding and KeyError when unset: a decode step asks
-    several times a layer, and that path cost about 1 µs an ask, ten times this one."""
-    data = getattr(os.environ, "_data", None)
-    if data is None or not hasattr(os.environ, "encodekey"):
-        return os.environ.get(CLOCK_ENV)
-    return data.get(_CLOCK_KEY)
+    (CPython's os.environ, the one this module was imported with), without `os.environ.get`'s key encoding and
+    KeyError when unset: a decode step asks several times a layer, and that path cost about 1 µs an ask, ten times
+    this one. (`host_now` repeats these two lines: it is the one asked most.)"""
+    environ = os.environ
+    return _environ_data.get(_CLOCK_KEY) if environ is _environ else environ.get(CLOCK_ENV)
 
 
-_CLOCK_KEY = os.environ.encodekey(CLOCK_ENV) if hasattr(os.environ, "encodekey") else CLOCK_ENV
+_environ = os.environ if hasattr(os.environ, "encodekey") and isinstance(getattr(os.environ, "_data", None), dict) \
+    else None  # CPython's mapping: `setenv`, `del`, monkeypatch.setenv change its `_data` in place
+_environ_data = _environ._data if _environ is not None else None
+_CLOCK_KEY = _environ.encodekey(CLOCK_ENV) if _environ is not None else CLOCK_ENV
 
 
 def host_clock():
@@ -333,13 +349,16 @@ def host_clock():
 
 
 def host_now() -> float:
-    """Now on `host_clock()` (s)."""
-    return host_clock().now()
+    """Now on `host_clock()` (s): the clock found by the variable's value as it is (`_clock_variable`, inlined: the
+    engine asks about seven times a loading layer), `host_clock` only for a value not seen yet."""
+    environ = os.environ
+    clock = _host_clocks.get(_environ_data.get(_CLOCK_KEY) if environ is _environ else environ.get(CLOCK_ENV))
+    return (clock if clock is not None else host_clock()).now()
 
 
 def _promote(t: Transfer, priority: int) -> None:
     """Raise t's priority, and that of the copies it must follow (they stand in its way)."""
-    if priority < t.priority and not t.finished:
+    if priority < t.priority and t.state is not DONE and t.state is not CANCELLED:
         t.priority = priority
         for dep in t.after:
             if isinstance(dep, Transfer):
@@ -353,7 +372,7 @@ def _urgency(t: Transfer) -> tuple[int, int]:
 
 def _drop(t: Transfer, queue: list[Transfer]) -> None:
     """No further chunk of `t` goes on the link (it is out of the queue if it was waiting there)."""
-    t.state = TransferState.CANCELLED
+    t.state = CANCELLED
     if t in queue:
         queue.remove(t)
 
@@ -363,9 +382,9 @@ def _eligible_at(t: Transfer) -> float:
     at = t.submitted_at
     for dep in t.after:
         if isinstance(dep, Transfer):
-            if dep.state is TransferState.CANCELLED:
+            if dep.state is CANCELLED:
                 continue
-            at = max(at, dep.done_at if dep.state is TransferState.DONE else float("inf"))
+            at = max(at, dep.done_at if dep.state is DONE else _INF)
         else:
             at = max(at, dep.ready_at)
     return at
@@ -409,41 +428,42 @@ class EmulatedLink:
 
     def _advance(self, now: float, until: Transfer | None = None) -> None:
         """Play the copy engine forward to `now` (or until `until` is done)."""
+        queue = self._queue
         while True:
-            if self._current is not None:
-                t, end, nbytes = self._current
+            current = self._current
+            if current is not None:
+                t, end, nbytes = current
                 if end > now:
                     return
                 self._current = None
                 self._free_at = end
                 t.sent += nbytes
                 self.bytes_moved += nbytes
-                if t.state is TransferState.CANCELLED:
+                if t.state is CANCELLED:
                     pass  # dropped while this chunk was on the link: it stops here
                 elif t.sent >= t.nbytes:
                     self._complete(t, end)
                     if t is until:
                         return
                 else:
-                    self._queue.append(t)  # between chunks: it competes again by priority
-            queue = self._queue
+                    queue.append(t)  # between chunks: it competes again by priority
             if not queue:
                 return
             if len(queue) == 1:  # the common case: no choice to make
                 t = queue[0]
                 start = max(self._free_at, _eligible_at(t))
-                if start > now or start == float("inf"):
+                if start > now or start == _INF:
                     return
                 queue.clear()
             else:
                 eligible = [(_eligible_at(x), x) for x in queue]
                 start = max(self._free_at, min(at for at, _ in eligible))
-                if start > now or start == float("inf"):
+                if start > now or start == _INF:
                     return
                 t = min((x for at, x in eligible if at <= start), key=_urgency)
                 queue.remove(t)
-            if t.state is TransferState.QUEUED:
-                t.state = TransferState.RUNNING
+            if t.state is QUEUED:
+                t.state = RUNNING
                 t.started_at = start
             nbytes = min(self.chunk_bytes, t.nbytes - t.sent) if t.nbytes else 0
             self._current = (t, start + self._chunk_time(t, nbytes), nbytes)
@@ -452,42 +472,44 @@ class EmulatedLink:
         if self.copy:
             device_copy(t.dst, t.src)  # the bytes land when the copy completes
         t.done_at = at
-        t.state = TransferState.DONE
+        t.state = DONE
 
     # --- the protocol ------------------------------------------------------------
     def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int, after: tuple = ()) -> Transfer:
         now = self.clock.now()
-        self._advance(now)
+        if self._current is not None or self._queue:  # (an idle link has nothing to play)
+            self._advance(now)  # the choices made before now, without `t`
         t = Transfer(dst, src, priority, src.nbytes, link=self, after=tuple(after), submitted_at=now)
         self._queue.append(t)
-        self._advance(now)
+        if self._current is None:  # (the chunk on a busy link ends after now: nothing else starts before it does)
+            self._advance(now)
         return t
 
     def reprioritise(self, t: Transfer, priority: int) -> None:
-        if priority >= t.priority or t.finished:
+        if priority >= t.priority or t.state is DONE or t.state is CANCELLED:
             return  # nothing to raise (`_promote` would change nothing)
         self._advance(self.clock.now())  # the copies begun before now were chosen without it
         _promote(t, priority)
 
     def poll(self, t: Transfer) -> bool:
-        if t.state is TransferState.QUEUED or t.state is TransferState.RUNNING:
+        if t.state is QUEUED or t.state is RUNNING:
             self._advance(self.clock.now())
-        return t.state is TransferState.DONE
+        return t.state is DONE
 
     def wait(self, t: Transfer) -> None:
-        if t.state is TransferState.CANCELLED:
+        if t.state is CANCELLED:
             raise RuntimeError("waiting on a cancelled transfer")
         self.reprioritise(t, URGENT)  # as CudaLink issues it at once; the host does not block
 
     def acquire(self, t: Transfer, tag: object = None) -> torch.Tensor:
-        if t.state is TransferState.DONE:  # seen done by a poll: nothing to order, nothing to wait for
+        if t.state is DONE:  # seen done by a poll: nothing to order, nothing to wait for
             return t.dst if self.copy else t.src
         self.wait(t)
         now = self.clock.now()
         self._advance(now)
-        if t.state is not TransferState.DONE:
-            self._advance(float("inf"), until=t)
-            if t.state is not TransferState.DONE:
+        if t.state is not DONE:
+            self._advance(_INF, until=t)
+            if t.state is not DONE:
                 raise RuntimeError("a transfer waits on a fence that never completes")
             self.clock.sleep_until(t.done_at)
             self._stalls.append((tag, t.done_at - now))
@@ -501,11 +523,12 @@ class EmulatedLink:
         return out
 
     def cancel(self, t: Transfer) -> bool:
-        if t.finished:
+        if t.state is DONE or t.state is CANCELLED:
             return False
         self._advance(self.clock.now())
-        current = self._current is not None and self._current[0] is t
-        if t.finished or (current and t.sent + self._current[2] >= t.nbytes):
+        current = self._current
+        if t.state is DONE or t.state is CANCELLED or (current is not None and current[0] is t
+                                                         and t.sent + current[2] >= t.nbytes):
             return False  # done, or its last chunk is on the link
         _drop(t, self._queue)
         return True
@@ -513,17 +536,17 @@ class EmulatedLink:
     def synchronize(self) -> None:
         """The host waits (on the clock) until every copy not cancelled has finished, a stopped one's
         last chunk included; afterwards the link holds no transfer (nor a view of its buffer)."""
-        self._advance(float("inf"))
+        self._advance(_INF)
         if self._queue:
             raise RuntimeError("a transfer waits on a fence that never completes")
         self.clock.sleep_until(self._free_at)
 
     def close(self) -> None:
         for t in self._queue:
-            if t.state is TransferState.QUEUED:
-                t.state = TransferState.CANCELLED
-        self._queue = [t for t in self._queue if t.state is TransferState.RUNNING]
-        self._advance(float("inf"))  # running copies finish (the clock does not move)
+            if t.state is QUEUED:
+                t.state = CANCELLED
+        self._queue = [t for t in self._queue if t.state is RUNNING]
+        self._advance(_INF)  # running copies finish (the clock does not move)
 
 
 class CudaLink:
@@ -630,8 +653,8 @@ class CudaLink:
             event = torch.cuda.Event(blocking=True)  # the pump's wait on it sleeps, not spins
             event.record(self.stream)
         nbytes = (last - first) * t.src.element_size()
-        if t.state is TransferState.QUEUED:
-            t.state = TransferState.RUNNING
+        if t.state is QUEUED:
+            t.state = RUNNING
         t.sent += nbytes
         if t.sent >= t.nbytes:  # its last chunk: completion is this event's
             t.event = event
@@ -654,7 +677,7 @@ class CudaLink:
                 self.bytes_moved += nbytes
                 self._in_flight_bytes -= nbytes
                 if event is t.event:
-                    t.state = TransferState.DONE
+                    t.state = DONE
             else:
                 still.append((t, event, nbytes))
         self._in_flight = still
@@ -671,18 +694,18 @@ class CudaLink:
             self._issue_chunk(t)
 
     def poll(self, t: Transfer) -> bool:
-        if t.state is TransferState.DONE or t.state is TransferState.CANCELLED:  # final: no need to look
-            return t.state is TransferState.DONE
+        if t.state is DONE or t.state is CANCELLED:  # final: no need to look
+            return t.state is DONE
         with self._lock:
             self._pump()
-            return t.state is TransferState.DONE
+            return t.state is DONE
 
     def wait(self, t: Transfer) -> None:
         with self._lock:
             self._wait(t)
 
     def _wait(self, t: Transfer) -> None:
-        if t.state is TransferState.CANCELLED:
+        if t.state is CANCELLED:
             raise RuntimeError("waiting on a cancelled transfer")
         _promote(t, URGENT)
         self._issue_all(t)
@@ -700,7 +723,7 @@ class CudaLink:
             self._issue_chunk(t)
 
     def acquire(self, t: Transfer, tag: object = None) -> torch.Tensor:
-        if t.state is TransferState.DONE:  # its last event has completed: nothing to wait on, no stall to time
+        if t.state is DONE:  # its last event has completed: nothing to wait on, no stall to time
             return t.dst
         compute = torch.cuda.current_stream(self.device)
         before = torch.cuda.Event(enable_timing=True)
@@ -749,7 +772,7 @@ class CudaLink:
     def close(self) -> None:
         with self._lock:
             for t in list(self._queue):
-                if t.state is TransferState.QUEUED:
+                if t.state is QUEUED:
                     _drop(t, self._queue)
             self._closed = True
             self._wake.notify()

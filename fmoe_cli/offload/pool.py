@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from fmoe_cli.offload.hits import Hits, classify
-from fmoe_cli.offload.link import DEMAND, Fence, Transfer, TransferState
+from fmoe_cli.offload.link import CANCELLED, DEMAND, DONE, QUEUED, RUNNING, Fence, Transfer
 
 
 @dataclass(eq=False, slots=True)
@@ -44,8 +44,7 @@ class Staged:
     priority: float = float("inf")  # a prefetch: the priority it was issued with (offload/prefetch.py)
 
 
-_RECLAIM_ORDER = {TransferState.QUEUED: 0, TransferState.DONE: 1, TransferState.CANCELLED: 1,
-                  TransferState.RUNNING: 2}
+_RECLAIM_ORDER = {QUEUED: 0, DONE: 1, CANCELLED: 1, RUNNING: 2}
 
 
 class StagingPool:
@@ -156,13 +155,12 @@ class StagingPool:
 
     def after(self, slot: int) -> tuple:
         """What a new copy into `slot` must follow: the copy still writing it, the compute still reading it."""
-        deps = []
-        writer = self._writer[slot]
-        if writer is not None and not writer.finished:
-            deps.append(writer)
-        if self._reads[slot] is not None:
-            deps.append(self._reads[slot])
-        return tuple(deps)
+        writer, reads = self._writer[slot], self._reads[slot]
+        if writer is not None and (writer.state is DONE or writer.state is CANCELLED):
+            writer = None  # finished: nothing to follow
+        if writer is None:
+            return () if reads is None else (reads,)
+        return (writer,) if reads is None else (writer, reads)
 
     def reclaim(self, keep_layer: int) -> int | None:
         """A slot for a demand load of `keep_layer`: a free one, else one holding another layer's
