@@ -504,9 +504,13 @@ class EmulatedLink:
     def acquire(self, t: Transfer, tag: object = None) -> torch.Tensor:
         if t.state is DONE:  # seen done by a poll: nothing to order, nothing to wait for
             return t.dst if self.copy else t.src
-        self.wait(t)
+        if t.state is CANCELLED:
+            raise RuntimeError("waiting on a cancelled transfer")
+        # `wait` (next on the link), on one look at the clock: the model played to now at the priorities its choices
+        # were made with, then `t` promoted; every later choice (the rest of the model, to t's end) sees the promotion
         now = self.clock.now()
         self._advance(now)
+        _promote(t, URGENT)
         if t.state is not DONE:
             self._advance(_INF, until=t)
             if t.state is not DONE:

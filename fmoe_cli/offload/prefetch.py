@@ -23,7 +23,7 @@ before it: such predictions are ignored.
 
 from __future__ import annotations
 
-from fmoe_cli.offload.link import PREFETCH, Link, TransferState
+from fmoe_cli.offload.link import PREFETCH, QUEUED, Link
 from fmoe_cli.offload.pool import Staged, StagingPool
 from fmoe_cli.prediction.base import Prediction
 from fmoe_cli.types import ExpertShape
@@ -43,47 +43,49 @@ class Prefetcher:
 
     def issue(self, predictions: list[Prediction]) -> dict[int, list[int]]:
         """Queue the loads `predictions` call for; returns each target layer's ranking (best first)."""
-        shape, pool = self.shape, self.pool
-        usable = [p for p in predictions if 1 <= p.distance < shape.num_layers]
+        shape, pool, layers = self.shape, self.pool, self.layers
         rankings: dict[int, list[int]] = {}
-        candidates = []
-        for index, p in enumerate(usable):
+        candidates = []  # (−priority, the prediction's index, rank, expert): sorted, the order loads are issued in
+        for index, p in enumerate(predictions):
+            if not 1 <= p.distance < shape.num_layers:
+                continue  # it names a layer that routes again before it
             scores = p.scores.tolist()
             ranking = sorted(range(len(scores)), key=scores.__getitem__, reverse=True)  # stable: ties by expert id
             rankings[p.target] = ranking
-            policy = self.layers[p.target].cache.policy
+            policy = layers[p.target].cache.policy
             if policy.uses_prediction:
                 policy.see_prediction(scores)
             weight = p.priority_weight
-            best = ranking[: p.count if p.count is not None else self.width]
-            candidates += [(-scores[e] * weight, index, rank, e) for rank, e in enumerate(best)]
+            for rank, e in enumerate(ranking[: p.count if p.count is not None else self.width]):
+                candidates.append((-scores[e] * weight, index, rank, e))
         candidates.sort()
         for position, (neg_priority, index, _rank, e) in enumerate(candidates):
-            j = usable[index].target
-            if pool.find(j, e) is not None or self.layers[j].host:
-                continue  # staged already, or a host-lane layer (it loads nothing in decode: offload/host.py)
-            target = self.layers[j]
+            j = predictions[index].target
+            target = layers[j]
+            if target.host or pool.find(j, e) is not None:
+                continue  # a host-lane layer (it loads nothing in decode: offload/host.py), or staged already
             cached = target.cache.slot(e) is not None
             if cached and target.top_neurons == shape.intermediate:
                 continue  # already whole on the device
             slot = pool.free_slot()
             if slot is None:
                 slot = self._displace(-neg_priority)
-            if slot is None:
-                break  # the staging pool is full of more urgent work
+                if slot is None:
+                    break  # the staging pool is full of more urgent work
             start = target.top_neurons if cached else 0  # only the bottom when the top is cached
             transfer = self.link.submit(pool.destination(slot, start), pool.source(self.store, j, e, start),
                                         PREFETCH + position, after=pool.after(slot))
             pool.put(Staged(j, e, start, slot, transfer, prefetched=True, priority=-neg_priority))
-            target.counters.prefetch_issued += 1
-            target.counters.bytes_prefetch += transfer.nbytes
+            counters = target.counters
+            counters.prefetch_issued += 1
+            counters.bytes_prefetch += transfer.nbytes
         return rankings
 
     def _displace(self, priority: float) -> int | None:
         """Free the slot of the lowest-priority queued prefetch below `priority`, if any."""
         pool = self.pool
-        victims = [e for e in pool.live() if e.prefetched and not e.in_use
-                   and e.transfer.state is TransferState.QUEUED and e.priority < priority]
+        victims = [e for e in pool.entries if e is not None and e.prefetched and not e.in_use
+                   and e.transfer.state is QUEUED and e.priority < priority]
         if not victims:
             return None
         victim = min(victims, key=lambda e: (e.priority, e.slot))
