@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.offload.link import (
@@ -14,6 +16,7 @@ from fmoe_cli.offload.link import (
     EmulatedLink,
     Fence,
     MonotonicClock,
+    Transfer,
     TransferState,
     VirtualClock,
     make_link,
@@ -336,3 +339,121 @@ def test_token_latencies_are_read_on_the_links_clock(monkeypatch):
     monkeypatch.setattr(generate, "new_cache", lambda model: None)  # (the cache a generation starts from: none here)
     events = list(generate.stream_generate(Model(), torch.tensor([1, 2]), max_new_tokens=3, stop_on_eos=False))
     assert [e.latency_s for e in events] == [1.0, 1.0, 1.0]
+
+
+# --- the emulated link's fast paths give what its general steps give ---------------------------------------------
+class GeneralLink(EmulatedLink):
+    """The emulated link without its shortcuts: `submit` plays the model to now before and after queueing the copy
+    (also on an idle or busy link), `acquire` is `wait` (its own look at the clock) then a second look; the test asks
+    the link itself (`poll`, `cancel`) where the emulated link's transfers answer from a settled state."""
+
+    def submit(self, dst, src, priority, after=()):
+        now = self.clock.now()
+        self._advance(now)
+        t = Transfer(dst, src, priority, src.nbytes, link=self, after=tuple(after), submitted_at=now)
+        self._queue.append(t)
+        self._advance(now)
+        return t
+
+    def acquire(self, t, tag=None):
+        if t.state is TransferState.DONE:
+            return t.dst if self.copy else t.src
+        self.wait(t)
+        now = self.clock.now()
+        self._advance(now)
+        if t.state is not TransferState.DONE:
+            self._advance(float("inf"), until=t)
+            if t.state is not TransferState.DONE:
+                raise RuntimeError("a transfer waits on a fence that never completes")
+            self.clock.sleep_until(t.done_at)
+            self._stalls.append((tag, t.done_at - now))
+        return t.dst if self.copy else t.src
+
+
+LINK_OPS = st.lists(st.tuples(st.sampled_from(["submit", "after", "time", "tie", "poll", "acquire", "cancel", "promote",
+                                               "reads", "fence"]),
+                              st.integers(0, 40), st.integers(0, 3)), max_size=50)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=LINK_OPS, chunked=st.booleans())
+def test_the_emulated_links_shortcuts_give_its_general_steps_results(ops, chunked):
+    """Random copies (sizes, priorities, copies and fences to follow), time moved or not (ties: a copy submitted
+    when another may start at the same instant), polls, acquires, cancels, promotions, on the emulated link and on
+    GeneralLink: every transfer's state, start, end and bytes, the link's bytes, stalls and clock, and every answer
+    are the same after each step."""
+    links = []
+    for cls in (EmulatedLink, GeneralLink):
+        clock = VirtualClock()
+        links.append((cls(gbps=1.0, latency_s=1e-4, clock=clock, chunk_bytes=256 if chunked else 1 << 20), clock,
+                      [], []))  # (link, clock, transfers, fences)
+    src = torch.ones(256)
+    for op, pick, priority in ops:
+        answers = []
+        for link, clock, transfers, fences in links:
+            live = [t for t in transfers if t.state is not TransferState.CANCELLED]
+            if op in ("submit", "after"):
+                after = ()
+                if op == "after" and transfers:
+                    after = (transfers[pick % len(transfers)],) + ((fences[pick % len(fences)],) if fences else ())
+                transfers.append(link.submit(torch.zeros(8 * (1 + pick)), src[:8 * (1 + pick)], DEMAND + priority,
+                                             after=after))
+            elif op in ("time", "tie"):
+                clock.advance(pick * 1e-6 if op == "time" else 0.0)
+            elif op == "poll" and transfers:
+                t = transfers[pick % len(transfers)]
+                answers.append(t.ready() if type(link) is EmulatedLink else link.poll(t))
+            elif op == "acquire" and live:
+                try:
+                    link.acquire(live[pick % len(live)], tag=pick)
+                    answers.append("ok")
+                except RuntimeError as exc:  # it follows a fence the compute has not reached
+                    answers.append(str(exc))
+            elif op == "cancel" and transfers:
+                t = transfers[pick % len(transfers)]
+                answers.append(t.cancel() if type(link) is EmulatedLink else link.cancel(t))
+            elif op == "promote" and transfers:
+                link.reprioritise(transfers[pick % len(transfers)], priority - 1)
+            elif op == "reads":
+                fences.append(link.record_reads() if pick % 2 else Fence(float("inf")))  # done, or not yet
+            elif op == "fence" and fences:
+                fence = fences[pick % len(fences)]
+                if fence.ready_at == float("inf"):
+                    fence.ready_at = clock.now()  # the compute stream reaches it
+            answers.append([(t.state, t.started_at, t.done_at, t.sent, t.priority) for t in transfers])
+            answers.append((link.bytes_moved, link._free_at, link.stalls(), clock.t, clock.slept))
+        half = len(answers) // 2
+        assert answers[:half] == answers[half:], op
+
+
+def test_acquire_looks_at_the_clock_once():
+    """acquire of a copy still on the link: one look at the clock (wait's promotion and the model's step to now on
+    it), and the stall runs from that look to the copy's end."""
+    clock = CountingClock()
+    link = link_on(clock)
+    t = link.submit(*tensors(1), PREFETCH + 1)
+    reads = clock.reads
+    link.acquire(t, tag="x")
+    assert clock.reads == reads + 1
+    assert link.stalls() == [("x", pytest.approx(link.duration(MiB)))] and t.priority < DEMAND
+
+
+def test_host_now_reads_the_clock_the_variable_names_as_it_changes(monkeypatch):
+    """host_now's own look-up of FMOE_EMULATED_CLOCK finds the clock host_clock finds, for every value the variable
+    takes during a run (monkeypatch.setenv, delenv, a value written differently)."""
+
+    class Fixed:
+        def __init__(self, t: float) -> None:
+            self.t = t
+
+        def now(self) -> float:
+            return self.t
+
+    cpu, wall = Fixed(1.0), Fixed(2.0)
+    monkeypatch.setattr(link_module, "_host_clocks", {"cpu": cpu, "wall": wall})
+    for value, clock in (("cpu", cpu), ("wall", wall), (None, wall), (" CPU ", cpu), ("", wall), ("cpu", cpu)):
+        if value is None:
+            monkeypatch.delenv(link_module.CLOCK_ENV, raising=False)
+        else:
+            monkeypatch.setenv(link_module.CLOCK_ENV, value)
+        assert link_module.host_clock() is clock and link_module.host_now() == clock.t, value

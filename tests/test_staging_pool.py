@@ -203,3 +203,26 @@ def test_the_fake_gpu_leaves_garbage_in_a_released_slot():
         assert torch.isnan(pool.buffer[0]).all() and torch.equal(pool.buffer[1], torch.ones(NEURONS, *ROW))
     pool.release(entries[1])  # not on the fake GPU: as it was
     assert torch.equal(pool.buffer[1], torch.ones(NEURONS, *ROW))
+
+
+def test_a_copy_into_a_slot_follows_its_unfinished_writer_and_its_last_reads():
+    """`after(slot)`: the slot's last copy while it has not finished (queued or running, not done or dropped), then
+    the fence of the compute that last read it, if any; nothing for a slot never written or read."""
+    clock = VirtualClock()
+    link = EmulatedLink(gbps=1e-6, latency_s=0.0, clock=clock)  # 48 bytes: 48 s, nothing finishes by itself
+    pool = StagingPool(1, NEURONS, ROW, torch.float32, torch.device("cpu"))
+    src = torch.ones(NEURONS, *ROW)
+    assert pool.after(0) == ()
+    for state in TransferState:
+        for read in (False, True):
+            pool._reads[0] = fence = Fence(clock.now()) if read else None
+            writer = link.submit(pool.buffer[0], src, PREFETCH)
+            writer.state = state  # (the states the link gives it; set by hand to cover each)
+            pool._writer[0] = writer
+            expected = ((writer,) if state in (TransferState.QUEUED, TransferState.RUNNING) else ()) + (
+                (fence,) if read else ())
+            assert pool.after(0) == expected, (state, read)
+            assert all(a is b for a, b in zip(pool.after(0), expected))
+            writer.state = TransferState.CANCELLED
+            link._queue.clear()
+            link._current = None

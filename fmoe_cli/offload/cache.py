@@ -32,15 +32,15 @@ class LayerCache:
         self.policy = policy
         self.step = 0  # tokens seen by this layer
         self._slot_of: dict[int, int] = {}
+        # slot(expert): the slot, or None. The dict's own `get`, bound once: no Python frame, and the engine and the
+        # prefetcher ask several times a layer (the dict is never replaced, only changed in place)
+        self.slot = self._slot_of.get
         self._free = list(range(self.capacity - 1, -1, -1))  # pop() gives slot 0 first
         self._pins: dict[int, int] = {}  # expert -> pin count (> 0 only)
 
     # --- queries -----------------------------------------------------------
     def __contains__(self, expert: int) -> bool:
         return expert in self._slot_of
-
-    def slot(self, expert: int) -> int | None:
-        return self._slot_of.get(expert)
 
     def cached(self) -> dict[int, int]:
         return dict(self._slot_of)
@@ -87,7 +87,8 @@ class LayerCache:
             slot = self._free.pop()
             self._slot_of[expert] = slot
             return Admission(slot, None)
-        candidates = [e for e in self._slot_of if not self.is_pinned(e)]
+        pins = self._pins
+        candidates = [e for e in self._slot_of if e not in pins]  # the unpinned (`is_pinned`)
         if not candidates:
             return None
         victim = self.policy.choose_victim(candidates, self.step)
