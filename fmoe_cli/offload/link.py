@@ -238,14 +238,13 @@ class MonotonicClock:
     cost that much extra host time. The emulated link waits with a spin; CudaLink's
     throttle, which sleeps in its pump thread, does not (a poll there would hold the GIL)."""
 
+    now: Callable[[], float]  # the time (s): the source itself (no frame of this class's: read ~12 times a loading layer)
+
     def __init__(self, spin: float = 0.0, now: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.spin = spin
-        self._now = now
+        self.now = self._now = now
         self._sleep = sleep
-
-    def now(self) -> float:
-        return self._now()
 
     def sleep_until(self, t: float) -> None:
         remaining = t - self._now()
@@ -423,9 +422,6 @@ class EmulatedLink:
         return nbytes / (self.gbps * 1e9) + self.latency_s
 
     # --- the model -------------------------------------------------------------
-    def _chunk_time(self, t: Transfer, nbytes: int) -> float:
-        return nbytes / (self.gbps * 1e9) + (self.latency_s if t.sent == 0 else 0.0) if self.gbps else 0.0
-
     def _advance(self, now: float, until: Transfer | None = None) -> None:
         """Play the copy engine forward to `now` (or until `until` is done)."""
         queue = self._queue
@@ -441,8 +437,11 @@ class EmulatedLink:
                 self.bytes_moved += nbytes
                 if t.state is CANCELLED:
                     pass  # dropped while this chunk was on the link: it stops here
-                elif t.sent >= t.nbytes:
-                    self._complete(t, end)
+                elif t.sent >= t.nbytes:  # its last chunk: the copy is done (copy mode: its bytes land now)
+                    if self.copy:
+                        device_copy(t.dst, t.src)
+                    t.done_at = end
+                    t.state = DONE
                     if t is until:
                         return
                 else:
@@ -466,13 +465,8 @@ class EmulatedLink:
                 t.state = RUNNING
                 t.started_at = start
             nbytes = min(self.chunk_bytes, t.nbytes - t.sent) if t.nbytes else 0
-            self._current = (t, start + self._chunk_time(t, nbytes), nbytes)
-
-    def _complete(self, t: Transfer, at: float) -> None:
-        if self.copy:
-            device_copy(t.dst, t.src)  # the bytes land when the copy completes
-        t.done_at = at
-        t.state = DONE
+            chunk_time = nbytes / (self.gbps * 1e9) + (self.latency_s if t.sent == 0 else 0.0) if self.gbps else 0.0
+            self._current = (t, start + chunk_time, nbytes)  # (its first chunk pays the latency)
 
     # --- the protocol ------------------------------------------------------------
     def submit(self, dst: torch.Tensor, src: torch.Tensor, priority: int, after: tuple = ()) -> Transfer:
