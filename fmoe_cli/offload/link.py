@@ -238,7 +238,7 @@ class MonotonicClock:
     cost that much extra host time. The emulated link waits with a spin; CudaLink's
     throttle, which sleeps in its pump thread, does not (a poll there would hold the GIL)."""
 
-    now: Callable[[], float]  # the time (s): the source itself (no frame of this class's: read ~12 times a loading layer)
+    now: Callable[[], float]  # the time (s): the source itself (no frame of ours: ~12 reads a loading layer)
 
     def __init__(self, spin: float = 0.0, now: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
