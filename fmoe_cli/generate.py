@@ -596,4 +596,6 @@ def stream_generate(
         yield TokenEvent(index, token, detok.add(token) if finish != "eos" else "", latency, counters, finish)
         if finish is not None:
             return
-        ids = torch.tensor([[token]], device=device)
+        # the next step's [1, 1] int64 ids: on the CPU by torch.full (a third of torch.tensor's time from a nested
+        # list); on a GPU as before (a copy from the host, not a fill kernel)
+        ids = torch.full((1, 1), token) if device.type == "cpu" else torch.tensor([[token]], device=device)
