@@ -23,8 +23,10 @@ At a decode step of a small model on the CPU, the host's steps around the weight
   (none, for one query without padding on a full-attention cache).
 
 Every module these forwards call (the layers, attention, MLP, router, norm, LM head) has its forward called directly
-where no hook would run (`dense.forward_of`): nn.Module's per-call steps cost microseconds a call, several calls a
-layer (docs/bench.md § Host work per layer). (torch's one-op F.rms_norm gives the module's float32 bits here but
+where no hook would run (`dense.forward_of`; a plain nn.Linear as its one F.linear, `dense.call_linear`), and the
+modules and parameters they read come from their modules' tables (`module_attribute`, not nn.Module's __getattr__):
+nn.Module's per-call steps and each __getattr__ cost microseconds, several a layer (docs/bench.md § Host work per
+layer). (torch's one-op F.rms_norm gives the module's float32 bits here but
 took as long as rms_norm's six ops: its kernel runs the same steps.)
 
 Anything else — a prefill, an attention mask, training, a device other than the CPU, another dtype — runs
