@@ -15,7 +15,7 @@ import transformers
 
 from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.demo import TINY_FAMILIES
-from fmoe_cli.models.dense import ATTENTION, QuantLinear, dense_reference, dense_targets
+from fmoe_cli.models.dense import ATTENTION, QuantLinear, call_linear, dense_reference, dense_targets
 from fmoe_cli.models.families import find_moe_layers
 from fmoe_cli.models.load import load_model
 from fmoe_cli.offload.engine import Engine
@@ -145,6 +145,32 @@ def test_an_unquantised_head_computes_on_its_input_flattened(checkpoints, monkey
     got = head(hidden[:, -2:, :])  # (one row is a torch.mv: one_row_matvec, below)
     assert seen == [((2, head.in_features), (head.in_features, 1))]
     assert got.shape == (1, 2, head.out_features) and torch.equal(got, real(hidden[:, -2:, :], head.weight, head.bias))
+
+
+def test_call_linear_runs_what_calling_the_linear_runs(monkeypatch):
+    """models/dense.py call_linear: a plain nn.Linear's one F.linear on its own weight and bias (nn.Linear's forward
+    not called: the same op, the same bits); and where calling the module would run something else — a forward put
+    over it, a subclass's forward, a forward hook — that, as calling it runs it."""
+    linear = torch.nn.Linear(16, 8)
+    x = torch.randn(1, 16)
+    want = linear(x)
+    real_forward = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda *a: pytest.fail("nn.Linear.forward called"))
+    assert torch.equal(call_linear(linear, x), want)
+    monkeypatch.setattr(torch.nn.Linear, "forward", real_forward)
+    linear.forward = lambda rows: torch.zeros(1, 8)  # a forward put over it (one_row_kernels' and one_row_matvec's)
+    assert torch.equal(call_linear(linear, x), torch.zeros(1, 8))
+    del linear.forward
+
+    class Doubled(torch.nn.Linear):
+        def forward(self, rows):
+            return 2 * super().forward(rows)
+
+    doubled = Doubled(16, 8)
+    assert torch.equal(call_linear(doubled, x), 2 * torch.nn.functional.linear(x, doubled.weight, doubled.bias))
+    seen = []
+    linear.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    assert torch.equal(call_linear(linear, x), want) and seen == [(1, 8)]
 
 
 def _bf16_rows(lm):

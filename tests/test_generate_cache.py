@@ -107,3 +107,32 @@ def test_greedy_sampling_of_float32_logits_casts_nothing():
     with torch.inference_mode(), counter:
         token = sample_next(logits.bfloat16(), SamplingParams(), None)
     assert token == int(logits.bfloat16().float().argmax()) and casts & {name for _, name in counter.ops}, counter.ops
+
+
+def test_next_logits_calls_the_model_as_calling_it_would(checkpoints):
+    """generate.next_logits calls the causal LM's forward without nn.Module's call where nothing hooks the model
+    (offload/layout.py `called`): the same logits as calling it; and a hook on the model runs at every step."""
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.link import EmulatedLink
+    from fmoe_cli.planning.presets import make_settings
+
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    shape = lm.shape
+    engine = Engine(lm.layers, lm.store, shape, EmulatedLink(None), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("resident", shape, 2 * shape.top_k * shape.expert_bytes + shape.all_experts_bytes))
+    ids = torch.tensor([[5, 17, 42, 99]])
+    with torch.inference_mode():
+        got = generate.next_logits(lm.model, ids, cache := new_cache(lm.model))
+        got_next = generate.next_logits(lm.model, torch.tensor([[int(got.argmax())]]), cache)
+        want_cache = new_cache(lm.model)
+        want = lm.model(input_ids=ids, past_key_values=want_cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        want_next = lm.model(input_ids=torch.tensor([[int(want.argmax())]]), past_key_values=want_cache,
+                             use_cache=True, logits_to_keep=1).logits[0, -1]
+        assert torch.equal(got, want) and torch.equal(got_next, want_next)
+        calls = []
+        lm.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+        generate.next_logits(lm.model, torch.tensor([[7]]), cache)
+        assert calls == [1]
+    engine.close()

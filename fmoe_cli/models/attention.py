@@ -47,7 +47,8 @@ from torch import nn
 from fmoe_cli import kernels
 from fmoe_cli.generate import GrowingLayer
 from fmoe_cli.kernels import one_thread
-from fmoe_cli.models.dense import ATTENTION, QuantLinear, forward_of, kernel_forward, kernel_rows, ours
+from fmoe_cli.models.dense import (ATTENTION, QuantLinear, call_linear, forward_of, kernel_forward, kernel_rows,
+                                   ours)
 
 # The decoder layers' attention classes with the decode forward, and where their q/k norms sit:
 # "heads" (Qwen3-MoE: over each head's dims, before the transpose), "projection" (OLMoE: over the whole projection),
@@ -292,7 +293,7 @@ def _decode_forward(attn, original, fused: FusedQKV | LinearQKV | None, norm: st
         if o_kernel and kernels.takes(out):  # QuantLinear.forward's steps, without its reshapes
             y = kernel_forward(out, o_proj.packed, o_proj.kernel, o_proj.bias)
         else:
-            y = forward_of(o_proj)(out)
+            y = call_linear(o_proj, out)
         return y.view(1, out.shape[0], -1)
 
     return ours(forward)

@@ -23,8 +23,10 @@ At a decode step of a small model on the CPU, the host's steps around the weight
   (none, for one query without padding on a full-attention cache).
 
 Every module these forwards call (the layers, attention, MLP, router, norm, LM head) has its forward called directly
-where no hook would run (`dense.forward_of`): nn.Module's per-call steps cost microseconds a call, several calls a
-layer (docs/bench.md § Host work per layer). (torch's one-op F.rms_norm gives the module's float32 bits here but
+where no hook would run (`dense.forward_of`; a plain nn.Linear as its one F.linear, `dense.call_linear`), and the
+modules and parameters they read come from their modules' tables (`module_attribute`, not nn.Module's __getattr__):
+nn.Module's per-call steps and each __getattr__ cost microseconds, several a layer (docs/bench.md § Host work per
+layer). (torch's one-op F.rms_norm gives the module's float32 bits here but
 took as long as rms_norm's six ops: its kernel runs the same steps.)
 
 Anything else — a prefill, an attention mask, training, a device other than the CPU, another dtype — runs
@@ -41,9 +43,10 @@ import torch.nn.functional as F
 
 from fmoe_cli import kernels
 from fmoe_cli.models.attention import decode_input, implementation, one_thread, rms_norm
-from fmoe_cli.models.dense import forward_of, ours
+from fmoe_cli.models.dense import call_linear, forward_of, ours
 from fmoe_cli.offload.engine import IMPLEMENTATION_NAME
 from fmoe_cli.offload.layout import hooked
+from fmoe_cli.prediction.base import module_attribute
 
 # The decoder layers with the decode forward, their norms' classes (the standard RMSNorm: rms_norm's steps), and
 # their routers' classes with how they turn logits into weights: "softmax-dtype" (softmax(logits, dtype=float32),
@@ -121,11 +124,14 @@ def _decode_model(model, original):
             elif cache is not None:
                 kwargs["cache"] = cache
             return original(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
-        hidden_states = inner.embed_tokens(input_ids)  # [1, 1, H]
+        # (submodules and parameters read from their modules' tables, module_attribute: nn.Module's __getattr__
+        # costs about 1 µs a name, some twenty names a token)
+        hidden_states = module_attribute(inner, "embed_tokens")(input_ids)  # [1, 1, H]
         position = cache.get_seq_length()
-        position_ids = torch.tensor([[position]])  # [1, 1] int64: the model's arange, one op
-        if rope is None or hooked(inner.rotary_emb):
-            position_embeddings = inner.rotary_emb(hidden_states, position_ids=position_ids)
+        position_ids = torch.full((1, 1), position)  # [1, 1] int64: the model's arange (a third of torch.tensor's time)
+        rotary = module_attribute(inner, "rotary_emb")
+        if rope is None or hooked(rotary):
+            position_embeddings = rotary(hidden_states, position_ids=position_ids)
         else:
             position_embeddings = rope(hidden_states, position)
         logits = token.forward(hidden_states, position_embeddings, cache)  # the whole token in one C call, or None
@@ -134,9 +140,10 @@ def _decode_model(model, original):
         for layer in layers:
             hidden_states = forward_of(layer)(hidden_states, attention_mask=None, position_ids=position_ids,
                                               cache=cache, use_cache=True, position_embeddings=position_embeddings)
-        hidden_states = forward_of(inner.norm)(hidden_states)
+        hidden_states = forward_of(module_attribute(inner, "norm"))(hidden_states)
         # one position: the last-token slice (slice_logits_to_keep) is the tensor itself
-        return model_output(MoeCausalLMOutputWithPast, logits=forward_of(model.lm_head)(hidden_states), cache=cache)
+        logits = call_linear(module_attribute(model, "lm_head"), hidden_states)
+        return model_output(MoeCausalLMOutputWithPast, logits=logits, cache=cache)
 
     return forward
 
@@ -175,9 +182,12 @@ def rope_step(rotary):
         return None
 
     def step(x: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = rotary.inv_freq  # (float32, or cast to it as the forward does)
+        inv_freq = module_attribute(rotary, "inv_freq")  # (float32, or cast to it as the forward does)
         inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
-        freqs = torch.tensor([[[float(position)]]]) * inv_freq  # [1, 1, D/2] (a position below 2²⁴ is exact)
+        # the forward's float32 product of the position and each frequency, the position a Python number (torch
+        # rounds it to float32 once, exact below 2²⁴, and multiplies in float32: the same product, without making
+        # a tensor of it), then viewed as [1, 1, D/2]
+        freqs = (inv_freq * float(position)).view(1, 1, -1)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         scaling = rotary.attention_scaling
@@ -201,18 +211,20 @@ def _decode_layer(layer, original):
         if (args or kwargs.get("attention_mask") is not None or hidden_states.shape[:-1] != (1, 1) or layer.training
                 or "past_key_values" in kwargs or not decode_input(hidden_states)):
             return original(hidden_states, *args, **kwargs)
+        # (the norms' weights read from their tables: module_attribute)
         if hidden_states.dtype == in_c:  # the norms and the first residual add in C (decode.c)
-            _, normed = kernels.rms_norm(hidden_states, before.weight, before.variance_epsilon)
+            _, normed = kernels.rms_norm(hidden_states, module_attribute(before, "weight"), before.variance_epsilon)
             attended, _ = forward_of(attn)(hidden_states=normed, **kwargs)
-            hidden_states, normed = kernels.rms_norm(hidden_states, after.weight, after.variance_epsilon,
-                                                     add=attended)
+            hidden_states, normed = kernels.rms_norm(hidden_states, module_attribute(after, "weight"),
+                                                     after.variance_epsilon, add=attended)
             return hidden_states + forward_of(mlp)(normed)
         residual = hidden_states
-        normed = rms_norm(hidden_states, before.weight, before.variance_epsilon)
+        normed = rms_norm(hidden_states, module_attribute(before, "weight"), before.variance_epsilon)
         hidden_states, _ = forward_of(attn)(hidden_states=normed, **kwargs)
         hidden_states = residual + hidden_states
         residual = hidden_states
-        hidden_states = forward_of(mlp)(rms_norm(hidden_states, after.weight, after.variance_epsilon))
+        hidden_states = forward_of(mlp)(rms_norm(hidden_states, module_attribute(after, "weight"),
+                                                 after.variance_epsilon))
         return residual + hidden_states
 
     return ours(forward)
@@ -245,9 +257,10 @@ def _decode_norm(norm, original):
     def forward(hidden_states):
         if hidden_states.shape[:-1] != (1, 1) or not decode_input(hidden_states):
             return original(hidden_states)
+        weight = module_attribute(norm, "weight")
         if hidden_states.dtype == in_c:
-            return kernels.rms_norm(hidden_states, norm.weight, norm.variance_epsilon)[1]
-        return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
+            return kernels.rms_norm(hidden_states, weight, norm.variance_epsilon)[1]
+        return rms_norm(hidden_states, weight, norm.variance_epsilon)
 
     return ours(forward)
 
