@@ -19,6 +19,7 @@ from fmoe_cli.bench import check_counts, check_profile_options, check_replay, re
 from fmoe_cli.chat import ChatOptions
 from fmoe_cli.disk import run_cache
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.hub import fetch_config_early, fetch_model_early
 from fmoe_cli.bench.replay import DEFAULT_EVICTIONS, run_replay
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, POLICIES
 from fmoe_cli.options import RunOptions
@@ -85,6 +86,12 @@ def _quiet_libraries() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+
+
+def _fetch_model(opts: RunOptions) -> None:
+    """A hub model's files fetched before torch is imported (models/hub.py `fetch_model_early`): the download's bar
+    at once, an unknown id or no network one line in under a second."""
+    fetch_model_early(opts.model, opts.trust_remote_code)
 
 
 def user_errors(command):
@@ -207,6 +214,7 @@ def bench(
     if replay_routing is not None:  # (the standard library alone: a malformed trace is one line at once)
         replay = read_trace(replay_routing)
         check_replay(replay, tokens, warmup, predictor)
+    _fetch_model(opts)
     _quiet_libraries()
     from fmoe_cli.bench.run import render, run_bench  # torch: only once the options read
 
@@ -258,6 +266,7 @@ def chat(
                                    host_threads=host_threads),
                        system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     opts.check()
+    _fetch_model(opts.run)
     _quiet_libraries()
     from fmoe_cli.chat.repl import run_chat  # torch: only once the options read
 
@@ -304,6 +313,7 @@ def serve(
     sock = options.bind()  # a port in use is one line too, before anything slow is imported
     serve_defaults.limit_malloc_arenas()  # before torch's and the server's threads exist
     try:
+        _fetch_model(opts)
         _quiet_libraries()
         from fmoe_cli.serve.app import run_serve  # fastapi, uvicorn and torch: only once the options read
     except BaseException:
@@ -356,6 +366,7 @@ def plan(
     check_plan_options(model, vram=vram, profile_path=profile, context=context, dtype=dtype, workspace=workspace,
                        experts=experts, trace=trace, dense=dense)
     routing = None if trace is None else read_trace(trace)  # (the standard library alone: one line at once)
+    fetch_config_early(model)  # (before torch, as `_fetch_model`)
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan  # torch and transformers: only once the options and trace read
 
@@ -387,6 +398,8 @@ def profile(
         device=device,
         trust_remote_code=trust_remote_code, record_statistics=False)
     check_profile_options(out=out, emulate_link=emulate_link, prefill_len=prefill_len, device=device)
+    if opts is not None:
+        _fetch_model(opts)
     _quiet_libraries()
     from fmoe_cli.bench.profile import run_profile  # torch: only once the options read
 

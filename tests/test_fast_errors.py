@@ -78,3 +78,45 @@ def test_an_option_error_comes_before_torch_is_imported(existing, args, fragment
 def test_help_and_version_import_nothing_heavy(args):
     out, err = run_cli(*args)
     assert err == "" and out.strip().splitlines()[-1] == "HEAVY [] 0", out + err
+
+
+@pytest.mark.parametrize("args", [("plan", "no-such-org/no-such-moe", "--vram", "1GiB"), ("bench", "no-such-org/no-such-moe"),
+                                  ("chat", "no-such-org/no-such-moe"), ("profile", "--model", "no-such-org/no-such-moe"),
+                                  ("serve", "no-such-org/no-such-moe", "--port", "0")], ids=lambda a: a[0])
+def test_a_hub_model_is_fetched_before_torch_is_imported(args, tmp_path, monkeypatch):
+    """A hub id's files come before torch and transformers (models/hub.py `fetch_model_early`,
+    `fetch_config_early`): offline and not cached,
+    the command says so in one line with only the hub client loaded (it took the 6–8 s of those imports before)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    out, err = run_cli(*args)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot download no-such-org/no-such-moe") \
+        and "no network" in lines[0], err
+    assert out.strip().splitlines()[-1] == "HEAVY ['huggingface_hub'] 2", out
+
+
+def test_the_early_fetch_is_the_command_s_own_download(tmp_path, monkeypatch):
+    """The command's `download` of the files fetched early takes their snapshot, without a second call to the hub;
+    other files (another pattern list) are asked for."""
+    import huggingface_hub
+
+    from fmoe_cli.models import hub
+
+    calls = []
+
+    def snapshot_download(repo_id, allow_patterns, **kwargs):
+        calls.append((repo_id, tuple(allow_patterns)))
+        return str(tmp_path / repo_id.replace("/", "--"))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(hub, "_fetched", {})
+    hub.fetch_model_early("org/model", False)
+    hub.fetch_model_early("demo", False)  # not a hub id: nothing fetched
+    (tmp_path / "config.json").write_text("{}")
+    hub.fetch_config_early(str(tmp_path))  # a local directory: nothing fetched
+    hub.fetch_config_early(str(tmp_path / "config.json"))  # a local config.json: nothing fetched
+    assert hub.download("org/model", hub.model_patterns(False), "org/model") == tmp_path / "org--model"
+    assert calls == [("org/model", tuple(hub.model_patterns(False)))]
+    hub.download("org/model", hub.model_patterns(True), "org/model")  # with its code: other files
+    assert len(calls) == 2 and "*.py" in calls[1][1] and "*.py" not in calls[0][1]

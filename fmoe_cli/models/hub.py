@@ -9,6 +9,30 @@ from pathlib import Path
 
 from fmoe_cli.errors import FmoeError
 
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]  # a model's files
+_fetched: dict[tuple[str, tuple[str, ...]], Path] = {}  # (repo id, patterns) -> its snapshot: asked once a process
+
+
+def model_patterns(trust_remote_code: bool) -> list[str]:
+    """The files of a model a run downloads: its code (*.py) only when the user trusts it."""
+    return DOWNLOAD_PATTERNS if trust_remote_code else [p for p in DOWNLOAD_PATTERNS if p != "*.py"]
+
+
+def fetch_model_early(model: str, trust_remote_code: bool) -> None:
+    """A hub id's files downloaded (or found in the local cache) before a command imports torch and transformers
+    (6–8 s): the download's progress bar starts at once, and an unknown id or a missing network is one line in
+    under a second instead of after those imports. A local directory or `demo` is left to the command. The
+    snapshot is kept for the command's own `download` of the same files (no second look at the hub)."""
+    if model != "demo" and local_model_dir(model) is None:
+        download(model, model_patterns(trust_remote_code), model)
+
+
+def fetch_config_early(model: str) -> None:
+    """`fetch_model_early` for `fmoe plan`: a hub id's config.json alone (a local config.json or directory, or
+    `demo`, is left to the command)."""
+    if model != "demo" and local_config_path(model) is None:
+        download(model, ["config.json"], f"{model}'s config.json", progress=False)
+
 
 def local_model_dir(model_id: str) -> Path | None:
     """The local model directory `model_id` names, None for a hub id; a path that is not a model
@@ -42,7 +66,11 @@ def local_config_path(model: str) -> Path | None:
 def download(repo_id: str, patterns: list[str], what: str, progress: bool = True) -> Path:
     """The snapshot directory of `repo_id` holding the files that match `patterns` (`what` they are, for
     messages). snapshot_download (not hf_hub_download): it fails at once without a network instead of
-    retrying. A rich progress bar while downloading when `progress`."""
+    retrying. A rich progress bar while downloading when `progress`. Once per process for the same files
+    (`fetch_model_early` and `fetch_config_early` ask first)."""
+    fetched = _fetched.get((repo_id, tuple(patterns)))
+    if fetched is not None:
+        return fetched
     from huggingface_hub import snapshot_download  # the hub client: only when something is downloaded
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -58,7 +86,7 @@ def download(repo_id: str, patterns: list[str], what: str, progress: bool = True
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", TqdmExperimentalWarning)
-            return Path(snapshot_download(repo_id, allow_patterns=patterns,
+            path = Path(snapshot_download(repo_id, allow_patterns=patterns,
                                           **({"tqdm_class": rich_tqdm} if progress else {})))
     except GatedRepoError:
         raise FmoeError(f"{repo_id} is gated: accept its licence on the hub and log in (`hf auth login`)") from None
@@ -71,3 +99,5 @@ def download(repo_id: str, patterns: list[str], what: str, progress: bool = True
         raise FmoeError(f"{repo_id} has no {what} on the hub") from None
     except OSError as exc:  # connection errors and the like
         raise FmoeError(f"cannot download {what}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}") from None
+    _fetched[(repo_id, tuple(patterns))] = path
+    return path

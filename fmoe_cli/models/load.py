@@ -19,7 +19,7 @@ from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.models import demo
 from fmoe_cli.generate import TOKENIZER_FILES
 from fmoe_cli.models.config import check_config_file
-from fmoe_cli.models.hub import download, local_model_dir
+from fmoe_cli.models.hub import download, local_model_dir, model_patterns
 from fmoe_cli.models.attention import install_decode_attention
 from fmoe_cli.models.decoder import install_decode_layers
 from fmoe_cli.models.dense import (dense_bytes_saved, flatten_head_input, one_row_kernels, one_row_matvec,
@@ -47,7 +47,6 @@ from fmoe_cli.types import (
 )
 
 GiB = 1024**3
-DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "tokenizer*", "*.py"]
 
 
 @dataclass
@@ -113,8 +112,7 @@ def resolve_model(model_id: str, trust_remote_code: bool = False) -> tuple[Path,
 
 
 def _download(repo_id: str, trust_remote_code: bool) -> Path:
-    patterns = DOWNLOAD_PATTERNS if trust_remote_code else [p for p in DOWNLOAD_PATTERNS if p != "*.py"]
-    return download(repo_id, patterns, repo_id)
+    return download(repo_id, model_patterns(trust_remote_code), repo_id)
 
 
 def _check_weights(path: Path, model_id: str) -> None:
