@@ -23,6 +23,17 @@ figure). Then the host's waits for the device, counted (not timed) over three de
 
 On a machine others are using, FMOE_EMULATED_CLOCK=cpu (passed on to every process) reads each token's latency as the
 process's CPU time: wall time then counts the waits for a core.
+
+`--paired OLD_TREE` resolves a change of a few per cent, which interleaved processes do not (one process's start, its
+memory layout and the load of that minute move a reading by 5-10 %): worker processes, two of this tree and two of
+OLD_TREE, each with the measure's model and an engine per policy (plans from fixed timings: the same plan in both
+trees), kept alive and run in turn, blocks of `--tokens` decode tokens per policy in the order A B B A (a drift in the
+machine's speed cancels within a pair; pairs alternate between a tree's two processes), every token's latency on the
+CPU clock (FMOE_EMULATED_CLOCK=cpu: the link's modelled waits included); per policy the ratio this ÷ OLD of each pair,
+median [min-max], and each tree's median ms a layer. `--paired` with this tree itself (an A/A) reads the floor of
+what it resolves.
+
+    python benchmarks/host_per_layer.py --paired OLD_TREE [--pairs 12] [--tokens 48] [--device-path] [--json]
 """
 
 from __future__ import annotations
@@ -164,6 +175,88 @@ def eager_part(model: Path, tokens: int, rounds: int) -> dict:
     return out
 
 
+def worker(model: Path, device_path: bool) -> None:
+    """`--worker`: the paired mode's process, in the tree its PYTHONPATH names. Builds an engine per policy, then
+    answers each line `POLICY TOKENS` on stdin with one JSON line: the ms a layer of TOKENS decode tokens (median of
+    their latencies on fmoe's clock, ÷ LAYERS) after 4 unmeasured ones."""
+    sys.path.insert(0, os.getcwd())  # the tree's fmoe_cli (its cwd), not this script's (ROOT, put first above)
+    import torch
+
+    import fmoe_cli
+    from fmoe_cli.generate import stream_generate
+    from fmoe_cli.offload.link import host_now
+
+    torch.set_num_threads(1)
+    engines = {}
+    for policy in POLICIES:
+        lm, engine = device_path_engine(model, policy)
+        engine.device_side = device_path
+        engines[policy] = (lm, engine)
+    print(json.dumps({"package": str(Path(fmoe_cli.__file__).resolve().parent.parent)}), flush=True)
+    for line in sys.stdin:
+        policy, tokens = line.split()
+        lm, engine = engines[policy]
+        steps = stream_generate(lm.model, torch.tensor([list(range(5, 40))]), engine=engine,
+                                max_new_tokens=int(tokens) + 4, stop_on_eos=False)
+        for _ in range(4):
+            next(steps)
+        latencies = []
+        for _ in range(int(tokens)):
+            start = host_now()
+            next(steps)
+            latencies.append(host_now() - start)
+        print(json.dumps({"ms_per_layer": statistics.median(latencies) * 1e3 / LAYERS}), flush=True)
+
+
+def paired(old_tree: Path, model: Path, pairs: int, tokens: int, device_path: bool) -> dict:
+    """The `--paired` A/B: this tree (A) against `old_tree` (B), blocks in the order A B B A, per policy."""
+    trees = {"this": ROOT, "old": old_tree}
+    env = dict(os.environ, FMOE_KERNELS="torch", OMP_NUM_THREADS="1", FMOE_EMULATED_CLOCK="cpu")
+    workers = {}
+    for name in ("this", "old", "old 2", "this 2"):  # two a tree, started A B B A (a process's own speed averages out)
+        tree = trees[name.split()[0]]
+        workers[name] = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", str(model)]
+            + (["--device-path"] if device_path else []),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tree, env=dict(env, PYTHONPATH=str(tree)))
+
+    def ask(name: str, request: str) -> dict:
+        process = workers[name]
+        if request:
+            process.stdin.write(request + "\n")
+            process.stdin.flush()
+        answer = process.stdout.readline()
+        if not answer:
+            raise SystemExit(f"error: the {name} tree's worker stopped (run it alone to see why)")
+        return json.loads(answer)
+
+    try:
+        for name in workers:  # its engines are built, from its own tree's package
+            package = Path(ask(name, "")["package"])
+            if package != trees[name.split()[0]].resolve():
+                raise SystemExit(f"error: the {name} tree's worker imported fmoe_cli from {package}")
+        per = {p: {"this": [], "old": [], "ratios": []} for p in POLICIES}
+        for pair in range(pairs):
+            this, old = ("this", "old") if pair % 2 == 0 else ("this 2", "old 2")
+            for policy in POLICIES:
+                a1 = ask(this, f"{policy} {tokens}")["ms_per_layer"]
+                b1 = ask(old, f"{policy} {tokens}")["ms_per_layer"]
+                b2 = ask(old, f"{policy} {tokens}")["ms_per_layer"]
+                a2 = ask(this, f"{policy} {tokens}")["ms_per_layer"]
+                figures = per[policy]
+                figures["this"] += [a1, a2]
+                figures["old"] += [b1, b2]
+                figures["ratios"].append((a1 + a2) / (b1 + b2))
+    finally:
+        for process in workers.values():
+            process.stdin.close()
+            process.wait(timeout=60)
+    return {policy: {"ratio": {"median": statistics.median(f["ratios"]), "min": min(f["ratios"]),
+                               "max": max(f["ratios"]), "pairs": len(f["ratios"])},
+                     "this_ms_per_layer": statistics.median(f["this"]), "old_ms_per_layer": statistics.median(f["old"])}
+            for policy, f in per.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=2)
@@ -171,10 +264,33 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trees", nargs="*", type=Path, default=[])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--paired", type=Path, metavar="OLD_TREE", help="paired A/B against this source tree")
+    parser.add_argument("--pairs", type=int, default=12)
+    parser.add_argument("--device-path", action="store_true", help="--paired on the device path (FMOE_DEVICE_PATH)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.processes < 1 or args.tokens < 2 or args.rounds < 1:
-        parser.error("--processes >= 1, --tokens >= 2, --rounds >= 1")
+    if args.processes < 1 or args.tokens < 2 or args.rounds < 1 or args.pairs < 1:
+        parser.error("--processes >= 1, --tokens >= 2, --rounds >= 1, --pairs >= 1")
+    if args.paired is not None and not (args.paired / "fmoe_cli").is_dir():
+        parser.error(f"--paired {args.paired}: not a source tree of fmoe (no fmoe_cli in it)")
+    if args.worker:
+        worker(args.model, args.device_path)
+        return
     model = checkpoint(Path(tempfile.gettempdir()) / "fmoe-host-per-layer-mixtral")
+    if args.paired is not None:
+        result = paired(args.paired, model, args.pairs, args.tokens, args.device_path)
+        if args.json:
+            print(json.dumps({"paired": str(args.paired), "device_path": args.device_path, "tokens": args.tokens,
+                              "policies": result}, indent=1))
+            return
+        print(f"this tree ÷ {args.paired}, {'device' if args.device_path else 'cpu'} path, CPU clock, {args.pairs} "
+              f"pairs of {args.tokens} tokens (A B B A); load {os.getloadavg()[0]:.1f}")
+        for policy, r in result.items():
+            ratio = r["ratio"]
+            print(f"{policy:9} {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]   ms a layer: this "
+                  f"{r['this_ms_per_layer']:.3f}, old {r['old_ms_per_layer']:.3f}")
+        return
     setups = [(f"{tree.name}: cpu", tree, False) for tree in args.trees] + [("this: cpu", ROOT, False),
                                                                             ("this: device", ROOT, True)]
     figures: dict[str, list[dict]] = {name: [] for name, _, _ in setups}

@@ -524,6 +524,43 @@ def test_host_per_layer_times_what_graph_segments_leave_eager(tmp_path, monkeypa
         assert figures["rest_ms_per_token"] > 0
 
 
+FAKE_WORKER = """
+import json, os, sys
+# a stand-in for host_per_layer.py's worker: says which package it imported (its tree, or FAKE_PACKAGE), then answers
+# each block with its tree's fixed ms a layer (the tree's MS file)
+print(json.dumps({"package": os.environ.get("FAKE_PACKAGE", os.getcwd())}), flush=True)
+ms = float(open("MS").read())
+for line in sys.stdin:
+    policy, tokens = line.split()
+    print(json.dumps({"ms_per_layer": ms * (2 if policy == "lru" else 1)}), flush=True)
+"""
+
+
+def test_host_per_layer_paired_mode_pairs_the_trees_and_checks_their_packages(tmp_path, monkeypatch):
+    """`--paired`: blocks A B B A over two worker processes a tree, the ratio this ÷ old per pair and policy, each
+    tree's figures; a worker that imported fmoe_cli from another tree than its own (this script's own tree first on
+    sys.path: every A/B was an A/A once) stops the run with one line. Fake workers stand in for the real ones (the
+    real ones each load torch and the model)."""
+    host_per_layer = benchmark("host_per_layer")
+    this, old = tmp_path / "this", tmp_path / "old"
+    for tree, ms in ((this, "0.9"), (old, "1.2")):
+        tree.mkdir()
+        (tree / "MS").write_text(ms)
+    worker = tmp_path / "worker.py"
+    worker.write_text(FAKE_WORKER)
+    monkeypatch.setattr(host_per_layer, "__file__", str(worker))
+    monkeypatch.setattr(host_per_layer, "ROOT", this)
+    result = host_per_layer.paired(old, tmp_path / "model", pairs=3, tokens=4, device_path=False)
+    assert set(result) == set(host_per_layer.POLICIES)
+    for policy, figures in result.items():
+        scale = 2 if policy == "lru" else 1
+        assert figures["ratio"] == {"median": 0.75, "min": 0.75, "max": 0.75, "pairs": 3}
+        assert figures["this_ms_per_layer"] == 0.9 * scale and figures["old_ms_per_layer"] == 1.2 * scale
+    monkeypatch.setenv("FAKE_PACKAGE", str(this))  # the old tree's workers import this tree's package
+    with pytest.raises(SystemExit, match="worker imported fmoe_cli from"):
+        host_per_layer.paired(old, tmp_path / "model", pairs=1, tokens=4, device_path=False)
+
+
 def test_cache_bound_counts_the_window_and_pools_the_budget(tmp_path, capsys):
     """benchmarks/cache_bound.py on a 2-layer trace whose layer 0 alternates two experts and layer 1 never repeats
     one: one slot a layer, lru misses everything; the per-layer optimum keeps one of layer 0's (2 hits of 12); the
