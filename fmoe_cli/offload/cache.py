@@ -87,8 +87,7 @@ class LayerCache:
             slot = self._free.pop()
             self._slot_of[expert] = slot
             return Admission(slot, None)
-        pins = self._pins
-        candidates = [e for e in self._slot_of if e not in pins]  # the unpinned (`is_pinned`)
+        candidates = [e for e in self._slot_of if not self.is_pinned(e)]
         if not candidates:
             return None
         victim = self.policy.choose_victim(candidates, self.step)

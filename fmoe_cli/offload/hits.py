@@ -54,5 +54,4 @@ def classify(active: Iterable[int], cached: Container[int], top_neurons: int, in
         else:
             loads.append((e, start))
     dropped = tuple(sorted(staged.keys() - dict(covered))) if staged else ()  # (set arithmetic in C: no frame)
-    # tuple.__new__: the NamedTuple's own __new__ is a Python function (a frame a layer, for the same tuple)
-    return tuple.__new__(Hits, (tuple(whole), tuple(top_hits), tuple(misses), tuple(covered), tuple(loads), dropped))
+    return Hits(tuple(whole), tuple(top_hits), tuple(misses), tuple(covered), tuple(loads), dropped)

@@ -314,7 +314,7 @@ def _clock_variable():
     """FMOE_EMULATED_CLOCK as os.environ holds it (None: unset): read from the mapping's own dict where it has one
     (CPython's os.environ, the one this module was imported with), without `os.environ.get`'s key encoding and
     KeyError when unset: a decode step asks several times a layer, and that path cost about 1 µs an ask, ten times
-    this one. (`host_now` repeats these two lines: it is the one asked most.)"""
+    this one."""
     environ = os.environ
     return _environ_data.get(_CLOCK_KEY) if environ is _environ else environ.get(CLOCK_ENV)
 
@@ -348,10 +348,9 @@ def host_clock():
 
 
 def host_now() -> float:
-    """Now on `host_clock()` (s): the clock found by the variable's value as it is (`_clock_variable`, inlined: the
-    engine asks about seven times a loading layer), `host_clock` only for a value not seen yet."""
-    environ = os.environ
-    clock = _host_clocks.get(_environ_data.get(_CLOCK_KEY) if environ is _environ else environ.get(CLOCK_ENV))
+    """Now on `host_clock()` (s): the clock found by the variable's value as it is (`_clock_variable`; the engine asks
+    about seven times a loading layer), `host_clock` only for a value not seen yet."""
+    clock = _host_clocks.get(_clock_variable())
     return (clock if clock is not None else host_clock()).now()
 
 

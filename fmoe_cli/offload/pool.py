@@ -156,8 +156,8 @@ class StagingPool:
     def after(self, slot: int) -> tuple:
         """What a new copy into `slot` must follow: the copy still writing it, the compute still reading it."""
         writer, reads = self._writer[slot], self._reads[slot]
-        if writer is not None and (writer.state is DONE or writer.state is CANCELLED):
-            writer = None  # finished: nothing to follow
+        if writer is not None and writer.finished:
+            writer = None  # nothing to follow
         if writer is None:
             return () if reads is None else (reads,)
         return (writer,) if reads is None else (writer, reads)

@@ -84,7 +84,7 @@ class Prefetcher:
     def _displace(self, priority: float) -> int | None:
         """Free the slot of the lowest-priority queued prefetch below `priority`, if any."""
         pool = self.pool
-        victims = [e for e in pool.entries if e is not None and e.prefetched and not e.in_use
+        victims = [e for e in pool.live() if e.prefetched and not e.in_use
                    and e.transfer.state is QUEUED and e.priority < priority]
         if not victims:
             return None
