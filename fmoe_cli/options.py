@@ -22,6 +22,7 @@ from fmoe_cli.planning.plan import DEFAULT_BUDGET, DEFAULT_TAU, check_budget_tex
 from fmoe_cli.planning.presets import DEFAULT_POLICY, preset
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, check_predictor
 from fmoe_cli.profiling.files import Profile
+from fmoe_cli.profiling.machine import surely_no_gpu
 from fmoe_cli.trace import check_trace_out
 from fmoe_cli.types import (AUTO_ACTIVATIONS, DEFAULT_DENSE, DEFAULT_EXPERTS, check_activations, check_dense_format,
                             check_dtype, check_expert_format)
@@ -30,9 +31,12 @@ DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def check_device_text(device: str) -> None:
-    """auto, cpu or cuda[:N] (whether that device exists is torch's to say, later)."""
+    """auto, cpu or cuda[:N]; cuda where this machine surely has no GPU is refused here (whether the device exists is
+    otherwise torch's to say, later: models/load.py `pick_device`, with the same line)."""
     if not DEVICE.fullmatch(device):
         raise FmoeError(f"unknown device {device!r}; use auto, cpu or cuda[:N]")
+    if device.startswith("cuda") and surely_no_gpu():
+        raise FmoeError(f"device {device} requested but no CUDA GPU is available")
 
 
 def check_model_text(model: str) -> None:

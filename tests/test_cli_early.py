@@ -227,6 +227,26 @@ def test_plan_without_vram_on_a_cpu_machine_says_why(checkpoints):
     assert "`fmoe profile` here measures the CPU" in text and "--vram 12GiB" in text and "--profile profiles/" in text
 
 
+def test_without_a_gpu_behind_a_driver_node_torch_still_says_why(checkpoints, monkeypatch):
+    """Where a GPU driver's node exists but torch sees no GPU (a CPU build of torch, say), the early check lets the
+    command through and torch's own answer is the same one line: plan's, and a run's `pick_device`."""
+    import torch
+
+    from fmoe_cli.errors import FmoeError
+    from fmoe_cli.models.load import pick_device
+    from fmoe_cli.planning import plan
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setattr(plan, "surely_no_gpu", lambda: False)
+    result = CliRunner().invoke(app, ["plan", str(checkpoints["mixtral"])])
+    text = result.output.strip()
+    assert result.exit_code == 2 and text.startswith("error: ") and len(text.splitlines()) == 1, text
+    assert plan.NO_GPU_TO_PLAN in " ".join(text.split()), text
+    with pytest.raises(FmoeError, match="device cuda requested but no CUDA GPU is available"):
+        pick_device("cuda")
+
+
 def test_the_shipped_demo_trace_replays():
     import io
     from pathlib import Path

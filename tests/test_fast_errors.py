@@ -74,6 +74,46 @@ def test_an_option_error_comes_before_torch_is_imported(existing, args, fragment
     assert out.strip().splitlines()[-1] == "HEAVY [] 2", out
 
 
+NO_GPU_CASES = [
+    (("plan", "demo"), "no GPU on this machine, so no GPU memory to plan for"),
+    (("bench", "demo", "--device", "cuda"), "device cuda requested but no CUDA GPU is available"),
+    (("chat", "demo", "--device", "cuda:0"), "device cuda:0 requested but no CUDA GPU is available"),
+    (("profile", "--device", "cuda"), "device cuda requested but no CUDA GPU is available"),
+]
+
+
+@pytest.mark.parametrize("args, fragment", NO_GPU_CASES, ids=lambda v: " ".join(v) if isinstance(v, tuple) else None)
+def test_a_gpu_asked_of_a_machine_without_one_is_refused_before_torch(args, fragment):
+    """`--device cuda`, or `fmoe plan` with neither --vram nor --profile, where no GPU driver's node exists: refused
+    before torch is imported (7 s of imports before, for the same line)."""
+    from fmoe_cli.profiling.machine import surely_no_gpu
+
+    if not surely_no_gpu():
+        pytest.skip("a GPU may be here: torch decides")
+    out, err = run_cli(*args)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], err
+    assert out.strip().splitlines()[-1] == "HEAVY [] 2", out
+
+
+def test_no_gpu_is_said_only_where_no_driver_node_exists(monkeypatch):
+    from fmoe_cli.profiling import machine
+
+    present: set[str] = set()
+    monkeypatch.setattr(machine.os.path, "exists", lambda path: path in present)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert machine.surely_no_gpu()
+    for node in machine.GPU_NODES:  # any one driver's node: maybe a GPU, torch decides
+        present.clear()
+        present.add(node)
+        assert not machine.surely_no_gpu(), node
+    for hidden in ("", " ", "-1"):  # every device hidden from CUDA, whatever the nodes
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert machine.surely_no_gpu()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert not machine.surely_no_gpu()
+
+
 @pytest.mark.parametrize("args", [("--help",), ("--version",), ("bench", "--help"), ("plan", "--help")])
 def test_help_and_version_import_nothing_heavy(args):
     out, err = run_cli(*args)

@@ -20,6 +20,7 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import local_config_path
 from fmoe_cli.profiling.files import Profile
+from fmoe_cli.profiling.machine import surely_no_gpu
 from fmoe_cli.types import DEFAULT_DENSE, MiB, ExpertShape, LayerPlan, Plan, check_dense_format, check_dtype, check_expert_format
 
 
@@ -268,4 +269,10 @@ def check_plan_options(model: str, *, vram: str | None, profile_path: str | None
     config = None if model == "demo" else local_config_path(model)
     if config is not None:
         check_config_file(config)
+    if vram is None and profile_path is None and surely_no_gpu():  # (else the planning's `_local_gpu_memory` asks)
+        raise FmoeError(NO_GPU_TO_PLAN)
     return Profile.load(Path(profile_path)) if profile_path is not None else None
+
+
+NO_GPU_TO_PLAN = ("no GPU on this machine, so no GPU memory to plan for (`fmoe profile` here measures the CPU): give "
+                  "--vram 12GiB, or a GPU's profile such as --profile profiles/rtx-3060-12gb.json")

@@ -46,7 +46,7 @@ from fmoe_cli.planning.configurator import (
 )
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of, trace_stats
-from fmoe_cli.planning.plan import check_plan_options, kv_cache_bytes, min_staging_slots, parse_budget, resolve_context
+from fmoe_cli.planning.plan import NO_GPU_TO_PLAN, check_plan_options, kv_cache_bytes, min_staging_slots, parse_budget, resolve_context
 from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS, EXPERT_FORMATS, EngineSettings, MiB, ExpertShape, resolve_dense
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
 from fmoe_cli.profiling.files import HostProfile, model_identity
@@ -306,8 +306,7 @@ def tpot_policies(timings: Timings) -> tuple[str, ...]:
 
 def _local_gpu_memory() -> int:
     if not torch.cuda.is_available():
-        raise FmoeError("no GPU on this machine, so no GPU memory to plan for (`fmoe profile` here measures the "
-                        "CPU): give --vram 12GiB, or a GPU's profile such as --profile profiles/rtx-3060-12gb.json")
+        raise FmoeError(NO_GPU_TO_PLAN)
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
