@@ -438,7 +438,9 @@ def test_a_tokens_hidden_units_average_to_the_closed_forms(top_k, cache_size, hi
     assert weights.sum() == pytest.approx(1.0) and (weights >= -1e-15).all()
     assert values.min() >= 0 and values.max() <= top_k + 1e-12
     assert float(np.dot(values, weights)) == pytest.approx(hidden, abs=1e-9)
-    if hit in (0.0, 1.0) and hidden == pytest.approx(top_k * hit * theta):  # nothing random: one value, m_i
+    # nothing random (no hit is in doubt, and no prefetch credit beyond rounding): one value, m_i. (A credit of 1e-9
+    # is random: a bottom covered with probability 2e-9 puts that weight one bottom away, found by hypothesis once.)
+    if hit in (0.0, 1.0) and abs(hidden - top_k * hit * theta) < 1e-12:
         assert float(weights[np.abs(values - hidden) < 1e-9].sum()) == pytest.approx(1.0)
 
 
