@@ -841,13 +841,15 @@ def test_on_the_demo_the_closed_form_prices_each_plan_near_the_simulator():
     assert off[(4, "cache-only")] <= 1.045, off
 
 
-def test_on_the_demo_moepic_is_simulated_within_2_percent_of_every_other_policy_at_each_link():
+def test_on_the_demo_moepic_is_simulated_within_3_percent_of_every_other_policy_at_each_link():
     """The configurator's plan (a run's: MIN_PREDICTIONS met) on the demo's routing, simulated (mean step), is within
-    2 % of every other policy's at 1, 4 and 16 GB/s, whatever h_pf the estimate read (0.013 ms in a profile, 0.194
-    in a quick estimate by differences, 0.10 about what the engine's counter of the path reads): at 0.013 and 0.194
-    1.011 / 0.984 / 0.972 and 1.001 / 0.958 / 0.955 (issue 22 §5's target is ≤ 1.05 × the best; measured figures:
-    docs/bench.md § `moepic` across links). A guard: the model before the fixes of the test above was simulated
-    1.014 / 0.986 / 0.960 and 1.015 / 0.958 / 0.955."""
+    3 % of every other policy's at 1, 4 and 16 GB/s, whatever h_pf the estimate read (0.013 ms in a profile, 0.194
+    in a quick estimate by differences, 0.10 about what the engine's counter of the path reads): moepic ÷ the best
+    other at 0.013, 0.10 and 0.194 ms: 1.006 / 0.955 / 0.955, 1.016 / 0.970 / 0.956, 1.025 / 0.995 / 0.956 (issue 22
+    §5's target is ≤ 1.05 × the best; measured figures: docs/bench.md § `moepic` across links). Since the uniform
+    plans place every segment their budget holds (plan.py `uniform_plan`; until 28 Nov ⌊V_e / L⌋ a layer), uniform at
+    1 GB/s is 12.15–12.20 ms (was 12.33–12.38) and moepic's margin there 1.006–1.025 (was 0.992–1.010); moepic's own
+    plan and TPOT did not move."""
     from fmoe_cli.planning.simulate import predict_policies
 
     routing = _demo_routing()
@@ -857,7 +859,7 @@ def test_on_the_demo_moepic_is_simulated_within_2_percent_of_every_other_policy_
             sims = predict_policies(DEMO, DEMO.all_experts_bytes // 4, timings, gbps * 1e9, 1e-5, sequences=routing,
                                     policies=("moepic",) + DEMO_POLICIES)
             tpot = {name: result.mean_tpot_s for name, result in sims.items()}
-            assert tpot["moepic"] <= 1.02 * min(v for name, v in tpot.items() if name != "moepic"), (h_pf, gbps, tpot)
+            assert tpot["moepic"] <= 1.03 * min(v for name, v in tpot.items() if name != "moepic"), (h_pf, gbps, tpot)
 
 
 def test_the_prefetch_credit_counts_predicted_activated_and_not_cached_experts():

@@ -44,13 +44,30 @@ def test_budget_below_the_staging_pool_says_how_much_is_needed() -> None:
 
 
 def test_uniform_plan_by_hand() -> None:
-    # 12 GiB budget: staging 4 · 336 MiB = 1344 MiB; V_i = (12288 − 1344) / 32 = 342 MiB per layer.
-    # θ = 0.5 → k = 7168 neurons (a whole number of 64-neuron blocks), a top segment is 168 MiB,
-    # so C_i = floor(342 / 168) = 2 experts per layer.
+    # 12 GiB budget: staging 4 · 336 MiB = 1344 MiB; V_e = 12288 − 1344 = 10944 MiB, V_i = 342 MiB per layer.
+    # θ = 0.5 → k = 7168 neurons (a whole number of 64-neuron blocks), a top segment is 168 MiB: V_e holds
+    # floor(10944 / 168) = 65 tops, 2 per layer and one more in one layer (⌊V_i / 168⌋ = 2 per layer would leave
+    # 192 MiB unused).
     plan = uniform_plan(MIXTRAL, 12 * 1024 * MiB, theta=0.5)
     assert plan.staging_slots == 4
-    assert all(lp.cache_size == 2 and lp.top_neurons == 7168 and lp.split == 0.5 for lp in plan.layers)
-    assert plan.total_bytes == 4 * 336 * MiB + 32 * 2 * 168 * MiB
+    assert all(lp.top_neurons == 7168 and lp.split == 0.5 for lp in plan.layers)
+    assert sorted(lp.cache_size for lp in plan.layers) == [2] * 31 + [3]
+    assert plan.total_bytes == 4 * 336 * MiB + 65 * 168 * MiB
+
+
+@given(layers=st.integers(1, 64), experts=st.integers(1, 64), share=st.floats(0.0, 1.2),
+       theta=st.sampled_from([0.25, 0.5, 1.0]))
+def test_uniform_plan_leaves_less_than_one_segment_unused(layers, experts, share, theta) -> None:
+    """Every cached segment the budget holds beside the staging pool is placed (at most every expert), evenly: the
+    layers' cache sizes differ by one at most."""
+    shape = replace(MIXTRAL, num_layers=layers, num_experts=experts)
+    slots = min_staging_slots(shape)
+    budget = slots * shape.expert_bytes + int(share * shape.all_experts_bytes)
+    plan = uniform_plan(shape, budget, theta)
+    segment = shape.top_neurons(theta) * shape.neuron_bytes
+    sizes = [lp.cache_size for lp in plan.layers]
+    assert sum(sizes) == min((budget - slots * shape.expert_bytes) // segment, experts * layers)
+    assert max(sizes) - min(sizes) <= 1 and max(sizes) <= experts and plan.total_bytes <= budget
 
 
 @given(budget_mib=st.integers(1344, 200_000), theta=st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]))

@@ -47,10 +47,10 @@ def check_budget(shape: ExpertShape, budget_bytes: int, staging_slots: int) -> N
 def uniform_plan(shape: ExpertShape, budget_bytes: int, theta: float = 0.5, source: str = "uniform") -> Plan:
     """MoEpic without the configurator: V_i = V_e / L for every layer, one θ.
 
-    When V_e / L is less than one cached segment (Mixtral at 6 GiB: 150 MiB per layer
-    against a 336 MiB expert), the C = V_e // segment segments that fit are spread over
-    the layers instead, one each, evenly over depth (`spread`), so the budget is not
-    left unused."""
+    V_e / L is rarely a whole number of cached segments: the C = V_e // segment segments that fit go ⌊C / L⌋ to
+    every layer and the C mod L left one more each to layers spread evenly over depth (`spread`), so the budget is
+    not left unused (Mixtral at 6 GiB: 150 MiB a layer against a 336 MiB expert, one expert in some layers; at 24 GiB
+    2.06 experts a layer, two more experts than ⌊V_e / L⌋ per layer would hold)."""
     slots = min_staging_slots(shape)
     check_budget(shape, budget_bytes, slots)
     if theta == 0.0:  # no cache: the whole budget is staging (prefetch-only)
@@ -58,11 +58,9 @@ def uniform_plan(shape: ExpertShape, budget_bytes: int, theta: float = 0.5, sour
         return Plan(tuple(layer_plan(shape, 0, 0.0) for _ in range(shape.num_layers)), slots, shape.expert_bytes, source)
     expert_budget = budget_bytes - slots * shape.expert_bytes  # V_e
     segment = shape.top_neurons(theta) * shape.neuron_bytes
-    cache_size = min(shape.num_experts, expert_budget // shape.num_layers // segment)  # V_i = V_e / L
-    if cache_size > 0:
-        sizes = [cache_size] * shape.num_layers
-    else:
-        sizes = spread(min(expert_budget // segment, shape.num_layers), shape.num_layers)
+    segments = min(expert_budget // segment, shape.num_experts * shape.num_layers)  # C, at most every expert
+    each, left = divmod(segments, shape.num_layers)
+    sizes = [each + one for one in spread(left, shape.num_layers)]
     return Plan(tuple(layer_plan(shape, c, theta) for c in sizes), slots, shape.expert_bytes, source)
 
 
