@@ -3,6 +3,9 @@
     python benchmarks/gpu_check.py --out DIR               # on a machine with a GPU
     python benchmarks/gpu_check.py --device cpu --parts abc --families mixtral --dtypes float32 --layers 1 \
         --experts 32 --budget 60% --tokens 8 --rounds 2                                      # dry run here
+    python benchmarks/gpu_check.py --parts d --trace TRACE --out DIR                         # issue 38 on the GPU
+    python benchmarks/gpu_check.py --device cpu --parts d --trace TRACE --mixtral-layers 1 --tokens 2 --rounds 1 \
+        --replay-policies lru,resident                                                       # its dry run here
 
 A. Exactness on the device: tiny random checkpoints of every family (fmoe_cli.models.demo, hidden 128), every policy
    at half the expert bytes over the real copy stream (every caching policy loads: a budget holding every expert
@@ -17,6 +20,12 @@ B. Speed on a real link: a checkpoint at Qwen3-30B-A3B's layer shape with --laye
    graph a step), and `fmoe chat` on the same model, two messages from a pipe (resident): each answer's TPOT.
 C. Where a loading policy's step goes: moepic on B's model under cProfile and torch.profiler (its host work, the
    waits, the launches), the top entries into DIR/profile-moepic.txt.
+D. MoEpic's table on the GPU (issue 38 §3), when `--trace` names a Mixtral-8x7B routing trace (the HumanEval one the
+   CPU table replays; copy it into the checkout and carry it to a lent machine): a checkpoint at Mixtral-8x7B's
+   layer shape, `--mixtral-layers` layers, int2 experts (tools/random_checkpoint.py --quantize pool: the bytes,
+   kernels and link work of HQQ's int2, in seconds) and int4 attention, every policy at MoEpic's budget per layer
+   (5 experts a layer plus the staging pool) over the GPU's own link, routing replayed from the trace, beside the
+   simulator's prediction for the same routing, budget and link (benchmarks/replay_routing.py --device cuda).
 
 Every step runs in its own process with a time limit; what a step could not do is one line, and the check goes on.
 The summary (markdown, the table docs/bench.md § On a GPU keeps) goes to stdout and DIR/gpu_check.md, the raw
@@ -48,11 +57,18 @@ def fmoe(args: list[str], timeout: float, out: Path | None = None, stdin: str | 
          **environ: str) -> tuple[int, str]:
     """`fmoe ARGS` in a process of its own (this checkout's code), `stdin` its input; stdout to `out` if given. (rc,
     stderr's tail)."""
+    return script(["-m", "fmoe_cli.cli", *args], timeout, out, stdin, **environ)
+
+
+def script(argv: list[str], timeout: float, out: Path | None = None, stdin: str | None = None,
+           **environ: str) -> tuple[int, str]:
+    """`python ARGV` (a module, or a script of this checkout by its path from the root) in a process of its own, with
+    this checkout's code first; stdout to `out` if given. (rc, stderr's tail)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p),
                **environ)
     try:
-        done = subprocess.run([sys.executable, "-m", "fmoe_cli.cli", *args], capture_output=True, text=True,
-                              timeout=timeout, env=env, cwd=ROOT, input=stdin if stdin is not None else "")
+        done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=ROOT, input=stdin if stdin is not None else "")
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {timeout:.0f} s"
     if out is not None:
@@ -287,6 +303,46 @@ def part_c(args, work: Path, out: Path, deadline: float) -> list[str]:
             "```", *target.read_text()[:6000].splitlines()[:60], "```"]
 
 
+def part_d(args, work: Path, out: Path, deadline: float) -> list[str]:
+    """Issue 38's table on the device: replay_routing.py on a Mixtral-8x7B-shaped int2/int4 checkpoint."""
+    if args.trace is None:
+        return ["skipped: part D needs --trace, a Mixtral-8x7B routing trace"]
+    path = work / f"mixtral-int2-x{args.mixtral_layers}"
+    started = time.monotonic()
+    if not (path / "config.json").exists():
+        rc, err = script(["tools/random_checkpoint.py", str(path), "--shape", "mixtral-8x7b", "--layers",
+                          str(args.mixtral_layers), "--experts", "int2", "--quantize", "pool", "--device", args.device],
+                         timeout=max(deadline - time.monotonic() - 60, 30))
+        if rc != 0:
+            return [f"building the Mixtral-shaped checkpoint failed (rc {rc}): {err}"]
+    lines = [f"Mixtral-8x7B-shaped model, layers: {args.mixtral_layers}, int2 experts (pool), int4 attention (built in "
+             f"{time.monotonic() - started:.0f} s); routing replayed from {Path(args.trace).name}", ""]
+    target = out / "replay-routing.json"
+    rc, err = script(["benchmarks/replay_routing.py", str(path), str(args.trace), "--device", args.device,
+                      "--policies", args.replay_policies, "--rounds", str(args.rounds), "--tokens", str(args.tokens),
+                      "--json"], timeout=max(deadline - time.monotonic() - 10, 30), out=target)
+    report = report_of(target)
+    if rc != 0 or report is None:
+        return lines + [f"replay_routing.py failed (rc {rc}): {err}"]
+    extra = report["replay_routing"]
+    runs = {r["policy"]: r for r in report["runs"]}
+    lru = runs.get("lru", {}).get("tpot_ms", {}).get("median")
+    lines += [f"link {extra['gbps']:.3g} GB/s ({extra['card']}), one expert's load ÷ T_exp "
+              f"{extra['load_over_compute']:.1f}; budget {extra['budget_experts']:.0f} experts; {report['rounds']} rounds "
+              f"of {report['tokens']} tokens", "",
+              "| policy | TPOT ms (rounds' min-max) | ÷ lru | hit rate | simulated ÷ measured |",
+              "|---|---:|---:|---:|---:|"]
+    for name, r in runs.items():
+        per_round = [x["tpot_ms"]["median"] for x in r.get("rounds", [r])]
+        tpot = r["tpot_ms"]["median"]
+        simulated = extra["simulated"][name]["profile"]["tpot_ms"]
+        ratio = f"{tpot / lru:.2f}" if lru else ""
+        lines.append(f"| {name} | {tpot:.2f} ({min(per_round):.2f}-{max(per_round):.2f}) | {ratio} | "
+                     f"{r['hit_rate']:.2f} | {simulated / tpot:.2f} |")
+    lines.append(f"(`{extra['command']}`)")
+    return lines
+
+
 def profile_step(args) -> None:
     """--profile-step MODEL OUT: one `fmoe bench --policy moepic` run in this process, its bench_policy under cProfile
     and torch.profiler; the top functions and ops to OUT."""
@@ -336,8 +392,8 @@ def profile_step(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--parts", default="abc", help="a: exactness, b: speed, c: a profile of moepic's steps, in the "
-                        "order given (default: abc)")
+    parser.add_argument("--parts", default="abc", help="a: exactness, b: speed, c: a profile of moepic's steps, d: "
+                        "issue 38's table (needs --trace), in the order given (default: abc)")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--exact-tokens", type=int, default=24)
@@ -348,12 +404,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=400, help="the whole check's time; steps past it are skipped")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--trace", type=Path, default=None, help="part D: a Mixtral-8x7B routing trace")
+    parser.add_argument("--mixtral-layers", type=int, default=4, help="part D: the Mixtral-shaped model's layers")
+    parser.add_argument("--replay-policies", default="moepic,lru,lfu,prefetch-only,ondemand,resident",
+                        help="part D's policies")
     parser.add_argument("--profile-step", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)  # part C's process
     args = parser.parse_args()
     if args.profile_step:
         return profile_step(args)
-    if not set(args.parts) <= set("abc") or args.layers < 1 or args.experts < 8 or args.rounds < 1 or args.tokens < 2:
-        parser.error("--parts takes a, b and c; --layers >= 1, --experts >= 8, --rounds >= 1, --tokens >= 2")
+    if (not set(args.parts) <= set("abcd") or args.layers < 1 or args.experts < 8 or args.rounds < 1 or args.tokens < 2
+            or args.mixtral_layers < 1):
+        parser.error("--parts takes a, b, c and d; --layers >= 1, --experts >= 8, --rounds >= 1, --tokens >= 2, "
+                     "--mixtral-layers >= 1")
+    if "d" in args.parts and args.trace is not None and not args.trace.is_file():
+        parser.error(f"--trace {args.trace}: no such file")
     out = args.out or Path(tempfile.mkdtemp(prefix="fmoe-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.gettempdir()) / "fmoe-gpu-check"
@@ -369,8 +433,10 @@ def main() -> None:
             section = ["## A. Exactness against transformers on the device", ""] + part_a(args, work, out, deadline)
         elif part == "b":
             section = ["## B. Speed on the real link", ""] + part_b(args, work, out, deadline)
-        else:
+        elif part == "c":
             section = ["## C. Where moepic's step goes", ""] + part_c(args, work, out, deadline)
+        else:
+            section = ["## D. MoEpic's table on the device (issue 38)", ""] + part_d(args, work, out, deadline)
         lines += section + [""]
         print("\n".join(section), flush=True)
     lines.append(f"(the check took {time.monotonic() - start:.0f} s)")

@@ -16,7 +16,14 @@ One process:
    budget, link and timings: (1) the profile's timings as they are, (2) compute fitted to the measured resident
    run (benchmarks/simulate.py: fitted_to_resident).
 
-`--clock cpu` (the default) runs the emulated link and every timing on the process's CPU time
+`--device cuda` measures on a GPU instead (issue 38 §3: "on a GPU whenever one is lent"): the model on the device,
+its own link (the copy stream, measured once: `fmoe profile`'s link fit) for the run and for the simulation, the
+timings the bench plans with on that device, the wall clock; the budget as here (`--per-layer` experts a layer plus
+the staging pool: MoEpic's 160 of 32 layers on its 48 GB card, scaled to the layers). `--card`, `--load-ratio` and
+`--clock cpu` shape an emulated link and do not apply there; `--gap` and `--from-json` measure nothing and run here
+on the report it printed. Not yet run on a GPU (benchmarks/gpu_check.py part D runs it).
+
+`--clock cpu` (the default on the CPU) runs the emulated link and every timing on the process's CPU time
 (FMOE_EMULATED_CLOCK=cpu, offload/link.py: CpuClock; one compute thread): the link's waits are modelled, not slept, so
 a token costs its compute in wall time and the other work of a shared machine does not enter the figures. The
 figures are measured on the engine (emulated link), not simulated, except the simulator's columns.
@@ -38,6 +45,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -77,12 +85,19 @@ def main(argv: list[str] | None = None) -> None:
                         "run's, one change at a time, and sweep the load ratio (the § in docs/bench.md)")
     p.add_argument("--gap-ratios", default="1,2.65,5,10,24.4", metavar="R,R,…",
                    help="--gap: the load ÷ compute ratios swept in this run's setting")
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    p.add_argument("--clock", choices=("cpu", "wall"), default=None, help="default: cpu (wall with --device cuda)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: measure on the GPU over its own link (module doc)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--json", action="store_true")
     p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
                    help="measure nothing: the report a --json run printed, simulated again (with --deeper) and shown")
     args = p.parse_args(argv)
+    on_gpu = args.device == "cuda"
+    if on_gpu and (args.clock == "cpu" or args.load_ratio is not None or args.gap or args.from_json is not None):
+        raise SystemExit("error: --device cuda measures on the GPU's own link and the wall clock: --clock cpu, "
+                         "--load-ratio, --gap and --from-json are for the CPU (the last two: on the report it prints)")
+    args.clock = args.clock or ("wall" if on_gpu else "cpu")
     os.environ["FMOE_EMULATED_CLOCK"] = args.clock  # before any fmoe clock is read
 
     from rich.console import Console
@@ -91,24 +106,22 @@ def main(argv: list[str] | None = None) -> None:
     from fmoe_cli.models.load import load_model
     from fmoe_cli.offload.link import EmulatedLink
     from fmoe_cli.options import RunOptions
-    from fmoe_cli.run import find_timings
     from fmoe_cli.trace import read_trace
 
     console = Console(stderr=True)
     trace = read_trace(args.trace)
-    lm = load_model(args.model, device="cpu", experts=args.experts, dense=args.dense, console=console)
+    if on_gpu:
+        check_gpu()
+    lm = load_model(args.model, device=args.device, experts=args.experts, dense=args.dense, console=console)
     shape = lm.shape
     budget = (args.per_layer * shape.num_layers + shape.min_staging_slots) * shape.expert_bytes
-    name, ratio = card_ratio(args.card)
-    if args.load_ratio is not None:
-        name, ratio = f"{name}, load ÷ compute set to {args.load_ratio:g}", args.load_ratio
-    t_exp = find_timings(lm, EmulatedLink(1.0)).t_exp  # the quick estimate, measured once and kept
-    gbps = shape.expert_bytes / (ratio * t_exp) / 1e9
+    name, ratio, t_exp, gbps, latency = run_link(lm, args)
     policies = tuple(args.policies.split(","))
     command = (f"fmoe bench {args.model} --replay-routing {args.trace} --experts {args.experts} --dense {args.dense} "
-               f"--predictor eam --vram-budget {budget}B --emulate-link {gbps:.4g} --compare {','.join(policies)} "
-               f"--rounds {args.rounds} --tokens {args.tokens} --warmup {args.warmup} --prompt '{args.prompt}' "
-               f"--device cpu (FMOE_EMULATED_CLOCK={args.clock})")
+               f"--predictor eam --vram-budget {budget}B" + ("" if on_gpu else f" --emulate-link {gbps:.4g}")
+               + f" --compare {','.join(policies)} --rounds {args.rounds} --tokens {args.tokens} --warmup "
+               f"{args.warmup} --prompt '{args.prompt}' --device {args.device}"
+               + ("" if on_gpu else f" (FMOE_EMULATED_CLOCK={args.clock})"))
     if args.from_json is not None:  # the measured run as it was (its link and tokens), simulated again
         report = json.loads(args.from_json.read_text())
         measured = report["replay_routing"]
@@ -124,23 +137,79 @@ def main(argv: list[str] | None = None) -> None:
         else:
             gap_table(rows, Console(width=max(Console().width, 150)))
         return
-    console.print(f"link shaped like {name}: load ÷ compute {ratio:.1f}, T_exp {t_exp * 1e3:.1f} ms → "
-                  f"{gbps:.4g} GB/s; budget {budget / shape.expert_bytes:.0f} experts", highlight=False)
+    console.print(f"link {'of' if on_gpu else 'shaped like'} {name}: load ÷ compute {ratio:.1f}, T_exp "
+                  f"{t_exp * 1e3:.1f} ms → {gbps:.4g} GB/s; budget {budget / shape.expert_bytes:.0f} experts",
+                  highlight=False)
     console.print(command, highlight=False, soft_wrap=True)
     if args.from_json is None:
         opts = RunOptions(model=args.model, policies=policies, vram_budget=f"{budget}B", predictor="eam",
-                          emulate_link=gbps, device="cpu", experts=args.experts, dense=args.dense, shape_link=True)
+                          emulate_link=None if on_gpu else gbps, device=args.device, experts=args.experts,
+                          dense=args.dense, shape_link=not on_gpu)
         report = run_bench(opts, tokens=args.tokens, warmup=args.warmup, prompt=args.prompt, console=console,
                            rounds=args.rounds, replay=trace)
-    sims = simulate(lm, trace, report, budget, gbps, args)
+    else:
+        latency = EmulatedLink(gbps).latency_s  # (a CPU run's report)
+    link = LinkFigures(gbps, latency)
+    sims = simulate(lm, trace, report, budget, link, args)
     report["replay_routing"] = {"command": command, "card": name, "load_over_compute": ratio, "t_exp_s": t_exp,
                                 "gbps": gbps, "budget_experts": budget / shape.expert_bytes, "simulated": sims}
     if args.deeper:
-        report["replay_routing"]["simulated_deeper"] = deeper(lm, trace, report, gbps, args)
+        report["replay_routing"]["simulated_deeper"] = deeper(lm, trace, report, link, args)
     if args.json:
         print(json.dumps(report))
     else:
         table(report, Console(width=max(Console().width, 150)))
+
+
+def check_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: torch sees no CUDA GPU here")
+
+
+def run_link(lm, args):
+    """The run's link -> (its name, one expert's load ÷ T_exp, T_exp, GB/s, latency s). On the CPU an emulated link
+    shaped like `--card` (or `--load-ratio`): one expert loads in the card's memory ÷ link bandwidth × this machine's
+    T_exp (the quick estimate, measured once and kept); on a GPU its own copy stream, fitted once (run.link_fit_of),
+    and T_exp from the timings the bench plans with on it."""
+    from fmoe_cli.offload.link import EmulatedLink
+    from fmoe_cli.run import find_timings, link_fit_of
+
+    shape = lm.shape
+    if lm.device.type == "cuda":
+        import torch
+
+        fit = link_fit_of(None, lm.device)
+        t_exp = planned_timings(lm, fit.bandwidth / 1e9).t_exp
+        load = fit.latency + shape.expert_bytes / fit.bandwidth
+        return torch.cuda.get_device_name(lm.device), load / t_exp, t_exp, fit.bandwidth / 1e9, fit.latency
+    name, ratio = card_ratio(args.card)
+    if args.load_ratio is not None:
+        name, ratio = f"{name}, load ÷ compute set to {args.load_ratio:g}", args.load_ratio
+    t_exp = find_timings(lm, EmulatedLink(1.0)).t_exp  # the quick estimate, measured once and kept
+    gbps = shape.expert_bytes / (ratio * t_exp) / 1e9
+    return name, ratio, t_exp, gbps, EmulatedLink(gbps).latency_s
+
+
+def planned_timings(lm, gbps: float):
+    """The timings the bench's configurator planned with: find_timings on the run's link (on the CPU an emulated link
+    of `gbps`, on a GPU its copy stream)."""
+    from fmoe_cli.offload.link import EmulatedLink, make_link
+    from fmoe_cli.run import find_timings
+
+    link = make_link(lm.device, None) if lm.device.type == "cuda" else EmulatedLink(gbps)
+    try:
+        return find_timings(lm, link)
+    finally:
+        link.close()
+
+
+class LinkFigures(NamedTuple):
+    """What the simulator is told of the run's link."""
+
+    gbps: float
+    latency_s: float
 
 
 def simulated(policy: str, shape, budget: int, timings, stats, window, link, prompt_tokens: int, warmup: int):
@@ -154,18 +223,15 @@ def simulated(policy: str, shape, budget: int, timings, stats, window, link, pro
                            prompt_tokens=prompt_tokens, warmup=warmup, predictor_factory=predictor_for(window, shape))
 
 
-def simulate(lm, trace, report: dict, budget: int, gbps: float, args) -> dict:
+def simulate(lm, trace, report: dict, budget: int, link: LinkFigures, args) -> dict:
     """Per policy: simulated TPOT (ms) of the measured runs' replayed tokens, (1) with the run's timings, (2) with
     compute fitted to the measured resident TPOT; the simulated hit rate and plan."""
     from simulate import fitted_to_resident  # benchmarks/simulate.py
 
     from fmoe_cli.bench.routing import ReplayedRouting
-    from fmoe_cli.offload.link import EmulatedLink
-    from fmoe_cli.run import find_timings
 
     shape = lm.shape
-    link = EmulatedLink(gbps)
-    timings = find_timings(lm, link)  # what the bench's configurator planned with
+    timings = planned_timings(lm, link.gbps)
     replay = ReplayedRouting(trace, shape)
     stats = replay.statistics(shape, lm.model_id)
     routed = report["prompt_tokens"] + args.tokens - 1
@@ -184,17 +250,14 @@ def simulate(lm, trace, report: dict, budget: int, gbps: float, args) -> dict:
     return out
 
 
-def deeper(lm, trace, report: dict, gbps: float, args) -> dict:
+def deeper(lm, trace, report: dict, link: LinkFigures, args) -> dict:
     """Simulated only: the trace's first `args.deeper` layers, each with the run's per-layer timings, MoEpic's budget
     scaled to them: per policy TPOT median and mean (ms) and hit rate."""
     from dataclasses import replace
 
     from fmoe_cli.bench.routing import ReplayedRouting
-    from fmoe_cli.offload.link import EmulatedLink
-    from fmoe_cli.run import find_timings
 
-    link = EmulatedLink(gbps)
-    timings = find_timings(lm, link)
+    timings = planned_timings(lm, link.gbps)
     shape = replace(lm.shape, num_layers=args.deeper)
     replay = ReplayedRouting(trace, shape)
     stats = replay.statistics(shape, lm.model_id)

@@ -445,6 +445,44 @@ def test_replay_routing_gap_walks_from_the_paper_setting_to_the_measured_run(che
         assert r["resident_over_lru"] <= min(v["tpot_ms"] for v in p.values()) / p["lru"]["tpot_ms"] + 1e-9
 
 
+@pytest.mark.parametrize("extra", [["--clock", "cpu"], ["--load-ratio", "2.6"], ["--gap"], ["--from-json", "r.json"]])
+def test_replay_routing_on_a_gpu_refuses_what_shapes_an_emulated_link(extra):
+    """`replay_routing.py --device cuda` (issue 38 §3 on a lent GPU) measures over the GPU's own link on the wall
+    clock: what shapes or replays an emulated link is refused in one line, before anything is read."""
+    replay_routing = benchmark("replay_routing")
+    with pytest.raises(SystemExit) as info:
+        replay_routing.main(["/nonexistent/model", "/nonexistent/trace", "--device", "cuda", *extra])
+    assert str(info.value).startswith("error: --device cuda measures on the GPU's own link"), info.value
+
+
+def test_replay_routing_on_a_machine_without_a_gpu_says_so_before_loading(checkpoints, tmp_path, monkeypatch):
+    import torch
+
+    from test_replay_routing import write_trace
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    replay_routing = benchmark("replay_routing")
+    monkeypatch.setattr("fmoe_cli.models.load.load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as info:
+        replay_routing.main([str(checkpoints["mixtral"]), str(write_trace(tmp_path / "t.jsonl", sequences=(8,))),
+                             "--device", "cuda"])
+    assert str(info.value) == "error: --device cuda: torch sees no CUDA GPU here"
+
+
+def test_the_gpu_check_refuses_a_missing_trace_and_skips_part_d_without_one(tmp_path):
+    """Part D (issue 38's table on the device) needs a Mixtral-8x7B trace: a path that is not a file is refused in
+    one line, exit 2; without --trace the part says it was skipped and the check goes on."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--parts", "d"]
+    bad = subprocess.run([*script, "--trace", str(tmp_path / "none.jsonl")], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "--trace" in bad.stderr and "no such file" in bad.stderr, bad.stderr
+    skipped = subprocess.run([*script, "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                             cwd=ROOT)
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "skipped: part D needs --trace" in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
 def test_hit_spread_counts_a_token_s_hits_as_the_engine_s_cache_holds_them(tmp_path, capsys):
     """One layer, N = 4, K = 2, the same two experts for 10 tokens, a cache of 3: the first token misses both, the
     next 9 hit both: shares (0.1, 0, 0.9) against the binomial of the same mean, p = 1.8 / 2 = 0.9: (0.01, 0.18,
