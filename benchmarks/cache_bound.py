@@ -13,7 +13,10 @@ all), from empty caches at each sequence start:
 - `belady, shared budget`: the offline optimum with the layers' budget pooled (no split of the budget over the
   layers, MoEpic's configurator's included, keeps more);
 - `+ staging`: the same with the `--staging` slots of the staging pool added to the pool (a loose bound: the engine's
-  staging slots hold a load for one layer, not across tokens).
+  staging slots hold a load for one layer, not across tokens);
+- `lru, shared budget` (`+ staging`): their online counterparts, one LRU over (layer, expert) pairs holding the
+  layers' budget pooled (and the staging slots kept as cache across tokens): whether pooling or the pool's slots
+  would take an online policy towards the bounds.
 
 Split experts do not move the bound: a cache that keeps a fraction y of an expert between two of its uses saves
 y of the second use's bytes, and the fractions kept fit the budget at every moment; that is an interval-packing
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,7 +44,8 @@ def count(trace, layers: int, tokens: int | None, per_layer: int, staging: int, 
     """Hits per policy and bound over the trace's first `layers` layers and `tokens` tokens a sequence."""
     from fmoe_cli.bench.replay import belady_hits, policy_hits, random_seed, shared_belady_hits
 
-    hits = dict.fromkeys([*policies, "belady", "belady, shared budget", "belady, shared budget + staging"], 0)
+    hits = dict.fromkeys([*policies, "lru, shared budget", "lru, shared budget + staging", "belady",
+                          "belady, shared budget", "belady, shared budget + staging"], 0)
     activations = 0
     for s, sequence in enumerate(trace.sequences):
         layer_routes = [sequence.routes(j)[:tokens] for j in range(layers)]
@@ -52,6 +57,8 @@ def count(trace, layers: int, tokens: int | None, per_layer: int, staging: int, 
                 hits[policy] += policy_hits(routes, policy, per_layer, trace.num_experts,
                                             seed=random_seed(0, s, j))
             hits["belady"] += belady_hits(routes, per_layer)
+        hits["lru, shared budget"] += shared_lru_hits(layer_routes, per_layer * layers)
+        hits["lru, shared budget + staging"] += shared_lru_hits(layer_routes, per_layer * layers + staging)
         hits["belady, shared budget"] += shared_belady_hits(layer_routes, per_layer * layers)
         hits["belady, shared budget + staging"] += shared_belady_hits(layer_routes, per_layer * layers + staging)
     lru_misses = activations - hits["lru"]
@@ -59,6 +66,25 @@ def count(trace, layers: int, tokens: int | None, per_layer: int, staging: int, 
             "activations": activations,
             "hit_rate": {name: h / activations for name, h in hits.items()},
             "misses_over_lru": {name: (activations - h) / lru_misses for name, h in hits.items()}}
+
+
+def shared_lru_hits(layer_routes: list, capacity: int) -> int:
+    """Online, from empty: one LRU over (layer, expert) pairs of `capacity` experts for all the layers, each token's
+    routes visited in layer order as a forward visits them."""
+    cache: OrderedDict = OrderedDict()
+    hits = 0
+    for t in range(min(len(routes) for routes in layer_routes)):
+        for j, routes in enumerate(layer_routes):
+            for e in routes[t]:
+                key = (j, e)
+                if key in cache:
+                    hits += 1
+                    cache.move_to_end(key)
+                else:
+                    cache[key] = None
+                    if len(cache) > capacity:
+                        cache.popitem(last=False)  # the least recently used (the new key itself at capacity 0)
+    return hits
 
 
 def main(argv: list[str] | None = None) -> None:

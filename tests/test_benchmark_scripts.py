@@ -615,7 +615,8 @@ def test_cache_bound_counts_the_window_and_pools_the_budget(tmp_path, capsys):
     bound = benchmark("cache_bound")
     result = bound.count(read_trace(path), 2, None, 1, 1, policies=("lru",))
     assert result["activations"] == 12
-    assert result["hit_rate"] == {"lru": 0, "belady": 2 / 12, "belady, shared budget": 4 / 12,
+    assert result["hit_rate"] == {"lru": 0, "lru, shared budget": 0, "lru, shared budget + staging": 0,
+                                  "belady": 2 / 12, "belady, shared budget": 4 / 12,
                                   "belady, shared budget + staging": 4 / 12}
     assert result["misses_over_lru"]["belady, shared budget"] == 8 / 12
     assert bound.count(read_trace(path), 2, 4, 1, 0, policies=("lru",))["activations"] == 8
@@ -624,3 +625,9 @@ def test_cache_bound_counts_the_window_and_pools_the_budget(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         bound.main([str(path), "--layers", "3"])
     assert exited.value.code == 2 and "the trace has 2" in capsys.readouterr().err
+    # one LRU over both layers: layer 1 routes expert 5 every token, layer 0 alternates 0 and 1. Two slots pooled
+    # keep what one a layer keeps (layer 1's 5 hits); a third slot (staging) keeps layer 0's pair across tokens too
+    # (4 more), which one slot a layer never does
+    routes = [[[0], [1], [0], [1], [0], [1]], [[5]] * 6]
+    assert bound.shared_lru_hits(routes, 2) == 5 and bound.shared_lru_hits(routes, 3) == 9
+    assert bound.shared_lru_hits(routes, 0) == 0 and bound.shared_lru_hits(routes, 12) == 9  # all but the 3 firsts
