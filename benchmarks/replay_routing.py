@@ -182,8 +182,9 @@ def run_link(lm, args):
 
         fit = link_fit_of(None, lm.device)
         t_exp = planned_timings(lm, fit.bandwidth / 1e9).t_exp
-        load = fit.latency + shape.expert_bytes / fit.bandwidth
-        return torch.cuda.get_device_name(lm.device), load / t_exp, t_exp, fit.bandwidth / 1e9, fit.latency
+        latency = fit.latency or 0.0  # (a fit may have none)
+        load = latency + shape.expert_bytes / fit.bandwidth
+        return torch.cuda.get_device_name(lm.device), load / t_exp, t_exp, fit.bandwidth / 1e9, latency
     name, ratio = card_ratio(args.card)
     if args.load_ratio is not None:
         name, ratio = f"{name}, load ÷ compute set to {args.load_ratio:g}", args.load_ratio
