@@ -49,8 +49,8 @@ def uniform_plan(shape: ExpertShape, budget_bytes: int, theta: float = 0.5, sour
 
     V_e / L is rarely a whole number of cached segments: the C = V_e // segment segments that fit go ⌊C / L⌋ to
     every layer and the C mod L left one more each to layers spread evenly over depth (`spread`), so the budget is
-    not left unused (Mixtral at 6 GiB: 150 MiB a layer against a 336 MiB expert, one expert in some layers; at 24 GiB
-    2.06 experts a layer, two more experts than ⌊V_e / L⌋ per layer would hold)."""
+    not left unused (Mixtral bf16, whole experts of 336 MiB: at 6 GiB 150 MiB a layer, one expert in 14 layers; at 24
+    GiB 69 experts, where ⌊V_e / L⌋ a layer would place 64 and leave 1.6 GiB idle)."""
     slots = min_staging_slots(shape)
     check_budget(shape, budget_bytes, slots)
     if theta == 0.0:  # no cache: the whole budget is staging (prefetch-only)
