@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     on_gpu = args.device == "cuda"
     if on_gpu and (args.clock == "cpu" or args.load_ratio is not None or args.gap or args.from_json is not None):
-        raise SystemExit("error: --device cuda measures on the GPU's own link and the wall clock: --clock cpu, "
-                         "--load-ratio, --gap and --from-json are for the CPU (the last two: on the report it prints)")
+        p.error("--device cuda measures on the GPU's own link and the wall clock: --clock cpu, --load-ratio, --gap "
+                "and --from-json are for the CPU (the last two: on the report it prints)")
     args.clock = args.clock or ("wall" if on_gpu else "cpu")
     os.environ["FMOE_EMULATED_CLOCK"] = args.clock  # before any fmoe clock is read
 
@@ -162,10 +162,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def check_gpu() -> None:
+    """--device cuda where torch sees no GPU: one line, exit 2, before the model is read."""
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda: torch sees no CUDA GPU here")
+        print("error: --device cuda: torch sees no CUDA GPU here", file=sys.stderr)
+        sys.exit(2)
 
 
 def run_link(lm, args):

@@ -446,16 +446,17 @@ def test_replay_routing_gap_walks_from_the_paper_setting_to_the_measured_run(che
 
 
 @pytest.mark.parametrize("extra", [["--clock", "cpu"], ["--load-ratio", "2.6"], ["--gap"], ["--from-json", "r.json"]])
-def test_replay_routing_on_a_gpu_refuses_what_shapes_an_emulated_link(extra):
+def test_replay_routing_on_a_gpu_refuses_what_shapes_an_emulated_link(extra, capsys):
     """`replay_routing.py --device cuda` (issue 38 §3 on a lent GPU) measures over the GPU's own link on the wall
-    clock: what shapes or replays an emulated link is refused in one line, before anything is read."""
+    clock: what shapes or replays an emulated link is refused as an option error (exit 2), before anything is read."""
     replay_routing = benchmark("replay_routing")
     with pytest.raises(SystemExit) as info:
         replay_routing.main(["/nonexistent/model", "/nonexistent/trace", "--device", "cuda", *extra])
-    assert str(info.value).startswith("error: --device cuda measures on the GPU's own link"), info.value
+    assert info.value.code == 2
+    assert "error: --device cuda measures on the GPU's own link" in capsys.readouterr().err
 
 
-def test_replay_routing_on_a_machine_without_a_gpu_says_so_before_loading(checkpoints, tmp_path, monkeypatch):
+def test_replay_routing_on_a_machine_without_a_gpu_says_so_before_loading(checkpoints, tmp_path, monkeypatch, capsys):
     import torch
 
     from test_replay_routing import write_trace
@@ -467,7 +468,8 @@ def test_replay_routing_on_a_machine_without_a_gpu_says_so_before_loading(checkp
     with pytest.raises(SystemExit) as info:
         replay_routing.main([str(checkpoints["mixtral"]), str(write_trace(tmp_path / "t.jsonl", sequences=(8,))),
                              "--device", "cuda"])
-    assert str(info.value) == "error: --device cuda: torch sees no CUDA GPU here"
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --device cuda: torch sees no CUDA GPU here"
 
 
 def test_the_gpu_check_refuses_a_missing_trace_and_skips_part_d_without_one(tmp_path):
