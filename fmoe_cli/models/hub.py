@@ -24,7 +24,12 @@ def fetch_model_early(model: str, trust_remote_code: bool) -> None:
     under a second instead of after those imports. A local directory or `demo` is left to the command. The
     snapshot is kept for the command's own `download` of the same files (no second look at the hub)."""
     if model != "demo" and local_model_dir(model) is None:
-        download(model, model_patterns(trust_remote_code), model)
+        download_model(model, trust_remote_code)
+
+
+def download_model(repo_id: str, trust_remote_code: bool) -> Path:
+    """The snapshot of a hub model's files (`model_patterns`), downloaded once a process."""
+    return download(repo_id, model_patterns(trust_remote_code), repo_id)
 
 
 def fetch_config_early(model: str) -> None:

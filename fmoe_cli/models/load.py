@@ -19,7 +19,7 @@ from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.models import demo
 from fmoe_cli.generate import TOKENIZER_FILES
 from fmoe_cli.models.config import check_config_file
-from fmoe_cli.models.hub import download, local_model_dir, model_patterns
+from fmoe_cli.models.hub import download_model, local_model_dir
 from fmoe_cli.models.attention import install_decode_attention
 from fmoe_cli.models.decoder import install_decode_layers
 from fmoe_cli.models.dense import (dense_bytes_saved, flatten_head_input, one_row_kernels, one_row_matvec,
@@ -106,13 +106,9 @@ def resolve_model(model_id: str, trust_remote_code: bool = False) -> tuple[Path,
     if model_id == "demo":
         path = demo.demo_path()
         return path, demo.demo_label(path)
-    path = local_model_dir(model_id) or _download(model_id, trust_remote_code)
+    path = local_model_dir(model_id) or download_model(model_id, trust_remote_code)
     _check_weights(path, model_id)
     return path, model_id
-
-
-def _download(repo_id: str, trust_remote_code: bool) -> Path:
-    return download(repo_id, model_patterns(trust_remote_code), repo_id)
 
 
 def _check_weights(path: Path, model_id: str) -> None:

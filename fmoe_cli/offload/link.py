@@ -119,8 +119,7 @@ class Transfer:
         """Drop the copy: a queued one moves nothing, a running one stops at the next chunk boundary
         (its chunks already on the link finish). Returns whether it was dropped; a copy whose last
         chunk is on the link runs to the end (it may be read: DONE, then)."""
-        state = self.state
-        if state is DONE or state is CANCELLED:  # settled: nothing to drop (every link answers so)
+        if self.finished:  # settled: nothing to drop (every link answers so)
             return False
         return self.link.cancel(self)
 
@@ -356,7 +355,7 @@ def host_now() -> float:
 
 def _promote(t: Transfer, priority: int) -> None:
     """Raise t's priority, and that of the copies it must follow (they stand in its way)."""
-    if priority < t.priority and t.state is not DONE and t.state is not CANCELLED:
+    if priority < t.priority and not t.finished:
         t.priority = priority
         for dep in t.after:
             if isinstance(dep, Transfer):
@@ -479,7 +478,7 @@ class EmulatedLink:
         return t
 
     def reprioritise(self, t: Transfer, priority: int) -> None:
-        if priority >= t.priority or t.state is DONE or t.state is CANCELLED:
+        if priority >= t.priority or t.finished:
             return  # nothing to raise (`_promote` would change nothing)
         self._advance(self.clock.now())  # the copies begun before now were chosen without it
         _promote(t, priority)
@@ -520,12 +519,11 @@ class EmulatedLink:
         return out
 
     def cancel(self, t: Transfer) -> bool:
-        if t.state is DONE or t.state is CANCELLED:
+        if t.finished:
             return False
         self._advance(self.clock.now())
         current = self._current
-        if t.state is DONE or t.state is CANCELLED or (current is not None and current[0] is t
-                                                         and t.sent + current[2] >= t.nbytes):
+        if t.finished or (current is not None and current[0] is t and t.sent + current[2] >= t.nbytes):
             return False  # done, or its last chunk is on the link
         _drop(t, self._queue)
         return True
@@ -691,7 +689,7 @@ class CudaLink:
             self._issue_chunk(t)
 
     def poll(self, t: Transfer) -> bool:
-        if t.state is DONE or t.state is CANCELLED:  # final: no need to look
+        if t.finished:  # final: no need to look
             return t.state is DONE
         with self._lock:
             self._pump()

@@ -156,11 +156,8 @@ class StagingPool:
     def after(self, slot: int) -> tuple:
         """What a new copy into `slot` must follow: the copy still writing it, the compute still reading it."""
         writer, reads = self._writer[slot], self._reads[slot]
-        if writer is not None and writer.finished:
-            writer = None  # nothing to follow
-        if writer is None:
-            return () if reads is None else (reads,)
-        return (writer,) if reads is None else (writer, reads)
+        follow = () if writer is None or writer.finished else (writer,)
+        return follow if reads is None else (*follow, reads)
 
     def reclaim(self, keep_layer: int) -> int | None:
         """A slot for a demand load of `keep_layer`: a free one, else one holding another layer's
