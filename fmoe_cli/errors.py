@@ -10,6 +10,16 @@ class FmoeError(Exception):
     """Bad input or an unsupported model: the message is shown to the user as one line."""
 
 
+def unknown_device(device: str) -> FmoeError:
+    """A --device that is not auto, cpu or cuda[:N] (options.py before torch, models/load.py after: one line)."""
+    return FmoeError(f"unknown device {device!r}; use auto, cpu or cuda[:N]")
+
+
+def no_gpu(device: str) -> FmoeError:
+    """A CUDA --device on a machine without one (options.py before torch where surely none, models/load.py after)."""
+    return FmoeError(f"device {device} requested but no CUDA GPU is available")
+
+
 @contextmanager
 def reading(path, what: str) -> Iterator[None]:
     """Turn the errors of reading a user's file (`what`: "trace", "prompt file", …) into one-line FmoeErrors."""

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from fmoe_cli.errors import FmoeError
+from fmoe_cli.errors import FmoeError, no_gpu, unknown_device
 from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import local_model_dir
 from fmoe_cli.offload import check_bandwidth
@@ -34,9 +34,9 @@ def check_device_text(device: str) -> None:
     """auto, cpu or cuda[:N]; cuda where this machine surely has no GPU is refused here (whether the device exists is
     otherwise torch's to say, later: models/load.py `pick_device`, with the same line)."""
     if not DEVICE.fullmatch(device):
-        raise FmoeError(f"unknown device {device!r}; use auto, cpu or cuda[:N]")
+        raise unknown_device(device)
     if device.startswith("cuda") and surely_no_gpu():
-        raise FmoeError(f"device {device} requested but no CUDA GPU is available")
+        raise no_gpu(device)
 
 
 def check_model_text(model: str) -> None:

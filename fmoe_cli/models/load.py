@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from fmoe_cli.errors import FmoeError, warn
+from fmoe_cli.errors import FmoeError, no_gpu, unknown_device, warn
 from fmoe_cli.models import demo
 from fmoe_cli.generate import TOKENIZER_FILES
 from fmoe_cli.models.config import check_config_file
@@ -128,9 +128,9 @@ def pick_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise FmoeError(f"unknown device {device!r}; use auto, cpu or cuda[:N]") from None
+        raise unknown_device(device) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise FmoeError(f"device {device} requested but no CUDA GPU is available")
+        raise no_gpu(device)
     return dev
 
 
