@@ -190,6 +190,7 @@ class DecodeGraph:
         self.logits: torch.Tensor | None = None  # [V]: the last segment's output, overwritten by each replay
         # the steps run eagerly (FMOE_CUDA_GRAPHS=0, a veto, a failed capture); None: not decided yet
         self.eager: bool | None = None if capture else True
+        self.said_why = False  # the line on a cache whose positions a replay cannot advance (`_position_on_host`)
 
     @property
     def segments(self) -> int:
@@ -243,7 +244,7 @@ class DecodeGraph:
         self.ids.copy_(ids)
         self.position.fill_(self.length)
         if self.eager is None:
-            self.eager = not capturable(self.engine)
+            self.eager = not capturable(self.engine) or self._position_on_host()
         if self.graph is None and not self.eager:
             self._capture()
         self.length += 1
@@ -251,10 +252,25 @@ class DecodeGraph:
             return self._forward(self.ids, self.position)
         return self._replay()
 
+    def _position_on_host(self) -> bool:
+        """Whether a layer of the static cache keeps its position on the host, where a replay would never advance it
+        (transformers' sliding-window layers count in a Python int: every replayed step would write and attend as
+        the captured one did): then the steps run eagerly, and one line says why (once a cache)."""
+        from transformers.cache_utils import StaticLayer
+
+        on_host = any(type(layer) is not StaticLayer for layer in self.cache.layers)
+        if on_host and not self.said_why:
+            kinds = sorted({type(layer).__name__ for layer in self.cache.layers if type(layer) is not StaticLayer})
+            warn(f"CUDA graphs: this model's KV cache has layers that count their positions on the host "
+                 f"({', '.join(kinds)}: a sliding window); its decode steps run eagerly")
+            self.said_why = True
+        return on_host
+
     def _replay(self) -> torch.Tensor:
         """Segment 0; then at each cut the layer's experts forward on its static inputs, eagerly (its one routing
         read, its loads, its compute), its result into the static output, and the next segment; the logits."""
         graph, captured, engine = self.graph, self.captured, self.engine
+        engine.settle()  # the last step's routing copies are read before the replay writes them again
         graph.replay(0)
         if captured.pass_output is not None:  # the embedding's hook: the pass's predictions (a prefetch of layer 0)
             engine.replayed_pass(captured.pass_output)
@@ -359,21 +375,33 @@ class CudaGraphs:
     on copying and polling its events meanwhile."""
 
     def __init__(self, decode: DecodeGraph) -> None:
+        self.device = decode.engine.device
         self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream()
+        self.stream = capture_stream(self.device, getattr(decode.engine.link, "stream", None))
         self.graphs: list = []
         self.open = False  # a segment's capture is under way
 
     @contextlib.contextmanager
     def capturing(self):
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            yield
-        torch.cuda.current_stream().wait_stream(self.stream)
+        """The warm-up and the captures on the side stream. A capture that raises is ended there, on the stream it
+        began on (torch's capture_end refuses any other, and a capture never ended leaves the thread unable to
+        read the host: the eager fallback's first routing read would be refused); the current stream waits for the
+        side stream's work whatever happened."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self.stream):
+                try:
+                    yield
+                except BaseException:
+                    self.abort()
+                    raise
+        finally:
+            current.wait_stream(self.stream)
 
     def begin(self) -> None:
         if not self.graphs:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         self.graphs.append(graph)
@@ -385,15 +413,42 @@ class CudaGraphs:
         self.graphs[-1].capture_end()
 
     def abort(self) -> None:
-        """A capture that failed: the stream out of capture mode (its error is the one reported)."""
+        """A capture that failed: the side stream out of capture mode (its error is the one reported). capture_end
+        runs on the stream the capture began on; where CUDA refuses to end an invalidated capture, torch skips ending
+        the pool's allocation to the capture, which is ended here."""
         if self.open:
             self.open = False
-            with contextlib.suppress(Exception):
-                self.graphs[-1].capture_end()
+            try:
+                with torch.cuda.stream(self.stream):
+                    self.graphs[-1].capture_end()
+            except Exception:
+                with contextlib.suppress(Exception):
+                    torch._C._cuda_endAllocateToPool(self.device.index if self.device.index is not None
+                                                     else torch.cuda.current_device(), self.pool)
         self.graphs = []
 
     def replay(self, segment: int) -> None:
         self.graphs[segment].replay()
+
+
+_CAPTURE_STREAMS: dict = {}  # device -> the side stream every CudaGraphs on it captures on
+
+
+def capture_stream(device: torch.device, avoid=None):
+    """The side stream the decode steps on `device` are captured on: one a process, not one a capture, and never
+    `avoid` (the link's copy stream). torch.cuda.Stream() does not create a stream: it hands out the next of 32
+    pooled streams a priority, round robin, so a stream drawn per capture would be the link's own on the 32nd
+    draw or so after it (a re-plan, a bench configuration, a new capacity), and the copies the link issues while a
+    step is captured would be captured with it."""
+    stream = _CAPTURE_STREAMS.get(device)
+    for _ in range(64):
+        if stream is not None and stream != avoid:
+            break
+        stream = torch.cuda.Stream(device)
+    else:
+        raise RuntimeError("no CUDA stream apart from the link's")
+    _CAPTURE_STREAMS[device] = stream
+    return stream
 
 
 GRAPH_CAPACITY_STEP = 256  # a DecodeGraph's KV capacity is a multiple of this many positions

@@ -526,3 +526,164 @@ def test_a_conversation_continues_on_the_static_cache_and_replays_its_steps(chec
         assert RecordedGraphs.made == captures and RecordedGraphs.captured == captures * segments
         assert RecordedGraphs.replayed == 2 * (len(want[0]) - 1) * segments
         assert graphs[1].length == 6 + len(got[0]) - 3 + 4 + len(got[1]) - 1  # prompt, answer, prompt, answer
+
+
+# --- what CUDA itself asks of the captures (torch.cuda stubbed as torch's source behaves) ---------------------------
+class StubStream:
+    def __init__(self, name: str, state) -> None:
+        self.name, self.state = name, state
+
+    def wait_stream(self, other) -> None:
+        """An event recorded on a capturing stream cannot be waited on from outside the capture."""
+        if any(graph.stream is other for graph in self.state.open):
+            raise RuntimeError("cudaErrorStreamCaptureIsolation: a wait on a capturing stream")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def stub_cuda(monkeypatch, pool_size: int = 32):
+    """torch.cuda as far as CudaGraphs and CudaLink use it: torch.cuda.Stream() hands out the next of `pool_size`
+    pooled streams, round robin (c10's getStreamFromPool), and a capture ends only on the stream it began on
+    (CUDAGraph::capture_end's check), and a stream does not wait on one that is capturing. Returns the state: the
+    current stream, the captures still open."""
+    import itertools
+    import types
+
+    import fmoe_cli.generate as generate_module
+
+    state = types.SimpleNamespace(open=[])
+    state.current = StubStream("default", state)
+    pool = [StubStream(f"pool{i}", state) for i in range(pool_size)]
+    draws = itertools.count()
+
+    @contextlib.contextmanager
+    def stream(s):
+        previous, state.current = state.current, s
+        try:
+            yield
+        finally:
+            state.current = previous
+
+    class Graph:
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            self.stream = state.current
+            state.open.append(self)
+
+        def capture_end(self):
+            if state.current is not self.stream:
+                raise RuntimeError("Capture must end on the same stream it began on.")
+            state.open.remove(self)
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: pool[next(draws) % pool_size])
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: state.current)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(generate_module, "_CAPTURE_STREAMS", {})
+    return state
+
+
+def stub_decode(link=None):
+    import types
+    return types.SimpleNamespace(engine=types.SimpleNamespace(device=torch.device("cuda", 0), link=link))
+
+
+def test_a_capture_that_raises_is_ended_on_its_own_stream(monkeypatch):
+    """A forward refused mid-capture (a host read, an allocation the pool cannot make) leaves `capturing` on the
+    current stream: the capture is ended inside it, on the side stream it began on, not by the caller's abort on the
+    default stream (which torch refuses, leaving the thread capturing and its next host read refused)."""
+    from fmoe_cli.generate import CudaGraphs
+
+    state = stub_cuda(monkeypatch)
+    graphs = CudaGraphs(stub_decode())
+    with pytest.raises(RuntimeError, match="not permitted"):
+        with graphs.capturing():
+            graphs.begin()
+            raise RuntimeError("operation not permitted when stream is capturing")
+    graphs.abort()  # DecodeGraph._capture's except clause: nothing left to end
+    assert state.open == [] and state.current.name == "default"
+    graphs = CudaGraphs(stub_decode())  # an abort from another stream ends the capture on its own stream
+    with torch.cuda.stream(graphs.stream):
+        graphs.begin()
+    graphs.abort()
+    assert state.open == []
+
+
+def test_the_capture_stream_is_never_the_links_copy_stream(monkeypatch):
+    """torch.cuda.Stream() draws the next of 32 pooled streams: captures that each drew one (re-plans, bench
+    configurations, capacities) would reach the link's copy stream, and capture the copies it issues meanwhile."""
+    from fmoe_cli.generate import CudaGraphs, capture_stream
+
+    stub_cuda(monkeypatch)
+    link = CudaLink(torch.device("cuda", 0), pump_thread=False)
+    streams = [CudaGraphs(stub_decode(link)).stream for _ in range(40)]
+    assert all(s is not link.stream for s in streams) and len(set(map(id, streams))) == 1
+    for _ in range(32):  # a later link drawn onto the capture stream: the capture stream is drawn again
+        newer = CudaLink(torch.device("cuda", 0), pump_thread=False)
+        if newer.stream is streams[0]:
+            break
+    assert newer.stream is streams[0]
+    assert capture_stream(torch.device("cuda", 0), newer.stream) is not newer.stream
+
+
+def test_a_cuda_device_is_made_the_current_one(monkeypatch):
+    """--device cuda:1: every CUDA call that names no device (the capture's stream and synchronize, an event's
+    record) must be about cuda:1, or a capture records nothing of the step and the routing's events cover nothing;
+    an index beyond the machine's GPUs is refused in one line."""
+    from fmoe_cli.errors import FmoeError
+    from fmoe_cli.models.load import pick_device
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    assert pick_device("cuda:1") == torch.device("cuda", 1) and made == [torch.device("cuda", 1)]
+    with pytest.raises(FmoeError, match=r"device cuda:2 requested but this machine has 2 CUDA GPUs \(cuda:0 to cuda:1\)"):
+        pick_device("cuda:2")
+
+
+def test_a_replayed_step_is_bookkept_before_the_next_replay_overwrites_its_routing(checkpoints, monkeypatch):
+    """Two replayed steps with nothing reading the counters between them: the first step's deferred bookkeeping reads
+    its own routing, not the next replay's (the host copies are rewritten by each replay)."""
+    from fmoe_cli.generate import decode_graph
+
+    path = checkpoints["qwen3_moe"]
+    seen = {}
+    for settle_each in (True, False):
+        RecordedGraphs.reset()
+        lm, engine = device_path_engine(path, RecordedGraphs, monkeypatch)
+        engine.configure(make_settings("resident", lm.shape, budget(lm.shape), timings=TIMINGS))
+        routed = seen[settle_each] = []
+        real = engine.resident_routed
+        monkeypatch.setattr(engine, "resident_routed", lambda i, ids, weights: (routed.append((i, ids.tolist())),
+                                                                               real(i, ids, weights)))
+        graph = decode_graph(lm.model, engine, PROMPT.shape[1] + 8)
+        token = int(graph.prefill(PROMPT).argmax())
+        engine.counters()
+        routed.clear()
+        for _ in range(5):
+            token = int(graph.step(torch.tensor([[token]])).argmax())
+            if settle_each:
+                engine.counters()
+        engine.counters()
+        assert graph.segments == 1 and RecordedGraphs.replayed >= 3
+        engine.close()
+    assert seen[False] == seen[True] and len(seen[True]) == 5 * lm.shape.num_layers
+    assert len({tuple(map(tuple, ids)) for _, ids in seen[True]}) > 1  # the steps routed differently
+
+
+def test_a_sliding_window_cache_decodes_eagerly_with_one_line(tmp_path, monkeypatch, capsys):
+    """transformers' sliding-window cache layers count their positions in a Python int, which a replay never
+    advances: such a model's steps are not captured (one line), and give transformers' tokens past the window."""
+    from fmoe_cli.models.demo import build_random_moe
+
+    path = build_random_moe(tmp_path / "sliding", family="mixtral", seed=1, sliding_window=6)
+    want = reference_tokens(path)
+    RecordedGraphs.reset()
+    got, graphs, _ = generate(path, RecordedGraphs, monkeypatch)
+    assert got == want
+    assert all(graph.eager and graph.segments == 0 for graph in graphs.values()) and RecordedGraphs.captured == 0
+    assert capsys.readouterr().err.count("count their positions on the host") == 1

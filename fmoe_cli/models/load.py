@@ -129,8 +129,15 @@ def pick_device(device: str) -> torch.device:
         dev = torch.device(device)
     except RuntimeError:
         raise unknown_device(device) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise no_gpu(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise no_gpu(device)
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise FmoeError(f"device {device} requested but this machine has {count} CUDA GPU{'s' if count > 1 else ''}"
+                            f" (cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+        # the current device: every CUDA call that names none (streams, events, graphs, synchronize) is about this one
+        torch.cuda.set_device(dev)
     return dev
 
 

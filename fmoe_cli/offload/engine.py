@@ -334,7 +334,7 @@ class Engine:
         # waits until the token is done, and a layer's routing is read through `read_to_host`.
         self.device_side = device.type == "cuda" or os.environ.get("FMOE_DEVICE_PATH", "").strip() == "1"
         self._grouped_on_device = True  # False once torch's grouped matmul refused this device (routed_forward)
-        self._deferred: list[int] = []  # layers whose routing is on its way to the host (`_defer`, `_settle`)
+        self._deferred: list[int] = []  # layers whose routing is on its way to the host (`_defer`, `settle`)
         self._route_copies: dict[int, tuple[HostCopy, HostCopy]] = {}  # per layer: its ids' and weights' copies
         self.decode_graphs: dict = {}  # capacity -> generate.DecodeGraph: replayed decode steps (read the buffers)
         self.graph_factory = None  # what DecodeGraph captures with (None: torch's CUDA graphs on a GPU; tests set it)
@@ -394,7 +394,7 @@ class Engine:
     def _release_buffers(self) -> None:
         """Drop the cached tops and the staging pool: every copy into them stopped (released) or finished,
         so the link holds no view of them, and they are freed before anything new is allocated."""
-        self._settle()
+        self.settle()
         self._collect_stalls()
         self.host_lane.clear(self.link)  # the cache fills in flight stop (they write into the tops)
         if self.pool is not None:
@@ -452,12 +452,12 @@ class Engine:
         return tops + (self.pool.nbytes if self.pool else 0)
 
     def counters(self) -> Counters:
-        self._settle()
+        self.settle()
         self._collect_stalls()
         return Counters.total([state.counters for state in self.layers])
 
     def close(self) -> None:
-        self._settle()
+        self.settle()
         if self._embedding_hook is not None:
             self._embedding_hook.remove()
             self._embedding_hook = None
@@ -486,7 +486,7 @@ class Engine:
                 if out is not None:
                     return out
             return self._resident_decode(i, state, experts.act_fn, hidden_states, top_k_index, top_k_weights)
-        self._settle()
+        self.settle()
         self._collect_stalls()
         extra = self._device_part(i, hidden_states)
         routing = Routing.of(top_k_index, top_k_weights, extra,  # the one device→host copy of the layer
@@ -541,7 +541,7 @@ class Engine:
         stays on the device, its experts' slots looked up there (`slot_table`), the K experts computed by one
         grouped matmul per projection (layout.routed_forward) in routing order and weighted as `_combine_decode`
         does. Its bookkeeping (observers, the policy's touches, counters) follows once the token is done: the
-        routing goes to the host without a wait (`_defer`) and is taken up by `_settle`. Nothing here depends on a
+        routing goes to the host without a wait (`_defer`) and is taken up by `settle`. Nothing here depends on a
         value on the host, so the step can be captured in a CUDA graph (generate.DecodeGraph). None: this device's
         grouped matmul refused the call (said once); the general path computes the layer."""
         if state.slot_table is None:
@@ -562,9 +562,9 @@ class Engine:
         return self._combine_decode(hidden_states, stacked, top_k_weights)
 
     def _defer(self, i: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
-        """Layer i's routing on its way to the host (link.HostCopy: no wait); its bookkeeping runs at `_settle`."""
+        """Layer i's routing on its way to the host (link.HostCopy: no wait); its bookkeeping runs at `settle`."""
         if i in self._deferred:  # a second forward of layer i before the first was settled
-            self._settle()
+            self.settle()
         copies = self._route_copies.get(i)
         if copies is None or copies[0].host.shape != top_k_index.shape or copies[1].host.dtype != top_k_weights.dtype:
             copies = self._route_copies[i] = (HostCopy(top_k_index), HostCopy(top_k_weights))
@@ -611,12 +611,12 @@ class Engine:
         """A replayed CUDA graph copied these layers' routing into their host copies: their bookkeeping is due."""
         for i in layers:
             if i in self._deferred:
-                self._settle()
+                self.settle()
             self._route_copies[i][0].record()
             self._route_copies[i][1].record()
             self._deferred.append(i)
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """The deferred layers' bookkeeping, in the order they ran: what `_resident_decode` does on the host
         (`resident_routed`), from the routing's host copies (a wait only if a copy has not finished yet)."""
         if not self._deferred:
@@ -931,7 +931,7 @@ class Engine:
         if self.capturing is not None:
             self.capturing.pass_began(output)
             return
-        self._settle()  # the previous pass's deferred bookkeeping, before this pass overwrites its copies
+        self.settle()  # the previous pass's deferred bookkeeping, before this pass overwrites its copies
         if not self._prefetching:
             return
         self.iteration.begin(output.detach())

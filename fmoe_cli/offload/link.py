@@ -204,6 +204,7 @@ class HostCopy:
 
     def __init__(self, like: torch.Tensor) -> None:
         self.cuda = like.is_cuda
+        self.device = like.device
         self.host = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.cuda)
         self.event = torch.cuda.Event() if self.cuda else None
 
@@ -213,7 +214,7 @@ class HostCopy:
 
     def record(self) -> None:
         if self.event is not None and not torch.cuda.is_current_stream_capturing():  # a replay records after it
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.device))  # the copy's device's stream, not device 0's
 
     def result(self) -> tuple[torch.Tensor, bool]:
         """The host copy, and whether the host had to wait for it."""

@@ -225,7 +225,7 @@ def count_host_waits(step, engine: Engine, model, inputs=()) -> dict:
         return real, wrapper
 
     patches = [(engine_module, "read_to_host", read_to_host), (link.HostCopy, "copy", host_copy)]
-    for name, place in (("experts_forward", "moe"), ("_settle", "settle")):
+    for name, place in (("experts_forward", "moe"), ("settle", "settle")):
         patches.append((Engine, name, placed(name, place)[1]))
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:
