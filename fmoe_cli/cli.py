@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 # Only modules without torch here: every option is checked before anything heavy is imported.
 from fmoe_cli import chat as chat_defaults
@@ -48,8 +49,7 @@ class _App(typer.Typer):
             message = exc.format_message()
             if message:  # (no message: `fmoe` alone, the help was shown)
                 where = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "fmoe"
-                err_console.print(f"[bold red]error:[/bold red] {message} (see `{where} --help`)", highlight=False,
-                                  soft_wrap=True, markup=True)
+                err_console.print(error_line(f"{message} (see `{where} --help`)"), highlight=False, soft_wrap=True)
             sys.exit(exc.exit_code)
         except typer.Abort:
             err_console.print("interrupted")
@@ -64,6 +64,12 @@ app = _App(
     add_completion=False,
 )
 err_console = Console(stderr=True)
+
+
+def error_line(message: str) -> Text:
+    """`error: MESSAGE`, the message as plain text: what the user typed or a file held may hold brackets, which rich
+    would read as markup (a `[/x]` would end in a traceback)."""
+    return Text.assemble(("error:", "bold red"), " ", message)
 
 
 def _version(value: bool) -> None:
@@ -102,7 +108,7 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except FmoeError as exc:
-            err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(error_line(str(exc)), highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
@@ -310,6 +316,7 @@ def serve(
                        dtype=dtype, experts=experts, dense=dense, activations=activations, device=device,
                        trust_remote_code=trust_remote_code,
                        profile=profile, context=context, host_threads=host_threads)
+    ChatOptions(opts).check()  # what a conversation asks of the run's options (--context), as `fmoe chat` checks it
     sock = options.bind()  # a port in use is one line too, before anything slow is imported
     serve_defaults.limit_malloc_arenas()  # before torch's and the server's threads exist
     try:

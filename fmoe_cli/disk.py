@@ -18,6 +18,8 @@ import shutil
 import time
 from pathlib import Path
 
+from rich.text import Text
+
 TEMPORARY = re.compile(r"^\..+?(?:\.(\d+))?\.[^.]+\.tmp$")  # .<file>.<pid>.<random>.tmp (pid: optional)
 STALE_S = 24 * 3600  # a temporary older than this is orphaned whatever its pid says
 
@@ -140,7 +142,8 @@ def run_cache(action: str, as_json: bool, console) -> dict:
         print(json.dumps(report))
         return report
     for place in report["places"]:
-        console.print(f"[bold]{place['what']}[/bold]: {place['path']} ({_size(place['bytes'])})", highlight=False)
+        console.print(Text.assemble((place["what"], "bold"), f": {place['path']} ({_size(place['bytes'])})"),
+                      highlight=False)
         for entry in place["entries"]:
             console.print(f"  {_size(entry['bytes']):>10}  {Path(entry['path']).name}", highlight=False)
     for path in swept:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import json
 import os
 import re
@@ -67,8 +68,11 @@ def read_json(path: Path, what: str, hint: str = "", limit: int = JSON_LIMIT) ->
 def write_atomic(path: Path, text: str) -> Path:
     """Write `text` to a unique temporary file beside `path`, fsync it, rename it over `path`.
 
-    Raises OSError (a read-only directory, a full disk): the caller decides whether that is fatal."""
+    Raises OSError (a read-only directory, a full disk, a path that is not a regular file: the rename would replace a
+    device or a pipe, /dev/null for root, with the file): the caller decides whether that is fatal."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        raise OSError(errno.EEXIST, "not a regular file", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     # .<name>.<pid>.<random>.tmp: a temporary whose writer is gone is swept at the next start (disk.py)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")

@@ -644,6 +644,9 @@ def stream_generate(
             logits = first(ids) if index == 0 else graph.step(ids)
         else:
             logits = next_logits(model, ids, cache)
+        if index == 0 and bool(torch.isnan(logits).any()):  # (once a generation: the prompt's last token)
+            raise FmoeError("the model's output is NaN (not a number) at the prompt's last token: a damaged weight "
+                            "file, or values beyond what the dtype holds (float16?); nothing to generate from")
         token = sample_next(logits.cpu() if generator is not None else logits, sampling, generator)
         latency = host_now() - start
         counters = engine.counters() - before if engine is not None else None

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 from fmoe_cli.disk import sweep
 from fmoe_cli.options import RunOptions
@@ -335,7 +336,7 @@ def open_run(opts: RunOptions, console: Console | None = None, *, say_timing_not
                          if quick[0] == "measured" else "read the quick estimate an earlier run kept", started)
                     timing_note = quick_estimate_note(opts, shape, budget)
                     if timing_note is not None and say_timing_note:
-                        console.print(f"[dim]note: {timing_note}[/dim]", highlight=False, soft_wrap=True)
+                        console.print(Text(f"note: {timing_note}", style="dim"), highlight=False, soft_wrap=True)
                 else:
                     timing_source = "profile"
                     step("read the model's profile", started)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # annotations only: this module stays free of torch
     from torch import nn
 
 MiB = 1024**2
+SEED_RANGE = (-2**63, 2**64 - 1)  # the sampling seeds torch.Generator.manual_seed takes (chat's --seed, serve's seed)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from fmoe_cli.cli import app
@@ -130,3 +131,34 @@ def test_unreadable_and_malformed_traces(tmp_path):
     assert_one_line_error(result, text)
     result, text = run("replay", str(bad), "--cache-sizes", "7-1")
     assert_one_line_error(result, text, "--cache-sizes")
+
+
+@pytest.mark.parametrize("args", [("bench", "demo", "--policy", "[/x]"), ("replay", "[/x].jsonl"),
+                                  ("bench", "demo", "--vram-budget", "[/a]"), ("replay", "[red]oops.jsonl")],
+                         ids=["policy", "trace name", "budget", "a style's name"])
+def test_what_the_user_typed_is_shown_as_typed(args):
+    """An error line shows the user's text as text: brackets are not rich markup (a `[/x]` ended in a traceback, a
+    `[red]` vanished)."""
+    result, text = run(*args)
+    assert_one_line_error(result, text, args[-1])
+
+
+def test_profile_prefill_beyond_the_models_context_is_refused():
+    result, text = run("profile", "--quick", "--model", "demo", "--prefill-len", "1100", "--device", "cpu")
+    assert_one_line_error(result, text, "--prefill-len 1100 is beyond the model's context of 1024 tokens")
+
+
+def test_weights_that_make_the_output_nan_are_refused_in_one_line(checkpoints, tmp_path):
+    """A damaged weight file whose header reads (here: one router's weights NaN) is not served as garbage tokens, nor
+    let into the router's kernel with NaN scores (it wrote out of bounds): one line once the prompt ran."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "damaged"
+    shutil.copytree(checkpoints["mixtral"], path)
+    (weights,) = path.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(n for n in tensors if n.endswith("layers.0.block_sparse_moe.gate.weight"))  # (the stored names)
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, weights, metadata={"format": "pt"})
+    result, text = run("bench", str(path), "--tokens", "2", "--warmup", "0", "--policy", "lru", "--device", "cpu")
+    assert_one_line_error(result, text, "the model's output is NaN")

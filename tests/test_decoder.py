@@ -259,6 +259,20 @@ def test_router_in_c_against_torch(normalise):
     assert kernels.router_decode(torch.ones(1, 8), tied, 2, True)[2].tolist() == [[0, 1]]
 
 
+@pytest.mark.skipif(not kernels.library(), reason="no C compiler")
+def test_router_in_c_names_k_experts_when_its_scores_are_nan():
+    """A damaged weight (or an overflow) makes every score NaN: the kernel still names K distinct experts, as
+    torch.topk does (NaN ranks above every number), and writes nowhere else (it wrote p[-1] and index -1: a heap
+    corruption that aborted the process)."""
+    weight = torch.randn(8, 16)
+    weight[3] = float("nan")  # one expert's row: its logit NaN, and so the softmax's sum and every score
+    for k in (2, 8):
+        _, weights, index = kernels.router_decode(torch.ones(1, 16), weight, k, True)
+        assert sorted(index[0].tolist()) == list(range(k)) and torch.isnan(weights).all()
+    with pytest.raises(ValueError, match="top-9 of 8 experts"):
+        kernels.router_decode(torch.ones(1, 16), weight, 9, True)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_torch_path_gives_transformers_bits(checkpoints, family, dtype, monkeypatch, without_kernels):

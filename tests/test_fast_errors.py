@@ -4,6 +4,7 @@ what makes an option error answer in a fraction of a second instead of 6–8 s."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -53,6 +54,9 @@ def existing(tmp_path):
     (("bench", "demo", "--predictor", "trace"), "needs fmoe bench --replay-routing"),
     (("chat", "demo", "--predictor", "trace"), "needs fmoe bench --replay-routing"),
     (("chat", "demo", "--temperature", "nan"), "--temperature"),
+    (("chat", "demo", "--context", "0"), "--context must be at least 64 tokens for a conversation"),
+    (("serve", "demo", "--context", "1"), "--context must be at least 64 tokens for a conversation"),
+    (("chat", "demo", "--seed", "999999999999999999999999"), "--seed must be between -9223372036854775808 and"),
     (("chat", "demo", "--profile", "/nonexistent/profile.json"), "no profile at /nonexistent/profile.json"),
     (("chat", "demo", "--profile", "/dev/zero"), "profile /dev/zero is larger than 16 MiB"),
     (("serve", "demo", "--policy", "bogus"), "unknown policy 'bogus'"),
@@ -61,14 +65,19 @@ def existing(tmp_path):
     (("plan", "demo", "--context", "-1"), "--context must be ≥ 0"),
     (("plan", "/nonexistent/config.json"), "no such file or model directory"),
     (("plan", "demo", "--vram", "12GiB", "--profile", "/dev/zero"), "profile /dev/zero is larger than 16 MiB"),
-    (("profile", "--prefill-len", "0"), "--prefill-len must be at least 1"),
-    (("profile", "--out", "EXISTING/p.json"), "p.json: cannot write in"),
+    (("profile", "--prefill-len", "0"), "--prefill-len must be between 1 and 65536, got 0"),
+    (("profile", "--prefill-len", "99999999"), "--prefill-len must be between 1 and 65536, got 99999999"),
+    (("profile", "--out", "EXISTING/p.json"), "p.json: no directory"),
+    (("profile", "--out", "/nonexistent/dir/p.json"), "--out /nonexistent/dir/p.json: no directory /nonexistent/dir"),
+    (("profile", "--out", "FIFO"), "is not a regular file; give a file name"),
     (("profile", "--model", "/nonexistent/model"), "no such model directory"),
     (("replay", "/nonexistent/trace.jsonl"), "trace /nonexistent/trace.jsonl does not exist"),
     (("plan", "demo", "--vram", "1GiB", "--trace", "/dev/zero"), "/dev/zero:1: not a trace record"),
 ], ids=lambda v: " ".join(v) if isinstance(v, tuple) else None)
-def test_an_option_error_comes_before_torch_is_imported(existing, args, fragment):
-    out, err = run_cli(*(a.replace("EXISTING", existing) for a in args))
+def test_an_option_error_comes_before_torch_is_imported(existing, tmp_path, args, fragment):
+    fifo = tmp_path / "fifo"  # a path that is not a regular file (as /dev/null is, which root's save would replace)
+    os.mkfifo(fifo)
+    out, err = run_cli(*(a.replace("EXISTING", existing).replace("FIFO", str(fifo)) for a in args))
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], err
     assert out.strip().splitlines()[-1] == "HEAVY [] 2", out

@@ -306,6 +306,18 @@ def test_profile_with_a_read_only_config_directory(checkpoints, read_only_dir, m
     assert "Traceback" not in result.output
 
 
+def test_an_atomic_write_never_replaces_what_is_not_a_regular_file(tmp_path):
+    """The rename would put the file where a device or a pipe was (root's /dev/null): refused, the path untouched."""
+    from fmoe_cli.files import write_atomic
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        write_atomic(fifo, "{}")
+    assert fifo.is_fifo() and [p.name for p in tmp_path.iterdir()] == ["pipe"]
+    assert write_atomic(tmp_path / "p.json", "{}").read_text() == "{}"
+
+
 def test_profile_out_in_a_read_only_directory_is_refused_before_measuring(read_only_dir):
     result = CliRunner().invoke(app, ["profile", "--quick", "--out", str(read_only_dir / "p.json")])
     assert result.exit_code == 2 and result.output.startswith("error: --out"), result.output

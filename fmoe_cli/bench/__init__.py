@@ -51,16 +51,23 @@ def check_replay(trace: Trace, tokens: int, warmup: int, predictor: str) -> None
                         f"trace of a run that prefetched has them; a vLLM trace has none); use --predictor eam")
 
 
+MAX_PREFILL_LEN = 1 << 16  # tokens of `fmoe profile`'s timed prompt (a model's own context bounds it further)
+
+
 def check_profile_options(*, out: str | Path | None, emulate_link: float | None, prefill_len: int, device: str) -> None:
     """`fmoe profile`'s own options (a model's are RunOptions'): the file asked for must be writable
     before anything is measured."""
     check_device_text(device)
     if emulate_link is not None:
         check_bandwidth(emulate_link)
-    if prefill_len < 1:
-        raise FmoeError(f"--prefill-len must be at least 1, got {prefill_len}")
+    if not 1 <= prefill_len <= MAX_PREFILL_LEN:
+        raise FmoeError(f"--prefill-len must be between 1 and {MAX_PREFILL_LEN}, got {prefill_len}")
     if out is not None:  # the user asked for this file: refuse a place it cannot go before measuring
         if Path(out).is_dir():
             raise FmoeError(f"--out {out} is a directory; give a file name")
+        if Path(out).exists() and not Path(out).is_file():  # a device or a pipe: the save would replace it
+            raise FmoeError(f"--out {out} is not a regular file; give a file name")
+        if not Path(out).parent.is_dir():  # as --trace-out: a mistyped directory is not made
+            raise FmoeError(f"--out {out}: no directory {Path(out).parent}")
         if (why := writable_dir(Path(out).parent)) is not None:
             raise FmoeError(f"--out {out}: cannot write in {Path(out).parent} ({why})")

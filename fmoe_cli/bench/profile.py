@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fmoe_cli.errors import warn
+from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.models.load import pick_device
 from fmoe_cli.bench import check_profile_options
 from fmoe_cli.planning.stats import scratch_recorder
@@ -24,7 +24,7 @@ from fmoe_cli.profiling.device import link_steps, profile_device
 from fmoe_cli.profiling.files import LinkFit, Profile, default_profile_path, now_iso
 from fmoe_cli.profiling.host import HOST_FORMATS, host_format, host_line, host_profile_path, measure_host
 from fmoe_cli.profiling.model import model_timings
-from fmoe_cli.run import RunOptions, open_run
+from fmoe_cli.run import RunOptions, context_length, open_run
 
 MiB = 1024**2
 GiB = 1024**3
@@ -60,6 +60,8 @@ def run_profile(opts: RunOptions | None, *, out: Path | None, emulate_link: floa
     with ExitStack() as stack:
         # The model's layers are timed resident, on demand otherwise: no link emulation, no cache.
         run = None if opts is None else stack.enter_context(open_run(opts, console))
+        if run is not None and (context := context_length(run.lm)) is not None and prefill_len > context:
+            raise FmoeError(f"--prefill-len {prefill_len} is beyond the model's context of {context} tokens")
         # An emulated link's profile is kept apart: it never stands in for the real link.
         path = Path(out) if out is not None else default_profile_path(
             None if run is None else run.lm.timings_key, emulated=emulate_link or False)

@@ -28,6 +28,7 @@ import psutil
 import torch
 from rich import box
 from rich.console import Console
+from rich.text import Text
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -264,8 +265,8 @@ def render(report: dict, console: Console) -> None:
     peak = "peak RSS of the process (CPU)" if report["device"] == "cpu" else "peak device memory"
     weights, activations = report["weights"], report.get("activations", DEFAULT_ACTIVATIONS)
     precision = precision_label(report["dtype"], report["experts"], report["dense"], activations)
-    console.print(f"[bold]{report['label']}[/bold]", highlight=False)
-    console.print(f"device {report['device']} ({precision}) · {report['link']['label']}", highlight=False)
+    console.print(Text(report["label"], style="bold"), highlight=False)  # (a model's path: text, not markup)
+    console.print(f"device {report['device']} ({precision}) · {report['link']['label']}", highlight=False, markup=False)
     console.print(f"formats: experts {report['experts']} ({weights['experts_bytes'] / MiB:.1f} MiB in host RAM) · "
                   f"dense {report['dense']} (non-expert weights {weights['non_expert_bytes'] / MiB:.1f} MiB on the "
                   f"device) · activations {activations}",
@@ -300,7 +301,7 @@ def render(report: dict, console: Console) -> None:
     console.print("token ids identical across policies" if report["token_ids_identical"] else
                   "[red]token ids DIFFER across policies[/red]")
     if report.get("timing_note"):
-        console.print(f"[dim]note: {report['timing_note']}[/dim]", highlight=False)
+        console.print(Text(f"note: {report['timing_note']}", style="dim"), highlight=False)
     if report.get("interrupted") and report.get("rounds", 1) > 1:
         console.print(f"[yellow]PARTIAL: interrupted (Ctrl-C) in round {report['interrupted']['round']} of "
                       f"{report['rounds']}; rounds measured: "
@@ -384,7 +385,7 @@ def _run_bench(opts: RunOptions, tokens: int, warmup: int, prompt: str, console:
             hooks.callback(routing.uninstall)
             engine.graph_veto = "the routing is replayed from a trace, token by token, by Python"  # a graph: frozen
             hooks.callback(setattr, engine, "graph_veto", None)
-            console.print(replay_note(routing), highlight=False, soft_wrap=True)
+            console.print(replay_note(routing), highlight=False, soft_wrap=True, markup=False)
             if opts.predictor not in ROUTING_ONLY_PREDICTORS:
                 console.print(f"[dim]note: --predictor {opts.predictor} reads the model's hidden states, which did "
                               f"not make the replayed routing: its predictions run but are not the traced model's; "

@@ -6,11 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.types import SEED_RANGE
 from fmoe_cli.options import RunOptions
 
 TEMPERATURE = 0.7  # 0: greedy
 TOP_P = 0.9  # nucleus sampling threshold
 MAX_NEW_TOKENS = 512  # the longest answer, in tokens
+
+
+MIN_CONTEXT = 64  # tokens of KV cache a conversation is given at least (chat, serve: --context)
 
 
 @dataclass(frozen=True)
@@ -32,4 +36,9 @@ class ChatOptions:
             raise FmoeError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise FmoeError("--max-new-tokens must be at least 1")
+        if self.run.context is not None and self.run.context < MIN_CONTEXT:  # (0 is `fmoe plan`'s "no KV cache")
+            raise FmoeError(f"--context must be at least {MIN_CONTEXT} tokens for a conversation (a message, its "
+                            f"template and an answer), got {self.run.context}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise FmoeError(f"--seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {self.seed}")
         self.run.check()

@@ -35,6 +35,7 @@ from fmoe_cli.generate import DecodeGraph, SamplingParams, TokenEvent, conversat
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
 from fmoe_cli.run import context_length
+from fmoe_cli.types import SEED_RANGE
 
 IdleHook = Callable[[], object]  # work for the idle device (re-planning); never runs during an answer
 
@@ -167,7 +168,9 @@ class ChatSession:
             self.recorder.start_sequence(self.turns)
         sampling = self.sampling
         if sampling.seed is not None:  # reproducible, yet a different stream every turn
-            sampling = SamplingParams(sampling.temperature, sampling.top_p, sampling.seed + self.turns - 1)
+            low, high = SEED_RANGE  # the turn's seed wraps within what the generator takes
+            seed = low + (sampling.seed + self.turns - 1 - low) % (high - low + 1)
+            sampling = SamplingParams(sampling.temperature, sampling.top_p, seed)
         self.last_answer_ids = []
         events, pieces, finish = [], [], "length"
         try:

@@ -375,6 +375,8 @@ def router_decode(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalise: 
     index = torch.empty(1, top_k, dtype=torch.int64)
     status = library().fmoe_router_decode(x.data_ptr(), weight.data_ptr(), experts, hidden, top_k, int(normalise),
                                           logits.data_ptr(), weights.data_ptr(), index.data_ptr())
+    if status == -2:
+        raise ValueError(f"top-{top_k} of {experts} experts")
     if status != 0:
         raise MemoryError("the router kernel could not allocate its softmax")
     return logits, weights, index

@@ -300,10 +300,17 @@ int fmoe_attention_prefill_bf16(uint16_t *qkv, int64_t tokens, int64_t heads_q, 
    p = softmax(logits) (exp of each logit minus the largest, divided by their sum), the K largest p in descending
    order (ties: the lower expert first, as torch.topk), divided by their sum where `normalise`.
    logits [E], weights [K] (float32) and index [K] (int64) are written. Returns 0, or -1: no memory for the softmax. */
+/* Whether probability a ranks before b in torch.topk's order: NaN above every number (a damaged weight or an
+   overflow makes the scores NaN; they must still name K distinct experts), then by value. */
+static int ranks_before(float a, float b) { return (isnan(a) && !isnan(b)) || a > b; }
+
 int fmoe_router_decode(const float *x, const float *w, int64_t experts, int64_t hidden, int64_t k, int normalise,
                        float *logits, float *weights, int64_t *index) {
-    float *p = malloc((size_t)experts * sizeof(float)); /* the softmax, made once; a taken expert's set to -1 */
+    if (k > experts) return -2;
+    float *p = malloc((size_t)experts * (sizeof(float) + 1)); /* the softmax, made once, and which are taken */
     if (p == NULL) return -1;
+    unsigned char *taken = (unsigned char *)(p + experts);
+    memset(taken, 0, (size_t)experts);
     float top = -INFINITY;
     for (int64_t e = 0; e < experts; e++) {
         logits[e] = dot(x, w + e * hidden, hidden);
@@ -319,10 +326,10 @@ int fmoe_router_decode(const float *x, const float *w, int64_t experts, int64_t 
     for (int64_t j = 0; j < k; j++) { /* selection: K is small (2–8 of 8–128) */
         int64_t best = -1;
         for (int64_t e = 0; e < experts; e++)
-            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+            if (!taken[e] && (best < 0 || ranks_before(p[e], p[best]))) best = e;
         index[j] = best;
         weights[j] = p[best];
-        p[best] = -1.0f;
+        taken[best] = 1;
     }
     free(p);
     if (normalise) {

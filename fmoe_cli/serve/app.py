@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from rich.console import Console
+from rich.text import Text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fmoe_cli.chat import MAX_NEW_TOKENS, ChatOptions
@@ -507,7 +508,7 @@ def run_serve(run: RunOptions, options: ServeOptions, sock: socket.socket, err_c
         err_console.print(f"fmoe serve · {lm.label} · {lm.device} · {chat.link_label} · plan {session.settings.plan.summary()}",
                           highlight=False, soft_wrap=True)
         if (warning := options.exposure_warning()) is not None:
-            err_console.print(f"[bold yellow]warning:[/bold yellow] {warning}", highlight=False, soft_wrap=True)
+            err_console.print(Text.assemble(("warning:", "bold yellow"), " ", warning), highlight=False, soft_wrap=True)
         err_console.print(f"listening on http://{shown}:{port}/v1 (model id {run.model!r}); Ctrl-C stops",
                           highlight=False, soft_wrap=True)
         server = serve_in(service, sock)

@@ -17,9 +17,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fmoe_cli.types import SEED_RANGE
+
 MAX_STOPS = 16  # stop strings per request (OpenAI allows 4; more cost nothing here)
 MAX_DEPTH = 32  # nesting of a request body's arrays and objects (OpenAI's requests need 5; json's recursion stops near 1000)
-SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 class ApiError(Exception):
