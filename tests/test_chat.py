@@ -400,6 +400,17 @@ def test_save_never_overwrites_without_save_bang(checkpoints, tmp_path):
     assert json.loads(mine.read_text())["messages"][0]["content"] == "hello"
 
 
+@pytest.mark.parametrize("command", ["/save", "/save!"])
+def test_save_to_a_directory_says_it_is_one_and_offers_no_save_bang(checkpoints, tmp_path, command):
+    """/save or /save! to a directory: one line that names it a directory, never the /save! hint
+    (/save! cannot write there either)."""
+    session, out, _ = chat(checkpoints["mixtral"], ["hello", f"{command} {tmp_path}"])
+    unwrapped = "".join(out.split())  # the 80-column console breaks a long path anywhere
+    assert "".join(f"error: {tmp_path} is a directory: nothing saved".split()) in unwrapped
+    assert sum(1 for line in out.splitlines() if line.startswith("error:")) == 1
+    assert "/save!" not in unwrapped and list(tmp_path.iterdir()) == []
+
+
 def test_a_replan_that_runs_out_of_device_memory_says_so_and_the_chat_goes_on(checkpoints, monkeypatch):
     """Issue 20 §2: the idle re-plan runs out of device memory for its plan (and for the plan before): the
     engine builds the staging pool alone, the chat says so in one line, and the next answers run on it."""
