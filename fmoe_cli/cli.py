@@ -343,7 +343,7 @@ def cache(
 @app.command()
 @user_errors
 def replay(
-    trace: Annotated[str, typer.Argument(help="Routing trace: fmoe JSONL, or the vLLM dumps of shared/traces.")],
+    trace: Annotated[str, typer.Argument(help="Routing trace: fmoe JSONL (as --trace-out writes it), or a vLLM routing dump.")],
     cache_sizes: Annotated[str, typer.Option("--cache-sizes", help="Experts cached per layer: 1-7, 2,4,6 or 1-3,6.")] = "1-7",
     policies: Annotated[str, typer.Option(
         help=f"Comma-separated eviction policies: {', '.join(POLICIES)} (belady is always added).")] = ",".join(

@@ -17,9 +17,9 @@ line one (token, layer) record:
 Header fields other than `fmoe_trace` are optional; without them the number of
 layers and experts is taken from the records. The header itself is optional too.
 
-The reader also accepts the external vLLM routing format of `shared/traces/`
-(`dataset`, `problem_id`, `layer`, `experts`, `gating_probs`, `token_idx`; the
-sequence is (dataset, problem_id)). In both formats a token is kept only when
+The reader also accepts the external vLLM routing format, as in the public Mixtral-8x7B dump of
+docs/traces.md § Real routing (`dataset`, `problem_id`, `layer`, `experts`, `gating_probs`, `token_idx`;
+the sequence is (dataset, problem_id)). In both formats a token is kept only when
 every layer of the trace is present (a recording cut short leaves partial tokens).
 """
 

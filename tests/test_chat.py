@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +13,14 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from typer.main import get_command
 from typer.testing import CliRunner
 
 import fmoe_cli.chat.session as session_module
 from fmoe_cli.trace import read_trace
 from fmoe_cli.chat.repl import Chat, ChatOptions, open_chat, prompt_reader
 from fmoe_cli.cli import app
+from fmoe_cli.planning.presets import PRESETS
 from fmoe_cli.run import RunOptions
 
 MAX_NEW = 6
@@ -400,6 +403,17 @@ def test_save_never_overwrites_without_save_bang(checkpoints, tmp_path):
     assert json.loads(mine.read_text())["messages"][0]["content"] == "hello"
 
 
+@pytest.mark.parametrize("command", ["/save", "/save!"])
+def test_save_to_a_directory_says_it_is_one_and_offers_no_save_bang(checkpoints, tmp_path, command):
+    """/save or /save! to a directory: one line that names it a directory, never the /save! hint
+    (/save! cannot write there either)."""
+    session, out, _ = chat(checkpoints["mixtral"], ["hello", f"{command} {tmp_path}"])
+    unwrapped = "".join(out.split())  # the 80-column console breaks a long path anywhere
+    assert "".join(f"error: {tmp_path} is a directory: nothing saved".split()) in unwrapped
+    assert sum(1 for line in out.splitlines() if line.startswith("error:")) == 1
+    assert "/save!" not in unwrapped and list(tmp_path.iterdir()) == []
+
+
 def test_a_replan_that_runs_out_of_device_memory_says_so_and_the_chat_goes_on(checkpoints, monkeypatch):
     """Issue 20 §2: the idle re-plan runs out of device memory for its plan (and for the plan before): the
     engine builds the staging pool alone, the chat says so in one line, and the next answers run on it."""
@@ -431,3 +445,15 @@ def test_a_replan_that_runs_out_of_device_memory_says_so_and_the_chat_goes_on(ch
     assert "loading every expert on demand" in flat and "FmoeError" not in flat and "failed" not in flat
     assert session.turns == 3 and sum(1 for m in session.messages if m["role"] == "assistant") == 3
     assert all(lp.cache_size == 0 for lp in session.engine.settings.plan.layers)
+
+
+def test_the_options_table_of_docs_chat_md_is_what_fmoe_chat_help_lists():
+    """docs/chat.md § Options: every option of `fmoe chat`, in --help's order, nothing else; every policy."""
+    command = get_command(app).commands["chat"]
+    options = [p.opts[0] for p in command.params if p.opts[0].startswith("--")]
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "chat.md").read_text(encoding="utf-8")
+    section = doc.split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("`")[1] for line in section.splitlines() if line.startswith("| `--")]
+    assert [row.split()[0] for row in rows] == options
+    policy_row = next(line for line in section.splitlines() if line.startswith("| `--policy`"))
+    assert [word.strip("`,") for word in policy_row.split("|")[3].split("(")[0].split()] == list(PRESETS)

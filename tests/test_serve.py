@@ -447,6 +447,11 @@ def test_oversize_body(server, monkeypatch):
     ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools"),
     ('{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', 400, "logprobs"),
     ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "only text"),
+    ('{"messages": [{"role": "user"}]}', 400, "messages.0.content: a message needs content"),
+    ('{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": null}]}', 400,
+     "messages.1.content: a message needs content"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}]}', 400,
+     "messages.1.content: a message needs content"),
     ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}', 400, "context is 1024 tokens"),
     ('{"messages": [{"role": "user", "content": "hi"}], "stop": ""}', 400, "stop string"),
     # hostile bodies: nesting (json's own recursion limit, then ours), encoding, numbers, ranges

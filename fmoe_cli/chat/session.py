@@ -274,8 +274,11 @@ class ChatSession:
         }
 
     def save(self, path: str | Path, overwrite: bool = False) -> Path:
-        """The conversation as JSON; an existing file is replaced only when `overwrite` (`/save!`)."""
+        """The conversation as JSON; an existing file is replaced only when `overwrite` (`/save!`), a
+        directory never."""
         path = Path(path).expanduser()
+        if path.is_dir():  # "x" would call it existing, "w" fails: neither /save nor /save! can write there
+            raise FmoeError(f"{path} is a directory: nothing saved")
         text = json.dumps(self.to_json(), indent=2, ensure_ascii=False) + "\n"
         try:
             with open(path, "w" if overwrite else "x", encoding="utf-8") as f:  # "x": never over the user's file

@@ -276,8 +276,9 @@ def now_iso() -> str:
 def default_profile_path(key: str | None = None, config_dir: Path | None = None, *, emulated: bool | float = False,
                          quick: bool = False) -> Path:
     """The user's config directory: profiles/device.json, or profiles/<key>.json with a model's timings, where
-    `key` is the model's key (models.identity.model_key: where it comes from and its fingerprint, so a
-    directory named `demo` is not the demo). A profile of an emulated link is kept apart, one per link
+    `key` is its timings key (models.load.LoadedModel.timings_key: the model's key, where it comes from and its
+    fingerprint, so a directory named `demo` is not the demo, then the formats it runs in:
+    `demo-6860a8e3d24f.bf16-bf16-float32-float`). A profile of an emulated link is kept apart, one per link
     (`emulated` = its GB/s: `*.emulated-<GB/s>gbps.json`; True: `*.emulated.json`, as saved before): it never
     stands in for the real link. `quick`: the quick estimate a run measured without a profile
     (`*.quick.json`), kept for the next run (fmoe_cli/run.py: find_timings)."""

@@ -179,19 +179,24 @@ class ChatRequest(_Generation):
 
     def conversation(self) -> list[dict]:
         """The messages as the chat template takes them ({"role", "content": str}): text parts joined,
-        `developer` as `system`; tool messages and non-text parts refused."""
+        `developer` as `system`; tool messages, missing or null content and non-text parts refused."""
         out = []
         for i, m in enumerate(self.messages):
             if m.role in ("tool", "function"):
                 raise ApiError(400, "tool and function messages are not supported", param=f"messages.{i}.role")
             content = m.content
+            if content is None:
+                raise ApiError(400, f"messages.{i}.content: a message needs content (a string or text parts); "
+                                    "missing or null content is only for an assistant's tool calls, which are "
+                                    "not supported",
+                               param=f"messages.{i}.content")
             if isinstance(content, list):
                 for part in content:
                     if part.type != "text" or part.text is None:
                         raise ApiError(400, f"only text content is supported, got a {part.type!r} part",
                                        param=f"messages.{i}.content")
                 content = "".join(part.text for part in content)
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         return out
 
 
