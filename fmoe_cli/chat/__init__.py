@@ -14,7 +14,7 @@ TOP_P = 0.9  # nucleus sampling threshold
 MAX_NEW_TOKENS = 512  # the longest answer, in tokens
 
 
-MIN_CONTEXT = 64  # tokens of KV cache a conversation is given at least (chat, serve: --context)
+MIN_CONTEXT = 16  # tokens of KV cache a conversation is given at least (chat, serve: --context): a short message and answer
 
 
 @dataclass(frozen=True)
