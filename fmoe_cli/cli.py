@@ -214,7 +214,7 @@ def bench(
                        trust_remote_code=trust_remote_code, shape_link=True, context=context,
                        host_threads=host_threads, replay_routing=replay_routing,
                        if_fits=("resident",) if policy is None and compare is None else ())
-    check_counts(tokens, warmup, rounds)
+    check_counts(tokens, warmup, rounds, opts.context_limit())
     prompt_text = read_prompt(prompt, prompt_file)
     replay = None
     if replay_routing is not None:  # (the standard library alone: a malformed trace is one line at once)

@@ -39,11 +39,14 @@ def check_device_text(device: str) -> None:
         raise no_gpu(device)
 
 
-def check_model_text(model: str) -> None:
-    """`demo`, a hub id, or a local model directory that exists and holds a good config.json."""
-    local = None if model == "demo" else local_model_dir(model)
-    if local is not None:
-        check_config_file(local / "config.json")
+DEMO_DIR = Path(__file__).parent / "models" / "demo_model"  # the shipped demo (models/demo.py SHIPPED, without torch)
+
+
+def check_model_text(model: str) -> int | None:
+    """`demo`, a hub id, or a local model directory that exists and holds a good config.json; returns the model's
+    context where its config is at hand (a local directory, the demo) and says."""
+    local = (DEMO_DIR if (DEMO_DIR / "config.json").exists() else None) if model == "demo" else local_model_dir(model)
+    return check_config_file(local / "config.json") if local is not None else None
 
 
 MAX_HOST_THREADS = 256
@@ -105,4 +108,12 @@ class RunOptions:
             check_trace_out(self.trace_out, self.overwrite_trace)
         if self.profile is not None:
             Profile.load(Path(self.profile))
-        check_model_text(self.model)
+        model_context = check_model_text(self.model)
+        if self.context is not None:  # beyond the model's own context (where its config is at hand): now, not in 6 s
+            resolve_context(self.context, model_context, 0)
+
+    def context_limit(self) -> int | None:
+        """The most positions a run can hold, known without torch: --context, else the model's own context where its
+        config is at hand (a local directory, the demo); None otherwise. A bound, not the run's context (that is
+        resolved once the model is read): a prompt needs one of them too."""
+        return self.context if self.context is not None else check_model_text(self.model)

@@ -27,13 +27,19 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str | None:
     return text
 
 
-def check_counts(tokens: int, warmup: int, rounds: int = 1) -> None:
+def check_counts(tokens: int, warmup: int, rounds: int = 1, limit: int | None = None) -> None:
+    """The counts' ranges; `limit`: the positions a run can hold at most (RunOptions.context_limit), which --tokens
+    and --warmup must leave one of for the prompt (the exact check, with the prompt's length, once it is encoded)."""
     if tokens < 1:
         raise FmoeError("--tokens must be at least 1")
     if warmup < 0:
         raise FmoeError("--warmup must be 0 or more")
     if rounds < 1:
         raise FmoeError("--rounds must be at least 1")
+    for option, count in (("--tokens", tokens), ("--warmup", warmup)):
+        if limit is not None and count >= limit:
+            raise FmoeError(f"{option} {count}: the context of {limit} tokens holds the prompt too; use "
+                            f"{option} {limit - 1} or less")
 
 
 def check_replay(trace: Trace, tokens: int, warmup: int, predictor: str) -> None:

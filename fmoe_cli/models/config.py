@@ -74,6 +74,10 @@ def check_config_fields(raw: object, source: str) -> None:
                         f"{fields['num_hidden_layers']}")
 
 
-def check_config_file(path: Path) -> None:
-    """config.json read (size-limited) and its fields checked (`check_config_fields`)."""
-    check_config_fields(read_json(path, "model config"), str(path))
+def check_config_file(path: Path) -> int | None:
+    """config.json read (size-limited) and its fields checked (`check_config_fields`); returns the model's context
+    (max_position_embeddings) where it says, so that the options beyond it are refused before torch is imported."""
+    raw = read_json(path, "model config")
+    check_config_fields(raw, str(path))
+    context = text_fields(raw).get("max_position_embeddings")
+    return context if type(context) is int and context > 0 else None
