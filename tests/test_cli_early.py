@@ -195,6 +195,7 @@ def test_ctrl_c_in_a_later_round_reports_every_round_measured(checkpoints, monke
     else:
         assert f"PARTIAL: interrupted (Ctrl-C) in round 2 of 2; rounds measured: {line}" in \
             result.stdout.replace("\n", " "), result.stdout
+        assert "2 of 2 rounds interleaved" in result.stdout.replace("\n", " "), result.stdout  # not all 2 asked
 
 
 def test_bench_shows_progress_per_token(checkpoints, monkeypatch):

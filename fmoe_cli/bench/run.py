@@ -288,7 +288,9 @@ def render(report: dict, console: Console) -> None:
                   f"prefetch precision/recall; MiB/t = moved per token; peak = {peak}, MiB; "
                   f"ratio = TPOT ÷ TPOT of {report['ratios_to']}.[/dim]", highlight=False)
     if report.get("rounds", 1) > 1:
-        console.print(f"[dim]{report['rounds']} rounds interleaved in this process (the order reversed every other "
+        cut = report.get("interrupted")  # (Ctrl-C: the rounds begun, of those asked)
+        rounds = f"{cut['round']} of {report['rounds']}" if cut and cut.get("round") else str(report["rounds"])
+        console.print(f"[dim]{rounds} rounds interleaved in this process (the order reversed every other "
                       f"round); TPOT, the other figures and ratio are medians of the rounds'. Per policy: TPOT min–max "
                       f"over the rounds; TPOT ÷ {report['ratios_to']}'s paired within each round, median (min–max):[/dim]",
                       highlight=False)
