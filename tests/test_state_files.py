@@ -349,3 +349,20 @@ def test_chat_with_read_only_history(read_only_dir, capsys):
     assert "Unhandled exception" not in captured.out + captured.err
     warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "history" in warnings[0], captured.err
+
+
+def test_a_link_measurement_that_cannot_be_saved_is_made_and_said_once(read_only_dir, monkeypatch, capsys):
+    """A read-only config directory: the process measures the link once and warns once, however many times a run
+    asks for it (chat asked twice: two measurements, two warnings)."""
+    import torch
+
+    from fmoe_cli.profiling import device as device_module
+
+    monkeypatch.setattr(device_module, "_UNSAVED_LINKS", {})
+    measured = []
+    real = device_module.measure_link
+    monkeypatch.setattr(device_module, "measure_link", lambda *a, **k: measured.append(1) or real(*a, **k))
+    first = device_module.device_link(torch.device("cpu"), config_dir=read_only_dir)
+    assert device_module.device_link(torch.device("cpu"), config_dir=read_only_dir) is first
+    assert len(measured) == 1
+    assert capsys.readouterr().err.count("cannot save the link's measurement") == 1

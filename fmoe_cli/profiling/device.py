@@ -205,6 +205,8 @@ def device_link(device: torch.device, config_dir: Path | None = None) -> LinkFit
             continue
         if profile.device.link.kind == "measured":
             return profile.device.link
+    if identity in _UNSAVED_LINKS:
+        return _UNSAVED_LINKS[identity]
     samples = measure_link(device, link_plan(device, quick=True))
     latency, bandwidth = fit_link(samples)
     where = "CPU memcpy (no GPU: the CPU is the device)" if device.type == "cpu" else f"pinned host → {device} ({identity.name})"
@@ -215,4 +217,8 @@ def device_link(device: torch.device, config_dir: Path | None = None) -> LinkFit
                 created=now_iso()).save(path)
     except OSError as exc:
         warn(f"cannot save the link's measurement to {path} ({exc.strerror or exc}); the next run measures it again")
+        _UNSAVED_LINKS[identity] = link  # this process measures it once all the same (and says so once)
     return link
+
+
+_UNSAVED_LINKS: dict = {}  # device identity -> the link this process measured and could not save
