@@ -366,3 +366,15 @@ def test_hit_curve_is_that_of_a_cache_that_admits_every_miss() -> None:
         assert recorded.layers[0].hit_rate(c) == pytest.approx(engine, abs=0.005), c
         assert by_priority.hit_rate(c) < engine - 0.1, c
     assert by_priority.hit_rate(2) < engine_at_2 / 3
+
+
+def test_a_recorder_that_observed_nothing_writes_no_file(tmp_path):
+    """A run that failed before its first token (a model without a tokenizer, damaged weights) leaves no statistics
+    file behind; one that observed a token writes it."""
+    from fmoe_cli.planning.stats import open_recorder
+
+    path = tmp_path / "m.stats.json"
+    recorder = open_recorder("m", 2, 8, 2, path)
+    assert recorder.save() is None and not path.exists()
+    recorder.stats.layers[0].observe([1, 2], list(range(8)))
+    assert recorder.save() == path and path.exists()

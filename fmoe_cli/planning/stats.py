@@ -515,6 +515,8 @@ class StatsRecorder:
         if self.path is None:
             return None
         path = Path(self.path)
+        if all(mine.tokens == saved.tokens for mine, saved in zip(stats.layers, self._saved)):
+            return path if path.exists() else None  # nothing observed since (a run that failed to load): no file
         try:
             with locked(path):
                 disk = _read_saved(path, (stats.num_layers, stats.num_experts, stats.top_k))
