@@ -191,18 +191,23 @@ def transformers_tpot(path: Path, device: str, tokens: int) -> float:
     with torch.no_grad():
         for n in (2, 2 + tokens):  # the difference of two lengths: decode steps alone
             model.generate(x, max_new_tokens=n, do_sample=False)  # warm
-            if device == "cuda":
-                torch.cuda.synchronize()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
             model.generate(x, max_new_tokens=n, do_sample=False)
-            if device == "cuda":
-                torch.cuda.synchronize()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
     return (times[1] - times[0]) * 1000 / tokens
 
 
+PART_B_MIN_S = 150  # part B's least time: the a3b build, a quick profile, the bench (else it is skipped, said)
+
+
 def part_b(args, work: Path, out: Path, deadline: float) -> list[str]:
     path = work / f"a3b-x{args.layers}"
+    if deadline - time.monotonic() < PART_B_MIN_S:
+        return [f"skipped: {deadline - time.monotonic():.0f} s left of --seconds, part B needs {PART_B_MIN_S}"]
     started = time.monotonic()
     if not (path / "model.safetensors").exists():
         build_a3b(path, args.layers, args.device, args.experts)
@@ -210,8 +215,8 @@ def part_b(args, work: Path, out: Path, deadline: float) -> list[str]:
              f"(built in {time.monotonic() - started:.0f} s)", ""]
     # the model's profile (saved where the bench finds it: its quick estimate is not measured again): the device's
     # link (plain copies) and the engine's own link at this model's copies (issue 37 §5), one line each
-    rc, err = fmoe(["profile", "--quick", "--model", str(path), "--device", args.device, "--json"], timeout=240,
-                   out=out / "profile.json")
+    rc, err = fmoe(["profile", "--quick", "--model", str(path), "--device", args.device, "--json"],
+                   timeout=max(30, min(240, deadline - time.monotonic() - 60)), out=out / "profile.json")
     profile = (report_of(out / "profile.json") or {}).get("profile") or {}
     links = [("the device's", profile.get("device", {}).get("link")), ("the engine's", (profile.get("model") or {}).get("link"))]
     lines += [f"`fmoe profile --quick --model`, {whose} link: {link['bandwidth'] / 1e9:.1f} GB/s, latency "
@@ -425,7 +430,7 @@ def main() -> None:
     deadline = start + args.seconds
     import torch
 
-    name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu (dry run)"
+    name = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu (dry run)"
     lines = [f"# GPU check, {time.strftime('%Y-%m-%d')}, {name}, torch {torch.__version__}", ""]
     print("\n".join(lines), flush=True)
     for part in args.parts:  # in the order given
@@ -439,6 +444,7 @@ def main() -> None:
             section = ["## D. MoEpic's table on the device (issue 38)", ""] + part_d(args, work, out, deadline)
         lines += section + [""]
         print("\n".join(section), flush=True)
+        (out / "gpu_check.md").write_text("\n".join(lines) + "\n")  # each section kept, should a later one be killed
     lines.append(f"(the check took {time.monotonic() - start:.0f} s)")
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
     print(lines[-1])

@@ -633,3 +633,14 @@ def test_cache_bound_counts_the_window_and_pools_the_budget(tmp_path, capsys):
     routes = [[[0], [1], [0], [1], [0], [1]], [[5]] * 6]
     assert bound.shared_lru_hits(routes, 2) == 5 and bound.shared_lru_hits(routes, 3) == 9
     assert bound.shared_lru_hits(routes, 0) == 0 and bound.shared_lru_hits(routes, 12) == 9  # all but the 3 firsts
+
+
+def test_the_gpu_check_skips_part_b_without_the_time_for_it(tmp_path):
+    """A lent GPU's command has a hard limit: part B (a 9 GiB build, a profile, the bench) is not begun with less
+    than its least time left of --seconds, and each section is written as it ends."""
+    script = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--parts", "b",
+              "--seconds", "5", "--out", str(tmp_path / "out")]
+    result = subprocess.run(script, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "part B needs 150" in (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "built in" not in result.stdout  # nothing was built

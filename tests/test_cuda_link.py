@@ -254,3 +254,23 @@ def test_in_flight_is_counted_in_bytes_and_chunk_events_block(fake_cuda):
     assert link.bytes_moved == 10 * 256 + KiB
     assert fake_cuda.copy_records and all(e.blocking for e in fake_cuda.copy_records)
     link.close()
+
+
+def test_a_refused_read_only_page_lock_leaves_no_cuda_error_behind(monkeypatch):
+    """cudaHostRegister refused read-only (a driver without it) and accepted writable: the refusal is cleared from the
+    thread's last CUDA error (torch's binding does not; its next kernel launch would report it, anywhere)."""
+    from fmoe_cli.offload import store as store_module
+
+    calls, cleared = [], []
+
+    class Runtime:
+        def cudaHostRegister(self, pointer, nbytes, flags):
+            calls.append(flags)
+            return 801 if flags & store_module.HOST_REGISTER_READ_ONLY else 0  # cudaErrorNotSupported
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    monkeypatch.setattr(store_module, "clear_cuda_error", lambda: cleared.append(len(calls)))
+    memory = torch.zeros(4096, dtype=torch.uint8)
+    buffer = store_module.HostBuffer(4096, pin=True, memory=memory)
+    assert buffer.registered and len(calls) == 2 and calls[0] & store_module.HOST_REGISTER_READ_ONLY
+    assert cleared == [1]  # right after the refusal, before anything else runs on CUDA

@@ -343,3 +343,26 @@ def test_down_rows_grouped_along_the_neurons_hold_what_the_docs_say(experts, hid
         s = (tiles.amax(-1) - tiles.amin(-1)) / 15
     assert (errors.abs().amax(-1) <= s * 0.5 * 1.01 + 1e-6).all()
     assert (errors.abs().amax(-1) > 0).any()
+
+
+def test_each_thread_dequantises_into_its_own_workspace():
+    """The host lane's workers dequantise blocks at once (torch's path: no kernels): one workspace each, or two of
+    them write the same buffer and the host's partial sums are wrong; one thread reuses its own."""
+    import threading
+    import types
+
+    from fmoe_cli.offload.quant import QuantStore
+
+    store = types.SimpleNamespace(_workspace={})
+    pointers = []
+
+    def take() -> None:
+        float32, bf16 = QuantStore._workspaces(store, torch.device("cpu"), torch.bfloat16, 1024)
+        pointers.append((float32.data_ptr(), bf16.data_ptr()))
+
+    take()
+    worker = threading.Thread(target=take)
+    worker.start()
+    worker.join()
+    take()
+    assert pointers[0] == pointers[2] and not set(pointers[0]) & set(pointers[1])

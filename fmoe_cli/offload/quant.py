@@ -39,6 +39,7 @@ checkpoint with its experts replaced by `dequantize` of the stored rows.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -216,7 +217,7 @@ class QuantStore(HostStore):
         # float32 [I, 3, H] blocks the loader assembles experts in: the codes do not depend on --dtype
         self._blocks: list[torch.Tensor] = []
         # Where a block of a segment is dequantised: float32 ŵ, and the compute dtype's copy ([block_rows·3·H] each).
-        self._workspace: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._workspace: dict = {}  # (device, dtype, thread) -> (float32 workspace, the compute dtype's or None)
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -243,14 +244,15 @@ class QuantStore(HostStore):
         return top + self.torch_forward(x, segment, act)
 
     def _workspaces(self, device: torch.device, dtype: torch.dtype, elements: int):
-        """The float32 workspace and the compute dtype's (None for float32), grown to `elements` if needed."""
-        ws = self._workspace
-        if ws is None or ws[0].numel() < elements or ws[0].device != device or (ws[1] is None) != (dtype == torch.float32) \
-                or (ws[1] is not None and ws[1].dtype != dtype):
+        """The float32 workspace and the compute dtype's (None for float32), grown to `elements` if needed: one per
+        device, dtype and thread (the host lane's workers dequantise at once, beside the device's own calls)."""
+        key = (device, dtype, threading.get_ident())
+        ws = self._workspace.get(key)
+        if ws is None or ws[0].numel() < elements:
             with torch.inference_mode(False):  # normal tensors: written in and out of inference mode
-                self._workspace = ws = (torch.empty(elements, dtype=torch.float32, device=device),
-                                        None if dtype == torch.float32 else torch.empty(elements, dtype=dtype,
-                                                                                       device=device))
+                ws = self._workspace[key] = (torch.empty(elements, dtype=torch.float32, device=device),
+                                             None if dtype == torch.float32 else torch.empty(elements, dtype=dtype,
+                                                                                            device=device))
         return ws
 
     def rows(self, segment: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 import threading
 
@@ -74,6 +75,25 @@ def _madvise():
     return libc.madvise
 
 
+def clear_cuda_error() -> None:
+    """Clear this thread's last CUDA error after a refused cudaHostRegister: torch's binding returns the status
+    without clearing it, and torch's next kernel launch would report it there, anywhere (as "operation not
+    supported"). Through the CUDA runtime torch loaded (never loaded anew: nothing where torch has none)."""
+    lib = _loaded_cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
+
+
+@functools.cache
+def _loaded_cudart():
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # only the one already in the process
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 @functools.cache
 def _warn_not_read_only() -> None:
     warn("this GPU cannot page-lock memory read-only: the converted store's pages are copied into RAM")
@@ -93,11 +113,15 @@ class HostBuffer:
             cudart = torch.cuda.cudart()
             flags = register_flags(mapped=memory is not None)
             status = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, flags)
+            if int(status) != 0:
+                clear_cuda_error()
             if int(status) != 0 and flags & HOST_REGISTER_READ_ONLY:
                 # a driver or card without read-only registration: page-locked writable, which copies the
                 # mapped pages into RAM (the store's size, as an unconverted store takes)
                 _warn_not_read_only()
                 status = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, flags & ~HOST_REGISTER_READ_ONLY)
+                if int(status) != 0:
+                    clear_cuda_error()
             if int(status) != 0:
                 raise FmoeError(f"cannot page-lock {nbytes / 2**30:.2f} GiB of host memory for the GPU "
                                 f"(cudaHostRegister error {int(status)}); lower the memory limit (ulimit -l)?")
