@@ -274,3 +274,20 @@ def test_a_refused_read_only_page_lock_leaves_no_cuda_error_behind(monkeypatch):
     buffer = store_module.HostBuffer(4096, pin=True, memory=memory)
     assert buffer.registered and len(calls) == 2 and calls[0] & store_module.HOST_REGISTER_READ_ONLY
     assert cleared == [1]  # right after the refusal, before anything else runs on CUDA
+
+
+def test_a_new_thread_runs_on_the_device_current_where_it_was_made(monkeypatch):
+    """--device cuda:1: the serve worker's and the chat's idle threads make CUDA calls that name no device; they run
+    on the device current in the thread that made them (a new thread starts on device 0)."""
+    import threading
+
+    from fmoe_cli.offload.link import on_current_device
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: made.append((threading.current_thread().name, d)))
+    worker = threading.Thread(target=on_current_device(lambda: None), name="worker")
+    worker.start()
+    worker.join()
+    assert made == [("worker", 1)]

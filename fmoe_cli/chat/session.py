@@ -34,6 +34,7 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import DecodeGraph, SamplingParams, TokenEvent, conversation_cache, encode_messages, stream_generate
 from fmoe_cli.models.load import LoadedModel
 from fmoe_cli.offload.engine import Counters, Engine, EngineSettings
+from fmoe_cli.offload.link import on_current_device
 from fmoe_cli.run import context_length
 from fmoe_cli.types import SEED_RANGE
 
@@ -310,7 +311,7 @@ class IdleWork:
             except BaseException as exc:  # reported by wait(); the chat goes on
                 self._error = exc
 
-        self._thread = threading.Thread(target=run, name="fmoe-idle", daemon=True)
+        self._thread = threading.Thread(target=on_current_device(run), name="fmoe-idle", daemon=True)
         self._thread.start()
 
     def wait(self) -> str | None:

@@ -186,6 +186,20 @@ def device_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
             dst.copy_(src)
 
 
+def on_current_device(target: Callable) -> Callable:
+    """`target` for a new thread, run on the CUDA device that is current in the thread making it: a thread starts on
+    device 0, so with --device cuda:1 its calls that name no device (an event's record, a capture check) would
+    create a context on GPU 0 and record on its streams. Nothing on the CPU."""
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def run(*args, **kwargs):
+        if device is not None:
+            torch.cuda.set_device(device)
+        return target(*args, **kwargs)
+
+    return run
+
+
 # --- the device's results on the host ---------------------------------------------------
 def read_to_host(t: torch.Tensor) -> torch.Tensor:
     """`t` on the host, now: the one way the engine reads a device result it must act on (a layer's routing,

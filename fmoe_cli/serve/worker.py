@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fmoe_cli.offload.link import on_current_device
 from fmoe_cli.serve.protocol import StopText, Usage
 
 log = logging.getLogger("fmoe.serve")
@@ -99,10 +100,12 @@ class Worker:
         self.current: Job | None = None
         self.durations: collections.deque[float] = collections.deque(maxlen=32)  # seconds per answered job
         self.answered = 0
-        self._thread = threading.Thread(target=self._loop, name="fmoe-serve", daemon=True)
+        self._thread = threading.Thread(target=lambda: self._run(), name="fmoe-serve", daemon=True)
+        self._run = self._loop  # `start` puts it on the current CUDA device
         self._numbers = 0
 
     def start(self) -> Worker:
+        self._run = on_current_device(self._loop)  # the device the model was loaded on (not GPU 0 for cuda:1)
         self._thread.start()
         return self
 
