@@ -973,3 +973,23 @@ def test_recurring_experts_are_priced_as_the_cache_holds_them():
     compute = shape.num_layers * (timings.t_att + timings.t_moe) + timings.t_head
     priced = price_plan(plan, stats, timings, shape, max_prefetch=shape.top_k if plan.prefetch else 0).total_exposed
     assert priced >= 0.75 * (moepic - compute), (priced, moepic - compute)
+
+
+def test_a_layers_priced_candidates_are_kept_within_a_byte_budget(monkeypatch):
+    """The priced candidates of a layer are kept per budget (Algorithm 1 returns to budgets), within
+    TABLE_CACHE_BYTES, the oldest dropped first: counted in budgets alone, a 128-expert layer's tables (megabytes
+    each) took `fmoe plan` to 11 GiB of RAM on Qwen3-30B-A3B's config and past 16 GiB on DeepSeek-V3's."""
+    from fmoe_cli.planning import configurator
+
+    monkeypatch.setattr(configurator, "TABLE_CACHE_BYTES", 4 * 2**20)
+    shape = ExpertShape(1, 128, 8, 64, 768, 2)
+    (model,) = configurator._layer_models(RoutingStats.assume_uniform("m", 1, 128, 8),
+                                          Timings(1e-4, 2e-4, 1e-4, 3e-4, 8), shape, None)
+    budgets = [shape.expert_bytes * c // 4 for c in range(4, 200)]
+    for budget in budgets:
+        model.choose(budget, 1e-4)
+        kept = sum(a.nbytes for tables in model._by_budget.values() for a in tables if isinstance(a, np.ndarray))
+        assert kept <= configurator.TABLE_CACHE_BYTES
+    assert budgets[-1] in model._by_budget and budgets[0] not in model._by_budget  # the newest kept
+    first = model.choose(budgets[0], 1e-4)  # priced again, the same
+    assert model.choose(budgets[0], 1e-4) == first

@@ -240,6 +240,7 @@ class Configuration:
         return tuple(c.exposed for c in self.split.layers)
 
 
+TABLE_CACHE_BYTES = 8 * MiB  # a layer's priced candidates kept across budgets (`_LayerModel._tables`)
 MAX_COLUMNS = 1024  # (C, k) candidates per layer and budget: ≤ this many k per C over all C
 
 
@@ -334,10 +335,9 @@ class _LayerModel:
             k_max = min(budget // c // shape.neuron_bytes // block * block, shape.intermediate)
             if k_max < block:
                 break  # larger C hold less
-            blocks = k_max // block
-            picks = np.unique(np.round(np.linspace(1, blocks, min(blocks, self.per_size))).astype(np.int64))
+            picks = _spread_blocks(k_max // block, self.per_size)
             sizes += [c] * len(picks)
-            ks += list(picks * block)
+            ks += [p * block for p in picks]
         return np.array(sizes, dtype=np.int64), np.array(ks, dtype=np.int64)
 
     def _tables(self, budget: int) -> tuple:
@@ -373,8 +373,12 @@ class _LayerModel:
         split_hits = np.where((k > 0) & (k < shape.intermediate), shape.top_k * hit, 0.0)
         host = loaded * t.t_host_load + admitted * t.t_admit + split_hits * t.t_segment
         tables = (sizes, k, theta, cost, gain, taken, bottoms, cached, host, self._host_lane(sizes, k, theta, hit))
-        if len(self._by_budget) * len(sizes) > 4_000_000:
-            self._by_budget.clear()
+        # kept per budget (Algorithm 1 returns to a budget often), within TABLE_CACHE_BYTES a layer, the oldest out
+        # first: a table is [Y, candidates] floats several times over, 3.7 MB for Qwen3-30B-A3B's 128 experts, and
+        # a count of budgets alone let `fmoe plan` reach 11 GiB of RAM on that model (16 GiB and more on DeepSeek-V3)
+        nbytes = sum(a.nbytes for a in tables if isinstance(a, np.ndarray))
+        while self._by_budget and (len(self._by_budget) + 1) * nbytes > TABLE_CACHE_BYTES:
+            del self._by_budget[next(iter(self._by_budget))]
         self._by_budget[budget] = tables
         return tables
 
@@ -535,6 +539,13 @@ def _layer_models(stats: RoutingStats, timings: Timings, shape: ExpertShape, max
     if timings.top_k != shape.top_k:
         raise FmoeError(f"timings are for top-{timings.top_k} routing, the model routes to {shape.top_k}")
     return [_LayerModel(stats.curves(i), shape, timings, max_prefetch, host_lane) for i in range(shape.num_layers)]
+
+
+@lru_cache(maxsize=65536)
+def _spread_blocks(blocks: int, most: int) -> tuple[int, ...]:
+    """1..`blocks` whole neuron blocks, at most `most` of them evenly spread, ascending (the k candidates of one cache
+    size): made once per (blocks, most), where a plan's search asked numpy for them hundreds of thousands of times."""
+    return tuple(int(b) for b in np.unique(np.round(np.linspace(1, blocks, min(blocks, most))).astype(np.int64)))
 
 
 def _run(models: Sequence[_LayerModel], budgets: Sequence[int], start: int, window: float) -> list[LayerChoice]:
