@@ -24,12 +24,23 @@ TEMPORARY = re.compile(r"^\..+?(?:\.(\d+))?\.[^.]+\.tmp$")  # .<file>.<pid>.<ran
 STALE_S = 24 * 3600  # a temporary older than this is orphaned whatever its pid says
 
 
+CACHES = "caches (converted stores, compiled kernels)"
+
+
+def converted_dir() -> Path:
+    """Where quantised experts are converted to (offload/converted.py), kept between runs: what `fmoe cache clear`
+    empties (not the compiled kernels beside it, which another fmoe may be building or loading)."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("fmoe")) / "converted"
+
+
 def places() -> dict[str, Path]:
     """What each place holds -> where it is."""
     import platformdirs
 
     return {"profiles and routing statistics": Path(platformdirs.user_config_dir("fmoe")),
-            "converted stores (quantised experts)": Path(platformdirs.user_cache_dir("fmoe")),
+            CACHES: Path(platformdirs.user_cache_dir("fmoe")),
             "chat history": Path(platformdirs.user_data_dir("fmoe"))}
 
 
@@ -121,8 +132,8 @@ def _size(n: int) -> str:
 
 
 def run_cache(action: str, as_json: bool, console) -> dict:
-    """`fmoe cache`: list every place with its entries and sizes; `clear`: empty the cache directory (the
-    converted stores: rebuilt on the next quantised load), never the profiles, statistics or history."""
+    """`fmoe cache`: list every place with its entries and sizes; `clear`: empty the converted stores (rebuilt on
+    the next quantised load), never the compiled kernels, profiles, statistics or history."""
     import json
 
     from fmoe_cli.errors import FmoeError
@@ -133,7 +144,7 @@ def run_cache(action: str, as_json: bool, console) -> dict:
     where = places()
     freed = None
     if action == "clear":
-        freed = clear(where["converted stores (quantised experts)"])
+        freed = clear(converted_dir())
     report = {"places": [{"what": what, "path": str(root), "bytes": sum(n for _, n in usage(root)),
                           "entries": [{"path": str(p), "bytes": n} for p, n in usage(root)]}
                          for what, root in where.items()],

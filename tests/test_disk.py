@@ -15,7 +15,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from fmoe_cli.cli import app
-from fmoe_cli.disk import STALE_S, places, sweep
+from fmoe_cli.disk import CACHES, STALE_S, places, sweep
 
 KILLED_WRITER = """
 import os, sys, time
@@ -58,8 +58,11 @@ def test_sweep_keeps_a_live_writers_temporary_and_everything_else(tmp_path):
 
 def test_fmoe_cache_lists_with_sizes_and_clears_the_converted_stores_only():
     where = places()
-    config, cache = where["profiles and routing statistics"], where["converted stores (quantised experts)"]
+    config, cache = where["profiles and routing statistics"], where[CACHES]
     (cache / "converted").mkdir(parents=True, exist_ok=True)
+    kernel = cache / "kernels" / "fmoe-0123.so"  # compiled kernels: kept (another fmoe may be loading them)
+    kernel.parent.mkdir(parents=True, exist_ok=True)
+    kernel.write_bytes(b"\0" * 16)
     store = cache / "converted" / "0123456789abcdef0123-int4-v2.safetensors"
     store.write_bytes(b"\0" * 3 * 2**20)
     profile = config / "profiles" / "device.json"
@@ -74,7 +77,7 @@ def test_fmoe_cache_lists_with_sizes_and_clears_the_converted_stores_only():
     assert str(cache) in text and "MiB" in text
     cleared = CliRunner().invoke(app, ["cache", "clear"])
     assert cleared.exit_code == 0 and "MiB freed" in cleared.stdout, cleared.output
-    assert not store.exists() and profile.exists()
+    assert not store.exists() and profile.exists() and kernel.exists()
     bad = CliRunner().invoke(app, ["cache", "bogus"])
     assert bad.exit_code == 2 and bad.output.startswith("error: unknown action 'bogus'")
 

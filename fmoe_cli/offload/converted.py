@@ -31,6 +31,7 @@ from rich.console import Console
 from safetensors import SafetensorError, safe_open
 
 from fmoe_cli.types import ExpertShape
+from fmoe_cli.disk import converted_dir
 
 # 2: int4 rows pack code j with code j + H/2 (1 packed neighbours); 3: int8 and int4 down projections grouped along
 # the neurons (offload/quant.py quantize_down). A format the last change left alone keeps its version (KEPT_VERSIONS:
@@ -40,10 +41,6 @@ KEPT_VERSIONS = {"int2": 2}
 ALIGN = 64  # data offsets of every tensor: page-friendly, and any dtype view is aligned
 
 
-def converted_dir() -> Path:
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("fmoe")) / "converted"
 
 
 def format_version(experts: str) -> int:
