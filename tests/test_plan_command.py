@@ -199,6 +199,22 @@ def test_too_small_a_budget_says_how_much_is_needed(checkpoints):
     assert 8.5 * MiB < need < 9.5 * MiB
     result = runner.invoke(app, ["plan", path, "--vram", "1MiB", "--workspace", "8MiB"])
     one_line_error(result, f"needs at least {need / MiB:.0f} MiB")
+    # and what would shrink it: the options not already at their smallest
+    one_line_error(result, "smaller: --experts int4 or int2 (the staging pool), --dense int8 or int4")
+    smallest = runner.invoke(app, ["plan", path, "--vram", "1MiB", "--workspace", "8MiB", "--experts", "int2",
+                                   "--dense", "int4", "--context", "64"])
+    one_line_error(smallest, "; smaller: a smaller --context (the KV cache)")
+
+
+def test_resident_says_when_it_does_not_fit(checkpoints):
+    """The TPOT table's resident row is every expert on the device: where the budget cannot hold them it says so
+    (it read as the best row, 0 ms exposed, on a model 7 times the card)."""
+    path = str(checkpoints["mixtral"])
+    small = plan_json(path, "--vram", "10MiB", "--workspace", "8MiB")["tpot"]["policies"]["resident"]
+    big = plan_json(path, "--vram", "4GiB", "--workspace", "8MiB")["tpot"]["policies"]["resident"]
+    assert small["fits"] is False and big["fits"] is True
+    text = runner.invoke(app, ["plan", path, "--vram", "10MiB", "--workspace", "8MiB"], env={"COLUMNS": "200"}).stdout
+    assert "resident (does not fit)" in " ".join(text.split())
 
 
 @pytest.mark.parametrize("args, message", [

@@ -769,7 +769,8 @@ class DeviceBudget:
         """V_e: what is left for the top-segment caches."""
         return self.total - self.non_expert - self.staging - self.kv_cache - self.workspace
 
-    def check(self) -> None:
+    def check(self, smaller: str = "") -> None:
+        """One line where nothing is left for the experts; `smaller`: what would shrink the parts (the options)."""
         if self.expert_budget < 0:
             parts = (
                 f"non-expert weights {self.non_expert / MiB:.0f} MiB + staging pool {self.staging / MiB:.0f} MiB + "
@@ -778,7 +779,7 @@ class DeviceBudget:
             need = self.total - self.expert_budget
             raise FmoeError(
                 f"does not fit in {self.total / MiB:.0f} MiB of device memory: needs at least {need / MiB:.0f} MiB "
-                f"({parts}; short by {-self.expert_budget / MiB:.0f} MiB)"
+                f"({parts}; short by {-self.expert_budget / MiB:.0f} MiB){'; ' + smaller if smaller else ''}"
             )
 
 

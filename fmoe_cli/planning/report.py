@@ -75,6 +75,20 @@ class ModelFacts:
     dense_unquantised_bytes: int = 0  # U_n with every weight in the compute dtype (= non_expert_bytes when bf16)
 
 
+def smaller_options(experts: str, dense: str, context: int | None) -> str:
+    """What the options could shrink where a model does not fit (DeviceBudget.check): the experts' format (the
+    staging pool holds whole experts), the non-expert weights' and the KV cache's reservation."""
+    options = []
+    if experts in ("bf16", "int8"):
+        options.append("--experts int4 or int2 (the staging pool)")
+    if dense in ("bf16", "auto"):
+        options.append("--dense int8 or int4 (the non-expert weights)")
+    elif dense == "int8":
+        options.append("--dense int4 (the non-expert weights)")
+    options.append("a smaller --context (the KV cache)" if context else "--context (the KV cache)")
+    return "smaller: " + ", ".join(options)
+
+
 def config_path_of(model: str) -> Path:
     """A local config.json, a model directory holding one, `demo`, or config.json alone from the hub."""
     if model == "demo":
@@ -189,11 +203,12 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
 
     slots = min_staging_slots(shape)
     reserve = parse_budget(workspace, 0)
+    given_context = context
     context = resolve_context(context, facts.context_tokens, facts.kv_bytes_per_token,
                               total - facts.non_expert_bytes - reserve if total else None)
     device = DeviceBudget(total, facts.non_expert_bytes, slots * shape.expert_bytes,
                           facts.kv_bytes_per_token * context, reserve)
-    device.check()
+    device.check(smaller_options(experts, facts.dense, given_context))
     sequences = None
     if routing is not None:  # the plan is made from the trace's statistics: the plan the simulation runs
         check_trace_fits(routing, shape)
@@ -280,9 +295,9 @@ def predicted_tpot(shape: ExpertShape, budget: int, timings: Timings, bandwidth:
         plans[LLAMA_CPP_ROW] = EngineSettings(LLAMA_CPP_ROW, host_baselines(shape, budget)[LLAMA_CPP], "lcp", False,
                                               0.0, 0.0)
     for name, settings in plans.items():
-        if settings.plan.resident:
+        if settings.plan.resident:  # every expert on the device: its compute, where the budget holds them all
             out[name] = {"tpot_s": compute, "hit_rate": 1.0, "whole_hit_rate": 1.0, "exposed_s": 0.0, "host_s": 0.0,
-                         "plan": settings.plan.summary()}
+                         "plan": settings.plan.summary(), "fits": budget >= shape.all_experts_bytes}
             continue
         split = price_plan(settings.plan, stats, timings, shape, max_prefetch=shape.top_k if settings.prefetch else 0)
         hit = sum(c.hit_rate for c in split.layers) / len(split.layers)
@@ -454,6 +469,8 @@ def render(report: dict, console: Console) -> None:
         for col in ("policy", "TPOT ms", "top hit", "whole hit", "exposed load ms", "host ms"):
             table.add_column(col, justify="left" if col == "policy" else "right")
         for name, r in tpot["policies"].items():
+            if r.get("fits") is False:  # (resident: what it would take, were every expert on the device)
+                name = f"{name} (does not fit)"
             table.add_row(name, f"{r['tpot_s'] * 1e3:.1f}", f"{r['hit_rate']:.2f}", f"{r.get('whole_hit_rate', 0.0):.2f}",
                           f"{r['exposed_s'] * 1e3:.1f}", f"{r.get('host_s', 0.0) * 1e3:.1f}")
         console.print(table)
