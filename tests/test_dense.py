@@ -309,6 +309,8 @@ def test_plan_and_bench_show_the_formats(checkpoints):
     result, text = run("bench", path, "--experts", "int2", "--dense", "int4", "--tokens", "3", "--warmup", "0",
                        "--policy", "lru")
     assert "int2 experts, int4 dense" in text and "formats: experts int2" in text
+    result, text = run("bench", path, "--tokens", "3", "--warmup", "0", "--policy", "lru")  # the unquantised format
+    assert "formats: experts unquantised, float32 (" in " ".join(text.split()), text  # (it said `bf16` of float32)
 
 
 KJV = """The LORD is my shepherd; I shall not want.

@@ -267,8 +267,11 @@ def render(report: dict, console: Console) -> None:
     precision = precision_label(report["dtype"], report["experts"], report["dense"], activations)
     console.print(Text(report["label"], style="bold"), highlight=False)  # (a model's path: text, not markup)
     console.print(f"device {report['device']} ({precision}) · {report['link']['label']}", highlight=False, markup=False)
-    console.print(f"formats: experts {report['experts']} ({weights['experts_bytes'] / MiB:.1f} MiB in host RAM) · "
-                  f"dense {report['dense']} (non-expert weights {weights['non_expert_bytes'] / MiB:.1f} MiB on the "
+    def stored(fmt: str) -> str:  # `bf16` is the unquantised format: the rows in the compute dtype
+        return f"unquantised, {report['dtype']}" if fmt == "bf16" else fmt
+
+    console.print(f"formats: experts {stored(report['experts'])} ({weights['experts_bytes'] / MiB:.1f} MiB in host RAM)"
+                  f" · dense {stored(report['dense'])} (non-expert weights {weights['non_expert_bytes'] / MiB:.1f} MiB on the "
                   f"device) · activations {activations}",
                   highlight=False)
     console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
