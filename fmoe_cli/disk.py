@@ -158,7 +158,7 @@ def run_cache(action: str, as_json: bool, console) -> dict:
         for entry in place["entries"]:
             console.print(f"  {_size(entry['bytes']):>10}  {Path(entry['path']).name}", highlight=False)
     for path in swept:
-        console.print(f"removed {'a stale lock file' if path.name.endswith('.lock') else 'an orphaned temporary file'}: {path}", highlight=False)
+        console.print(f"removed {'an unused lock file (left by a finished run)' if path.name.endswith('.lock') else 'an orphaned temporary file'}: {path}", highlight=False)
     if freed is not None:
         console.print(f"cleared the converted stores: {_size(freed)} freed (profiles, statistics and history kept)",
                       highlight=False)

@@ -303,8 +303,9 @@ def render(report: dict, console: Console) -> None:
             console.print(f"  {r['policy']:<14} {len(per_round)} rounds, {min(per_round):.1f}–{max(per_round):.1f} ms"
                           + ("" if paired is None else f" · paired {paired['median']:.3f} "
                                                        f"({paired['min']:.3f}–{paired['max']:.3f})"), highlight=False)
-    console.print("token ids identical across policies" if report["token_ids_identical"] else
-                  "[red]token ids DIFFER across policies[/red]")
+    if len(report["runs"]) > 1:  # (one policy: nothing to compare)
+        console.print("token ids identical across policies" if report["token_ids_identical"] else
+                      "[red]token ids DIFFER across policies[/red]")
     if report.get("timing_note"):
         console.print(Text(f"note: {report['timing_note']}", style="dim"), highlight=False)
     if report.get("interrupted") and report.get("rounds", 1) > 1:
