@@ -287,7 +287,8 @@ def render(report: dict, console: Console) -> None:
         console.print(f"every policy ran once unmeasured first ({report['warm_round_tokens']} tokens): the device's "
                       f"warm-up is no policy's", highlight=False)
     console.print(bench_table(report))
-    console.print(f"[dim]ms: TTFT, TPOT median, p90, exp = exposed load per token, host = the host lane's compute per token. hit = hit rate; prec/rec = "
+    console.print(f"[dim]ms: TTFT, TPOT median, p90, exp = exposed load per token, host = the host lane's compute per token. "
+                  f"tok/s = 1000 ÷ the mean TPOT (slow tokens count). hit = hit rate; prec/rec = "
                   f"prefetch precision/recall; MiB/t = moved per token; peak = {peak}, MiB; "
                   f"ratio = TPOT ÷ TPOT of {report['ratios_to']}.[/dim]", highlight=False)
     if report.get("rounds", 1) > 1:
