@@ -69,7 +69,7 @@ def test_a_quick_estimate_says_so_and_a_profile_makes_it_firm(checkpoints, tmp_p
     shown = CliRunner().invoke(app, bench)  # the estimate the first run kept: still the plan's, still said
     assert shown.exit_code == 0, shown.output
     assert shown.stdout.count("quick timing estimate") == 1 and "quick timing estimate" not in shown.stderr
-    assert shown.stdout.index("token ids identical") < shown.stdout.index("quick timing estimate")  # under the table
+    assert shown.stdout.index("ms: TTFT") < shown.stdout.index("quick timing estimate")  # under the table's legend
     profiled = CliRunner().invoke(app, ["profile", "--model", model, "--quick", "--prefill-len", "4", "--device", "cpu"])
     assert profiled.exit_code == 0, profiled.output
     second = CliRunner().invoke(app, [*bench, "--json"])
