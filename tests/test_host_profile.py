@@ -105,6 +105,10 @@ def test_fmoe_profile_measures_the_host_and_plan_shows_it(tmp_path, monkeypatch)
     assert {"hybrid", "llama.cpp pattern", "moepic", "lru"} <= set(report["tpot"]["policies"])
     shown = runner.invoke(app, ["plan", "demo", "--vram", "1GiB"])
     assert shown.exit_code == 0 and "per-layer plan of hybrid" in shown.output and "llama.cpp" in shown.output
+    # planned for the CPU the profile measured (it is the device there): no host lane, as the runs there have none
+    on_cpu = json.loads(runner.invoke(app, ["plan", "demo", "--vram", "1GiB", "--profile", str(out), "--json"]).stdout)
+    assert on_cpu["host_compute"]["source"].startswith("none: the profile's device is the CPU")
+    assert on_cpu["configured_policy"] != "hybrid" and "hybrid" not in on_cpu["tpot"]["policies"]
 
 
 def test_a_quick_profile_measures_bf16_too():

@@ -164,7 +164,10 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
 
 def plan_host(profile) -> tuple[HostProfile | None, str]:
     """The host lane's figures: the profile's own host part (its machine's), else this machine's saved host
-    profile (`fmoe profile`), else none."""
+    profile (`fmoe profile`), else none. A CPU's profile has none: the host is the device there, and the runs plan
+    no host lane on it (run.py `find_timings`: a GPU only), so the plan must not predict one."""
+    if profile is not None and profile.device.device.kind == "cpu":
+        return None, "none: the profile's device is the CPU (the host is the device: no host lane)"
     if profile is not None and profile.device.host is not None:
         return profile.device.host, f"{profile.device.host.kind}, from the profile"
     saved = saved_host_profile()
