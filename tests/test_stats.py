@@ -378,3 +378,24 @@ def test_a_recorder_that_observed_nothing_writes_no_file(tmp_path):
     assert recorder.save() is None and not path.exists()
     recorder.stats.layers[0].observe([1, 2], list(range(8)))
     assert recorder.save() == path and path.exists()
+
+
+def test_a_statistics_file_deleted_during_a_session_is_not_written_back(tmp_path):
+    """The user deletes the file (to reset what was learned) while a chat runs: its next save writes what the session
+    observed since, not the counts it had read (a damaged file set aside alike)."""
+    from fmoe_cli.planning.stats import open_recorder
+
+    path = tmp_path / "m.stats.json"
+    earlier = open_recorder("m", 1, 8, 2, path)
+    for _ in range(5):
+        earlier.stats.layers[0].observe([1, 2], list(range(8)))
+    earlier.save()
+    session = open_recorder("m", 1, 8, 2, path)
+    assert session.stats.layers[0].tokens == 5
+    session.stats.layers[0].observe([3, 4], list(range(8)))
+    path.unlink()
+    session.save()
+    assert RoutingStats.load(path).layers[0].tokens == 1
+    session.stats.layers[0].observe([3, 4], list(range(8)))
+    session.save()  # and on from there, the file's counts and the session's added as always
+    assert RoutingStats.load(path).layers[0].tokens == 2

@@ -526,6 +526,9 @@ class StatsRecorder:
                         delta.add(saved, -1)  # what this session observed since the last read or write
                         theirs.add(delta)
                         mine.assign(theirs)
+                else:  # no file now (deleted meanwhile, or a damaged one set aside): nothing, plus what this session
+                    for mine, saved in zip(stats.layers, self._saved):  # observed since (a user's reset is kept)
+                        mine.add(saved, -1)
                 stats.save(path)
         except OSError as exc:
             warn(f"cannot save routing statistics to {path} ({exc.strerror or exc}); "
