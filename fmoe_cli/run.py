@@ -243,6 +243,7 @@ def _saved_timings(path: Path, lm: LoadedModel):
     profile = Profile.load(path)
     profile.check_device(device_identity(lm.device))
     profile.check_model(model_identity(lm.model_id, lm.path / "config.json"))
+    profile.model.check_formats(lm.formats)
     return profile.model, profile.device.link
 
 

@@ -209,3 +209,30 @@ def test_a_profile_is_kept_per_format_and_the_note_names_it(loaded, checkpoints,
     assert "`fmoe profile --model m --experts int8` measures" in note
     plain = SimpleNamespace(**{**vars(opts), "experts": "bf16"})
     assert "`fmoe profile --model m` measures" in quick_estimate_note(plain, lm.shape, 0)
+
+
+def test_a_profile_given_for_other_formats_is_not_used(loaded, checkpoints, tmp_path, monkeypatch, capsys):
+    """--profile FILE of the bf16 model given to an int8 run (a file's name no longer tells): the profile records the
+    formats it timed, and the run does not plan with them (it measures, saying why); `fmoe plan` refuses them for
+    another --experts."""
+    from fmoe_cli.planning.report import run_plan
+    from fmoe_cli.errors import FmoeError
+    from rich.console import Console
+    import io
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    lm, engine = loaded
+    out = tmp_path / "mine.json"
+    result = CliRunner().invoke(app, ["profile", "--model", lm.model_id, "--quick", "--prefill-len", "4",
+                                      "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert Profile.load(out).model.formats == lm.formats
+    int8 = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32", experts="int8")
+    how = []
+    find_timings(int8, engine.link, profile_path=out, on_quick=how.append)
+    assert how == ["measured"] and f"as {lm.formats}" in capsys.readouterr().err
+    find_timings(lm, engine.link, profile_path=out, on_quick=how.append)
+    assert how == ["measured"]  # its own formats: the profile's timings
+    with pytest.raises(FmoeError, match="the profile times .* experts as bf16, the plan is for --experts int8"):
+        run_plan(lm.model_id, vram="64MiB", profile_path=str(out), context=None, dtype=None, as_json=True,
+                 console=Console(file=io.StringIO()), workspace="8MiB", experts="int8")

@@ -70,8 +70,13 @@ class LoadedModel:
         """The file-name key of this model's timings (its profile, a run's quick estimate): the model's key and the
         formats it runs in, whose times differ (one int2 expert's forward is not a bf16 one's; float32 compute is
         not bfloat16's). Keyed by the model alone until 28 Nov, a profile measured in one format planned every other."""
+        return f"{model_key(self.model_id, self.path)}.{self.formats}"
+
+    @property
+    def formats(self) -> str:
+        """The formats it runs in, `<experts>-<dense>-<dtype>-<activations>` (its timings' and their files' key)."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{model_key(self.model_id, self.path)}.{self.shape.experts}-{self.dense}-{dtype}-{self.activations}"
+        return f"{self.shape.experts}-{self.dense}-{dtype}-{self.activations}"
 
 
 def has_int8_dots() -> bool:

@@ -147,6 +147,10 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
     shape = facts.shape
     if profile is not None and profile.model is not None:
         profile.check_model(model_identity(facts.name, facts.config_path), source="the profile")
+        timed = (profile.model.formats or "").split("-")[0]  # its experts' format (the plan's dtype and dense vary)
+        if timed and timed != shape.experts:
+            raise FmoeError(f"the profile times {facts.name}'s experts as {timed}, the plan is for --experts "
+                            f"{shape.experts}: `fmoe profile --model {facts.name} --experts {shape.experts}` measures them")
         t = profile.model.timings(profile.device.link, shape.expert_bytes)
         host = (f", host work {t.t_host_load * 1e3:.3f} ms per loaded segment" if profile.model.t_host_load is not None
                 else "; host work per load not in the profile (0)")

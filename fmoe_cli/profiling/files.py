@@ -156,6 +156,16 @@ class ModelTimings:
     # θ 0.5 and 0.75, in the model's expert format; profiling/model.py `engine_link`); None where it was not measured:
     # on the CPU (its link moves nothing), over an emulated link (its figures are its own), in older profiles
     link: LinkFit | None = None
+    # the formats the model ran in when timed, `<experts>-<dense>-<dtype>-<activations>` (models/load.py
+    # LoadedModel.formats: an int8 expert's forward is not a bf16 one's); None in profiles from before 29 Nov
+    formats: str | None = None
+
+    def check_formats(self, formats: str, source: str = "the profile") -> None:
+        """One line where these timings are of other formats than `formats` (a profile of the bf16 model given to an
+        int8 run would plan it with bf16's compute)."""
+        if self.formats is not None and self.formats != formats:
+            raise FmoeError(f"{source} times {self.model.name} as {self.formats} (experts-dense-dtype-activations), "
+                            f"this run is {formats}: `fmoe profile --model` with this run's formats measures it")
 
     def load_link(self, device_link: LinkFit) -> LinkFit:
         """The link that prices this model's loads (T_load): the engine's, timed at its own copy sizes, where measured
@@ -403,4 +413,5 @@ class _Reader:
             t_host_route=self.get(d, "t_host_route", float, optional=True),
             t_host_submit=self.get(d, "t_host_submit", float, optional=True),
             link=None if d.get("link") is None else self.link(self.obj(d, "link")),
+            formats=self.get(d, "formats", str, optional=True),
         )

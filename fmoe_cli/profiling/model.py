@@ -133,7 +133,8 @@ def model_timings(lm, engine: Engine, prefill_len: int = 16, quick: bool = True,
                         - (engine.link.bytes_moved - start_bytes)) if quick else None)
         return replace(timings, t_host_load=h_load, t_host_prefetch=h_pf, t_admit=t_admit, t_segment=c, t_token=step,
                        t_host_route=route, t_host_submit=submit, t_expert=expert_compute_s(lm, repeats=100 if quick else 400, cold=True),
-                       link=engine_link(lm, engine.link, repeats=5 if quick else 15) if _real_link(lm, engine.link) else None)
+                       link=engine_link(lm, engine.link, repeats=5 if quick else 15) if _real_link(lm, engine.link) else None,
+                       formats=lm.formats)
     finally:
         engine.observers = kept
         whole.close()
