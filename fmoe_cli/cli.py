@@ -120,6 +120,7 @@ def user_errors(command):
 # The option tables are light (no torch): --help stays fast, and the help lists what the tables hold.
 POLICY_NAMES = ", ".join(PRESETS)
 ModelArg = Annotated[str, typer.Argument(help="Hugging Face model id, a local model directory, or 'demo'.")]
+ProfileOpt = Annotated[str | None, typer.Option(help="A device profile from `fmoe profile` (JSON).")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 DtypeOpt = Annotated[str, typer.Option(help="auto (bfloat16 on CUDA, float16 on cards below sm_80, float32 on CPU), float32, bfloat16, float16.")]
 BudgetOpt = Annotated[str, typer.Option(
@@ -201,6 +202,7 @@ def bench(
     dense: DenseOpt = DEFAULT_DENSE,
     activations: ActivationsOpt = AUTO_ACTIVATIONS,
     device: DeviceOpt = "auto",
+    profile: ProfileOpt = None,
     context: ContextOpt = None,
     host_threads: HostThreadsOpt = 1,
     trust_remote_code: TrustOpt = False,
@@ -212,7 +214,7 @@ def bench(
                        overwrite_trace=force, dtype=dtype, experts=experts, dense=dense, activations=activations,
                        device=device,
                        trust_remote_code=trust_remote_code, shape_link=True, context=context,
-                       host_threads=host_threads, replay_routing=replay_routing,
+                       host_threads=host_threads, replay_routing=replay_routing, profile=profile,
                        if_fits=("resident",) if policy is None and compare is None else ())
     check_counts(tokens, warmup, rounds, opts.context_limit())
     prompt_text = read_prompt(prompt, prompt_file)
@@ -242,7 +244,7 @@ def chat(
     model: ModelArg = "demo",
     vram_budget: BudgetOpt = DEFAULT_BUDGET,
     policy: Annotated[str, typer.Option(help=f"{POLICY_NAMES}.")] = DEFAULT_POLICY,
-    profile: Annotated[str | None, typer.Option(help="A device profile from `fmoe profile` (JSON).")] = None,
+    profile: ProfileOpt = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = chat_defaults.TEMPERATURE,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")] = chat_defaults.TOP_P,
@@ -292,7 +294,7 @@ def serve(
     grace: Annotated[float, typer.Option(help="On Ctrl-C or SIGTERM: seconds the answer in progress may take to finish before it is cancelled.")] = serve_defaults.GRACE_S,
     vram_budget: BudgetOpt = DEFAULT_BUDGET,
     policy: Annotated[str, typer.Option(help=f"{POLICY_NAMES}.")] = DEFAULT_POLICY,
-    profile: Annotated[str | None, typer.Option(help="A device profile from `fmoe profile` (JSON).")] = None,
+    profile: ProfileOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     experts: ExpertsOpt = DEFAULT_EXPERTS,

@@ -236,3 +236,20 @@ def test_a_profile_given_for_other_formats_is_not_used(loaded, checkpoints, tmp_
     with pytest.raises(FmoeError, match="the profile times .* experts as bf16, the plan is for --experts int8"):
         run_plan(lm.model_id, vram="64MiB", profile_path=str(out), context=None, dtype=None, as_json=True,
                  console=Console(file=io.StringIO()), workspace="8MiB", experts="int8")
+
+
+def test_bench_plans_with_the_profile_it_is_given(checkpoints, tmp_path, monkeypatch):
+    """`fmoe bench --profile FILE`, as chat and serve take it (bench had no such option), and its header names where
+    the configurator's timings came from."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    model = str(checkpoints["mixtral"])
+    out = tmp_path / "mine.json"
+    result = CliRunner().invoke(app, ["profile", "--model", model, "--quick", "--prefill-len", "4", "--device", "cpu",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    bench = ["bench", model, "--policy", "moepic", "--tokens", "2", "--warmup", "0", "--device", "cpu"]
+    given = CliRunner().invoke(app, [*bench, "--profile", str(out), "--json"])
+    assert given.exit_code == 0, given.output
+    assert json.loads(given.stdout)["timings"] == "profile"
+    shown = CliRunner().invoke(app, bench)  # nothing saved where bench looks (--out put it elsewhere)
+    assert "timings: quick estimate" in " ".join(shown.stdout.split())

@@ -274,8 +274,9 @@ def render(report: dict, console: Console) -> None:
                   f" · dense {stored(report['dense'])} (non-expert weights {weights['non_expert_bytes'] / MiB:.1f} MiB on the "
                   f"device) · activations {activations}",
                   highlight=False)
+    timings = f" · timings: {report['timings']}" if report.get("timings") else ""  # the configurator's
     console.print(f"expert budget {report['vram_budget_bytes'] / MiB:.1f} MiB · "
-                  f"predictor {report.get('predictor', 'speculative')}", highlight=False)
+                  f"predictor {report.get('predictor', 'speculative')}{timings}", highlight=False)
     if report.get("routing"):
         console.print(report["routing"]["note"], highlight=False, soft_wrap=True)
     if report.get("host_profile"):
