@@ -109,6 +109,10 @@ def test_fmoe_profile_measures_the_host_and_plan_shows_it(tmp_path, monkeypatch)
     on_cpu = json.loads(runner.invoke(app, ["plan", "demo", "--vram", "1GiB", "--profile", str(out), "--json"]).stdout)
     assert on_cpu["host_compute"]["source"].startswith("none: the profile's device is the CPU")
     assert on_cpu["configured_policy"] != "hybrid" and "hybrid" not in on_cpu["tpot"]["policies"]
+    # … and --dense auto as a run there resolves it (int8 beside int8 experts; a GPU's plan keeps it bf16)
+    for profile, dense in ((["--profile", str(out)], "int8"), ([], "bf16")):
+        planned = runner.invoke(app, ["plan", "demo", "--vram", "1GiB", "--experts", "int8", *profile, "--json"])
+        assert json.loads(planned.stdout)["dense"]["format"] == dense, planned.stdout[:300]
 
 
 def test_a_quick_profile_measures_bf16_too():

@@ -107,7 +107,8 @@ def _nbytes(module) -> int:
 
 
 def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXPERTS,
-                dense: str = DEFAULT_DENSE) -> ModelFacts:
+                dense: str = DEFAULT_DENSE, device_type: str = "cuda") -> ModelFacts:
+    """`device_type`: the device planned for (a GPU; the CPU for a CPU's profile), which resolves `--dense auto`."""
     path = config_path_of(model)
     check_config_file(path)  # every field the plan needs, as written, before transformers reads it
     try:
@@ -126,7 +127,7 @@ def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXP
     check_expert_format(experts)
     shape = expert_shape(layers, torch_dtype, experts)
     unquantised = skeleton_non_expert_bytes(meta, layers)
-    dense = resolve_dense(dense, "cuda", experts)  # a plan is for a GPU: auto leaves the dense weights as stored
+    dense = resolve_dense(dense, device_type, experts)  # a GPU: auto leaves the dense weights as stored
     quantize_dense(meta, dense)  # (meta: the stored shapes) every size below counts the dense weights as stored
     non_expert = skeleton_non_expert_bytes(meta, layers)
     decoders = decoder_layers(meta)
@@ -188,7 +189,9 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
                                  workspace=workspace, experts=experts, trace=trace, dense=dense)
     if routing is None and trace is not None:  # a malformed trace is refused before the model is built
         routing = read_trace(trace)
-    facts = model_facts(model, dtype, experts, dense)
+    # the device the plan is for: the profile's (a CPU's resolves --dense auto as runs there do), else a GPU
+    facts = model_facts(model, dtype, experts, dense, "cpu" if profile is not None and profile.device.device.kind == "cpu"
+                        else "cuda")
     shape = facts.shape
     if vram is not None:
         total = parse_budget(vram, shape.all_experts_bytes)
