@@ -457,3 +457,17 @@ def test_the_options_table_of_docs_chat_md_is_what_fmoe_chat_help_lists():
     assert [row.split()[0] for row in rows] == options
     policy_row = next(line for line in section.splitlines() if line.startswith("| `--policy`"))
     assert [word.strip("`,") for word in policy_row.split("|")[3].split("(")[0].split()] == list(PRESETS)
+
+
+def test_a_chat_seed_moves_on_each_turn_within_what_the_generator_takes():
+    """`fmoe chat --seed S`: answer t samples with S + t − 1, wrapped into torch's seed range: the largest seed's
+    second answer is the smallest seed, where it overflowed and every answer after the first failed."""
+    import torch
+
+    from fmoe_cli.chat.session import turn_seed
+    from fmoe_cli.types import SEED_RANGE
+
+    assert [turn_seed(5, t) for t in (1, 2, 3)] == [5, 6, 7]
+    assert turn_seed(SEED_RANGE[1], 1) == SEED_RANGE[1] and turn_seed(SEED_RANGE[1], 2) == SEED_RANGE[0]
+    for turn in (1, 2, 3):
+        torch.Generator().manual_seed(turn_seed(SEED_RANGE[1], turn))  # every one taken

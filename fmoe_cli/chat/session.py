@@ -87,6 +87,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """--seed's seed of answer `turn` (1, 2, …): seed, seed + 1, …, wrapping within what torch's generator takes
+    (SEED_RANGE: the largest seed's next turn is the smallest, not an overflow)."""
+    low, high = SEED_RANGE
+    return low + (seed + turn - 1 - low) % (high - low + 1)
+
+
 @dataclass
 class ChatSession:
     lm: LoadedModel
@@ -169,9 +176,7 @@ class ChatSession:
             self.recorder.start_sequence(self.turns)
         sampling = self.sampling
         if sampling.seed is not None:  # reproducible, yet a different stream every turn
-            low, high = SEED_RANGE  # the turn's seed wraps within what the generator takes
-            seed = low + (sampling.seed + self.turns - 1 - low) % (high - low + 1)
-            sampling = SamplingParams(sampling.temperature, sampling.top_p, seed)
+            sampling = SamplingParams(sampling.temperature, sampling.top_p, turn_seed(sampling.seed, self.turns))
         self.last_answer_ids = []
         events, pieces, finish = [], [], "length"
         try:
