@@ -212,13 +212,20 @@ class Gate:
         self.release(1000)
 
 
+def server_idle(server) -> bool:
+    """The module's server is answering nothing and not re-planning: its idle work (chat_run.idle) uses the session
+    that a test's own server shares, and ran into that server's answer (a test after one that left it re-planning)."""
+    worker = server.service.worker
+    return worker.current is None and worker.queue_length == 0 and not worker.idling
+
+
 @pytest.fixture
 def gate(monkeypatch, server):
+    wait_for(lambda: server_idle(server), "the worker to be idle")
     g = Gate(monkeypatch)
     yield g
     g.open()  # nothing stays held whatever the test did
-    wait_for(lambda: server.service.worker.current is None and server.service.worker.queue_length == 0,
-             "the worker to be idle")
+    wait_for(lambda: server_idle(server), "the worker to be idle")
 
 
 @pytest.fixture
@@ -663,6 +670,7 @@ def test_a_body_still_arriving_when_the_grace_is_over_gets_a_503(chat_run, serve
     import fmoe_cli.serve.app as app_module
 
     monkeypatch.setattr(app_module, "SHUTDOWN_SLACK_S", 0.05)  # uvicorn cancels what still runs after it
+    wait_for(lambda: server_idle(server), "the worker to be idle")  # (the session is shared: see server_idle)
     own = Server(start_service(chat_run.session, "demo", ServeOptions(port=0, grace_s=0.0)))
     try:
         conn = http.client.HTTPConnection("127.0.0.1", own.port, timeout=WAIT_S)

@@ -100,6 +100,7 @@ class Worker:
         self.current: Job | None = None
         self.durations: collections.deque[float] = collections.deque(maxlen=32)  # seconds per answered job
         self.answered = 0
+        self.idling = False  # the idle work (a re-plan) is running on the engine, between answers
         self._thread = threading.Thread(target=lambda: self._run(), name="fmoe-serve", daemon=True)
         self._run = self._loop  # `start` puts it on the current CUDA device
         self._numbers = 0
@@ -196,10 +197,13 @@ class Worker:
                 self.answered += 1
                 idle = not self._waiting and not self._closed
             if idle and self.idle is not None:
+                self.idling = True
                 try:
                     self.idle()
                 except Exception as exc:  # the server goes on; the log says why
                     log.error("re-planning failed: %s: %s", exc.__class__.__name__, str(exc).splitlines()[0] if str(exc) else "")
+                finally:
+                    self.idling = False
 
 
 def answer(session, job: Job, observe: Callable[[Job, list, int], None] = lambda *a: None) -> None:
