@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fmoe_cli.errors import FmoeError, no_gpu, unknown_device
 from fmoe_cli.models.config import check_config_file
-from fmoe_cli.models.hub import local_model_dir
+from fmoe_cli.models.hub import SHIPPED_DEMO, local_model_dir
 from fmoe_cli.offload import check_bandwidth
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
 from fmoe_cli.planning.plan import DEFAULT_BUDGET, DEFAULT_TAU, check_budget_text, resolve_context
@@ -39,13 +39,13 @@ def check_device_text(device: str) -> None:
         raise no_gpu(device)
 
 
-DEMO_DIR = Path(__file__).parent / "models" / "demo_model"  # the shipped demo (models/demo.py SHIPPED, without torch)
-
-
 def check_model_text(model: str) -> int | None:
     """`demo`, a hub id, or a local model directory that exists and holds a good config.json; returns the model's
     context where its config is at hand (a local directory, the demo) and says."""
-    local = (DEMO_DIR if (DEMO_DIR / "config.json").exists() else None) if model == "demo" else local_model_dir(model)
+    if model == "demo":
+        local = SHIPPED_DEMO if (SHIPPED_DEMO / "config.json").exists() else None  # (else a random demo, built later)
+    else:
+        local = local_model_dir(model)
     return check_config_file(local / "config.json") if local is not None else None
 
 

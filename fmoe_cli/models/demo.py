@@ -16,7 +16,9 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-SHIPPED = Path(__file__).parent / "demo_model"
+from fmoe_cli.models.hub import SHIPPED_DEMO
+
+SHIPPED = SHIPPED_DEMO
 RANDOM_DEMO_VERSION = "random-v1"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

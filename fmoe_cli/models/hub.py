@@ -39,6 +39,9 @@ def fetch_config_early(model: str) -> None:
         download(model, ["config.json"], f"{model}'s config.json", progress=False)
 
 
+SHIPPED_DEMO = Path(__file__).parent / "demo_model"  # the trained demo the package ships (models/demo.py: SHIPPED)
+
+
 def local_model_dir(model_id: str) -> Path | None:
     """The local model directory `model_id` names, None for a hub id; a path that is not a model
     directory is a one-line FmoeError. No torch, no hub client: the command line checks it first."""

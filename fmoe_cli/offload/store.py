@@ -110,22 +110,24 @@ class HostBuffer:
             advise_huge_pages(self.tensor)  # before the loader writes it (a mapped file's pages are the page cache's)
         self.registered = False
         if pin and nbytes > 0:
-            cudart = torch.cuda.cudart()
             flags = register_flags(mapped=memory is not None)
-            status = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, flags)
-            if int(status) != 0:
-                clear_cuda_error()
-            if int(status) != 0 and flags & HOST_REGISTER_READ_ONLY:
+            status = self._register(nbytes, flags)
+            if status != 0 and flags & HOST_REGISTER_READ_ONLY:
                 # a driver or card without read-only registration: page-locked writable, which copies the
                 # mapped pages into RAM (the store's size, as an unconverted store takes)
                 _warn_not_read_only()
-                status = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, flags & ~HOST_REGISTER_READ_ONLY)
-                if int(status) != 0:
-                    clear_cuda_error()
-            if int(status) != 0:
+                status = self._register(nbytes, flags & ~HOST_REGISTER_READ_ONLY)
+            if status != 0:
                 raise FmoeError(f"cannot page-lock {nbytes / 2**30:.2f} GiB of host memory for the GPU "
                                 f"(cudaHostRegister error {int(status)}); lower the memory limit (ulimit -l)?")
             self.registered = True
+
+    def _register(self, nbytes: int, flags: int) -> int:
+        """cudaHostRegister's status; a refusal is cleared from the thread's last CUDA error (`clear_cuda_error`)."""
+        status = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, flags))
+        if status != 0:
+            clear_cuda_error()
+        return status
 
     def close(self) -> None:
         if self.registered:

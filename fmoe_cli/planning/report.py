@@ -167,11 +167,16 @@ def plan_timings(facts: ModelFacts, link_bandwidth: float, link_latency: float, 
     return Timings(0.0, 0.0, 0.0, t_load, shape.top_k), "none: assumes compute hides no loading (give --profile)"
 
 
+def planned_device(profile) -> str:
+    """The kind of device a plan is for: the profile's CPU where it is one, else a GPU."""
+    return "cpu" if profile is not None and profile.device.device.kind == "cpu" else "cuda"
+
+
 def plan_host(profile) -> tuple[HostProfile | None, str]:
     """The host lane's figures: the profile's own host part (its machine's), else this machine's saved host
     profile (`fmoe profile`), else none. A CPU's profile has none: the host is the device there, and the runs plan
     no host lane on it (run.py `find_timings`: a GPU only), so the plan must not predict one."""
-    if profile is not None and profile.device.device.kind == "cpu":
+    if planned_device(profile) == "cpu":
         return None, "none: the profile's device is the CPU (the host is the device: no host lane)"
     if profile is not None and profile.device.host is not None:
         return profile.device.host, f"{profile.device.host.kind}, from the profile"
@@ -189,9 +194,7 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
                                  workspace=workspace, experts=experts, trace=trace, dense=dense)
     if routing is None and trace is not None:  # a malformed trace is refused before the model is built
         routing = read_trace(trace)
-    # the device the plan is for: the profile's (a CPU's resolves --dense auto as runs there do), else a GPU
-    facts = model_facts(model, dtype, experts, dense, "cpu" if profile is not None and profile.device.device.kind == "cpu"
-                        else "cuda")
+    facts = model_facts(model, dtype, experts, dense, planned_device(profile))  # (a CPU's: --dense auto as runs there)
     shape = facts.shape
     if vram is not None:
         total = parse_budget(vram, shape.all_experts_bytes)
