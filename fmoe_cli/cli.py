@@ -94,10 +94,16 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _fetch_model(opts: RunOptions) -> None:
+def _fetch_model(opts: RunOptions, then=None) -> None:
     """A hub model's files fetched before torch is imported (models/hub.py `fetch_model_early`): the download's bar
-    at once, an unknown id or no network one line in under a second."""
-    fetch_model_early(opts.model, opts.trust_remote_code)
+    at once, an unknown id or no network one line in under a second; its config.json first, checked against the run
+    (`RunOptions.check_model_config`, then `then(the model's context)`) before the weights come."""
+    def check(config):
+        context = opts.check_model_config(config)
+        if then is not None:
+            then(context)
+
+    fetch_model_early(opts.model, opts.trust_remote_code, check)
 
 
 def user_errors(command):
@@ -222,7 +228,7 @@ def bench(
     if replay_routing is not None:  # (the standard library alone: a malformed trace is one line at once)
         replay = read_trace(replay_routing)
         check_replay(replay, tokens, warmup, predictor)
-    _fetch_model(opts)
+    _fetch_model(opts, lambda context: check_counts(tokens, warmup, rounds, context if opts.context is None else opts.context))
     _quiet_libraries()
     from fmoe_cli.bench.run import render, run_bench  # torch: only once the options read
 

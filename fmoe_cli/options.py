@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fmoe_cli.errors import FmoeError, no_gpu, unknown_device
-from fmoe_cli.models.config import check_config_file
+from fmoe_cli.models.config import check_config_file, check_servable
 from fmoe_cli.models.hub import SHIPPED_DEMO, local_model_dir
+from fmoe_cli.models.room import check_host_ram_early, compute_dtype_bytes
 from fmoe_cli.offload import check_bandwidth
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, check_lcp
 from fmoe_cli.planning.plan import DEFAULT_BUDGET, DEFAULT_TAU, check_budget_text, resolve_context
@@ -39,14 +40,13 @@ def check_device_text(device: str) -> None:
         raise no_gpu(device)
 
 
-def check_model_text(model: str) -> int | None:
-    """`demo`, a hub id, or a local model directory that exists and holds a good config.json; returns the model's
-    context where its config is at hand (a local directory, the demo) and says."""
+def local_model_config(model: str) -> Path | None:
+    """The config.json of `demo` or of a local model directory (checked to exist), None for a hub id (its config.json
+    comes with the download: models/hub.py `fetch_model_early`)."""
     if model == "demo":
-        local = SHIPPED_DEMO if (SHIPPED_DEMO / "config.json").exists() else None  # (else a random demo, built later)
-    else:
-        local = local_model_dir(model)
-    return check_config_file(local / "config.json") if local is not None else None
+        return SHIPPED_DEMO / "config.json" if (SHIPPED_DEMO / "config.json").exists() else None  # (else a random demo)
+    local = local_model_dir(model)
+    return local / "config.json" if local is not None else None
 
 
 MAX_HOST_THREADS = 256
@@ -108,12 +108,29 @@ class RunOptions:
             check_trace_out(self.trace_out, self.overwrite_trace)
         if self.profile is not None:
             Profile.load(Path(self.profile))
-        model_context = check_model_text(self.model)
-        if self.context is not None:  # beyond the model's own context (where its config is at hand): now, not in 6 s
+        config = local_model_config(self.model)
+        if config is not None:  # (a hub id's: once downloaded, before its weights: cli.py `_fetch_model`)
+            self.check_model_config(config)
+
+    def check_model_config(self, config: Path) -> int | None:
+        """What the model's config.json says against this run, before torch and before a hub model's weights are
+        downloaded: a checkpoint fmoe cannot serve (models/config.py `check_servable`), --context beyond the model's
+        own, experts that do not fit in host RAM in the asked format (models/room.py). Returns the model's context
+        where its config says."""
+        fields = check_servable(config, self.model, self.trust_remote_code)
+        model_context = fields.get("max_position_embeddings")
+        model_context = model_context if type(model_context) is int and model_context > 0 else None
+        if self.context is not None:  # beyond the model's own context: now, not in 6 s
             resolve_context(self.context, model_context, 0)
+        on_cpu = self.device == "cpu" or (self.device == "auto" and surely_no_gpu())
+        check_host_ram_early(self.model, fields, compute_dtype_bytes(self.dtype, on_cpu), self.experts)
+        return model_context
 
     def context_limit(self) -> int | None:
         """The most positions a run can hold, known without torch: --context, else the model's own context where its
         config is at hand (a local directory, the demo); None otherwise. A bound, not the run's context (that is
         resolved once the model is read): a prompt needs one of them too."""
-        return self.context if self.context is not None else check_model_text(self.model)
+        if self.context is not None:
+            return self.context
+        config = local_model_config(self.model)
+        return check_config_file(config) if config is not None else None

@@ -163,12 +163,13 @@ def test_the_early_fetch_is_the_command_s_own_download(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     monkeypatch.setattr(hub, "_fetched", {})
+    monkeypatch.setattr(hub, "snapshot_files", lambda repo_id, patterns: None)  # (the disk's room: tests/test_room.py)
     hub.fetch_model_early("org/model", False)
     hub.fetch_model_early("demo", False)  # not a hub id: nothing fetched
     (tmp_path / "config.json").write_text("{}")
     hub.fetch_config_early(str(tmp_path))  # a local directory: nothing fetched
     hub.fetch_config_early(str(tmp_path / "config.json"))  # a local config.json: nothing fetched
     assert hub.download("org/model", hub.model_patterns(False), "org/model") == tmp_path / "org--model"
-    assert calls == [("org/model", tuple(hub.model_patterns(False)))]
+    assert calls == [("org/model", ("config.json",)), ("org/model", tuple(hub.model_patterns(False)))]
     hub.download("org/model", hub.model_patterns(True), "org/model")  # with its code: other files
-    assert len(calls) == 2 and "*.py" in calls[1][1] and "*.py" not in calls[0][1]
+    assert len(calls) == 3 and "*.py" in calls[2][1] and "*.py" not in calls[1][1]

@@ -162,8 +162,9 @@ def test_a_model_that_does_not_fit_in_host_ram_is_refused_before_loading(checkpo
     from test_cli_errors import assert_one_line_error, run
 
     import fmoe_cli.models.load as load
+    import fmoe_cli.models.room as room
 
-    monkeypatch.setattr(load, "host_ram_free", lambda: 100_000)
+    monkeypatch.setattr(room, "host_ram_free", lambda: 100_000)
     monkeypatch.setattr(load, "read_checkpoint", lambda *a, **k: pytest.fail("read weights before refusing"))
     result, text = run("bench", str(checkpoints["mixtral"]), "--tokens", "2", "--experts", "bf16")
     assert_one_line_error(result, text, "host RAM", "--experts bf16", "free here")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.files import read_json
+from fmoe_cli.types import ExpertShape
 
 # Config keys that name the number of routed experts, by family.
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -81,3 +82,61 @@ def check_config_file(path: Path) -> int | None:
     check_config_fields(raw, str(path))
     context = text_fields(raw).get("max_position_embeddings")
     return context if type(context) is int and context > 0 else None
+
+
+def check_servable(path: Path, label: str, trust_remote_code: bool = False) -> dict:
+    """config.json's fields (`check_config_file`), then what makes a checkpoint one fmoe cannot serve, from config.json
+    alone: weights stored quantised (any `quantization_config`: fp8, GPTQ, AWQ, bitsandbytes …; fmoe reads float
+    weights and quantises the experts itself) and a dense model. For a hub id this runs on its config.json before the
+    weights are downloaded (models/hub.py `fetch_model_early`), not after tens of gigabytes. Returns the fields.
+    A model with its own code (`trust_remote_code`) may name its experts otherwise: left to the loaded config."""
+    raw = read_json(path, "model config")
+    check_config_fields(raw, str(path))
+    fields = text_fields(raw)
+    quantization = raw.get("quantization_config") or fields.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else "unnamed"
+        raise FmoeError(f"{label}'s weights are stored quantised ({method}: config.json's quantization_config); fmoe "
+                        f"reads bfloat16, float16 or float32 checkpoints and quantises the experts itself "
+                        f"(--experts int8, int4 or int2): use the model's unquantised checkpoint")
+    counted = any(type(fields.get(key)) is int and fields[key] > 0 for key in EXPERT_COUNT_KEYS)
+    if not counted and not trust_remote_code:
+        raise FmoeError(f"{label} is a dense model ({fields.get('model_type', 'no model_type')}: no routed experts); "
+                        f"fmoe serves Mixture-of-Experts models only")
+    return fields
+
+
+# The configuration classes' defaults of the fields that place a family's MoE layers (transformers 5's
+# configuration_*.py), for a config.json that leaves them out.
+_FIRST_DENSE_DEFAULT = {"deepseek_v2": 0, "deepseek_v3": 3}
+
+
+def moe_layer_indices(fields: dict) -> list[int] | None:
+    """The decoder layers that hold routed experts, as transformers' modeling_*.py builds them from these fields, for
+    the families fmoe knows (None for others): what a check before the download counts (models/room.py). Held to the
+    built skeleton's layers in tests/test_room.py."""
+    kind, count = fields.get("model_type"), fields["num_hidden_layers"]
+    if kind in ("mixtral", "olmoe"):
+        return list(range(count))
+    if kind in ("qwen2_moe", "qwen3_moe"):  # (i not in mlp_only_layers) and (i + 1) % decoder_sparse_step == 0
+        step, only = fields.get("decoder_sparse_step") or 1, fields.get("mlp_only_layers") or []
+        if type(step) is not int or step < 1 or not isinstance(only, list):
+            return None
+        return [i for i in range(count) if i not in only and (i + 1) % step == 0]
+    if kind in _FIRST_DENSE_DEFAULT:  # i >= first_k_dense_replace
+        first = fields.get("first_k_dense_replace")
+        return list(range(_FIRST_DENSE_DEFAULT[kind] if first is None else first, count))
+    return None
+
+
+def config_expert_shape(fields: dict, dtype_bytes: int, experts: str) -> ExpertShape | None:
+    """The routed experts' shape from config.json's fields (`check_servable`'s), with the compute dtype's bytes and
+    the experts' format: `models/load.py expert_shape` of the built skeleton, known before the download. None for a
+    family whose MoE layers `moe_layer_indices` cannot place."""
+    layers = moe_layer_indices(fields)
+    if not layers:
+        return None
+    count = next(fields[k] for k in EXPERT_COUNT_KEYS if type(fields.get(k)) is int and fields[k] > 0)
+    intermediate = next(fields[k] for k in INTERMEDIATE_KEYS if fields.get(k) is not None)
+    return ExpertShape(len(layers), count, fields["num_experts_per_tok"], fields["hidden_size"], intermediate,
+                       dtype_bytes, experts)

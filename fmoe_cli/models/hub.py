@@ -18,13 +18,49 @@ def model_patterns(trust_remote_code: bool) -> list[str]:
     return DOWNLOAD_PATTERNS if trust_remote_code else [p for p in DOWNLOAD_PATTERNS if p != "*.py"]
 
 
-def fetch_model_early(model: str, trust_remote_code: bool) -> None:
+def fetch_model_early(model: str, trust_remote_code: bool, check=None) -> None:
     """A hub id's files downloaded (or found in the local cache) before a command imports torch and transformers
     (6–8 s): the download's progress bar starts at once, and an unknown id or a missing network is one line in
-    under a second instead of after those imports. A local directory or `demo` is left to the command. The
-    snapshot is kept for the command's own `download` of the same files (no second look at the hub)."""
-    if model != "demo" and local_model_dir(model) is None:
-        download_model(model, trust_remote_code)
+    under a second instead of after those imports. Its config.json comes first, alone: `check(config_path)` (the
+    command's checks of the model: models/config.py `check_servable`, the options against its context, host RAM)
+    and the disk's room for the rest (`check_room`) refuse what cannot run here before the weights are downloaded.
+    A local directory or `demo` is left to the command. The snapshot is kept for the command's own `download` of
+    the same files (no second look at the hub)."""
+    if model == "demo" or local_model_dir(model) is not None:
+        return
+    config = download(model, ["config.json"], f"{model}'s config.json", progress=False) / "config.json"
+    if check is not None:
+        check(config)
+    check_room(model, model_patterns(trust_remote_code))
+    download_model(model, trust_remote_code)
+
+
+def check_room(repo_id: str, patterns: list[str]) -> None:
+    """The disk's room for a hub snapshot (models/room.py `check_download_room`), from the hub's list of the
+    repository's files and their sizes. Where the list cannot be had (no network, an older hub client, the cache
+    complete), nothing is checked: the download that follows says what went wrong."""
+    listing = snapshot_files(repo_id, patterns)
+    if listing is not None:
+        from fmoe_cli.models.room import check_download_room
+
+        check_download_room(repo_id, *listing)
+
+
+def snapshot_files(repo_id: str, patterns: list[str]) -> tuple[list[tuple[str, int]], set[str], Path] | None:
+    """(name, bytes) of each file of `repo_id` that `patterns` select, the names already in the local cache, and the
+    cache's directory; None where the hub does not answer."""
+    try:
+        from huggingface_hub import HfApi, constants, try_to_load_from_cache
+        from huggingface_hub.hf_api import RepoFile
+        from huggingface_hub.utils import filter_repo_objects
+
+        entries = {e.path: e for e in HfApi().list_repo_tree(repo_id, recursive=True) if isinstance(e, RepoFile)}
+        wanted = list(filter_repo_objects(list(entries), allow_patterns=patterns))
+        files = [(name, entries[name].lfs.size if entries[name].lfs else entries[name].size) for name in wanted]
+        cached = {name for name in wanted if isinstance(try_to_load_from_cache(repo_id, name), str)}
+        return files, cached, Path(constants.HF_HUB_CACHE)
+    except Exception:  # (any failure of the hub client's listing: the check is a courtesy, the download decides)
+        return None
 
 
 def download_model(repo_id: str, trust_remote_code: bool) -> Path:

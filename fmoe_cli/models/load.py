@@ -18,8 +18,9 @@ from rich.console import Console
 from fmoe_cli.errors import FmoeError, no_gpu, unknown_device, warn
 from fmoe_cli.models import demo
 from fmoe_cli.generate import TOKENIZER_FILES
-from fmoe_cli.models.config import check_config_file
+from fmoe_cli.models.config import check_servable
 from fmoe_cli.models.hub import download_model, local_model_dir
+from fmoe_cli.models.room import check_host_ram
 from fmoe_cli.models.attention import install_decode_attention
 from fmoe_cli.models.decoder import install_decode_layers
 from fmoe_cli.models.dense import (dense_bytes_saved, flatten_head_input, one_row_kernels, one_row_matvec,
@@ -194,7 +195,7 @@ def load_model(
     if activations == "int8" and dev.type == "cpu":
         warn_without_int8_dots()
     activations = resolve_activations(activations, dev.type, experts, int8_dots=dev.type == "cpu" and has_int8_dots())
-    check_config_file(path / "config.json")  # every field a plan needs, as written, before transformers reads it
+    check_servable(path / "config.json", model_id, trust_remote_code)  # its fields, as written, before transformers reads them
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ValueError as exc:
@@ -310,31 +311,6 @@ def skeleton_non_expert_bytes(model, layers: list[MoeLayer], dense: str = "bf16"
 
     return (nbytes(list(model.parameters()) + list(model.buffers())) - sum(nbytes(l.experts.parameters()) for l in layers)
             - dense_bytes_saved(model, dense))
-
-
-def host_ram_needed(shape: ExpertShape, non_expert_bytes: int) -> int:
-    """Host RAM a load needs at its peak: the expert store and the other weights (measured within 1.15×
-    of this: tests/test_loading.py, benchmarks/loading.py)."""
-    return shape.all_experts_bytes + non_expert_bytes
-
-
-def host_ram_free() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
-def check_host_ram(label: str, shape: ExpertShape, non_expert_bytes: int) -> None:
-    """Refuse, in one line with the numbers, a model that would not fit in host RAM (not the OOM killer)."""
-    need, free = host_ram_needed(shape, non_expert_bytes), host_ram_free()
-    if need <= free:
-        return
-    smaller = [f for f in EXPERT_FORMATS if host_ram_needed(replace(shape, experts=f), non_expert_bytes) <= free]
-    hint = f"; --experts {smaller[-1]} needs {host_ram_needed(replace(shape, experts=smaller[-1]), non_expert_bytes) / GiB:.1f} GiB" \
-        if smaller else ""
-    raise FmoeError(f"{label} needs {need / GiB:.1f} GiB of host RAM with --experts {shape.experts} (experts "
-                    f"{shape.all_experts_bytes / GiB:.1f} + other weights {non_expert_bytes / GiB:.1f} GiB) but "
-                    f"{free / GiB:.1f} GiB is free here{hint}")
 
 
 def expert_shape(layers: list[MoeLayer], dtype: torch.dtype, experts: str = DEFAULT_EXPERTS) -> ExpertShape:

@@ -32,11 +32,10 @@ from fmoe_cli.models.demo import demo_path
 from fmoe_cli.models.dense import quantize_dense
 from fmoe_cli.models.families import check_is_moe, find_moe_layers
 from fmoe_cli.models.hub import download, local_config_path
+from fmoe_cli.models.room import host_ram_free, host_ram_needed
 from fmoe_cli.models.load import (
     check_expert_format,
     expert_shape,
-    host_ram_free,
-    host_ram_needed,
     pick_dtype,
     skeleton_non_expert_bytes,
 )
