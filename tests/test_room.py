@@ -89,8 +89,8 @@ def test_experts_beyond_the_free_host_ram_are_refused_with_the_format_that_fits(
     experts = 56 * 8 * 3 * 6144 * 16384
     monkeypatch.setattr(room, "host_ram_free", lambda: experts * 3)  # 2 bytes a weight fit, float32's 4 do not
     with pytest.raises(FmoeError, match=r"needs at least 504.0 GiB of host RAM with --experts bf16 \(its experts "
-                                        r"alone, before its other weights\) but 378.0 GiB is free here; --experts int8 "
-                                        r"needs 128.0 GiB$"):
+                                        r"alone, before its other weights\) but 378.0 GiB is free here; --dtype bfloat16 "
+                                        r"needs 252.0 GiB, --experts int8 needs 128.0 GiB$"):
         RunOptions(model="org/model", device="cpu").check_model_config(config)
     RunOptions(model="org/model", device="cpu", dtype="bfloat16").check_model_config(config)
     RunOptions(model="org/model", device="cpu", experts="int4").check_model_config(config)

@@ -43,6 +43,10 @@ def check_host_ram(label: str, shape: ExpertShape, non_expert_bytes: int | None)
     # (the most precise format that fits: EXPERT_FORMATS runs from bf16 to int2)
     hint = f"; --experts {fitting[0]} needs {host_ram_needed(replace(shape, experts=fitting[0]), other) / GiB:.1f} GiB" \
         if fitting else ""
+    if shape.experts == "bf16" and shape.dtype_bytes == 4:  # float32 compute (the CPU's default) holds 4 bytes a weight
+        halved = host_ram_needed(replace(shape, dtype_bytes=2), other // 2)
+        if halved <= free:
+            hint = f"; --dtype bfloat16 needs {halved / GiB:.1f} GiB" + (f", {hint[2:]}" if hint else "")
     parts = (f"experts {shape.all_experts_bytes / GiB:.1f} + other weights {other / GiB:.1f} GiB"
              if non_expert_bytes is not None else "its experts alone, before its other weights")
     raise FmoeError(f"{label} needs {'at least ' if non_expert_bytes is None else ''}{need / GiB:.1f} GiB of host RAM "
