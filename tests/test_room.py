@@ -64,13 +64,20 @@ def test_a_family_whose_layers_are_not_known_is_not_counted():
 
 
 @pytest.mark.parametrize("quantization, method", [
-    ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, "fp8"),  # DeepSeek-V3, Qwen3-*-FP8
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "fp8"),  # per-tensor fp8 (block-scaled: tests/test_fp8.py)
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "fp8"),
     ({"quant_method": "gptq", "bits": 4}, "gptq"), ({"quant_method": "awq"}, "awq"), ({"load_in_4bit": True}, "unnamed"),
 ])
 def test_weights_stored_quantised_are_refused_from_config_json(quantization, method, tmp_path):
     path = write_config(tmp_path, {**MIXTRAL_8X22B, "quantization_config": quantization})
     with pytest.raises(FmoeError, match=rf"org/model's weights are stored quantised \({method}: .*unquantised"):
         check_servable(path, "org/model")
+
+
+def test_block_scaled_fp8_is_read(tmp_path):
+    """DeepSeek-V3's and the -FP8 repositories' quantization_config: dequantized as read (tests/test_fp8.py)."""
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert check_servable(write_config(tmp_path, {**MIXTRAL_8X22B, "quantization_config": fp8}), "org/model")
 
 
 def test_a_dense_model_is_refused_from_config_json_unless_its_own_code_says(tmp_path):
@@ -201,8 +208,8 @@ def test_the_listing_selects_the_patterns_and_the_lfs_sizes(monkeypatch):
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("chat", "org/fp8-moe"), "org/fp8-moe's weights are stored quantised (fp8"),
-    (("bench", "org/fp8-moe", "--tokens", "4"), "org/fp8-moe's weights are stored quantised (fp8"),
+    (("chat", "org/gptq-moe"), "org/gptq-moe's weights are stored quantised (gptq"),
+    (("bench", "org/gptq-moe", "--tokens", "4"), "org/gptq-moe's weights are stored quantised (gptq"),
     (("bench", "org/big-moe", "--tokens", "70000"), "--tokens 70000: the context of 65536 tokens"),
     (("chat", "org/big-moe", "--context", "100000"), "--context 100000 is longer than the model's context of 65536"),
 ])
@@ -210,8 +217,8 @@ def test_a_command_on_a_hub_model_refuses_from_its_config_json(args, fragment, f
     """The commands' own path (cli.py `_fetch_model`): one line, exit 2, and the weights never asked for."""
     from test_cli_errors import assert_one_line_error, run
 
-    fp8 = {**MIXTRAL_8X22B, "quantization_config": {"quant_method": "fp8"}}
-    fake = fake_hub(config=fp8 if "fp8" in args[1] else MIXTRAL_8X22B, files=[("config.json", 1000)])
+    gptq = {**MIXTRAL_8X22B, "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    fake = fake_hub(config=gptq if "gptq" in args[1] else MIXTRAL_8X22B, files=[("config.json", 1000)])
     monkeypatch.setattr(room, "host_ram_free", lambda: 10**15)
     result, text = run(*args)
     assert_one_line_error(result, text, fragment)
@@ -219,10 +226,10 @@ def test_a_command_on_a_hub_model_refuses_from_its_config_json(args, fragment, f
 
 
 @pytest.mark.parametrize("config, args, fragment", [
-    ({**MIXTRAL_8X22B, "quantization_config": {"quant_method": "fp8"}}, ("chat",), "weights are stored quantised (fp8"),
+    ({**MIXTRAL_8X22B, "quantization_config": {"quant_method": "gptq"}}, ("chat",), "weights are stored quantised (gptq"),
     (MIXTRAL_8X22B, ("bench", "--device", "cpu"), "needs at least 504.0 GiB of host RAM with --experts bf16"),
     ({**MIXTRAL_8X22B, "model_type": "llama", "num_local_experts": None}, ("serve", "--port", "0"), "is a dense model"),
-], ids=["fp8", "host RAM", "dense"])
+], ids=["gptq", "host RAM", "dense"])
 def test_a_local_model_is_refused_from_its_config_json_before_torch(config, args, fragment, tmp_path):
     """A model directory (config.json alone here: no weights, no tokenizer) is checked as a hub model's config is,
     before torch is imported (tests/test_fast_errors.py's probe)."""

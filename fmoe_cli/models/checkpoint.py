@@ -9,6 +9,12 @@ fused one, one expert at a time — straight into its [I, 3, H] block of the hos
 store. No fused copy of the experts is ever built, so peak host memory is the store
 plus the non-expert weights plus one expert.
 
+Block-scaled float8 checkpoints (config.json's `quantization_config` fp8 with a `weight_block_size`, as DeepSeek-V3's
+and the `-FP8` repositories): a float8 weight with its `…weight_scale_inv` grid is dequantized as it is read, as
+transformers does on a machine without an FP8 GPU (integrations/finegrained_fp8.py `Fp8Dequantize`): the float32
+product of each block and its scale, rounded once to the parameter's dtype. fmoe then serves the dequantized model
+(quantised further with --experts, as any float checkpoint).
+
 Files are read with `pread` into reused scratch buffers, not through a memory map:
 pages of a mapped file count in the process's resident set for as long as the map is
 open, and a fresh tensor per piece leaves the allocator's free lists holding memory.
@@ -181,7 +187,27 @@ def classify_keys(model, layers: list[MoeLayer], keys: list[str]) -> tuple[dict[
     return plain, experts
 
 
-FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # what a floating-point weight may be stored as (float8: refused)
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # what a floating-point weight may be stored as (float8: with its scales)
+FLOAT8_DTYPES = ("F8_E4M3", "F8_E5M2")
+SCALE_SUFFIX = "_scale_inv"  # a float8 weight's block scales: `KEY_scale_inv`, [rows / block, columns / block]
+
+
+def scale_keys(files: list[WeightFile]) -> dict[str, tuple[WeightFile, str]]:
+    """float8 weight key -> (the file holding its scale grid, the grid's key), over every file of the checkpoint."""
+    return {key[: -len(SCALE_SUFFIX)]: (f, key) for f in files for key in f.keys() if key.endswith(SCALE_SUFFIX)}
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block-scaled float8 weight [R, C] in `dtype`: each (R / r) × (C / c) block times its scale, [r, c] the grid,
+    in float32, rounded once (transformers' Fp8Dequantize._dequantize_one, the same operations in the same order)."""
+    rows, cols = weight.shape
+    grid_rows, grid_cols = scale.shape
+    if rows % grid_rows or cols % grid_cols:
+        raise FmoeError(f"a float8 weight of shape [{rows}, {cols}] does not divide into its scale grid "
+                        f"[{grid_rows}, {grid_cols}]: a layout fmoe does not read")
+    blocks = weight.to(torch.float32).reshape(-1, grid_rows, rows // grid_rows, grid_cols, cols // grid_cols)
+    scales = scale.to(torch.float32).reshape(-1, grid_rows, grid_cols).unsqueeze(-1).unsqueeze(2)
+    return (blocks * scales).to(dtype).reshape(rows, cols)
 
 
 def _expected_shape(layers: list[MoeLayer], piece: ExpertPiece) -> tuple[int, ...]:
@@ -202,9 +228,10 @@ def check_checkpoint(path: Path, model, layers: list[MoeLayer]) -> None:
     before a byte of weights is read: a shape that disagrees with the config, or a dtype fmoe cannot
     load exactly (float8 without its scales), is one line naming the file and the tensor."""
     meta_state = model.state_dict()
-    for file in weight_files(path):
-        weights = WeightFile(file)
-        try:
+    files = [WeightFile(file) for file in weight_files(path)]
+    try:
+        scales = scale_keys(files)
+        for weights in files:
             plain, experts = classify_keys(model, layers, weights.keys())
             for key, target in {**plain, **experts}.items():
                 if isinstance(target, ExpertPiece):
@@ -212,13 +239,19 @@ def check_checkpoint(path: Path, model, layers: list[MoeLayer]) -> None:
                 else:
                     expected, floating = tuple(meta_state[target].shape), meta_state[target].is_floating_point()
                 dtype, shape = weights.entries[key]["dtype"], tuple(weights.shape(key))
-                if floating and dtype not in FLOAT_DTYPES:
-                    raise FmoeError(f"{file}: {key} is stored as {dtype}; fmoe loads {', '.join(FLOAT_DTYPES)} "
-                                    f"weights only (a float8 checkpoint needs its scales applied, which fmoe does not do)")
+                scaled = dtype in FLOAT8_DTYPES and key in scales
+                if floating and dtype not in FLOAT_DTYPES and not scaled:
+                    raise FmoeError(f"{weights.file}: {key} is stored as {dtype}; fmoe loads {', '.join(FLOAT_DTYPES)} "
+                                    f"weights, and float8 ones with their block scales ({key}{SCALE_SUFFIX}), which "
+                                    f"this one lacks")
+                if scaled and (len(shape) != 2 or (isinstance(target, ExpertPiece) and target.expert is None)):
+                    raise FmoeError(f"{weights.file}: {key} is a float8 tensor of shape {list(shape)}: fmoe "
+                                    f"dequantizes 2-D weights only (one expert's, or a linear layer's)")
                 if shape != expected:
-                    raise FmoeError(f"{file}: {key} has shape {list(shape)} but the model's config.json makes it "
+                    raise FmoeError(f"{weights.file}: {key} has shape {list(shape)} but the model's config.json makes it "
                                     f"{list(expected)} (a checkpoint of another model, or a damaged file)")
-        finally:
+    finally:
+        for weights in files:
             weights.close()
 
 
@@ -256,6 +289,15 @@ def read_checkpoint(path: Path, model, layers: list[MoeLayer], store, dtype: tor
 
 def _read(path: Path, files: list[WeightFile], model, layers, store, dtype: torch.dtype, console: Console) -> None:
     plan = []  # (file, key, parameter name or ExpertPiece)
+    scales = scale_keys(files)  # float8 weights: their block scales, dequantized as they are read
+
+    def read(f: WeightFile, key: str, out: torch.Tensor | None, index: int | None, dtype: torch.dtype) -> torch.Tensor:
+        value = f.read(key, out, index)
+        if key in scales and value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale_file, scale_key = scales[key]
+            value = dequantize(value, scale_file.read(scale_key), dtype)
+        return value
+
     for f in files:
         plain, experts = classify_keys(model, layers, f.keys())
         plan += [(f, key, target) for key, target in {**plain, **experts}.items()]
@@ -273,9 +315,10 @@ def _read(path: Path, files: list[WeightFile], model, layers, store, dtype: torc
         task = progress.add_task("loading weights", total=total)
         for f, key, target in plan:
             if isinstance(target, str):
-                value = f.read(key)
+                loaded = _loaded_dtype(model, target, dtype)
+                value = read(f, key, None, None, loaded)
                 if value.is_floating_point():
-                    value = value.to(_loaded_dtype(model, target, dtype))
+                    value = value.to(loaded)
                 _set_tensor(model, target, value)
                 progress.advance(task, f.nbytes(key))
                 continue
@@ -285,7 +328,7 @@ def _read(path: Path, files: list[WeightFile], model, layers, store, dtype: torc
                 scratch = torch.empty(piece_bytes, dtype=torch.uint8)
             for e in range(n_experts) if fused else (target.expert,):
                 # per-expert: gate/up [I, H], down [H, I]; fused: gate_up [2I, H], down [H, I] (transposed: [H, 2I], [I, H])
-                weight = f.read(key, scratch, e if fused else None)
+                weight = read(f, key, scratch, e if fused else None, dtype)
                 if fused and getattr(layers[target.layer].experts, "is_transposed", False):
                     weight = weight.t()
                 entry = pending.get((target.layer, e))

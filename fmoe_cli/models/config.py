@@ -84,21 +84,30 @@ def check_config_file(path: Path) -> int | None:
     return context if type(context) is int and context > 0 else None
 
 
+def block_scaled_fp8(quantization: object) -> bool:
+    """Whether a `quantization_config` is transformers' fine-grained fp8 (float8 weights, a float32 scale per block of
+    `weight_block_size`): fmoe dequantizes those as it reads them (models/checkpoint.py `dequantize`)."""
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
+        return False
+    block = quantization.get("weight_block_size")
+    return isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
+
+
 def check_servable(path: Path, label: str, trust_remote_code: bool = False) -> dict:
     """config.json's fields (`check_config_file`), then what makes a checkpoint one fmoe cannot serve, from config.json
-    alone: weights stored quantised (any `quantization_config`: fp8, GPTQ, AWQ, bitsandbytes …; fmoe reads float
-    weights and quantises the experts itself) and a dense model. For a hub id this runs on its config.json before the
+    alone: weights stored quantised (a `quantization_config`: GPTQ, AWQ, bitsandbytes, per-tensor fp8 …; fmoe reads
+    float weights, and block-scaled fp8 ones, and quantises the experts itself) and a dense model. For a hub id this runs on its config.json before the
     weights are downloaded (models/hub.py `fetch_model_early`), not after tens of gigabytes. Returns the fields.
     A model with its own code (`trust_remote_code`) may name its experts otherwise: left to the loaded config."""
     raw = read_json(path, "model config")
     check_config_fields(raw, str(path))
     fields = text_fields(raw)
     quantization = raw.get("quantization_config") or fields.get("quantization_config")
-    if quantization:
+    if quantization and not block_scaled_fp8(quantization):
         method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else "unnamed"
         raise FmoeError(f"{label}'s weights are stored quantised ({method}: config.json's quantization_config); fmoe "
-                        f"reads bfloat16, float16 or float32 checkpoints and quantises the experts itself "
-                        f"(--experts int8, int4 or int2): use the model's unquantised checkpoint")
+                        f"reads bfloat16, float16 or float32 checkpoints, and block-scaled fp8 ones, and quantises the "
+                        f"experts itself (--experts int8, int4 or int2): use the model's unquantised checkpoint")
     counted = any(type(fields.get(key)) is int and fields[key] > 0 for key in EXPERT_COUNT_KEYS)
     if not counted and not trust_remote_code:
         raise FmoeError(f"{label} is a dense model ({fields.get('model_type', 'no model_type')}: no routed experts); "
