@@ -7,7 +7,8 @@
     python benchmarks/gpu_check.py --device cpu --parts d --trace TRACE --mixtral-layers 1 --tokens 2 --rounds 1 \
         --replay-policies lru,resident                                                       # its dry run here
 
-A. Exactness on the device: tiny random checkpoints of every family (fmoe_cli.models.demo, hidden 128), every policy
+A. Exactness on the device: tiny random checkpoints of every family (fmoe_cli.models.demo, hidden 128; --fp8-families
+   also in the block-scaled fp8 layout, transformers' reference dequantized as fmoe reads it), every policy
    at half the expert bytes over the real copy stream (every caching policy loads: a budget holding every expert
    runs them as resident), float32 and bfloat16; each policy's greedy tokens against
    transformers' own `generate` on the same device and dtype (and whether the resident run replayed its decode steps
@@ -84,16 +85,18 @@ def report_of(path: Path) -> dict | None:
         return None
 
 
-def reference_tokens(path: Path, device: str, dtype: str, tokens: int) -> list[int]:
-    """transformers' greedy tokens for PROMPT, encoded as fmoe bench encodes it (generate.encode_messages)."""
+def reference_tokens(path: Path, device: str, dtype: str, tokens: int, fp8: bool = False) -> list[int]:
+    """transformers' greedy tokens for PROMPT, encoded as fmoe bench encodes it (generate.encode_messages); `fp8`: a
+    block-scaled fp8 checkpoint, dequantized as fmoe reads it (on an FP8 GPU transformers would compute in float8)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, FineGrainedFP8Config
 
     from fmoe_cli.generate import encode_messages
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = encode_messages(tokenizer, [{"role": "user", "content": PROMPT}], str(path), plain=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    extra = {"quantization_config": FineGrainedFP8Config(dequantize=True)} if fp8 else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **extra).to(device).eval()
     model.generation_config.eos_token_id = None
     x = torch.tensor([ids], device=device)
     with torch.no_grad():
@@ -102,14 +105,18 @@ def reference_tokens(path: Path, device: str, dtype: str, tokens: int) -> list[i
 
 
 def part_a(args, work: Path, out: Path, deadline: float) -> list[str]:
-    from fmoe_cli.models.demo import build_random_moe
+    from fmoe_cli.models.demo import build_random_moe, write_fp8_copy
 
     lines = ["| family | dtype | policies giving transformers' tokens | resident from a CUDA graph | TPOT resident / moepic (ms) |",
              "|---|---|---|---|---|"]
-    for family in args.families:
+    for family in [*args.families, *(f"{f}-fp8" for f in args.fp8_families)]:
         path = work / f"tiny-{family}"
         if not path.exists():
-            build_random_moe(path, family=family, seed=1, hidden_size=128)
+            base = family.removesuffix("-fp8")
+            build_random_moe(work / f"tiny-{base}", family=base, seed=1, hidden_size=128) \
+                if not (work / f"tiny-{base}").exists() else None
+            if family.endswith("-fp8"):  # the same weights in the block-scaled fp8 layout
+                write_fp8_copy(work / f"tiny-{base}", path)
         for dtype in args.dtypes:
             if time.monotonic() > deadline:
                 lines.append(f"| {family} | {dtype} | skipped: the check's time | | |")
@@ -123,7 +130,7 @@ def part_a(args, work: Path, out: Path, deadline: float) -> list[str]:
             if rc != 0 or report is None:
                 lines.append(f"| {family} | {dtype} | fmoe bench failed (rc {rc}): {err.splitlines()[-1] if err else ''} | | |")
                 continue
-            want = reference_tokens(path, args.device, dtype, args.exact_tokens)
+            want = reference_tokens(path, args.device, dtype, args.exact_tokens, fp8=family.endswith("-fp8"))
             runs = {r["policy"]: r for r in report["runs"]}
             same = [p for p, r in runs.items() if r["token_ids"] == want]
             differ = [f"{p} at {next((i for i, (a, b) in enumerate(zip(r['token_ids'], want)) if a != b), len(want))}"
@@ -400,6 +407,8 @@ def main() -> None:
     parser.add_argument("--parts", default="abc", help="a: exactness, b: speed, c: a profile of moepic's steps, d: "
                         "issue 38's table (needs --trace), in the order given (default: abc)")
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--fp8-families", nargs="*", default=["qwen3_moe"], choices=FAMILIES,
+                        help="part A: these families' checkpoints in the block-scaled fp8 layout too")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--exact-tokens", type=int, default=24)
     parser.add_argument("--layers", type=int, default=8)

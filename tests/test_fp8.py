@@ -5,57 +5,23 @@ gives transformers' own greedy tokens on the same float8 checkpoint."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.checkpoint import dequantize
+from fmoe_cli.models.demo import FP8_BLOCK as BLOCK, quantize_fp8, write_fp8_copy
 from fmoe_cli.offload.link import EmulatedLink, VirtualClock
 from fmoe_cli.planning.presets import make_settings
 from test_exactness import NEW_TOKENS, PROMPT, TIMINGS, _family_setup, budgets, first_difference
-
-BLOCK = 32  # the tiny models' 64-wide weights: 2 × 2 blocks (real checkpoints: 128 × 128)
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
-
-
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, C] -> float8 e4m3 [R, C] and its float32 scale grid [R / BLOCK, C / BLOCK] (each block's max at 448)."""
-    rows, cols = weight.shape
-    blocks = weight.float().reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12) / 448.0
-    return (blocks / scale).to(torch.float8_e4m3fn).reshape(rows, cols), scale.reshape(rows // BLOCK, cols // BLOCK)
-
-
-def write_fp8_checkpoint(source, path) -> list[str]:
-    """A copy of the float checkpoint at `source` with every linear weight that divides into blocks stored as float8
-    with its scales (embeddings, LM head and routers stay float, as in real fp8 checkpoints); returns those keys."""
-    shutil.copytree(source, path)
-    tensors = load_file(str(path / "model.safetensors"))
-    stored, scaled = {}, []
-    for key, value in tensors.items():
-        linear = value.dim() == 2 and key.endswith(".weight") and not any(
-            part in key for part in ("embed", "lm_head", ".gate.weight", "norm"))
-        if linear and value.shape[0] % BLOCK == 0 and value.shape[1] % BLOCK == 0:
-            stored[key], stored[key + "_scale_inv"] = quantize_fp8(value)
-            scaled.append(key)
-        else:
-            stored[key] = value
-    save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_CONFIG}))
-    return scaled
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "deepseek_v3"])
 def fp8_checkpoint(request, checkpoints, tmp_path_factory):
     pytest.importorskip("accelerate")  # transformers' fp8 loading needs it (the test extras' hqq pulls it in)
     path = tmp_path_factory.mktemp("fp8") / request.param
-    scaled = write_fp8_checkpoint(checkpoints[request.param], path)
+    scaled = write_fp8_copy(checkpoints[request.param], path)
     assert any(".experts." in key for key in scaled) and any("attn" in key for key in scaled)
     return path
 

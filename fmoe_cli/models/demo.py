@@ -8,12 +8,15 @@ to talk to. Its name says so wherever it is shown.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import platformdirs
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from fmoe_cli.models.hub import SHIPPED_DEMO
@@ -130,3 +133,38 @@ def write_untied_demo(path: Path) -> Path:
     model.save_pretrained(path)
     transformers.AutoTokenizer.from_pretrained(SHIPPED).save_pretrained(path)
     return path
+
+
+FP8_BLOCK = 32  # the tiny models' 64- or 128-wide weights in whole blocks (real checkpoints: 128 × 128)
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] -> float8 e4m3 [R, C] and its float32 scale grid [R / FP8_BLOCK, C / FP8_BLOCK] (each block's max at 448)."""
+    rows, cols = weight.shape
+    blocks = weight.float().reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12) / 448.0
+    return (blocks / scale).to(torch.float8_e4m3fn).reshape(rows, cols), scale.reshape(rows // FP8_BLOCK, cols // FP8_BLOCK)
+
+
+def write_fp8_copy(source: Path, path: Path) -> list[str]:
+    """A copy of the float checkpoint at `source` in the block-scaled fp8 layout (DeepSeek-V3's, the -FP8
+    repositories'): every linear weight that divides into blocks stored as float8 with its scales, embeddings, LM head,
+    norms and routers left float as in those checkpoints; returns the keys stored as float8. For tests/test_fp8.py and
+    benchmarks/gpu_check.py."""
+    shutil.copytree(source, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    stored, scaled = {}, []
+    for key, value in tensors.items():
+        linear = value.dim() == 2 and key.endswith(".weight") and not any(
+            part in key for part in ("embed", "lm_head", ".gate.weight", "norm"))
+        if linear and value.shape[0] % FP8_BLOCK == 0 and value.shape[1] % FP8_BLOCK == 0:
+            stored[key], stored[key + "_scale_inv"] = quantize_fp8(value)
+            scaled.append(key)
+        else:
+            stored[key] = value
+    save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_QUANTIZATION}))
+    return scaled
