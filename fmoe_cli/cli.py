@@ -252,8 +252,14 @@ def chat(
     policy: Annotated[str, typer.Option(help=f"{POLICY_NAMES}.")] = DEFAULT_POLICY,
     profile: ProfileOpt = None,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = chat_defaults.TEMPERATURE,
-    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling threshold.")] = chat_defaults.TOP_P,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy. Default: the model's generation_config.json, "
+                                                     "else 0.7.")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="Nucleus sampling threshold. Default: the model's, "
+                                                "else 0.9.")] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Sample among the k most likely tokens (0: off). "
+                                              "Default: the model's, else 0.")] = None,
+    min_p: Annotated[float | None, typer.Option("--min-p", help="Drop tokens below min-p × the most likely's "
+                                                "probability (0: off). Default: the model's, else 0.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = chat_defaults.MAX_NEW_TOKENS,
     seed: Annotated[int | None, typer.Option(help="Sampling seed (reproducible answers).")] = None,
     device: DeviceOpt = "auto",
@@ -278,7 +284,8 @@ def chat(
                        device=device,
                                    trust_remote_code=trust_remote_code, profile=profile, context=context,
                                    host_threads=host_threads),
-                       system=system, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+                       system=system, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                       max_new_tokens=max_new_tokens, seed=seed)
     opts.check()
     _fetch_model(opts.run)
     _quiet_libraries()

@@ -559,22 +559,31 @@ TINY_TEMPERATURE = torch.finfo(torch.float32).tiny  # below it (0 included) floa
 @dataclass
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # 1: off
     seed: int | None = None
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0; otherwise temperature + nucleus (top-p) sampling."""
+    """Greedy at temperature 0; otherwise transformers' sampling steps in transformers' order (its logits
+    processors): temperature, top-k (the k most likely, ties at the k-th kept), top-p (nucleus), min-p (tokens at
+    least min_p × the most likely's probability), then a draw."""
     logits = as_float32(logits)  # (float32 logits as they are: no op)
     if params.temperature < TINY_TEMPERATURE:
         return int(torch.argmax(logits))
     # less the largest first: a tiny temperature sends the others to -inf, never inf - inf
-    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
+    scores = (logits - logits.max()) / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        scores = scores.masked_fill(scores < torch.topk(scores, params.top_k).values[-1], -float("inf"))
+    probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
         keep[0] = True  # the top token always (a top_p below float32's smallest number keeps nothing else)
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

@@ -121,7 +121,8 @@ def test_scripted_conversation_commands_and_save(checkpoints, reference, tmp_pat
     lines = out.splitlines()
     assert "link: emulated 50 GB/s" in out
     assert any(line.startswith("plan configurator:") for line in lines)  # moepic runs the configured plan
-    assert any(line.endswith("Ctrl-D quits · /help") for line in lines[:6])  # keys and the help hint
+    assert any(line.endswith("Ctrl-D quits · /help") for line in lines[:8])  # keys and the help hint
+    assert "sampling greedy (temperature 0)" in lines  # (start's temperature: the tokens are transformers')
     assert "/save FILE" in out and "Esc+Enter" in out  # /help lists commands and keys
     assert sum(1 for line in lines if "tokens · TTFT" in line) == 2  # one footer per answer
     assert any(line.split()[:1] == ["all"] for line in lines)  # /stats total row

@@ -57,6 +57,8 @@ def existing(tmp_path):
     (("bench", "demo", "--predictor", "trace"), "needs fmoe bench --replay-routing"),
     (("chat", "demo", "--predictor", "trace"), "needs fmoe bench --replay-routing"),
     (("chat", "demo", "--temperature", "nan"), "--temperature"),
+    (("chat", "demo", "--top-k", "-1"), "--top-k must be 0 (off) or more, got -1"),
+    (("chat", "demo", "--min-p", "1.5"), "--min-p must be in [0, 1] (0: off), got 1.5"),
     (("chat", "demo", "--context", "0"), "--context must be at least 16 tokens for a conversation"),
     (("serve", "demo", "--context", "1"), "--context must be at least 16 tokens for a conversation"),
     (("chat", "demo", "--seed", "999999999999999999999999"), "--seed must be between -9223372036854775808 and"),

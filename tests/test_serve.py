@@ -448,6 +448,8 @@ def test_oversize_body(server, monkeypatch):
     ('{"messages": "hello"}', 400, "messages"),
     ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}', 400, "max_tokens"),
     ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, "temperature"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "top_k": -1}', 400, "top_k"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}', 400, "min_p"),
     ('{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role"),
     ('{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}', 404, "gpt-4o"),
     ('{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n > 1 is not supported"),

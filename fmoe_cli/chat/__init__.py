@@ -9,8 +9,9 @@ from fmoe_cli.errors import FmoeError
 from fmoe_cli.types import SEED_RANGE
 from fmoe_cli.options import RunOptions
 
-TEMPERATURE = 0.7  # 0: greedy
-TOP_P = 0.9  # nucleus sampling threshold
+# Sampling where neither the command line nor the model's generation_config.json says (models/config.py
+# `sampling_defaults`): temperature (0: greedy), nucleus threshold, top-k (0: off), min-p (0: off).
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
 MAX_NEW_TOKENS = 512  # the longest answer, in tokens
 
 
@@ -23,17 +24,23 @@ class ChatOptions:
 
     run: RunOptions = field(default_factory=RunOptions)
     system: str | None = None
-    temperature: float = TEMPERATURE
-    top_p: float = TOP_P
+    temperature: float | None = None  # None: the model's generation_config.json, else SAMPLING's
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     max_new_tokens: int = MAX_NEW_TOKENS
     seed: int | None = None
 
     def check(self) -> None:
         """Refuse bad options in one line, without torch (as `RunOptions.check`)."""
-        if not 0 <= self.temperature < float("inf"):
+        if self.temperature is not None and not 0 <= self.temperature < float("inf"):
             raise FmoeError(f"--temperature must be a number ≥ 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:
             raise FmoeError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            raise FmoeError(f"--top-k must be 0 (off) or more, got {self.top_k}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise FmoeError(f"--min-p must be in [0, 1] (0: off), got {self.min_p}")
         if self.max_new_tokens < 1:
             raise FmoeError("--max-new-tokens must be at least 1")
         if self.run.context is not None and self.run.context < MIN_CONTEXT:  # (0 is `fmoe plan`'s "no KV cache")
@@ -42,3 +49,12 @@ class ChatOptions:
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise FmoeError(f"--seed must be between {SEED_RANGE[0]} and {SEED_RANGE[1]}, got {self.seed}")
         self.run.check()
+
+    def sampling(self, recommended: dict[str, float | int]) -> tuple[dict[str, float | int], str]:
+        """The sampling a chat runs with: each of temperature, top_p, top_k, min_p from the command line, else the
+        model's `recommended` (models/config.py `sampling_defaults`), else SAMPLING; and where the defaults came from,
+        for the header."""
+        asked = {key: getattr(self, key) for key in SAMPLING}
+        used = {key: asked[key] if asked[key] is not None else recommended.get(key, SAMPLING[key]) for key in SAMPLING}
+        from_model = any(asked[key] is None and key in recommended for key in SAMPLING)
+        return used, "the model's generation_config.json" if from_model else ""

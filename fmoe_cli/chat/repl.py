@@ -34,6 +34,7 @@ from fmoe_cli.chat import ChatOptions
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.generate import SamplingParams
+from fmoe_cli.models.config import sampling_defaults
 from fmoe_cli.models.load import LoadedModel, native_bf16, precision_label
 from fmoe_cli.offload.engine import Counters, Engine
 from fmoe_cli.run import open_run
@@ -210,6 +211,18 @@ def printable(text: str) -> str:
 
 
 
+def sampling_line(sampling: SamplingParams, source: str) -> str:
+    """The header's sampling: greedy, or each step that is on; where the defaults came from."""
+    if sampling.temperature == 0:
+        steps = "greedy (temperature 0)"
+    else:
+        steps = " · ".join([f"temperature {sampling.temperature:g}"]
+                           + ([f"top-p {sampling.top_p:g}"] if sampling.top_p < 1 else [])
+                           + ([f"top-k {sampling.top_k}"] if sampling.top_k > 0 else [])
+                           + ([f"min-p {sampling.min_p:g}"] if sampling.min_p > 0 else []))
+    return f"sampling {steps}" + (f" (defaults: {source})" if source else "")
+
+
 def header_lines(session: ChatSession, link_label: str, budget_bytes: int, profile: str | None) -> list[str]:
     lm = session.lm
     label = lm.label
@@ -227,6 +240,7 @@ def header_lines(session: ChatSession, link_label: str, budget_bytes: int, profi
     ]
     if session.context_limit:
         lines.append(f"context {session.context_limit} tokens (--context: the KV cache reserved, the window kept)")
+    lines.append(sampling_line(session.sampling, session.sampling_source))
     if profile:
         lines.append(f"profile {profile}")
     lines.append(f"[dim]{KEYS}[/dim]")
@@ -425,8 +439,9 @@ def open_chat(opts: ChatOptions, err_console: Console | None = None, make_idle: 
         if recorder is not None:  # one trace sequence per turn
             run.engine.observers.append(recorder)
         idle = make_idle(run.lm, run.engine, run.budget_bytes) if make_idle is not None else run.idle
+        sampling, source = opts.sampling(sampling_defaults(run.lm.path))
         session = ChatSession(run.lm, run.engine, system=opts.system,
-                              sampling=SamplingParams(opts.temperature, opts.top_p, opts.seed),
+                              sampling=SamplingParams(**sampling, seed=opts.seed), sampling_source=source,
                               max_new_tokens=opts.max_new_tokens, recorder=recorder, context=run.context)
         session.check_system(opts.system)
         return Chat(session, run.budget_bytes, run.engine.link.label(), run.profile, idle, stack.pop_all(), run.writer)

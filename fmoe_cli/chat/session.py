@@ -24,7 +24,7 @@ import json
 import statistics
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -100,6 +100,7 @@ class ChatSession:
     engine: Engine  # configured; its settings (plan) may change between turns (re-planning)
     system: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling_source: str = ""  # where the sampling defaults came from (the header says it), "" for fmoe's own
     max_new_tokens: int = 512
     recorder: object | None = None  # a trace.RouteRecorder already in engine.observers, or None
     messages: list[dict] = field(default_factory=list)  # user/assistant turns (the system prompt is apart)
@@ -176,7 +177,7 @@ class ChatSession:
             self.recorder.start_sequence(self.turns)
         sampling = self.sampling
         if sampling.seed is not None:  # reproducible, yet a different stream every turn
-            sampling = SamplingParams(sampling.temperature, sampling.top_p, turn_seed(sampling.seed, self.turns))
+            sampling = replace(sampling, seed=turn_seed(sampling.seed, self.turns))
         self.last_answer_ids = []
         events, pieces, finish = [], [], "length"
         try:
@@ -275,6 +276,7 @@ class ChatSession:
             "policy": self.settings.policy,
             "system": self.system,
             "sampling": {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
+                         "top_k": self.sampling.top_k, "min_p": self.sampling.min_p,
                          "seed": self.sampling.seed, "max_new_tokens": self.max_new_tokens},
             "messages": self.conversation(),
         }

@@ -149,3 +149,29 @@ def config_expert_shape(fields: dict, dtype_bytes: int, experts: str) -> ExpertS
     intermediate = next(fields[k] for k in INTERMEDIATE_KEYS if fields.get(k) is not None)
     return ExpertShape(len(layers), count, fields["num_experts_per_tok"], fields["hidden_size"], intermediate,
                        dtype_bytes, experts)
+
+
+# The sampling a model's authors recommend, from its generation_config.json (chat and serve start from it): each
+# field with the range transformers' GenerationConfig accepts.
+SAMPLING_FIELDS = {"temperature": (float, 0.0, float("inf")), "top_p": (float, 0.0, 1.0), "top_k": (int, 0, 1 << 24),
+                   "min_p": (float, 0.0, 1.0)}
+
+
+def sampling_defaults(model_dir: Path | None) -> dict[str, float | int]:
+    """generation_config.json's temperature, top_p, top_k and min_p where it samples (`do_sample` true), each a number
+    in its range (a field that is not is left out); {} for a model without one, or one that decodes greedily."""
+    path = None if model_dir is None else Path(model_dir) / "generation_config.json"
+    if path is None or not path.is_file():
+        return {}
+    try:
+        raw = read_json(path, "generation config")
+    except FmoeError:
+        return {}  # (transformers too goes on without a broken generation_config.json)
+    if not isinstance(raw, dict) or raw.get("do_sample") is not True:
+        return {}
+    found: dict[str, float | int] = {}
+    for key, (kind, low, high) in SAMPLING_FIELDS.items():
+        value = raw.get(key)
+        if type(value) in ((int, float) if kind is float else (int,)) and low <= value <= high:
+            found[key] = kind(value)
+    return found

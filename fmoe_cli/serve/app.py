@@ -31,6 +31,7 @@ from fmoe_cli.chat.repl import open_chat
 from fmoe_cli.chat.session import ChatSession
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.generate import SamplingParams, encode_messages, encode_text
+from fmoe_cli.models.config import sampling_defaults
 from fmoe_cli.offload.engine import Counters
 from fmoe_cli.options import RunOptions
 from fmoe_cli.serve import ServeOptions, return_freed_memory
@@ -118,6 +119,9 @@ class Service:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="fmoe-tokenize"))
     inboxes: set = field(default_factory=set)  # of the requests in progress (event-loop side)
     closing: bool = False  # shutdown has begun
+    # the sampling the model's generation_config.json recommends (models/config.py `sampling_defaults`): what a
+    # request that leaves a field out gets, else OpenAI's defaults (OPENAI_SAMPLING)
+    recommended: dict = field(default_factory=dict)
 
     @property
     def context(self) -> int | None:
@@ -129,6 +133,17 @@ class Service:
         self.worker.close(cancel_current=True)
         for inbox in list(self.inboxes):
             inbox.put_nowait(Stopped())
+
+
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}  # (top_k, min_p: off)
+
+
+def request_sampling(req, recommended: dict) -> SamplingParams:
+    """A request's sampling: each of temperature, top_p, top_k and min_p as the request gives it, else as the model
+    recommends, else OpenAI's default (as vLLM serves a model's generation_config.json)."""
+    chosen = {key: getattr(req, key) if getattr(req, key) is not None else recommended.get(key, default)
+              for key, default in OPENAI_SAMPLING.items()}
+    return SamplingParams(**chosen, seed=req.seed)
 
 
 def longest_token(tokenizer) -> int | None:
@@ -144,6 +159,7 @@ def start_service(session: ChatSession, model_id: str, options: ServeOptions, id
     """The worker thread started on `session`, with its metrics."""
     service = Service(session, None, model_id, options)  # type: ignore[arg-type]
     service.longest_token = longest_token(session.lm.tokenizer)
+    service.recommended = sampling_defaults(session.lm.path)
     metrics = Metrics(lambda: service.worker.queue_length)
 
     def handle(job: Job) -> None:
@@ -355,8 +371,7 @@ def shutdown_error(job: Job) -> ApiError:
 async def respond(service: Service, request: Request, req, ids: list[int], max_tokens: int, reply: Reply) -> Response:
     """Queue the request (its place is reserved) and answer it: one JSON body, or an SSE stream whose
     headers go out when the worker takes it (a request refused while it waits is a plain error)."""
-    sampling = SamplingParams(1.0 if req.temperature is None else req.temperature,
-                              1.0 if req.top_p is None else req.top_p, req.seed)
+    sampling = request_sampling(req, service.recommended)
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
 

@@ -1,0 +1,92 @@
+"""Sampling: transformers' steps in transformers' order (temperature, top-k, top-p, min-p), and the defaults a model's
+generation_config.json recommends (chat and serve start from them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fmoe_cli.chat import SAMPLING, ChatOptions
+from fmoe_cli.generate import SamplingParams, sample_next
+from fmoe_cli.models.config import sampling_defaults
+
+
+def transformers_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution transformers' logits processors sample from, in the order its generate builds them."""
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+
+    steps = [TemperatureLogitsWarper(params.temperature)]
+    steps += [TopKLogitsWarper(params.top_k)] if params.top_k else []
+    steps += [TopPLogitsWarper(params.top_p)] if params.top_p < 1 else []
+    steps += [MinPLogitsWarper(params.min_p)] if params.min_p else []
+    scores = LogitsProcessorList(steps)(torch.zeros(1, 1, dtype=torch.long), logits[None].clone())
+    return torch.softmax(scores[0], dim=-1)
+
+
+def drawn(logits: torch.Tensor, params: SamplingParams, draws: int = 3000) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(logits.shape[0])
+    for _ in range(draws):
+        counts[sample_next(logits, params, generator)] += 1
+    return counts / draws
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(1.0, top_k=3), SamplingParams(0.7, top_p=0.8), SamplingParams(1.3, min_p=0.2),
+    SamplingParams(0.6, top_p=0.95, top_k=5, min_p=0.05),  # Qwen3's kind: every step on
+    SamplingParams(1.0, top_p=0.6, min_p=0.5), SamplingParams(2.0, top_k=4, top_p=0.5),
+], ids=repr)
+def test_the_draws_follow_transformers_distribution(params):
+    """Which tokens can be drawn is exactly transformers' support, and how often within sampling noise (3000 draws)."""
+    logits = torch.tensor([2.0, 1.6, 1.5, 1.1, 0.7, 0.3, 0.0, -0.4, -1.0, -2.5])
+    want = transformers_probs(logits, params)
+    got = drawn(logits, params)
+    assert torch.equal(got > 0, want > 0), (got, want)
+    assert torch.allclose(got, want, atol=0.035), (got, want)
+
+
+def test_top_k_keeps_ties_at_the_k_th_and_min_p_one_keeps_the_most_likely():
+    logits = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.5])
+    assert set(drawn(logits, SamplingParams(5.0, top_k=2), 600).nonzero().flatten().tolist()) == {0, 1, 2, 3}
+    assert drawn(logits, SamplingParams(5.0, min_p=1.0), 200).tolist() == [1.0, 0, 0, 0, 0]
+    assert drawn(logits, SamplingParams(5.0, top_k=1), 200).tolist() == [1.0, 0, 0, 0, 0]
+
+
+def write_generation_config(tmp_path, **fields):
+    (tmp_path / "generation_config.json").write_text(json.dumps(fields))
+    return tmp_path
+
+
+def test_the_model_s_recommended_sampling_is_read_where_it_samples(tmp_path):
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [1, 2]}
+    assert sampling_defaults(write_generation_config(tmp_path, **qwen3)) == {"temperature": 0.6, "top_p": 0.95,
+                                                                            "top_k": 20}
+    assert sampling_defaults(write_generation_config(tmp_path, **{**qwen3, "do_sample": False})) == {}  # greedy
+    odd = {"do_sample": True, "temperature": "hot", "top_p": 1.5, "top_k": 2.5, "min_p": 0}
+    assert sampling_defaults(write_generation_config(tmp_path, **odd)) == {"min_p": 0.0}  # only what is in range
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert sampling_defaults(tmp_path) == {} and sampling_defaults(tmp_path / "none") == {} and sampling_defaults(None) == {}
+
+
+def test_the_command_line_wins_then_the_model_then_fmoe():
+    recommended = {"temperature": 0.6, "top_k": 20}
+    used, source = ChatOptions(top_p=0.5).sampling(recommended)
+    assert used == {"temperature": 0.6, "top_p": 0.5, "top_k": 20, "min_p": SAMPLING["min_p"]}
+    assert source == "the model's generation_config.json"
+    used, source = ChatOptions(temperature=0.0, top_k=0).sampling(recommended)
+    assert used == {**SAMPLING, "temperature": 0.0, "top_k": 0} and source == ""  # nothing taken from the model
+    assert ChatOptions().sampling({}) == (SAMPLING, "")
+
+
+def test_a_request_s_sampling_then_the_model_s_then_openai_s():
+    from fmoe_cli.serve.app import request_sampling
+    from fmoe_cli.serve.protocol import ChatRequest
+
+    request = ChatRequest(messages=[{"role": "user", "content": "hi"}], top_p=0.5, seed=3)
+    assert request_sampling(request, {"temperature": 0.6, "top_k": 20}) == SamplingParams(0.6, 0.5, 3, 20, 0.0)
+    assert request_sampling(request, {}) == SamplingParams(1.0, 0.5, 3, 0, 0.0)
+    request = ChatRequest(messages=[{"role": "user", "content": "hi"}], top_k=0, min_p=0.1)
+    assert request_sampling(request, {"top_k": 20}) == SamplingParams(1.0, 1.0, None, 0, 0.1)
