@@ -241,6 +241,7 @@ class Configuration:
 
 
 TABLE_CACHE_BYTES = 8 * MiB  # a layer's priced candidates kept across budgets (`_LayerModel._tables`)
+CHOICES_KEPT = 1024  # `_LayerModel.choose`'s answers kept per `_Tables` (all dropped at once past it: about 1 MB)
 MAX_COLUMNS = 1024  # (C, k) candidates per layer and budget: ≤ this many k per C over all C
 
 
@@ -309,12 +310,12 @@ class _LayerModel:
     bottom costs less link time), so more budget never forces a larger θ on a cache size.
 
     Everything that depends on V_i only (the candidates, θ, the cumulated prefetch costs and
-    gains, the work per token) is computed once per budget and kept; a window then costs one
-    comparison.
+    gains, the work per token) is computed once per budget and kept (`_Tables`: shared by the layers whose
+    curves are equal, and by the same layer's model without prefetch); a window then costs one comparison.
     """
 
     def __init__(self, curves: LayerCurves, shape: ExpertShape, timings: Timings, max_prefetch: int | None,
-                 host_lane: bool = False) -> None:
+                 host_lane: bool = False, tables: _Tables | None = None) -> None:
         if curves.num_experts != shape.num_experts:
             raise FmoeError(f"statistics have {curves.num_experts} experts per layer, the model {shape.num_experts}")
         self.curves = curves
@@ -323,7 +324,16 @@ class _LayerModel:
         self.max_prefetch = max_prefetch
         self.host_lane = host_lane and timings.has_host  # the host path is a candidate (needs the host's figures)
         self.per_size = max(1, MAX_COLUMNS // (shape.num_experts + 1))  # k candidates per C at most
-        self._by_budget: dict[int, tuple] = {}
+        self._shared = _Tables() if tables is None else tables
+
+    @property
+    def _by_budget(self) -> dict[int, tuple]:
+        return self._shared.by_budget
+
+    def with_prefetch(self, max_prefetch: int | None, host_lane: bool = False) -> _LayerModel:
+        """The same layer with another prefetch width (0: none) and host lane, sharing its tables (they depend on
+        the curves, the shape and the timings alone)."""
+        return _LayerModel(self.curves, self.shape, self.timings, max_prefetch, host_lane, self._shared)
 
     def _columns(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
         """The candidates (C, k) for V_i = budget, ordered by C then k: C = 0 with k = 0, then for each
@@ -373,13 +383,15 @@ class _LayerModel:
         split_hits = np.where((k > 0) & (k < shape.intermediate), shape.top_k * hit, 0.0)
         host = loaded * t.t_host_load + admitted * t.t_admit + split_hits * t.t_segment
         tables = (sizes, k, theta, cost, gain, taken, bottoms, cached, host, self._host_lane(sizes, k, theta, hit))
-        # kept per budget (Algorithm 1 returns to a budget often), within TABLE_CACHE_BYTES a layer, the oldest out
-        # first: a table is [Y, candidates] floats several times over, 3.7 MB for Qwen3-30B-A3B's 128 experts, and
-        # a count of budgets alone let `fmoe plan` reach 11 GiB of RAM on that model (16 GiB and more on DeepSeek-V3)
+        # kept per budget (Algorithm 1 returns to a budget often), within TABLE_CACHE_BYTES a layer (the layers that
+        # share them: `_Tables`), the oldest out first: a table is [Y, candidates] floats several times over, 3.7 MB
+        # for Qwen3-30B-A3B's 128 experts, and a count of budgets alone let `fmoe plan` reach 11 GiB of RAM on that
+        # model (16 GiB and more on DeepSeek-V3)
         nbytes = sum(a.nbytes for a in tables if isinstance(a, np.ndarray))
-        while self._by_budget and (len(self._by_budget) + 1) * nbytes > TABLE_CACHE_BYTES:
-            del self._by_budget[next(iter(self._by_budget))]
-        self._by_budget[budget] = tables
+        kept = self._by_budget
+        while kept and (len(kept) + 1) * nbytes > TABLE_CACHE_BYTES * self._shared.layers_counted:
+            del kept[next(iter(kept))]
+        kept[budget] = tables
         return tables
 
     def _host_lane(self, sizes: np.ndarray, k: np.ndarray, theta: np.ndarray, hit: np.ndarray) -> tuple:
@@ -451,7 +463,22 @@ class _LayerModel:
         """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
         largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}. With the host lane
         (`host_lane`), the host path is a candidate too and the layer takes the path of the least T^i;
-        `host_path` prices the host path alone."""
+        `host_path` prices the host path alone.
+
+        Kept per inputs (`_Tables.chosen`, shared as the tables are): the search asks a layer the same budget in
+        the same window again and again, and the layers of equal curves ask each other's."""
+        key = (int(budget), float(window).hex(), cache_size, host_path, self.max_prefetch, self.host_lane)
+        chosen = self._shared.chosen
+        found = chosen.get(key)
+        if found is None:
+            found = self._choose(budget, window, cache_size, host_path)
+            if len(chosen) >= CHOICES_KEPT:
+                chosen.clear()
+            chosen[key] = found
+        return found
+
+    def _choose(self, budget: int, window: float, cache_size: int | None,
+                host_path: bool) -> tuple[LayerChoice, float]:
         sizes, k, theta, cost, gain, taken, bottoms, cached, host, (lane_time, lane_host) = self._tables(budget)
         t = self.timings
         if host_path and not t.has_host:
@@ -538,7 +565,47 @@ def _layer_models(stats: RoutingStats, timings: Timings, shape: ExpertShape, max
         raise FmoeError(f"statistics cover {stats.num_layers} MoE layers, the model has {shape.num_layers}")
     if timings.top_k != shape.top_k:
         raise FmoeError(f"timings are for top-{timings.top_k} routing, the model routes to {shape.top_k}")
-    return [_LayerModel(stats.curves(i), shape, timings, max_prefetch, host_lane) for i in range(shape.num_layers)]
+    groups: dict[bytes, list[tuple[LayerCurves, _Tables]]] = {}
+    models = []
+    for i in range(shape.num_layers):
+        curves = stats.curves(i)
+        same = groups.setdefault(_digest(curves), [])
+        found = next(((kept, tables) for kept, tables in same if _equal(kept, curves)), None)
+        if found is None:
+            found = (curves, _Tables())
+            same.append(found)
+        found[1].layers += 1
+        models.append(_LayerModel(found[0], shape, timings, max_prefetch, host_lane, found[1]))
+    return models
+
+
+class _Tables:
+    """The priced candidates per budget (`_LayerModel._tables`) of the layers whose curves are equal: with uniform
+    routing (config.json alone) every layer's, so that a 48-layer model prices each budget once, not 48 times (and
+    not again for the plans without prefetch: `_LayerModel.with_prefetch`). Kept within TABLE_CACHE_BYTES per
+    layer sharing them, the oldest dropped first."""
+
+    def __init__(self) -> None:
+        self.by_budget: dict[int, tuple] = {}
+        self.chosen: dict[tuple, tuple[LayerChoice, float]] = {}  # `_LayerModel.choose`'s answers by their inputs
+        self.layers = 0  # layers sharing them (at least 1 counted for the byte budget)
+
+    @property
+    def layers_counted(self) -> int:
+        return max(1, self.layers)
+
+
+def _digest(curves: LayerCurves) -> bytes:
+    """The bytes of a layer's H_i and P_i (N + 1 and N floats), to find the layers whose curves may be equal
+    (`_equal` then compares all four)."""
+    return b"".join(np.ascontiguousarray(a, dtype=np.float64).tobytes() for a in (curves.hit, curves.predicted_hit))
+
+
+def _equal(a: LayerCurves, b: LayerCurves) -> bool:
+    """Equal curves, checked element by element behind the digest (NaN never equal: such layers share nothing)."""
+    return all(np.array_equal(x, y) for x, y in ((a.hit, b.hit), (a.predicted_hit, b.predicted_hit),
+                                                  (a.predicted_cached, b.predicted_cached),
+                                                  (a.predicted_hit_cached, b.predicted_hit_cached)))
 
 
 @lru_cache(maxsize=65536)
@@ -659,8 +726,10 @@ def per_layer_optimum(models: Sequence[_LayerModel], expert_budget: int, windows
     unit = expert_budget // units
     if unit <= 0:
         return [expert_budget // len(models)] * len(models)
-    exposed = np.array([[model.choose(u * unit, window)[0].exposed for u in range(units + 1)]
-                        for model, window in zip(models, windows)])  # [i, u]: T^i with V_i = u units
+    exposed = np.empty((len(models), units + 1))  # [i, u]: T^i with V_i = u units
+    for u in range(units + 1):  # budget by budget: layers that share their tables price each budget once
+        for i, (model, window) in enumerate(zip(models, windows)):
+            exposed[i, u] = model.choose(u * unit, window)[0].exposed
     best = exposed[0].copy()  # best[t]: least Σ T^i over the layers so far with t units spent
     picks = []  # per later layer: [t] -> its units in that optimum
     used = np.arange(units + 1)
@@ -719,7 +788,7 @@ def vram_allocation(
     chosen, candidates = ALGORITHM_1, [(ALGORITHM_1, split.total_exposed)]
     if baselines:
         best = split.total_exposed
-        silent = _layer_models(stats, timings, shape, 0)  # no prefetch: Y = 0
+        silent = [model.with_prefetch(0) for model in models]  # no prefetch: Y = 0 (the same tables)
         judged = stats.predicted_tokens >= min_predictions  # the predictor's accuracy is known (0: always)
         for name, (theta, prefetch) in BASELINES.items():
             if not prefetch and not judged:
