@@ -1045,3 +1045,28 @@ def test_layers_of_equal_curves_share_their_tables_and_price_as_each_layer_alone
                         host_path=False: self._choose(budget, window, cache_size, host_path))  # nothing kept
     assert shared == priced()
 
+
+def test_a_layers_tables_are_the_sums_written_out():
+    """A layer's tables (made in place) and `_right_prefetches` (the right prefetches taken over and those of cached
+    tops, for one candidate) are bit for bit the [Y, candidates] sums written out, as the tables once held them all."""
+    from fmoe_cli.planning import configurator
+
+    shape = ExpertShape(4, 8, 2, 4, 128, 1)
+    stats = _layers_with_a_repeat(5, shape.num_experts, shape.top_k)
+    timings = Timings(1e-4, 4e-4, 2e-4, 6e-4, 2)
+    for model in configurator._layer_models(stats, timings, shape, None):
+        curves = model.curves
+        for budget in (shape.expert_bytes // 3, shape.expert_bytes * 3, shape.all_experts_bytes // 4):
+            sizes, k, theta, cost, gain = model._tables(budget)[:5]
+            assert cost.tobytes() == np.cumsum((1.0 - curves.predicted_cached[:, sizes] * theta[None, :]) * timings.t_load,
+                                               axis=0).tobytes()
+            right_cached = curves.predicted_hit_cached[:, sizes]
+            assert gain.tobytes() == np.cumsum(curves.predicted_hit[:, None] - right_cached * theta[None, :],
+                                               axis=0).tobytes()
+            whole = (k == shape.intermediate).astype(float)
+            taken = np.cumsum(curves.predicted_hit[:, None] - right_cached * whole[None, :], axis=0)
+            bottoms = np.cumsum(right_cached, axis=0)
+            for c in range(len(sizes)):
+                one_taken, one_bottoms = model._right_prefetches(int(sizes[c]), int(k[c]))
+                assert one_taken.tobytes() == taken[:, c].tobytes()
+                assert one_bottoms.tobytes() == bottoms[:, c].tobytes()

@@ -336,19 +336,8 @@ class _LayerModel:
         return _LayerModel(self.curves, self.shape, self.timings, max_prefetch, host_lane, self._shared)
 
     def _columns(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
-        """The candidates (C, k) for V_i = budget, ordered by C then k: C = 0 with k = 0, then for each
-        C whose k_max = V_i / C (whole blocks, ≤ I) holds a block, k_max and smaller whole blocks."""
-        shape = self.shape
-        block = shape.neuron_block
-        sizes, ks = [0], [0]
-        for c in range(1, shape.num_experts + 1):
-            k_max = min(budget // c // shape.neuron_bytes // block * block, shape.intermediate)
-            if k_max < block:
-                break  # larger C hold less
-            picks = _spread_blocks(k_max // block, self.per_size)
-            sizes += [c] * len(picks)
-            ks += [p * block for p in picks]
-        return np.array(sizes, dtype=np.int64), np.array(ks, dtype=np.int64)
+        """The candidates (C, k) for V_i = budget (`budget_candidates`: the same for every layer of the shape)."""
+        return budget_candidates(self.shape, self.per_size, int(budget))
 
     def _tables(self, budget: int) -> tuple:
         tables = self._by_budget.get(budget)
@@ -358,18 +347,19 @@ class _LayerModel:
         sizes, k = self._columns(budget)  # per candidate: C_i, k_i
         theta = k / shape.intermediate  # θ_i
         hit = cache_hit_rate(curves.hit, sizes, shape.top_k)  # H_i(C)
-        load_share = 1.0 - curves.predicted_cached[:, sizes] * theta[None, :]  # [y, col]: 1 − PH_i(y,C)·θ_i
-        cost = np.cumsum(load_share * t.t_load, axis=0)  # Σ_{y'≤y} (1 − PH·θ)·T_load: what the prefetches load
-        right = curves.predicted_hit[:, None]  # P_i(y)
-        right_cached = curves.predicted_hit_cached[:, sizes]  # [y, col]: PAH_i(y, C), right and its top cached
+        # (each [y, col] table made in one array, in place: the same operations as written out, fewer allocations)
+        cost = curves.predicted_cached[:, sizes]  # [y, col]: PH_i(y, C)
+        np.multiply(cost, theta[None, :], out=cost)
+        np.subtract(1.0, cost, out=cost)  # 1 − PH_i(y,C)·θ_i
+        np.multiply(cost, t.t_load, out=cost)
+        np.cumsum(cost, axis=0, out=cost)  # Σ_{y'≤y} (1 − PH·θ)·T_load: what the prefetches load
         # Eq. 9's credit from the joint count: Σ_{y'≤y} P(y') − PAH(y', C)·θ (a right prefetch of a cached top
         # hides its bottom only; MoEpic's (1 − PH·θ)·P takes "activated" and "cached" as independent)
-        gain = np.cumsum(right - right_cached * theta[None, :], axis=0)
-        # right prefetches issued (segments a layer then takes over instead of submitting them): Σ_{y'≤y}
-        # P(y') − PAH(y', C)·[k_i = I], a whole cached expert is not prefetched (each a submission h_pf already paid)
-        whole = (k == shape.intermediate).astype(float)
-        taken = np.cumsum(right - right_cached * whole[None, :], axis=0)
-        bottoms = np.cumsum(right_cached, axis=0)  # Σ_{y'≤y} PAH(y', C): right prefetches of cached tops
+        gain = curves.predicted_hit_cached[:, sizes]  # [y, col]: PAH_i(y, C), right and its top cached
+        np.multiply(gain, theta[None, :], out=gain)
+        np.subtract(curves.predicted_hit[:, None], gain, out=gain)  # P_i(y) − PAH_i(y, C)·θ_i
+        np.cumsum(gain, axis=0, out=gain)
+        # (the right prefetches taken over and those of cached tops: `_right_prefetches`, for the chosen column alone)
         cached = shape.top_k * hit * theta  # K·H_i(C)·θ_i
         # segments loaded per token: every activated expert but the whole cached ones, K − K·H_i(C)·[k_i = I]
         loaded = shape.top_k - np.where(k == shape.intermediate, shape.top_k * hit, 0.0)
@@ -382,17 +372,28 @@ class _LayerModel:
         # top hits of a split (0 < k_i < I) run two segment forwards: c more each
         split_hits = np.where((k > 0) & (k < shape.intermediate), shape.top_k * hit, 0.0)
         host = loaded * t.t_host_load + admitted * t.t_admit + split_hits * t.t_segment
-        tables = (sizes, k, theta, cost, gain, taken, bottoms, cached, host, self._host_lane(sizes, k, theta, hit))
+        tables = (sizes, k, theta, cost, gain, cached, host, self._host_lane(sizes, k, theta, hit))
         # kept per budget (Algorithm 1 returns to a budget often), within TABLE_CACHE_BYTES a layer (the layers that
-        # share them: `_Tables`), the oldest out first: a table is [Y, candidates] floats several times over, 3.7 MB
-        # for Qwen3-30B-A3B's 128 experts, and a count of budgets alone let `fmoe plan` reach 11 GiB of RAM on that
-        # model (16 GiB and more on DeepSeek-V3)
+        # share them: `_Tables`), the oldest out first: a table is [Y, candidates] floats twice over, 1.4 MB for
+        # Qwen3-30B-A3B's 128 experts at a quarter of them (3.7 MB when it held four such), and a count of budgets
+        # alone let `fmoe plan` reach 11 GiB of RAM on that model (16 GiB and more on DeepSeek-V3)
         nbytes = sum(a.nbytes for a in tables if isinstance(a, np.ndarray))
         kept = self._by_budget
         while kept and (len(kept) + 1) * nbytes > TABLE_CACHE_BYTES * self._shared.layers_counted:
             del kept[next(iter(kept))]
         kept[budget] = tables
         return tables
+
+    def _right_prefetches(self, size: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """For one candidate (C, k), per prefetch count y: the right prefetches issued (segments a layer then takes
+        over instead of submitting them), Σ_{y'≤y} P(y') − PAH(y', C)·[k = I] (a whole cached expert is not
+        prefetched; each a submission h_pf already paid), and the right prefetches of cached tops, Σ_{y'≤y} PAH(y', C).
+        Made for the chosen candidate alone (a table of every candidate's was [Y, candidates] floats twice more per
+        budget); the same sums, in the same order, as every candidate's cumulated at once."""
+        curves = self.curves
+        right_cached = curves.predicted_hit_cached[:, size]
+        whole = float(k == self.shape.intermediate)
+        return np.cumsum(curves.predicted_hit - right_cached * whole), np.cumsum(right_cached)
 
     def _host_lane(self, sizes: np.ndarray, k: np.ndarray, theta: np.ndarray, hit: np.ndarray) -> tuple:
         """Per candidate (C, k), a host-lane layer (docs/architecture.md § The host lane): its experts' time
@@ -479,7 +480,7 @@ class _LayerModel:
 
     def _choose(self, budget: int, window: float, cache_size: int | None,
                 host_path: bool) -> tuple[LayerChoice, float]:
-        sizes, k, theta, cost, gain, taken, bottoms, cached, host, (lane_time, lane_host) = self._tables(budget)
+        sizes, k, theta, cost, gain, cached, host, (lane_time, lane_host) = self._tables(budget)
         t = self.timings
         if host_path and not t.has_host:
             raise FmoeError("a plan with the host lane needs the host's timings (`fmoe profile` measures them)")
@@ -523,19 +524,20 @@ class _LayerModel:
         # before it computes anything (offload/engine.py: _submit), so it is spent with the first on the link
         submit = t.submit_share
         taken_over = 0.0  # right prefetches still on the link, which the layer takes over instead of submitting
+        taken, bottoms = self._right_prefetches(int(sizes[c]), int(k[c]))
         if prefetches[c] > 0:
             # h_pf: the predictor and prefetcher's work when the layer prefetches, its prefetches' submissions
             # included; a right one is taken over by its layer, not submitted again: h_sub less per right prefetch
             # (those landed and those still on the link when the layer routes)
-            right = float(taken[prefetches[c] - 1, c])
-            landed_right = float(taken[last[c], c]) if landed[c] > 0 else 0.0
+            right = float(taken[prefetches[c] - 1])
+            landed_right = float(taken[last[c]]) if landed[c] > 0 else 0.0
             work += t.t_host_prefetch - right * submit
             taken_over = right - landed_right
         # T^i (Eq. 6, pipelined, + G_i) over the tokens' hidden units m (ours: the paper prices the expected m_i;
         # the stall is not linear in m: `hidden_distribution`); B_i, linear in m, keeps its closed form's mean
         size = int(sizes[c])
         hit_c = float(cache_hit_rate(self.curves.hit, np.array([size]), top_k)[0])
-        right_cached = float(bottoms[last[c], c]) if landed[c] > 0 and size > 0 else 0.0  # Σ_{y≤Y} PAH_i(y, C)
+        right_cached = float(bottoms[last[c]]) if landed[c] > 0 and size > 0 else 0.0  # Σ_{y≤Y} PAH_i(y, C)
         values, weights = hidden_distribution(top_k, size, hit_c, float(theta[c]), m, right_cached)
         stall, busy = self._stall(values, behind, submit, taken_over, prefetches[c] > 0)
         stalls = float(np.dot(weights, np.maximum(0.0, stall)))
@@ -613,6 +615,25 @@ def _spread_blocks(blocks: int, most: int) -> tuple[int, ...]:
     """1..`blocks` whole neuron blocks, at most `most` of them evenly spread, ascending (the k candidates of one cache
     size): made once per (blocks, most), where a plan's search asked numpy for them hundreds of thousands of times."""
     return tuple(int(b) for b in np.unique(np.round(np.linspace(1, blocks, min(blocks, most))).astype(np.int64)))
+
+
+@lru_cache(maxsize=1024)  # a few KB each; every layer of a shape asks for the same budgets
+def budget_candidates(shape: ExpertShape, per_size: int, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates (C, k) for V_i = budget, ordered by C then k: C = 0 with k = 0, then for each
+    C whose k_max = V_i / C (whole blocks, ≤ I) holds a block, k_max and smaller whole blocks (at most `per_size`
+    of them, `_spread_blocks`). Read-only arrays, made once per (shape, budget) for all the layers."""
+    block = shape.neuron_block
+    sizes, ks = [0], [0]
+    for c in range(1, shape.num_experts + 1):
+        k_max = min(budget // c // shape.neuron_bytes // block * block, shape.intermediate)
+        if k_max < block:
+            break  # larger C hold less
+        picks = _spread_blocks(k_max // block, per_size)
+        sizes += [c] * len(picks)
+        ks += [p * block for p in picks]
+    sizes, ks = np.array(sizes, dtype=np.int64), np.array(ks, dtype=np.int64)
+    sizes.flags.writeable = ks.flags.writeable = False
+    return sizes, ks
 
 
 def _run(models: Sequence[_LayerModel], budgets: Sequence[int], start: int, window: float) -> list[LayerChoice]:
@@ -716,20 +737,34 @@ def _fixed_point(models: Sequence[_LayerModel], budgets: list[int], step: int, t
 OPTIMUM_UNITS = 32  # the per-layer optimum spends V_e in this many equal units
 
 
-def per_layer_optimum(models: Sequence[_LayerModel], expert_budget: int, windows: Sequence[float]) -> list[int]:
+def unit_prices(model_sets: Sequence[Sequence[_LayerModel]], expert_budget: int,
+                windows: Sequence[float]) -> list[np.ndarray]:
+    """For each set of layer models, T^i with V_i = u units of V_e / OPTIMUM_UNITS, u = 0..OPTIMUM_UNITS, as
+    [i, u], with every layer's window held at `windows`. One sweep, budget by budget and layer by layer, for all
+    the sets: the sets of one configuration (with and without prefetch) and the layers of equal curves share their
+    tables (`_Tables`), each priced once per budget while it is kept."""
+    unit = expert_budget // OPTIMUM_UNITS
+    prices = [np.empty((len(models), OPTIMUM_UNITS + 1)) for models in model_sets]
+    for u in range(OPTIMUM_UNITS + 1):
+        for i, window in enumerate(windows):
+            for models, exposed in zip(model_sets, prices):
+                exposed[i, u] = models[i].choose(u * unit, window)[0].exposed
+    return prices
+
+
+def per_layer_optimum(models: Sequence[_LayerModel], expert_budget: int, windows: Sequence[float],
+                      exposed: np.ndarray | None = None) -> list[int]:
     """The budgets {V_i} (whole units of V_e / OPTIMUM_UNITS, Σ V_i ≤ V_e) that minimise Σ_i T^i(V_i) with every
     layer's window T_wind^i held at `windows` (those of a plan already priced) and each layer's (C_i, k_i) chosen
     as ExpertSplit chooses it: a knapsack over the layers, solved exactly by dynamic programming. Without
     prefetch T^i does not depend on the window; with prefetch the windows move with the plan, and Algorithm 1
-    goes on from here."""
+    goes on from here. `exposed`: these models' `unit_prices`, when already made."""
     units = OPTIMUM_UNITS
     unit = expert_budget // units
     if unit <= 0:
         return [expert_budget // len(models)] * len(models)
-    exposed = np.empty((len(models), units + 1))  # [i, u]: T^i with V_i = u units
-    for u in range(units + 1):  # budget by budget: layers that share their tables price each budget once
-        for i, (model, window) in enumerate(zip(models, windows)):
-            exposed[i, u] = model.choose(u * unit, window)[0].exposed
+    if exposed is None:
+        (exposed,) = unit_prices([models], expert_budget, windows)  # [i, u]: T^i with V_i = u units
     best = exposed[0].copy()  # best[t]: least Σ T^i over the layers so far with t units spent
     picks = []  # per later layer: [t] -> its units in that optimum
     used = np.arange(units + 1)
@@ -809,8 +844,11 @@ def vram_allocation(
         # from several experts per layer on (an admission per miss costs more than the loads a small cache
         # saves), every ζ-move from the uniform start changes nothing, and the search stops at no cache
         # (Mixtral-8x7B bf16 at 12 GiB on an RTX 3060's figures, tests/test_plan_command.py).
-        for name, layer_models in ((FROM_OPTIMUM, models), (FROM_OPTIMUM_SILENT, silent))[:2 if judged else 1]:
-            start = per_layer_optimum(layer_models, int(expert_budget), search.windows)
+        starts = ((FROM_OPTIMUM, models), (FROM_OPTIMUM_SILENT, silent))[:2 if judged else 1]
+        prices = (unit_prices([layer_models for _, layer_models in starts], int(expert_budget), search.windows)
+                  if expert_budget >= OPTIMUM_UNITS else [None] * len(starts))  # (else no unit to spend)
+        for (name, layer_models), exposed in zip(starts, prices):
+            start = per_layer_optimum(layer_models, int(expert_budget), search.windows, exposed)
             found, _, _ = _fixed_point(layer_models, start, step, timings, max_iterations)
             total = found.total
             candidates.append((name, total))
