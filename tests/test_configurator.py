@@ -993,3 +993,80 @@ def test_a_layers_priced_candidates_are_kept_within_a_byte_budget(monkeypatch):
     assert budgets[-1] in model._by_budget and budgets[0] not in model._by_budget  # the newest kept
     first = model.choose(budgets[0], 1e-4)  # priced again, the same
     assert model.choose(budgets[0], 1e-4) == first
+
+
+def _layers_with_a_repeat(seed: int, n: int, k: int) -> RoutingStats:
+    """Recorded statistics of 4 layers: the third a copy of the first, the fourth the second's H_i and P_i with its
+    own PH_i and PAH_i (the second's predictions ranked one place further down the cache order)."""
+    stats = synthetic_stats(seed, 4, n, k)
+    stats.layers[2] = stats.layers[0].copy()
+    stats.layers[3] = stats.layers[1].copy()
+    for hist in (stats.layers[3].predicted_rank_hist, stats.layers[3].predicted_active_rank_hist):
+        hist[:] = np.roll(hist, 1, axis=1)
+    return stats
+
+
+@pytest.mark.parametrize("host", [False, True])
+@pytest.mark.parametrize("seed", [3, 11])
+def test_layers_of_equal_curves_share_their_tables_and_price_as_each_layer_alone(monkeypatch, seed, host):
+    """The layers whose curves are equal share their priced candidates (`_Tables`: with uniform routing every layer,
+    so a 48-layer model prices each budget once) and the answers of `choose` by their inputs; the plans without
+    prefetch share them too. Configurations, plans and prices are those of every layer priced alone, every answer
+    made afresh: with recorded statistics (distinct layers, one repeated) and uniform routing, with the host lane."""
+    from fmoe_cli.planning import configurator
+    from fmoe_cli.planning.plan import uniform_plan
+
+    shape = ExpertShape(4, 8, 2, 4, 128, 1)
+    timings = Timings(1e-4, 4e-4, 2e-4, 6e-4, 2, t_host_load=2e-5, t_host_prefetch=1e-5, t_admit=5e-5,
+                      t_segment=1e-5, t_host_route=1e-5, t_host_submit=1e-5,
+                      **({"t_host_expert": 7e-4, "t_host_call": 5e-5, "t_host_sync": 3e-5} if host else {}))
+    recorded = _layers_with_a_repeat(seed, shape.num_experts, shape.top_k)
+    uniform = RoutingStats.assume_uniform("u", shape.num_layers, shape.num_experts, shape.top_k)
+    models = configurator._layer_models(recorded, timings, shape, None)
+    assert models[0]._shared is models[2]._shared
+    assert len({id(m._shared) for m in models}) == 3  # the fourth's H_i and P_i are the second's, not its PH_i
+    assert len({id(m._shared) for m in configurator._layer_models(uniform, timings, shape, None)}) == 1
+    budgets = [int(share * shape.all_experts_bytes) for share in (0.1, 0.3, 0.6, 1.0)]
+
+    def priced():
+        out = []
+        for stats in (recorded, uniform):
+            for budget in budgets:
+                out.append(vram_allocation(budget, stats, timings, shape, host_lane=host))
+                for theta in (0.5, 1.0):
+                    plan = uniform_plan(shape, budget + shape.min_staging_slots * shape.expert_bytes, theta)
+                    out.append(configurator.price_plan(plan, stats, timings, shape, max_prefetch=shape.top_k))
+        return out
+
+    shared = priced()
+    fresh = iter(range(10**6))
+    monkeypatch.setattr(configurator, "_digest", lambda curves: next(fresh).to_bytes(4, "little"))  # nothing shared
+    monkeypatch.setattr(configurator._LayerModel, "choose", lambda self, budget, window, cache_size=None,
+                        host_path=False: self._choose(budget, window, cache_size, host_path))  # nothing kept
+    assert shared == priced()
+
+
+def test_a_layers_tables_are_the_sums_written_out():
+    """A layer's tables (made in place) and `_right_prefetches` (the right prefetches taken over and those of cached
+    tops, for one candidate) are bit for bit the [Y, candidates] sums written out, as the tables once held them all."""
+    from fmoe_cli.planning import configurator
+
+    shape = ExpertShape(4, 8, 2, 4, 128, 1)
+    stats = _layers_with_a_repeat(5, shape.num_experts, shape.top_k)
+    timings = Timings(1e-4, 4e-4, 2e-4, 6e-4, 2)
+    for model in configurator._layer_models(stats, timings, shape, None):
+        curves = model.curves
+        for budget in (shape.expert_bytes // 3, shape.expert_bytes * 3, shape.all_experts_bytes // 4):
+            sizes, k, theta, cost, gain = model._tables(budget)[:5]
+            assert cost.tobytes() == np.cumsum((1.0 - curves.predicted_cached[:, sizes] * theta[None, :]) * timings.t_load,
+                                               axis=0).tobytes()
+            right_cached = curves.predicted_hit_cached[:, sizes]
+            assert gain.tobytes() == np.cumsum(curves.predicted_hit[:, None] - right_cached * theta[None, :],
+                                               axis=0).tobytes()
+            whole = (k == shape.intermediate).astype(float)
+            taken = np.cumsum(curves.predicted_hit[:, None] - right_cached * whole[None, :], axis=0)
+            bottoms = np.cumsum(right_cached, axis=0)
+            for c in range(len(sizes)):
+                one_taken, one_bottoms = model._right_prefetches(int(sizes[c]), int(k[c]))
+                assert one_taken.tobytes() == taken[:, c].tobytes()
+                assert one_bottoms.tobytes() == bottoms[:, c].tobytes()

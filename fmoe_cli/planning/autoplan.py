@@ -22,7 +22,8 @@ _REUSED: ContextVar[dict | None] = ContextVar("fmoe_reused_configurations", defa
 @contextlib.contextmanager
 def reused_configurations():
     """Within it, `moepic_configuration` runs once per distinct inputs (`fmoe plan` prices the configured plan for its
-    report and again for its TPOT table: about 4 s each on DeepSeek-V3's shape). The statistics are told apart by
+    report and again for its TPOT table: 0.25 s each on DeepSeek-V3's shape,
+    27 s before its layers shared their tables; planning/configurator.py `_Tables`). The statistics are told apart by
     identity: they must not change inside (a command's one planning pass, not a chat that records routing)."""
     token = _REUSED.set({})
     try:

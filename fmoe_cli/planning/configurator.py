@@ -241,6 +241,7 @@ class Configuration:
 
 
 TABLE_CACHE_BYTES = 8 * MiB  # a layer's priced candidates kept across budgets (`_LayerModel._tables`)
+CHOICES_KEPT = 1024  # `_LayerModel.choose`'s answers kept per `_Tables` (all dropped at once past it: about 1 MB)
 MAX_COLUMNS = 1024  # (C, k) candidates per layer and budget: ≤ this many k per C over all C
 
 
@@ -309,12 +310,12 @@ class _LayerModel:
     bottom costs less link time), so more budget never forces a larger θ on a cache size.
 
     Everything that depends on V_i only (the candidates, θ, the cumulated prefetch costs and
-    gains, the work per token) is computed once per budget and kept; a window then costs one
-    comparison.
+    gains, the work per token) is computed once per budget and kept (`_Tables`: shared by the layers whose
+    curves are equal, and by the same layer's model without prefetch); a window then costs one comparison.
     """
 
     def __init__(self, curves: LayerCurves, shape: ExpertShape, timings: Timings, max_prefetch: int | None,
-                 host_lane: bool = False) -> None:
+                 host_lane: bool = False, tables: _Tables | None = None) -> None:
         if curves.num_experts != shape.num_experts:
             raise FmoeError(f"statistics have {curves.num_experts} experts per layer, the model {shape.num_experts}")
         self.curves = curves
@@ -323,22 +324,20 @@ class _LayerModel:
         self.max_prefetch = max_prefetch
         self.host_lane = host_lane and timings.has_host  # the host path is a candidate (needs the host's figures)
         self.per_size = max(1, MAX_COLUMNS // (shape.num_experts + 1))  # k candidates per C at most
-        self._by_budget: dict[int, tuple] = {}
+        self._shared = _Tables() if tables is None else tables
+
+    @property
+    def _by_budget(self) -> dict[int, tuple]:
+        return self._shared.by_budget
+
+    def with_prefetch(self, max_prefetch: int | None, host_lane: bool = False) -> _LayerModel:
+        """The same layer with another prefetch width (0: none) and host lane, sharing its tables (they depend on
+        the curves, the shape and the timings alone)."""
+        return _LayerModel(self.curves, self.shape, self.timings, max_prefetch, host_lane, self._shared)
 
     def _columns(self, budget: int) -> tuple[np.ndarray, np.ndarray]:
-        """The candidates (C, k) for V_i = budget, ordered by C then k: C = 0 with k = 0, then for each
-        C whose k_max = V_i / C (whole blocks, ≤ I) holds a block, k_max and smaller whole blocks."""
-        shape = self.shape
-        block = shape.neuron_block
-        sizes, ks = [0], [0]
-        for c in range(1, shape.num_experts + 1):
-            k_max = min(budget // c // shape.neuron_bytes // block * block, shape.intermediate)
-            if k_max < block:
-                break  # larger C hold less
-            picks = _spread_blocks(k_max // block, self.per_size)
-            sizes += [c] * len(picks)
-            ks += [p * block for p in picks]
-        return np.array(sizes, dtype=np.int64), np.array(ks, dtype=np.int64)
+        """The candidates (C, k) for V_i = budget (`budget_candidates`: the same for every layer of the shape)."""
+        return budget_candidates(self.shape, self.per_size, int(budget))
 
     def _tables(self, budget: int) -> tuple:
         tables = self._by_budget.get(budget)
@@ -348,18 +347,19 @@ class _LayerModel:
         sizes, k = self._columns(budget)  # per candidate: C_i, k_i
         theta = k / shape.intermediate  # θ_i
         hit = cache_hit_rate(curves.hit, sizes, shape.top_k)  # H_i(C)
-        load_share = 1.0 - curves.predicted_cached[:, sizes] * theta[None, :]  # [y, col]: 1 − PH_i(y,C)·θ_i
-        cost = np.cumsum(load_share * t.t_load, axis=0)  # Σ_{y'≤y} (1 − PH·θ)·T_load: what the prefetches load
-        right = curves.predicted_hit[:, None]  # P_i(y)
-        right_cached = curves.predicted_hit_cached[:, sizes]  # [y, col]: PAH_i(y, C), right and its top cached
+        # (each [y, col] table made in one array, in place: the same operations as written out, fewer allocations)
+        cost = curves.predicted_cached[:, sizes]  # [y, col]: PH_i(y, C)
+        np.multiply(cost, theta[None, :], out=cost)
+        np.subtract(1.0, cost, out=cost)  # 1 − PH_i(y,C)·θ_i
+        np.multiply(cost, t.t_load, out=cost)
+        np.cumsum(cost, axis=0, out=cost)  # Σ_{y'≤y} (1 − PH·θ)·T_load: what the prefetches load
         # Eq. 9's credit from the joint count: Σ_{y'≤y} P(y') − PAH(y', C)·θ (a right prefetch of a cached top
         # hides its bottom only; MoEpic's (1 − PH·θ)·P takes "activated" and "cached" as independent)
-        gain = np.cumsum(right - right_cached * theta[None, :], axis=0)
-        # right prefetches issued (segments a layer then takes over instead of submitting them): Σ_{y'≤y}
-        # P(y') − PAH(y', C)·[k_i = I], a whole cached expert is not prefetched (each a submission h_pf already paid)
-        whole = (k == shape.intermediate).astype(float)
-        taken = np.cumsum(right - right_cached * whole[None, :], axis=0)
-        bottoms = np.cumsum(right_cached, axis=0)  # Σ_{y'≤y} PAH(y', C): right prefetches of cached tops
+        gain = curves.predicted_hit_cached[:, sizes]  # [y, col]: PAH_i(y, C), right and its top cached
+        np.multiply(gain, theta[None, :], out=gain)
+        np.subtract(curves.predicted_hit[:, None], gain, out=gain)  # P_i(y) − PAH_i(y, C)·θ_i
+        np.cumsum(gain, axis=0, out=gain)
+        # (the right prefetches taken over and those of cached tops: `_right_prefetches`, for the chosen column alone)
         cached = shape.top_k * hit * theta  # K·H_i(C)·θ_i
         # segments loaded per token: every activated expert but the whole cached ones, K − K·H_i(C)·[k_i = I]
         loaded = shape.top_k - np.where(k == shape.intermediate, shape.top_k * hit, 0.0)
@@ -372,15 +372,28 @@ class _LayerModel:
         # top hits of a split (0 < k_i < I) run two segment forwards: c more each
         split_hits = np.where((k > 0) & (k < shape.intermediate), shape.top_k * hit, 0.0)
         host = loaded * t.t_host_load + admitted * t.t_admit + split_hits * t.t_segment
-        tables = (sizes, k, theta, cost, gain, taken, bottoms, cached, host, self._host_lane(sizes, k, theta, hit))
-        # kept per budget (Algorithm 1 returns to a budget often), within TABLE_CACHE_BYTES a layer, the oldest out
-        # first: a table is [Y, candidates] floats several times over, 3.7 MB for Qwen3-30B-A3B's 128 experts, and
-        # a count of budgets alone let `fmoe plan` reach 11 GiB of RAM on that model (16 GiB and more on DeepSeek-V3)
+        tables = (sizes, k, theta, cost, gain, cached, host, self._host_lane(sizes, k, theta, hit))
+        # kept per budget (Algorithm 1 returns to a budget often), within TABLE_CACHE_BYTES a layer (the layers that
+        # share them: `_Tables`), the oldest out first: a table is [Y, candidates] floats twice over, 1.4 MB for
+        # Qwen3-30B-A3B's 128 experts at a quarter of them (3.7 MB when it held four such), and a count of budgets
+        # alone let `fmoe plan` reach 11 GiB of RAM on that model (16 GiB and more on DeepSeek-V3)
         nbytes = sum(a.nbytes for a in tables if isinstance(a, np.ndarray))
-        while self._by_budget and (len(self._by_budget) + 1) * nbytes > TABLE_CACHE_BYTES:
-            del self._by_budget[next(iter(self._by_budget))]
-        self._by_budget[budget] = tables
+        kept = self._by_budget
+        while kept and (len(kept) + 1) * nbytes > TABLE_CACHE_BYTES * self._shared.layers_counted:
+            del kept[next(iter(kept))]
+        kept[budget] = tables
         return tables
+
+    def _right_prefetches(self, size: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """For one candidate (C, k), per prefetch count y: the right prefetches issued (segments a layer then takes
+        over instead of submitting them), Σ_{y'≤y} P(y') − PAH(y', C)·[k = I] (a whole cached expert is not
+        prefetched; each a submission h_pf already paid), and the right prefetches of cached tops, Σ_{y'≤y} PAH(y', C).
+        Made for the chosen candidate alone (a table of every candidate's was [Y, candidates] floats twice more per
+        budget); the same sums, in the same order, as every candidate's cumulated at once."""
+        curves = self.curves
+        right_cached = curves.predicted_hit_cached[:, size]
+        whole = float(k == self.shape.intermediate)
+        return np.cumsum(curves.predicted_hit - right_cached * whole), np.cumsum(right_cached)
 
     def _host_lane(self, sizes: np.ndarray, k: np.ndarray, theta: np.ndarray, hit: np.ndarray) -> tuple:
         """Per candidate (C, k), a host-lane layer (docs/architecture.md § The host lane): its experts' time
@@ -451,8 +464,23 @@ class _LayerModel:
         """The best (C_i, k_i) for V_i = budget in window T_wind^i (or the given `cache_size` with the
         largest k that fits: pricing a fixed plan); returns it and T_wind^{i+1}. With the host lane
         (`host_lane`), the host path is a candidate too and the layer takes the path of the least T^i;
-        `host_path` prices the host path alone."""
-        sizes, k, theta, cost, gain, taken, bottoms, cached, host, (lane_time, lane_host) = self._tables(budget)
+        `host_path` prices the host path alone.
+
+        Kept per inputs (`_Tables.chosen`, shared as the tables are): the search asks a layer the same budget in
+        the same window again and again, and the layers of equal curves ask each other's."""
+        key = (int(budget), float(window).hex(), cache_size, host_path, self.max_prefetch, self.host_lane)
+        chosen = self._shared.chosen
+        found = chosen.get(key)
+        if found is None:
+            found = self._choose(budget, window, cache_size, host_path)
+            if len(chosen) >= CHOICES_KEPT:
+                chosen.clear()
+            chosen[key] = found
+        return found
+
+    def _choose(self, budget: int, window: float, cache_size: int | None,
+                host_path: bool) -> tuple[LayerChoice, float]:
+        sizes, k, theta, cost, gain, cached, host, (lane_time, lane_host) = self._tables(budget)
         t = self.timings
         if host_path and not t.has_host:
             raise FmoeError("a plan with the host lane needs the host's timings (`fmoe profile` measures them)")
@@ -496,19 +524,20 @@ class _LayerModel:
         # before it computes anything (offload/engine.py: _submit), so it is spent with the first on the link
         submit = t.submit_share
         taken_over = 0.0  # right prefetches still on the link, which the layer takes over instead of submitting
+        taken, bottoms = self._right_prefetches(int(sizes[c]), int(k[c]))
         if prefetches[c] > 0:
             # h_pf: the predictor and prefetcher's work when the layer prefetches, its prefetches' submissions
             # included; a right one is taken over by its layer, not submitted again: h_sub less per right prefetch
             # (those landed and those still on the link when the layer routes)
-            right = float(taken[prefetches[c] - 1, c])
-            landed_right = float(taken[last[c], c]) if landed[c] > 0 else 0.0
+            right = float(taken[prefetches[c] - 1])
+            landed_right = float(taken[last[c]]) if landed[c] > 0 else 0.0
             work += t.t_host_prefetch - right * submit
             taken_over = right - landed_right
         # T^i (Eq. 6, pipelined, + G_i) over the tokens' hidden units m (ours: the paper prices the expected m_i;
         # the stall is not linear in m: `hidden_distribution`); B_i, linear in m, keeps its closed form's mean
         size = int(sizes[c])
         hit_c = float(cache_hit_rate(self.curves.hit, np.array([size]), top_k)[0])
-        right_cached = float(bottoms[last[c], c]) if landed[c] > 0 and size > 0 else 0.0  # Σ_{y≤Y} PAH_i(y, C)
+        right_cached = float(bottoms[last[c]]) if landed[c] > 0 and size > 0 else 0.0  # Σ_{y≤Y} PAH_i(y, C)
         values, weights = hidden_distribution(top_k, size, hit_c, float(theta[c]), m, right_cached)
         stall, busy = self._stall(values, behind, submit, taken_over, prefetches[c] > 0)
         stalls = float(np.dot(weights, np.maximum(0.0, stall)))
@@ -538,7 +567,47 @@ def _layer_models(stats: RoutingStats, timings: Timings, shape: ExpertShape, max
         raise FmoeError(f"statistics cover {stats.num_layers} MoE layers, the model has {shape.num_layers}")
     if timings.top_k != shape.top_k:
         raise FmoeError(f"timings are for top-{timings.top_k} routing, the model routes to {shape.top_k}")
-    return [_LayerModel(stats.curves(i), shape, timings, max_prefetch, host_lane) for i in range(shape.num_layers)]
+    groups: dict[bytes, list[tuple[LayerCurves, _Tables]]] = {}
+    models = []
+    for i in range(shape.num_layers):
+        curves = stats.curves(i)
+        same = groups.setdefault(_digest(curves), [])
+        found = next(((kept, tables) for kept, tables in same if _equal(kept, curves)), None)
+        if found is None:
+            found = (curves, _Tables())
+            same.append(found)
+        found[1].layers += 1
+        models.append(_LayerModel(found[0], shape, timings, max_prefetch, host_lane, found[1]))
+    return models
+
+
+class _Tables:
+    """The priced candidates per budget (`_LayerModel._tables`) of the layers whose curves are equal: with uniform
+    routing (config.json alone) every layer's, so that a 48-layer model prices each budget once, not 48 times (and
+    not again for the plans without prefetch: `_LayerModel.with_prefetch`). Kept within TABLE_CACHE_BYTES per
+    layer sharing them, the oldest dropped first."""
+
+    def __init__(self) -> None:
+        self.by_budget: dict[int, tuple] = {}
+        self.chosen: dict[tuple, tuple[LayerChoice, float]] = {}  # `_LayerModel.choose`'s answers by their inputs
+        self.layers = 0  # layers sharing them (at least 1 counted for the byte budget)
+
+    @property
+    def layers_counted(self) -> int:
+        return max(1, self.layers)
+
+
+def _digest(curves: LayerCurves) -> bytes:
+    """The bytes of a layer's H_i and P_i (N + 1 and N floats), to find the layers whose curves may be equal
+    (`_equal` then compares all four)."""
+    return b"".join(np.ascontiguousarray(a, dtype=np.float64).tobytes() for a in (curves.hit, curves.predicted_hit))
+
+
+def _equal(a: LayerCurves, b: LayerCurves) -> bool:
+    """Equal curves, checked element by element behind the digest (NaN never equal: such layers share nothing)."""
+    return all(np.array_equal(x, y) for x, y in ((a.hit, b.hit), (a.predicted_hit, b.predicted_hit),
+                                                  (a.predicted_cached, b.predicted_cached),
+                                                  (a.predicted_hit_cached, b.predicted_hit_cached)))
 
 
 @lru_cache(maxsize=65536)
@@ -546,6 +615,25 @@ def _spread_blocks(blocks: int, most: int) -> tuple[int, ...]:
     """1..`blocks` whole neuron blocks, at most `most` of them evenly spread, ascending (the k candidates of one cache
     size): made once per (blocks, most), where a plan's search asked numpy for them hundreds of thousands of times."""
     return tuple(int(b) for b in np.unique(np.round(np.linspace(1, blocks, min(blocks, most))).astype(np.int64)))
+
+
+@lru_cache(maxsize=1024)  # a few KB each; every layer of a shape asks for the same budgets
+def budget_candidates(shape: ExpertShape, per_size: int, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """The candidates (C, k) for V_i = budget, ordered by C then k: C = 0 with k = 0, then for each
+    C whose k_max = V_i / C (whole blocks, ≤ I) holds a block, k_max and smaller whole blocks (at most `per_size`
+    of them, `_spread_blocks`). Read-only arrays, made once per (shape, budget) for all the layers."""
+    block = shape.neuron_block
+    sizes, ks = [0], [0]
+    for c in range(1, shape.num_experts + 1):
+        k_max = min(budget // c // shape.neuron_bytes // block * block, shape.intermediate)
+        if k_max < block:
+            break  # larger C hold less
+        picks = _spread_blocks(k_max // block, per_size)
+        sizes += [c] * len(picks)
+        ks += [p * block for p in picks]
+    sizes, ks = np.array(sizes, dtype=np.int64), np.array(ks, dtype=np.int64)
+    sizes.flags.writeable = ks.flags.writeable = False
+    return sizes, ks
 
 
 def _run(models: Sequence[_LayerModel], budgets: Sequence[int], start: int, window: float) -> list[LayerChoice]:
@@ -649,18 +737,34 @@ def _fixed_point(models: Sequence[_LayerModel], budgets: list[int], step: int, t
 OPTIMUM_UNITS = 32  # the per-layer optimum spends V_e in this many equal units
 
 
-def per_layer_optimum(models: Sequence[_LayerModel], expert_budget: int, windows: Sequence[float]) -> list[int]:
+def unit_prices(model_sets: Sequence[Sequence[_LayerModel]], expert_budget: int,
+                windows: Sequence[float]) -> list[np.ndarray]:
+    """For each set of layer models, T^i with V_i = u units of V_e / OPTIMUM_UNITS, u = 0..OPTIMUM_UNITS, as
+    [i, u], with every layer's window held at `windows`. One sweep, budget by budget and layer by layer, for all
+    the sets: the sets of one configuration (with and without prefetch) and the layers of equal curves share their
+    tables (`_Tables`), each priced once per budget while it is kept."""
+    unit = expert_budget // OPTIMUM_UNITS
+    prices = [np.empty((len(models), OPTIMUM_UNITS + 1)) for models in model_sets]
+    for u in range(OPTIMUM_UNITS + 1):
+        for i, window in enumerate(windows):
+            for models, exposed in zip(model_sets, prices):
+                exposed[i, u] = models[i].choose(u * unit, window)[0].exposed
+    return prices
+
+
+def per_layer_optimum(models: Sequence[_LayerModel], expert_budget: int, windows: Sequence[float],
+                      exposed: np.ndarray | None = None) -> list[int]:
     """The budgets {V_i} (whole units of V_e / OPTIMUM_UNITS, Σ V_i ≤ V_e) that minimise Σ_i T^i(V_i) with every
     layer's window T_wind^i held at `windows` (those of a plan already priced) and each layer's (C_i, k_i) chosen
     as ExpertSplit chooses it: a knapsack over the layers, solved exactly by dynamic programming. Without
     prefetch T^i does not depend on the window; with prefetch the windows move with the plan, and Algorithm 1
-    goes on from here."""
+    goes on from here. `exposed`: these models' `unit_prices`, when already made."""
     units = OPTIMUM_UNITS
     unit = expert_budget // units
     if unit <= 0:
         return [expert_budget // len(models)] * len(models)
-    exposed = np.array([[model.choose(u * unit, window)[0].exposed for u in range(units + 1)]
-                        for model, window in zip(models, windows)])  # [i, u]: T^i with V_i = u units
+    if exposed is None:
+        (exposed,) = unit_prices([models], expert_budget, windows)  # [i, u]: T^i with V_i = u units
     best = exposed[0].copy()  # best[t]: least Σ T^i over the layers so far with t units spent
     picks = []  # per later layer: [t] -> its units in that optimum
     used = np.arange(units + 1)
@@ -719,7 +823,7 @@ def vram_allocation(
     chosen, candidates = ALGORITHM_1, [(ALGORITHM_1, split.total_exposed)]
     if baselines:
         best = split.total_exposed
-        silent = _layer_models(stats, timings, shape, 0)  # no prefetch: Y = 0
+        silent = [model.with_prefetch(0) for model in models]  # no prefetch: Y = 0 (the same tables)
         judged = stats.predicted_tokens >= min_predictions  # the predictor's accuracy is known (0: always)
         for name, (theta, prefetch) in BASELINES.items():
             if not prefetch and not judged:
@@ -740,8 +844,11 @@ def vram_allocation(
         # from several experts per layer on (an admission per miss costs more than the loads a small cache
         # saves), every ζ-move from the uniform start changes nothing, and the search stops at no cache
         # (Mixtral-8x7B bf16 at 12 GiB on an RTX 3060's figures, tests/test_plan_command.py).
-        for name, layer_models in ((FROM_OPTIMUM, models), (FROM_OPTIMUM_SILENT, silent))[:2 if judged else 1]:
-            start = per_layer_optimum(layer_models, int(expert_budget), search.windows)
+        starts = ((FROM_OPTIMUM, models), (FROM_OPTIMUM_SILENT, silent))[:2 if judged else 1]
+        prices = (unit_prices([layer_models for _, layer_models in starts], int(expert_budget), search.windows)
+                  if expert_budget >= OPTIMUM_UNITS else [None] * len(starts))  # (else no unit to spend)
+        for (name, layer_models), exposed in zip(starts, prices):
+            start = per_layer_optimum(layer_models, int(expert_budget), search.windows, exposed)
             found, _, _ = _fixed_point(layer_models, start, step, timings, max_iterations)
             total = found.total
             candidates.append((name, total))
