@@ -20,6 +20,7 @@ from fmoe_cli.bench import check_counts, check_profile_options, check_replay, re
 from fmoe_cli.chat import ChatOptions
 from fmoe_cli.disk import run_cache
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.config import check_servable
 from fmoe_cli.models.hub import fetch_config_early, fetch_model_early
 from fmoe_cli.bench.replay import DEFAULT_EVICTIONS, run_replay
 from fmoe_cli.offload.policies import LCP_OMEGA, LCP_RHO, POLICIES
@@ -388,7 +389,9 @@ def plan(
     check_plan_options(model, vram=vram, profile_path=profile, context=context, dtype=dtype, workspace=workspace,
                        experts=experts, trace=trace, dense=dense)
     routing = None if trace is None else read_trace(trace)  # (the standard library alone: one line at once)
-    fetch_config_early(model)  # (before torch, as `_fetch_model`)
+    config = fetch_config_early(model)  # (before torch, as `_fetch_model`)
+    if config is not None:
+        check_servable(config, model)  # a checkpoint fmoe cannot serve is no plan: said before torch
     _quiet_libraries()
     from fmoe_cli.planning.report import run_plan  # torch and transformers: only once the options and trace read
 

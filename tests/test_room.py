@@ -229,7 +229,9 @@ def test_a_command_on_a_hub_model_refuses_from_its_config_json(args, fragment, f
     ({**MIXTRAL_8X22B, "quantization_config": {"quant_method": "gptq"}}, ("chat",), "weights are stored quantised (gptq"),
     (MIXTRAL_8X22B, ("bench", "--device", "cpu"), "needs at least 504.0 GiB of host RAM with --experts bf16"),
     ({**MIXTRAL_8X22B, "model_type": "llama", "num_local_experts": None}, ("serve", "--port", "0"), "is a dense model"),
-], ids=["gptq", "host RAM", "dense"])
+    ({**MIXTRAL_8X22B, "quantization_config": {"quant_method": "awq"}}, ("plan", "--vram", "12GiB"),
+     "weights are stored quantised (awq"),
+], ids=["gptq", "host RAM", "dense", "plan"])
 def test_a_local_model_is_refused_from_its_config_json_before_torch(config, args, fragment, tmp_path):
     """A model directory (config.json alone here: no weights, no tokenizer) is checked as a hub model's config is,
     before torch is imported (tests/test_fast_errors.py's probe)."""

@@ -68,11 +68,15 @@ def download_model(repo_id: str, trust_remote_code: bool) -> Path:
     return download(repo_id, model_patterns(trust_remote_code), repo_id)
 
 
-def fetch_config_early(model: str) -> None:
-    """`fetch_model_early` for `fmoe plan`: a hub id's config.json alone (a local config.json or directory, or
-    `demo`, is left to the command)."""
-    if model != "demo" and local_config_path(model) is None:
-        download(model, ["config.json"], f"{model}'s config.json", progress=False)
+def fetch_config_early(model: str) -> Path | None:
+    """`fetch_model_early` for `fmoe plan`: a hub id's config.json alone, downloaded; returns the config.json the
+    model names (a hub id's, a local config.json or directory's), None for `demo`."""
+    if model == "demo":
+        return None
+    local = local_config_path(model)
+    if local is not None:
+        return local
+    return download(model, ["config.json"], f"{model}'s config.json", progress=False) / "config.json"
 
 
 SHIPPED_DEMO = Path(__file__).parent / "demo_model"  # the trained demo the package ships (models/demo.py: SHIPPED)

@@ -27,7 +27,7 @@ from rich.table import Table
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.models.config import check_config_file
+from fmoe_cli.models.config import check_servable
 from fmoe_cli.models.demo import demo_path
 from fmoe_cli.models.dense import quantize_dense
 from fmoe_cli.models.families import check_is_moe, find_moe_layers
@@ -109,7 +109,8 @@ def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXP
                 dense: str = DEFAULT_DENSE, device_type: str = "cuda") -> ModelFacts:
     """`device_type`: the device planned for (a GPU; the CPU for a CPU's profile), which resolves `--dense auto`."""
     path = config_path_of(model)
-    check_config_file(path)  # every field the plan needs, as written, before transformers reads it
+    check_servable(path, model)  # every field the plan needs, as written, before transformers reads it; a checkpoint
+    # fmoe cannot serve (weights stored quantised but in block-scaled fp8, a dense model) is no plan either
     try:
         config = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as exc:
