@@ -261,6 +261,9 @@ def chat(
                                               "Default: the model's, else 0.")] = None,
     min_p: Annotated[float | None, typer.Option("--min-p", help="Drop tokens below min-p × the most likely's "
                                                 "probability (0: off). Default: the model's, else 0.")] = None,
+    repetition_penalty: Annotated[float | None, typer.Option(help="Divide the logits of tokens already in the "
+                                                             "conversation by this (1: off). Default: the model's, "
+                                                             "else 1.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer, in tokens.")] = chat_defaults.MAX_NEW_TOKENS,
     seed: Annotated[int | None, typer.Option(help="Sampling seed (reproducible answers).")] = None,
     device: DeviceOpt = "auto",
@@ -286,6 +289,7 @@ def chat(
                                    trust_remote_code=trust_remote_code, profile=profile, context=context,
                                    host_threads=host_threads),
                        system=system, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                       repetition_penalty=repetition_penalty,
                        max_new_tokens=max_new_tokens, seed=seed)
     opts.check()
     _fetch_model(opts.run)

@@ -563,13 +563,25 @@ class SamplingParams:
     seed: int | None = None
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' RepetitionPenaltyLogitsProcessor: the logit of every token already in the sequence (`seen`,
+    prompt and answer) divided by `penalty` where positive, multiplied where negative."""
+    scores = logits.gather(0, seen)
+    return logits.scatter(0, seen, torch.where(scores < 0, scores * penalty, scores / penalty))
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                seen: torch.Tensor | None = None) -> int:
     """Greedy at temperature 0; otherwise transformers' sampling steps in transformers' order (its logits
     processors): temperature, top-k (the k most likely, ties at the k-th kept), top-p (nucleus), min-p (tokens at
-    least min_p × the most likely's probability), then a draw."""
+    least min_p × the most likely's probability), then a draw. A repetition penalty (`seen`: the sequence's tokens)
+    comes first, greedy or not, as in transformers."""
     logits = as_float32(logits)  # (float32 logits as they are: no op)
+    if seen is not None and params.repetition_penalty != 1.0:
+        logits = penalize_repeats(logits, seen.to(logits.device), params.repetition_penalty)
     if params.temperature < TINY_TEMPERATURE:
         return int(torch.argmax(logits))
     # less the largest first: a tiny temperature sends the others to -inf, never inf - inf
@@ -628,10 +640,14 @@ def stream_generate(
     sampling: SamplingParams | None = None,
     stop_on_eos: bool = True,
     past_key_values: DynamicCache | DecodeGraph | None = None,
+    history: list[int] | None = None,
 ) -> Iterator[TokenEvent]:
     """Generate from `input_ids` ([1, T] or [T]); `past_key_values` continues a conversation
-    (then `input_ids` holds only the new tokens): a DynamicCache, or a DecodeGraph (`conversation_cache`)."""
+    (then `input_ids` holds only the new tokens, and `history` the tokens before them, which a repetition penalty
+    counts too): a DynamicCache, or a DecodeGraph (`conversation_cache`)."""
     sampling = sampling or SamplingParams()
+    penalized = sampling.repetition_penalty != 1.0  # (then the sequence's tokens are kept, on the host)
+    seen = [*(history or []), *input_ids.reshape(-1).tolist()] if penalized else []
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
@@ -656,7 +672,10 @@ def stream_generate(
         if index == 0 and bool(torch.isnan(logits).any()):  # (once a generation: the prompt's last token)
             raise FmoeError("the model's output is NaN (not a number) at the prompt's last token: a damaged weight "
                             "file, or values beyond what the dtype holds (float16?); nothing to generate from")
-        token = sample_next(logits.cpu() if generator is not None else logits, sampling, generator)
+        token = sample_next(logits.cpu() if generator is not None else logits, sampling, generator,
+                            torch.tensor(seen) if penalized else None)
+        if penalized:
+            seen.append(token)
         latency = host_now() - start
         counters = engine.counters() - before if engine is not None else None
         finish = "eos" if token in stops else "length" if index == max_new_tokens - 1 else None

@@ -59,6 +59,7 @@ def existing(tmp_path):
     (("chat", "demo", "--temperature", "nan"), "--temperature"),
     (("chat", "demo", "--top-k", "-1"), "--top-k must be 0 (off) or more, got -1"),
     (("chat", "demo", "--min-p", "1.5"), "--min-p must be in [0, 1] (0: off), got 1.5"),
+    (("chat", "demo", "--repetition-penalty", "0"), "--repetition-penalty must be a number > 0 (1: off), got 0.0"),
     (("chat", "demo", "--context", "0"), "--context must be at least 16 tokens for a conversation"),
     (("serve", "demo", "--context", "1"), "--context must be at least 16 tokens for a conversation"),
     (("chat", "demo", "--seed", "999999999999999999999999"), "--seed must be between -9223372036854775808 and"),

@@ -74,7 +74,7 @@ def test_the_model_s_recommended_sampling_is_read_where_it_samples(tmp_path):
 def test_the_command_line_wins_then_the_model_then_fmoe():
     recommended = {"temperature": 0.6, "top_k": 20}
     used, source = ChatOptions(top_p=0.5).sampling(recommended)
-    assert used == {"temperature": 0.6, "top_p": 0.5, "top_k": 20, "min_p": SAMPLING["min_p"]}
+    assert used == {**SAMPLING, "temperature": 0.6, "top_p": 0.5, "top_k": 20}
     assert source == "the model's generation_config.json"
     used, source = ChatOptions(temperature=0.0, top_k=0).sampling(recommended)
     assert used == {**SAMPLING, "temperature": 0.0, "top_k": 0} and source == ""  # nothing taken from the model
@@ -90,3 +90,47 @@ def test_a_request_s_sampling_then_the_model_s_then_openai_s():
     assert request_sampling(request, {}) == SamplingParams(1.0, 0.5, 3, 0, 0.0)
     request = ChatRequest(messages=[{"role": "user", "content": "hi"}], top_k=0, min_p=0.1)
     assert request_sampling(request, {"top_k": 20}) == SamplingParams(1.0, 1.0, None, 0, 0.1)
+
+
+def test_the_repetition_penalty_is_transformers_and_counts_the_whole_conversation(checkpoints):
+    """Greedy with a repetition penalty: transformers' generate's tokens, also where the generation continues a
+    conversation whose earlier tokens are only in the KV cache (`history`: they are penalized too)."""
+    import transformers
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from fmoe_cli.generate import new_cache, next_logits, penalize_repeats, stream_generate
+    from fmoe_cli.models.load import load_model
+    from fmoe_cli.offload.engine import Engine
+    from fmoe_cli.offload.link import EmulatedLink, VirtualClock
+    from fmoe_cli.planning.presets import make_settings
+
+    logits, seen = torch.tensor([2.0, -1.0, 0.5, -3.0, 1.0]), torch.tensor([1, 2, 2, 4])
+    want = RepetitionPenaltyLogitsProcessor(1.3)(seen[None], logits[None].clone())[0]
+    assert torch.equal(penalize_repeats(logits, seen, 1.3), want)
+
+    path = checkpoints["qwen3_moe"]
+    prompt = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128, 5, 17]])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference.generation_config.eos_token_id = None
+    want = reference.generate(prompt, max_new_tokens=24, do_sample=False, repetition_penalty=1.3)[0, 12:].tolist()
+    assert want != reference.generate(prompt, max_new_tokens=24, do_sample=False)[0, 12:].tolist()  # it matters
+    lm = load_model(str(path), device="cpu", dtype="float32")
+    engine = Engine(lm.layers, lm.store, lm.shape, EmulatedLink(gbps=20, clock=VirtualClock()), lm.device, lm.dtype)
+    engine.install(lm.model)
+    engine.configure(make_settings("resident", lm.shape, lm.shape.all_experts_bytes))
+    greedy = SamplingParams(0.0, repetition_penalty=1.3)
+    try:
+        got = [e.token_id for e in stream_generate(lm.model, prompt, engine=engine, max_new_tokens=24,
+                                                   sampling=greedy, stop_on_eos=False)]
+        assert got == want
+        # The conversation continued: the prompt and the answer's first 11 tokens in the cache alone (the tokens a
+        # model repeats are its answer's), the 12th the new input; the rest of the answer must follow.
+        so_far = torch.cat([prompt, torch.tensor([want[:11]])], dim=1)
+        cache = new_cache(lm.model)
+        next_logits(lm.model, so_far, cache)
+        got = [e.token_id for e in stream_generate(lm.model, torch.tensor([want[11:12]]), engine=engine,
+                                                   max_new_tokens=12, sampling=greedy, stop_on_eos=False,
+                                                   past_key_values=cache, history=so_far[0].tolist())]
+        assert got == want[12:]
+    finally:
+        engine.close()

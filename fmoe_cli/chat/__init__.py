@@ -10,8 +10,9 @@ from fmoe_cli.types import SEED_RANGE
 from fmoe_cli.options import RunOptions
 
 # Sampling where neither the command line nor the model's generation_config.json says (models/config.py
-# `sampling_defaults`): temperature (0: greedy), nucleus threshold, top-k (0: off), min-p (0: off).
-SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
+# `sampling_defaults`): temperature (0: greedy), nucleus threshold, top-k (0: off), min-p (0: off), repetition
+# penalty (1: off).
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 MAX_NEW_TOKENS = 512  # the longest answer, in tokens
 
 
@@ -28,6 +29,7 @@ class ChatOptions:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     max_new_tokens: int = MAX_NEW_TOKENS
     seed: int | None = None
 
@@ -41,6 +43,8 @@ class ChatOptions:
             raise FmoeError(f"--top-k must be 0 (off) or more, got {self.top_k}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise FmoeError(f"--min-p must be in [0, 1] (0: off), got {self.min_p}")
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < float("inf"):
+            raise FmoeError(f"--repetition-penalty must be a number > 0 (1: off), got {self.repetition_penalty}")
         if self.max_new_tokens < 1:
             raise FmoeError("--max-new-tokens must be at least 1")
         if self.run.context is not None and self.run.context < MIN_CONTEXT:  # (0 is `fmoe plan`'s "no KV cache")
@@ -51,7 +55,7 @@ class ChatOptions:
         self.run.check()
 
     def sampling(self, recommended: dict[str, float | int]) -> tuple[dict[str, float | int], str]:
-        """The sampling a chat runs with: each of temperature, top_p, top_k, min_p from the command line, else the
+        """The sampling a chat runs with: each of SAMPLING's fields from the command line, else the
         model's `recommended` (models/config.py `sampling_defaults`), else SAMPLING; and where the defaults came from,
         for the header."""
         asked = {key: getattr(self, key) for key in SAMPLING}

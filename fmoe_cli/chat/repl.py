@@ -220,6 +220,8 @@ def sampling_line(sampling: SamplingParams, source: str) -> str:
                            + ([f"top-p {sampling.top_p:g}"] if sampling.top_p < 1 else [])
                            + ([f"top-k {sampling.top_k}"] if sampling.top_k > 0 else [])
                            + ([f"min-p {sampling.min_p:g}"] if sampling.min_p > 0 else []))
+    if sampling.repetition_penalty != 1:
+        steps += f" · repetition penalty {sampling.repetition_penalty:g}"
     return f"sampling {steps}" + (f" (defaults: {source})" if source else "")
 
 

@@ -232,7 +232,7 @@ class ChatSession:
         try:
             for event in stream_generate(self.lm.model, torch.tensor([ids[self.reused:]]), tokenizer=self.lm.tokenizer,
                                          engine=self.engine, max_new_tokens=max_new_tokens, sampling=sampling,
-                                         past_key_values=cache):
+                                         past_key_values=cache, history=ids[:self.reused]):
                 self.last_answer_ids.append(event.token_id)
                 try:
                     yield event
@@ -277,6 +277,7 @@ class ChatSession:
             "system": self.system,
             "sampling": {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
                          "top_k": self.sampling.top_k, "min_p": self.sampling.min_p,
+                         "repetition_penalty": self.sampling.repetition_penalty,
                          "seed": self.sampling.seed, "max_new_tokens": self.max_new_tokens},
             "messages": self.conversation(),
         }

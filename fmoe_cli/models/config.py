@@ -154,12 +154,13 @@ def config_expert_shape(fields: dict, dtype_bytes: int, experts: str) -> ExpertS
 # The sampling a model's authors recommend, from its generation_config.json (chat and serve start from it): each
 # field with the range transformers' GenerationConfig accepts.
 SAMPLING_FIELDS = {"temperature": (float, 0.0, float("inf")), "top_p": (float, 0.0, 1.0), "top_k": (int, 0, 1 << 24),
-                   "min_p": (float, 0.0, 1.0)}
+                   "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, 1e-3, 1e3)}
 
 
 def sampling_defaults(model_dir: Path | None) -> dict[str, float | int]:
-    """generation_config.json's temperature, top_p, top_k and min_p where it samples (`do_sample` true), each a number
-    in its range (a field that is not is left out); {} for a model without one, or one that decodes greedily."""
+    """generation_config.json's temperature, top_p, top_k, min_p and repetition_penalty where it samples (`do_sample`
+    true), each a number in its range (a field that is not is left out); {} for a model without one, or one that
+    decodes greedily."""
     path = None if model_dir is None else Path(model_dir) / "generation_config.json"
     if path is None or not path.is_file():
         return {}

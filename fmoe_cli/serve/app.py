@@ -135,11 +135,13 @@ class Service:
             inbox.put_nowait(Stopped())
 
 
-OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}  # (top_k, min_p: off)
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,  # (top_k, min_p: off)
+                   "repetition_penalty": 1.0}  # (off)
 
 
 def request_sampling(req, recommended: dict) -> SamplingParams:
-    """A request's sampling: each of temperature, top_p, top_k and min_p as the request gives it, else as the model
+    """A request's sampling: each of temperature, top_p, top_k, min_p and repetition_penalty as the request gives it,
+    else as the model
     recommends, else OpenAI's default (as vLLM serves a model's generation_config.json)."""
     chosen = {key: getattr(req, key) if getattr(req, key) is not None else recommended.get(key, default)
               for key, default in OPENAI_SAMPLING.items()}
