@@ -88,10 +88,20 @@ def torch_path():
         kernels.library = real
 
 
+def dequantizing(path) -> dict:
+    """from_pretrained's arguments that load a block-scaled fp8 checkpoint dequantized, as fmoe reads it, also on an
+    FP8 GPU (where transformers would otherwise compute in float8); none for any other checkpoint."""
+    from fmoe_cli.models.config import fp8_block
+
+    return {"quantization_config": transformers.FineGrainedFP8Config(dequantize=True)} \
+        if fp8_block(path / "config.json") is not None else {}
+
+
 @functools.cache
 def transformers_answer(path) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """`reference_answer` of the checkpoint at `path` to PROMPT (once per process: both links compare with it)."""
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                  **dequantizing(path)).eval()
     # No EOS for the comparison: both sides generate exactly NEW_TOKENS greedy tokens
     # (min_new_tokens would mask EOS in the reference and change the argmax).
     reference.generation_config.eos_token_id = None

@@ -14,7 +14,7 @@ from fmoe_cli.models.checkpoint import dequantize
 from fmoe_cli.models.demo import FP8_BLOCK as BLOCK, quantize_fp8, write_fp8_copy
 from fmoe_cli.offload.link import EmulatedLink, VirtualClock
 from fmoe_cli.planning.presets import make_settings
-from test_exactness import NEW_TOKENS, PROMPT, TIMINGS, _family_setup, budgets, first_difference
+from test_exactness import NEW_TOKENS, PROMPT, TIMINGS, _family_setup, budgets, dequantizing, first_difference
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "deepseek_v3"])
@@ -42,7 +42,8 @@ def test_the_weights_read_are_transformers_dequantized_ones(fp8_checkpoint, chec
 
     from fmoe_cli.models.load import load_model
 
-    reference = transformers.AutoModelForCausalLM.from_pretrained(fp8_checkpoint, dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(fp8_checkpoint, dtype=torch.float32,
+                                                                  **dequantizing(fp8_checkpoint))
     original = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[fp8_checkpoint.name], dtype=torch.float32)
     lm = load_model(str(fp8_checkpoint), device="cpu", dtype="float32")
     name = next(n for n, _ in reference.named_parameters() if "o_proj" in n)
@@ -57,13 +58,36 @@ def test_the_weights_read_are_transformers_dequantized_ones(fp8_checkpoint, chec
     assert torch.equal(block[:, 2], down.t())
 
 
-def test_dequantize_is_blockwise_and_refuses_a_grid_that_does_not_divide():
-    weight = torch.arange(64 * 96, dtype=torch.float32).reshape(64, 96) / 1000
-    fp8, scale = quantize_fp8(weight)
-    got = dequantize(fp8, scale, torch.float32)
-    blocks = [[fp8[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float() * scale[i, j] for j in range(3)]
-              for i in range(2)]
-    assert torch.equal(got, torch.cat([torch.cat(row, dim=1) for row in blocks], dim=0))
-    assert dequantize(fp8, scale, torch.bfloat16).dtype == torch.bfloat16
-    with pytest.raises(FmoeError, match=r"shape \[64, 96\] does not divide into its scale grid \[3, 3\]"):
-        dequantize(fp8, torch.ones(3, 3), torch.float32)
+def test_dequantize_is_q_times_its_block_s_scale_also_where_the_block_is_cut_short():
+    """ŵ[i, j] = q[i, j] · s[i // b, j // b]: a weight the block divides (transformers' dequantization, reshaped per
+    block) and one it does not (DeepSeek-V3's kv_a_proj_with_mqa: [576, 7168] in 128-blocks, a [5, 56] grid; here
+    [40, 50] in 16-blocks, [3, 4]); a grid of another shape is refused."""
+    for rows, cols in ((64, 96), (40, 50)):
+        weight = torch.randn(rows, cols) * 3
+        fp8, scale = quantize_fp8(weight, 16)
+        assert scale.shape == (-(-rows // 16), -(-cols // 16))
+        want = torch.tensor([[fp8[i, j].item() * scale[i // 16, j // 16].item() for j in range(cols)]
+                             for i in range(rows)])
+        got = dequantize(fp8, scale, torch.float32, (16, 16))
+        assert torch.equal(got, want) and got.is_contiguous()
+        assert (got - weight).abs().max() <= weight.abs().max() * 0.07  # e4m3's rounding, not misplaced scales
+        assert dequantize(fp8, scale, torch.bfloat16, (16, 16)).dtype == torch.bfloat16
+    with pytest.raises(FmoeError, match=r"shape \[40, 50\] in blocks of \[16, 16\] has a scale grid of \[3, 4\], not \[2, 4\]"):
+        dequantize(fp8, scale[:2], torch.float32, (16, 16))
+
+
+def test_a_scale_grid_of_another_shape_is_refused_before_a_weight_is_read(checkpoints, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    import fmoe_cli.models.load as load
+    from fmoe_cli.models.load import load_model
+
+    path = tmp_path / "fp8"
+    key = next(k for k in write_fp8_copy(checkpoints["mixtral"], path) if "o_proj" in k)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[key + "_scale_inv"] = tensors[key + "_scale_inv"][:1]  # a grid row short
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    monkeypatch.setattr(load, "read_checkpoint", lambda *a, **k: pytest.fail("read weights before refusing"))
+    with pytest.raises(FmoeError, match=rf"{key}_scale_inv is a grid of \[1, 2\] scales, but {key} \[64, 64\] in "
+                                        rf"blocks of \[32, 32\] needs \[2, 2\]"):
+        load_model(str(path), device="cpu", dtype="float32")

@@ -61,6 +61,10 @@ def test_the_experts_counted_from_config_json_are_the_skeleton_s(family, fields,
 def test_a_family_whose_layers_are_not_known_is_not_counted():
     assert moe_layer_indices({**MIXTRAL_8X22B, "model_type": "some_new_moe"}) is None
     assert config_expert_shape({**MIXTRAL_8X22B, "model_type": "some_new_moe"}, 2, "bf16") is None
+    # a model with its own code (--trust-remote-code) may name its fields otherwise: not counted, no KeyError
+    dbrx = {"model_type": "mixtral", "n_layers": 40, "d_model": 6144, "ffn_config": {"moe_num_experts": 16}}
+    assert moe_layer_indices(dbrx) is None and config_expert_shape(dbrx, 2, "bf16") is None
+    assert config_expert_shape({k: v for k, v in MIXTRAL_8X22B.items() if k != "num_local_experts"}, 2, "bf16") is None
 
 
 @pytest.mark.parametrize("quantization, method", [
@@ -184,25 +188,37 @@ def test_without_the_hub_s_listing_the_download_goes_on(fake_hub):
 def test_the_listing_failing_is_no_listing(monkeypatch):
     import huggingface_hub
 
-    def broken(*args, **kwargs):
+    calls = []
+
+    def broken(self, repo_id, **kwargs):
+        calls.append(kwargs)
         raise OSError("no route to host")
 
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_tree", broken)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", broken)
     assert hub.snapshot_files("org/model", hub.model_patterns(False)) is None
+    assert calls == [{"files_metadata": True, "timeout": hub.LISTING_TIMEOUT_S}]  # one request, bounded
 
 
-def test_the_listing_selects_the_patterns_and_the_lfs_sizes(monkeypatch):
+def test_the_listing_selects_the_patterns_counts_the_lfs_sizes_and_the_blobs_held(monkeypatch, tmp_path):
+    """A file whose blob an earlier snapshot left in the cache counts as held: the download links it (after an
+    upstream edit moved `main` on, with only config.json in its snapshot)."""
     import huggingface_hub
-    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.hf_api import BlobLfsInfo, RepoSibling
 
-    entries = [RepoFile(path="config.json", size=900, oid="a"),
-               RepoFile(path="model.safetensors", size=135, oid="b", lfs={"size": 7 * GiB, "oid": "c", "pointerSize": 135}),
-               RepoFile(path="pytorch_model.bin", size=135, oid="d", lfs={"size": 7 * GiB, "oid": "e", "pointerSize": 135}),
-               RepoFile(path="modeling_x.py", size=500, oid="f")]
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_tree", lambda self, repo_id, recursive: iter(entries))
-    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo_id, name: None)
-    files, cached, _ = hub.snapshot_files("org/model", hub.model_patterns(False))
-    assert files == [("config.json", 900), ("model.safetensors", 7 * GiB)] and cached == set()
+    siblings = [RepoSibling("config.json", size=900, blob_id="a"),
+                RepoSibling("model-1.safetensors", size=135, blob_id="b", lfs=BlobLfsInfo(7 * GiB, "sha-one", 135)),
+                RepoSibling("model-2.safetensors", size=135, blob_id="c", lfs=BlobLfsInfo(5 * GiB, "sha-two", 135)),
+                RepoSibling("pytorch_model.bin", size=135, blob_id="d", lfs=BlobLfsInfo(7 * GiB, "sha-bin", 135)),
+                RepoSibling("modeling_x.py", size=500, blob_id="e")]
+    info = type("Info", (), {"siblings": siblings})()
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo_id, **kwargs: info)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    blobs = tmp_path / "models--org--model" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / "sha-two").write_bytes(b"")
+    files, held, cache = hub.snapshot_files("org/model", hub.model_patterns(False))
+    assert files == [("config.json", 900), ("model-1.safetensors", 7 * GiB), ("model-2.safetensors", 5 * GiB)]
+    assert held == {"model-2.safetensors"} and cache == tmp_path
     files, _, _ = hub.snapshot_files("org/model", hub.model_patterns(True))
     assert ("modeling_x.py", 500) in files
 

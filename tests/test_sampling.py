@@ -90,6 +90,8 @@ def test_a_request_s_sampling_then_the_model_s_then_openai_s():
     assert request_sampling(request, {}) == SamplingParams(1.0, 0.5, 3, 0, 0.0)
     request = ChatRequest(messages=[{"role": "user", "content": "hi"}], top_k=0, min_p=0.1)
     assert request_sampling(request, {"top_k": 20}) == SamplingParams(1.0, 1.0, None, 0, 0.1)
+    request = ChatRequest(messages=[{"role": "user", "content": "hi"}], top_k=-1)  # vLLM's "off"
+    assert request_sampling(request, {"top_k": 20}).top_k == 0
 
 
 def test_the_repetition_penalty_is_transformers_and_counts_the_whole_conversation(checkpoints):

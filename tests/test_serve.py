@@ -448,7 +448,7 @@ def test_oversize_body(server, monkeypatch):
     ('{"messages": "hello"}', 400, "messages"),
     ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}', 400, "max_tokens"),
     ('{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}', 400, "temperature"),
-    ('{"messages": [{"role": "user", "content": "hi"}], "top_k": -1}', 400, "top_k"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "top_k": -2}', 400, "top_k"),  # (-1 and 0: off)
     ('{"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}', 400, "min_p"),
     ('{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}', 400, "repetition_penalty"),
     ('{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role"),

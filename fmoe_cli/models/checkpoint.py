@@ -35,6 +35,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from safetensors import SafetensorError, safe_open
 
 from fmoe_cli.errors import FmoeError
+from fmoe_cli.models.config import fp8_block
 from fmoe_cli.types import MoeLayer
 from fmoe_cli.offload.layout import DOWN, GATE, UP
 
@@ -197,17 +198,30 @@ def scale_keys(files: list[WeightFile]) -> dict[str, tuple[WeightFile, str]]:
     return {key[: -len(SCALE_SUFFIX)]: (f, key) for f in files for key in f.keys() if key.endswith(SCALE_SUFFIX)}
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A block-scaled float8 weight [R, C] in `dtype`: each (R / r) × (C / c) block times its scale, [r, c] the grid,
-    in float32, rounded once (transformers' Fp8Dequantize._dequantize_one, the same operations in the same order)."""
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The scale grid of a [R, C] float8 weight in blocks of `block`: ceil(R / b_r) × ceil(C / b_c) (the last row and
+    column of blocks cut short where the block does not divide the weight: DeepSeek-V3's kv_a_proj_with_mqa, [576,
+    7168] in 128 × 128 blocks, has a [5, 56] grid)."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: tuple[int, int]) -> torch.Tensor:
+    """A block-scaled float8 weight [R, C] in `dtype`: ŵ[i, j] = q[i, j] · s[i // b_r, j // b_c] in float32, rounded once
+    (transformers' Fp8Dequantize._dequantize_one's operations where the block divides the weight; where it does not,
+    the cut-short blocks as DeepSeek's own weight_dequant, where transformers' dequantizing load would refuse or
+    misplace them)."""
     rows, cols = weight.shape
     grid_rows, grid_cols = scale.shape
-    if rows % grid_rows or cols % grid_cols:
-        raise FmoeError(f"a float8 weight of shape [{rows}, {cols}] does not divide into its scale grid "
-                        f"[{grid_rows}, {grid_cols}]: a layout fmoe does not read")
-    blocks = weight.to(torch.float32).reshape(-1, grid_rows, rows // grid_rows, grid_cols, cols // grid_cols)
-    scales = scale.to(torch.float32).reshape(-1, grid_rows, grid_cols).unsqueeze(-1).unsqueeze(2)
-    return (blocks * scales).to(dtype).reshape(rows, cols)
+    if (grid_rows, grid_cols) != scale_grid((rows, cols), block):
+        raise FmoeError(f"a float8 weight of shape [{rows}, {cols}] in blocks of {list(block)} has a scale grid of "
+                        f"{list(scale_grid((rows, cols), block))}, not [{grid_rows}, {grid_cols}]")
+    padded = weight.to(torch.float32)
+    if rows % block[0] or cols % block[1]:  # (zeros in the cut-short blocks' missing part, cropped after)
+        padded = torch.nn.functional.pad(padded, (0, grid_cols * block[1] - cols, 0, grid_rows * block[0] - rows))
+    blocks = padded.reshape(grid_rows, block[0], grid_cols, block[1])
+    scales = scale.to(torch.float32).reshape(grid_rows, grid_cols).unsqueeze(-1).unsqueeze(1)
+    whole = (blocks * scales).to(dtype).reshape(grid_rows * block[0], grid_cols * block[1])
+    return whole if whole.shape == (rows, cols) else whole[:rows, :cols].contiguous()
 
 
 def _expected_shape(layers: list[MoeLayer], piece: ExpertPiece) -> tuple[int, ...]:
@@ -231,6 +245,7 @@ def check_checkpoint(path: Path, model, layers: list[MoeLayer]) -> None:
     files = [WeightFile(file) for file in weight_files(path)]
     try:
         scales = scale_keys(files)
+        block = fp8_block(path / "config.json") if scales else None
         for weights in files:
             plain, experts = classify_keys(model, layers, weights.keys())
             for key, target in {**plain, **experts}.items():
@@ -247,6 +262,16 @@ def check_checkpoint(path: Path, model, layers: list[MoeLayer]) -> None:
                 if scaled and (len(shape) != 2 or (isinstance(target, ExpertPiece) and target.expert is None)):
                     raise FmoeError(f"{weights.file}: {key} is a float8 tensor of shape {list(shape)}: fmoe "
                                     f"dequantizes 2-D weights only (one expert's, or a linear layer's)")
+                if scaled and block is None:
+                    raise FmoeError(f"{weights.file}: {key} is float8 with block scales, but config.json's "
+                                    f"quantization_config names no weight_block_size to read them by")
+                if scaled:
+                    scale_file, scale_key = scales[key]
+                    grid = tuple(scale_file.shape(scale_key))
+                    if grid != scale_grid(shape, block):
+                        raise FmoeError(f"{scale_file.file}: {scale_key} is a grid of {list(grid)} scales, but "
+                                        f"{key} {list(shape)} in blocks of {list(block)} needs "
+                                        f"{list(scale_grid(shape, block))} (a damaged file, or another layout)")
                 if shape != expected:
                     raise FmoeError(f"{weights.file}: {key} has shape {list(shape)} but the model's config.json makes it "
                                     f"{list(expected)} (a checkpoint of another model, or a damaged file)")
@@ -290,12 +315,13 @@ def read_checkpoint(path: Path, model, layers: list[MoeLayer], store, dtype: tor
 def _read(path: Path, files: list[WeightFile], model, layers, store, dtype: torch.dtype, console: Console) -> None:
     plan = []  # (file, key, parameter name or ExpertPiece)
     scales = scale_keys(files)  # float8 weights: their block scales, dequantized as they are read
+    fp8_blocks = fp8_block(path / "config.json") if scales else None  # (check_checkpoint: known wherever scales are)
 
     def read(f: WeightFile, key: str, out: torch.Tensor | None, index: int | None, dtype: torch.dtype) -> torch.Tensor:
         value = f.read(key, out, index)
         if key in scales and value.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             scale_file, scale_key = scales[key]
-            value = dequantize(value, scale_file.read(scale_key), dtype)
+            value = dequantize(value, scale_file.read(scale_key), dtype, fp8_blocks)
         return value
 
     for f in files:

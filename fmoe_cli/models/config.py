@@ -93,6 +93,14 @@ def block_scaled_fp8(quantization: object) -> bool:
     return isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)
 
 
+def fp8_block(path: Path) -> tuple[int, int] | None:
+    """The [rows, columns] of a block-scaled fp8 checkpoint's blocks (its config.json's weight_block_size), None for
+    any other."""
+    raw = read_json(path, "model config")
+    quantization = raw.get("quantization_config") or text_fields(raw).get("quantization_config")
+    return tuple(quantization["weight_block_size"]) if block_scaled_fp8(quantization) else None
+
+
 def check_servable(path: Path, label: str, trust_remote_code: bool = False) -> dict:
     """config.json's fields (`check_config_file`), then what makes a checkpoint one fmoe cannot serve, from config.json
     alone: weights stored quantised (a `quantization_config`: GPTQ, AWQ, bitsandbytes, per-tensor fp8 …; fmoe reads
@@ -124,7 +132,9 @@ def moe_layer_indices(fields: dict) -> list[int] | None:
     """The decoder layers that hold routed experts, as transformers' modeling_*.py builds them from these fields, for
     the families fmoe knows (None for others): what a check before the download counts (models/room.py). Held to the
     built skeleton's layers in tests/test_room.py."""
-    kind, count = fields.get("model_type"), fields["num_hidden_layers"]
+    kind, count = fields.get("model_type"), fields.get("num_hidden_layers")
+    if type(count) is not int or count < 1:
+        return None  # (a model with its own code may name it otherwise: --trust-remote-code lets it through)
     if kind in ("mixtral", "olmoe"):
         return list(range(count))
     if kind in ("qwen2_moe", "qwen3_moe"):  # (i not in mlp_only_layers) and (i + 1) % decoder_sparse_step == 0
@@ -143,10 +153,11 @@ def config_expert_shape(fields: dict, dtype_bytes: int, experts: str) -> ExpertS
     the experts' format: `models/load.py expert_shape` of the built skeleton, known before the download. None for a
     family whose MoE layers `moe_layer_indices` cannot place."""
     layers = moe_layer_indices(fields)
-    if not layers:
+    count = next((fields[k] for k in EXPERT_COUNT_KEYS if type(fields.get(k)) is int and fields[k] > 0), None)
+    intermediate = next((fields[k] for k in INTERMEDIATE_KEYS if type(fields.get(k)) is int), None)
+    sizes = (fields.get("num_experts_per_tok"), fields.get("hidden_size"))
+    if not layers or count is None or intermediate is None or not all(type(v) is int for v in sizes):
         return None
-    count = next(fields[k] for k in EXPERT_COUNT_KEYS if type(fields.get(k)) is int and fields[k] > 0)
-    intermediate = next(fields[k] for k in INTERMEDIATE_KEYS if fields.get(k) is not None)
     return ExpertShape(len(layers), count, fields["num_experts_per_tok"], fields["hidden_size"], intermediate,
                        dtype_bytes, experts)
 

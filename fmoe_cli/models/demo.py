@@ -140,26 +140,30 @@ FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "
                     "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 
 
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, C] -> float8 e4m3 [R, C] and its float32 scale grid [R / FP8_BLOCK, C / FP8_BLOCK] (each block's max at 448)."""
+def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] -> float8 e4m3 [R, C] and its float32 scale grid [ceil(R / block), ceil(C / block)] (each block's max at
+    448; the last blocks cut short where `block` does not divide the weight, as DeepSeek-V3's kv_a_proj_with_mqa)."""
     rows, cols = weight.shape
-    blocks = weight.float().reshape(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    grid = (-(-rows // block), -(-cols // block))
+    padded = torch.nn.functional.pad(weight.float(), (0, grid[1] * block - cols, 0, grid[0] * block - rows))
+    blocks = padded.reshape(grid[0], block, grid[1], block)
     scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12) / 448.0
-    return (blocks / scale).to(torch.float8_e4m3fn).reshape(rows, cols), scale.reshape(rows // FP8_BLOCK, cols // FP8_BLOCK)
+    fp8 = (blocks / scale).to(torch.float8_e4m3fn).reshape(grid[0] * block, grid[1] * block)[:rows, :cols]
+    return fp8.contiguous(), scale.reshape(grid)
 
 
 def write_fp8_copy(source: Path, path: Path) -> list[str]:
     """A copy of the float checkpoint at `source` in the block-scaled fp8 layout (DeepSeek-V3's, the -FP8
-    repositories'): every linear weight that divides into blocks stored as float8 with its scales, embeddings, LM head,
-    norms and routers left float as in those checkpoints; returns the keys stored as float8. For tests/test_fp8.py and
-    benchmarks/gpu_check.py."""
+    repositories'): every linear weight stored as float8 with its scales (a weight the block does not divide with its
+    last blocks cut short), embeddings, LM head, norms and routers left float as in those checkpoints; returns the keys
+    stored as float8. For tests/test_fp8.py and benchmarks/gpu_check.py."""
     shutil.copytree(source, path)
     tensors = load_file(str(path / "model.safetensors"))
     stored, scaled = {}, []
     for key, value in tensors.items():
         linear = value.dim() == 2 and key.endswith(".weight") and not any(
             part in key for part in ("embed", "lm_head", ".gate.weight", "norm"))
-        if linear and value.shape[0] % FP8_BLOCK == 0 and value.shape[1] % FP8_BLOCK == 0:
+        if linear:
             stored[key], stored[key + "_scale_inv"] = quantize_fp8(value)
             scaled.append(key)
         else:

@@ -46,19 +46,29 @@ def check_room(repo_id: str, patterns: list[str]) -> None:
         check_download_room(repo_id, *listing)
 
 
+LISTING_TIMEOUT_S = 10.0  # the hub's list of a repository's files: one request, no retries (a check, not the download)
+
+
 def snapshot_files(repo_id: str, patterns: list[str]) -> tuple[list[tuple[str, int]], set[str], Path] | None:
-    """(name, bytes) of each file of `repo_id` that `patterns` select, the names already in the local cache, and the
-    cache's directory; None where the hub does not answer."""
+    """(name, bytes) of each file of `repo_id` that `patterns` select, the names whose bytes the local cache already
+    holds (a blob of an earlier snapshot counts: the download links it, as when only config.json moved `main` on), and
+    the cache's directory; None where the hub does not answer at once (no network: one request, no retries)."""
     try:
         from huggingface_hub import HfApi, constants, try_to_load_from_cache
-        from huggingface_hub.hf_api import RepoFile
         from huggingface_hub.utils import filter_repo_objects
 
-        entries = {e.path: e for e in HfApi().list_repo_tree(repo_id, recursive=True) if isinstance(e, RepoFile)}
-        wanted = list(filter_repo_objects(list(entries), allow_patterns=patterns))
-        files = [(name, entries[name].lfs.size if entries[name].lfs else entries[name].size) for name in wanted]
-        cached = {name for name in wanted if isinstance(try_to_load_from_cache(repo_id, name), str)}
-        return files, cached, Path(constants.HF_HUB_CACHE)
+        info = HfApi().model_info(repo_id, files_metadata=True, timeout=LISTING_TIMEOUT_S)
+        siblings = {s.rfilename: s for s in info.siblings or []}
+        wanted = list(filter_repo_objects(list(siblings), allow_patterns=patterns))
+        blobs = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "blobs"
+
+        def held(name: str) -> bool:
+            sibling = siblings[name]
+            blob = sibling.lfs.sha256 if sibling.lfs else sibling.blob_id
+            return bool(blob) and (blobs / blob).is_file() or isinstance(try_to_load_from_cache(repo_id, name), str)
+
+        files = [(name, (siblings[name].lfs.size if siblings[name].lfs else siblings[name].size) or 0) for name in wanted]
+        return files, {name for name in wanted if held(name)}, Path(constants.HF_HUB_CACHE)
     except Exception:  # (any failure of the hub client's listing: the check is a courtesy, the download decides)
         return None
 

@@ -145,6 +145,7 @@ def request_sampling(req, recommended: dict) -> SamplingParams:
     recommends, else OpenAI's default (as vLLM serves a model's generation_config.json)."""
     chosen = {key: getattr(req, key) if getattr(req, key) is not None else recommended.get(key, default)
               for key, default in OPENAI_SAMPLING.items()}
+    chosen["top_k"] = max(chosen["top_k"], 0)  # (vLLM's -1 is off, as 0)
     return SamplingParams(**chosen, seed=req.seed)
 
 

@@ -119,7 +119,7 @@ class _Generation(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)  # (vLLM's and llama.cpp's servers' extension; 0: off)
+    top_k: int | None = Field(default=None, ge=-1)  # (vLLM's and llama.cpp's servers' extension; 0 or -1: off)
     min_p: float | None = Field(default=None, ge=0, le=1)  # (the same)
     repetition_penalty: float | None = Field(default=None, gt=0, le=1000)  # (the same; 1: off)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
