@@ -18,7 +18,7 @@ from rich.console import Console
 from fmoe_cli.errors import FmoeError, no_gpu, unknown_device, warn
 from fmoe_cli.models import demo
 from fmoe_cli.generate import TOKENIZER_FILES
-from fmoe_cli.models.config import check_servable
+from fmoe_cli.models.config import check_servable, config_top_k
 from fmoe_cli.models.hub import download_model, local_model_dir
 from fmoe_cli.models.room import check_host_ram
 from fmoe_cli.models.attention import install_decode_attention
@@ -321,7 +321,7 @@ def expert_shape(layers: list[MoeLayer], dtype: torch.dtype, experts: str = DEFA
     for layer in layers[1:]:
         if tuple(layer.experts.gate_up_proj.shape) != tuple(first.gate_up_proj.shape):
             raise FmoeError(f"unsupported expert layout: {layer.name} differs in shape from {layers[0].name}")
-    top_k = getattr(layers[0].router, "top_k", None) or first.config.num_experts_per_tok
+    top_k = getattr(layers[0].router, "top_k", None) or config_top_k(first.config)
     return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size(), experts)
 
 
