@@ -1,11 +1,36 @@
-"""The families beyond the full exactness matrix (tests/test_exactness.py's TINY_FAMILIES): their config.json read under
-their own field names."""
+"""The families beyond the full exactness matrix (tests/test_exactness.py's TINY_FAMILIES): each served one (models/demo.py
+MORE_FAMILIES) gives transformers' greedy tokens under `resident` and a split policy, and what cannot be served is
+refused in one line, by what its modules are (benchmarks/families_survey.py surveys every family)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
 
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.generate import stream_generate
 from fmoe_cli.models.config import check_config_fields, text_fields
+from fmoe_cli.models.demo import MORE_FAMILIES
+from fmoe_cli.models.load import build_skeleton
+from fmoe_cli.offload.link import EmulatedLink, VirtualClock
+from fmoe_cli.planning.presets import make_settings
+from test_exactness import NEW_TOKENS, PROMPT, TIMINGS, _family_setup, budgets, first_difference  # tests/
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_family_gives_transformers_tokens_resident_and_split(checkpoints, family):
+    """`resident`, then `uniform` at θ = 0.5 on the tight budget (the staging pool and one expert: prefill in waves,
+    every decode token's experts split or loaded): transformers' own greedy tokens."""
+    for lm, engine, want, *_ in _family_setup(checkpoints[family], EmulatedLink(gbps=20, clock=VirtualClock(),
+                                                                                 copy=True)):
+        for policy, theta in (("resident", None), ("uniform", 0.5)):
+            engine.configure(make_settings(policy, lm.shape, budgets(lm.shape)["tight"], theta=theta,
+                                           timings=TIMINGS))
+            got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
+                                                       stop_on_eos=False)]
+            assert got == want, f"{family} {policy}: tokens differ from token {first_difference(got, want)}"
+        assert engine.counters().bytes_moved > 0
 
 
 @pytest.mark.parametrize("fields, top_k", [
@@ -28,3 +53,23 @@ def test_layer_count_of_a_config_with_per_layer_block_types():
     """Nemotron-H's config.json may give its layers as `layers_block_type` (transformers drops num_hidden_layers)."""
     raw = {"layers_block_type": ["mamba", "moe", "attention", "moe"], "n_routed_experts": 8}
     assert text_fields(raw)["num_hidden_layers"] == 4
+
+
+def tiny(model_type: str, **fields):
+    return transformers.AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=384, **fields)
+
+
+@pytest.mark.parametrize("config, why", [
+    # ZAYA routes through an MLP: no [N, H] matrix for the predictors
+    (lambda: tiny("zaya", num_experts=8, num_experts_per_tok=1),
+     "no router with a weight matrix to its 8 experts"),
+    # gpt-oss: biased experts with a clamped, interleaved gate
+    (lambda: tiny("gpt_oss", num_local_experts=8, num_experts_per_tok=2, head_dim=16),
+     "experts with biases are not served yet"),
+])
+def test_what_cannot_be_served_is_refused_in_one_line(config, why):
+    with pytest.raises(FmoeError) as refused:
+        build_skeleton(config(), torch.float32, "model")
+    message = str(refused.value)
+    assert why in message and "\n" not in message
