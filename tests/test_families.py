@@ -61,9 +61,14 @@ def tiny(model_type: str, **fields):
 
 
 @pytest.mark.parametrize("config, why", [
+    # MiniMax keeps its lightning attention's states in MiniMaxCache, refusing the caches fmoe generates with
+    (lambda: tiny("minimax", num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+                  layer_types=["linear_attention", "full_attention"]), "a cache of its own (MiniMaxCache)"),
     # ZAYA routes through an MLP: no [N, H] matrix for the predictors
     (lambda: tiny("zaya", num_experts=8, num_experts_per_tok=1),
      "no router with a weight matrix to its 8 experts"),
+    # Qwen3-VL-MoE: an image-text model only, no causal LM (AutoModelForCausalLM raised a ValueError traceback)
+    (lambda: transformers.AutoConfig.for_model("qwen3_vl_moe"), "(qwen3_vl_moe) is not a causal language model"),
     # gpt-oss: biased experts with a clamped, interleaved gate
     (lambda: tiny("gpt_oss", num_local_experts=8, num_experts_per_tok=2, head_dim=16),
      "experts with biases are not served yet"),

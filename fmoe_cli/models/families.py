@@ -9,6 +9,7 @@ resident.
 from __future__ import annotations
 
 import re
+import sys
 
 import torch
 from torch import nn
@@ -66,8 +67,22 @@ def router_matrix(router: nn.Module | None, experts: int) -> nn.Module | None:
     return linear[0] if len(linear) == 1 else None
 
 
+def check_own_cache(model: nn.Module, model_id: str) -> None:
+    """A family whose modeling file defines a KV cache class of its own (MiniMax's MiniMaxCache: its lightning
+    attention's states beside the KV) refuses the DynamicCache and static cache fmoe generates with: one line."""
+    from transformers.cache_utils import Cache
+
+    module = sys.modules.get(type(model).__module__)
+    own = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Cache)
+           and v.__module__ == module.__name__] if module is not None else []
+    if own:
+        raise FmoeError(f"{model_id} ({model.config.model_type}) keeps its state in a cache of its own "
+                        f"({own[0].__name__}), which fmoe's generation does not drive")
+
+
 def find_moe_layers(model: nn.Module, model_id: str = "model") -> list[MoeLayer]:
     """Every routed-experts module with its router, in forward order."""
+    check_own_cache(model, model_id)
     modules = dict(model.named_modules())
     layers: list[MoeLayer] = []
     for name, module in modules.items():
