@@ -1,6 +1,7 @@
-"""The families beyond the full exactness matrix (tests/test_exactness.py's TINY_FAMILIES): each served one (models/demo.py
-MORE_FAMILIES) gives transformers' greedy tokens under `resident` and a split policy, and what cannot be served is
-refused in one line, by what its modules are (benchmarks/families_survey.py surveys every family)."""
+"""The families beyond the full exactness matrix (tests/test_exactness.py's TINY_FAMILIES): their config.json read under
+their own field names; each served one (models/demo.py MORE_FAMILIES) gives transformers' greedy tokens under
+`resident` and a split policy; what cannot be served is refused in one line, by what its modules are
+(benchmarks/families_survey.py surveys every family)."""
 
 from __future__ import annotations
 
