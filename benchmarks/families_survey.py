@@ -7,7 +7,9 @@ models/demo.py's `build_random_moe` saves one, with its tokenizer) is run greedi
 the reference, as tests/test_exactness.py's `transformers_answer`) and by fmoe's engine (load_model + Engine +
 stream_generate, as the tests' `_family_setup`) under `resident`, then `lru`, `moepic` and `uniform` (θ = 0.5) at a
 tight budget (the staging pool plus one expert), on the CPU's path (its C kernels) and on the device's (torch's
-matmuls, routing used on the device, as tests/test_exactness.py's `cuda` link). Each family's outcome:
+matmuls, routing used on the device, as tests/test_exactness.py's `cuda` link). The policies plan with fixed
+timings; the per-layer profile that `fmoe bench` and `chat` plan moepic and hybrid with is taken once too, and must
+time every MoE layer the engine serves. Each family's outcome:
 
 - exact: every policy gives transformers' tokens;
 - refused: fmoe raised its one-line error (FmoeError) — the line is shown;
@@ -52,6 +54,8 @@ from fmoe_cli.models.load import build_skeleton, load_model  # noqa: E402
 from fmoe_cli.offload.engine import Engine  # noqa: E402
 from fmoe_cli.offload.link import EmulatedLink, VirtualClock  # noqa: E402
 from fmoe_cli.planning.presets import make_settings  # noqa: E402
+from fmoe_cli.profiling.files import model_identity  # noqa: E402
+from fmoe_cli.profiling.layers import time_layers  # noqa: E402
 from fmoe_cli.types import Timings  # noqa: E402
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 7, 3, 250, 11, 64, 128]])  # tests/test_exactness.py's
@@ -186,6 +190,14 @@ def _fmoe_tokens(path: Path, tokens: int, device_path: bool) -> dict[str, list[i
     timings = Timings(TIMINGS.t_att, TIMINGS.t_moe, TIMINGS.t_head, TIMINGS.t_load, lm.shape.top_k)
     got = {}
     try:
+        if not device_path:  # what moepic and hybrid plan with in fmoe bench and chat: every MoE layer timed
+            engine.configure(make_settings("resident", lm.shape, tight, timings=timings))
+            timed = time_layers(lm.model, PROMPT, model_identity=model_identity(lm.model_id, lm.path / "config.json"),
+                                top_k=lm.shape.top_k, decode_steps=1, repeats=1)
+            moe = [t.index for t in timed.decode.layers if t.moe]
+            if moe != [layer.decoder_index for layer in lm.layers]:
+                raise RuntimeError(f"the profile times MoE layers {moe}, the engine serves "
+                                   f"{[layer.decoder_index for layer in lm.layers]}")
         for policy, theta in POLICIES:
             engine.configure(make_settings(policy, lm.shape, tight, theta=theta, timings=timings))
             events = stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=tokens, stop_on_eos=False)

@@ -16,6 +16,8 @@ from fmoe_cli.models.demo import MORE_FAMILIES
 from fmoe_cli.models.load import build_skeleton
 from fmoe_cli.offload.link import EmulatedLink, VirtualClock
 from fmoe_cli.planning.presets import make_settings
+from fmoe_cli.profiling.files import model_identity
+from fmoe_cli.profiling.layers import time_layers
 from test_exactness import NEW_TOKENS, PROMPT, TIMINGS, _family_setup, budgets, first_difference  # tests/
 
 
@@ -32,6 +34,21 @@ def test_family_gives_transformers_tokens_resident_and_split(checkpoints, family
                                                        stop_on_eos=False)]
             assert got == want, f"{family} {policy}: tokens differ from token {first_difference(got, want)}"
         assert engine.counters().bytes_moved > 0
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "afmoe", "granitemoe"])
+def test_the_profile_times_each_moe_layer(checkpoints, family):
+    """time_layers (what moepic and hybrid plan with) times the MoE part of each layer the engine serves, found by its
+    experts: Gemma 4's experts module on the layer itself, AFMoE's block with a `router`, Granite's
+    `block_sparse_moe` beside no `mlp`. Until 29 Nov it timed `layer.mlp` where it had `.experts` and `.gate`: 'the
+    profile times no MoE layer' (Gemma 4, AFMoE, Aria, Phi-3.5-MoE), an AttributeError (Granite, Jamba, LFM2)."""
+    for lm, engine, *_ in _family_setup(checkpoints[family], EmulatedLink(gbps=20, clock=VirtualClock(), copy=True)):
+        engine.configure(make_settings("resident", lm.shape, budgets(lm.shape)["tight"], timings=TIMINGS))
+        timings = time_layers(lm.model, PROMPT, model_identity=model_identity(lm.model_id, lm.path / "config.json"),
+                              top_k=lm.shape.top_k, decode_steps=1, repeats=1)
+        for phase in (timings.decode, timings.prefill):
+            assert [t.index for t in phase.layers if t.moe] == [layer.decoder_index for layer in lm.layers]
+            assert all(t.t_moe > 0 for t in phase.layers if t.moe)
 
 
 @pytest.mark.parametrize("fields, top_k", [
@@ -79,3 +96,4 @@ def test_what_cannot_be_served_is_refused_in_one_line(config, why):
         build_skeleton(config(), torch.float32, "model")
     message = str(refused.value)
     assert why in message and "\n" not in message
+

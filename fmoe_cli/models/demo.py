@@ -109,6 +109,8 @@ MORE_FAMILIES: dict[str, tuple[str, dict]] = {
         head_dim=16, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
         n_shared_experts=1, layer_types=["hybrid_sliding"] * 4, mlp_layer_types=["sparse"] * 4)),
     "phimoe": ("PhimoeConfig", dict(intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)),
+    "granitemoe": ("GraniteMoeConfig", dict(  # the MoE block as `block_sparse_moe`, no `mlp`
+        intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)),
     "qwen3_next": ("Qwen3NextConfig", dict(  # linear-attention layers, a gated shared expert
         head_dim=16, intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
         shared_expert_intermediate_size=96, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
