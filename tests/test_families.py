@@ -97,3 +97,14 @@ def test_what_cannot_be_served_is_refused_in_one_line(config, why):
     message = str(refused.value)
     assert why in message and "\n" not in message
 
+
+def test_kv_cache_of_a_config_whose_layers_differ():
+    """dots3's layers have their own KV heads (transformers' per_layer_config; the global field raises): the KV cache
+    a plan reserves sums each layer's. Read as the global field, `fmoe bench` ended in a traceback."""
+    from fmoe_cli.planning import plan
+
+    config = transformers.AutoConfig.for_model("dots3_note_text", num_hidden_layers=4)
+    layers = config.per_layer_config
+    assert len({layer.num_key_value_heads for layer in layers}) > 1  # (128, 128, 64, 64 at these defaults)
+    per_token = [plan._kv_bytes(layer, 1) for layer in layers]
+    assert per_token[0] != per_token[-1] and plan.kv_cache_bytes(config, 3, 2) == sum(per_token) * 2 * 3
