@@ -644,3 +644,22 @@ def test_the_gpu_check_skips_part_b_without_the_time_for_it(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "part B needs 150" in (tmp_path / "out" / "gpu_check.md").read_text()
     assert "built in" not in result.stdout  # nothing was built
+
+
+def test_families_survey_rows(tmp_path):
+    """`benchmarks/families_survey.py`: a served family's row is `exact` (its 8 runs, CPU and device paths), a family
+    transformers builds no causal LM of is `refused` with fmoe's line, and one fmoe serves wrongly is `WRONG`."""
+    survey = benchmark("families_survey")
+    outcome, detail = survey.survey("olmoe", tmp_path, tokens=6)
+    assert outcome == "exact" and detail.startswith("8 runs"), detail
+    outcome, detail = survey.skeleton_only("qwen3_vl_moe")
+    assert outcome == "refused" and "not a causal language model" in detail
+    from fmoe_cli.offload.engine import Engine
+
+    real = Engine.experts_forward
+    try:
+        Engine.experts_forward = lambda self, *args: real(self, *args) * 1.5  # noqa: E731 - every policy wrong
+        outcome, detail = survey.survey("olmoe", tmp_path, tokens=6)
+    finally:
+        Engine.experts_forward = real
+    assert outcome == "WRONG" and "resident@" in detail, detail

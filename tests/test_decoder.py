@@ -15,7 +15,7 @@ from fmoe_cli.models import attention, decoder
 from fmoe_cli.models.demo import TINY_FAMILIES
 from fmoe_cli.models.load import load_model
 import test_attention  # tests/test_attention.py
-from test_attention import assert_decode_bits, attention_ops, torch_steps
+from test_attention import ATTENTION_FAMILIES, assert_decode_bits, attention_ops, torch_steps
 
 
 def decode_modules(model) -> list:
@@ -53,7 +53,7 @@ def perturb_norms(lm):
 
 @pytest.mark.parametrize("dense", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+@pytest.mark.parametrize("family", ATTENTION_FAMILIES)  # the decode forwards' families, and DeepSeek's (none)
 def test_decode_layers_give_transformers_bits(checkpoints, family, dtype, dense, monkeypatch):
     """The same loaded model with the decoder layers', routers' and final norm's decode forwards and with
     transformers' own: the same logits, bit for bit, at the prefill and every decode step. The router's one-thread

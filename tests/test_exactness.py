@@ -17,7 +17,6 @@ The prompt activates more experts than the staging pool has slots, so prefill ru
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
@@ -57,7 +56,7 @@ MOVED: set[int] = set()  # id() of the engines of the tests that moved bytes (fa
 def family_setup(request, checkpoints):
     family, link_kind = request.param
     if link_kind == "cuda":  # the device's code path: torch's matmuls (no C kernels), the engine's device side
-        with fake_gpu.installed() as gpu, torch_path():
+        with fake_gpu.installed() as gpu, kernels.off():
             for setup in _family_setup(checkpoints[family], CudaLink(torch.device("cuda"), chunk_bytes=4096),
                                        device_side=True, graph_factory=RecordedGraphs):
                 yield setup
@@ -75,17 +74,6 @@ def reference_answer(reference, prompt: torch.Tensor, new_tokens: int):
     full_sequence = torch.cat([prompt, torch.tensor([want])], dim=1)
     with torch.no_grad():
         return want, full_sequence, reference(full_sequence).logits
-
-
-@contextlib.contextmanager
-def torch_path():
-    """The experts computed as on a GPU: torch's matmuls, not the CPU's C kernels."""
-    real = kernels.library
-    kernels.library = lambda: None
-    try:
-        yield
-    finally:
-        kernels.library = real
 
 
 def dequantizing(path) -> dict:

@@ -212,12 +212,12 @@ def test_host_work_per_load_is_time_less_exposed_less_resident_over_loaded_segme
 
     state = {"t": 0.0, "segments": 0, "exposed": 0.0}
 
-    def block(_x):
+    def block():
         state["t"] += 10.0
         state["segments"] += 2
         state["exposed"] += 3.0
 
-    runs = layers._host_per_load(block, None, 1.0, lambda: (state["segments"], state["exposed"]), 3,
+    runs = layers._host_per_load(block, 1.0, lambda: (state["segments"], state["exposed"]), 3,
                                  lambda: None, now=lambda: state["t"])
     assert runs == [3.0, 3.0, 3.0]
 

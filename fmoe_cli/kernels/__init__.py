@@ -32,6 +32,7 @@ call, so a host lane in another Python thread runs while the kernel does.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -174,6 +175,19 @@ def library() -> ctypes.CDLL | None:
     # fmoe_prefill_tiles(0 or 1) the prefill tiles off or on
     lib.fmoe_pool_chunks_run.restype = ctypes.c_int64
     return lib
+
+
+@contextlib.contextmanager
+def off():
+    """Within it, every expert and dense row computed as on a GPU: torch's matmuls, not these kernels (the device's
+    code path on the CPU: tests/test_exactness.py's `cuda` link, benchmarks/families_survey.py)."""
+    global library
+    real = library
+    library = lambda: None  # noqa: E731 - read as kernels.library() everywhere
+    try:
+        yield
+    finally:
+        library = real
 
 
 def is_silu(act) -> bool:

@@ -26,10 +26,34 @@ MAX_EXPERTS = 1 << 12  # routed experts per layer (planning/stats.py keeps an NÃ
 MAX_INTERMEDIATE = 1 << 20
 
 
+# The names some families' config.json give a field a plan reads (their configuration class's attribute_map):
+# ERNIE-4.5's moe_k, Hunyuan's and Aria's moe_topk, Bailing's and Kimi-Linear's num_experts_per_token, Gemma 4's
+# top_k_experts, Bailing's and Kimi-Linear's model_max_length.
+ALIASES = {"num_experts_per_tok": ("moe_k", "moe_topk", "num_experts_per_token", "top_k_experts"),
+           "max_position_embeddings": ("model_max_length",)}
+
+
+def config_top_k(config) -> int | None:
+    """A transformers config object's experts per token, under any of its families' names (`ALIASES`)."""
+    for key in ("num_experts_per_tok", *ALIASES["num_experts_per_tok"]):
+        value = getattr(config, key, None)
+        if type(value) is int:
+            return value
+    return None
+
+
 def text_fields(raw: dict) -> dict:
-    """The language model's fields (a multimodal config nests them in `text_config`)."""
+    """The language model's fields (a multimodal config nests them in `text_config`), each field a plan reads under
+    its usual name (`ALIASES`; Nemotron-H's layer count from its per-layer block types)."""
     nested = raw.get("text_config")
-    return {**raw, **nested} if isinstance(nested, dict) else raw
+    fields = {**raw, **nested} if isinstance(nested, dict) else dict(raw)
+    for key, aliases in ALIASES.items():
+        if fields.get(key) is None:
+            fields[key] = next((fields[a] for a in aliases if fields.get(a) is not None), None)
+    blocks = fields.get("layers_block_type")
+    if fields.get("num_hidden_layers") is None and isinstance(blocks, list):
+        fields["num_hidden_layers"] = len(blocks)
+    return fields
 
 
 def _count(fields: dict, key: str, limit: int, source: str) -> int:

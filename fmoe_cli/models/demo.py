@@ -86,11 +86,47 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
         num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         routed_scaling_factor=1.5)),
+    # GLM-4.5: sigmoid routing with a correction bias, group-limited, scaled; a shared expert, a dense first layer.
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5)),
+    # Gemma 4: the experts beside a dense MLP in every layer, a router module around its projection, GELU experts,
+    # top-k as top_k_experts (full attention only: a sliding window's decode steps do not replay from CUDA graphs).
+    "gemma4_text": ("Gemma4TextConfig", dict(
+        head_dim=16, global_head_dim=16, intermediate_size=128, enable_moe_block=True, num_experts=8, top_k_experts=2,
+        moe_intermediate_size=64, hidden_size_per_layer_input=16, vocab_size_per_layer_input=384,
+        layer_types=["full_attention"] * 4)),
+}
+# Families served and checked more cheaply (tests/test_families.py: resident and one split policy against
+# transformers), each for what it does differently.
+MORE_FAMILIES: dict[str, tuple[str, dict]] = {
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(  # top-k as moe_k, experts as moe_num_experts, a dense first layer
+        intermediate_size=128, moe_intermediate_size=64, moe_num_experts=8, moe_k=2, moe_layer_start_index=1)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(  # top-k as moe_topk; the router's matrix in its `wg`
+        head_dim=16, intermediate_size=128, num_experts=8, moe_topk=2)),
+    "afmoe": ("AfmoeConfig", dict(  # the router's matrix in its `gate`; a shared expert, a dense first layer
+        head_dim=16, intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+        num_dense_layers=1, num_shared_experts=1,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"])),
+    "inkling_text": ("InklingTextConfig", dict(  # the router's rows: the routed experts', then the shared experts'
+        head_dim=16, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, layer_types=["hybrid_sliding"] * 4, mlp_layer_types=["sparse"] * 4)),
+    "phimoe": ("PhimoeConfig", dict(intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)),
+    "granitemoe": ("GraniteMoeConfig", dict(  # the MoE block as `block_sparse_moe`, no `mlp`
+        intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_next": ("Qwen3NextConfig", dict(  # linear-attention layers, a gated shared expert
+        head_dim=16, intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+        shared_expert_intermediate_size=96, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"])),
 }
 
 
+# The routers' matrices (Hunyuan's gate.wg, Gemma 4's router.proj, Inkling's gate): spread in a random checkpoint.
+ROUTER_WEIGHTS = ("gate.weight", "gate.wg.weight", "router.proj.weight", "router.gate.weight")
+
+
 def tiny_config(family: str, vocab_size: int, eos_token_id: int = 1, pad_token_id: int = 0, **overrides):
-    config_class, shape = TINY_FAMILIES[family]
+    config_class, shape = TINY_FAMILIES[family] if family in TINY_FAMILIES else MORE_FAMILIES[family]
     kwargs = dict(
         bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=pad_token_id, vocab_size=vocab_size,
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -113,7 +149,7 @@ def build_random_moe(path: Path, family: str = "mixtral", seed: int = 0, **overr
     # Random init gives near-uniform routers; spread the router weights so that routing varies.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("gate.weight") and p.dim() == 2:
+            if name.endswith(ROUTER_WEIGHTS) and p.dim() == 2:
                 p.normal_(0.0, 0.5)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

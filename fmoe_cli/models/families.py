@@ -9,6 +9,7 @@ resident.
 from __future__ import annotations
 
 import re
+import sys
 
 import torch
 from torch import nn
@@ -54,18 +55,49 @@ def check_experts(experts: nn.Module, name: str) -> None:
         raise FmoeError(f"unsupported expert layout in {name} ({kind}): expected 3-D fused expert weights")
 
 
+def router_matrix(router: nn.Module | None, experts: int) -> nn.Module | None:
+    """The module whose `weight` [N, H] scores the N experts (what the predictors rank with): the router itself, or
+    its one linear layer to N outputs (Hunyuan's `wg`, AFMoE's `gate`, Gemma 4's `proj`); None for a router without
+    one (ZAYA's router MLP)."""
+    if router is None:
+        return None
+    if isinstance(getattr(router, "weight", None), torch.Tensor) and router.weight.dim() == 2:
+        return router
+    linear = [m for m in router.children() if isinstance(m, nn.Linear) and m.out_features == experts]
+    return linear[0] if len(linear) == 1 else None
+
+
+def check_own_cache(model: nn.Module, model_id: str) -> None:
+    """A family whose modeling file defines a KV cache class of its own (MiniMax's MiniMaxCache: its lightning
+    attention's states beside the KV) refuses the DynamicCache and static cache fmoe generates with: one line."""
+    from transformers.cache_utils import Cache
+
+    module = sys.modules.get(type(model).__module__)
+    own = [v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Cache)
+           and v.__module__ == module.__name__] if module is not None else []
+    if own:
+        raise FmoeError(f"{model_id} ({model.config.model_type}) keeps its state in a cache of its own "
+                        f"({own[0].__name__}), which fmoe's generation does not drive")
+
+
 def find_moe_layers(model: nn.Module, model_id: str = "model") -> list[MoeLayer]:
     """Every routed-experts module with its router, in forward order."""
+    check_own_cache(model, model_id)
     modules = dict(model.named_modules())
     layers: list[MoeLayer] = []
     for name, module in modules.items():
         if not name.endswith(".experts") or not hasattr(module, "down_proj"):
             continue
         block = modules[name.rsplit(".", 1)[0]]
-        router = getattr(block, "gate", None) or getattr(block, "router", None)
-        if router is None or not isinstance(getattr(router, "weight", None), torch.Tensor):
-            raise FmoeError(f"unsupported MoE block in {name}: no router with a weight matrix")
         check_experts(module, name)
+        experts = module.gate_up_proj.shape[0]
+        router = router_matrix(getattr(block, "gate", None) or getattr(block, "router", None), experts)
+        if router is None:
+            raise FmoeError(f"unsupported MoE block in {name}: no router with a weight matrix to its {experts} experts")
+        rows = router.weight.shape[0]
+        bias = getattr(router, "e_score_correction_bias", None)
+        if rows != experts and not (rows > experts and bias is not None and bias.shape[0] == experts):
+            raise FmoeError(f"unsupported MoE block in {name}: its router scores {rows} experts, not its {experts}")
         match = re.search(r"layers\.(\d+)\.", name)
         decoder_index = int(match.group(1)) if match else len(layers)
         layers.append(MoeLayer(len(layers), name, decoder_index, module, router))

@@ -18,7 +18,7 @@ from rich.console import Console
 from fmoe_cli.errors import FmoeError, no_gpu, unknown_device, warn
 from fmoe_cli.models import demo
 from fmoe_cli.generate import TOKENIZER_FILES
-from fmoe_cli.models.config import check_servable
+from fmoe_cli.models.config import check_servable, config_top_k
 from fmoe_cli.models.hub import download_model, local_model_dir
 from fmoe_cli.models.room import check_host_ram
 from fmoe_cli.models.attention import install_decode_attention
@@ -281,6 +281,14 @@ def build_skeleton(config, dtype: torch.dtype, model_id: str, trust_remote_code:
     """The model on the meta device (shapes, no memory) and its MoE layers."""
     from transformers import AutoModelForCausalLM
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = getattr(config, "model_type", None)
+    custom = getattr(config, "auto_map", None) or {}  # a repository's own code (--trust-remote-code)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and "AutoModelForCausalLM" not in custom:
+        # Qwen3-VL-MoE, GLM-4.5V, ERNIE-4.5-VL …: transformers builds them as image-text models only
+        raise FmoeError(f"{model_id} ({kind}) is not a causal language model in transformers (a multimodal or "
+                        f"encoder model); fmoe serves text generation from AutoModelForCausalLM models only")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return model, find_moe_layers(model, model_id)
@@ -321,7 +329,7 @@ def expert_shape(layers: list[MoeLayer], dtype: torch.dtype, experts: str = DEFA
     for layer in layers[1:]:
         if tuple(layer.experts.gate_up_proj.shape) != tuple(first.gate_up_proj.shape):
             raise FmoeError(f"unsupported expert layout: {layer.name} differs in shape from {layers[0].name}")
-    top_k = getattr(layers[0].router, "top_k", None) or first.config.num_experts_per_tok
+    top_k = getattr(layers[0].router, "top_k", None) or config_top_k(first.config)
     return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size(), experts)
 
 

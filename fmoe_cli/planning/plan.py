@@ -122,11 +122,19 @@ def kv_cache_bytes(config, tokens: int, dtype_bytes: int) -> int:
     """KV cache of `tokens` tokens: layers · KV heads · (K dim + V dim) · dtype bytes per token. DeepSeek's
     MLA caches K of qk_nope + qk_rope dims and V of v_head_dim per head (transformers caches them expanded)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    per_layer = getattr(text, "per_layer_config", None)  # a heterogeneous config (dots3): each layer's own heads
+    if per_layer is not None:
+        return sum(_kv_bytes(layer, 1) for layer in per_layer) * dtype_bytes * tokens
+    return _kv_bytes(text, text.num_hidden_layers) * dtype_bytes * tokens
+
+
+def _kv_bytes(text, layers: int) -> int:
+    """K and V elements of one token in `layers` layers shaped as `text`."""
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     k_dim = (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0) or head_dim
     v_dim = getattr(text, "v_head_dim", None) or head_dim
-    return text.num_hidden_layers * heads * (k_dim + v_dim) * dtype_bytes * tokens
+    return layers * heads * (k_dim + v_dim)
 
 
 def device_room(device, kv_bytes: int, workspace_bytes: int = WORKSPACE_BYTES, non_expert_pending: int = 0):

@@ -43,12 +43,13 @@ def router_scores(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
     Used for speculative prediction (MoEpic Eq. 3: softmax(R_{i+1}(h_i))). Routers
     that choose by sigmoid + a correction bias (DeepSeek-V3) are ranked the way they
-    choose.
+    choose. A router whose weight has rows after its routed experts' (Inkling: its shared experts' gates, beside a
+    correction bias of the routed ones) ranks the routed ones.
     """
     logits = F.linear(as_float32(hidden), as_float32(module_attribute(router, "weight")))
     bias = module_attribute(router, "e_score_correction_bias")
     if bias is not None:
-        return logits.sigmoid() + bias.float()
+        return logits[..., :bias.shape[0]].sigmoid() + bias.float()
     return logits.softmax(dim=-1)
 
 

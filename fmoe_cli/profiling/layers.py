@@ -25,6 +25,7 @@ T_att of a layer is the layer's time in the pass minus its MLP's time in the pas
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -50,8 +51,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise FmoeError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
-def is_moe_block(module: nn.Module) -> bool:
-    return hasattr(module, "experts") and hasattr(module, "gate")
+def moe_part(layer: nn.Module) -> tuple[nn.Module, bool] | None:
+    """What computes a decoder layer's MoE, timed as T_moe: the routed experts' parent module, called on the hidden
+    states alone (Mixtral's `mlp`, Granite's `block_sparse_moe`, Jamba's `feed_forward`: router, experts, shared
+    experts), or, where the experts hang on the layer itself (Gemma 4: the router and the experts are steps of the
+    layer's forward), the experts module, called with its routing (whole=True: every argument kept). None: a dense
+    layer. The routed experts as models/families.py finds them."""
+    for name, module in layer.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts" and hasattr(module, "down_proj"):
+            parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+            return (module, True) if parent is layer else (parent, False)
+    return None
 
 
 def _sync_for(model: nn.Module) -> Callable[[], None]:
@@ -79,12 +89,16 @@ class _PassTimer:
         self.layer_times: dict[int, list[float]] = defaultdict(list)
         self.mlp_times: dict[int, list[float]] = defaultdict(list)
         self.head_times: list[float] = []
-        self.moe_inputs: dict[int, torch.Tensor] = {}
+        self.moe_inputs: dict[int, tuple[tuple, dict]] = {}  # a MoE part's arguments in the pass (`moe_part`)
         self._start: dict[object, float] = {}
         self._handles = []
         for i, layer in enumerate(layers):
             self._time(layer, ("layer", i), self.layer_times[i])
-            self._time(layer.mlp, ("mlp", i), self.mlp_times[i], keep_input=i)
+            part = moe_part(layer)
+            mlp = part[0] if part is not None else getattr(layer, "mlp", None)  # a dense layer without: all in t_att
+            if mlp is not None:
+                self._time(mlp, ("mlp", i), self.mlp_times[i], keep_input=i if part is not None else None,
+                           whole=part is not None and part[1])
         inner = getattr(model, "model", None)
         norm = getattr(inner, "norm", None)
         head = model.get_output_embeddings()
@@ -102,11 +116,14 @@ class _PassTimer:
         self.sync()
         return host_now() - self._start.pop(key)
 
-    def _time(self, module: nn.Module, key: object, sink: list[float], keep_input: int | None = None) -> None:
+    def _time(self, module: nn.Module, key: object, sink: list[float], keep_input: int | None = None,
+              whole: bool = False) -> None:
         def before(_module, args, kwargs):
-            if keep_input is not None:
+            if keep_input is not None and whole:
+                self.moe_inputs[keep_input] = (tuple(_kept(a) for a in args), {k: _kept(v) for k, v in kwargs.items()})
+            elif keep_input is not None:
                 hidden = args[0] if args else kwargs.get("hidden_states")
-                self.moe_inputs[keep_input] = hidden.detach().clone()
+                self.moe_inputs[keep_input] = ((hidden.detach().clone(),), {})
             self._begin(key)
 
         self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
@@ -119,6 +136,10 @@ class _PassTimer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def _kept(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _median(times: list[float]) -> float:
@@ -175,25 +196,27 @@ def time_layers(
         layer_time, mlp_time, head = passes[phase]
         timings = []
         for i, layer in enumerate(layers):
-            moe = is_moe_block(layer.mlp)
-            t_att = max(0.0, layer_time[i] - mlp_time[i])
-            t_mlp = mlp_time[i]
+            part = moe_part(layer)
+            moe = part is not None
+            t_att = max(0.0, layer_time[i] - mlp_time.get(i, 0.0))
+            t_mlp = mlp_time.get(i, 0.0)
             if moe:  # again, alone, with its experts resident
+                args, kwargs = kept[phase][i]
+                block = functools.partial(part[0], *args, **kwargs)
                 with resident(i), torch.no_grad():
-                    x = kept[phase][i]
-                    layer.mlp(x)  # warm-up
+                    block()  # warm-up
                     runs = []
                     for _ in range(repeats):
                         sync()
                         t0 = host_now()
-                        layer.mlp(x)
+                        block()
                         sync()
                         runs.append(host_now() - t0)
                     t_mlp = statistics.median(runs)
                 if loads is not None and phase == "decode":
                     with torch.no_grad(), loaded(i) as through_link:
                         if through_link:
-                            host += _host_per_load(layer.mlp, kept[phase][i], t_mlp, loads, repeats, sync)
+                            host += _host_per_load(block, t_mlp, loads, repeats, sync)
                 advance()
             timings.append(LayerTiming(i, moe, t_att, t_mlp))
         phases[phase] = PhaseTimings(tokens, tuple(timings), head)
@@ -201,16 +224,17 @@ def time_layers(
     return ModelTimings(model_identity, top_k, phases["decode"], phases["prefill"], t_host_load)
 
 
-def _host_per_load(block: nn.Module, x: torch.Tensor, t_resident: float, loads: Callable[[], tuple[int, float]],
+def _host_per_load(block: Callable[[], object], t_resident: float, loads: Callable[[], tuple[int, float]],
                    repeats: int, sync: Callable[[], None], now: Callable[[], float] | None = None) -> list[float]:
-    """Per run of `block` with its experts loaded on demand: (time − exposed − T_moe) / loaded segments."""
-    block(x)  # warm-up
+    """Per run of `block` (a MoE part on its kept input) with its experts loaded on demand:
+    (time − exposed − T_moe) / loaded segments."""
+    block()  # warm-up
     out = []
     for _ in range(repeats):
         sync()
         segments, exposed = loads()
         t0 = (now or host_now)()
-        block(x)
+        block()
         sync()
         elapsed = (now or host_now)() - t0
         after, exposed_after = loads()

@@ -1,0 +1,110 @@
+"""The families beyond the full exactness matrix (tests/test_exactness.py's TINY_FAMILIES): their config.json read under
+their own field names; each served one (models/demo.py MORE_FAMILIES) gives transformers' greedy tokens under
+`resident` and a split policy; what cannot be served is refused in one line, by what its modules are
+(benchmarks/families_survey.py surveys every family)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from fmoe_cli.errors import FmoeError
+from fmoe_cli.generate import stream_generate
+from fmoe_cli.models.config import check_config_fields, text_fields
+from fmoe_cli.models.demo import MORE_FAMILIES
+from fmoe_cli.models.load import build_skeleton
+from fmoe_cli.offload.link import EmulatedLink, VirtualClock
+from fmoe_cli.planning.presets import make_settings
+from fmoe_cli.profiling.files import model_identity
+from fmoe_cli.profiling.layers import time_layers
+from test_exactness import NEW_TOKENS, PROMPT, TIMINGS, _family_setup, budgets, first_difference  # tests/
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_family_gives_transformers_tokens_resident_and_split(checkpoints, family):
+    """`resident`, then `uniform` at θ = 0.5 on the tight budget (the staging pool and one expert: prefill in waves,
+    every decode token's experts split or loaded): transformers' own greedy tokens."""
+    for lm, engine, want, *_ in _family_setup(checkpoints[family], EmulatedLink(gbps=20, clock=VirtualClock(),
+                                                                                 copy=True)):
+        for policy, theta in (("resident", None), ("uniform", 0.5)):
+            engine.configure(make_settings(policy, lm.shape, budgets(lm.shape)["tight"], theta=theta,
+                                           timings=TIMINGS))
+            got = [e.token_id for e in stream_generate(lm.model, PROMPT, engine=engine, max_new_tokens=NEW_TOKENS,
+                                                       stop_on_eos=False)]
+            assert got == want, f"{family} {policy}: tokens differ from token {first_difference(got, want)}"
+        assert engine.counters().bytes_moved > 0
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "afmoe", "granitemoe"])
+def test_the_profile_times_each_moe_layer(checkpoints, family):
+    """time_layers (what moepic and hybrid plan with) times the MoE part of each layer the engine serves, found by its
+    experts: Gemma 4's experts module on the layer itself, AFMoE's block with a `router`, Granite's
+    `block_sparse_moe` beside no `mlp`. Until 29 Nov it timed `layer.mlp` where it had `.experts` and `.gate`: 'the
+    profile times no MoE layer' (Gemma 4, AFMoE, Aria, Phi-3.5-MoE), an AttributeError (Granite, Jamba, LFM2)."""
+    for lm, engine, *_ in _family_setup(checkpoints[family], EmulatedLink(gbps=20, clock=VirtualClock(), copy=True)):
+        engine.configure(make_settings("resident", lm.shape, budgets(lm.shape)["tight"], timings=TIMINGS))
+        timings = time_layers(lm.model, PROMPT, model_identity=model_identity(lm.model_id, lm.path / "config.json"),
+                              top_k=lm.shape.top_k, decode_steps=1, repeats=1)
+        for phase in (timings.decode, timings.prefill):
+            assert [t.index for t in phase.layers if t.moe] == [layer.decoder_index for layer in lm.layers]
+            assert all(t.t_moe > 0 for t in phase.layers if t.moe)
+
+
+@pytest.mark.parametrize("fields, top_k", [
+    ({"moe_k": 6, "moe_num_experts": 64}, 6),  # ERNIE-4.5
+    ({"moe_topk": 8, "num_experts": 64}, 8),  # Hunyuan-A13B
+    ({"text_config": {"top_k_experts": 8, "num_experts": 128}}, 8),  # Gemma 4, nested
+    ({"num_experts_per_token": 8, "num_experts": 256}, 8),  # Bailing, Kimi-Linear
+    ({"num_experts_per_tok": 4, "moe_k": 6, "num_experts": 64}, 4),  # the usual name first
+])
+def test_top_k_is_read_under_each_familys_name(fields, top_k):
+    """A plan's top-k from config.json under the name its family gives it (transformers' attribute_map), so the
+    checks before the download pass these models (they said 'has no num_experts_per_tok' until 29 Nov)."""
+    raw = {"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "vocab_size": 384, **fields}
+    assert text_fields(raw)["num_experts_per_tok"] == top_k
+    check_config_fields(raw, "config.json")
+
+
+def test_layer_count_of_a_config_with_per_layer_block_types():
+    """Nemotron-H's config.json may give its layers as `layers_block_type` (transformers drops num_hidden_layers)."""
+    raw = {"layers_block_type": ["mamba", "moe", "attention", "moe"], "n_routed_experts": 8}
+    assert text_fields(raw)["num_hidden_layers"] == 4
+
+
+def tiny(model_type: str, **fields):
+    return transformers.AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=384, **fields)
+
+
+@pytest.mark.parametrize("config, why", [
+    # MiniMax keeps its lightning attention's states in MiniMaxCache, refusing the caches fmoe generates with
+    (lambda: tiny("minimax", num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+                  layer_types=["linear_attention", "full_attention"]), "a cache of its own (MiniMaxCache)"),
+    # ZAYA routes through an MLP: no [N, H] matrix for the predictors
+    (lambda: tiny("zaya", num_experts=8, num_experts_per_tok=1),
+     "no router with a weight matrix to its 8 experts"),
+    # Qwen3-VL-MoE: an image-text model only, no causal LM (AutoModelForCausalLM raised a ValueError traceback)
+    (lambda: transformers.AutoConfig.for_model("qwen3_vl_moe"), "(qwen3_vl_moe) is not a causal language model"),
+    # gpt-oss: biased experts with a clamped, interleaved gate
+    (lambda: tiny("gpt_oss", num_local_experts=8, num_experts_per_tok=2, head_dim=16),
+     "experts with biases are not served yet"),
+])
+def test_what_cannot_be_served_is_refused_in_one_line(config, why):
+    with pytest.raises(FmoeError) as refused:
+        build_skeleton(config(), torch.float32, "model")
+    message = str(refused.value)
+    assert why in message and "\n" not in message
+
+
+def test_kv_cache_of_a_config_whose_layers_differ():
+    """dots3's layers have their own KV heads (transformers' per_layer_config; the global field raises): the KV cache
+    a plan reserves sums each layer's. Read as the global field, `fmoe bench` ended in a traceback."""
+    from fmoe_cli.planning import plan
+
+    config = transformers.AutoConfig.for_model("dots3_note_text", num_hidden_layers=4)
+    layers = config.per_layer_config
+    assert len({layer.num_key_value_heads for layer in layers}) > 1  # (128, 128, 64, 64 at these defaults)
+    per_token = [plan._kv_bytes(layer, 1) for layer in layers]
+    assert per_token[0] != per_token[-1] and plan.kv_cache_bytes(config, 3, 2) == sum(per_token) * 2 * 3
