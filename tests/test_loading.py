@@ -224,6 +224,7 @@ def test_auto_dtype_is_float16_on_a_card_without_native_bfloat16(capability, wan
     from types import SimpleNamespace
 
     from fmoe_cli.chat.repl import header_lines
+    from fmoe_cli.generate import SamplingParams
     from fmoe_cli.models.load import pick_dtype
 
     asked = []
@@ -234,7 +235,8 @@ def test_auto_dtype_is_float16_on_a_card_without_native_bfloat16(capability, wan
     assert pick_dtype("bfloat16", device) is torch.bfloat16 and pick_dtype(None, torch.device("cpu")) is torch.float32
     lm = SimpleNamespace(label="m", model_id="m", device=device, dtype=want, shape=SimpleNamespace(experts="bf16"),
                          dense="bf16", activations="float")
-    session = SimpleNamespace(lm=lm, settings=SimpleNamespace(plan=SimpleNamespace(summary=lambda: "p")), context_limit=None)
+    session = SimpleNamespace(lm=lm, settings=SimpleNamespace(plan=SimpleNamespace(summary=lambda: "p")), context_limit=None,
+                              sampling=SamplingParams(), sampling_source="")
     device_line = header_lines(session, "link: x", 2**20, None)[1]
     name = str(want).removeprefix("torch.")
     assert device_line.startswith(f"device cuda:1 ({name}")
