@@ -5,6 +5,8 @@ their own field names; each served one (models/demo.py MORE_FAMILIES) gives tran
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -98,13 +100,38 @@ def test_what_cannot_be_served_is_refused_in_one_line(config, why):
     assert why in message and "\n" not in message
 
 
-def test_kv_cache_of_a_config_whose_layers_differ():
-    """dots3's layers have their own KV heads (transformers' per_layer_config; the global field raises): the KV cache
-    a plan reserves sums each layer's. Read as the global field, `fmoe bench` ended in a traceback."""
+def static_cache_bytes(config, tokens: int) -> int:
+    """The bytes transformers' StaticCache (the GPU's decode cache) holds after a forward of `tokens` tokens."""
+    from transformers import StaticCache
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    cache = StaticCache(config=model.config, max_cache_len=tokens)
+    with torch.no_grad():
+        model(torch.randint(2, 60, (1, tokens)), past_key_values=cache, use_cache=True)
+    held = {id(t): t for layer in cache.layers for value in vars(layer).values()
+            for t in (value if isinstance(value, (list, tuple)) else [value])
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 3}
+    return sum(t.numel() * t.element_size() for t in held.values())
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gemma4_text",
+                                    "dots3_note"])
+def test_the_kv_cache_a_plan_reserves_is_what_transformers_allocates(family):
+    """plan.kv_cache_bytes against the bytes a StaticCache holds: per-head K and V, multi-head latent attention's
+    latent (DeepSeek: one kv_lora_rank + qk_rope row a layer, 71× less than the expanded heads on DeepSeek-V3), dots3's
+    layers of their own heads and its indexer's keys (a little over: its dense layers' indexer fields count too)."""
+    from fmoe_cli.models.demo import TINY_FAMILIES, tiny_config
     from fmoe_cli.planning import plan
 
-    config = transformers.AutoConfig.for_model("dots3_note_text", num_hidden_layers=4)
-    layers = config.per_layer_config
-    assert len({layer.num_key_value_heads for layer in layers}) > 1  # (128, 128, 64, 64 at these defaults)
-    per_token = [plan._kv_bytes(layer, 1) for layer in layers]
-    assert per_token[0] != per_token[-1] and plan.kv_cache_bytes(config, 3, 2) == sum(per_token) * 2 * 3
+    if family in TINY_FAMILIES:
+        config = tiny_config(family, vocab_size=64)
+    else:  # dots3: the survey's tiny form (benchmarks/families_survey.py), its layers of their own heads
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+        import families_survey
+
+        config = families_survey.tiny_config("dots3_note", 64, 1, 0)
+    held, planned = static_cache_bytes(config, 12), plan.kv_cache_bytes(config, 12, 4)
+    assert held <= planned <= 1.05 * held, (held, planned)

@@ -119,8 +119,10 @@ def resolve_context(requested: int | None, model_context: int | None, kv_per_tok
 
 
 def kv_cache_bytes(config, tokens: int, dtype_bytes: int) -> int:
-    """KV cache of `tokens` tokens: layers · KV heads · (K dim + V dim) · dtype bytes per token. DeepSeek's
-    MLA caches K of qk_nope + qk_rope dims and V of v_head_dim per head (transformers caches them expanded)."""
+    """KV cache of `tokens` tokens: layers · KV heads · (K dim + V dim) · dtype bytes per token. Multi-head latent
+    attention (DeepSeek-V2/V3, GLM-MoE-DSA, dots3: a kv_lora_rank) caches its latent, one kv_lora_rank row and one
+    qk_rope row a layer (transformers 5.24's `cache.update(kv_nope, k_rot)`; 5.23 cached them expanded per head, 71×
+    more on DeepSeek-V3), and a sparse-attention indexer its keys, index_head_dim."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     per_layer = getattr(text, "per_layer_config", None)  # a heterogeneous config (dots3): each layer's own heads
     if per_layer is not None:
@@ -130,6 +132,10 @@ def kv_cache_bytes(config, tokens: int, dtype_bytes: int) -> int:
 
 def _kv_bytes(text, layers: int) -> int:
     """K and V elements of one token in `layers` layers shaped as `text`."""
+    latent = getattr(text, "kv_lora_rank", None)
+    if type(latent) is int and latent > 0:  # MLA: the latent and the rotary key, one "head"
+        indexer = getattr(text, "index_head_dim", None) if getattr(text, "index_topk", None) else None
+        return layers * (latent + (getattr(text, "qk_rope_head_dim", 0) or 0) + (indexer or 0))
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     k_dim = (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0) or head_dim
