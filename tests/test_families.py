@@ -55,7 +55,8 @@ def test_the_profile_times_each_moe_layer(checkpoints, family):
 
 @pytest.mark.parametrize("fields, top_k", [
     ({"moe_k": 6, "moe_num_experts": 64}, 6),  # ERNIE-4.5
-    ({"moe_topk": 8, "num_experts": 64}, 8),  # Hunyuan-A13B
+    ({"moe_topk": 8, "num_experts": 64}, 8),
+    ({"moe_topk": [8] * 4, "moe_intermediate_size": [3072] * 4, "num_experts": 64}, 8),  # Hunyuan-A13B's lists
     ({"text_config": {"top_k_experts": 8, "num_experts": 128}}, 8),  # Gemma 4, nested
     ({"num_experts_per_token": 8, "num_experts": 256}, 8),  # Bailing, Kimi-Linear
     ({"num_experts_per_tok": 4, "moe_k": 6, "num_experts": 64}, 4),  # the usual name first
@@ -67,6 +68,13 @@ def test_top_k_is_read_under_each_familys_name(fields, top_k):
            "vocab_size": 384, **fields}
     assert text_fields(raw)["num_experts_per_tok"] == top_k
     check_config_fields(raw, "config.json")
+
+
+def test_a_per_layer_list_of_several_values_is_refused_in_one_line():
+    raw = {"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+           "vocab_size": 384, "num_experts": 64, "moe_topk": [8, 8, 4, 4]}
+    with pytest.raises(FmoeError, match="num_experts_per_tok must be an integer, got \\[8, 8, 4, 4\\]"):
+        check_config_fields(raw, "config.json")
 
 
 def test_layer_count_of_a_config_with_per_layer_block_types():

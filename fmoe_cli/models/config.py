@@ -33,10 +33,19 @@ ALIASES = {"num_experts_per_tok": ("moe_k", "moe_topk", "num_experts_per_token",
            "max_position_embeddings": ("model_max_length",)}
 
 
+def uniform_value(value: object) -> object:
+    """A per-layer list of one integer repeated (Hunyuan-A13B's `moe_topk: [8, 8, …]`, its
+    `moe_intermediate_size`) as that integer; anything else as it is (a list of several values stays a list, and
+    is refused as no integer)."""
+    if isinstance(value, list) and value and all(type(v) is int for v in value) and len(set(value)) == 1:
+        return value[0]
+    return value
+
+
 def config_top_k(config) -> int | None:
     """A transformers config object's experts per token, under any of its families' names (`ALIASES`)."""
     for key in ("num_experts_per_tok", *ALIASES["num_experts_per_tok"]):
-        value = getattr(config, key, None)
+        value = uniform_value(getattr(config, key, None))
         if type(value) is int:
             return value
     return None
@@ -44,9 +53,11 @@ def config_top_k(config) -> int | None:
 
 def text_fields(raw: dict) -> dict:
     """The language model's fields (a multimodal config nests them in `text_config`), each field a plan reads under
-    its usual name (`ALIASES`; Nemotron-H's layer count from its per-layer block types)."""
+    its usual name (`ALIASES`; Nemotron-H's layer count from its per-layer block types), a per-layer list of one value
+    as that value (`uniform_value`)."""
     nested = raw.get("text_config")
     fields = {**raw, **nested} if isinstance(nested, dict) else dict(raw)
+    fields = {key: uniform_value(value) for key, value in fields.items()}
     for key, aliases in ALIASES.items():
         if fields.get(key) is None:
             fields[key] = next((fields[a] for a in aliases if fields.get(a) is not None), None)

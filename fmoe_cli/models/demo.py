@@ -102,8 +102,8 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
 MORE_FAMILIES: dict[str, tuple[str, dict]] = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(  # top-k as moe_k, experts as moe_num_experts, a dense first layer
         intermediate_size=128, moe_intermediate_size=64, moe_num_experts=8, moe_k=2, moe_layer_start_index=1)),
-    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(  # top-k as moe_topk; the router's matrix in its `wg`
-        head_dim=16, intermediate_size=128, num_experts=8, moe_topk=2)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(  # top-k as moe_topk, a per-layer list as Hunyuan-A13B's
+        head_dim=16, intermediate_size=128, num_experts=8, moe_topk=[2, 2, 2, 2])),  # config.json; the router in `wg`
     "afmoe": ("AfmoeConfig", dict(  # the router's matrix in its `gate`; a shared expert, a dense first layer
         head_dim=16, intermediate_size=128, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
         num_dense_layers=1, num_shared_experts=1,

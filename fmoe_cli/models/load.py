@@ -330,7 +330,10 @@ def expert_shape(layers: list[MoeLayer], dtype: torch.dtype, experts: str = DEFA
         if tuple(layer.experts.gate_up_proj.shape) != tuple(first.gate_up_proj.shape):
             raise FmoeError(f"unsupported expert layout: {layer.name} differs in shape from {layers[0].name}")
     top_k = getattr(layers[0].router, "top_k", None) or config_top_k(first.config)
-    return ExpertShape(len(layers), n, int(top_k), h, two_i // 2, torch.tensor([], dtype=dtype).element_size(), experts)
+    if type(top_k) is not int:
+        raise FmoeError(f"{layers[0].name}: cannot tell how many experts a token is routed to (the router has no "
+                        f"top_k, and config.json gives no single num_experts_per_tok)")
+    return ExpertShape(len(layers), n, top_k, h, two_i // 2, torch.tensor([], dtype=dtype).element_size(), experts)
 
 
 def _free_expert_weights(experts: torch.nn.Module, dtype: torch.dtype) -> None:
