@@ -653,7 +653,7 @@ def test_families_survey_rows(tmp_path):
     outcome, detail = survey.survey("olmoe", tmp_path, tokens=6)
     assert outcome == "exact" and detail.startswith("8 runs"), detail
     outcome, detail = survey.skeleton_only("qwen3_vl_moe")
-    assert outcome == "refused" and "not a causal language model" in detail
+    assert outcome == "refused" and "registers no AutoModelForCausalLM" in detail
     from fmoe_cli.offload.engine import Engine
 
     real = Engine.experts_forward

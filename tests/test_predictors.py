@@ -582,3 +582,31 @@ def test_a_slow_expert_map_worker_keeps_a_bounded_backlog():
     predictor.drain()
     assert 1 <= predictor.store.count <= 4 * STORE_BACKLOG  # of 200 updates: the older ones were dropped
     predictor.close()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe", "mixtral", "qwen3_moe"])
+def test_the_router_s_scores_rank_the_experts_it_routes_to_first(family):
+    """router_scores' K best are the K experts the router itself chooses for the same hidden states, with distinct
+    routers and a nonzero correction bias: DeepSeek-V3 and GLM-4.5 choose within their topk_group best groups
+    (2 of 4 groups here), which a ranking by score alone missed."""
+    import transformers
+
+    from fmoe_cli.models.demo import tiny_config
+    from fmoe_cli.models.families import find_moe_layers
+    from fmoe_cli.prediction.base import router_scores
+
+    grouped = {"n_group": 4, "topk_group": 2} if family in ("deepseek_v3", "glm4_moe") else {}
+    torch.manual_seed(3)
+    config = tiny_config(family, vocab_size=64, **grouped)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hidden = torch.randn(64, config.hidden_size)
+    for layer in find_moe_layers(model):
+        with torch.no_grad():
+            layer.router.weight.normal_(0, 0.5)
+            bias = getattr(layer.router, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.normal_(0, 0.1)
+            routed = layer.router(hidden)[-1]  # [T, K] the experts it routes to
+        k = routed.shape[-1]
+        predicted = router_scores(layer.router, hidden).topk(k, dim=-1).indices
+        assert torch.equal(predicted.sort(dim=-1).values, routed.sort(dim=-1).values), layer.name

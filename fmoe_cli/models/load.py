@@ -287,8 +287,9 @@ def build_skeleton(config, dtype: torch.dtype, model_id: str, trust_remote_code:
     custom = getattr(config, "auto_map", None) or {}  # a repository's own code (--trust-remote-code)
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and "AutoModelForCausalLM" not in custom:
         # Qwen3-VL-MoE, GLM-4.5V, ERNIE-4.5-VL …: transformers builds them as image-text models only
-        raise FmoeError(f"{model_id} ({kind}) is not a causal language model in transformers (a multimodal or "
-                        f"encoder model); fmoe serves text generation from AutoModelForCausalLM models only")
+        raise FmoeError(f"{model_id} ({kind}): transformers registers no AutoModelForCausalLM for it (a multimodal "
+                        f"or encoder model, or a family only its own class builds, as Mistral 4); fmoe serves text "
+                        f"generation from AutoModelForCausalLM models only")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     return model, find_moe_layers(model, model_id)

@@ -43,14 +43,25 @@ def router_scores(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
     Used for speculative prediction (MoEpic Eq. 3: softmax(R_{i+1}(h_i))). Routers
     that choose by sigmoid + a correction bias (DeepSeek-V3) are ranked the way they
-    choose. A router whose weight has rows after its routed experts' (Inkling: its shared experts' gates, beside a
+    choose, within the groups they limit their choice to (`num_group`, `topk_group`). A correction bias or scale a
+    family keeps outside the router's matrix (AFMoE's, ERNIE-4.5's, Gemma 4's, MiniMax-M2's) is not seen: those rank
+    by the matrix alone (docs/predictors.md). A router whose weight has rows after its routed experts' (Inkling: its shared experts' gates, beside a
     correction bias of the routed ones) ranks the routed ones.
     """
     logits = F.linear(as_float32(hidden), as_float32(module_attribute(router, "weight")))
     bias = module_attribute(router, "e_score_correction_bias")
-    if bias is not None:
-        return logits[..., :bias.shape[0]].sigmoid() + bias.float()
-    return logits.softmax(dim=-1)
+    if bias is None:
+        return logits.softmax(dim=-1)
+    scores = logits[..., :bias.shape[0]].sigmoid() + bias.float()
+    groups, chosen = module_attribute(router, "num_group"), module_attribute(router, "topk_group")
+    if type(groups) is int and type(chosen) is int and 0 < chosen < groups and scores.shape[-1] % groups == 0:
+        # group-limited routing (DeepSeek-V3, GLM-4.5): experts only from the topk_group groups whose two best
+        # scores sum highest; the other groups' experts rank after every one of those
+        grouped = scores.view(*scores.shape[:-1], groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(chosen, dim=-1).indices
+        kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(-1, best, True)
+        scores = torch.where(kept.unsqueeze(-1), grouped, grouped - 1e4).view(scores.shape)
+    return scores
 
 
 def module_attribute(module: nn.Module, name: str):

@@ -53,9 +53,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def moe_part(layer: nn.Module) -> tuple[nn.Module, bool] | None:
     """What computes a decoder layer's MoE, timed as T_moe: the routed experts' parent module, called on the hidden
-    states alone (Mixtral's `mlp`, Granite's `block_sparse_moe`, Jamba's `feed_forward`: router, experts, shared
-    experts), or, where the experts hang on the layer itself (Gemma 4: the router and the experts are steps of the
-    layer's forward), the experts module, called with its routing (whole=True: every argument kept). None: a dense
+    states alone (Mixtral's `mlp`, Granite's `block_sparse_moe`, Jamba's `feed_forward`: router, experts, and the shared
+    experts where the block holds them; granitemoehybrid's `shared_mlp` hangs on the layer, in T_att), or, where the experts hang on the layer itself (Gemma 4: the router and the experts are steps of the
+    layer's forward), the experts module, called with its routing (whole=True: every argument kept; its router then
+    counts in T_att). None: a dense
     layer. The routed experts as models/families.py finds them."""
     for name, module in layer.named_modules():
         if name.rsplit(".", 1)[-1] == "experts" and hasattr(module, "down_proj"):
