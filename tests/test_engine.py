@@ -572,7 +572,10 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy, m
     - an MoE layer besides its segments and its predictor at most 12 whatever K (routing to the host; the
       weighted sum in one concatenation, one multiply and one sum), 5 where every expert is whole (resident:
       the routing's host list, the weights' transpose, the product, the sum; no concatenation);
-    - the predictor's scores, ranking and prefetches (a plan that prefetches) at most 10 a layer."""
+    - the predictor's scores, ranking and prefetches (a plan that prefetches) at most 10 a layer, 19 where the router
+      limits its choice to groups (DeepSeek-V3: the groups' two best scores summed, the best groups kept, the rest
+      ranked after them: 9 ops, prediction/base.py router_scores; a prefetch outside the chosen groups moves bytes no
+      token reads)."""
     from fmoe_cli import kernels
 
     monkeypatch.setattr(kernels, "library", lambda: None)
@@ -587,7 +590,8 @@ def test_host_work_per_decode_step_in_ops(ops_checkpoints, shape_name, policy, m
     if policy == "resident" and shape.top_k >= 3:
         assert ops["ops_per_segment"] * shape.top_k <= 11, ops["by_op"]
     assert ops["ops_per_layer_besides_segments"] <= (5 if policy == "resident" else 12), ops["by_op"]
-    assert ops["predictor_ops_per_layer"] <= (10 if policy == "uniform" else 0), ops["by_op"]
+    grouped = shape_name == "deepseek_v3"  # (n_group 2, topk_group 1: models/demo.py TINY_FAMILIES)
+    assert ops["predictor_ops_per_layer"] <= ((19 if grouped else 10) if policy == "uniform" else 0), ops["by_op"]
 
 
 @pytest.mark.parametrize("policy, bound", [("ondemand", 24), ("lru", 42), ("moepic", 40), ("uniform", 60)])
