@@ -31,7 +31,9 @@ class MoeLayer:
     name: str  # module path of the experts module
     decoder_index: int  # position among all decoder layers
     experts: nn.Module
-    router: nn.Module
+    router: nn.Module  # the module whose weight [N, H] scores the experts (what the predictors rank with)
+    gate: nn.Module | None = None  # the block's routing module, where it is not `router` itself (Hunyuan's gate,
+    # whose `wg` is the matrix): what returns the top-k (fmoe bench --replay-routing hooks it)
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,10 @@ def quiet() -> Console:
     return Console(file=open(os.devnull, "w"))
 
 
-def test_engine_gets_the_traces_experts_and_weights(checkpoints, tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", "hunyuan_v1_moe"])  # Hunyuan: the gate module around its matrix `wg`
+def test_engine_gets_the_traces_experts_and_weights(checkpoints, tmp_path, family):
     trace = read_trace(write_trace(tmp_path / "t.jsonl", layers=LAYERS + 2))  # more layers: the first 4 replay
-    lm = load_model(str(checkpoints["mixtral"]), device="cpu", console=quiet())
+    lm = load_model(str(checkpoints[family]), device="cpu", console=quiet())
     engine = open_engine(lm)
     shape = lm.shape
     engine.configure(make_settings("ondemand", shape, shape.min_staging_slots * shape.expert_bytes))

@@ -1,6 +1,6 @@
 """`fmoe bench --replay-routing TRACE`: every MoE layer's router decision taken from a routing trace.
 
-The hook is the router (`MoeLayer.router`, the MoE block's `.gate`), the one place the top-k ids and weights are
+The hook is the router (the MoE block's `.gate`: `MoeLayer.gate`, else `MoeLayer.router`), the one place the top-k ids and weights are
 computed: `ReplayedRouting.install` wraps each router's forward. The router still runs (its logits: the same work as
 in any run), then the top-k ids and weights it returns are replaced by the trace's for the tokens of this forward,
 in the router's dtype and on its device. Whatever reads the routing after it reads the trace's: the engine
@@ -83,6 +83,12 @@ class _Forward:
     tokens: int = 0
 
 
+def routing_module(layer: MoeLayer):
+    """The module whose forward returns the layer's top-k: the block's router (Hunyuan's gate, around its `wg`), else the
+    scoring matrix's module itself (Mixtral's gate, DeepSeek's router)."""
+    return layer.gate if layer.gate is not None else layer.router
+
+
 class ReplayedRouting:
     """The routing-override object: per MoE layer j, the trace's ids [n, K] and weights [n, K] of its n tokens (the
     sequences one after another), and a cursor per layer (`take`). `install` puts it in front of the routers."""
@@ -152,12 +158,12 @@ class ReplayedRouting:
         forward does not return (logits, weights, ids) is refused in one line."""
         served = []
         for layer in layers:
-            _, weights, index = self._check_router(layer, layer.router.forward)
+            _, weights, index = self._check_router(layer, routing_module(layer).forward)
             # the trace's routing where the router puts its own (a GPU's: no copy a forward)
             served.append((self.ids[layer.index].to(device=index.device, dtype=index.dtype),
                            self.weights[layer.index].to(weights.dtype).to(weights.device)))
         for layer in layers:
-            router = layer.router
+            router = routing_module(layer)
             original = router.forward
             self._installed.append((router, router.__dict__.get("forward")))
             router.forward = self._replaying(layer.index, original)
@@ -189,9 +195,9 @@ class ReplayedRouting:
             out = forward(probe)
         if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)
                 and out[2].dim() == 2 and not out[2].is_floating_point() and out[1].shape == out[2].shape):
-            raise FmoeError(f"--replay-routing: the router of {layer.name} ({type(layer.router).__name__}) does not "
+            raise FmoeError(f"--replay-routing: the router of {layer.name} ({type(routing_module(layer)).__name__}) does not "
                             f"return its top-k weights and ids; fmoe replays routing on routers that do "
-                            f"(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3)")
+                            f"(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, Hunyuan, …)")
         return out
 
     # --- the predictor ---------------------------------------------------------

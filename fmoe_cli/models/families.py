@@ -91,7 +91,8 @@ def find_moe_layers(model: nn.Module, model_id: str = "model") -> list[MoeLayer]
         block = modules[name.rsplit(".", 1)[0]]
         check_experts(module, name)
         experts = module.gate_up_proj.shape[0]
-        router = router_matrix(getattr(block, "gate", None) or getattr(block, "router", None), experts)
+        gate = getattr(block, "gate", None) or getattr(block, "router", None)
+        router = router_matrix(gate, experts)
         if router is None:
             raise FmoeError(f"unsupported MoE block in {name}: no router with a weight matrix to its {experts} experts")
         rows = router.weight.shape[0]
@@ -100,7 +101,7 @@ def find_moe_layers(model: nn.Module, model_id: str = "model") -> list[MoeLayer]
             raise FmoeError(f"unsupported MoE block in {name}: its router scores {rows} experts, not its {experts}")
         match = re.search(r"layers\.(\d+)\.", name)
         decoder_index = int(match.group(1)) if match else len(layers)
-        layers.append(MoeLayer(len(layers), name, decoder_index, module, router))
+        layers.append(MoeLayer(len(layers), name, decoder_index, module, router, gate if gate is not router else None))
     if not layers:
         raise FmoeError(f"{model_id}: found no routed experts to offload (dense model or unsupported family)")
     return layers
