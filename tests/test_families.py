@@ -143,3 +143,18 @@ def test_the_kv_cache_a_plan_reserves_is_what_transformers_allocates(family):
         config = families_survey.tiny_config("dots3_note", 64, 1, 0)
     held, planned = static_cache_bytes(config, 12), plan.kv_cache_bytes(config, 12, 4)
     assert held <= planned <= 1.05 * held, (held, planned)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("afmoe", {}),  # 3 sliding layers of 4
+    ("gemma4_text", {"layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}),
+])
+def test_a_sliding_window_layer_s_kv_reserve_is_its_window(family, overrides):
+    """A sliding-window layer's static cache holds its window, not the context: 12 tokens, a window of 4."""
+    from fmoe_cli.models.demo import tiny_config
+    from fmoe_cli.planning import plan
+
+    config = tiny_config(family, vocab_size=64, sliding_window=4, **overrides)
+    held, planned = static_cache_bytes(config, 12), plan.kv_cache_bytes(config, 12, 4)
+    assert held <= planned <= 1.05 * held, (held, planned)
+    assert planned < plan.kv_cache_bytes(config, 1, 4) * 12  # (the window caps it)

@@ -124,19 +124,26 @@ def kv_cache_bytes(config, tokens: int, dtype_bytes: int) -> int:
     qk_rope row a layer (transformers 5.24's `cache.update(kv_nope, k_rot)`; 5.23 cached them expanded per head, 71×
     more on DeepSeek-V3), and a sparse-attention indexer its keys, index_head_dim."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    per_layer = getattr(text, "per_layer_config", None)  # a heterogeneous config (dots3): each layer's own heads
-    if per_layer is not None:
-        return sum(_kv_bytes(layer, 1) for layer in per_layer) * dtype_bytes * tokens
-    return _kv_bytes(text, text.num_hidden_layers) * dtype_bytes * tokens
+    per_layer = getattr(text, "per_layer_config", None)  # a heterogeneous config (dots3, Gemma 4): each layer's own
+    layers = per_layer if per_layer is not None else [text] * text.num_hidden_layers
+    kinds, window = getattr(text, "layer_types", None), getattr(text, "sliding_window", None)
+    total = 0
+    for i, layer in enumerate(layers):
+        sliding = (isinstance(kinds, list) and i < len(kinds) and "sliding" in str(kinds[i])
+                   and type(window) is int and window > 0)  # a sliding-window layer holds its window at most
+        total += _kv_bytes(layer, 1, sliding) * (min(tokens, window) if sliding else tokens)
+    return total * dtype_bytes
 
 
-def _kv_bytes(text, layers: int) -> int:
-    """K and V elements of one token in `layers` layers shaped as `text`."""
+def _kv_bytes(text, layers: int, sliding: bool = False) -> int:
+    """K and V elements of one token in `layers` layers shaped as `text` (`sliding`: its sliding-window layers' heads,
+    where they have their own: Inkling's swa_num_key_value_heads)."""
     latent = getattr(text, "kv_lora_rank", None)
     if type(latent) is int and latent > 0:  # MLA: the latent and the rotary key, one "head"
         indexer = getattr(text, "index_head_dim", None) if getattr(text, "index_topk", None) else None
         return layers * (latent + (getattr(text, "qk_rope_head_dim", 0) or 0) + (indexer or 0))
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    heads = (sliding and getattr(text, "swa_num_key_value_heads", None)) or getattr(text, "num_key_value_heads", None) \
+        or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     k_dim = (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0) or head_dim
     v_dim = getattr(text, "v_head_dim", None) or head_dim
