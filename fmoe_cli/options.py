@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fmoe_cli.errors import FmoeError, no_gpu, unknown_device
-from fmoe_cli.models.config import check_config_file, check_servable
+from fmoe_cli.models.config import check_config_file, check_servable, model_context
 from fmoe_cli.models.hub import SHIPPED_DEMO, local_model_dir
 from fmoe_cli.models.room import check_host_ram_early, compute_dtype_bytes
 from fmoe_cli.offload import check_bandwidth
@@ -118,13 +118,12 @@ class RunOptions:
         own, experts that do not fit in host RAM in the asked format (models/room.py). Returns the model's context
         where its config says."""
         fields = check_servable(config, self.model, self.trust_remote_code)
-        model_context = fields.get("max_position_embeddings")
-        model_context = model_context if type(model_context) is int and model_context > 0 else None
+        context = model_context(fields)
         if self.context is not None:  # beyond the model's own context: now, not in 6 s
-            resolve_context(self.context, model_context, 0)
+            resolve_context(self.context, context, 0)
         on_cpu = self.device == "cpu" or (self.device == "auto" and surely_no_gpu())
         check_host_ram_early(self.model, fields, compute_dtype_bytes(self.dtype, on_cpu), self.experts)
-        return model_context
+        return context
 
     def context_limit(self) -> int | None:
         """The most positions a run can hold, known without torch: --context, else the model's own context where its

@@ -59,6 +59,12 @@ class ChatOptions:
         model's `recommended` (models/config.py `sampling_defaults`), else SAMPLING; and where the defaults came from,
         for the header."""
         asked = {key: getattr(self, key) for key in SAMPLING}
-        used = {key: asked[key] if asked[key] is not None else recommended.get(key, SAMPLING[key]) for key in SAMPLING}
         from_model = any(asked[key] is None and key in recommended for key in SAMPLING)
-        return used, "the model's generation_config.json" if from_model else ""
+        return pick_sampling(asked, recommended, SAMPLING), "the model's generation_config.json" if from_model else ""
+
+
+def pick_sampling(asked: dict, recommended: dict, defaults: dict) -> dict:
+    """Each sampling field of `defaults` as `asked` (a command line's option, a request's field), else as the model
+    `recommended` (models/config.py `sampling_defaults`), else the default (chat's SAMPLING, serve's OpenAI ones)."""
+    return {key: asked[key] if asked.get(key) is not None else recommended.get(key, default)
+            for key, default in defaults.items()}

@@ -115,8 +115,18 @@ def check_config_file(path: Path) -> int | None:
     (max_position_embeddings) where it says, so that the options beyond it are refused before torch is imported."""
     raw = read_json(path, "model config")
     check_config_fields(raw, str(path))
-    context = text_fields(raw).get("max_position_embeddings")
+    return model_context(text_fields(raw))
+
+
+def model_context(fields: dict) -> int | None:
+    """The model's own context (max_position_embeddings, `text_fields`'), where it says."""
+    context = fields.get("max_position_embeddings")
     return context if type(context) is int and context > 0 else None
+
+
+def quantization_of(raw: dict) -> object:
+    """config.json's quantization_config, at its top or in its text model's fields."""
+    return raw.get("quantization_config") or text_fields(raw).get("quantization_config")
 
 
 def block_scaled_fp8(quantization: object) -> bool:
@@ -131,8 +141,7 @@ def block_scaled_fp8(quantization: object) -> bool:
 def fp8_block(path: Path) -> tuple[int, int] | None:
     """The [rows, columns] of a block-scaled fp8 checkpoint's blocks (its config.json's weight_block_size), None for
     any other."""
-    raw = read_json(path, "model config")
-    quantization = raw.get("quantization_config") or text_fields(raw).get("quantization_config")
+    quantization = quantization_of(read_json(path, "model config"))
     return tuple(quantization["weight_block_size"]) if block_scaled_fp8(quantization) else None
 
 
@@ -145,7 +154,7 @@ def check_servable(path: Path, label: str, trust_remote_code: bool = False) -> d
     raw = read_json(path, "model config")
     check_config_fields(raw, str(path))
     fields = text_fields(raw)
-    quantization = raw.get("quantization_config") or fields.get("quantization_config")
+    quantization = quantization_of(raw)
     if quantization and not block_scaled_fp8(quantization):
         method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else "unnamed"
         raise FmoeError(f"{label}'s weights are stored quantised ({method}: config.json's quantization_config); fmoe "

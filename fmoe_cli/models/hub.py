@@ -28,7 +28,7 @@ def fetch_model_early(model: str, trust_remote_code: bool, check=None) -> None:
     the same files (no second look at the hub)."""
     if model == "demo" or local_model_dir(model) is not None:
         return
-    config = download(model, ["config.json"], f"{model}'s config.json", progress=False) / "config.json"
+    config = fetch_config_early(model)  # (a hub id's: config.json alone)
     if check is not None:
         check(config)
     check_room(model, model_patterns(trust_remote_code))

@@ -9,7 +9,7 @@ code runs only with `trust_remote_code=True`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -280,7 +280,6 @@ def _save_converted(path: Path, store, fingerprint: str, shape: ExpertShape, con
 def build_skeleton(config, dtype: torch.dtype, model_id: str, trust_remote_code: bool = False):
     """The model on the meta device (shapes, no memory) and its MoE layers."""
     from transformers import AutoModelForCausalLM
-
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     kind = getattr(config, "model_type", None)

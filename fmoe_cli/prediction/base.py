@@ -45,8 +45,8 @@ def router_scores(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     that choose by sigmoid + a correction bias (DeepSeek-V3) are ranked the way they
     choose, within the groups they limit their choice to (`num_group`, `topk_group`). A correction bias or scale a
     family keeps outside the router's matrix (AFMoE's, ERNIE-4.5's, Gemma 4's, MiniMax-M2's) is not seen: those rank
-    by the matrix alone (docs/predictors.md). A router whose weight has rows after its routed experts' (Inkling: its shared experts' gates, beside a
-    correction bias of the routed ones) ranks the routed ones.
+    by the matrix alone (docs/architecture.md § Families). A router whose weight has rows after its routed experts'
+    (Inkling: its shared experts' gates, beside a correction bias of the routed ones) ranks the routed ones.
     """
     logits = F.linear(as_float32(hidden), as_float32(module_attribute(router, "weight")))
     bias = module_attribute(router, "e_score_correction_bias")

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.text import Text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fmoe_cli.chat import MAX_NEW_TOKENS, ChatOptions
+from fmoe_cli.chat import MAX_NEW_TOKENS, ChatOptions, pick_sampling
 from fmoe_cli.chat.repl import open_chat
 from fmoe_cli.chat.session import ChatSession
 from fmoe_cli.errors import FmoeError
@@ -141,10 +141,8 @@ OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,  
 
 def request_sampling(req, recommended: dict) -> SamplingParams:
     """A request's sampling: each of temperature, top_p, top_k, min_p and repetition_penalty as the request gives it,
-    else as the model
-    recommends, else OpenAI's default (as vLLM serves a model's generation_config.json)."""
-    chosen = {key: getattr(req, key) if getattr(req, key) is not None else recommended.get(key, default)
-              for key, default in OPENAI_SAMPLING.items()}
+    else as the model recommends, else OpenAI's default (as vLLM serves a model's generation_config.json)."""
+    chosen = pick_sampling({key: getattr(req, key) for key in OPENAI_SAMPLING}, recommended, OPENAI_SAMPLING)
     chosen["top_k"] = max(chosen["top_k"], 0)  # (vLLM's -1 is off, as 0)
     return SamplingParams(**chosen, seed=req.seed)
 
