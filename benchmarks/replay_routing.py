@@ -293,6 +293,7 @@ def gap_row(setting: dict, lm, trace, args, prompt_tokens: int, latencies: dict)
     from dataclasses import replace
 
     from fmoe_cli.bench.routing import ReplayedRouting
+    from fmoe_cli.planning.configurator import price_plan
     from fmoe_cli.planning.presets import PlanInputs, settings_for
     from fmoe_cli.planning.simulate import predictor_for, simulate_policy
 
@@ -322,8 +323,13 @@ def gap_row(setting: dict, lm, trace, args, prompt_tokens: int, latencies: dict)
         settings = settings_for(preset, PlanInputs(shape, budget, t, stats, lm.model_id, theta=theta))
         result = simulate_policy(shape, settings, t, sequences, bandwidth=bandwidth, latency=latency,
                                  prompt_tokens=prompt, warmup=warmup, predictor_factory=predictor_for(sequences, shape))
+        # the configurator's closed form on the same plan (Σ T^i, its exposed loads; H_i averaged): how it ranks
+        # the plans it chooses among, against the simulator's TPOT
+        priced = price_plan(settings.plan, stats, t, shape, max_prefetch=None if settings.prefetch else 0)
         out[name] = {"tpot_ms": result.tpot_s * 1e3, "mean_tpot_ms": result.mean_tpot_s * 1e3,
-                     "hit_rate": result.hit_rate, "plan": result.plan}
+                     "hit_rate": result.hit_rate, "plan": result.plan,
+                     "priced_exposed_ms": priced.total_exposed * 1e3,
+                     "priced_hit_rate": sum(c.hit_rate for c in priced.layers) / len(priced.layers)}
     lru = out["lru"]["tpot_ms"]
     fixed = [n for n in out if n.startswith("LCP")]
     best = min(fixed, key=lambda n: out[n]["tpot_ms"])
