@@ -17,11 +17,14 @@ from fmoe_cli.planning.presets import make_settings
 from test_exactness import NEW_TOKENS, PROMPT, TIMINGS, _family_setup, budgets, dequantizing, first_difference
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.fixture(scope="module", params=[("mixtral", False), ("qwen3_moe", False), ("deepseek_v3", False),
+                                        ("qwen3_moe", True)], ids=["mixtral", "qwen3_moe", "deepseek_v3", "qwen3_moe-ue8m0"])
 def fp8_checkpoint(request, checkpoints, tmp_path_factory):
+    """(family, e8m0): e8m0, the scales as E8M0 exponents in bytes (scale_fmt "ue8m0"), 2^(b − 127) each."""
     pytest.importorskip("accelerate")  # transformers' fp8 loading needs it (the test extras' hqq pulls it in)
-    path = tmp_path_factory.mktemp("fp8") / request.param
-    scaled = write_fp8_copy(checkpoints[request.param], path)
+    family, e8m0 = request.param
+    path = tmp_path_factory.mktemp("fp8") / family
+    scaled = write_fp8_copy(checkpoints[family], path, e8m0=e8m0)
     assert any(".experts." in key for key in scaled) and any("attn" in key for key in scaled)
     return path
 
@@ -74,6 +77,36 @@ def test_dequantize_is_q_times_its_block_s_scale_also_where_the_block_is_cut_sho
         assert dequantize(fp8, scale, torch.bfloat16, (16, 16)).dtype == torch.bfloat16
     with pytest.raises(FmoeError, match=r"shape \[40, 50\] in blocks of \[16, 16\] has a scale grid of \[3, 4\], not \[2, 4\]"):
         dequantize(fp8, scale[:2], torch.float32, (16, 16))
+
+
+def test_e8m0_scales_are_powers_of_two_read_from_their_bytes():
+    """A scale stored as the byte b (E8M0, the MXFP8 layout) is 2^(b − 127), as transformers reads it, whether the byte
+    is a U8 tensor or a float8_e8m0fnu one; the byte itself as a multiplier was 2^7 = 128 × off and more."""
+    weight = torch.randn(40, 50) * 3
+    fp8, exponents = quantize_fp8(weight, 16, e8m0=True)
+    assert exponents.dtype == torch.uint8
+    scale = (exponents.float() - 127).exp2()
+    want = torch.tensor([[fp8[i, j].item() * scale[i // 16, j // 16].item() for j in range(50)] for i in range(40)])
+    for stored in (exponents, exponents.view(torch.float8_e8m0fnu)):
+        got = dequantize(fp8, stored, torch.float32, (16, 16))
+        assert torch.equal(got, want)
+    assert (got - weight).abs().max() <= weight.abs().max() * 0.07
+
+
+def test_block_scales_of_another_dtype_are_refused_before_a_weight_is_read(checkpoints, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    import fmoe_cli.models.load as load
+    from fmoe_cli.models.load import load_model
+
+    path = tmp_path / "fp8"
+    key = next(k for k in write_fp8_copy(checkpoints["mixtral"], path) if "o_proj" in k)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[key + "_scale_inv"] = tensors[key + "_scale_inv"].to(torch.int32)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    monkeypatch.setattr(load, "read_checkpoint", lambda *a, **k: pytest.fail("read weights before refusing"))
+    with pytest.raises(FmoeError, match=rf"{key}_scale_inv is stored as I32; fmoe reads block scales stored as F32, "):
+        load_model(str(path), device="cpu", dtype="float32")
 
 
 def test_a_scale_grid_of_another_shape_is_refused_before_a_weight_is_read(checkpoints, tmp_path, monkeypatch):

@@ -42,7 +42,8 @@ from fmoe_cli.offload.layout import DOWN, GATE, UP
 INDEX = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                      "F8_E8M0": torch.float8_e8m0fnu}
 # The converter operations fmoe knows how to undo into the packed layout; anything else is refused.
 KNOWN_OPS = {"MergeModulelist", "Concatenate"}
 
@@ -190,6 +191,9 @@ def classify_keys(model, layers: list[MoeLayer], keys: list[str]) -> tuple[dict[
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")  # what a floating-point weight may be stored as (float8: with its scales)
 FLOAT8_DTYPES = ("F8_E4M3", "F8_E5M2")
+# what a float8 weight's block scales may be stored as: floats, or E8M0 exponents (config's scale_fmt "ue8m0", the
+# MXFP8 layout) as one byte each, U8 or F8_E8M0, the scale 2^(b − 127) (`decode_scales`)
+SCALE_DTYPES = ("F32", "F16", "BF16", "U8", "F8_E8M0")
 SCALE_SUFFIX = "_scale_inv"  # a float8 weight's block scales: `KEY_scale_inv`, [rows / block, columns / block]
 
 
@@ -219,9 +223,17 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, bl
     if rows % block[0] or cols % block[1]:  # (zeros in the cut-short blocks' missing part, cropped after)
         padded = torch.nn.functional.pad(padded, (0, grid_cols * block[1] - cols, 0, grid_rows * block[0] - rows))
     blocks = padded.reshape(grid_rows, block[0], grid_cols, block[1])
-    scales = scale.to(torch.float32).reshape(grid_rows, grid_cols).unsqueeze(-1).unsqueeze(1)
+    scales = decode_scales(scale).reshape(grid_rows, grid_cols).unsqueeze(-1).unsqueeze(1)
     whole = (blocks * scales).to(dtype).reshape(grid_rows * block[0], grid_cols * block[1])
     return whole if whole.shape == (rows, cols) else whole[:rows, :cols].contiguous()
+
+
+def decode_scales(scale: torch.Tensor) -> torch.Tensor:
+    """A scale grid in float32: E8M0 exponents stored as bytes are 2^(b − 127), as transformers' Fp8Dequantize reads
+    them (the raw byte as a multiplier would be silently wrong); float8_e8m0fnu and floats convert as they are."""
+    if scale.dtype == torch.uint8:
+        return (scale.to(torch.float32) - 127.0).exp2()
+    return scale.to(torch.float32)
 
 
 def _expected_shape(layers: list[MoeLayer], piece: ExpertPiece) -> tuple[int, ...]:
@@ -267,6 +279,10 @@ def check_checkpoint(path: Path, model, layers: list[MoeLayer]) -> None:
                                     f"quantization_config names no weight_block_size to read them by")
                 if scaled:
                     scale_file, scale_key = scales[key]
+                    if scale_file.entries[scale_key]["dtype"] not in SCALE_DTYPES:
+                        raise FmoeError(f"{scale_file.file}: {scale_key} is stored as "
+                                        f"{scale_file.entries[scale_key]['dtype']}; fmoe reads block scales stored as "
+                                        f"{', '.join(SCALE_DTYPES)}")
                     grid = tuple(scale_file.shape(scale_key))
                     if grid != scale_grid(shape, block):
                         raise FmoeError(f"{scale_file.file}: {scale_key} is a grid of {list(grid)} scales, but "

@@ -176,23 +176,28 @@ FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "
                     "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 
 
-def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R, C] -> float8 e4m3 [R, C] and its float32 scale grid [ceil(R / block), ceil(C / block)] (each block's max at
-    448; the last blocks cut short where `block` does not divide the weight, as DeepSeek-V3's kv_a_proj_with_mqa)."""
+def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK, e8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R, C] -> float8 e4m3 [R, C] and its scale grid [ceil(R / block), ceil(C / block)] (each block's max at 448; the
+    last blocks cut short where `block` does not divide the weight, as DeepSeek-V3's kv_a_proj_with_mqa): float32, or
+    with `e8m0` each scale rounded up to a power of two 2^e and stored as the byte e + 127 (scale_fmt "ue8m0")."""
     rows, cols = weight.shape
     grid = (-(-rows // block), -(-cols // block))
     padded = torch.nn.functional.pad(weight.float(), (0, grid[1] * block - cols, 0, grid[0] * block - rows))
     blocks = padded.reshape(grid[0], block, grid[1], block)
     scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp(min=1e-12) / 448.0
+    if e8m0:
+        scale = scale.log2().ceil().exp2()
     fp8 = (blocks / scale).to(torch.float8_e4m3fn).reshape(grid[0] * block, grid[1] * block)[:rows, :cols]
-    return fp8.contiguous(), scale.reshape(grid)
+    scale = scale.reshape(grid)
+    return fp8.contiguous(), (scale.log2() + 127).to(torch.uint8) if e8m0 else scale
 
 
-def write_fp8_copy(source: Path, path: Path) -> list[str]:
+def write_fp8_copy(source: Path, path: Path, e8m0: bool = False) -> list[str]:
     """A copy of the float checkpoint at `source` in the block-scaled fp8 layout (DeepSeek-V3's, the -FP8
     repositories'): every linear weight stored as float8 with its scales (a weight the block does not divide with its
-    last blocks cut short), embeddings, LM head, norms and routers left float as in those checkpoints; returns the keys
-    stored as float8. For tests/test_fp8.py and benchmarks/gpu_check.py."""
+    last blocks cut short; `e8m0`: powers of two stored as bytes, scale_fmt "ue8m0"), embeddings, LM head, norms and
+    routers left float as in those checkpoints; returns the keys stored as float8. For tests/test_fp8.py and
+    benchmarks/gpu_check.py."""
     shutil.copytree(source, path)
     tensors = load_file(str(path / "model.safetensors"))
     stored, scaled = {}, []
@@ -200,11 +205,12 @@ def write_fp8_copy(source: Path, path: Path) -> list[str]:
         linear = value.dim() == 2 and key.endswith(".weight") and not any(
             part in key for part in ("embed", "lm_head", ".gate.weight", "norm"))
         if linear:
-            stored[key], stored[key + "_scale_inv"] = quantize_fp8(value)
+            stored[key], stored[key + "_scale_inv"] = quantize_fp8(value, e8m0=e8m0)
             scaled.append(key)
         else:
             stored[key] = value
     save_file(stored, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_QUANTIZATION}))
+    quantization = {**FP8_QUANTIZATION, "scale_fmt": "ue8m0"} if e8m0 else FP8_QUANTIZATION
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
     return scaled
