@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # annotations only: this module stays free of torch
 
 MiB = 1024**2
 SEED_RANGE = (-2**63, 2**64 - 1)  # the sampling seeds torch.Generator.manual_seed takes (chat's --seed, serve's seed)
+# the repetition penalties sampling takes (transformers' GenerationConfig's range): a logit divided by less than this
+# overflows float32 to inf, and the draw's inf − inf is NaN (chat's --repetition-penalty, serve's, generation_config.json)
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 
 @dataclass

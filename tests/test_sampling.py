@@ -136,3 +136,18 @@ def test_the_repetition_penalty_is_transformers_and_counts_the_whole_conversatio
         assert got == want[12:]
     finally:
         engine.close()
+
+
+def test_the_repetition_penalty_s_whole_range_draws_a_token():
+    """At the range's ends (types.REPETITION_PENALTY_RANGE, what chat and serve accept) a penalised logit stays finite:
+    a draw, not 'probability tensor contains inf or nan' (1e-39 made a logit of 80 inf and the draw inf − inf)."""
+    from fmoe_cli.types import REPETITION_PENALTY_RANGE
+
+    logits = torch.linspace(-80.0, 80.0, 64)
+    seen = torch.tensor([63, 0, 5])
+    for penalty in REPETITION_PENALTY_RANGE:
+        for temperature in (0.0, 0.7):
+            token = sample_next(logits, SamplingParams(temperature, repetition_penalty=penalty), torch.Generator(), seen)
+            assert 0 <= token < 64
+    with pytest.raises(RuntimeError):  # (what the range keeps out)
+        sample_next(logits, SamplingParams(0.7, repetition_penalty=1e-39), torch.Generator(), seen)

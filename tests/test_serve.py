@@ -451,6 +451,7 @@ def test_oversize_body(server, monkeypatch):
     ('{"messages": [{"role": "user", "content": "hi"}], "top_k": -2}', 400, "top_k"),  # (-1 and 0: off)
     ('{"messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}', 400, "min_p"),
     ('{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}', 400, "repetition_penalty"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1e-39}', 400, "repetition_penalty"),
     ('{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role"),
     ('{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}', 404, "gpt-4o"),
     ('{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n > 1 is not supported"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fmoe_cli.errors import FmoeError
-from fmoe_cli.types import SEED_RANGE
+from fmoe_cli.types import REPETITION_PENALTY_RANGE, SEED_RANGE
 from fmoe_cli.options import RunOptions
 
 # Sampling where neither the command line nor the model's generation_config.json says (models/config.py
@@ -43,8 +43,9 @@ class ChatOptions:
             raise FmoeError(f"--top-k must be 0 (off) or more, got {self.top_k}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise FmoeError(f"--min-p must be in [0, 1] (0: off), got {self.min_p}")
-        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < float("inf"):
-            raise FmoeError(f"--repetition-penalty must be a number > 0 (1: off), got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if self.repetition_penalty is not None and not low <= self.repetition_penalty <= high:
+            raise FmoeError(f"--repetition-penalty must be in [{low:g}, {high:g}] (1: off), got {self.repetition_penalty}")
         if self.max_new_tokens < 1:
             raise FmoeError("--max-new-tokens must be at least 1")
         if self.run.context is not None and self.run.context < MIN_CONTEXT:  # (0 is `fmoe plan`'s "no KV cache")

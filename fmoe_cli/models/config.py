@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.files import read_json
-from fmoe_cli.types import ExpertShape
+from fmoe_cli.types import REPETITION_PENALTY_RANGE, ExpertShape
 
 # Config keys that name the number of routed experts, by family.
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -209,7 +209,7 @@ def config_expert_shape(fields: dict, dtype_bytes: int, experts: str) -> ExpertS
 # The sampling a model's authors recommend, from its generation_config.json (chat and serve start from it): each
 # field with the range transformers' GenerationConfig accepts.
 SAMPLING_FIELDS = {"temperature": (float, 0.0, float("inf")), "top_p": (float, 0.0, 1.0), "top_k": (int, 0, 1 << 24),
-                   "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, 1e-3, 1e3)}
+                   "min_p": (float, 0.0, 1.0), "repetition_penalty": (float, *REPETITION_PENALTY_RANGE)}
 
 
 def sampling_defaults(model_dir: Path | None) -> dict[str, float | int]:

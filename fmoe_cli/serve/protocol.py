@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fmoe_cli.types import SEED_RANGE
+from fmoe_cli.types import REPETITION_PENALTY_RANGE, SEED_RANGE
 
 MAX_STOPS = 16  # stop strings per request (OpenAI allows 4; more cost nothing here)
 MAX_DEPTH = 32  # nesting of a request body's arrays and objects (OpenAI's requests need 5; json's recursion stops near 1000)
@@ -121,7 +121,8 @@ class _Generation(_Strict):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # (vLLM's and llama.cpp's servers' extension; 0 or -1: off)
     min_p: float | None = Field(default=None, ge=0, le=1)  # (the same)
-    repetition_penalty: float | None = Field(default=None, gt=0, le=1000)  # (the same; 1: off)
+    repetition_penalty: float | None = Field(default=None, ge=REPETITION_PENALTY_RANGE[0],
+                                             le=REPETITION_PENALTY_RANGE[1])  # (the same; 1: off)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1)
