@@ -13,6 +13,7 @@ configurator (planning/configurator.py) makes the tuned one.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -97,12 +98,13 @@ MIN_DEFAULT_CONTEXT = 2048  # … halved on a small device down to this (resolve
 KV_SHARE = 4  # the default context's KV cache takes at most 1/KV_SHARE of the device room beside the weights
 
 
-def resolve_context(requested: int | None, model_context: int | None, kv_per_token: int,
+def resolve_context(requested: int | None, model_context: int | None, kv_bytes: Callable[[int], int] | None,
                     room_bytes: int | None = None) -> int:
     """The context the KV cache is reserved for (`--context N`), and that chat keeps its window inside.
 
     Asked for: N, if the model's own context allows it (else one line). By default: DEFAULT_CONTEXT
     tokens, at most the model's context, halved (not below MIN_DEFAULT_CONTEXT) while its KV cache
+    (`kv_bytes(tokens)`: kv_cache_bytes, not a multiple of one token's where a window or a fixed state holds it)
     would take more than 1/KV_SHARE of `room_bytes` (the device memory beside the non-expert weights
     and the workspace; None on the CPU), so that a useful expert cache fits beside it: Mixtral's
     128 KiB per token makes 8k tokens 1 GiB."""
@@ -114,9 +116,24 @@ def resolve_context(requested: int | None, model_context: int | None, kv_per_tok
         return requested
     tokens = DEFAULT_CONTEXT if model_context is None else min(DEFAULT_CONTEXT, model_context)
     if room_bytes is not None:
-        while tokens > MIN_DEFAULT_CONTEXT and tokens * kv_per_token * KV_SHARE > room_bytes:
+        while tokens > MIN_DEFAULT_CONTEXT and kv_bytes(tokens) * KV_SHARE > room_bytes:
             tokens //= 2
     return tokens
+
+
+GRAPH_CAPACITY_STEP = 256  # a DecodeGraph's KV capacity is a multiple of this many positions (generate.py)
+
+
+def static_cache_capacity(tokens: int) -> int:
+    """The positions of the StaticCache a GPU's generation of up to `tokens` positions decodes in (generate.py
+    decode_graph: rounded up to GRAPH_CAPACITY_STEP)."""
+    return -(-tokens // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
+
+
+def kv_reserve(config, context: int, dtype_bytes: int) -> int:
+    """The device memory reserved for the KV cache of a `context`-token conversation: its StaticCache's bytes
+    (`kv_cache_bytes` of `static_cache_capacity`: --context 1000 holds 1024 positions)."""
+    return kv_cache_bytes(config, static_cache_capacity(context), dtype_bytes)
 
 
 def kv_cache_bytes(config, tokens: int, dtype_bytes: int) -> int:
@@ -415,7 +432,7 @@ def check_plan_options(model: str, *, vram: str | None, profile_path: str | None
     """`fmoe plan`'s options, without torch (the command line checks them before anything heavy is
     imported): one line for the first bad one. Returns the profile read (None without one)."""
     if context is not None:
-        resolve_context(context, None, 0)  # a bad number: refused before anything is read
+        resolve_context(context, None, None)  # a bad number: refused before anything is read
     if vram is not None:  # the device's memory: a size, never a share (that is --vram-budget's)
         if vram.strip().endswith("%"):
             raise FmoeError(f"--vram {vram.strip()}: give the device's memory as a size such as 12GiB "
