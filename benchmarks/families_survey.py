@@ -76,6 +76,15 @@ SIZES = dict(
     mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_dt_rank=8,
     ssm_state_size=16, num_nextn_predict_layers=0, index_n_heads=4, index_head_dim=16, index_topk=64,
 )
+# What the survey served exactly (29 Nov 2026, docs/architecture.md § Families): tests/test_families.py holds the KV
+# cache a plan reserves for each to the bytes of transformers' StaticCache of its tiny config.
+SERVED_EXACTLY = (
+    "afmoe", "aria", "axk1", "axk2", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note",
+    "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
+    "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "inkling",
+    "jamba", "kolibri1", "laguna", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax_m2", "mixtral", "olmoe", "phimoe",
+    "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen4_exp", "solar_open",
+)
 # Families whose MoE layer placement or other fields need more than SIZES.
 EXTRA: dict[str, dict] = {
     "deepseek_v2": dict(topk_method="greedy"),
@@ -128,7 +137,8 @@ def shrink_lists(kwargs: dict, default, layers: int) -> None:
         kwargs["layer_types"] = kinds[:-1] + [attention[0]]
 
 
-def tiny_config(family: str, vocab: int, eos: int, pad: int):
+def tiny_config(family: str, vocab: int, eos: int, pad: int, **overrides):
+    """The family's tiny text config (SIZES, EXTRA), `overrides` last (tests/test_families.py: a short window)."""
     model_type = TEXT_MODEL.get(family, family)
     config_class = CONFIG_MAPPING[model_type]
     default = config_class()
@@ -139,7 +149,7 @@ def tiny_config(family: str, vocab: int, eos: int, pad: int):
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     shrink_lists(kwargs, default, kwargs.get("num_hidden_layers", 4))
     kwargs.update(EXTRA.get(family, {}))
-    kwargs.update(vocab_size=vocab, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    kwargs.update(vocab_size=vocab, eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **overrides)
     return config_class(**kwargs)
 
 

@@ -83,7 +83,6 @@ def main() -> None:
         console.print(mixtral_trace.absent_line("the demo trace alone"), highlight=False, soft_wrap=True)
 
     from fmoe_cli.planning.configurator import LLAMA_CPP, host_baselines
-    from fmoe_cli.planning.plan import kv_cache_bytes  # noqa: F401 (the run's KV formula; facts carry it per token)
     from fmoe_cli.planning.report import model_facts, plan_timings
     from fmoe_cli.planning.simulate import predict_policies, stats_from  # noqa: F401
     from fmoe_cli.profiling.files import Profile
@@ -120,7 +119,7 @@ def main() -> None:
                           f"T_att {base.t_att * 1e3:.3f} ms, T_exp {base.t_exp * 1e3:.3f} ms, T_head {base.t_head * 1e3:.3f} ms, "
                           f"T_load {base.t_load * 1e3:.2f} ms ({source})", highlight=False)
             for card in CARDS_GIB:
-                budget = (card << 30) - facts.non_expert_bytes - facts.kv_bytes_per_token * args.context - WORKSPACE
+                budget = (card << 30) - facts.non_expert_bytes - facts.kv_bytes(args.context) - WORKSPACE
                 if budget < shape.min_staging_slots * shape.expert_bytes:
                     rows.append({"model": model, "format": fmt, "card_gib": card, "note": "does not fit"})
                     continue

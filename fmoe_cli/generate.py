@@ -21,6 +21,7 @@ from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload.engine import Counters, Engine
 from fmoe_cli.offload.layout import called
 from fmoe_cli.offload.link import host_now
+from fmoe_cli.planning.plan import static_cache_capacity
 from fmoe_cli.prediction.base import as_float32
 
 def next_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
@@ -451,9 +452,6 @@ def capture_stream(device: torch.device, avoid=None):
     return stream
 
 
-GRAPH_CAPACITY_STEP = 256  # a DecodeGraph's KV capacity is a multiple of this many positions
-
-
 def decode_graph(model, engine: Engine | None, capacity: int) -> DecodeGraph | None:
     """The DecodeGraph a generation of `capacity` positions decodes through on a CUDA device (or where the engine has
     a `graph_factory`: tests), every plan alike, or None (the CPU: transformers' DynamicCache, `new_cache`). Its steps
@@ -469,7 +467,7 @@ def decode_graph(model, engine: Engine | None, capacity: int) -> DecodeGraph | N
     factory = engine.graph_factory or (CudaGraphs if engine.device.type == "cuda" else None)
     if factory is None:
         return None
-    capacity = -(-capacity // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
+    capacity = static_cache_capacity(capacity)  # (what the plan reserved: planning/plan.py kv_reserve)
     graph = engine.decode_graphs.get(capacity)
     if graph is None:
         graph = engine.decode_graphs[capacity] = DecodeGraph(model, engine, capacity, factory)

@@ -99,7 +99,7 @@ class RunOptions:
         if self.emulate_link is not None:
             check_bandwidth(self.emulate_link)
         if self.context is not None:
-            resolve_context(self.context, None, 0)
+            resolve_context(self.context, None, None)
         if not 1 <= self.host_threads <= MAX_HOST_THREADS:
             raise FmoeError(f"--host-threads must be between 1 and {MAX_HOST_THREADS}, got {self.host_threads}")
         check_device_text(self.device)
@@ -120,7 +120,7 @@ class RunOptions:
         fields = check_servable(config, self.model, self.trust_remote_code)
         context = model_context(fields)
         if self.context is not None:  # beyond the model's own context: now, not in 6 s
-            resolve_context(self.context, context, 0)
+            resolve_context(self.context, context, None)
         on_cpu = self.device == "cpu" or (self.device == "auto" and surely_no_gpu())
         check_host_ram_early(self.model, fields, compute_dtype_bytes(self.dtype, on_cpu), self.experts)
         return context

@@ -19,6 +19,7 @@ Closing the run saves the statistics and closes the engine and the trace writer.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -42,7 +43,7 @@ from fmoe_cli.planning.plan import (
     check_budget,
     check_plan_fits,
     device_room,
-    kv_cache_bytes,
+    kv_reserve,
     resolve_context,
     min_staging_slots,
     resolve_budget,
@@ -270,9 +271,9 @@ def open_run(opts: RunOptions, console: Console | None = None, *, say_timing_not
         if check_model is not None:
             check_model(shape)
         beside = device_room(device, 0, non_expert_pending=non_expert_bytes)  # the room before the KV cache
-        context = resolve_context(opts.context, config_context(config), kv_cache_bytes(config, 1, shape.dtype_bytes),
-                                  None if beside is None else beside.bytes)
-        kv = kv_cache_bytes(config, context, shape.dtype_bytes)
+        kv_bytes = functools.partial(kv_reserve, config, dtype_bytes=shape.dtype_bytes)  # of a context's tokens
+        context = resolve_context(opts.context, config_context(config), kv_bytes, None if beside is None else beside.bytes)
+        kv = kv_bytes(context)
         room = device_room(device, kv, non_expert_pending=non_expert_bytes)
         budget = resolve_budget(opts.vram_budget, shape, room)
         inputs = PlanInputs(shape, budget, model=opts.model)

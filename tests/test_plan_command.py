@@ -275,7 +275,9 @@ def test_the_default_context_fits_beside_a_useful_cache():
     from fmoe_cli.errors import FmoeError
     from fmoe_cli.planning.plan import resolve_context
 
-    kib128 = 128 * 1024  # Mixtral's KV bytes per token
+    def kib128(tokens):  # Mixtral's KV cache: 128 KiB a token
+        return tokens * 128 * 1024
+
     assert resolve_context(None, 32768, kib128, None) == 8192  # the CPU: no device room to share
     assert resolve_context(None, 4096, kib128, None) == 4096  # the model's own context is shorter
     assert resolve_context(None, 32768, kib128, 20 * 1024 * MiB) == 8192  # 1 GiB of 20: fits

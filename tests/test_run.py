@@ -70,8 +70,9 @@ def test_no_behaviour_keyed_on_a_policy_name():
 
 
 def test_context_sizes_the_kv_reserve_and_the_run_keeps_it(checkpoints, monkeypatch):
-    """--context N: the device room left for experts is computed with N tokens of KV cache (and the run
-    carries N for chat's window); by default the model's own 512 tokens here (below 8192)."""
+    """--context N: the device room left for experts is computed with the KV cache of N tokens' static cache, N
+    rounded up to the DecodeGraph's 256 positions (and the run carries N for chat's window); by default the model's
+    own 512 tokens here (below 8192)."""
     import fmoe_cli.run as run_module
     from fmoe_cli.planning.plan import kv_cache_bytes
     from fmoe_cli.run import RunOptions, open_run
@@ -79,12 +80,12 @@ def test_context_sizes_the_kv_reserve_and_the_run_keeps_it(checkpoints, monkeypa
     asked = []
     real = run_module.device_room
     monkeypatch.setattr(run_module, "device_room", lambda device, kv, **kw: asked.append(kv) or real(device, kv, **kw))
-    for context, want in ((100, 100), (200, 200), (None, 512)):
+    for context, want, capacity in ((100, 100, 256), (200, 200, 256), (None, 512, 512)):
         asked.clear()
         with open_run(RunOptions(model=str(checkpoints["mixtral"]), device="cpu", context=context,
                                  record_statistics=False)) as run:
             assert run.context == want
-            assert asked[-1] == kv_cache_bytes(run.lm.model.config, want, run.lm.shape.dtype_bytes) > 0
+            assert asked[-1] == kv_cache_bytes(run.lm.model.config, capacity, run.lm.shape.dtype_bytes) > 0
 
 
 def test_host_threads_reach_the_engines_host_lane(checkpoints):

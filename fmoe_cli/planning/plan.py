@@ -13,8 +13,10 @@ configurator (planning/configurator.py) makes the tuned one.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models.config import check_config_file
@@ -96,12 +98,13 @@ MIN_DEFAULT_CONTEXT = 2048  # … halved on a small device down to this (resolve
 KV_SHARE = 4  # the default context's KV cache takes at most 1/KV_SHARE of the device room beside the weights
 
 
-def resolve_context(requested: int | None, model_context: int | None, kv_per_token: int,
+def resolve_context(requested: int | None, model_context: int | None, kv_bytes: Callable[[int], int] | None,
                     room_bytes: int | None = None) -> int:
     """The context the KV cache is reserved for (`--context N`), and that chat keeps its window inside.
 
     Asked for: N, if the model's own context allows it (else one line). By default: DEFAULT_CONTEXT
     tokens, at most the model's context, halved (not below MIN_DEFAULT_CONTEXT) while its KV cache
+    (`kv_bytes(tokens)`: kv_cache_bytes, not a multiple of one token's where a window or a fixed state holds it)
     would take more than 1/KV_SHARE of `room_bytes` (the device memory beside the non-expert weights
     and the workspace; None on the CPU), so that a useful expert cache fits beside it: Mixtral's
     128 KiB per token makes 8k tokens 1 GiB."""
@@ -113,41 +116,197 @@ def resolve_context(requested: int | None, model_context: int | None, kv_per_tok
         return requested
     tokens = DEFAULT_CONTEXT if model_context is None else min(DEFAULT_CONTEXT, model_context)
     if room_bytes is not None:
-        while tokens > MIN_DEFAULT_CONTEXT and tokens * kv_per_token * KV_SHARE > room_bytes:
+        while tokens > MIN_DEFAULT_CONTEXT and kv_bytes(tokens) * KV_SHARE > room_bytes:
             tokens //= 2
     return tokens
 
 
+GRAPH_CAPACITY_STEP = 256  # a DecodeGraph's KV capacity is a multiple of this many positions (generate.py)
+
+
+def static_cache_capacity(tokens: int) -> int:
+    """The positions of the StaticCache a GPU's generation of up to `tokens` positions decodes in (generate.py
+    decode_graph: rounded up to GRAPH_CAPACITY_STEP)."""
+    return -(-tokens // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
+
+
+def kv_reserve(config, context: int, dtype_bytes: int) -> int:
+    """The device memory reserved for the KV cache of a `context`-token conversation: its StaticCache's bytes
+    (`kv_cache_bytes` of `static_cache_capacity`: --context 1000 holds 1024 positions)."""
+    return kv_cache_bytes(config, static_cache_capacity(context), dtype_bytes)
+
+
 def kv_cache_bytes(config, tokens: int, dtype_bytes: int) -> int:
-    """KV cache of `tokens` tokens: layers · KV heads · (K dim + V dim) · dtype bytes per token. Multi-head latent
-    attention (DeepSeek-V2/V3, GLM-MoE-DSA, dots3: a kv_lora_rank) caches its latent, one kv_lora_rank row and one
-    qk_rope row a layer (transformers 5.24's `cache.update(kv_nope, k_rot)`; 5.23 cached them expanded per head, 71×
-    more on DeepSeek-V3), and a sparse-attention indexer its keys, index_head_dim."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    per_layer = getattr(text, "per_layer_config", None)  # a heterogeneous config (dots3, Gemma 4): each layer's own
-    layers = per_layer if per_layer is not None else [text] * text.num_hidden_layers
-    kinds, window = getattr(text, "layer_types", None), getattr(text, "sliding_window", None)
+    """The bytes transformers' StaticCache (the GPU's decode cache, generate.py DecodeGraph) holds for `tokens`
+    positions, layer by layer as it builds them (`cache_layers`, `CACHE_LAYER_KINDS`): the keys and values of every
+    position, of a sliding window's last positions at most, or of none, and a linear-attention or state-space layer's
+    fixed-size state (`MIXER_STATES`), the same at any length. A token's keys and values: KV heads · (K dim + V dim)
+    (`_kv_elements`); multi-head latent attention (DeepSeek-V2/V3, GLM-MoE-DSA, dots3: a kv_lora_rank) caches its
+    latent, one kv_lora_rank row and one qk_rope row a layer (transformers 5.24's `cache.update(kv_nope, k_rot)`; 5.23
+    cached them expanded per head, 71× more on DeepSeek-V3), and a sparse-attention indexer its keys (`INDEXER_KEYS`).
+    Equal to the StaticCache's bytes for every family the survey serves exactly (tests/test_families.py)."""
     total = 0
-    for i, layer in enumerate(layers):
-        sliding = (isinstance(kinds, list) and i < len(kinds) and "sliding" in str(kinds[i])
-                   and type(window) is int and window > 0)  # a sliding-window layer holds its window at most
-        total += _kv_bytes(layer, 1, sliding) * (min(tokens, window) if sliding else tokens)
-    return total * dtype_bytes
+    for layer, kind, window in cache_layers(config):
+        keeps = CACHE_LAYER_KINDS.get(kind, CacheLayerKind("all"))
+        sliding = keeps.positions == "window" and window is not None
+        state = fixed_state_bytes(layer, sliding, dtype_bytes) if keeps.fixed_state else 0
+        if state is None:  # a mixer MIXER_STATES does not know: counted as full attention, as before it had a table
+            keeps, state = CacheLayerKind("all"), 0
+        if keeps.positions is not None:
+            per_token = _kv_elements(layer, sliding) * dtype_bytes + (indexer_key_bytes(layer, dtype_bytes)
+                                                                      if keeps.indexer_keys else 0)
+            total += per_token * (min(tokens, window) if sliding else tokens)
+        total += state
+    return total
 
 
-def _kv_bytes(text, layers: int, sliding: bool = False) -> int:
-    """K and V elements of one token in `layers` layers shaped as `text` (`sliding`: its sliding-window layers' heads,
-    where they have their own: Inkling's swa_num_key_value_heads)."""
-    latent = getattr(text, "kv_lora_rank", None)
+class CacheLayerKind(NamedTuple):
+    """What a layer of transformers' StaticCache keeps."""
+
+    positions: str | None  # keys and values of every position ("all"), of its window's last ones at most ("window")
+    indexer_keys: bool = False  # a sparse-attention indexer's keys beside them, a position each (`INDEXER_KEYS`)
+    fixed_state: bool = False  # a linear-attention or state-space mixer's fixed-size state (`MIXER_STATES`)
+
+
+# The kinds of layer in transformers' StaticCache (5.24's cache_utils.STATIC_LAYER_TYPE_MAPPING). A kind not here is
+# counted as full attention.
+CACHE_LAYER_KINDS: dict[str, CacheLayerKind] = {
+    "full_attention": CacheLayerKind("all"),
+    "indexed_attention": CacheLayerKind("all", indexer_keys=True),
+    "sliding_attention": CacheLayerKind("window"),
+    "chunked_attention": CacheLayerKind("window"),  # its attention_chunk_size positions
+    "linear_attention": CacheLayerKind(None, fixed_state=True),  # Qwen3-Next's gated delta rule, Jamba's mamba …
+    "conv": CacheLayerKind(None, fixed_state=True),  # LFM2's short convolution
+    "hybrid": CacheLayerKind("all", fixed_state=True),  # Inkling: short convolutions around its attention
+    "hybrid_sliding": CacheLayerKind("window", fixed_state=True),
+    "dummy": CacheLayerKind(None),  # a layer that reads another's keys and values (Gemma 4's shared KV), or no attention
+}
+# The field of an indexer's key width: its static cache keeps one key of that width a position (StaticIndexedLayer),
+# in the model's dtype …
+INDEXER_KEYS = ("index_head_dim",  # DeepSeek-V3.2, GLM-MoE-DSA, dots3
+                "indexer_head_dim")  # Qwen4-exp
+# … or in float32: dots3 ropes its indexed layers in float32 (modeling_dots3_note: `inputs_embeds.float()` for them)
+FLOAT32_INDEXER_KEYS = frozenset({"dots3_note_text"})
+
+
+def indexer_key_bytes(layer, dtype_bytes: int) -> int:
+    """One position's indexer key in a layer shaped as `layer`."""
+    width = next((getattr(layer, field) for field in INDEXER_KEYS if getattr(layer, field, None)), 0)
+    return width * (FLOAT32 if getattr(layer, "model_type", None) in FLOAT32_INDEXER_KEYS else dtype_bytes)
+
+
+def cache_layers(config) -> list[tuple[object, str, int | None]]:
+    """(the layer's config, its kind in CACHE_LAYER_KINDS, its window or None) for each layer of the StaticCache that
+    transformers builds for `config`: its own reading of layer_types (5.24's cache_utils.get_layer_types_and_kwargs:
+    the kinds inferred where a config has none, shared-KV layers as "dummy"), each layer's config its own in a
+    heterogeneous config (dots3, Gemma 4: per_layer_config). A config that is not transformers' (the tests'
+    stand-ins): full attention in every layer."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if not hasattr(text, "per_layer_config"):
+        return [(text, "full_attention", None)] * text.num_hidden_layers
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    kinds, kwargs = get_layer_types_and_kwargs(text)
+    return [(layer, kind, each.get("sliding_window")) for layer, kind, each in zip(text.per_layer_config, kinds, kwargs)]
+
+
+def _kv_elements(layer, sliding: bool = False) -> int:
+    """K and V elements of one token in one layer shaped as `layer` (`sliding`: a sliding-window layer, with its own
+    heads where its family gives it some: `SLIDING_HEADS`)."""
+    latent = getattr(layer, "kv_lora_rank", None)
     if type(latent) is int and latent > 0:  # MLA: the latent and the rotary key, one "head"
-        indexer = getattr(text, "index_head_dim", None) if getattr(text, "index_topk", None) else None
-        return layers * (latent + (getattr(text, "qk_rope_head_dim", 0) or 0) + (indexer or 0))
-    heads = (sliding and getattr(text, "swa_num_key_value_heads", None)) or getattr(text, "num_key_value_heads", None) \
-        or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    k_dim = (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0) or head_dim
-    v_dim = getattr(text, "v_head_dim", None) or head_dim
-    return layers * heads * (k_dim + v_dim)
+        return latent + (getattr(layer, "qk_rope_head_dim", 0) or 0)
+    heads, head_dim = attention_heads(layer, sliding)
+    k_dim = (getattr(layer, "qk_nope_head_dim", 0) or 0) + (getattr(layer, "qk_rope_head_dim", 0) or 0) or head_dim
+    v_dim = getattr(layer, "v_head_dim", None) or head_dim
+    return heads * (k_dim + v_dim)
+
+
+# A sliding-window layer's KV heads where its family gives them their own: (config field of its KV heads, of its head
+# dim; or a factor on the full layers' KV heads that its modeling file applies).
+SLIDING_HEADS: dict[str, tuple[str, str] | int] = {
+    "inkling_text": ("swa_num_key_value_heads", "swa_head_dim"),
+    "mimo_v2_flash": 2,  # "SWA layers double the kv heads vs full-attention" (modeling_mimo_v2_flash.py)
+}
+
+
+def attention_heads(layer, sliding: bool = False) -> tuple[int, int]:
+    """(KV heads, head dim) of one attention layer shaped as `layer`."""
+    heads = getattr(layer, "num_key_value_heads", None) or layer.num_attention_heads
+    head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+    own = SLIDING_HEADS.get(getattr(layer, "model_type", None)) if sliding else None
+    if isinstance(own, int):
+        heads *= own
+    elif own is not None:
+        heads, head_dim = getattr(layer, own[0], None) or heads, getattr(layer, own[1], None) or head_dim
+    return heads, head_dim
+
+
+FLOAT32 = 4  # bytes: a scan's recurrent state is float32 whatever the model's dtype (transformers 5.24's torch
+# paths of the gated delta rule and of mamba's scans, measured in bf16; a GPU kernel that kept it in the model's dtype
+# would hold half of it: the reserve over by that, never under)
+
+
+@dataclass(frozen=True)
+class MixerState:
+    """The fixed-size state a linear-attention or state-space mixer keeps in its cache layer (transformers 5.24's
+    LinearAttentionLayer), whatever the tokens: conv states [channels, kernel] (the last `kernel` inputs of the causal
+    convolution, in the model's dtype) and a recurrent state (float32). Sizes are products of config fields (a number
+    stands for itself): channels a sum of such products, the recurrent state one."""
+
+    known_by: str  # the config field that says a model has this mixer
+    conv_channels: tuple[tuple[str | int, ...], ...]
+    conv_kernel: str
+    recurrent: tuple[str | int, ...] = ()
+    conv_float32: bool = False  # the conv states float32 whatever the model's dtype
+    conv_keys_values: bool = False  # the layer's keys and values each through a conv of their own (Inkling)
+
+
+# Each mixer's state, by the first field a config has (the tiny survey configs hold them to a StaticCache's bytes,
+# tests/test_families.py).
+MIXER_STATES = (
+    # Qwen3-Next, Qwen3.5-MoE, Qwen4-exp (GatedDeltaNet): q, k and v through the conv; one key dim × value dim matrix
+    # a value head
+    MixerState("linear_num_value_heads",
+               conv_channels=((2, "linear_num_key_heads", "linear_key_head_dim"),
+                              ("linear_num_value_heads", "linear_value_head_dim")),
+               conv_kernel="linear_conv_kernel_dim",
+               recurrent=("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")),
+    # GraniteMoeHybrid (mamba2): x (expand · hidden) and the groups' B and C through the conv; d_head × d_state a head
+    MixerState("mamba_d_head",
+               conv_channels=(("mamba_expand", "hidden_size"), (2, "mamba_n_groups", "mamba_d_state")),
+               conv_kernel="mamba_d_conv", recurrent=("mamba_n_heads", "mamba_d_head", "mamba_d_state")),
+    # Jamba (mamba): x (expand · hidden) through the conv; d_state a channel
+    MixerState("mamba_dt_rank", conv_channels=(("mamba_expand", "hidden_size"),), conv_kernel="mamba_d_conv",
+               recurrent=("mamba_expand", "hidden_size", "mamba_d_state")),
+    # LFM2-MoE: a short convolution of the hidden state, no recurrence
+    MixerState("conv_L_cache", conv_channels=(("hidden_size",),), conv_kernel="conv_L_cache"),
+    # Inkling: short convolutions, float32, of the attention's and the MLP's inputs (hidden) and of its keys and values
+    MixerState("sconv_kernel_size", conv_channels=((2, "hidden_size"),), conv_kernel="sconv_kernel_size",
+               conv_float32=True, conv_keys_values=True),
+)
+
+
+def fixed_state_bytes(layer, sliding: bool, dtype_bytes: int) -> int | None:
+    """The state a linear-attention, state-space or short-convolution layer shaped as `layer` keeps, whatever the
+    tokens (`MIXER_STATES`); None for a mixer not in the table."""
+    mixer = next((m for m in MIXER_STATES if hasattr(layer, m.known_by)), None)
+    if mixer is None:
+        return None
+    channels = sum(_product(layer, fields) for fields in mixer.conv_channels)
+    if mixer.conv_keys_values:
+        heads, head_dim = attention_heads(layer, sliding)
+        channels += 2 * heads * head_dim
+    conv = channels * getattr(layer, mixer.conv_kernel) * (FLOAT32 if mixer.conv_float32 else dtype_bytes)
+    return conv + (_product(layer, mixer.recurrent) * FLOAT32 if mixer.recurrent else 0)
+
+
+def _product(layer, fields: tuple[str | int, ...]) -> int:
+    """Π of config fields (a number stands for itself)."""
+    value = 1
+    for field in fields:
+        value *= field if isinstance(field, int) else getattr(layer, field)
+    return int(value)
 
 
 def device_room(device, kv_bytes: int, workspace_bytes: int = WORKSPACE_BYTES, non_expert_pending: int = 0):
@@ -273,7 +432,7 @@ def check_plan_options(model: str, *, vram: str | None, profile_path: str | None
     """`fmoe plan`'s options, without torch (the command line checks them before anything heavy is
     imported): one line for the first bad one. Returns the profile read (None without one)."""
     if context is not None:
-        resolve_context(context, None, 0)  # a bad number: refused before anything is read
+        resolve_context(context, None, None)  # a bad number: refused before anything is read
     if vram is not None:  # the device's memory: a size, never a share (that is --vram-budget's)
         if vram.strip().endswith("%"):
             raise FmoeError(f"--vram {vram.strip()}: give the device's memory as a size such as 12GiB "

@@ -15,7 +15,9 @@ and the plan assumes compute hides no loading.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -45,7 +47,7 @@ from fmoe_cli.planning.configurator import (
 )
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of, trace_stats
-from fmoe_cli.planning.plan import NO_GPU_TO_PLAN, check_plan_options, kv_cache_bytes, min_staging_slots, parse_budget, resolve_context
+from fmoe_cli.planning.plan import NO_GPU_TO_PLAN, check_plan_options, kv_reserve, min_staging_slots, parse_budget, resolve_context
 from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS, EXPERT_FORMATS, EngineSettings, MiB, ExpertShape, resolve_dense
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
 from fmoe_cli.profiling.files import HostProfile, model_identity
@@ -68,7 +70,7 @@ class ModelFacts:
     non_expert_bytes: int  # U_n
     attention_bytes: int  # one MoE layer's weights without its routed experts (for the roofline)
     head_bytes: int  # LM head + final norm
-    kv_bytes_per_token: int
+    kv_bytes: Callable[[int], int]  # the KV cache reserved for a context of N tokens (plan.kv_reserve)
     context_tokens: int | None = None  # the model's own context (max_position_embeddings), if it says
     dense: str = DEFAULT_DENSE  # --dense: U_n, attention_bytes and head_bytes count its targets at their stored size
     dense_unquantised_bytes: int = 0  # U_n with every weight in the compute dtype (= non_expert_bytes when bf16)
@@ -137,9 +139,9 @@ def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXP
     norm = getattr(getattr(meta, "model", None), "norm", None)
     head_bytes = _nbytes(head) + (_nbytes(norm) if norm is not None else 0)
     text = config.get_text_config()
-    kv_per_token = kv_cache_bytes(config, 1, shape.dtype_bytes)  # K and V of every layer
+    kv_bytes = functools.partial(kv_reserve, config, dtype_bytes=shape.dtype_bytes)
     context = getattr(text, "max_position_embeddings", None)
-    return ModelFacts(model, path, shape, non_expert, attention, head_bytes, kv_per_token,
+    return ModelFacts(model, path, shape, non_expert, attention, head_bytes, kv_bytes,
                       context if isinstance(context, int) and context > 0 else None, dense, unquantised)
 
 
@@ -217,10 +219,9 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
     slots = min_staging_slots(shape)
     reserve = parse_budget(workspace, 0)
     given_context = context
-    context = resolve_context(context, facts.context_tokens, facts.kv_bytes_per_token,
+    context = resolve_context(context, facts.context_tokens, facts.kv_bytes,
                               total - facts.non_expert_bytes - reserve if total else None)
-    device = DeviceBudget(total, facts.non_expert_bytes, slots * shape.expert_bytes,
-                          facts.kv_bytes_per_token * context, reserve)
+    device = DeviceBudget(total, facts.non_expert_bytes, slots * shape.expert_bytes, facts.kv_bytes(context), reserve)
     device.check(smaller_options(experts, facts.dense, given_context))
     sequences = None
     if routing is not None:  # the plan is made from the trace's statistics: the plan the simulation runs
