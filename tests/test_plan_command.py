@@ -48,7 +48,7 @@ def one_line_error(result, message: str) -> None:
 
 def test_plan_from_a_model_directory(checkpoints):
     path = checkpoints["mixtral"]
-    report = plan_json(str(path), "--vram", "64MiB", "--workspace", "8MiB", "--context", "256")
+    report = plan_json(str(path), "--vram", "64MiB", "--workspace", "8MiB", "--context", "256", "--dtype", "float32")
     shape, memory, layers = report["shape"], report["memory"], report["layers"]
     assert (shape["moe_layers"], shape["experts"], shape["top_k"]) == (4, 8, 2)
     assert shape["expert_bytes"] == 64 * 3 * 64 * 4  # I·3·H·4 bytes (float32 config)
@@ -61,7 +61,8 @@ def test_plan_from_a_model_directory(checkpoints):
     parts = memory["non_expert"] + memory["staging"] + memory["kv_cache"] + memory["workspace"] + memory["expert_budget"]
     assert parts == memory["device"]
     # the same model named by its config.json file plans the same
-    again = plan_json(str(path / "config.json"), "--vram", "64MiB", "--workspace", "8MiB", "--context", "256")
+    again = plan_json(str(path / "config.json"), "--vram", "64MiB", "--workspace", "8MiB", "--context", "256",
+                      "--dtype", "float32")
     assert again["layers"] == layers
 
 
@@ -101,6 +102,25 @@ def test_mixtral_8x7b_from_its_config(tmp_path):
     assert report["memory"]["staging"] == 4 * 336 * MiB
     assert not report["memory"]["whole_model_fits"]
     assert sum(layer["vram_bytes"] for layer in report["layers"]) <= report["memory"]["expert_budget"]
+
+
+def test_auto_plans_in_the_run_s_dtype_not_the_config_s(checkpoints):
+    """`--dtype auto` is what a run picks (load.pick_dtype): a GPU's bfloat16 whatever config.json's dtype (OLMoE's
+    says float32: its plan counted every weight twice), the CPU's float32 with a CPU profile."""
+    path = str(checkpoints["mixtral"])  # (a float32 config)
+    auto = plan_json(path, "--vram", "64MiB", "--workspace", "8MiB")
+    wide = plan_json(path, "--vram", "64MiB", "--workspace", "8MiB", "--dtype", "float32")
+    assert auto["shape"]["expert_bytes"] == 64 * 3 * 64 * 2 and wide["shape"]["expert_bytes"] == 64 * 3 * 64 * 4
+    assert 2 * auto["memory"]["non_expert"] == pytest.approx(wide["memory"]["non_expert"], rel=0.01)  # (but buffers)
+    assert auto["memory"]["kv_cache"] * 2 == wide["memory"]["kv_cache"]
+
+
+def test_a_model_transformers_builds_no_causal_lm_of_is_one_line(tmp_path):
+    """An image-text MoE (Qwen3-VL-MoE): one line, not AutoModelForCausalLM's traceback."""
+    config = transformers.AutoConfig.for_model("qwen3_vl_moe")
+    config.save_pretrained(tmp_path / "vl")
+    one_line_error(runner.invoke(app, ["plan", str(tmp_path / "vl"), "--vram", "12GiB"]),
+                   "transformers registers no AutoModelForCausalLM for it")
 
 
 def _mixtral_8x7b(tmp_path):
@@ -175,7 +195,7 @@ def test_plan_with_a_profile_of_this_model_uses_its_timings(checkpoints, tmp_pat
     link = LinkFit("measured", 1e9, 1e-5, ((1 << 20, 1e-3), (1 << 21, 2e-3)), "test")
     device = DeviceProfile(DeviceIdentity("cuda", "Some GPU", 64 * MiB), link, memory_bandwidth=1e11)
     profile = Profile(device, timings).save(tmp_path / "p.json")
-    report = plan_json(str(path), "--profile", str(profile), "--workspace", "8MiB")
+    report = plan_json(str(path), "--profile", str(profile), "--workspace", "8MiB", "--dtype", "float32")
     assert report["sources"]["timings"].startswith("measured")
     assert report["sources"]["vram"] == "the profile's device" and report["memory"]["device"] == 64 * MiB
     t = report["timings"]
@@ -186,7 +206,7 @@ def test_plan_with_a_profile_of_this_model_uses_its_timings(checkpoints, tmp_pat
     one_line_error(runner.invoke(app, ["plan", str(other), "--profile", str(profile)]), "times")
     # a device-only profile with a memory bandwidth gives a roofline estimate
     device_only = Profile(device, None).save(tmp_path / "d.json")
-    report = plan_json(str(path), "--profile", str(device_only), "--workspace", "8MiB")
+    report = plan_json(str(path), "--profile", str(device_only), "--workspace", "8MiB", "--dtype", "float32")
     assert report["sources"]["timings"].startswith("roofline")
     assert report["timings"]["t_exp"] == pytest.approx(64 * 3 * 64 * 4 / 1e11)
 
@@ -210,10 +230,11 @@ def test_resident_says_when_it_does_not_fit(checkpoints):
     """The TPOT table's resident row is every expert on the device: where the budget cannot hold them it says so
     (it read as the best row, 0 ms exposed, on a model 7 times the card)."""
     path = str(checkpoints["mixtral"])
-    small = plan_json(path, "--vram", "10MiB", "--workspace", "8MiB")["tpot"]["policies"]["resident"]
-    big = plan_json(path, "--vram", "4GiB", "--workspace", "8MiB")["tpot"]["policies"]["resident"]
+    small = plan_json(path, "--vram", "10MiB", "--workspace", "8MiB", "--dtype", "float32")["tpot"]["policies"]["resident"]
+    big = plan_json(path, "--vram", "4GiB", "--workspace", "8MiB", "--dtype", "float32")["tpot"]["policies"]["resident"]
     assert small["fits"] is False and big["fits"] is True
-    text = runner.invoke(app, ["plan", path, "--vram", "10MiB", "--workspace", "8MiB"], env={"COLUMNS": "200"}).stdout
+    text = runner.invoke(app, ["plan", path, "--vram", "10MiB", "--workspace", "8MiB", "--dtype", "float32"],
+                         env={"COLUMNS": "200"}).stdout
     assert "resident (does not fit)" in " ".join(text.split())
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models import hub, room
-from fmoe_cli.models.config import check_servable, config_expert_shape, moe_layer_indices
+from fmoe_cli.models.config import check_servable, config_expert_shape, moe_layer_indices, text_fields
 from fmoe_cli.options import RunOptions
 
 MIXTRAL_8X22B = {  # Mixtral-8x22B's config.json, the fields a check reads (141 B parameters: 525 GiB in float32)
@@ -33,6 +33,7 @@ LAYOUTS = [
     ("mixtral", {}), ("olmoe", {}),
     ("qwen2_moe", {"decoder_sparse_step": 2}), ("qwen2_moe", {"mlp_only_layers": [0, 3]}),
     ("qwen3_moe", {"mlp_only_layers": [2]}), ("qwen3_moe", {"decoder_sparse_step": 3, "mlp_only_layers": [2]}),
+    ("qwen3_moe", {"mlp_only_layers": [0]}), ("qwen3_moe", {"mlp_only_layers": [5]}),  # (one index: a list, not a value)
     ("deepseek_v2", {"first_k_dense_replace": 2}), ("deepseek_v3", {"first_k_dense_replace": 1}),
     ("deepseek_v3", {"first_k_dense_replace": None}),  # left out of config.json: the class's default (3)
 ]
@@ -40,7 +41,8 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("family, fields", LAYOUTS, ids=lambda v: str(v))
 def test_the_experts_counted_from_config_json_are_the_skeleton_s(family, fields, tmp_path):
-    """`config_expert_shape` from config.json's text equals `expert_shape` of the model transformers builds from it."""
+    """`config_expert_shape` from config.json's fields as the checks read them (`text_fields`) equals `expert_shape` of
+    the model transformers builds from it."""
     import torch
 
     from fmoe_cli.models.demo import tiny_config
@@ -53,9 +55,10 @@ def test_the_experts_counted_from_config_json_are_the_skeleton_s(family, fields,
         saved.pop("first_k_dense_replace")  # as a config.json that never wrote it
         config = type(config).from_dict(saved)
     _, layers = build_skeleton(config, torch.float32, "tiny")
-    assert [layer.decoder_index for layer in layers] == moe_layer_indices(saved)
+    fields = text_fields(saved)
+    assert [layer.decoder_index for layer in layers] == moe_layer_indices(fields)
     for experts in ("bf16", "int4"):
-        assert config_expert_shape(saved, 4, experts) == expert_shape(layers, torch.float32, experts)
+        assert config_expert_shape(fields, 4, experts) == expert_shape(layers, torch.float32, experts)
 
 
 def test_a_family_whose_layers_are_not_known_is_not_counted():
@@ -87,7 +90,8 @@ def test_block_scaled_fp8_is_read(tmp_path):
 def test_a_dense_model_is_refused_from_config_json_unless_its_own_code_says(tmp_path):
     dense = {k: v for k, v in MIXTRAL_8X22B.items() if k not in ("num_local_experts", "num_experts_per_tok")}
     path = write_config(tmp_path, {**dense, "model_type": "llama"})
-    with pytest.raises(FmoeError, match=r"org/model is a dense model \(llama: no routed experts\)"):
+    with pytest.raises(FmoeError, match=r"org/model \(llama\): config.json names no routed experts \(num_local_experts, "
+                                        r"num_experts, n_routed_experts, moe_num_experts\): a dense model"):
         check_servable(path, "org/model")
     assert check_servable(path, "org/model", trust_remote_code=True)["model_type"] == "llama"
     assert check_servable(write_config(tmp_path / "moe", MIXTRAL_8X22B), "org/model")["hidden_size"] == 6144
@@ -244,7 +248,7 @@ def test_a_command_on_a_hub_model_refuses_from_its_config_json(args, fragment, f
 @pytest.mark.parametrize("config, args, fragment", [
     ({**MIXTRAL_8X22B, "quantization_config": {"quant_method": "gptq"}}, ("chat",), "weights are stored quantised (gptq"),
     (MIXTRAL_8X22B, ("bench", "--device", "cpu"), "needs at least 504.0 GiB of host RAM with --experts bf16"),
-    ({**MIXTRAL_8X22B, "model_type": "llama", "num_local_experts": None}, ("serve", "--port", "0"), "is a dense model"),
+    ({**MIXTRAL_8X22B, "model_type": "llama", "num_local_experts": None}, ("serve", "--port", "0"), "names no routed experts"),
     ({**MIXTRAL_8X22B, "quantization_config": {"quant_method": "awq"}}, ("plan", "--vram", "12GiB"),
      "weights are stored quantised (awq"),
 ], ids=["gptq", "host RAM", "dense", "plan"])

@@ -33,10 +33,16 @@ ALIASES = {"num_experts_per_tok": ("moe_k", "moe_topk", "num_experts_per_token",
            "max_position_embeddings": ("model_max_length",)}
 
 
+# The fields a family may give per layer, each layer the same (Hunyuan-A13B's `moe_topk: [8] * 32`), read as one
+# integer; only these (a list of layer indices, as Qwen's `mlp_only_layers: [0]`, stays a list)
+PER_LAYER_FIELDS = frozenset({"num_experts_per_tok", *ALIASES["num_experts_per_tok"], *EXPERT_COUNT_KEYS,
+                              *INTERMEDIATE_KEYS, "num_shared_expert"})
+
+
 def uniform_value(value: object) -> object:
     """A per-layer list of one integer repeated (Hunyuan-A13B's `moe_topk: [8, 8, …]`, its
     `moe_intermediate_size`) as that integer; anything else as it is (a list of several values stays a list, and
-    is refused as no integer)."""
+    is refused as no integer). For the fields in PER_LAYER_FIELDS only."""
     if isinstance(value, list) and value and all(type(v) is int for v in value) and len(set(value)) == 1:
         return value[0]
     return value
@@ -57,7 +63,7 @@ def text_fields(raw: dict) -> dict:
     as that value (`uniform_value`)."""
     nested = raw.get("text_config")
     fields = {**raw, **nested} if isinstance(nested, dict) else dict(raw)
-    fields = {key: uniform_value(value) for key, value in fields.items()}
+    fields = {key: uniform_value(value) if key in PER_LAYER_FIELDS else value for key, value in fields.items()}
     for key, aliases in ALIASES.items():
         if fields.get(key) is None:
             fields[key] = next((fields[a] for a in aliases if fields.get(a) is not None), None)
@@ -162,8 +168,9 @@ def check_servable(path: Path, label: str, trust_remote_code: bool = False) -> d
                         f"experts itself (--experts int8, int4 or int2): use the model's unquantised checkpoint")
     counted = any(type(fields.get(key)) is int and fields[key] > 0 for key in EXPERT_COUNT_KEYS)
     if not counted and not trust_remote_code:
-        raise FmoeError(f"{label} is a dense model ({fields.get('model_type', 'no model_type')}: no routed experts); "
-                        f"fmoe serves Mixture-of-Experts models only")
+        raise FmoeError(f"{label} ({fields.get('model_type', 'no model_type')}): config.json names no routed experts "
+                        f"({', '.join(EXPERT_COUNT_KEYS)}): a dense model, or a Mixture-of-Experts family fmoe does "
+                        f"not serve")
     return fields
 
 

@@ -26,16 +26,17 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.models.config import check_servable
 from fmoe_cli.models.demo import demo_path
 from fmoe_cli.models.dense import quantize_dense
-from fmoe_cli.models.families import check_is_moe, find_moe_layers
+from fmoe_cli.models.families import check_is_moe
 from fmoe_cli.models.hub import download, local_config_path
 from fmoe_cli.models.room import host_ram_free, host_ram_needed
 from fmoe_cli.models.load import (
+    build_skeleton,
     check_expert_format,
     expert_shape,
     pick_dtype,
@@ -118,14 +119,12 @@ def model_facts(model: str, dtype: str | None = None, experts: str = DEFAULT_EXP
     except (ValueError, OSError, KeyError, json.JSONDecodeError) as exc:
         raise FmoeError(f"cannot read {path}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     check_is_moe(config, model)
-    if dtype in (None, "auto"):
-        torch_dtype = getattr(config, "dtype", None) or torch.bfloat16  # a GPU's dtype unless the config says
-        torch_dtype = getattr(torch, torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
+    if dtype in (None, "auto"):  # the run's own choice (load.pick_dtype), whatever the config's dtype: the CPU's
+        # float32, a GPU's bfloat16 (float16 on a card without it: not known here, the same bytes)
+        torch_dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
     else:
         torch_dtype = pick_dtype(dtype, torch.device("cuda"))
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    layers = find_moe_layers(meta, model)
+    meta, layers = build_skeleton(config, torch_dtype, model)  # (a model transformers builds no causal LM of: a line)
     check_expert_format(experts)
     shape = expert_shape(layers, torch_dtype, experts)
     unquantised = skeleton_non_expert_bytes(meta, layers)
