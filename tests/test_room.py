@@ -232,13 +232,21 @@ def test_the_listing_selects_the_patterns_counts_the_lfs_sizes_and_the_blobs_hel
     (("bench", "org/gptq-moe", "--tokens", "4"), "org/gptq-moe's weights are stored quantised (gptq"),
     (("bench", "org/big-moe", "--tokens", "70000"), "--tokens 70000: the context of 65536 tokens"),
     (("chat", "org/big-moe", "--context", "100000"), "--context 100000 is longer than the model's context of 65536"),
+    # what only transformers' model of the config tells (load.check_skeleton), before the weights too
+    (("chat", "org/gpt-oss"), "(GptOssExperts): experts with biases are not served yet"),
+    (("bench", "org/vl-moe", "--tokens", "4"), "(qwen3_vl_moe): transformers registers no AutoModelForCausalLM"),
+    (("serve", "org/vl-moe", "--port", "0"), "(qwen3_vl_moe): transformers registers no AutoModelForCausalLM"),
 ])
 def test_a_command_on_a_hub_model_refuses_from_its_config_json(args, fragment, fake_hub, monkeypatch):
     """The commands' own path (cli.py `_fetch_model`): one line, exit 2, and the weights never asked for."""
+    import transformers
+
     from test_cli_errors import assert_one_line_error, run
 
-    gptq = {**MIXTRAL_8X22B, "quantization_config": {"quant_method": "gptq", "bits": 4}}
-    fake = fake_hub(config=gptq if "gptq" in args[1] else MIXTRAL_8X22B, files=[("config.json", 1000)])
+    configs = {"org/gptq-moe": {**MIXTRAL_8X22B, "quantization_config": {"quant_method": "gptq", "bits": 4}},
+               "org/gpt-oss": transformers.AutoConfig.for_model("gpt_oss").to_dict(),
+               "org/vl-moe": transformers.AutoConfig.for_model("qwen3_vl_moe").to_dict()}
+    fake = fake_hub(config=configs.get(args[1], MIXTRAL_8X22B), files=[("config.json", 1000)])
     monkeypatch.setattr(room, "host_ram_free", lambda: 10**15)
     result, text = run(*args)
     assert_one_line_error(result, text, fragment)

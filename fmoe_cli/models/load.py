@@ -182,8 +182,6 @@ def load_model(
     int8 on the CPU beside int8/int4 experts; left out here: float, the exact path).
     `before_read(shape, non_expert_bytes, config, device)`: the caller's checks once the sizes are
     known and before a weight is read (run.py: the expert budget against the device)."""
-    from transformers import AutoConfig
-
     console = console or Console(stderr=True)
     check_expert_format(experts)
     check_dense_format(dense)
@@ -196,11 +194,7 @@ def load_model(
         warn_without_int8_dots()
     activations = resolve_activations(activations, dev.type, experts, int8_dots=dev.type == "cpu" and has_int8_dots())
     check_servable(path / "config.json", model_id, trust_remote_code)  # its fields, as written, before transformers reads them
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        raise FmoeError(f"{model_id}: {str(exc).splitlines()[0]} (pass --trust-remote-code for custom code)") from None
-    check_is_moe(config, model_id)
+    config = read_config(path, model_id, trust_remote_code)
     model, layers = build_skeleton(config, torch_dtype, model_id, trust_remote_code)
     shape = expert_shape(layers, torch_dtype, experts)
     non_expert_bytes = skeleton_non_expert_bytes(model, layers, dense)
@@ -275,6 +269,26 @@ def _save_converted(path: Path, store, fingerprint: str, shape: ExpertShape, con
     except OSError as exc:
         console.print(f"warning: could not save the converted store to {path} ({exc.strerror or exc}); "
                       f"the next start converts again", highlight=False)
+
+
+def read_config(path: Path, model_id: str, trust_remote_code: bool = False):
+    """transformers' config of the model directory `path`, a Mixture-of-Experts one (else one line)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise FmoeError(f"{model_id}: {str(exc).splitlines()[0]} (pass --trust-remote-code for custom code)") from None
+    check_is_moe(config, model_id)
+    return config
+
+
+def check_skeleton(config_path: Path, model_id: str) -> None:
+    """What only transformers' model of config.json tells, built on the meta device (no memory, no weights): a family
+    transformers builds no causal LM of, an experts module or router fmoe does not serve (Llama 4's, gpt-oss's). For
+    a hub id before its weights are downloaded (cli.py `_fetch_model`: not 218 GB of Llama-4-Scout for one line); a
+    model with its own code is left to the load (its code comes with the weights)."""
+    build_skeleton(read_config(config_path.parent, model_id), torch.bfloat16, model_id)
 
 
 def build_skeleton(config, dtype: torch.dtype, model_id: str, trust_remote_code: bool = False):
