@@ -21,8 +21,8 @@ from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload.engine import Counters, Engine
 from fmoe_cli.offload.layout import called
 from fmoe_cli.offload.link import host_now
-from fmoe_cli.planning.plan import static_cache_capacity
 from fmoe_cli.prediction.base import as_float32
+from fmoe_cli.types import static_cache_capacity
 
 def next_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
     """One forward of `ids` [1, T] on the KV cache → the last position's logits [V].

@@ -24,6 +24,13 @@ SEED_RANGE = (-2**63, 2**64 - 1)  # the sampling seeds torch.Generator.manual_se
 # the repetition penalties sampling takes (transformers' GenerationConfig's range): a logit divided by less than this
 # overflows float32 to inf, and the draw's inf − inf is NaN (chat's --repetition-penalty, serve's, generation_config.json)
 REPETITION_PENALTY_RANGE = (1e-3, 1e3)
+GRAPH_CAPACITY_STEP = 256  # a GPU's decode cache holds a multiple of this many positions
+
+
+def static_cache_capacity(tokens: int) -> int:
+    """The positions of the StaticCache a GPU's generation of up to `tokens` positions decodes in (generate.py
+    decode_graph: rounded up to GRAPH_CAPACITY_STEP), and what the plan reserves (planning/plan.py kv_reserve)."""
+    return -(-tokens // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
 
 
 @dataclass

@@ -23,7 +23,8 @@ from fmoe_cli.models.config import check_config_file
 from fmoe_cli.models.hub import local_config_path
 from fmoe_cli.profiling.files import Profile
 from fmoe_cli.profiling.machine import surely_no_gpu
-from fmoe_cli.types import DEFAULT_DENSE, MiB, ExpertShape, LayerPlan, Plan, check_dense_format, check_dtype, check_expert_format
+from fmoe_cli.types import (DEFAULT_DENSE, MiB, ExpertShape, LayerPlan, Plan, check_dense_format, check_dtype,
+                            check_expert_format, static_cache_capacity)
 
 
 
@@ -119,15 +120,6 @@ def resolve_context(requested: int | None, model_context: int | None, kv_bytes: 
         while tokens > MIN_DEFAULT_CONTEXT and kv_bytes(tokens) * KV_SHARE > room_bytes:
             tokens //= 2
     return tokens
-
-
-GRAPH_CAPACITY_STEP = 256  # a DecodeGraph's KV capacity is a multiple of this many positions (generate.py)
-
-
-def static_cache_capacity(tokens: int) -> int:
-    """The positions of the StaticCache a GPU's generation of up to `tokens` positions decodes in (generate.py
-    decode_graph: rounded up to GRAPH_CAPACITY_STEP)."""
-    return -(-tokens // GRAPH_CAPACITY_STEP) * GRAPH_CAPACITY_STEP
 
 
 def kv_reserve(config, context: int, dtype_bytes: int) -> int:
