@@ -134,12 +134,12 @@ def test_plan_says_what_each_format_needs_and_caches_more_int4(checkpoints):
     reports = {}
     for fmt in EXPERT_FORMATS:
         result, text = run("plan", path, "--vram", "1700KiB", "--workspace", "1MiB", "--context", "0",
-                           "--experts", fmt, "--json")
+                           "--experts", fmt, "--dtype", "float32", "--json")
         assert result.exit_code == 0, text
         reports[fmt] = json.loads(result.stdout)
     host = reports["int4"]["host"]
     assert host["chosen"] == "int4" and host["free"] > 0
-    shape = ExpertShape(4, 8, 2, 64, 64, 4)  # the tiny mixtral in float32 (its config's dtype)
+    shape = ExpertShape(4, 8, 2, 64, 64, 4)  # the tiny mixtral in float32 (--dtype float32)
     for fmt, entry in host["formats"].items():
         assert entry["experts"] == replace_format(shape, fmt).all_experts_bytes
         assert entry["needed"] == entry["experts"] + entry["non_expert"]
