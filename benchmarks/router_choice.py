@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()  # the tiny configs' notices (Gemma 4's last layer, LFM2's conv)
     print(f"transformers {transformers.__version__}, σ = {args.std}, {args.tokens} tokens, seeds 0-{args.seeds - 1}; "
           f"ROUTER_FORMS names {len(ROUTER_FORMS)} routers\n")
     print("| family | same layer, ranked otherwise: before | after | one layer ahead, recall: before | after |")
