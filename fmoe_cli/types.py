@@ -44,6 +44,40 @@ class MoeLayer:
     router: nn.Module  # the module whose weight [N, H] scores the experts (what the predictors rank with)
     gate: nn.Module | None = None  # the block's routing module, where it is not `router` itself (Hunyuan's gate,
     # whose `wg` is the matrix): what returns the top-k (fmoe bench --replay-routing hooks it)
+    choice: RouterChoice | None = None  # how its router picks the top-k (models/families.py router_choice): what the
+    # predictors rank the experts with
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class RouterChoice:
+    """How a MoE layer's router picks its top-k experts from its input h [T, H]: what prediction/base.py router_scores
+    ranks them by. models/families.py `router_choice` resolves it once per layer, from where the family keeps each
+    part (`ROUTER_FORMS`). A tensor is named by its owner module and attribute and read at each call: a module's
+    `.to()` replaces its buffers. Steps, in order:
+
+        x = h · (mean(h²) + input_eps)^-½ · s · input_root   (input_scale = s; Gemma 4's router norms and scales h)
+        z = W·x, its first `experts` columns where W has more rows (Inkling: its shared experts' gates after)
+        z = c · tanh(z / c)                                   (softcap = c; Laguna)
+        scores = softmax(z) or sigmoid(z), + b                (bias = b: for choosing only)
+                 sigmoid(z + b) where bias_on_logits          (Kolibri1: the top-k of z + b, in (0, 1))
+        experts of the `chosen_groups` best of `groups` groups first (a group's score: its two best summed, or
+        its best where group_by_best: DeepSeek-V2); the others' scores below all of theirs, or 0 where
+        masked_to_zero (AXK2: a chosen expert's sigmoid(z) + b < 0 ranks after them)
+    """
+
+    matrix: nn.Module  # its `weight` [R, H] (R >= N)
+    experts: int = 0  # N where R > N, else 0 (all of z)
+    sigmoid: bool = False
+    bias: tuple[nn.Module, str] | None = None  # b [N] or [1, N]
+    bias_on_logits: bool = False
+    softcap: float = 0.0
+    groups: int = 0  # 0: not group-limited
+    chosen_groups: int = 0
+    group_by_best: bool = False
+    masked_to_zero: bool = False
+    input_scale: tuple[nn.Module, str] | None = None  # s [H]
+    input_eps: float = 0.0
+    input_root: float = 1.0
 
 
 @dataclass(frozen=True)

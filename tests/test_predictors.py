@@ -610,3 +610,56 @@ def test_the_router_s_scores_rank_the_experts_it_routes_to_first(family):
         k = routed.shape[-1]
         predicted = router_scores(layer.router, hidden).topk(k, dim=-1).indices
         assert torch.equal(predicted.sort(dim=-1).values, routed.sort(dim=-1).values), layer.name
+
+
+# Every MoE family fmoe serves exactly (docs/architecture.md § Families; gemma4: its text model).
+SERVED_FAMILIES = (
+    "afmoe", "aria", "axk1", "axk2", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note",
+    "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
+    "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "inkling",
+    "jamba", "kolibri1", "laguna", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax_m2", "mixtral", "olmoe", "phimoe",
+    "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen4_exp", "solar_open",
+)
+
+
+@pytest.mark.parametrize("family", SERVED_FAMILIES)
+def test_the_predictor_ranks_first_the_experts_each_family_s_router_chooses(family):
+    """For every family served exactly, its routers' choice-only biases, scales and group limits moved off their init
+    (benchmarks/router_choice.py's tiny model, σ = 0.3): the speculative predictor's K best experts for a hidden state h
+    at MoE layer L (what it prefetches, issued from layer L − 1) are the K experts layer L's own router chooses for h
+    (called by the family's code, as the model calls it), token by token. Before 29 Nov the predictor ranked by the
+    router's matrix (and a correction bias on the router itself): AFMoE, AXK2, group-limited DeepSeek-V2, ERNIE-4.5,
+    Gemma 4, HY-V3, Kolibri1, Laguna, LFM2-MoE and MiniMax-M2 ranked otherwise; the others are the regression."""
+    from test_benchmark_scripts import benchmark  # tests/
+
+    router_choice = benchmark("router_choice")
+    model, layers = router_choice.perturbed_model(family, std=0.3, seed=5)
+    hidden = torch.randn(48, layers[0].router.weight.shape[-1], generator=torch.Generator().manual_seed(2)) * 2
+    num_experts = layers[0].experts.gate_up_proj.shape[0]
+    predictor = make_predictor("speculative", layers, num_experts, 2)
+    it = Iteration(len(layers), num_experts)
+    routed = router_choice.routed(model, layers, torch.randint(5, 300, (1, len(hidden))), hidden)
+    for layer, (_, _, chosen) in zip(layers, routed):
+        k = chosen.shape[-1]
+        issuing = (layer.index - 1) % len(layers)
+        predicted = torch.stack([predictor.device_part(it, issuing, row[None])[("speculative", issuing)].topk(k).indices
+                                 for row in hidden])
+        wrong = (predicted.sort(dim=-1).values != chosen.sort(dim=-1).values).any(dim=-1)
+        assert not wrong.any(), f"{family} {layer.name}: {int(wrong.sum())} of {len(hidden)} tokens ranked otherwise"
+
+
+def test_a_router_without_a_form_keeps_its_scores():
+    """Mixtral's router (no ROUTER_FORMS entry, no bias): the scores the predictors rank with are softmax(W·h), as
+    before 29 Nov (the expert-map's distributions read their values, not only their order)."""
+    import torch.nn.functional as F
+
+    from fmoe_cli.models.demo import tiny_config
+    from fmoe_cli.models.families import find_moe_layers
+    from fmoe_cli.prediction.base import router_scores
+
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("mixtral", vocab_size=64), dtype=torch.float32)
+    hidden = torch.randn(5, model.config.hidden_size)
+    for layer in find_moe_layers(model):
+        assert layer.choice.bias is None and layer.choice.input_scale is None and not layer.choice.groups
+        assert torch.allclose(router_scores(layer.choice, hidden), F.linear(hidden, layer.router.weight).softmax(-1))

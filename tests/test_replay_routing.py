@@ -52,7 +52,8 @@ def quiet() -> Console:
     return Console(file=open(os.devnull, "w"))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "hunyuan_v1_moe"])  # Hunyuan: the gate module around its matrix `wg`
+# Hunyuan: the gate module around its matrix `wg`; Gemma 4: its router module, which the decoder layer calls itself
+@pytest.mark.parametrize("family", ["mixtral", "hunyuan_v1_moe", "gemma4_text"])
 def test_engine_gets_the_traces_experts_and_weights(checkpoints, tmp_path, family):
     trace = read_trace(write_trace(tmp_path / "t.jsonl", layers=LAYERS + 2))  # more layers: the first 4 replay
     lm = load_model(str(checkpoints[family]), device="cpu", console=quiet())

@@ -316,7 +316,7 @@ class Engine:
         # the store (LayerState.aliased), as the link's loads are: a copy would hold the same bytes twice in RAM.
         self.aliased = device.type == "cpu" and not link.copy
         self.dtype = dtype
-        routers = [layer.router for layer in layers]
+        routers = [layer.choice for layer in layers]  # how each router chooses: what the predictors rank with
         self.predictor = predictor or SpeculativePredictor(routers)
         self.prefetcher: Prefetcher | None = None  # built with each plan's pool
         self.iteration = Iteration(shape.num_layers, shape.num_experts, routers)  # what predictors see

@@ -36,38 +36,82 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fmoe_cli.types import RouterChoice
 
 
-def router_scores(router: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The router's per-expert scores for hidden states [T, H] -> [T, N] (higher = more likely).
+def router_scores(choice: RouterChoice | nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A MoE layer's per-expert scores for hidden states [T, H] -> [T, N] (higher = more likely), ranked as its router
+    chooses its top-k (`RouterChoice`: softmax or sigmoid of its logits, a bias for choosing only, its group limits,
+    its own norm and scale of h; models/families.py resolves each layer's once, `ROUTER_FORMS`).
 
-    Used for speculative prediction (MoEpic Eq. 3: softmax(R_{i+1}(h_i))). Routers
-    that choose by sigmoid + a correction bias (DeepSeek-V3) are ranked the way they
-    choose, within the groups they limit their choice to (`num_group`, `topk_group`). A correction bias or scale a
-    family keeps outside the router's matrix (AFMoE's, ERNIE-4.5's, Gemma 4's, MiniMax-M2's) is not seen: those rank
-    by the matrix alone (docs/architecture.md § Families). A router whose weight has rows after its routed experts'
-    (Inkling: its shared experts' gates, beside a correction bias of the routed ones) ranks the routed ones.
-    """
-    logits = F.linear(as_float32(hidden), as_float32(module_attribute(router, "weight")))
-    bias = module_attribute(router, "e_score_correction_bias")
-    if bias is None:
-        return logits.softmax(dim=-1)
-    scores = logits[..., :bias.shape[0]].sigmoid() + bias.float()
-    groups, chosen = module_attribute(router, "num_group"), module_attribute(router, "topk_group")
-    if type(groups) is int and type(chosen) is int and 0 < chosen < groups and scores.shape[-1] % groups == 0:
-        # group-limited routing (DeepSeek-V3, GLM-4.5): experts only from the topk_group groups whose two best
-        # scores sum highest; the other groups' experts rank after every one of those
-        grouped = scores.view(*scores.shape[:-1], groups, -1)
-        best = grouped.topk(2, dim=-1).values.sum(dim=-1).topk(chosen, dim=-1).indices
+    Used for speculative prediction (MoEpic Eq. 3: softmax(R_{i+1}(h_i))) on every layer of every decode step: a few
+    attribute reads beside the ops. A bare router module is read as `plain_router_choice` reads it."""
+    if type(choice) is not RouterChoice:
+        choice = plain_router_choice(choice)
+    x = as_float32(hidden)
+    if choice.input_scale is not None:  # Gemma 4: x = h · (mean(h²) + ε)^-½ · s · H^-½
+        scale = as_float32(module_attribute(*choice.input_scale)) * choice.input_root
+        x = x * (x.pow(2).mean(dim=-1, keepdim=True) + choice.input_eps).rsqrt() * scale
+    logits = F.linear(x, as_float32(module_attribute(choice.matrix, "weight")))
+    if choice.experts:  # Inkling: the rows after its N routed experts gate its shared experts
+        logits = logits[..., :choice.experts]
+    if choice.softcap:  # Laguna: z = c · tanh(z / c)
+        logits = torch.tanh(logits / choice.softcap) * choice.softcap
+    bias = None if choice.bias is None else as_float32(module_attribute(*choice.bias))
+    if bias is not None and choice.bias_on_logits:  # Kolibri1: the top-k of z + b; sigmoid keeps that order
+        scores = (logits + bias).sigmoid()
+    else:
+        scores = logits.sigmoid() if choice.sigmoid else logits.softmax(dim=-1)
+        if bias is not None:
+            scores = scores + bias
+    if choice.groups:
+        # group-limited routing (DeepSeek-V3, GLM-4.5: a group's score is its two best experts' summed; DeepSeek-V2's
+        # group_limited_greedy: its best one's): experts only from the chosen_groups best groups; the other groups'
+        # experts rank after every one of those
+        grouped = scores.view(*scores.shape[:-1], choice.groups, -1)
+        group_score = grouped.amax(dim=-1) if choice.group_by_best else grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = group_score.topk(choice.chosen_groups, dim=-1).indices
         kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(-1, best, True)
-        scores = torch.where(kept.unsqueeze(-1), grouped, grouped - 1e4).view(scores.shape)
+        masked = 0.0 if choice.masked_to_zero else grouped - 1e4
+        scores = torch.where(kept.unsqueeze(-1), grouped, masked).view(scores.shape)
     return scores
+
+
+def plain_router_choice(router: nn.Module, experts: int = 0) -> RouterChoice:
+    """How a router module chooses, read from it alone (what models/families.py `router_choice` falls back to for a
+    family `ROUTER_FORMS` does not name): softmax of its logits, or, beside its own `e_score_correction_bias`, sigmoid
+    plus that bias (DeepSeek-V3's form, for choosing only) within its `num_group` / `topk_group` limits.
+    experts: N (0: the bias's length, else the matrix's rows)."""
+    bias = module_attribute(router, "e_score_correction_bias")
+    rows = module_attribute(router, "weight").shape[0]
+    experts = experts or (bias.shape[-1] if bias is not None else rows)
+    cut = experts if experts < rows else 0
+    if bias is None:
+        return RouterChoice(router, experts=cut)
+    groups, chosen = group_limits(router, experts)
+    return RouterChoice(router, experts=cut, sigmoid=True, bias=(router, "e_score_correction_bias"), groups=groups,
+                        chosen_groups=chosen)
+
+
+def group_limits(router: nn.Module, experts: int) -> tuple[int, int]:
+    """(num_group, topk_group) where a router chooses its experts from its topk_group best of num_group groups of
+    them, else (0, 0)."""
+    groups, chosen = module_attribute(router, "num_group"), module_attribute(router, "topk_group")
+    if type(groups) is int and type(chosen) is int and 0 < chosen < groups and experts % groups == 0:
+        return groups, chosen
+    return 0, 0
+
+
+def router_choices(routers: Sequence[RouterChoice | nn.Module]) -> list[RouterChoice]:
+    """Each layer's `RouterChoice` (a bare router module read by `plain_router_choice`): resolved once, by the
+    predictors and the `Iteration` that are given them."""
+    return [r if type(r) is RouterChoice else plain_router_choice(r) for r in routers]
 
 
 def module_attribute(module: nn.Module, name: str):
     """getattr(module, name, None), read from the module's parameters, buffers, submodules and own dict first: through
-    nn.Module's __getattr__ a name costs about 1 µs, a missing one (the correction bias of most routers, each layer
-    of a decode step) 2 µs with its AttributeError."""
+    nn.Module's __getattr__ a name costs about 1 µs, a missing one 2 µs with its AttributeError (router_scores reads a
+    router's weight and biases each layer of a decode step)."""
     if not isinstance(module, nn.Module):
         return getattr(module, name, None)
     for table in (module._parameters, module._buffers, module._modules, module.__dict__):
@@ -113,7 +157,7 @@ class Iteration:
 
     num_layers: int  # L
     num_experts: int  # N
-    routers: list[torch.nn.Module] | None = None  # to compute full routing distributions; None in synthetic tests
+    routers: list[RouterChoice] | None = None  # to compute full routing distributions; None in synthetic tests
     # Router inputs are kept for the last `keep_hidden` layers only (a long prompt's [T, H] per layer
     # would add up); 3 = FIRM-MoE's P, the most any predictor here looks back.
     keep_hidden: int = 3
@@ -126,6 +170,10 @@ class Iteration:
     host: dict = field(default_factory=dict)  # key -> host copy of a predictor's device part (this pass)
     _distribution: dict[int, torch.Tensor] = field(default_factory=dict)
     _semantic: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.routers is not None:  # bare router modules (tests) read once
+            self.routers = router_choices(self.routers)
 
     def begin(self, embedding: torch.Tensor | None, tokens: int | None = None) -> None:
         """A new forward pass. More than one token starts a new request (a prefill)."""

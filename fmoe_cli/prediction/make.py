@@ -13,7 +13,7 @@ from fmoe_cli.types import MoeLayer
 
 
 def make_predictor(name: str, layers: list[MoeLayer], num_experts: int, top_k: int) -> Predictor:
-    routers = [layer.router for layer in layers]
+    routers = [layer.choice for layer in layers]
     num_layers = len(layers)
     if name == "speculative":
         return SpeculativePredictor(routers)

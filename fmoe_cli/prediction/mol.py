@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, router_scores
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, router_choices, router_scores
+from fmoe_cli.types import RouterChoice
 
 DEFAULT_CANDIDATES = 3  # K: candidates per layer
 DEFAULT_LAYERS = 3  # P: earlier layers intersected
@@ -47,11 +48,11 @@ def intersection_scores(per_layer: list[torch.Tensor], k: int) -> tuple[torch.Te
 class MolPredictor(BasePredictor):
     name = "mol"
 
-    def __init__(self, routers: list[torch.nn.Module], k: int = DEFAULT_CANDIDATES,
+    def __init__(self, routers: list[RouterChoice | torch.nn.Module], k: int = DEFAULT_CANDIDATES,
                  layers: int = DEFAULT_LAYERS) -> None:
         if k < 1 or layers < 1:
             raise ValueError("mol needs K >= 1 and P >= 1")
-        self.routers = routers
+        self.routers = router_choices(routers)
         self.k = k
         self.p = layers
         self.last_intersection: set[int] = set()  # for tests and the curious

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, router_scores
+from fmoe_cli.prediction.base import BasePredictor, Iteration, Prediction, router_choices, router_scores
+from fmoe_cli.types import RouterChoice
 
 
 class SpeculativePredictor(BasePredictor):
@@ -13,8 +14,8 @@ class SpeculativePredictor(BasePredictor):
 
     name = "speculative"
 
-    def __init__(self, routers: list[torch.nn.Module]) -> None:
-        self.routers = routers
+    def __init__(self, routers: list[RouterChoice | torch.nn.Module]) -> None:
+        self.routers = router_choices(routers)
 
     def _scores(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         target = (layer + 1) % len(self.routers)
