@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,11 +54,21 @@ def quiet() -> Console:
     return Console(file=open(os.devnull, "w"))
 
 
-# Hunyuan: the gate module around its matrix `wg`; Gemma 4: its router module, which the decoder layer calls itself
-@pytest.mark.parametrize("family", ["mixtral", "hunyuan_v1_moe", "gemma4_text"])
+# Hunyuan: the gate module around its matrix `wg`; Gemma 4: its router module, which the decoder layer calls itself;
+# AFMoE, LFM2-MoE, HY-V3, MiniMax-M2: routers called with their block's bias beside the hidden state (AFMoE: a dense
+# first layer, 3 MoE layers)
+@pytest.mark.parametrize("family", ["mixtral", "hunyuan_v1_moe", "gemma4_text", "afmoe", "lfm2_moe", "hy_v3",
+                                    "minimax_m2"])
 def test_engine_gets_the_traces_experts_and_weights(checkpoints, tmp_path, family):
-    trace = read_trace(write_trace(tmp_path / "t.jsonl", layers=LAYERS + 2))  # more layers: the first 4 replay
-    lm = load_model(str(checkpoints[family]), device="cpu", console=quiet())
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", layers=LAYERS + 2))  # more layers: the first ones replay
+    if family in ("lfm2_moe", "hy_v3", "minimax_m2"):  # (the survey's tiny checkpoints)
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+        import families_survey
+
+        path = families_survey.build(family, tmp_path / family)
+    else:
+        path = checkpoints[family]
+    lm = load_model(str(path), device="cpu", console=quiet())
     engine = open_engine(lm)
     shape = lm.shape
     engine.configure(make_settings("ondemand", shape, shape.min_staging_slots * shape.expert_bytes))
@@ -84,7 +96,8 @@ def test_engine_gets_the_traces_experts_and_weights(checkpoints, tmp_path, famil
         lm.store.close()
     routed = prompt.shape[1] + new_tokens - 1  # the last token is never fed back
     records = stream(trace)[:routed]
-    for j in range(LAYERS):
+    assert shape.num_layers >= 3
+    for j in range(shape.num_layers):
         ids = torch.cat([i for layer, i, _ in events if layer == j])
         weights = torch.cat([w for layer, _, w in events if layer == j])
         assert ids.tolist() == [list(records[t][j].experts) for t in range(routed)]
@@ -170,3 +183,15 @@ def test_bad_replay_options_are_refused_at_once(checkpoints, tmp_path):
     result = bench([str(checkpoints["mixtral"]), "--replay-routing", str(source), "--tokens", "4"])
     assert result.exit_code == 2 and result.output.strip().splitlines()[-1].startswith("error: ")
     assert "use a shorter prompt" in result.output
+
+
+def test_a_router_that_does_not_return_its_top_k_is_refused_in_one_line(checkpoints, tmp_path):
+    """Inkling's router returns four values: refused at its first forward (where the model's own call gives it its
+    arguments), one line, exit 2."""
+    source = write_trace(tmp_path / "in.jsonl", sequences=(60,))
+    result = bench([str(checkpoints["inkling_text"]), "--replay-routing", str(source), "--tokens", "3", "--prompt",
+                    "a b", "--policy", "lru"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith("error: --replay-routing: the router of ") and "does not return its top-k" in lines[-1]
+    assert "Traceback" not in result.output

@@ -108,7 +108,8 @@ class ReplayedRouting:
         self._next = [0] * shape.num_layers
         self.last = [_Forward() for _ in range(shape.num_layers)]
         self._installed: list[tuple[torch.nn.Module, object]] = []
-        self._served: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, as the router returns them
+        # per layer, the trace's ids and weights as its router returns its own (dtype, device), from its first forward
+        self._served: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * shape.num_layers
 
     # --- the tokens ------------------------------------------------------------
     def restart(self) -> None:
@@ -125,7 +126,7 @@ class ReplayedRouting:
                             f"tokens (layer {layer})")
         self._next[layer] = start + tokens
         self.last[layer] = _Forward(start, tokens)
-        ids, weights = self._served[layer] if self._served else (self.ids[layer], self.weights[layer])
+        ids, weights = self._served[layer] or (self.ids[layer], self.weights[layer])
         return ids[start:start + tokens].clone(), weights[start:start + tokens].clone()
 
     def tokens(self, limit: int | None = None) -> list[list[Token]]:
@@ -155,19 +156,14 @@ class ReplayedRouting:
     # --- the hook --------------------------------------------------------------
     def install(self, layers: Sequence[MoeLayer]) -> None:
         """Wrap every MoE layer's router forward: its top-k ids and weights become the trace's. A router whose
-        forward does not return (logits, weights, ids) is refused in one line."""
-        served = []
-        for layer in layers:
-            _, weights, index = self._check_router(layer, routing_module(layer).forward)
-            # the trace's routing where the router puts its own (a GPU's: no copy a forward)
-            served.append((self.ids[layer.index].to(device=index.device, dtype=index.dtype),
-                           self.weights[layer.index].to(weights.dtype).to(weights.device)))
+        forward does not return (logits, weights [T, K], ids [T, K]) is refused in one line at its first forward
+        (`_serving`): only the model's own call has the arguments some routers take beside the hidden state (their
+        block's bias: AFMoE, HY-V3, MiniMax-M2, LFM2-MoE; a probe without them was a TypeError's traceback)."""
         for layer in layers:
             router = routing_module(layer)
             original = router.forward
             self._installed.append((router, router.__dict__.get("forward")))
-            router.forward = self._replaying(layer.index, original)
-        self._served = served
+            router.forward = self._replaying(layer, original)
 
     def uninstall(self) -> None:
         for router, previous in reversed(self._installed):
@@ -175,30 +171,33 @@ class ReplayedRouting:
                 del router.forward
             else:
                 router.forward = previous
-        self._installed, self._served = [], []
+        self._installed, self._served = [], [None] * self.num_layers
 
-    def _replaying(self, layer: int, original):
+    def _replaying(self, layer: MoeLayer, original):
+        j = layer.index
+
         def forward(hidden_states, *args, **kwargs):
-            logits, weights, index = original(hidden_states, *args, **kwargs)  # the router's work, as always
-            ids, probs = self.take(layer, index.shape[0])
+            out = original(hidden_states, *args, **kwargs)  # the router's work, as always
+            if self._served[j] is None:
+                self._served[j] = self._serving(layer, out)
+            logits, _, index = out
+            ids, probs = self.take(j, index.shape[0])
             return logits, probs, ids
 
         forward.fmoe_replay = True
         return forward
 
-    @staticmethod
-    def _check_router(layer: MoeLayer, forward) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The router's output for one token of zeros: (logits, weights [1, K], ids [1, K]), else one line."""
-        hidden = layer.router.weight.shape[-1]
-        probe = torch.zeros(1, hidden, dtype=layer.router.weight.dtype, device=layer.router.weight.device)
-        with torch.inference_mode():
-            out = forward(probe)
+    def _serving(self, layer: MoeLayer, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trace's ids and weights of `layer` where its router puts its own (a GPU's: no copy a forward), once its
+        first output `out` is seen to be (logits, weights [T, K], ids [T, K]); else one line."""
         if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)
                 and out[2].dim() == 2 and not out[2].is_floating_point() and out[1].shape == out[2].shape):
             raise FmoeError(f"--replay-routing: the router of {layer.name} ({type(routing_module(layer)).__name__}) does not "
                             f"return its top-k weights and ids; fmoe replays routing on routers that do "
                             f"(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, Hunyuan, …)")
-        return out
+        _, weights, index = out
+        return (self.ids[layer.index].to(device=index.device, dtype=index.dtype),
+                self.weights[layer.index].to(weights.dtype).to(weights.device))
 
     # --- the predictor ---------------------------------------------------------
     def predictor(self, name: str, layers: list[MoeLayer], shape: ExpertShape):
