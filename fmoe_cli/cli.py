@@ -96,18 +96,19 @@ def _quiet_libraries() -> None:
 
 
 def _fetch_model(opts: RunOptions, then=None) -> None:
-    """A hub model's files fetched before torch is imported (models/hub.py `fetch_model_early`): the download's bar
-    at once, an unknown id or no network one line in under a second; its config.json first, checked against the run
-    (`RunOptions.check_model_config`, then `then(the model's context)`, then transformers' model of it built on the
-    meta device: `load.check_skeleton`) before the weights come."""
+    """A hub model's config.json fetched before torch is imported (models/hub.py `fetch_model_early`): an unknown id
+    or no network one line in under a second; then checked against the run (`RunOptions.check_model_config`, then
+    `then(the model's context)`, then transformers' model of it built on the meta device: `load.check_skeleton`, which
+    imports torch, 4–5 s, as the command would next) before the weights come."""
     def check(config):
         context = opts.check_model_config(config)
         if then is not None:
             then(context)
         if not opts.trust_remote_code:  # (a model's own code comes with its weights)
-            from fmoe_cli.models.load import check_skeleton  # torch: the command imports it next anyway
+            with err_console.status(f"checking {opts.model}'s config.json …"):
+                from fmoe_cli.models.load import check_skeleton  # torch: the command imports it next anyway
 
-            check_skeleton(config, opts.model)
+                check_skeleton(config, opts.model)
 
     fetch_model_early(opts.model, opts.trust_remote_code, check)
 

@@ -19,11 +19,12 @@ def model_patterns(trust_remote_code: bool) -> list[str]:
 
 
 def fetch_model_early(model: str, trust_remote_code: bool, check=None) -> None:
-    """A hub id's files downloaded (or found in the local cache) before a command imports torch and transformers
-    (6–8 s): the download's progress bar starts at once, and an unknown id or a missing network is one line in
-    under a second instead of after those imports. Its config.json comes first, alone: `check(config_path)` (the
-    command's checks of the model: models/config.py `check_servable`, the options against its context, host RAM)
-    and the disk's room for the rest (`check_room`) refuse what cannot run here before the weights are downloaded.
+    """A hub id's files downloaded (or found in the local cache) by a command: its config.json first, alone, before
+    the command imports torch and transformers (6–8 s), so that an unknown id or a missing network is one line in
+    under a second; then `check(config_path)` (the command's checks of the model: models/config.py
+    `check_servable`, the options against its context, host RAM, and the model built on the meta device, which
+    imports torch) and the disk's room for the rest (`check_room`) refuse what cannot run here before the weights
+    are downloaded.
     A local directory or `demo` is left to the command. The snapshot is kept for the command's own `download` of
     the same files (no second look at the hub)."""
     if model == "demo" or local_model_dir(model) is not None:
