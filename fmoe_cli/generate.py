@@ -254,16 +254,19 @@ class DecodeGraph:
         return self._replay()
 
     def _position_on_host(self) -> bool:
-        """Whether a layer of the static cache keeps its position on the host, where a replay would never advance it
-        (transformers' sliding-window layers count in a Python int: every replayed step would write and attend as
-        the captured one did): then the steps run eagerly, and one line says why (once a cache)."""
+        """Whether a layer of the static cache is not a plain StaticLayer, whose position a replay advances: a
+        sliding-window layer counts in a Python int (every replayed step would write and attend as the captured one
+        did), an indexed layer an indexer's count that the capture does not restore (DeepSeek-V3.2, GLM-MoE-DSA),
+        and any other kind is not known to replay; then the steps run eagerly, and one line says why (once a
+        cache)."""
         from transformers.cache_utils import StaticLayer
 
         on_host = any(type(layer) is not StaticLayer for layer in self.cache.layers)
         if on_host and not self.said_why:
             kinds = sorted({type(layer).__name__ for layer in self.cache.layers if type(layer) is not StaticLayer})
-            warn(f"CUDA graphs: this model's KV cache has layers that count their positions on the host "
-                 f"({', '.join(kinds)}: a sliding window); its decode steps run eagerly")
+            warn(f"CUDA graphs: this model's KV cache has layers that count their positions on the host or beside "
+                 f"the keys ({', '.join(kinds)}), which a graph's replay does not advance; its decode steps run "
+                 f"eagerly")
             self.said_why = True
         return on_host
 
