@@ -53,7 +53,8 @@ from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import default_stats_path, open_recorder, scratch_recorder
 from fmoe_cli.profiling.device import device_identity, device_link
 from fmoe_cli.profiling.host import host_timings, saved_host_profile
-from fmoe_cli.profiling.files import DeviceProfile, LinkFit, Profile, default_profile_path, model_identity, now_iso
+from fmoe_cli.profiling.files import (DeviceProfile, LinkFit, Profile, default_profile_path, load_or_set_aside,
+                                     model_identity, now_iso)
 from fmoe_cli.profiling.model import expert_compute_s, model_timings
 from fmoe_cli.profiling.reference import CONSUMER_CARD
 from fmoe_cli.prediction import DEFAULT_PREDICTOR, PREDICTORS
@@ -175,7 +176,7 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
     timings, link_fit, moved = None, None, False
     if path.exists():
         try:  # a profile of another device or model (or a damaged one) is not used: measure instead, and say so
-            timings, link_fit = _saved_timings(path, lm)
+            timings, link_fit = _saved_timings(path, lm, set_aside_damaged=profile_path is None)
         except FmoeError as exc:
             warn(f"not using the saved profile: {exc}; timing the layers quickly instead")
             timings = None
@@ -239,9 +240,11 @@ def link_apart(profiled: LinkFit, measured: LinkFit) -> bool:
     return abs(measured.bandwidth - profiled.bandwidth) > LINK_TOLERANCE * profiled.bandwidth
 
 
-def _saved_timings(path: Path, lm: LoadedModel):
-    """(model timings, link) of a saved profile of this device and model, else FmoeError."""
-    profile = Profile.load(path)
+def _saved_timings(path: Path, lm: LoadedModel, set_aside_damaged: bool = False):
+    """(model timings, link) of a saved profile of this device and model, else FmoeError. `set_aside_damaged`: a file
+    that does not read as a profile (fmoe's own, at its default path; never one the user named) is moved aside
+    (`load_or_set_aside`), so the next run does not warn again."""
+    profile = load_or_set_aside(path) if set_aside_damaged else Profile.load(path)
     profile.check_device(device_identity(lm.device))
     profile.check_model(model_identity(lm.model_id, lm.path / "config.json"))
     profile.model.check_formats(lm.formats)

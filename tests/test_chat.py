@@ -472,3 +472,21 @@ def test_a_chat_seed_moves_on_each_turn_within_what_the_generator_takes():
     assert turn_seed(SEED_RANGE[1], 1) == SEED_RANGE[1] and turn_seed(SEED_RANGE[1], 2) == SEED_RANGE[0]
     for turn in (1, 2, 3):
         torch.Generator().manual_seed(turn_seed(SEED_RANGE[1], turn))  # every one taken
+
+
+def test_a_history_file_too_large_to_read_is_set_aside(tmp_path, monkeypatch, capsys):
+    """prompt-toolkit reads the whole history at the start: one beyond the cap is moved aside (kept, with one line)
+    and a new one starts."""
+    import fmoe_cli.chat.repl as repl
+
+    monkeypatch.setattr(repl, "MAX_HISTORY_BYTES", 1000)
+    history = tmp_path / "history"
+    history.write_text("\n# 2026-11-29\n+" + "x" * 2000 + "\n")
+    with create_pipe_input() as pipe:
+        read = prompt_reader(history, pt_input=pipe, pt_output=DummyOutput())
+        pipe.send_text("hello\r")
+        assert read("") == "hello"
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("history.large-")]
+    assert len(aside) == 1 and "x" * 2000 in aside[0].read_text()
+    assert "hello" in history.read_text() and "x" * 2000 not in history.read_text()
+    assert capsys.readouterr().err.count("more than 0 MiB: moved to history.large-") == 1

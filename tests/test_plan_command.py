@@ -241,7 +241,11 @@ def test_resident_says_when_it_does_not_fit(checkpoints):
 @pytest.mark.parametrize("args, message", [
     (["org/not-cached-model", "--vram", "1GiB"], "no network"),
     (["/no/such/dir", "--vram", "1GiB"], "no such file or model directory"),
-    (["MODEL", "--vram", "lots"], "cannot read the budget"),
+    (["MODEL", "--vram", "lots"], "--vram 'lots': give the device's memory as a size such as 12GiB"),
+    (["MODEL", "--vram", "auto"], "--vram 'auto': give the device's memory as a size"),
+    (["MODEL", "--vram", "12"], "--vram '12': give the device's memory as a size"),
+    (["MODEL", "--vram", "50%"], "--vram '50%': give the device's memory as a size"),
+    (["MODEL", "--vram", "1GiB", "--workspace", "50%"], "--workspace '50%': give the device memory kept for"),
     (["MODEL", "--vram", "1GiB", "--profile", "PROFILE"], "not valid JSON"),
     (["MODEL", "--vram", "1GiB", "--context", "-1"], "--context"),
 ])

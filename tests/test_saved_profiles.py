@@ -35,6 +35,32 @@ def test_a_damaged_saved_profile_is_remeasured_and_says_so(loaded, tmp_path, mon
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("warning: not using the saved profile") and "not valid JSON" in err
+    # set aside (kept for the user), so the next run neither reads it nor says it again
+    aside = [p for p in path.parent.iterdir() if p.name.startswith(path.name + ".corrupt-")]
+    assert len(aside) == 1 and not path.exists() and f"moved to {aside[0].name}" in " ".join(err.split())
+    find_timings(lm, engine.link, engine=engine)
+    assert "not valid JSON" not in capsys.readouterr().err
+
+
+def test_a_named_profile_that_does_not_read_is_left_where_it_is(loaded, tmp_path, monkeypatch, capsys):
+    """--profile FILE is the user's: not used, said so, never moved."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    lm, engine = loaded
+    named = tmp_path / "mine.json"
+    named.write_text("{not json")
+    find_timings(lm, engine.link, profile_path=named, engine=engine)
+    assert named.read_text() == "{not json" and "not valid JSON" in capsys.readouterr().err
+
+
+def test_a_damaged_host_profile_is_set_aside_once(tmp_path, capsys):
+    from fmoe_cli.profiling.host import host_profile_path, saved_host_profile
+
+    path = host_profile_path(tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"kind":')
+    assert saved_host_profile(tmp_path) is None
+    assert "not valid JSON" in capsys.readouterr().err and not path.exists()
+    assert saved_host_profile(tmp_path) is None and capsys.readouterr().err == ""
 
 
 def test_an_emulated_profile_is_kept_apart(loaded, tmp_path, monkeypatch, capsys):

@@ -33,6 +33,7 @@ from fmoe_cli.trace import RouteRecorder, TraceWriter
 from fmoe_cli.chat import ChatOptions
 from fmoe_cli.chat.session import ChatSession, IdleHook, IdleWork
 from fmoe_cli.errors import FmoeError, warn
+from fmoe_cli.files import set_aside
 from fmoe_cli.generate import SamplingParams
 from fmoe_cli.models.config import sampling_defaults
 from fmoe_cli.models.load import LoadedModel, native_bf16, precision_label
@@ -77,6 +78,7 @@ def prompt_reader(history: Path | None, *, pt_input=None, pt_output=None) -> Rea
     store = InMemoryHistory()
     if history is not None:
         try:  # history is appended after every message: it must open for appending now
+            set_aside_large_history(history)
             history.parent.mkdir(parents=True, exist_ok=True)
             with open(history, "ab"):
                 pass
@@ -87,6 +89,22 @@ def prompt_reader(history: Path | None, *, pt_input=None, pt_output=None) -> Rea
     session = PromptSession(history=store, multiline=True, key_bindings=bindings, input=pt_input, output=pt_output,
                             prompt_continuation="... ")
     return lambda default: session.prompt(">>> ", default=default)
+
+
+MAX_HISTORY_BYTES = 8 * 2**20  # prompt-toolkit reads the whole history file at start: ~2.5 × its size in memory
+
+
+def set_aside_large_history(history: Path) -> None:
+    """A history file beyond MAX_HISTORY_BYTES (it grows by every message, and is read whole at the start: 512 MiB
+    made a chat take 1.27 GB) is moved aside, kept for the user, and a new one starts; one line says so."""
+    try:
+        size = history.stat().st_size
+    except OSError:
+        return
+    if size > MAX_HISTORY_BYTES:
+        aside = set_aside(history, "large")
+        warn(f"chat history {history} is {size / 2**20:.0f} MiB, more than {MAX_HISTORY_BYTES // 2**20} MiB: moved "
+             f"to {aside.name}, and a new history starts")
 
 
 def _file_history():

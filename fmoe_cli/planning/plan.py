@@ -413,6 +413,15 @@ def parse_budget(text: str, all_experts_bytes: int) -> int:
     return int(value * _UNITS[unit])
 
 
+def parse_size(text: str, option: str, what: str, note: str = "") -> int:
+    """A size an option gives (`fmoe plan`'s --vram, --workspace): '12GiB', '512MiB', bytes with their unit; neither a
+    share nor auto (`what`: what the size is of, for the line that refuses them)."""
+    m = _SIZE.match(text)
+    if m is None or not m.group(2) or m.group(2) == "%":  # (a share, auto, a bare number: not a size)
+        raise FmoeError(f"{option} {text.strip()!r}: give {what} as a size such as 12GiB or 512MiB{note}")
+    return parse_budget(text, 0)
+
+
 DEFAULT_TAU = 5000  # τ: tokens between re-plans (MoEpic; planning/configurator.py)
 # A run's plan drops prefetch only once every layer has this many decode tokens with a recorded prediction
 # (planning/configurator.py: a plan without prefetch records none; planning/replan.py plans again after them)
@@ -426,11 +435,10 @@ def check_plan_options(model: str, *, vram: str | None, profile_path: str | None
     if context is not None:
         resolve_context(context, None, None)  # a bad number: refused before anything is read
     if vram is not None:  # the device's memory: a size, never a share (that is --vram-budget's)
-        if vram.strip().endswith("%"):
-            raise FmoeError(f"--vram {vram.strip()}: give the device's memory as a size such as 12GiB "
-                            "(a share of the experts is for --vram-budget of bench and chat)")
-        parse_budget(vram, 1)
-    parse_budget(workspace, 0)
+        parse_size(vram, "--vram", "the device's memory", " (a share of the experts is bench's and chat's "
+                                                          "--vram-budget)")
+    parse_size(workspace, "--workspace", "the device memory kept for activations, the allocator and the CUDA "
+                                         "context")
     check_dtype(dtype)
     check_expert_format(experts)
     check_dense_format(dense)

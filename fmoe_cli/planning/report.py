@@ -48,7 +48,8 @@ from fmoe_cli.planning.configurator import (
 )
 from fmoe_cli.planning.presets import PlanInputs, settings_for
 from fmoe_cli.planning.simulate import predict_policies, tokens_of, trace_stats
-from fmoe_cli.planning.plan import NO_GPU_TO_PLAN, check_plan_options, kv_reserve, min_staging_slots, parse_budget, resolve_context
+from fmoe_cli.planning.plan import (NO_GPU_TO_PLAN, check_plan_options, kv_reserve, min_staging_slots, parse_size,
+                                   resolve_context)
 from fmoe_cli.types import DEFAULT_DENSE, DEFAULT_EXPERTS, EXPERT_FORMATS, EngineSettings, MiB, ExpertShape, resolve_dense
 from fmoe_cli.planning.stats import RoutingStats, default_stats_path, load_or_empty
 from fmoe_cli.profiling.files import HostProfile, model_identity
@@ -77,9 +78,9 @@ class ModelFacts:
     dense_unquantised_bytes: int = 0  # U_n with every weight in the compute dtype (= non_expert_bytes when bf16)
 
 
-def smaller_options(experts: str, dense: str, context: int | None) -> str:
+def smaller_options(experts: str, dense: str, context: int | None, workspace: int = 0) -> str:
     """What the options could shrink where a model does not fit (DeviceBudget.check): the experts' format (the
-    staging pool holds whole experts), the non-expert weights' and the KV cache's reservation."""
+    staging pool holds whole experts), the non-expert weights' and the KV cache's reservation, the workspace's."""
     options = []
     if experts in ("bf16", "int8"):
         options.append("--experts int4 or int2 (the staging pool)")
@@ -88,6 +89,8 @@ def smaller_options(experts: str, dense: str, context: int | None) -> str:
     elif dense == "int8":
         options.append("--dense int4 (the non-expert weights)")
     options.append("a smaller --context (the KV cache)" if context else "--context (the KV cache)")
+    if workspace > 64 * MiB:  # (its default, 512 MiB, is what the activations and the CUDA context take: think twice)
+        options.append(f"a smaller --workspace (its {workspace / MiB:.0f} MiB)")
     return "smaller: " + ", ".join(options)
 
 
@@ -198,7 +201,7 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
     facts = model_facts(model, dtype, experts, dense, planned_device(profile))  # (a CPU's: --dense auto as runs there)
     shape = facts.shape
     if vram is not None:
-        total = parse_budget(vram, shape.all_experts_bytes)
+        total = parse_size(vram, "--vram", "the device's memory")
         vram_source = "--vram"
     elif profile is not None:
         total, vram_source = profile.device.device.total_memory, "the profile's device"
@@ -216,12 +219,12 @@ def run_plan(model: str, *, vram: str | None, profile_path: str | None, context:
     timings = host_timings(timings, host, shape)  # the host lane's figures for this model's format, if profiled
 
     slots = min_staging_slots(shape)
-    reserve = parse_budget(workspace, 0)
+    reserve = parse_size(workspace, "--workspace", "the device memory kept for activations")
     given_context = context
     context = resolve_context(context, facts.context_tokens, facts.kv_bytes,
                               total - facts.non_expert_bytes - reserve if total else None)
     device = DeviceBudget(total, facts.non_expert_bytes, slots * shape.expert_bytes, facts.kv_bytes(context), reserve)
-    device.check(smaller_options(experts, facts.dense, given_context))
+    device.check(smaller_options(experts, facts.dense, given_context, reserve))
     sequences = None
     if routing is not None:  # the plan is made from the trace's statistics: the plan the simulation runs
         check_trace_fits(routing, shape)
@@ -437,7 +440,7 @@ def render(report: dict, console: Console) -> None:
     s, m, t = report["shape"], report["memory"], report["totals"]
     console.print(f"{report['model']}: {s['moe_layers']} MoE layers × {s['experts']} experts (top-{s['top_k']}), "
                   f"one expert {s['expert_bytes'] / MiB:.1f} MiB ({s['expert_format']}), all experts "
-                  f"{m['all_experts'] / GiB:.1f} GiB", highlight=False)
+                  f"{_size(m['all_experts'])}", highlight=False)
     console.print(f"formats: experts {s['expert_format']} · dense {_dense_label(report['dense'])}", highlight=False)
     host = report["host"]
     needs = " · ".join(f"{name} {_size(f['needed'])}" + ("" if f["fits"] else " (does not fit)")
@@ -478,8 +481,11 @@ def render(report: dict, console: Console) -> None:
            if m["staging_slots"] * s["expert_bytes"] > m["staging"] else ""), highlight=False)
     tpot = report.get("tpot")
     if tpot:
-        table = Table(title=f"predicted TPOT per policy at this budget ({tpot['how']})")
-        for col in ("policy", "TPOT ms", "top hit", "whole hit", "exposed load ms", "host ms"):
+        untimed = not report["timings"]["t_moe"]  # no profile: no compute timed, a token's time is its loads alone
+        table = Table(title=f"predicted TPOT per policy at this budget ({tpot['how']})" + (
+            "; no compute timed (give --profile): the loads a token waits for, not a TPOT" if untimed else ""))
+        for col in ("policy", "load ms" if untimed else "TPOT ms", "top hit", "whole hit", "exposed load ms",
+                    "host ms"):
             table.add_column(col, justify="left" if col == "policy" else "right")
         for name, r in tpot["policies"].items():
             if r.get("fits") is False:  # (resident: what it would take, were every expert on the device)

@@ -19,7 +19,7 @@ import platformdirs
 
 from fmoe_cli.errors import FmoeError
 from fmoe_cli.types import Timings
-from fmoe_cli.files import read_json, write_atomic
+from fmoe_cli.files import read_json, set_aside, write_atomic
 
 PROFILE_SCHEMA_VERSION = 1
 GiB = 1024**3
@@ -269,6 +269,20 @@ class Profile:
     @classmethod
     def load(cls, path: Path) -> Profile:
         return cls.from_dict(read_json(path, "profile", "; run `fmoe profile`"), source=f"profile {path}")
+
+
+def load_or_set_aside(path: Path) -> Profile:
+    """Profile.load of a file fmoe saved itself; one that does not read (truncated, garbage, too large, another
+    schema) is moved to `<name>.corrupt-<time>` (files.set_aside: kept for the user, out of the way) and the FmoeError
+    says where."""
+    try:
+        return Profile.load(path)
+    except FmoeError as exc:
+        try:
+            aside = set_aside(path)
+        except OSError:
+            raise exc from None
+        raise FmoeError(f"{exc} (moved to {aside.name})") from None
 
 
 def model_identity(name: str, config_path: Path) -> ModelIdentity:

@@ -33,7 +33,7 @@ from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.offload.quant import make_store
 from fmoe_cli.offload.store import HostStore
 from fmoe_cli.profiling.device import _cpu_name, fit_link
-from fmoe_cli.profiling.files import HostFit, HostProfile, Profile, default_profile_path
+from fmoe_cli.profiling.files import HostFit, HostProfile, Profile, default_profile_path, load_or_set_aside
 from fmoe_cli.types import MiB, ExpertShape, Timings
 
 # The formats the host lane computes in: unquantised rows of float32 or bfloat16, or quantised rows
@@ -165,7 +165,7 @@ def saved_host_profile(config_dir: Path | None = None) -> HostProfile | None:
     if not path.exists():
         return None
     try:
-        host = Profile.load(path).device.host
+        host = load_or_set_aside(path).device.host
     except FmoeError as exc:
         warn(f"{exc}; the host profile is not used")
         return None
