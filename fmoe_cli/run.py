@@ -20,6 +20,7 @@ Closing the run saves the statistics and closes the engine and the trace writer.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 import time
@@ -35,6 +36,9 @@ from fmoe_cli.disk import sweep
 from fmoe_cli.options import RunOptions
 from fmoe_cli.trace import TraceWriter
 from fmoe_cli.errors import FmoeError, warn
+from fmoe_cli.files import read_json, set_aside, write_atomic
+from fmoe_cli.models.identity import model_key
+from fmoe_cli.offload import MIN_EMULATED_GBPS
 from fmoe_cli.models.load import LoadedModel, load_model, pick_device
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import make_link
@@ -183,11 +187,11 @@ def find_timings(lm: LoadedModel, link, profile_path: Path | None = None, engine
     if timings is not None and (emulated or lm.device.type != "cpu"):  # (the CPU's own "link" moves nothing)
         run_link = link_fit_of(link, lm.device)
         if link_apart(link_fit, run_link):
-            profiled = f"--emulate-link {run_link.bandwidth / 1e9:g} " if emulated else ""
+            profiled = f" --emulate-link {run_link.bandwidth / 1e9:g}" if emulated else ""
             note(f"the profile {path} was measured on a link of {link_fit.bandwidth / 1e9:.3g} GB/s, this run's is "
                  f"{run_link.bandwidth / 1e9:.3g} GB/s (more than {LINK_TOLERANCE:.0%} apart): the plan is made for "
                  f"this run's link (T_load), with the profile's compute and host costs; `fmoe profile --model "
-                 f"{lm.model_id} {profiled}`profiles this link")
+                 f"{lm.model_id}{profiled}` profiles this link")
             link_fit, moved = run_link, True
     quick = default_profile_path(key, quick=True)
     if timings is None and profile_path is None and quick.exists():
@@ -238,6 +242,43 @@ LINK_TOLERANCE = 0.2  # a profile's link this far from the run's (relative bandw
 def link_apart(profiled: LinkFit, measured: LinkFit) -> bool:
     """Whether the run's link differs from the profile's by more than LINK_TOLERANCE of its bandwidth."""
     return abs(measured.bandwidth - profiled.bandwidth) > LINK_TOLERANCE * profiled.bandwidth
+
+
+def shaped_link_gbps(lm: LoadedModel) -> float:
+    """The emulated link of a run without a GPU: CONSUMER_CARD's in this model's units (one expert's load =
+    load_over_compute × T_exp), the same for every expert format (from the unquantised expert's compute). Measured
+    once a model and compute dtype and kept (`<model key>.<dtype>.shaped-link.json` beside the profiles), so that
+    runs compare and a profile of this link stays this link's: measured afresh each run it read 1.8–4.1 GB/s on the
+    demo from one run to the next on this machine. A file that does not read is set aside and measured again; one
+    that cannot be written leaves the figure to this run."""
+    dtype = str(lm.dtype).removeprefix("torch.")
+    path = default_profile_path(f"{model_key(lm.model_id, lm.path)}.{dtype}.shaped-link")
+    if path.exists():
+        try:
+            kept = read_json(path, "shaped link")
+            if (isinstance(kept, dict) and kept.get("kind") == SHAPED_LINK_KIND and kept.get("card") == CONSUMER_CARD.name
+                    and type(kept.get("gbps")) is float and MIN_EMULATED_GBPS <= kept["gbps"] < float("inf")):
+                return kept["gbps"]
+            raise FmoeError(f"shaped link {path} is not fmoe's (or of another card)")
+        except FmoeError as exc:
+            try:
+                aside = set_aside(path)
+                warn(f"{exc}: moved to {aside.name}, measured again")
+            except OSError:
+                pass
+    unquantised = replace(lm.shape, experts="bf16")
+    t_exp = expert_compute_s(lm, unquantised=True)
+    gbps = CONSUMER_CARD.link_gbps(unquantised.expert_bytes, t_exp)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({"kind": SHAPED_LINK_KIND, "card": CONSUMER_CARD.name, "gbps": float(gbps),
+                                       "t_exp_s": t_exp, "measured": now_iso()}))
+    except OSError:
+        pass  # (the config directory not writable: the figures' own warning says so where they are saved)
+    return gbps
+
+
+SHAPED_LINK_KIND = "fmoe-shaped-link"
 
 
 def _saved_timings(path: Path, lm: LoadedModel, set_aside_damaged: bool = False):
@@ -320,10 +361,7 @@ def open_run(opts: RunOptions, console: Console | None = None, *, say_timing_not
             inputs = PlanInputs(shape, budget, stats=recorder.stats, model=lm.model_id)
         gbps, note = opts.emulate_link, None
         if gbps is None and opts.shape_link and lm.device.type == "cpu":
-            # the card's link in this model's units, the same for every expert format: from the unquantised expert
-            unquantised = replace(shape, experts="bf16")
-            gbps = CONSUMER_CARD.link_gbps(unquantised.expert_bytes, expert_compute_s(lm, unquantised=True))
-            note = CONSUMER_CARD.note()
+            gbps, note = shaped_link_gbps(lm), CONSUMER_CARD.note()
         link = make_link(lm.device, gbps, note)
         step("loaded the model", started)
         timing_source, timing_note = None, None

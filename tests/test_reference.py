@@ -4,6 +4,7 @@ labelled as such, and moepic, lru and resident side by side by default."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,28 @@ def test_bench_leaves_resident_out_when_it_does_not_fit(checkpoints, tmp_path, m
     result = CliRunner().invoke(app, ["bench", str(checkpoints["mixtral"]), "--policy", "lru", "--policy", "resident",
                                       "--device", "cpu", "--tokens", "2"])
     assert result.exit_code == 2 and "resident needs more" in result.output
+
+
+def test_the_shaped_link_is_measured_once_a_model_and_kept(checkpoints, tmp_path, monkeypatch, capsys):
+    """Runs without a GPU compare: the shaped link is measured once (its model and compute dtype) and read by the next
+    runs, whatever their own T_exp reads (a busy machine made it 1.8–4.1 GB/s from one run to the next); a file that
+    does not read is set aside and measured again; an unwritable config directory leaves the figure to the run."""
+    import fmoe_cli.run as run
+    from fmoe_cli.models.load import load_model
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
+    times = iter([1e-3, 3e-3, 2e-3])
+    monkeypatch.setattr(run, "expert_compute_s", lambda lm, **kw: next(times))
+    expert = replace(lm.shape, experts="bf16").expert_bytes
+    first = run.shaped_link_gbps(lm)
+    assert first == pytest.approx(CONSUMER_CARD.link_gbps(expert, 1e-3))
+    assert run.shaped_link_gbps(lm) == first  # kept: T_exp not measured again (3e-3 unused)
+    (kept,) = (tmp_path / "config" / "fmoe" / "profiles").glob("*.shaped-link.json")
+    kept.write_text("{not json")
+    again = run.shaped_link_gbps(lm)  # set aside, measured again: 3e-3
+    assert again == pytest.approx(CONSUMER_CARD.link_gbps(expert, 3e-3)) and "moved to" in capsys.readouterr().err
+    assert len(list(kept.parent.glob("*.shaped-link.json.corrupt-*"))) == 1
+    monkeypatch.setenv("XDG_CONFIG_HOME", "/proc/no-such-config")  # not writable: measured, not kept
+    assert run.shaped_link_gbps(lm) == pytest.approx(CONSUMER_CARD.link_gbps(expert, 2e-3))
+    lm.store.close()
