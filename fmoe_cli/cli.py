@@ -425,6 +425,7 @@ def profile(
     device: DeviceOpt = "auto",
     trust_remote_code: TrustOpt = False,
     as_json: JsonOpt = False,
+    force: Annotated[bool, typer.Option("--force", help="Let --out overwrite an existing file.")] = False,
 ) -> None:
     """Measure the host→device link and memory (and per-layer times with --model); save a profile."""
     # The model's layers are timed on the engine of a run without a cache, link emulation or statistics.
@@ -432,7 +433,7 @@ def profile(
         model, ["ondemand"], vram_budget=None, dtype=dtype, experts=experts, dense=dense, activations=activations,
         device=device,
         trust_remote_code=trust_remote_code, record_statistics=False)
-    check_profile_options(out=out, emulate_link=emulate_link, prefill_len=prefill_len, device=device)
+    check_profile_options(out=out, emulate_link=emulate_link, prefill_len=prefill_len, device=device, overwrite=force)
     if opts is not None:
         _fetch_model(opts)
     _quiet_libraries()

@@ -78,6 +78,7 @@ def existing(tmp_path):
     (("profile", "--out", "EXISTING/p.json"), "p.json: no directory"),
     (("profile", "--out", "/nonexistent/dir/p.json"), "--out /nonexistent/dir/p.json: no directory /nonexistent/dir"),
     (("profile", "--out", "FIFO"), "is not a regular file; give a file name"),
+    (("profile", "--out", "EXISTING"), "exists; give another name, or pass --force to overwrite it"),
     (("profile", "--model", "/nonexistent/model"), "no such model directory"),
     (("replay", "/nonexistent/trace.jsonl"), "trace /nonexistent/trace.jsonl does not exist"),
     (("plan", "demo", "--vram", "1GiB", "--trace", "/dev/zero"), "/dev/zero:1: not a trace record"),

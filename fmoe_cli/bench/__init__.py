@@ -60,9 +60,11 @@ def check_replay(trace: Trace, tokens: int, warmup: int, predictor: str) -> None
 MAX_PREFILL_LEN = 1 << 16  # tokens of `fmoe profile`'s timed prompt (a model's own context bounds it further)
 
 
-def check_profile_options(*, out: str | Path | None, emulate_link: float | None, prefill_len: int, device: str) -> None:
-    """`fmoe profile`'s own options (a model's are RunOptions'): the file asked for must be writable
-    before anything is measured."""
+def check_profile_options(*, out: str | Path | None, emulate_link: float | None, prefill_len: int, device: str,
+                          overwrite: bool = False) -> None:
+    """`fmoe profile`'s own options (a model's are RunOptions'): the file asked for must be writable, and new unless
+    `overwrite` (--force: a profile with a model's timings was replaced by a device-only one, as --trace-out's), before
+    anything is measured."""
     check_device_text(device)
     if emulate_link is not None:
         check_bandwidth(emulate_link)
@@ -73,6 +75,8 @@ def check_profile_options(*, out: str | Path | None, emulate_link: float | None,
             raise FmoeError(f"--out {out} is a directory; give a file name")
         if Path(out).exists() and not Path(out).is_file():  # a device or a pipe: the save would replace it
             raise FmoeError(f"--out {out} is not a regular file; give a file name")
+        if Path(out).exists() and not overwrite:
+            raise FmoeError(f"--out {out} exists; give another name, or pass --force to overwrite it")
         if not Path(out).parent.is_dir():  # as --trace-out: a mistyped directory is not made
             raise FmoeError(f"--out {out}: no directory {Path(out).parent}")
         if (why := writable_dir(Path(out).parent)) is not None:
