@@ -151,3 +151,14 @@ def test_the_repetition_penalty_s_whole_range_draws_a_token():
             assert 0 <= token < 64
     with pytest.raises(RuntimeError):  # (what the range keeps out)
         sample_next(logits, SamplingParams(0.7, repetition_penalty=1e-39), torch.Generator(), seen)
+
+
+def test_the_header_names_where_defaults_came_from_only_where_they_count():
+    """Greedy reads no other sampling field: `--temperature 0` is not 'defaults: the model's generation_config.json'."""
+    from fmoe_cli.chat.repl import sampling_line
+
+    source = "the model's generation_config.json"
+    assert sampling_line(SamplingParams(0.0), source) == "sampling greedy (temperature 0)"
+    assert sampling_line(SamplingParams(0.0, repetition_penalty=1.1), source).endswith(f"(defaults: {source})")
+    assert sampling_line(SamplingParams(0.6, top_p=0.95, top_k=20), source) == (
+        f"sampling temperature 0.6 · top-p 0.95 · top-k 20 (defaults: {source})")

@@ -240,7 +240,8 @@ def sampling_line(sampling: SamplingParams, source: str) -> str:
                            + ([f"min-p {sampling.min_p:g}"] if sampling.min_p > 0 else []))
     if sampling.repetition_penalty != 1:
         steps += f" · repetition penalty {sampling.repetition_penalty:g}"
-    return f"sampling {steps}" + (f" (defaults: {source})" if source else "")
+    uses_defaults = sampling.temperature != 0 or sampling.repetition_penalty != 1  # (greedy reads no other field)
+    return f"sampling {steps}" + (f" (defaults: {source})" if source and uses_defaults else "")
 
 
 def header_lines(session: ChatSession, link_label: str, budget_bytes: int, profile: str | None) -> list[str]:
