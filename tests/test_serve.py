@@ -486,6 +486,10 @@ def test_bad_requests_get_openai_errors(server, jobs, body, status, fragment):
 def test_hostile_completions_and_sampling_edges(server, reference):
     status, _, reply = server.request("POST", "/v1/completions", '{"prompt": "half a pair \\udfff", "max_tokens": 2}')
     assert status == 400 and "surrogate" in reply["error"]["message"]
+    for ids in ("[1, 2, 3]", "[[1, 2], [3]]"):  # OpenAI's token-id prompts: said in words, not pydantic's
+        status, _, reply = server.request("POST", "/v1/completions", '{"prompt": %s, "max_tokens": 2}' % ids)
+        assert status == 400 and reply["error"]["message"] == "token-id prompts are not supported: send the prompt as text"
+        assert reply["error"]["param"] == "prompt"
     # a temperature or top_p too small for float32: greedy, and the same answer as temperature 0
     prompt = "In the beginning"
     expected = decode(server, reference(encode_text(server.service.session.lm.tokenizer, prompt, "demo"), 6))

@@ -205,13 +205,15 @@ class ChatRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # (token ids: OpenAI's form, refused in words below)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if isinstance(self.prompt, list) and any(not isinstance(p, str) for p in self.prompt):
+            raise ApiError(400, "token-id prompts are not supported: send the prompt as text", param="prompt")
         if self.echo:
             raise ApiError(400, "echo is not supported", param="echo")
         if self.suffix:
