@@ -87,7 +87,7 @@ def test_no_stray_line_on_stderr(checkpoints):
 def test_plan_vram_is_a_size_not_a_share(checkpoints):
     result = CliRunner().invoke(app, ["plan", str(checkpoints["mixtral"]), "--vram", "25%"])
     text = result.output.strip()
-    assert result.exit_code == 2 and len(text.splitlines()) == 1 and "--vram 25%" in text, text
+    assert result.exit_code == 2 and len(text.splitlines()) == 1 and "--vram '25%': give the device's memory" in text, text
 
 
 # --- bounded runs (item 8) and Ctrl-C mid-bench (item 6) -------------------------------------------
