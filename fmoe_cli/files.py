@@ -174,10 +174,18 @@ def remove_unheld_lock(where: Path) -> bool:
         os.close(fd)
 
 
-def set_aside(path: Path, why: str = "corrupt") -> Path:
+def set_aside(path: Path, why: str = "corrupt", read: os.stat_result | None = None) -> Path | None:
     """Rename a damaged file to `<name>.<why>-<UTC time>` (kept for the user, out of the way; `why`: `corrupt`,
-    or the old schema version of a file this fmoe no longer reads, e.g. `v1`)."""
+    or the old schema version of a file this fmoe no longer reads, e.g. `v1`). `read`: the file's stat when it was
+    read; where the file there now is another (another process saved a new one since), nothing is moved: None."""
     path = Path(path)
+    if read is not None:
+        try:
+            now = os.stat(path)
+        except OSError:
+            return None
+        if (now.st_ino, now.st_mtime_ns, now.st_size) != (read.st_ino, read.st_mtime_ns, read.st_size):
+            return None
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     target = path.with_name(f"{path.name}.{why}-{stamp}")
     n = 1

@@ -38,7 +38,6 @@ from fmoe_cli.trace import TraceWriter
 from fmoe_cli.errors import FmoeError, warn
 from fmoe_cli.files import read_json, set_aside, write_atomic
 from fmoe_cli.models.identity import model_key
-from fmoe_cli.offload import MIN_EMULATED_GBPS
 from fmoe_cli.models.load import LoadedModel, load_model, pick_device
 from fmoe_cli.offload.engine import Engine, EngineSettings, open_engine
 from fmoe_cli.offload.link import make_link
@@ -56,7 +55,7 @@ from fmoe_cli.planning.presets import PRESETS, PlanInputs, make_settings, settin
 from fmoe_cli.planning.replan import Replanner
 from fmoe_cli.planning.stats import default_stats_path, open_recorder, scratch_recorder
 from fmoe_cli.profiling.device import device_identity, device_link
-from fmoe_cli.profiling.host import host_timings, saved_host_profile
+from fmoe_cli.profiling.host import host_timings, machine_digest, saved_host_profile
 from fmoe_cli.profiling.files import (DeviceProfile, LinkFit, Profile, default_profile_path, load_or_set_aside,
                                      model_identity, now_iso)
 from fmoe_cli.profiling.model import expert_compute_s, model_timings
@@ -246,36 +245,40 @@ def link_apart(profiled: LinkFit, measured: LinkFit) -> bool:
 
 def shaped_link_gbps(lm: LoadedModel) -> float:
     """The emulated link of a run without a GPU: CONSUMER_CARD's in this model's units (one expert's load =
-    load_over_compute × T_exp), the same for every expert format (from the unquantised expert's compute). Measured
-    once a model and compute dtype and kept (`<model key>.<dtype>.shaped-link.json` beside the profiles), so that
-    runs compare and a profile of this link stays this link's: measured afresh each run it read 1.8–4.1 GB/s on the
-    demo from one run to the next on this machine. A file that does not read is set aside and measured again; one
-    that cannot be written leaves the figure to this run."""
+    load_over_compute × T_exp), the same for every expert format (from the unquantised expert's compute). T_exp is
+    measured once a machine, model and compute dtype and kept (`<model key>.<dtype>.<machine>.shaped-link.json` beside
+    the profiles), so that runs compare and a profile of this link stays this link's: measured afresh each run it read
+    1.8–4.1 GB/s on the demo from one run to the next on this machine. The link is computed from the kept T_exp at each
+    read (a corrected reference card applies). A file that does not read is set aside and measured again; one that
+    cannot be written leaves the figure to this run."""
     dtype = str(lm.dtype).removeprefix("torch.")
-    path = default_profile_path(f"{model_key(lm.model_id, lm.path)}.{dtype}.shaped-link")
+    path = default_profile_path(f"{model_key(lm.model_id, lm.path)}.{dtype}.{machine_digest()}.shaped-link")
+    expert_bytes = replace(lm.shape, experts="bf16").expert_bytes
+    t_exp = None
     if path.exists():
+        read = path.stat()
         try:
             kept = read_json(path, "shaped link")
-            if (isinstance(kept, dict) and kept.get("kind") == SHAPED_LINK_KIND and kept.get("card") == CONSUMER_CARD.name
-                    and type(kept.get("gbps")) is float and MIN_EMULATED_GBPS <= kept["gbps"] < float("inf")):
-                return kept["gbps"]
-            raise FmoeError(f"shaped link {path} is not fmoe's (or of another card)")
+            if not (isinstance(kept, dict) and kept.get("kind") == SHAPED_LINK_KIND
+                    and type(kept.get("t_exp_s")) is float and 0 < kept["t_exp_s"] < 1e3):
+                raise FmoeError(f"shaped link {path} is not fmoe's")
+            t_exp = kept["t_exp_s"]
         except FmoeError as exc:
             try:
-                aside = set_aside(path)
-                warn(f"{exc}: moved to {aside.name}, measured again")
+                aside = set_aside(path, read=read)
             except OSError:
-                pass
-    unquantised = replace(lm.shape, experts="bf16")
-    t_exp = expert_compute_s(lm, unquantised=True)
-    gbps = CONSUMER_CARD.link_gbps(unquantised.expert_bytes, t_exp)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps({"kind": SHAPED_LINK_KIND, "card": CONSUMER_CARD.name, "gbps": float(gbps),
-                                       "t_exp_s": t_exp, "measured": now_iso()}))
-    except OSError:
-        pass  # (the config directory not writable: the figures' own warning says so where they are saved)
-    return gbps
+                aside = None
+            if aside is not None:
+                warn(f"{exc}: moved to {aside.name}, measured again")
+    if t_exp is None:
+        t_exp = expert_compute_s(lm, unquantised=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps({"kind": SHAPED_LINK_KIND, "t_exp_s": float(t_exp),
+                                           "expert_bytes": expert_bytes, "measured": now_iso()}))
+        except OSError:
+            pass  # (the config directory not writable: the figures' own warning says so where they are saved)
+    return CONSUMER_CARD.link_gbps(expert_bytes, t_exp)
 
 
 SHAPED_LINK_KIND = "fmoe-shaped-link"

@@ -83,17 +83,24 @@ def test_the_shaped_link_is_measured_once_a_model_and_kept(checkpoints, tmp_path
 
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     lm = load_model(str(checkpoints["mixtral"]), device="cpu", dtype="float32")
-    times = iter([1e-3, 3e-3, 2e-3])
+    times = iter([1e-5, 3e-5, 2e-5])  # (a tiny expert: links above MIN_EMULATED_GBPS)
     monkeypatch.setattr(run, "expert_compute_s", lambda lm, **kw: next(times))
     expert = replace(lm.shape, experts="bf16").expert_bytes
     first = run.shaped_link_gbps(lm)
-    assert first == pytest.approx(CONSUMER_CARD.link_gbps(expert, 1e-3))
-    assert run.shaped_link_gbps(lm) == first  # kept: T_exp not measured again (3e-3 unused)
+    assert first == pytest.approx(CONSUMER_CARD.link_gbps(expert, 1e-5))
+    assert run.shaped_link_gbps(lm) == first  # kept: T_exp not measured again (3e-5 unused)
     (kept,) = (tmp_path / "config" / "fmoe" / "profiles").glob("*.shaped-link.json")
+    from fmoe_cli.profiling.host import machine_digest
+
+    assert f".{machine_digest()}.shaped-link.json" in kept.name  # (a config directory two machines share)
+    corrected = replace(CONSUMER_CARD, memory_bandwidth=CONSUMER_CARD.memory_bandwidth * 2)
+    monkeypatch.setattr(run, "CONSUMER_CARD", corrected)  # a corrected card: the kept T_exp, the new card's link
+    assert run.shaped_link_gbps(lm) == pytest.approx(corrected.link_gbps(expert, 1e-5)) != first
+    monkeypatch.setattr(run, "CONSUMER_CARD", CONSUMER_CARD)
     kept.write_text("{not json")
-    again = run.shaped_link_gbps(lm)  # set aside, measured again: 3e-3
-    assert again == pytest.approx(CONSUMER_CARD.link_gbps(expert, 3e-3)) and "moved to" in capsys.readouterr().err
+    again = run.shaped_link_gbps(lm)  # set aside, measured again: 3e-5
+    assert again == pytest.approx(CONSUMER_CARD.link_gbps(expert, 3e-5)) and "moved to" in capsys.readouterr().err
     assert len(list(kept.parent.glob("*.shaped-link.json.corrupt-*"))) == 1
     monkeypatch.setenv("XDG_CONFIG_HOME", "/proc/no-such-config")  # not writable: measured, not kept
-    assert run.shaped_link_gbps(lm) == pytest.approx(CONSUMER_CARD.link_gbps(expert, 2e-3))
+    assert run.shaped_link_gbps(lm) == pytest.approx(CONSUMER_CARD.link_gbps(expert, 2e-5))
     lm.store.close()

@@ -279,3 +279,36 @@ def test_bench_plans_with_the_profile_it_is_given(checkpoints, tmp_path, monkeyp
     assert json.loads(given.stdout)["timings"] == "profile"
     shown = CliRunner().invoke(app, bench)  # nothing saved where bench looks (--out put it elsewhere)
     assert "timings: quick estimate" in " ".join(shown.stdout.split())
+
+
+def test_a_newer_fmoe_s_profile_is_left_where_it_is_and_an_older_one_named_by_its_version(tmp_path):
+    """Two fmoe versions may share a config directory: a newer schema is the newer fmoe's (left, said so); an older
+    one is set aside as `<name>.v<N>-<time>`; a file replaced since it was read is not moved."""
+    import os
+
+    import fmoe_cli.profiling.files as files
+    from fmoe_cli.errors import FmoeError
+
+    path = tmp_path / "p.json"
+    for version, left in ((files.PROFILE_SCHEMA_VERSION + 1, True), (0, False)):
+        path.write_text(json.dumps({"kind": "fmoe-profile", "schema_version": version, "device": {}}))
+        with pytest.raises(FmoeError, match="a newer fmoe's" if left else r"moved to p\.json\.v0-"):
+            files.load_or_set_aside(path)
+        assert path.exists() == left
+    path.write_text("{not json")
+    real_read = files.read_json
+
+    def saved_meanwhile(p, *args, **kwargs):  # another process saves a valid profile right after this one read
+        try:
+            return real_read(p, *args, **kwargs)
+        finally:
+            os.replace(tmp_path / "new.json", p)
+
+    (tmp_path / "new.json").write_text('{"kind": "fmoe-profile", "new": true}' + " " * 50)
+    files.read_json = saved_meanwhile
+    try:
+        with pytest.raises(FmoeError, match="not valid JSON"):
+            files.load_or_set_aside(path)
+    finally:
+        files.read_json = real_read
+    assert '"new": true' in path.read_text() and not list(tmp_path.glob("p.json.corrupt-*"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,17 +273,32 @@ class Profile:
 
 
 def load_or_set_aside(path: Path) -> Profile:
-    """Profile.load of a file fmoe saved itself; one that does not read (truncated, garbage, too large, another
-    schema) is moved to `<name>.corrupt-<time>` (files.set_aside: kept for the user, out of the way) and the FmoeError
-    says where."""
+    """Profile.load of a file fmoe saved itself; one that does not read (truncated, garbage, too large, not a profile,
+    an older schema) is moved to `<name>.corrupt-<time>` (`<name>.v<N>-<time>`) (files.set_aside: kept for the user,
+    out of the way, and only if it is still the file read) and the FmoeError says where. A newer fmoe's profile (a
+    newer schema) is left where it is: that fmoe reads it."""
+    source = f"profile {path}"
     try:
-        return Profile.load(path)
+        read = os.stat(path)
+    except OSError as exc:
+        raise FmoeError(f"{source}: {exc.strerror or exc}") from None
+    version = None
+    try:
+        data = read_json(path, "profile", "; run `fmoe profile`")
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        if not (type(version) is int and version > PROFILE_SCHEMA_VERSION):
+            return Profile.from_dict(data, source=source)
     except FmoeError as exc:
+        older = type(version) is int and version < PROFILE_SCHEMA_VERSION
         try:
-            aside = set_aside(path)
+            aside = set_aside(path, f"v{version}" if older else "corrupt", read=read)
         except OSError:
-            raise exc from None
+            aside = None
+        if aside is None:  # (another process saved a new one meanwhile, or the directory is read-only)
+            raise
         raise FmoeError(f"{exc} (moved to {aside.name})") from None
+    raise FmoeError(f"{source} has schema version {version}, a newer fmoe's; this fmoe reads version "
+                    f"{PROFILE_SCHEMA_VERSION} (left in place)")
 
 
 def model_identity(name: str, config_path: Path) -> ModelIdentity:

@@ -151,8 +151,12 @@ def measure_host(formats: Sequence[str] = HOST_FORMATS, *, quick: bool = False, 
 
 def host_profile_path(config_dir: Path | None = None) -> Path:
     """Where `fmoe profile` keeps this machine's host profile (per CPU and RAM size: two machines differ)."""
-    digest = hashlib.sha256(f"{_cpu_name()}\0{psutil.virtual_memory().total}".encode()).hexdigest()[:16]
-    return default_profile_path(f"host-{digest}", config_dir)
+    return default_profile_path(f"host-{machine_digest()}", config_dir)
+
+
+def machine_digest() -> str:
+    """16 hex digits naming this machine (its CPU and RAM size) in the files kept per machine."""
+    return hashlib.sha256(f"{_cpu_name()}\0{psutil.virtual_memory().total}".encode()).hexdigest()[:16]
 
 
 def is_this_host(host: HostProfile) -> bool:
