@@ -642,10 +642,13 @@ def stream_generate(
     stop_on_eos: bool = True,
     past_key_values: DynamicCache | DecodeGraph | None = None,
     history: list[int] | None = None,
+    capacity: int | None = None,
 ) -> Iterator[TokenEvent]:
     """Generate from `input_ids` ([1, T] or [T]); `past_key_values` continues a conversation
     (then `input_ids` holds only the new tokens, and `history` the tokens before them, which a repetition penalty
-    counts too): a DynamicCache, or a DecodeGraph (`conversation_cache`)."""
+    counts too): a DynamicCache, or a DecodeGraph (`conversation_cache`). `capacity`: the positions a GPU's decode
+    cache is made for (default T + max_new_tokens; bench gives its warm-up the measured run's, so that one cache, the
+    one the plan reserved, serves both)."""
     sampling = sampling or SamplingParams()
     penalized = sampling.repetition_penalty != 1.0  # (then the sequence's tokens are kept, on the host)
     seen = [*(history or []), *input_ids.reshape(-1).tolist()] if penalized else []
@@ -657,7 +660,8 @@ def stream_generate(
     if isinstance(past_key_values, DecodeGraph):  # a conversation on a GPU: its static cache, continued
         graph, cache, first = past_key_values, None, past_key_values.extend
     else:
-        graph = decode_graph(model, engine, ids.shape[1] + max_new_tokens) if past_key_values is None else None
+        graph = decode_graph(model, engine, max(capacity or 0, ids.shape[1] + max_new_tokens)) \
+            if past_key_values is None else None
         cache = past_key_values if past_key_values is not None or graph is not None else new_cache(model)
         first = graph.prefill if graph is not None else None
     stops = eos_ids(model, tokenizer) if stop_on_eos else set()

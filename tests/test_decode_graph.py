@@ -687,3 +687,15 @@ def test_a_sliding_window_cache_decodes_eagerly_with_one_line(tmp_path, monkeypa
     assert got == want
     assert all(graph.eager and graph.segments == 0 for graph in graphs.values()) and RecordedGraphs.captured == 0
     assert capsys.readouterr().err.count("count their positions on the host") == 1
+
+
+def test_bench_s_warm_up_and_run_share_one_decode_cache(checkpoints, monkeypatch):
+    """A GPU's decode cache is made for a capacity (rounded up to 256 positions): bench's warm-up (4 tokens) and its
+    run (60) round differently after a prompt of 200, and each kept its own cache where the plan reserves one."""
+    from fmoe_cli.bench.run import bench_policy
+
+    lm, engine = device_path_engine(checkpoints["mixtral"], RecordedGraphs, monkeypatch)
+    prompt = torch.randint(3, 60, (1, 200))
+    bench_policy(lm, engine, make_settings("resident", lm.shape, budget(lm.shape), timings=TIMINGS), prompt, 60, 4)
+    assert list(engine.decode_graphs) == [512]
+    engine.close()

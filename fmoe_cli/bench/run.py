@@ -128,9 +128,11 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
     (replayed routing starts again at the trace's first token)."""
     if configure:
         engine.configure(settings)
+    capacity = prompt_ids.shape[-1] + max(tokens, warmup)  # one decode cache on a GPU for the warm-up and the run
     if warmup:
         on_generate()
-        for _ in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=warmup, stop_on_eos=False):
+        for _ in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=warmup, stop_on_eos=False,
+                                 capacity=capacity):
             advance()
     if before_measure is not None:
         before_measure()
@@ -143,7 +145,7 @@ def bench_policy(lm: LoadedModel, engine: Engine, settings: EngineSettings, prom
     on_generate()
     try:
         for event in stream_generate(lm.model, prompt_ids, engine=engine, max_new_tokens=tokens, stop_on_eos=False,
-                                     sampling=SamplingParams()):
+                                     sampling=SamplingParams(), capacity=capacity):
             events.append(event)
             rss = max(rss, process.memory_info().rss)  # sampled once per token, outside the timed step
             advance()
