@@ -12,7 +12,9 @@ predictor against transformers' generate.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +38,9 @@ from fmoe_cli.prediction.eam import EamCollection, normalise_rows
 from fmoe_cli.prediction.expert_map import MapStore, prefetch_count
 from fmoe_cli.prediction.mol import intersection_scores
 from fmoe_cli.prediction.score import Scoreboard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import families_survey  # noqa: E402 (benchmarks/: the families the survey serves exactly)
 
 L, N, K, H = 6, 8, 2, 16
 CHANCE = K / N
@@ -612,17 +617,9 @@ def test_the_router_s_scores_rank_the_experts_it_routes_to_first(family):
         assert torch.equal(predicted.sort(dim=-1).values, routed.sort(dim=-1).values), layer.name
 
 
-# Every MoE family fmoe serves exactly (docs/architecture.md § Families; gemma4: its text model).
-SERVED_FAMILIES = (
-    "afmoe", "aria", "axk1", "axk2", "cohere2_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "dots3_note",
-    "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
-    "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "inkling",
-    "jamba", "kolibri1", "laguna", "lfm2_moe", "mellum", "mimo_v2_flash", "minimax_m2", "mixtral", "olmoe", "phimoe",
-    "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen4_exp", "solar_open",
-)
 
 
-@pytest.mark.parametrize("family", SERVED_FAMILIES)
+@pytest.mark.parametrize("family", families_survey.SERVED_EXACTLY)  # (gemma4: its text model)
 def test_the_predictor_ranks_first_the_experts_each_family_s_router_chooses(family):
     """For every family served exactly, its routers' choice-only biases, scales and group limits moved off their init
     (benchmarks/router_choice.py's tiny model, σ = 0.3): the speculative predictor's K best experts for a hidden state h
